@@ -1,0 +1,75 @@
+//! Dialling the hub: TCP, then TLS with the agent's client certificate, then HTTP/2 (gRPC).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::Context;
+use hyper_util::rt::TokioIo;
+use rustls_pki_types::ServerName;
+use tokio::net::TcpStream;
+use tokio_rustls::TlsConnector;
+use tonic::transport::{Channel, Endpoint};
+
+/// Everything needed to open a connection to the hub; built once from the certificate files.
+#[derive(Clone)]
+pub struct Dialer {
+    hub: String,
+    server_name: ServerName<'static>,
+    tls: TlsConnector,
+}
+
+impl Dialer {
+    pub fn new(hub: &str, server_name: &str, cert_dir: &Path) -> anyhow::Result<Dialer> {
+        let read = |f: &str| {
+            let p = cert_dir.join(f);
+            std::fs::read(&p).with_context(|| format!("reading {} (the agent's --cert-dir)", p.display()))
+        };
+        let config = tls_client_config(&read("ca.crt")?, &read("tls.crt")?, &read("tls.key")?)?;
+        Ok(Dialer {
+            hub: hub.to_string(),
+            server_name: ServerName::try_from(server_name.to_string())
+                .with_context(|| format!("{server_name:?} is not a valid server name"))?,
+            tls: TlsConnector::from(config),
+        })
+    }
+
+    /// Opens one HTTP/2 connection to the hub. Errors carry what failed (TCP or TLS).
+    pub async fn connect(&self) -> anyhow::Result<Channel> {
+        let this = self.clone();
+        let connector = tower::service_fn(move |_uri: http::Uri| {
+            let this = this.clone();
+            async move {
+                let tcp = TcpStream::connect(&this.hub).await?;
+                tcp.set_nodelay(true)?;
+                let tls = this.tls.connect(this.server_name.clone(), tcp).await?;
+                Ok::<_, std::io::Error>(TokioIo::new(tls))
+            }
+        });
+        // The URI only names the HTTP/2 authority; the connector above does the dialling (and
+        // the TLS, which is why the scheme says http).
+        let channel = Endpoint::from_shared(format!("http://{}", self.hub))?
+            .connect_with_connector(connector)
+            .await
+            .with_context(|| format!("connecting to the hub at {}", self.hub))?;
+        Ok(channel)
+    }
+}
+
+fn tls_client_config(ca: &[u8], cert: &[u8], key: &[u8]) -> anyhow::Result<Arc<rustls::ClientConfig>> {
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_slice_iter(ca) {
+        roots.add(c.context("hub CA (ca.crt) does not parse")?)?;
+    }
+    let chain = CertificateDer::pem_slice_iter(cert)
+        .collect::<Result<Vec<_>, _>>()
+        .context("client certificate (tls.crt) does not parse")?;
+    let key = PrivateKeyDer::from_pem_slice(key).context("client key (tls.key) does not parse")?;
+    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_client_auth_cert(chain, key)?;
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(Arc::new(config))
+}

@@ -1,0 +1,217 @@
+//! Cluster health is the session: a live session keeps the ManagedCluster Joined and Available;
+//! once the last session of a cluster has been gone for the grace period, Available turns
+//! Unknown and the cluster gets OCM's `unreachable` taint so placements stop choosing it.
+//!
+//! Writes happen on transitions only (connect, grace expiry), never per heartbeat: the store (and
+//! behind it, with the kube backend, the hub apiserver) sees O(transitions), not O(clusters ×
+//! heartbeats).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use flotilla_proto::api::Kind;
+use flotilla_proto::api::conditions::{
+    self, ConditionStatus, MANAGED_CLUSTER_CONDITION_AVAILABLE, MANAGED_CLUSTER_JOINED,
+};
+use flotilla_proto::wire;
+use flotilla_store::{Store, StoreError};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use serde_json::{Value, json};
+use tokio::sync::Mutex;
+use tracing::{info, warn};
+
+/// OCM's taint for clusters whose agent stopped reporting (Available=Unknown).
+pub const UNREACHABLE_TAINT: &str = "cluster.open-cluster-management.io/unreachable";
+
+/// Tracks which clusters hold a session, and writes their health transitions to the store.
+pub struct HealthTracker {
+    store: Arc<dyn Store>,
+    grace_period: Duration,
+    /// Per cluster: the id of its current session, or the epoch of its disconnection. A
+    /// grace-period timer fires only if the epoch it was armed with is still current, so a
+    /// reconnect in between cancels it without any timer bookkeeping.
+    state: Mutex<HashMap<String, Presence>>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Presence {
+    Connected { session_id: String },
+    Gone { epoch: u64 },
+}
+
+impl HealthTracker {
+    pub fn new(store: Arc<dyn Store>, grace_period: Duration) -> Arc<HealthTracker> {
+        Arc::new(HealthTracker { store, grace_period, state: Mutex::new(HashMap::new()) })
+    }
+
+    /// A session for `cluster` was established: mark it Joined and Available now.
+    pub async fn connected(&self, cluster: &str, session_id: &str, hello: &wire::Hello) {
+        self.state.lock().await.insert(
+            cluster.to_string(),
+            Presence::Connected { session_id: session_id.to_string() },
+        );
+        if let Err(e) = self.mark_available(cluster, hello).await {
+            warn!(cluster, error = %e, "could not record the cluster as Available");
+        }
+    }
+
+    /// The session `session_id` of `cluster` ended. Unless a newer session arrives within the
+    /// grace period, the cluster turns Unknown.
+    pub async fn disconnected(self: &Arc<Self>, cluster: &str, session_id: &str) {
+        static EPOCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let epoch = EPOCH.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        {
+            let mut state = self.state.lock().await;
+            match state.get(cluster) {
+                // A newer session already replaced this one: nothing changes.
+                Some(Presence::Connected { session_id: current }) if current != session_id => return,
+                _ => {
+                    state.insert(cluster.to_string(), Presence::Gone { epoch });
+                }
+            }
+        }
+        let this = self.clone();
+        let cluster = cluster.to_string();
+        tokio::spawn(async move {
+            tokio::time::sleep(this.grace_period).await;
+            let still_gone = this.state.lock().await.get(&cluster) == Some(&Presence::Gone { epoch });
+            if still_gone {
+                if let Err(e) = this.mark_unknown(&cluster).await {
+                    warn!(cluster, error = %e, "could not record the cluster as Unknown");
+                }
+            }
+        });
+    }
+
+    async fn mark_available(&self, cluster: &str, hello: &wire::Hello) -> Result<(), StoreError> {
+        let current = self.ensure_cluster(cluster).await?;
+        let mut status = current.get("status").cloned().unwrap_or_else(|| json!({}));
+        let now = now();
+        let mut conds = read_conditions(&status);
+        conditions::set_condition(
+            &mut conds,
+            MANAGED_CLUSTER_JOINED,
+            ConditionStatus::True,
+            "ManagedClusterJoined",
+            "Managed cluster joined",
+            None,
+            now.clone(),
+        );
+        conditions::set_condition(
+            &mut conds,
+            MANAGED_CLUSTER_CONDITION_AVAILABLE,
+            ConditionStatus::True,
+            "ManagedClusterAvailable",
+            "Managed cluster is available",
+            None,
+            now,
+        );
+        status["conditions"] = serde_json::to_value(&conds).unwrap_or_default();
+        if !hello.kubernetes_version.is_empty() {
+            status["version"] = json!({ "kubernetes": hello.kubernetes_version });
+        }
+        if !hello.claims.is_empty() {
+            status["clusterClaims"] = hello
+                .claims
+                .iter()
+                .map(|c| json!({ "name": c.name, "value": c.value }))
+                .collect();
+        }
+        self.store.update_status(Kind::ManagedCluster, None, cluster, status, None).await?;
+        // Remove the unreachable taint the cluster may carry from an earlier outage.
+        self.set_unreachable_taint(current, false).await?;
+        info!(cluster, "cluster available");
+        Ok(())
+    }
+
+    async fn mark_unknown(&self, cluster: &str) -> Result<(), StoreError> {
+        let Some(current) = self.store.get(Kind::ManagedCluster, None, cluster).await? else {
+            return Ok(()); // deleted meanwhile: nothing to mark
+        };
+        let mut status = current.get("status").cloned().unwrap_or_else(|| json!({}));
+        let mut conds = read_conditions(&status);
+        conditions::set_condition(
+            &mut conds,
+            MANAGED_CLUSTER_CONDITION_AVAILABLE,
+            ConditionStatus::Unknown,
+            "ManagedClusterLeaseUpdateStopped",
+            &format!(
+                "Registration agent stopped updating its lease: no session for {}.",
+                humantime::format_duration(self.grace_period)
+            ),
+            None,
+            now(),
+        );
+        status["conditions"] = serde_json::to_value(&conds).unwrap_or_default();
+        let updated = self.store.update_status(Kind::ManagedCluster, None, cluster, status, None).await?;
+        self.set_unreachable_taint(updated, true).await?;
+        info!(cluster, grace = ?self.grace_period, "cluster unknown: no session within the grace period");
+        Ok(())
+    }
+
+    /// Returns the stored ManagedCluster, creating it for a cluster whose agent holds a valid
+    /// hub-issued certificate but has no object yet (dev certificates; an operator who deleted
+    /// the object revokes the cluster instead).
+    async fn ensure_cluster(&self, cluster: &str) -> Result<Value, StoreError> {
+        if let Some(mc) = self.store.get(Kind::ManagedCluster, None, cluster).await? {
+            return Ok(mc);
+        }
+        let mc = json!({
+            "apiVersion": Kind::ManagedCluster.api_version(),
+            "kind": "ManagedCluster",
+            "metadata": { "name": cluster },
+            "spec": { "hubAcceptsClient": true, "leaseDurationSeconds": 60 },
+        });
+        match self.store.create(mc).await {
+            Ok(created) => Ok(created),
+            // Raced with another writer: use theirs.
+            Err(StoreError::AlreadyExists { .. }) => self
+                .store
+                .get(Kind::ManagedCluster, None, cluster)
+                .await?
+                .ok_or_else(|| StoreError::NotFound {
+                    kind: Kind::ManagedCluster,
+                    namespace: None,
+                    name: cluster.to_string(),
+                }),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn set_unreachable_taint(&self, mut mc: Value, present: bool) -> Result<(), StoreError> {
+        let taints = mc["spec"]["taints"].as_array().cloned().unwrap_or_default();
+        let has = taints.iter().any(|t| t["key"] == UNREACHABLE_TAINT);
+        if has == present {
+            return Ok(());
+        }
+        let mut taints: Vec<Value> =
+            taints.into_iter().filter(|t| t["key"] != UNREACHABLE_TAINT).collect();
+        if present {
+            taints.push(json!({
+                "key": UNREACHABLE_TAINT,
+                "effect": "NoSelect",
+                "timeAdded": now(),
+            }));
+        }
+        mc["spec"]["taints"] = Value::Array(taints);
+        // Last writer wins for the taint list: health is the only writer of this taint.
+        if let Some(meta) = mc["metadata"].as_object_mut() {
+            meta.remove("resourceVersion");
+        }
+        self.store.update_spec(mc).await?;
+        Ok(())
+    }
+}
+
+fn read_conditions(status: &Value) -> Vec<Condition> {
+    status
+        .get("conditions")
+        .cloned()
+        .and_then(|c| serde_json::from_value(c).ok())
+        .unwrap_or_default()
+}
+
+fn now() -> Time {
+    Time(jiff::Timestamp::now())
+}

@@ -1,0 +1,94 @@
+//! Who is on the other end of a TLS connection, read from the client certificate.
+//!
+//! The hub CA issues two kinds of client certificates: agents get `CN=<cluster name>,
+//! O=flotilla:clusters`, operators get `CN=<user>, O=flotilla:operators` (plus any extra groups
+//! as further O values). The certificate is the only source of "which cluster is this".
+
+use x509_parser::prelude::{FromDer, X509Certificate};
+
+/// Organization of every agent (cluster) certificate.
+pub const CLUSTER_GROUP: &str = "flotilla:clusters";
+/// Organization of every operator certificate.
+pub const OPERATOR_GROUP: &str = "flotilla:operators";
+
+/// The authenticated peer of a connection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Peer {
+    /// An agent speaking for this managed cluster.
+    Cluster(String),
+    /// A person or tool using the operator API.
+    Operator { user: String, groups: Vec<String> },
+}
+
+/// Why a verified certificate still names no usable identity.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum IdentityError {
+    /// The DER did not parse; not retryable with the same certificate.
+    #[error("client certificate does not parse: {0}")]
+    Malformed(String),
+    /// No common name; not retryable with the same certificate.
+    #[error("client certificate has no common name")]
+    NoCommonName,
+    /// Neither a cluster nor an operator certificate; not retryable.
+    #[error("client certificate for {cn:?} is in none of the groups {CLUSTER_GROUP} or {OPERATOR_GROUP}")]
+    UnknownGroup { cn: String },
+    /// A cluster name that is not a DNS-1123 label; not retryable.
+    #[error("client certificate names cluster {0:?}, which is not a valid cluster name (DNS-1123 label)")]
+    InvalidClusterName(String),
+}
+
+impl Peer {
+    /// Reads the identity from a certificate that rustls has already verified against the CA.
+    pub fn from_der(der: &[u8]) -> Result<Peer, IdentityError> {
+        let (_, cert) =
+            X509Certificate::from_der(der).map_err(|e| IdentityError::Malformed(e.to_string()))?;
+        let subject = cert.subject();
+        let cn = subject
+            .iter_common_name()
+            .next()
+            .and_then(|a| a.as_str().ok())
+            .ok_or(IdentityError::NoCommonName)?
+            .to_string();
+        let groups: Vec<String> = subject
+            .iter_organization()
+            .filter_map(|a| a.as_str().ok())
+            .map(str::to_string)
+            .collect();
+        if groups.iter().any(|g| g == CLUSTER_GROUP) {
+            if !is_dns1123_label(&cn) {
+                return Err(IdentityError::InvalidClusterName(cn));
+            }
+            Ok(Peer::Cluster(cn))
+        } else if groups.iter().any(|g| g == OPERATOR_GROUP) {
+            Ok(Peer::Operator { user: cn, groups })
+        } else {
+            Err(IdentityError::UnknownGroup { cn })
+        }
+    }
+}
+
+/// Kubernetes' rule for names that become namespaces: lower-case alphanumerics and '-', at most
+/// 63 characters, starting and ending alphanumeric.
+pub fn is_dns1123_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dns1123_labels() {
+        for ok in ["store-0042", "a", "x1"] {
+            assert!(is_dns1123_label(ok), "{ok}");
+        }
+        for bad in ["", "-a", "a-", "Store", "a.b", &"a".repeat(64)] {
+            assert!(!is_dns1123_label(bad), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,288 @@
+//! The `Fleet` gRPC service and one driver task per session.
+
+use std::collections::HashMap;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use flotilla_proto::session::{HubConfig, HubEvent, HubSession};
+use flotilla_proto::wire::fleet_server::{Fleet, FleetServer};
+use flotilla_proto::wire::{AgentFrame, HubFrame, TunnelFrame};
+use flotilla_store::Store;
+use futures::Stream;
+use tokio::sync::{Mutex, mpsc, oneshot};
+use tokio::time::Instant;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+use tracing::{Instrument, debug, info, info_span, warn};
+
+use crate::health::HealthTracker;
+use crate::identity::Peer;
+use crate::tls::{AuthenticatedConn, ConnInfo};
+
+/// Knobs of the session tier; every queue and size has a bound.
+#[derive(Clone, Debug)]
+pub struct GatewayConfig {
+    pub heartbeat_interval: Duration,
+    pub heartbeat_timeout: Duration,
+    /// A connection that has not said Hello by then is closed.
+    pub hello_timeout: Duration,
+    /// Time without a session before a cluster turns Unknown.
+    pub grace_period: Duration,
+    /// Largest frame accepted from an agent; a larger one closes that session only.
+    pub max_frame_bytes: usize,
+    /// Distinct works that may wait in one session's outbound queue before it is reset.
+    pub session_queue_bound: usize,
+    /// Frames buffered between a session's driver and its HTTP/2 stream.
+    pub send_buffer: usize,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        GatewayConfig {
+            heartbeat_interval: Duration::from_secs(10),
+            heartbeat_timeout: Duration::from_secs(30),
+            hello_timeout: Duration::from_secs(10),
+            grace_period: Duration::from_secs(40),
+            max_frame_bytes: 4 * 1024 * 1024,
+            session_queue_bound: 4096,
+            send_buffer: 32,
+        }
+    }
+}
+
+/// Errors that stop the whole gateway; sessions' own failures never surface here.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    /// The HTTP/2 server failed; retryable by restarting the gateway.
+    #[error("gRPC server failed: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// A session tier over one store.
+#[derive(Clone)]
+pub struct Gateway {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    config: GatewayConfig,
+    health: Arc<HealthTracker>,
+    /// The live session of each cluster, by the way to end it. A newer session for the same
+    /// cluster replaces the older one (the agent restarted, or its old TCP connection is a
+    /// zombie the agent gave up on).
+    sessions: Mutex<HashMap<String, (String, oneshot::Sender<String>)>>,
+    next_session: AtomicU64,
+}
+
+impl Gateway {
+    pub fn new(store: Arc<dyn Store>, config: GatewayConfig) -> Gateway {
+        let health = HealthTracker::new(store.clone(), config.grace_period);
+        Gateway {
+            shared: Arc::new(Shared {
+                config,
+                health,
+                sessions: Mutex::new(HashMap::new()),
+                next_session: AtomicU64::new(1),
+            }),
+        }
+    }
+
+    /// Serves sessions on the authenticated connections until `shutdown` completes.
+    pub async fn serve(
+        self,
+        conns: mpsc::Receiver<io::Result<AuthenticatedConn>>,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), GatewayError> {
+        let max = self.shared.config.max_frame_bytes;
+        let keepalive = self.shared.config.heartbeat_interval;
+        let service = FleetServer::new(self)
+            .max_decoding_message_size(max)
+            .max_encoding_message_size(max);
+        tonic::transport::Server::builder()
+            // HTTP/2 pings find dead TCP connections even when the protocol is idle.
+            .http2_keepalive_interval(Some(keepalive))
+            .add_service(service)
+            .serve_with_incoming_shutdown(ReceiverStream::new(conns), shutdown)
+            .await?;
+        Ok(())
+    }
+
+    /// Number of live sessions.
+    pub async fn session_count(&self) -> usize {
+        self.shared.sessions.lock().await.len()
+    }
+}
+
+type HubStream = Pin<Box<dyn Stream<Item = Result<HubFrame, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Fleet for Gateway {
+    type SessionStream = HubStream;
+    type TunnelStream = HubTunnelStream;
+
+    async fn session(
+        &self,
+        request: Request<Streaming<AgentFrame>>,
+    ) -> Result<Response<HubStream>, Status> {
+        let info = request
+            .extensions()
+            .get::<ConnInfo>()
+            .cloned()
+            .ok_or_else(|| Status::unauthenticated("no client certificate"))?;
+        let Peer::Cluster(cluster) = info.peer else {
+            return Err(Status::permission_denied(
+                "only agent certificates (group flotilla:clusters) may open a session",
+            ));
+        };
+        let session_id = format!(
+            "{cluster}-{}",
+            self.shared.next_session.fetch_add(1, Ordering::Relaxed)
+        );
+        let (tx, rx) = mpsc::channel(self.shared.config.send_buffer);
+        let shared = self.shared.clone();
+        let span = info_span!("session", cluster = %cluster, id = %session_id, peer = %info.remote);
+        tokio::spawn(
+            drive(shared, cluster, session_id, request.into_inner(), tx).instrument(span),
+        );
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn tunnel(
+        &self,
+        _request: Request<Streaming<TunnelFrame>>,
+    ) -> Result<Response<HubTunnelStream>, Status> {
+        Err(Status::unimplemented("this gateway does not open tunnels yet"))
+    }
+}
+
+type HubTunnelStream = Pin<Box<dyn Stream<Item = Result<TunnelFrame, Status>> + Send>>;
+
+/// One session, from the agent's first frame to its end: read input, feed the state machine,
+/// write what it emits, arm the timer it asks for.
+async fn drive(
+    shared: Arc<Shared>,
+    cluster: String,
+    session_id: String,
+    mut inbound: Streaming<AgentFrame>,
+    out: mpsc::Sender<Result<HubFrame, Status>>,
+) {
+    let config = &shared.config;
+    let mut machine = HubSession::new(
+        Instant::now(),
+        HubConfig {
+            heartbeat_interval: config.heartbeat_interval,
+            heartbeat_timeout: config.heartbeat_timeout,
+            hello_timeout: config.hello_timeout,
+            max_pending_works: config.session_queue_bound,
+        },
+        cluster.clone(),
+        session_id.clone(),
+    );
+    // Lets a newer session of the same cluster (or shutdown) end this one.
+    let (close_tx, mut close_rx) = oneshot::channel::<String>();
+    let mut close_tx = Some(close_tx);
+    let mut close_rx_done = false;
+    let mut established = false;
+    // The status sent to the agent when the transport itself fails (oversized frame, reset).
+    let mut transport_error: Option<Status> = None;
+
+    loop {
+        while let Some(frame) = machine.poll_transmit() {
+            if out.send(Ok(frame)).await.is_err() {
+                machine.close("agent stream closed");
+                break;
+            }
+        }
+        while let Some(event) = machine.poll_event() {
+            match event {
+                HubEvent::Established { hello, .. } => {
+                    established = true;
+                    if let Some(tx) = close_tx.take() {
+                        let older = shared
+                            .sessions
+                            .lock()
+                            .await
+                            .insert(cluster.clone(), (session_id.clone(), tx));
+                        if let Some((older_id, older_tx)) = older {
+                            info!(older = %older_id, "replacing the cluster's older session");
+                            let _ = older_tx
+                                .send("replaced by a newer session of the same cluster".into());
+                        }
+                    }
+                    info!(agent_version = %hello.agent_version, held = hello.held.len(), "session established");
+                    shared.health.connected(&cluster, &session_id, &hello).await;
+                    machine.begin_sync(Vec::new());
+                }
+                HubEvent::Closed { reason, .. } => {
+                    info!(%reason, "session closed");
+                }
+                other => debug!(event = ?other, "session event"),
+            }
+        }
+        if machine.is_closed() {
+            break;
+        }
+        let deadline = machine.poll_timeout();
+        tokio::select! {
+            frame = inbound.message() => match frame {
+                Ok(Some(frame)) => {
+                    // An error has already closed the session (Goodbye queued, Closed emitted).
+                    if let Err(e) = machine.handle_frame(Instant::now(), frame) {
+                        warn!(error = %e, "protocol error");
+                    }
+                }
+                Ok(None) => machine.close("agent closed the stream"),
+                Err(status) => {
+                    let reason = describe_transport_error(&status, config.max_frame_bytes);
+                    warn!(%reason, "closing session");
+                    transport_error = Some(Status::new(status.code(), reason.clone()));
+                    machine.close(reason);
+                }
+            },
+            _ = sleep_until(deadline) => machine.handle_timeout(Instant::now()),
+            reason = &mut close_rx, if !close_rx_done => {
+                close_rx_done = true;
+                if let Ok(reason) = reason {
+                    machine.close(reason);
+                }
+            }
+        }
+    }
+    // Flush the Goodbye the machine queued on close, then the transport error, if any.
+    while let Some(frame) = machine.poll_transmit() {
+        let _ = out.try_send(Ok(frame));
+    }
+    if let Some(status) = transport_error {
+        let _ = out.send(Err(status)).await;
+    }
+    if established {
+        let mut sessions = shared.sessions.lock().await;
+        if sessions.get(&cluster).is_some_and(|(id, _)| *id == session_id) {
+            sessions.remove(&cluster);
+        }
+        drop(sessions);
+        shared.health.disconnected(&cluster, &session_id).await;
+    }
+}
+
+/// What a person needs to know about a transport failure of one session.
+fn describe_transport_error(status: &Status, max_frame_bytes: usize) -> String {
+    let msg = status.message();
+    if msg.contains("message length too large") {
+        format!(
+            "frame exceeds the gateway's bound of {max_frame_bytes} bytes ({msg}); the session is closed, other sessions are unaffected"
+        )
+    } else {
+        format!("transport error: {msg}")
+    }
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,264 @@
+//! TLS for every listener flotilla runs: rustls with the ring provider only, client
+//! certificates verified against the hub CA, and the peer's identity read once per connection.
+
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use rustls::RootCertStore;
+use rustls::server::WebPkiClientVerifier;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Semaphore, mpsc};
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::server::TlsStream;
+use tracing::{debug, warn};
+
+use crate::identity::Peer;
+
+/// Errors building a TLS configuration from PEM material; none is retryable without new files.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsConfigError {
+    #[error("{what}: no PEM certificate found")]
+    NoCertificate { what: &'static str },
+    #[error("{what}: PEM does not parse: {source}")]
+    Pem {
+        what: &'static str,
+        source: rustls_pki_types::pem::Error,
+    },
+    #[error("TLS configuration rejected: {0}")]
+    Rustls(#[from] rustls::Error),
+    #[error("client verifier: {0}")]
+    Verifier(#[from] rustls::server::VerifierBuilderError),
+}
+
+/// The one crypto provider flotilla uses (ring; aws-lc stays out of the build).
+pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+pub fn parse_certs(
+    pem: &[u8],
+    what: &'static str,
+) -> Result<Vec<CertificateDer<'static>>, TlsConfigError> {
+    let certs = CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|source| TlsConfigError::Pem { what, source })?;
+    if certs.is_empty() {
+        return Err(TlsConfigError::NoCertificate { what });
+    }
+    Ok(certs)
+}
+
+pub fn parse_key(pem: &[u8], what: &'static str) -> Result<PrivateKeyDer<'static>, TlsConfigError> {
+    PrivateKeyDer::from_pem_slice(pem).map_err(|source| TlsConfigError::Pem { what, source })
+}
+
+pub fn root_store(ca_pem: &[u8]) -> Result<RootCertStore, TlsConfigError> {
+    let mut roots = RootCertStore::empty();
+    for cert in parse_certs(ca_pem, "CA bundle")? {
+        roots.add(cert)?;
+    }
+    Ok(roots)
+}
+
+/// A server configuration that requires a client certificate issued by `ca_pem` and speaks
+/// HTTP/2 (gRPC) and HTTP/1.1 (operator API).
+pub fn server_config(
+    ca_pem: &[u8],
+    cert_pem: &[u8],
+    key_pem: &[u8],
+) -> Result<Arc<rustls::ServerConfig>, TlsConfigError> {
+    let provider = provider();
+    let verifier =
+        WebPkiClientVerifier::builder_with_provider(Arc::new(root_store(ca_pem)?), provider.clone())
+            .build()?;
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(
+            parse_certs(cert_pem, "server certificate")?,
+            parse_key(key_pem, "server key")?,
+        )?;
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// A client configuration that trusts only `ca_pem` and presents the given certificate.
+pub fn client_config(
+    ca_pem: &[u8],
+    cert_pem: &[u8],
+    key_pem: &[u8],
+    alpn: &[&[u8]],
+) -> Result<Arc<rustls::ClientConfig>, TlsConfigError> {
+    let mut config = rustls::ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(root_store(ca_pem)?)
+        .with_client_auth_cert(
+            parse_certs(cert_pem, "client certificate")?,
+            parse_key(key_pem, "client key")?,
+        )?;
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(Arc::new(config))
+}
+
+/// A TLS connection whose client certificate has been verified and read.
+pub struct AuthenticatedConn {
+    stream: TlsStream<TcpStream>,
+    info: ConnInfo,
+}
+
+/// What a request handler learns about its connection (a request extension under tonic).
+#[derive(Clone, Debug)]
+pub struct ConnInfo {
+    pub peer: Peer,
+    pub remote: SocketAddr,
+}
+
+impl AuthenticatedConn {
+    pub fn info(&self) -> &ConnInfo {
+        &self.info
+    }
+}
+
+impl tonic::transport::server::Connected for AuthenticatedConn {
+    type ConnectInfo = ConnInfo;
+    fn connect_info(&self) -> ConnInfo {
+        self.info.clone()
+    }
+}
+
+impl AsyncRead for AuthenticatedConn {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for AuthenticatedConn {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+}
+
+/// Limits of the TLS accept loop.
+#[derive(Clone, Debug)]
+pub struct AcceptLimits {
+    /// Handshakes in progress at once; the excess waits in the kernel's accept backlog, so a
+    /// reconnect storm costs queued SYNs rather than CPU spent on half-finished handshakes.
+    pub max_handshakes: usize,
+    /// A client that has not finished its handshake by then is dropped (slowloris guard).
+    pub handshake_timeout: Duration,
+}
+
+impl Default for AcceptLimits {
+    fn default() -> Self {
+        AcceptLimits { max_handshakes: 256, handshake_timeout: Duration::from_secs(10) }
+    }
+}
+
+/// Accepts TCP connections, performs TLS handshakes concurrently (bounded), and yields the
+/// connections whose client certificate names a flotilla identity. Refusals are logged here, once,
+/// with the peer address and the reason. The returned channel closes when `listener` fails.
+pub fn accept_authenticated(
+    listener: TcpListener,
+    config: Arc<rustls::ServerConfig>,
+    limits: AcceptLimits,
+    what: &'static str,
+) -> mpsc::Receiver<io::Result<AuthenticatedConn>> {
+    let (tx, rx) = mpsc::channel(64);
+    let acceptor = TlsAcceptor::from(config);
+    let permits = Arc::new(Semaphore::new(limits.max_handshakes));
+    tokio::spawn(async move {
+        loop {
+            let Ok(permit) = permits.clone().acquire_owned().await else { return };
+            let (tcp, remote) = tokio::select! {
+                accepted = listener.accept() => match accepted {
+                    Ok(a) => a,
+                    Err(e) => {
+                        // EMFILE and friends: say so and keep serving the sessions we have.
+                        warn!(listener = what, error = %e, "accept failed");
+                        drop(permit);
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+                _ = tx.closed() => return,
+            };
+            let _ = tcp.set_nodelay(true);
+            let acceptor = acceptor.clone();
+            let tx = tx.clone();
+            let timeout = limits.handshake_timeout;
+            tokio::spawn(async move {
+                let _permit = permit;
+                let stream = match tokio::time::timeout(timeout, acceptor.accept(tcp)).await {
+                    Ok(Ok(s)) => s,
+                    Ok(Err(e)) => {
+                        warn!(listener = what, peer = %remote, error = %e,
+                            "TLS handshake refused: {}", handshake_hint(&e));
+                        return;
+                    }
+                    Err(_) => {
+                        warn!(listener = what, peer = %remote, "TLS handshake timed out after {timeout:?}");
+                        return;
+                    }
+                };
+                let Some(cert) = stream.get_ref().1.peer_certificates().and_then(|c| c.first()) else {
+                    warn!(listener = what, peer = %remote, "TLS connection without client certificate refused");
+                    return;
+                };
+                match Peer::from_der(cert) {
+                    Ok(peer) => {
+                        debug!(listener = what, peer = %remote, identity = ?peer, "TLS connection authenticated");
+                        let info = ConnInfo { peer, remote };
+                        let _ = tx.send(Ok(AuthenticatedConn { stream, info })).await;
+                    }
+                    Err(e) => warn!(listener = what, peer = %remote, error = %e, "TLS connection refused"),
+                }
+            });
+        }
+    });
+    rx
+}
+
+/// One sentence for the operator reading the hub's log.
+fn handshake_hint(e: &io::Error) -> &'static str {
+    let text = e.to_string();
+    if text.contains("UnknownIssuer") || text.contains("BadSignature") {
+        "client certificate is not signed by the hub CA"
+    } else if text.contains("Expired") {
+        "client certificate has expired"
+    } else if text.contains("peer sent no certificates") || text.contains("NoCertificatesPresented")
+    {
+        "client presented no certificate; agents and operators must use hub-issued certificates"
+    } else {
+        "TLS handshake failed"
+    }
+}

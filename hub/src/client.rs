@@ -1,0 +1,110 @@
+//! The operator API's client, used by the `flotilla` CLI: one HTTPS request per call, with the
+//! operator's client certificate.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, anyhow, bail};
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use rustls_pki_types::ServerName;
+use serde::{Deserialize, Serialize};
+use tokio::net::TcpStream;
+use tokio_rustls::TlsConnector;
+
+/// The CLI's config file, written by the hub on first start (`<data-dir>/operator/config.yaml`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct OperatorConfig {
+    /// `https://host:port` of the operator API.
+    pub server: String,
+    /// Paths are relative to the config file's directory unless absolute.
+    pub certificate_authority: PathBuf,
+    pub client_certificate: PathBuf,
+    pub client_key: PathBuf,
+}
+
+impl OperatorConfig {
+    pub fn load(path: &Path) -> anyhow::Result<OperatorConfig> {
+        let text = std::fs::read_to_string(path).with_context(|| {
+            format!(
+                "cannot read the flotilla config {}: pass --config, or set FLOTILLA_CONFIG to the \
+                 operator/config.yaml the hub wrote into its data directory",
+                path.display()
+            )
+        })?;
+        let mut config: OperatorConfig = yaml_serde::from_str(&text)
+            .with_context(|| format!("flotilla config {} does not parse", path.display()))?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        for p in [
+            &mut config.certificate_authority,
+            &mut config.client_certificate,
+            &mut config.client_key,
+        ] {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        }
+        Ok(config)
+    }
+}
+
+pub struct OperatorClient {
+    authority: String,
+    host: String,
+    tls: TlsConnector,
+}
+
+impl OperatorClient {
+    pub fn new(config: &OperatorConfig) -> anyhow::Result<OperatorClient> {
+        let uri: http::Uri = config.server.parse().with_context(|| format!("server {:?} is not a URL", config.server))?;
+        if uri.scheme_str() != Some("https") {
+            bail!("server {:?} must be an https:// URL", config.server);
+        }
+        let host = uri.host().ok_or_else(|| anyhow!("server {:?} has no host", config.server))?;
+        let port = uri.port_u16().unwrap_or(443);
+        let read = |p: &Path| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
+        let tls = flotilla_gateway::tls::client_config(
+            &read(&config.certificate_authority)?,
+            &read(&config.client_certificate)?,
+            &read(&config.client_key)?,
+            &[b"http/1.1"],
+        )?;
+        Ok(OperatorClient {
+            authority: format!("{host}:{port}"),
+            host: host.trim_start_matches('[').trim_end_matches(']').to_string(),
+            tls: TlsConnector::from(tls),
+        })
+    }
+
+    /// GET `path` and return the JSON body; a non-2xx answer becomes an error carrying the
+    /// server's message.
+    pub async fn get_json(&self, path: &str) -> anyhow::Result<serde_json::Value> {
+        let tcp = TcpStream::connect(&self.authority)
+            .await
+            .with_context(|| format!("cannot reach the hub's operator API at {}", self.authority))?;
+        let name = ServerName::try_from(self.host.clone())?;
+        let tls = self.tls.connect(name, tcp).await.with_context(|| {
+            format!("TLS with the hub at {} failed (is the config's CA the hub's?)", self.authority)
+        })?;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await?;
+        tokio::spawn(conn);
+        let request = http::Request::get(path)
+            .header(http::header::HOST, &self.authority)
+            .header(http::header::ACCEPT, "application/json")
+            .body(Full::<bytes::Bytes>::default())?;
+        let response = sender.send_request(request).await?;
+        let status = response.status();
+        let body = response.into_body().collect().await?.to_bytes();
+        let value: serde_json::Value = serde_json::from_slice(&body)
+            .with_context(|| format!("hub answered {status} with a body that is not JSON"))?;
+        if !status.is_success() {
+            let msg = value.get("message").and_then(|m| m.as_str()).unwrap_or("no message");
+            bail!("hub refused: {msg} ({status})");
+        }
+        Ok(value)
+    }
+}
+
+/// Keeps `Arc` in the signature stable for callers that share the client.
+pub type SharedClient = Arc<OperatorClient>;

@@ -1,0 +1,103 @@
+//! `flotilla-hub`'s configuration: parsed and validated once at start, then passed down.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+
+/// Where agents connect by default.
+pub const DEFAULT_AGENT_LISTEN: &str = "127.0.0.1:9443";
+/// Where the operator API listens by default.
+pub const DEFAULT_API_LISTEN: &str = "127.0.0.1:9444";
+/// How often agents send a heartbeat.
+pub const DEFAULT_HEARTBEAT_INTERVAL: &str = "10s";
+/// Silence after which a session is considered dead, on both ends.
+pub const DEFAULT_HEARTBEAT_TIMEOUT: &str = "30s";
+/// Time without a session after which a cluster turns Unknown and gets the unreachable taint.
+pub const DEFAULT_GRACE_PERIOD: &str = "40s";
+/// Largest frame an agent may send (a ManifestWork status with many resources fits easily).
+pub const DEFAULT_MAX_FRAME_BYTES: usize = 4 * 1024 * 1024;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum StoreBackend {
+    /// Embedded sled database in the data dir: a whole fleet control plane in one process.
+    Sled,
+    /// OCM CRDs on a Kubernetes apiserver (install deploy/crds first).
+    Kube,
+}
+
+#[derive(Clone, Debug, Args)]
+pub struct HubConfig {
+    /// Directory for the CA, the sled store and the operator credentials; created on first start.
+    #[arg(long, env = "FLOTILLA_DATA_DIR", default_value = "flotilla-data")]
+    pub data_dir: PathBuf,
+
+    /// Address agents connect to (gRPC over HTTP/2 with mTLS). Port 0 picks a free port; the
+    /// bound addresses are written to <data-dir>/listen.json.
+    #[arg(long, env = "FLOTILLA_LISTEN", default_value = DEFAULT_AGENT_LISTEN)]
+    pub listen: SocketAddr,
+
+    /// Address of the operator API used by the `flotilla` CLI (HTTPS with client certificates).
+    #[arg(long, env = "FLOTILLA_API_LISTEN", default_value = DEFAULT_API_LISTEN)]
+    pub api_listen: SocketAddr,
+
+    /// DNS names and IP addresses agents use to reach this hub; they go into its serving
+    /// certificate. Repeat or separate with commas.
+    #[arg(long = "server-name", env = "FLOTILLA_SERVER_NAMES", value_delimiter = ',', default_values_t = ["localhost".to_string(), "127.0.0.1".to_string()])]
+    pub server_names: Vec<String>,
+
+    /// Where the fleet's objects live.
+    #[arg(long, env = "FLOTILLA_STORE", value_enum, default_value_t = StoreBackend::Sled)]
+    pub store: StoreBackend,
+
+    /// Kubeconfig of the hub apiserver, with --store kube (default: KUBECONFIG / in-cluster).
+    #[arg(long, env = "FLOTILLA_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// How often agents send a heartbeat (told to them in the session's Welcome).
+    #[arg(long, default_value = DEFAULT_HEARTBEAT_INTERVAL, value_parser = humantime::parse_duration)]
+    pub heartbeat_interval: Duration,
+
+    /// Silence after which a session is closed.
+    #[arg(long, default_value = DEFAULT_HEARTBEAT_TIMEOUT, value_parser = humantime::parse_duration)]
+    pub heartbeat_timeout: Duration,
+
+    /// Time without a session before a cluster's Available condition turns Unknown.
+    #[arg(long, default_value = DEFAULT_GRACE_PERIOD, value_parser = humantime::parse_duration)]
+    pub grace_period: Duration,
+
+    /// Largest frame accepted from an agent; a larger one closes that session only.
+    #[arg(long, default_value_t = DEFAULT_MAX_FRAME_BYTES)]
+    pub max_frame_bytes: usize,
+
+    /// Validate the configuration, print it, and exit without starting.
+    #[arg(long)]
+    pub check_config: bool,
+}
+
+impl HubConfig {
+    /// Checks what clap cannot; errors say how to fix the flag.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            !self.heartbeat_interval.is_zero(),
+            "--heartbeat-interval must be positive"
+        );
+        anyhow::ensure!(
+            self.heartbeat_timeout >= 2 * self.heartbeat_interval,
+            "--heartbeat-timeout ({:?}) must be at least twice --heartbeat-interval ({:?}), or one lost heartbeat drops the session",
+            self.heartbeat_timeout,
+            self.heartbeat_interval
+        );
+        anyhow::ensure!(
+            self.max_frame_bytes >= 64 * 1024,
+            "--max-frame-bytes {} is below 64 KiB; a single ManifestWork status would not fit",
+            self.max_frame_bytes
+        );
+        anyhow::ensure!(!self.server_names.is_empty(), "--server-name: give at least one name agents dial");
+        if self.store == StoreBackend::Sled {
+            anyhow::ensure!(self.kubeconfig.is_none(), "--kubeconfig only applies with --store kube");
+        }
+        Ok(())
+    }
+}

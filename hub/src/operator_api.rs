@@ -1,0 +1,184 @@
+//! The operator API: what the `flotilla` CLI talks to. HTTPS with hub-issued operator client
+//! certificates; paths follow the Kubernetes API's shape (`/apis/<group>/<version>/...`) so the
+//! objects read the same as with the kube backend.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Extension, Json, Router};
+use flotilla_gateway::identity::Peer;
+use flotilla_gateway::tls::{AuthenticatedConn, ConnInfo};
+use flotilla_proto::api::Kind;
+use flotilla_store::{Store, StoreError};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use hyper_util::service::TowerToHyperService;
+use serde_json::json;
+use tokio::sync::mpsc;
+use tracing::{debug, info};
+
+#[derive(Clone)]
+struct ApiState {
+    store: Arc<dyn Store>,
+}
+
+/// The routes, independent of transport (tests call them in-process).
+pub fn router(store: Arc<dyn Store>) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/apis/{group}/{version}/{plural}", get(list_all))
+        .route("/apis/{group}/{version}/namespaces/{ns}/{plural}", get(list_namespaced))
+        .route("/apis/{group}/{version}/{plural}/{name}", get(get_cluster_scoped))
+        .route("/apis/{group}/{version}/namespaces/{ns}/{plural}/{name}", get(get_namespaced))
+        .layer(axum::middleware::from_fn(require_operator))
+        .with_state(ApiState { store })
+}
+
+/// Serves the API on authenticated connections until the channel closes or `shutdown` fires.
+pub async fn serve(
+    mut conns: mpsc::Receiver<std::io::Result<AuthenticatedConn>>,
+    store: Arc<dyn Store>,
+    shutdown: impl Future<Output = ()>,
+) {
+    let app = router(store);
+    tokio::pin!(shutdown);
+    loop {
+        let conn = tokio::select! {
+            c = conns.recv() => match c { Some(Ok(c)) => c, Some(Err(_)) => continue, None => return },
+            _ = &mut shutdown => return,
+        };
+        let info = conn.info().clone();
+        let svc = TowerToHyperService::new(app.clone().layer(Extension(info)));
+        tokio::spawn(async move {
+            if let Err(e) = auto::Builder::new(TokioExecutor::new())
+                .serve_connection(TokioIo::new(conn), svc)
+                .await
+            {
+                debug!(error = %e, "operator API connection ended");
+            }
+        });
+    }
+}
+
+async fn require_operator(
+    Extension(info): Extension<ConnInfo>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    match &info.peer {
+        Peer::Operator { user, .. } => {
+            info!(user = %user, method = %request.method(), path = %request.uri().path(), "operator request");
+            next.run(request).await
+        }
+        Peer::Cluster(name) => error(
+            StatusCode::FORBIDDEN,
+            format!("cluster {name} may not use the operator API; use an operator certificate"),
+        ),
+    }
+}
+
+fn kind_of(group: &str, version: &str, plural: &str) -> Result<Kind, Response> {
+    Kind::ALL
+        .into_iter()
+        .find(|k| k.group() == group && k.version() == version && k.plural() == plural)
+        .ok_or_else(|| {
+            error(StatusCode::NOT_FOUND, format!("the hub serves no resource {plural} in {group}/{version}"))
+        })
+}
+
+async fn list_all(
+    State(s): State<ApiState>,
+    Path((group, version, plural)): Path<(String, String, String)>,
+) -> Response {
+    list(s, &group, &version, &plural, None).await
+}
+
+async fn list_namespaced(
+    State(s): State<ApiState>,
+    Path((group, version, ns, plural)): Path<(String, String, String, String)>,
+) -> Response {
+    list(s, &group, &version, &plural, Some(&ns)).await
+}
+
+async fn list(s: ApiState, group: &str, version: &str, plural: &str, ns: Option<&str>) -> Response {
+    let kind = match kind_of(group, version, plural) {
+        Ok(k) => k,
+        Err(r) => return r,
+    };
+    match s.store.list(kind, ns).await {
+        Ok(list) => Json(json!({
+            "apiVersion": kind.api_version(),
+            "kind": format!("{}List", kind.name()),
+            "metadata": { "resourceVersion": list.revision.to_string() },
+            "items": list.items,
+        }))
+        .into_response(),
+        Err(e) => store_error(e),
+    }
+}
+
+async fn get_cluster_scoped(
+    State(s): State<ApiState>,
+    Path((group, version, plural, name)): Path<(String, String, String, String)>,
+) -> Response {
+    get_one(s, &group, &version, &plural, None, &name).await
+}
+
+async fn get_namespaced(
+    State(s): State<ApiState>,
+    Path((group, version, ns, plural, name)): Path<(String, String, String, String, String)>,
+) -> Response {
+    get_one(s, &group, &version, &plural, Some(&ns), &name).await
+}
+
+async fn get_one(
+    s: ApiState,
+    group: &str,
+    version: &str,
+    plural: &str,
+    ns: Option<&str>,
+    name: &str,
+) -> Response {
+    let kind = match kind_of(group, version, plural) {
+        Ok(k) => k,
+        Err(r) => return r,
+    };
+    match s.store.get(kind, ns, name).await {
+        Ok(Some(obj)) => Json(obj).into_response(),
+        Ok(None) => error(StatusCode::NOT_FOUND, format!("{kind} {} not found", qualified(ns, name))),
+        Err(e) => store_error(e),
+    }
+}
+
+fn qualified(ns: Option<&str>, name: &str) -> String {
+    match ns {
+        Some(ns) => format!("{ns}/{name}"),
+        None => name.to_string(),
+    }
+}
+
+fn store_error(e: StoreError) -> Response {
+    let status = match &e {
+        StoreError::NotFound { .. } => StatusCode::NOT_FOUND,
+        StoreError::AlreadyExists { .. } | StoreError::Conflict { .. } => StatusCode::CONFLICT,
+        StoreError::Invalid { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+        StoreError::Gone { .. } => StatusCode::GONE,
+        _ => StatusCode::SERVICE_UNAVAILABLE,
+    };
+    error(status, e.to_string())
+}
+
+/// Errors in the shape of a Kubernetes `Status`, so tools that read those understand them.
+fn error(status: StatusCode, message: String) -> Response {
+    (
+        status,
+        Json(json!({
+            "apiVersion": "v1", "kind": "Status", "status": "Failure",
+            "message": message, "code": status.as_u16(),
+        })),
+    )
+        .into_response()
+}

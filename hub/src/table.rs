@@ -1,0 +1,87 @@
+//! Tables the CLI prints, in kubectl's manner: upper-case headers, columns padded by three
+//! spaces, `<none>` for missing values, ages like `5m`.
+
+use jiff::Timestamp;
+use serde_json::Value;
+
+/// `flotilla get clusters`: the columns of `kubectl get managedclusters` for OCM's CRD.
+pub fn clusters(items: &[Value], now: Timestamp) -> String {
+    let mut rows = vec![vec![
+        "NAME".to_string(),
+        "HUB ACCEPTED".into(),
+        "JOINED".into(),
+        "AVAILABLE".into(),
+        "KUBERNETES".into(),
+        "AGE".into(),
+    ]];
+    for mc in items {
+        let condition = |t: &str| {
+            mc["status"]["conditions"]
+                .as_array()
+                .and_then(|cs| cs.iter().find(|c| c["type"] == t))
+                .and_then(|c| c["status"].as_str())
+                .unwrap_or("")
+                .to_string()
+        };
+        rows.push(vec![
+            mc["metadata"]["name"].as_str().unwrap_or("<none>").to_string(),
+            mc["spec"]["hubAcceptsClient"].as_bool().unwrap_or(false).to_string(),
+            condition("ManagedClusterJoined"),
+            condition("ManagedClusterConditionAvailable"),
+            mc["status"]["version"]["kubernetes"].as_str().unwrap_or("").to_string(),
+            age(mc["metadata"]["creationTimestamp"].as_str(), now),
+        ]);
+    }
+    render(&rows)
+}
+
+fn age(created: Option<&str>, now: Timestamp) -> String {
+    let Some(created) = created.and_then(|c| c.parse::<Timestamp>().ok()) else {
+        return "<unknown>".into();
+    };
+    let secs = now.duration_since(created).as_secs().max(0);
+    match secs {
+        0..120 => format!("{secs}s"),
+        120..7200 => format!("{}m", secs / 60),
+        7200..172_800 => format!("{}h", secs / 3600),
+        _ => format!("{}d", secs / 86_400),
+    }
+}
+
+fn render(rows: &[Vec<String>]) -> String {
+    let widths: Vec<usize> = (0..rows[0].len())
+        .map(|i| rows.iter().map(|r| r[i].len()).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    for row in rows {
+        let line: Vec<String> =
+            row.iter().zip(&widths).map(|(cell, w)| format!("{cell:<w$}")).collect();
+        out.push_str(line.join("   ").trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn clusters_table_reads_like_kubectl() {
+        let now: Timestamp = "2026-01-01T01:00:00Z".parse().unwrap();
+        let items = vec![
+            json!({"metadata": {"name": "store-0001", "creationTimestamp": "2026-01-01T00:55:00Z"},
+                   "spec": {"hubAcceptsClient": true},
+                   "status": {"version": {"kubernetes": "v1.36.3"}, "conditions": [
+                       {"type": "ManagedClusterJoined", "status": "True"},
+                       {"type": "ManagedClusterConditionAvailable", "status": "Unknown"}]}}),
+            json!({"metadata": {"name": "s2"}, "spec": {}}),
+        ];
+        let table = clusters(&items, now);
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(lines[0], "NAME         HUB ACCEPTED   JOINED   AVAILABLE   KUBERNETES   AGE");
+        assert_eq!(lines[1], "store-0001   true           True     Unknown     v1.36.3      5m");
+        assert_eq!(lines[2], "s2           false                                             <unknown>");
+    }
+}

@@ -1,0 +1,106 @@
+//! The hub's source of truth behind one trait.
+//!
+//! [`Store`] holds the OCM objects the hub works on (ManagedCluster, ManifestWork, Placement, …)
+//! as JSON, keyed by kind, namespace and name, with kube's semantics: a `resourceVersion` on
+//! every write, `generation` that follows the spec, status written separately, optimistic
+//! concurrency, and list + watch from a revision with `Gone` when the history is too old.
+//! Two backends implement it and pass the same conformance suite (`conformance`, behind the
+//! feature of that name):
+//!
+//! * [`SledStore`] — an embedded sled database for the single-node hub (nothing to install);
+//! * [`KubeStore`] — the OCM CRDs on a real kube-apiserver, for hubs that scale out.
+//!
+//! For: controllers, gateways and the operator API reading and writing hub state, one code path
+//! for both modes. Not for: the agent's local cache (it never links hub code), leases and shard
+//! ownership (later, beside this trait), or business rules (validating a ManifestWork's
+//! manifests is proto's and the hub's job; the store checks only what any object needs).
+//! Callers work on JSON objects, or on `flotilla_proto::api` types through [`StoreExt`].
+
+#![forbid(unsafe_code)]
+
+mod apiserver;
+mod embedded;
+mod error;
+mod object;
+mod typed;
+
+#[cfg(feature = "conformance")]
+pub mod conformance;
+
+use async_trait::async_trait;
+use flotilla_proto::api::Kind;
+use futures::stream::BoxStream;
+
+pub use apiserver::{DEFAULT_WATCH_TIMEOUT_SECS, KubeStore};
+pub use embedded::{DEFAULT_EVENT_BUFFER, DEFAULT_LIVE_BUFFER, SledOptions, SledStore};
+pub use error::StoreError;
+pub use object::{
+    MAX_OBJECT_BYTES, Object, ObjectList, Revision, WatchEvent, generation_of, name_of,
+    namespace_of, resource_version,
+};
+pub use typed::StoreExt;
+
+/// A stream of changes. It yields at most one error and ends after it; `Gone` means list again
+/// and watch from the list's revision.
+pub type WatchStream = BoxStream<'static, Result<WatchEvent, StoreError>>;
+
+/// The hub's source of truth: OCM objects by kind, namespace and name, with kube's semantics.
+///
+/// `namespace` arguments are `None` for cluster-scoped kinds and required for namespaced kinds,
+/// except in `list` and `watch`, where `None` means all namespaces. Every call validates its
+/// input at this boundary and refuses bad input with [`StoreError::Invalid`] without touching
+/// what is stored.
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// The object, or `None` if there is none.
+    async fn get(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        name: &str,
+    ) -> Result<Option<Object>, StoreError>;
+
+    /// Every object of `kind` in `namespace` (or all namespaces), and the revision to watch from.
+    async fn list(&self, kind: Kind, namespace: Option<&str>) -> Result<ObjectList, StoreError>;
+
+    /// Changes to objects of `kind` in `namespace` (or all namespaces) after `from`, exclusive,
+    /// in revision order. `from = None` starts with a synthetic `Added` for every current object,
+    /// then live changes. A `from` older than the store's history gives [`StoreError::Gone`],
+    /// either here or as the stream's error.
+    async fn watch(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        from: Option<Revision>,
+    ) -> Result<WatchStream, StoreError>;
+
+    /// Stores a new object and returns it as stored: with `uid`, `creationTimestamp`,
+    /// `generation` 1 and `resourceVersion` set, and without `status` (status is written with
+    /// [`Store::update_status`] only, as on an apiserver with the status subresource).
+    async fn create(&self, object: Object) -> Result<Object, StoreError>;
+
+    /// Replaces everything but `status` (which is kept as stored). `generation` goes up by one
+    /// only when something outside metadata and status changed. If `metadata.resourceVersion` is
+    /// set it must be the stored one ([`StoreError::Conflict`] otherwise); if not, the last
+    /// writer wins.
+    async fn update_spec(&self, object: Object) -> Result<Object, StoreError>;
+
+    /// Replaces `status` (a JSON map) and nothing else: `generation` and spec stay. With
+    /// `expected`, the stored resourceVersion must match it ([`StoreError::Conflict`] otherwise).
+    async fn update_status(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        name: &str,
+        status: serde_json::Value,
+        expected: Option<&Revision>,
+    ) -> Result<Object, StoreError>;
+
+    /// Deletes the object; [`StoreError::NotFound`] if there is none.
+    async fn delete(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        name: &str,
+    ) -> Result<(), StoreError>;
+}

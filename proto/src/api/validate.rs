@@ -1,0 +1,106 @@
+//! Checks on a ManifestWork before it is stored or delivered, so that a bad manifest is refused
+//! with a message naming the work and the manifest instead of failing later on the spoke.
+
+use kube::ResourceExt;
+
+use super::work::{Manifest, ManifestWork};
+
+/// Largest total size of a work's manifests, in bytes of compact JSON. OCM's webhook refuses
+/// works above 500 KiB; flotilla keeps the same bound so that what works on OCM works here.
+pub const MAX_WORKLOAD_BYTES: usize = 500 * 1024;
+
+/// One problem with a ManifestWork. None is retryable: the work must be fixed and re-applied.
+///
+/// `ordinal` is the manifest's index in `spec.workload.manifests` counting from 0, the same
+/// number as `status.resourceStatus.manifests[].resourceMeta.ordinal`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ManifestError {
+    /// The work has no manifests at all (OCM refuses these too). Not retryable.
+    #[error("ManifestWork {work}: spec.workload.manifests is empty; add at least one manifest")]
+    NoManifests { work: String },
+    /// The manifests together exceed [`MAX_WORKLOAD_BYTES`]. Not retryable: split the work.
+    #[error(
+        "ManifestWork {work}: manifests take {bytes} bytes, more than the limit of {limit}; split them over several ManifestWorks"
+    )]
+    TooLarge {
+        work: String,
+        bytes: usize,
+        limit: usize,
+    },
+    /// A manifest is not a JSON/YAML object (e.g. a string or a list). Not retryable.
+    #[error("ManifestWork {work}: manifest #{ordinal} is not an object")]
+    NotAnObject { work: String, ordinal: usize },
+    /// A manifest has no non-empty string `apiVersion`. Not retryable.
+    #[error("ManifestWork {work}: manifest #{ordinal} has no apiVersion")]
+    MissingApiVersion { work: String, ordinal: usize },
+    /// A manifest has no non-empty string `kind`. Not retryable.
+    #[error("ManifestWork {work}: manifest #{ordinal} has no kind")]
+    MissingKind { work: String, ordinal: usize },
+    /// A manifest has no non-empty string `metadata.name` (`generateName` is not enough: the
+    /// agent must find the object again to update, report on and delete it). Not retryable.
+    #[error("ManifestWork {work}: manifest #{ordinal} has no metadata.name")]
+    MissingName { work: String, ordinal: usize },
+}
+
+/// Checks every manifest of `work`; returns all the problems found, not just the first.
+pub fn validate_manifest_work(work: &ManifestWork) -> Result<(), Vec<ManifestError>> {
+    let name = work_name(work);
+    let manifests = &work.spec.workload.manifests;
+    let mut errors = Vec::new();
+    if manifests.is_empty() {
+        errors.push(ManifestError::NoManifests { work: name.clone() });
+    }
+    let bytes: usize = manifests.iter().map(|m| m.0.to_string().len()).sum();
+    if bytes > MAX_WORKLOAD_BYTES {
+        errors.push(ManifestError::TooLarge {
+            work: name.clone(),
+            bytes,
+            limit: MAX_WORKLOAD_BYTES,
+        });
+    }
+    for (ordinal, manifest) in manifests.iter().enumerate() {
+        check_manifest(&name, ordinal, manifest, &mut errors);
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors)
+    }
+}
+
+fn check_manifest(
+    work: &str,
+    ordinal: usize,
+    manifest: &Manifest,
+    errors: &mut Vec<ManifestError>,
+) {
+    let work = work.to_owned();
+    if !manifest.0.is_object() {
+        errors.push(ManifestError::NotAnObject { work, ordinal });
+        return;
+    }
+    let present = |s: Option<&str>| s.is_some_and(|s| !s.is_empty());
+    if !present(manifest.api_version()) {
+        errors.push(ManifestError::MissingApiVersion {
+            work: work.clone(),
+            ordinal,
+        });
+    }
+    if !present(manifest.kind()) {
+        errors.push(ManifestError::MissingKind {
+            work: work.clone(),
+            ordinal,
+        });
+    }
+    if !present(manifest.name()) {
+        errors.push(ManifestError::MissingName { work, ordinal });
+    }
+}
+
+/// `namespace/name` as people write it; just `name` when the work has no namespace yet.
+fn work_name(work: &ManifestWork) -> String {
+    match work.namespace() {
+        Some(ns) => format!("{ns}/{}", work.name_any()),
+        None => work.name_any(),
+    }
+}

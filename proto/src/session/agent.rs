@@ -1,0 +1,475 @@
+//! The agent's side of its one session.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::error::{CloseReason, ProtocolError};
+use super::queue::CoalescingQueue;
+use crate::PROTOCOL_VERSION;
+use crate::wire::{self, agent_frame, hub_frame};
+
+/// Default for [`AgentConfig::welcome_timeout`].
+pub const DEFAULT_WELCOME_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Who the agent is, as it tells the hub in its hello.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgentConfig {
+    /// The cluster this agent serves; the hub refuses the session unless it equals the name in
+    /// the agent's client certificate.
+    pub cluster_name: String,
+    /// This agent's build version, shown on the hub.
+    pub agent_version: String,
+    /// The spoke apiserver's gitVersion (ManagedCluster status.version).
+    pub kubernetes_version: String,
+    /// The spoke's cluster claims, reported on every hello.
+    pub claims: Vec<wire::ClusterClaim>,
+    /// How long to wait for the hub's welcome before giving up on this connection. Until the
+    /// welcome the agent does not know the hub's heartbeat timeout, so this bounds the wait for
+    /// a gateway that accepted the stream but never answers.
+    pub welcome_timeout: Duration,
+}
+
+/// What the agent's driver must act on, from [`AgentSession::poll_event`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum AgentEvent {
+    /// The hub accepted the hello. Desired state follows, then [`AgentEvent::Synced`]. A
+    /// driver resets its reconnect backoff's stable-period clock here
+    /// ([`Backoff::connected`](super::Backoff::connected)) and re-sends its unacknowledged
+    /// status outbox with [`AgentSession::report_status`].
+    Established {
+        /// The hub's id for this session, for logs.
+        session_id: String,
+        /// How often this side sends heartbeats.
+        heartbeat_interval: Duration,
+        /// Silence longer than this ends the session on both ends.
+        heartbeat_timeout: Duration,
+    },
+    /// New desired state for one work. The driver stores it durably, then calls
+    /// [`AgentSession::ack_work`], then applies it.
+    WorkReceived {
+        /// The work, as the hub sent it.
+        work: wire::WorkUpdate,
+    },
+    /// The work is gone from the hub: remove it (honouring its deleteOption). Keyed by uid;
+    /// `namespace` and `name` are empty when the hub learned of the work only from the hello.
+    WorkDeleted {
+        /// The work's uid.
+        uid: String,
+        /// Its namespace, if the hub knew it.
+        namespace: String,
+        /// Its name, if the hub knew it.
+        name: String,
+    },
+    /// Everything that differed at hello time has arrived: the local cache now matches the
+    /// hub's desired state (as of the hello), so works absent from it can be treated as gone.
+    Synced {
+        /// How many updates and deletes the sync sent.
+        sent: u32,
+    },
+    /// The hub stored this work's status up to `seq`: drop it from the outbox.
+    StatusAcked {
+        /// The work's uid.
+        uid: String,
+        /// The highest status seq stored.
+        seq: u64,
+    },
+    /// The hub asks for tunnel stream `id` to be opened (a kubectl request).
+    TunnelRequested {
+        /// The tunnel id to name in the first frame of the tunnel stream.
+        id: String,
+    },
+    /// The hub is draining this session: reconnect after `retry_after` (use it as the
+    /// `retry_after` of [`Backoff::next_delay`](super::Backoff::next_delay)). Followed by
+    /// [`AgentEvent::Closed`].
+    Drained {
+        /// How long to wait before reconnecting, as the hub asked.
+        retry_after: Duration,
+        /// Why the hub drained.
+        reason: String,
+    },
+    /// The session is over. The driver sends what [`AgentSession::poll_transmit`] still yields
+    /// (a `Goodbye` if this side closed), ends the stream and reconnects after its backoff.
+    Closed {
+        /// Why.
+        reason: CloseReason,
+        /// Whether the hub ended it (goodbye or drain).
+        by_peer: bool,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    AwaitingWelcome {
+        deadline: Instant,
+    },
+    Established {
+        interval: Duration,
+        timeout: Duration,
+        next_heartbeat: Instant,
+    },
+    Closed,
+}
+
+/// Agent frames coalesce per work and kind: only the newest ack and the newest status matter.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Key {
+    Ack(String),
+    Status(String),
+}
+
+/// The agent's side of its session: a sans-IO state machine.
+///
+/// Created when the stream opens, with the hello already queued. The driver loop is the same
+/// as for [`HubSession`](super::HubSession): feed frames and timer expiries in, drain
+/// [`poll_transmit`](Self::poll_transmit) and [`poll_event`](Self::poll_event), re-arm the
+/// timer at [`poll_timeout`](Self::poll_timeout).
+#[derive(Debug)]
+pub struct AgentSession {
+    welcome_timeout: Duration,
+    phase: Phase,
+    /// When any frame was last heard from the hub; silence past the hub's heartbeat timeout
+    /// from here closes the session.
+    last_heard: Instant,
+    /// Sequence number of the last heartbeat sent; the hub echoes it back.
+    heartbeat_seq: u64,
+    /// Hello, heartbeats and goodbye: sent before acks and status so that liveness never
+    /// waits behind a status backlog.
+    control: VecDeque<wire::AgentFrame>,
+    /// Work acks and statuses, coalesced per work (the latest generation / seq wins).
+    data: CoalescingQueue<Key, agent_frame::Frame>,
+    events: VecDeque<AgentEvent>,
+}
+
+impl AgentSession {
+    /// A session on a freshly opened stream. Queues the hello with [`PROTOCOL_VERSION`], the
+    /// config's identity and facts, and `held`: every work in the durable cache with the
+    /// generation and content hash it holds, so the hub sends only what differs.
+    pub fn new(now: Instant, config: AgentConfig, held: Vec<wire::HeldWork>) -> Self {
+        let hello = wire::Hello {
+            protocol_version: PROTOCOL_VERSION,
+            cluster_name: config.cluster_name,
+            agent_version: config.agent_version,
+            held,
+            claims: config.claims,
+            kubernetes_version: config.kubernetes_version,
+        };
+        Self {
+            welcome_timeout: config.welcome_timeout,
+            phase: Phase::AwaitingWelcome {
+                deadline: now + config.welcome_timeout,
+            },
+            last_heard: now,
+            heartbeat_seq: 0,
+            control: VecDeque::from([agent(agent_frame::Frame::Hello(hello))]),
+            data: CoalescingQueue::default(),
+            events: VecDeque::new(),
+        }
+    }
+
+    /// Whether the welcome has arrived and the session is not closed.
+    pub fn is_established(&self) -> bool {
+        matches!(self.phase, Phase::Established { .. })
+    }
+
+    /// Whether the session is over. Frames may still wait in
+    /// [`poll_transmit`](Self::poll_transmit) (the goodbye); send them, then end the stream.
+    pub fn is_closed(&self) -> bool {
+        self.phase == Phase::Closed
+    }
+
+    /// Handles one frame from the hub. Any frame counts as a sign of life.
+    ///
+    /// An `Err` means the frame broke the protocol and the session has closed itself (goodbye
+    /// queued, [`AgentEvent::Closed`] emitted); the error says whether retrying can help.
+    /// Frames after close are ignored.
+    pub fn handle_frame(
+        &mut self,
+        now: Instant,
+        frame: wire::HubFrame,
+    ) -> Result<(), ProtocolError> {
+        if self.is_closed() {
+            return Ok(());
+        }
+        self.last_heard = now;
+        // A frame kind from a newer hub decodes as no frame: liveness only.
+        let Some(frame) = frame.frame else {
+            return Ok(());
+        };
+        let established = self.is_established();
+        match frame {
+            hub_frame::Frame::Welcome(welcome) if !established => self.on_welcome(now, welcome),
+            hub_frame::Frame::Drain(drain) => {
+                let retry_after = Duration::from_millis(drain.retry_after_ms.into());
+                self.events.push_back(AgentEvent::Drained {
+                    retry_after,
+                    reason: drain.reason.clone(),
+                });
+                let reason = CloseReason::Drained {
+                    retry_after,
+                    reason: drain.reason,
+                };
+                self.close_with(reason, true);
+                Ok(())
+            }
+            hub_frame::Frame::Goodbye(goodbye) => {
+                self.close_with(CloseReason::PeerGoodbye(goodbye.reason), true);
+                Ok(())
+            }
+            other if !established => self.fail(ProtocolError::UnexpectedFrame {
+                frame: hub_frame_name(&other),
+                state: "waiting for welcome",
+            }),
+            hub_frame::Frame::Welcome(_) => self.fail(ProtocolError::UnexpectedFrame {
+                frame: "Welcome",
+                state: "established",
+            }),
+            hub_frame::Frame::Heartbeat(_) => Ok(()),
+            hub_frame::Frame::WorkUpdate(work) => {
+                self.events.push_back(AgentEvent::WorkReceived { work });
+                Ok(())
+            }
+            hub_frame::Frame::WorkDelete(delete) => {
+                self.events.push_back(AgentEvent::WorkDeleted {
+                    uid: delete.uid,
+                    namespace: delete.namespace,
+                    name: delete.name,
+                });
+                Ok(())
+            }
+            hub_frame::Frame::SyncComplete(sync) => {
+                self.events
+                    .push_back(AgentEvent::Synced { sent: sync.sent });
+                Ok(())
+            }
+            hub_frame::Frame::StatusAck(ack) => {
+                self.events.push_back(AgentEvent::StatusAcked {
+                    uid: ack.uid,
+                    seq: ack.seq,
+                });
+                Ok(())
+            }
+            hub_frame::Frame::OpenTunnel(open) => {
+                self.events
+                    .push_back(AgentEvent::TunnelRequested { id: open.id });
+                Ok(())
+            }
+        }
+    }
+
+    /// Handles the timer armed from [`poll_timeout`](Self::poll_timeout): sends a heartbeat
+    /// when one is due, closes if the welcome or the hub is overdue. Calling it early does
+    /// nothing.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        match self.phase {
+            Phase::AwaitingWelcome { deadline } if now >= deadline => {
+                let waited = self.welcome_timeout;
+                self.close_with(CloseReason::HandshakeTimeout { waited }, false);
+            }
+            Phase::Established { timeout, .. } if now >= self.last_heard + timeout => {
+                self.close_with(
+                    CloseReason::HeartbeatTimeout {
+                        silent_for: timeout,
+                    },
+                    false,
+                );
+            }
+            Phase::Established {
+                interval,
+                timeout,
+                next_heartbeat,
+            } if now >= next_heartbeat => {
+                self.heartbeat_seq += 1;
+                self.queue_heartbeat();
+                // Stay on the interval grid, but a driver that woke late sends one heartbeat,
+                // not a burst to catch up.
+                let mut next = next_heartbeat + interval;
+                if next <= now {
+                    next = now + interval;
+                }
+                self.phase = Phase::Established {
+                    interval,
+                    timeout,
+                    next_heartbeat: next,
+                };
+            }
+            _ => {}
+        }
+    }
+
+    /// When to call [`handle_timeout`](Self::handle_timeout) next (the earlier of the next
+    /// heartbeat and the hub's deadline); `None` once closed.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        match self.phase {
+            Phase::AwaitingWelcome { deadline } => Some(deadline),
+            Phase::Established {
+                timeout,
+                next_heartbeat,
+                ..
+            } => Some(next_heartbeat.min(self.last_heard + timeout)),
+            Phase::Closed => None,
+        }
+    }
+
+    /// The next frame to send: hello, heartbeats and goodbye first, then acks and statuses in
+    /// the order each work was first queued.
+    pub fn poll_transmit(&mut self) -> Option<wire::AgentFrame> {
+        if let Some(frame) = self.control.pop_front() {
+            return Some(frame);
+        }
+        self.data.pop().map(|(_, frame)| agent(frame))
+    }
+
+    /// The next event for the driver, in the order they happened.
+    pub fn poll_event(&mut self) -> Option<AgentEvent> {
+        self.events.pop_front()
+    }
+
+    /// Tells the hub that `generation` of work `uid` is durable in the local cache. Call it
+    /// only after the write is durable: the hub treats an acked generation as held. Coalesced
+    /// per work (the highest generation wins). Ignored after close.
+    pub fn ack_work(&mut self, uid: impl Into<String>, generation: i64) {
+        if self.is_closed() {
+            return;
+        }
+        let uid = uid.into();
+        let key = Key::Ack(uid.clone());
+        if let Some(agent_frame::Frame::WorkAck(pending)) = self.data.get(&key)
+            && pending.generation > generation
+        {
+            return;
+        }
+        self.data.put(
+            key,
+            agent_frame::Frame::WorkAck(wire::WorkAck { uid, generation }),
+        );
+    }
+
+    /// Reports the status of work `uid` computed for `generation`. `seq` increases with every
+    /// status produced for the work, so the hub can drop stale ones and acknowledge up to it;
+    /// keep the status in a durable outbox until [`AgentEvent::StatusAcked`] and re-report it
+    /// on the next session. Coalesced per work (the highest seq wins). Ignored after close.
+    pub fn report_status(
+        &mut self,
+        uid: impl Into<String>,
+        generation: i64,
+        seq: u64,
+        status_json: Vec<u8>,
+    ) {
+        if self.is_closed() {
+            return;
+        }
+        let uid = uid.into();
+        let key = Key::Status(uid.clone());
+        if let Some(agent_frame::Frame::WorkStatus(pending)) = self.data.get(&key)
+            && pending.seq > seq
+        {
+            return;
+        }
+        let status = wire::WorkStatus {
+            uid,
+            generation,
+            seq,
+            status_json,
+        };
+        self.data.put(key, agent_frame::Frame::WorkStatus(status));
+    }
+
+    /// Ends the session for a local reason (the agent is shutting down): queues a `Goodbye`
+    /// with it and emits [`AgentEvent::Closed`].
+    pub fn close(&mut self, reason: impl Into<String>) {
+        self.close_with(CloseReason::Local(reason.into()), false);
+    }
+
+    fn on_welcome(&mut self, now: Instant, welcome: wire::Welcome) -> Result<(), ProtocolError> {
+        if welcome.protocol_version != PROTOCOL_VERSION {
+            return self.fail(ProtocolError::ProtocolVersion {
+                got: welcome.protocol_version,
+                ours: PROTOCOL_VERSION,
+            });
+        }
+        if welcome.heartbeat_interval_ms == 0
+            || welcome.heartbeat_timeout_ms <= welcome.heartbeat_interval_ms
+        {
+            return self.fail(ProtocolError::InvalidFrame {
+                frame: "Welcome",
+                detail: format!(
+                    "heartbeat interval {}ms and timeout {}ms: the interval must be positive and \
+                     shorter than the timeout",
+                    welcome.heartbeat_interval_ms, welcome.heartbeat_timeout_ms
+                ),
+            });
+        }
+        let interval = Duration::from_millis(welcome.heartbeat_interval_ms.into());
+        let timeout = Duration::from_millis(welcome.heartbeat_timeout_ms.into());
+        self.phase = Phase::Established {
+            interval,
+            timeout,
+            next_heartbeat: now + interval,
+        };
+        self.events.push_back(AgentEvent::Established {
+            session_id: welcome.session_id,
+            heartbeat_interval: interval,
+            heartbeat_timeout: timeout,
+        });
+        Ok(())
+    }
+
+    fn queue_heartbeat(&mut self) {
+        let seq = self.heartbeat_seq;
+        // One heartbeat waiting is enough: if the transport is that slow, more would not help.
+        for frame in &mut self.control {
+            if let Some(agent_frame::Frame::Heartbeat(hb)) = &mut frame.frame {
+                hb.seq = seq;
+                return;
+            }
+        }
+        self.control
+            .push_back(agent(agent_frame::Frame::Heartbeat(wire::Heartbeat {
+                seq,
+            })));
+    }
+
+    fn fail(&mut self, error: ProtocolError) -> Result<(), ProtocolError> {
+        self.close_with(error.clone().into(), false);
+        Err(error)
+    }
+
+    fn close_with(&mut self, reason: CloseReason, by_peer: bool) {
+        if self.is_closed() {
+            return;
+        }
+        self.phase = Phase::Closed;
+        // Unsent acks and statuses are safe to drop: the cache and the outbox are durable, and
+        // the next session's hello and status re-report carry them.
+        self.control.clear();
+        self.data.clear();
+        if !by_peer {
+            self.control
+                .push_back(agent(agent_frame::Frame::Goodbye(wire::Goodbye {
+                    reason: reason.to_string(),
+                })));
+        }
+        self.events
+            .push_back(AgentEvent::Closed { reason, by_peer });
+    }
+}
+
+fn agent(frame: agent_frame::Frame) -> wire::AgentFrame {
+    wire::AgentFrame { frame: Some(frame) }
+}
+
+fn hub_frame_name(frame: &hub_frame::Frame) -> &'static str {
+    match frame {
+        hub_frame::Frame::Welcome(_) => "Welcome",
+        hub_frame::Frame::Heartbeat(_) => "Heartbeat",
+        hub_frame::Frame::WorkUpdate(_) => "WorkUpdate",
+        hub_frame::Frame::WorkDelete(_) => "WorkDelete",
+        hub_frame::Frame::SyncComplete(_) => "SyncComplete",
+        hub_frame::Frame::Drain(_) => "Drain",
+        hub_frame::Frame::OpenTunnel(_) => "OpenTunnel",
+        hub_frame::Frame::StatusAck(_) => "StatusAck",
+        hub_frame::Frame::Goodbye(_) => "Goodbye",
+    }
+}

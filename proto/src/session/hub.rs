@@ -1,0 +1,658 @@
+//! The gateway's side of one session.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::error::{CloseReason, ProtocolError};
+use super::queue::CoalescingQueue;
+use super::{DesiredWork, duration_ms};
+use crate::PROTOCOL_VERSION;
+use crate::wire::{self, agent_frame, hub_frame};
+
+/// Default for [`HubConfig::heartbeat_interval`].
+pub const DEFAULT_HEARTBEAT_INTERVAL: Duration = Duration::from_secs(10);
+/// Default for [`HubConfig::heartbeat_timeout`]: three missed heartbeats.
+pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default for [`HubConfig::hello_timeout`].
+pub const DEFAULT_HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default for [`HubConfig::max_pending_works`].
+pub const DEFAULT_MAX_PENDING_WORKS: usize = 4096;
+
+/// Settings shared by all sessions of a gateway.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HubConfig {
+    /// How often the agent sends a heartbeat; told to the agent in `Welcome`.
+    pub heartbeat_interval: Duration,
+    /// Silence longer than this ends the session on both ends; told to the agent in `Welcome`.
+    /// Must be larger than `heartbeat_interval` (a few intervals, to ride out a lost frame).
+    pub heartbeat_timeout: Duration,
+    /// How long a connected agent may take to send its hello. Short, because a connection that
+    /// has not said hello holds a handshake slot that other agents are waiting for.
+    pub hello_timeout: Duration,
+    /// The most distinct works that may wait to be sent to this agent. Coalescing keeps at most
+    /// one entry per work, so this is only reached when many of a cluster's works change while
+    /// its agent is not reading; the session then closes with
+    /// [`CloseReason::QueueOverflow`]. The initial sync is never refused, so set this above the
+    /// number of works any one cluster has.
+    pub max_pending_works: usize,
+}
+
+impl Default for HubConfig {
+    fn default() -> Self {
+        Self {
+            heartbeat_interval: DEFAULT_HEARTBEAT_INTERVAL,
+            heartbeat_timeout: DEFAULT_HEARTBEAT_TIMEOUT,
+            hello_timeout: DEFAULT_HELLO_TIMEOUT,
+            max_pending_works: DEFAULT_MAX_PENDING_WORKS,
+        }
+    }
+}
+
+/// What the gateway's driver must act on, from [`HubSession::poll_event`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum HubEvent {
+    /// The agent's hello was accepted and `Welcome` is queued. The driver now looks up the
+    /// cluster's desired state and calls [`HubSession::begin_sync`]. `hello.held` is what the
+    /// agent holds durably; `hello.claims` and `hello.kubernetes_version` belong in the
+    /// ManagedCluster's status.
+    Established {
+        /// The agent's hello, as received.
+        hello: wire::Hello,
+    },
+    /// A heartbeat arrived: keep the cluster Available. At most one per heartbeat interval;
+    /// with a live agent the gap between two is under two intervals.
+    Alive {
+        /// When the heartbeat was handled.
+        at: Instant,
+    },
+    /// The agent has made this generation of the work durable.
+    WorkAcked {
+        /// The work's uid.
+        uid: String,
+        /// The generation the agent stored.
+        generation: i64,
+        /// Whether this is the generation this session last sent for the uid (or the agent
+        /// already held at hello). `false` for an ack overtaken by a newer update, or for a uid
+        /// this session never sent: the driver should not record those as applied.
+        current: bool,
+    },
+    /// The agent reported status for a work. The driver stores it (dropping it if `seq` is not
+    /// newer than what it has) and then calls [`HubSession::ack_status`]. The driver must check
+    /// that the uid belongs to this session's cluster: a session writes only its own objects.
+    StatusReported {
+        /// The work's uid.
+        uid: String,
+        /// The generation the status was computed for (observedGeneration).
+        generation: i64,
+        /// The agent's sequence number for this work's status; newer is larger.
+        seq: u64,
+        /// ManifestWork status (conditions, resourceStatus) as JSON.
+        status_json: Vec<u8>,
+    },
+    /// The session is over. The driver sends what [`HubSession::poll_transmit`] still yields
+    /// (a `Goodbye`, after a drain the `Drain` first), then ends the stream. Events queued
+    /// before this one (acks, statuses) are still valid and worth storing.
+    Closed {
+        /// Why.
+        reason: CloseReason,
+        /// Whether the agent ended it (said goodbye).
+        by_peer: bool,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    AwaitingHello { deadline: Instant },
+    Established,
+    Closed,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sync {
+    /// Established, but the driver has not given the desired state yet: work frames wait.
+    NotStarted,
+    /// The sync's frames are in the queue, followed by the `SyncComplete` marker.
+    Sending {
+        /// Work frames transmitted since the sync began, reported in `SyncComplete.sent`.
+        sent: u32,
+    },
+    Done,
+}
+
+/// What the agent has, as far as this session knows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Delivered {
+    generation: i64,
+    content_hash: String,
+}
+
+/// A key in the work queue. The sync marker sits in the same FIFO so that `SyncComplete` goes
+/// out exactly after every frame the sync queued (and any live change that coalesced into one
+/// of them), and before any live change that came later.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Slot {
+    Work(String),
+    SyncComplete,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Outgoing {
+    Update(wire::WorkUpdate),
+    Delete(wire::WorkDelete),
+    SyncComplete,
+}
+
+/// The gateway's side of one session: a sans-IO state machine.
+///
+/// The driver feeds it frames ([`handle_frame`](Self::handle_frame)) and timer expiries
+/// ([`handle_timeout`](Self::handle_timeout)), and after each call drains
+/// [`poll_transmit`](Self::poll_transmit) (calling it only when the transport can take a frame:
+/// the work queue is where backpressure is meant to land, and where it coalesces) and
+/// [`poll_event`](Self::poll_event), then re-arms its timer at
+/// [`poll_timeout`](Self::poll_timeout).
+#[derive(Debug)]
+pub struct HubSession {
+    config: HubConfig,
+    /// The cluster name from the client certificate: the only identity the session trusts.
+    identity: String,
+    session_id: String,
+    phase: Phase,
+    /// When any frame was last heard; silence past `heartbeat_timeout` from here closes.
+    last_heard: Instant,
+    /// When the last `Alive` was emitted, to keep that event to one per interval however often
+    /// the agent's heartbeats arrive.
+    last_alive: Option<Instant>,
+    /// uid → what the agent holds or will hold once the frames already handed to the transport
+    /// arrive: seeded from the hello, updated as work frames leave. It lets live changes that
+    /// the agent already has be skipped, deletes of works it never got be dropped, and acks be
+    /// judged current.
+    delivered: HashMap<String, Delivered>,
+    sync: Sync,
+    /// Frames that jump the work queue: welcome, heartbeat echoes (they prove liveness and must
+    /// not wait behind a backlog), tunnel requests and the final drain/goodbye.
+    control: VecDeque<wire::HubFrame>,
+    /// uid → highest status seq to acknowledge; coalesced because only the latest matters.
+    status_acks: CoalescingQueue<String, u64>,
+    /// Work updates and deletes coalesced by uid, plus the sync marker.
+    works: CoalescingQueue<Slot, Outgoing>,
+    events: VecDeque<HubEvent>,
+}
+
+impl HubSession {
+    /// A session for a connection that just authenticated as `identity` (the cluster name in
+    /// its client certificate). `session_id` is the driver's unique id for it, sent in
+    /// `Welcome` for logs on both ends. The session waits for the hello until
+    /// `now + config.hello_timeout`.
+    pub fn new(
+        now: Instant,
+        config: HubConfig,
+        identity: impl Into<String>,
+        session_id: impl Into<String>,
+    ) -> Self {
+        Self {
+            config,
+            identity: identity.into(),
+            session_id: session_id.into(),
+            phase: Phase::AwaitingHello {
+                deadline: now + config.hello_timeout,
+            },
+            last_heard: now,
+            last_alive: None,
+            delivered: HashMap::new(),
+            sync: Sync::NotStarted,
+            control: VecDeque::new(),
+            status_acks: CoalescingQueue::default(),
+            works: CoalescingQueue::default(),
+            events: VecDeque::new(),
+        }
+    }
+
+    /// The cluster name from the client certificate.
+    pub fn identity(&self) -> &str {
+        &self.identity
+    }
+
+    /// The id sent in `Welcome`.
+    pub fn session_id(&self) -> &str {
+        &self.session_id
+    }
+
+    /// Whether the hello has been accepted and the session is not closed.
+    pub fn is_established(&self) -> bool {
+        self.phase == Phase::Established
+    }
+
+    /// Whether the initial sync has been fully handed to the transport (`SyncComplete` sent).
+    pub fn is_synced(&self) -> bool {
+        self.sync == Sync::Done
+    }
+
+    /// Whether the session is over. Frames may still wait in
+    /// [`poll_transmit`](Self::poll_transmit) (the goodbye); send them, then end the stream.
+    pub fn is_closed(&self) -> bool {
+        self.phase == Phase::Closed
+    }
+
+    /// Distinct works waiting to be sent (for metrics: a growing number is a slow agent).
+    pub fn pending_works(&self) -> usize {
+        self.works.len() - usize::from(self.works.contains(&Slot::SyncComplete))
+    }
+
+    /// Handles one frame from the agent. Any frame counts as a sign of life.
+    ///
+    /// An `Err` means the frame broke the protocol and the session has closed itself: a
+    /// `Goodbye` naming the problem is queued and [`HubEvent::Closed`] emitted; the error is
+    /// for the driver's log and backoff. Frames after close are ignored.
+    pub fn handle_frame(
+        &mut self,
+        now: Instant,
+        frame: wire::AgentFrame,
+    ) -> Result<(), ProtocolError> {
+        if self.is_closed() {
+            return Ok(());
+        }
+        self.last_heard = now;
+        // A frame kind from a newer agent decodes as no frame: liveness only.
+        let Some(frame) = frame.frame else {
+            return Ok(());
+        };
+        match (self.phase, frame) {
+            (Phase::AwaitingHello { .. }, agent_frame::Frame::Hello(hello)) => self.on_hello(hello),
+            (_, agent_frame::Frame::Goodbye(goodbye)) => {
+                self.close_with(CloseReason::PeerGoodbye(goodbye.reason), true);
+                Ok(())
+            }
+            (Phase::AwaitingHello { .. }, other) => self.fail(ProtocolError::UnexpectedFrame {
+                frame: agent_frame_name(&other),
+                state: "waiting for hello",
+            }),
+            (Phase::Established, agent_frame::Frame::Hello(_)) => {
+                self.fail(ProtocolError::UnexpectedFrame {
+                    frame: "Hello",
+                    state: "established",
+                })
+            }
+            (Phase::Established, agent_frame::Frame::Heartbeat(hb)) => {
+                self.queue_heartbeat_echo(hb.seq);
+                if self
+                    .last_alive
+                    .is_none_or(|t| now >= t + self.config.heartbeat_interval)
+                {
+                    self.last_alive = Some(now);
+                    self.events.push_back(HubEvent::Alive { at: now });
+                }
+                Ok(())
+            }
+            (Phase::Established, agent_frame::Frame::WorkAck(ack)) => {
+                let current = self
+                    .delivered
+                    .get(&ack.uid)
+                    .is_some_and(|d| d.generation == ack.generation);
+                self.events.push_back(HubEvent::WorkAcked {
+                    uid: ack.uid,
+                    generation: ack.generation,
+                    current,
+                });
+                Ok(())
+            }
+            (Phase::Established, agent_frame::Frame::WorkStatus(status)) => {
+                self.events.push_back(HubEvent::StatusReported {
+                    uid: status.uid,
+                    generation: status.generation,
+                    seq: status.seq,
+                    status_json: status.status_json,
+                });
+                Ok(())
+            }
+            (Phase::Closed, _) => Ok(()),
+        }
+    }
+
+    /// Handles the timer armed from [`poll_timeout`](Self::poll_timeout): closes the session
+    /// if the hello or the agent's heartbeats are overdue. Calling it early does nothing.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        match self.phase {
+            Phase::AwaitingHello { deadline } if now >= deadline => {
+                self.close_with(
+                    CloseReason::HandshakeTimeout {
+                        waited: self.config.hello_timeout,
+                    },
+                    false,
+                );
+            }
+            Phase::Established if now >= self.last_heard + self.config.heartbeat_timeout => {
+                self.close_with(
+                    CloseReason::HeartbeatTimeout {
+                        silent_for: self.config.heartbeat_timeout,
+                    },
+                    false,
+                );
+            }
+            _ => {}
+        }
+    }
+
+    /// When to call [`handle_timeout`](Self::handle_timeout) next; `None` once closed.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        match self.phase {
+            Phase::AwaitingHello { deadline } => Some(deadline),
+            Phase::Established => Some(self.last_heard + self.config.heartbeat_timeout),
+            Phase::Closed => None,
+        }
+    }
+
+    /// The next frame to send. Control frames (welcome, heartbeat echoes, tunnel requests)
+    /// go first, then status acks, then work in the order each work was first queued. Work
+    /// waits until [`begin_sync`](Self::begin_sync) has been called.
+    pub fn poll_transmit(&mut self) -> Option<wire::HubFrame> {
+        if let Some(frame) = self.control.pop_front() {
+            return Some(frame);
+        }
+        if self.phase != Phase::Established {
+            return None;
+        }
+        if let Some((uid, seq)) = self.status_acks.pop() {
+            return Some(hub(hub_frame::Frame::StatusAck(wire::StatusAck {
+                uid,
+                seq,
+            })));
+        }
+        if self.sync == Sync::NotStarted {
+            return None;
+        }
+        let (_, outgoing) = self.works.pop()?;
+        let frame = match outgoing {
+            Outgoing::Update(update) => {
+                self.delivered.insert(
+                    update.uid.clone(),
+                    Delivered {
+                        generation: update.generation,
+                        content_hash: update.content_hash.clone(),
+                    },
+                );
+                hub_frame::Frame::WorkUpdate(update)
+            }
+            Outgoing::Delete(delete) => {
+                self.delivered.remove(&delete.uid);
+                hub_frame::Frame::WorkDelete(delete)
+            }
+            Outgoing::SyncComplete => {
+                let sent = match self.sync {
+                    Sync::Sending { sent } => sent,
+                    Sync::NotStarted | Sync::Done => 0,
+                };
+                self.sync = Sync::Done;
+                return Some(hub(hub_frame::Frame::SyncComplete(wire::SyncComplete {
+                    sent,
+                })));
+            }
+        };
+        if let Sync::Sending { sent } = &mut self.sync {
+            *sent = sent.saturating_add(1);
+        }
+        Some(hub(frame))
+    }
+
+    /// The next event for the driver, in the order they happened.
+    pub fn poll_event(&mut self) -> Option<HubEvent> {
+        self.events.pop_front()
+    }
+
+    /// Gives the session the cluster's whole desired state, once, after
+    /// [`HubEvent::Established`]. Queues a `WorkUpdate` for every work the agent does not hold
+    /// at that generation and content hash, a `WorkDelete` for every work it holds that is no
+    /// longer desired, then `SyncComplete`; an agent that is up to date receives only
+    /// `SyncComplete { sent: 0 }`.
+    ///
+    /// The snapshot may be taken after the `Established` event while live changes are already
+    /// being passed to [`upsert_work`](Self::upsert_work) and
+    /// [`delete_work`](Self::delete_work): a change queued before this call is taken to be
+    /// newer than the snapshot (a pending delete stays; of two updates the higher generation
+    /// wins). Ignored before the hello, after close, and when a sync has already begun.
+    pub fn begin_sync(&mut self, desired: impl IntoIterator<Item = DesiredWork>) {
+        if self.phase != Phase::Established || self.sync != Sync::NotStarted {
+            return;
+        }
+        let mut wanted = HashSet::new();
+        for work in desired {
+            wanted.insert(work.uid.clone());
+            self.queue_update(work, true);
+        }
+        let gone: Vec<String> = self
+            .delivered
+            .keys()
+            .filter(|uid| !wanted.contains(*uid))
+            .filter(|uid| !self.works.contains(&Slot::Work((*uid).clone())))
+            .cloned()
+            .collect();
+        for uid in gone {
+            // The hello carries only uids; the agent keys its cache by uid, so namespace and
+            // name are left empty rather than guessed.
+            self.works.put(
+                Slot::Work(uid.clone()),
+                Outgoing::Delete(wire::WorkDelete {
+                    uid,
+                    namespace: String::new(),
+                    name: String::new(),
+                }),
+            );
+        }
+        self.sync = Sync::Sending { sent: 0 };
+        self.works.put(Slot::SyncComplete, Outgoing::SyncComplete);
+    }
+
+    /// Queues the new desired state of one work (a live change). Skipped if the agent already
+    /// has exactly this generation and content; coalesces with a pending frame for the same
+    /// uid (a lower generation than the pending update is stale and dropped; an update
+    /// replaces a pending delete). If the queue is full the session closes with
+    /// [`CloseReason::QueueOverflow`]. Ignored before [`HubEvent::Established`] (the sync
+    /// snapshot covers it) and after close.
+    pub fn upsert_work(&mut self, work: DesiredWork) {
+        if self.phase == Phase::Established {
+            self.queue_update(work, false);
+        }
+    }
+
+    /// Queues the removal of one work (a live change). A pending update for it is dropped; if
+    /// the agent never received the work, nothing is sent. Same queue bound and lifecycle rules
+    /// as [`upsert_work`](Self::upsert_work).
+    pub fn delete_work(
+        &mut self,
+        uid: impl Into<String>,
+        namespace: impl Into<String>,
+        name: impl Into<String>,
+    ) {
+        if self.phase != Phase::Established {
+            return;
+        }
+        let uid = uid.into();
+        let key = Slot::Work(uid.clone());
+        if !self.delivered.contains_key(&uid) {
+            // The agent never got it (or its delete is already sent): drop any pending update.
+            self.works.remove(&key);
+            return;
+        }
+        if !self.works.contains(&key) && !self.has_room() {
+            return self.overflow();
+        }
+        let delete = wire::WorkDelete {
+            uid,
+            namespace: namespace.into(),
+            name: name.into(),
+        };
+        self.works.put(key, Outgoing::Delete(delete));
+    }
+
+    /// Acknowledges the agent's status for `uid` up to `seq` once the driver has stored it, so
+    /// the agent can drop it from its outbox. Coalesced per uid (the highest seq wins).
+    pub fn ack_status(&mut self, uid: impl Into<String>, seq: u64) {
+        if self.phase != Phase::Established {
+            return;
+        }
+        let uid = uid.into();
+        let seq = self.status_acks.get(&uid).map_or(seq, |&s| s.max(seq));
+        self.status_acks.put(uid, seq);
+    }
+
+    /// Asks the agent to open tunnel stream `id` (a kubectl request routed to this cluster).
+    /// Ignored unless established.
+    pub fn open_tunnel(&mut self, id: impl Into<String>) {
+        if self.phase == Phase::Established {
+            self.control
+                .push_back(hub(hub_frame::Frame::OpenTunnel(wire::OpenTunnel {
+                    id: id.into(),
+                })));
+        }
+    }
+
+    /// Ends the session on purpose, telling the agent to come back after `retry_after` (which
+    /// the gateway spreads across its agents). Queues `Drain` then `Goodbye`, drops pending
+    /// work (the agent resumes it elsewhere) and emits [`HubEvent::Closed`] with
+    /// [`CloseReason::Drained`]. Usable before the hello too, to refuse an agent during
+    /// admission.
+    pub fn drain(&mut self, retry_after: Duration, reason: impl Into<String>) {
+        if self.is_closed() {
+            return;
+        }
+        let reason = reason.into();
+        self.close_with(
+            CloseReason::Drained {
+                retry_after,
+                reason: reason.clone(),
+            },
+            false,
+        );
+        self.control
+            .push_front(hub(hub_frame::Frame::Drain(wire::Drain {
+                retry_after_ms: duration_ms(retry_after),
+                reason,
+            })));
+    }
+
+    /// Ends the session for a local reason (the cluster was denied or deleted, the gateway lost
+    /// the shard): queues a `Goodbye` with it and emits [`HubEvent::Closed`].
+    pub fn close(&mut self, reason: impl Into<String>) {
+        self.close_with(CloseReason::Local(reason.into()), false);
+    }
+
+    fn on_hello(&mut self, hello: wire::Hello) -> Result<(), ProtocolError> {
+        if hello.protocol_version != PROTOCOL_VERSION {
+            return self.fail(ProtocolError::ProtocolVersion {
+                got: hello.protocol_version,
+                ours: PROTOCOL_VERSION,
+            });
+        }
+        if hello.cluster_name != self.identity {
+            return self.fail(ProtocolError::IdentityMismatch {
+                cert: self.identity.clone(),
+                hello: hello.cluster_name,
+            });
+        }
+        self.delivered = hello
+            .held
+            .iter()
+            .map(|h| {
+                let held = Delivered {
+                    generation: h.generation,
+                    content_hash: h.content_hash.clone(),
+                };
+                (h.uid.clone(), held)
+            })
+            .collect();
+        self.phase = Phase::Established;
+        self.control
+            .push_back(hub(hub_frame::Frame::Welcome(wire::Welcome {
+                protocol_version: PROTOCOL_VERSION,
+                session_id: self.session_id.clone(),
+                heartbeat_interval_ms: duration_ms(self.config.heartbeat_interval),
+                heartbeat_timeout_ms: duration_ms(self.config.heartbeat_timeout),
+            })));
+        self.events.push_back(HubEvent::Established { hello });
+        Ok(())
+    }
+
+    /// `from_snapshot`: the work comes from `begin_sync`, so a change already pending for its
+    /// uid is newer and a pending delete must survive.
+    fn queue_update(&mut self, work: DesiredWork, from_snapshot: bool) {
+        let key = Slot::Work(work.uid.clone());
+        let agent_has_it = self.delivered.get(&work.uid).is_some_and(|d| {
+            d.generation == work.generation && d.content_hash == work.content_hash
+        });
+        match self.works.get(&key) {
+            Some(Outgoing::Update(pending)) if work.generation < pending.generation => {}
+            Some(Outgoing::Delete(_)) if from_snapshot => {}
+            Some(_) if agent_has_it => {
+                self.works.remove(&key);
+            }
+            Some(_) => self.works.put(key, Outgoing::Update(work)),
+            None if agent_has_it => {}
+            None if !from_snapshot && !self.has_room() => self.overflow(),
+            None => self.works.put(key, Outgoing::Update(work)),
+        }
+    }
+
+    fn has_room(&self) -> bool {
+        self.pending_works() < self.config.max_pending_works
+    }
+
+    fn overflow(&mut self) {
+        self.close_with(
+            CloseReason::QueueOverflow {
+                limit: self.config.max_pending_works,
+            },
+            false,
+        );
+    }
+
+    fn queue_heartbeat_echo(&mut self, seq: u64) {
+        // One echo waiting is enough: a newer seq proves as much as the older one.
+        for frame in &mut self.control {
+            if let Some(hub_frame::Frame::Heartbeat(hb)) = &mut frame.frame {
+                hb.seq = seq;
+                return;
+            }
+        }
+        self.control
+            .push_back(hub(hub_frame::Frame::Heartbeat(wire::Heartbeat { seq })));
+    }
+
+    fn fail(&mut self, error: ProtocolError) -> Result<(), ProtocolError> {
+        self.close_with(error.clone().into(), false);
+        Err(error)
+    }
+
+    fn close_with(&mut self, reason: CloseReason, by_peer: bool) {
+        if self.is_closed() {
+            return;
+        }
+        self.phase = Phase::Closed;
+        // Pending work is dropped, not flushed: the next session resumes from what the agent
+        // holds, so nothing is lost and a closing session sends no more than it must.
+        self.control.clear();
+        self.status_acks.clear();
+        self.works.clear();
+        if !by_peer {
+            self.control
+                .push_back(hub(hub_frame::Frame::Goodbye(wire::Goodbye {
+                    reason: reason.to_string(),
+                })));
+        }
+        self.events.push_back(HubEvent::Closed { reason, by_peer });
+    }
+}
+
+fn hub(frame: hub_frame::Frame) -> wire::HubFrame {
+    wire::HubFrame { frame: Some(frame) }
+}
+
+fn agent_frame_name(frame: &agent_frame::Frame) -> &'static str {
+    match frame {
+        agent_frame::Frame::Hello(_) => "Hello",
+        agent_frame::Frame::Heartbeat(_) => "Heartbeat",
+        agent_frame::Frame::WorkAck(_) => "WorkAck",
+        agent_frame::Frame::WorkStatus(_) => "WorkStatus",
+        agent_frame::Frame::Goodbye(_) => "Goodbye",
+    }
+}

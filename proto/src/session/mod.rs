@@ -1,0 +1,56 @@
+//! The session protocol as sans-IO state machines, in the manner of `quinn-proto`.
+//!
+//! One session per agent, dialled out by the agent. [`AgentSession`] and [`HubSession`] are the
+//! two ends; they share nothing but frames ([`crate::wire::AgentFrame`] and
+//! [`crate::wire::HubFrame`]). Neither opens a socket or reads a clock: a driver loop per
+//! session, in the gateway and in the agent, does
+//!
+//! 1. feed input: `handle_frame(now, frame)` for each frame read, `handle_timeout(now)` when
+//!    the timer fires, and the driver's own calls (`begin_sync`, `upsert_work`, `ack_work`,
+//!    `report_status`, `drain`, `close`, ..);
+//! 2. write `poll_transmit()` frames to the stream while it accepts them;
+//! 3. act on `poll_event()` events;
+//! 4. arm its timer at `poll_timeout()`; once `is_closed()` and nothing is left to transmit,
+//!    end the stream.
+//!
+//! The protocol, in order: the agent's `Hello` carries what it holds durably; the hub checks
+//! the version and that the hello's cluster is the certificate's, answers `Welcome`, and after
+//! [`HubSession::begin_sync`] sends only what differs, then `SyncComplete`. Live changes follow,
+//! coalesced per work in a bounded queue, so a slow agent costs a bounded amount of memory and
+//! never stalls others; when the bound is hit the session closes and the agent's resume
+//! repairs everything, which is safe because delivery is level-triggered. The agent acks what
+//! it made durable and reports status; the hub acks stored status. The agent heartbeats, the
+//! hub echoes, and either side closes after hearing nothing for the heartbeat timeout. A
+//! draining gateway sends `Drain` with a retry-after, which [`Backoff`] honours.
+
+mod agent;
+mod backoff;
+mod error;
+mod hub;
+mod queue;
+
+use std::time::Duration;
+
+pub use agent::{AgentConfig, AgentEvent, AgentSession, DEFAULT_WELCOME_TIMEOUT};
+pub use backoff::{
+    Backoff, BackoffConfig, DEFAULT_BACKOFF_INITIAL, DEFAULT_BACKOFF_MAX, DEFAULT_MAX_RETRY_AFTER,
+    DEFAULT_STABLE_AFTER, DEFAULT_STARTUP_JITTER, Jitter,
+};
+pub use error::{CloseReason, ProtocolError};
+pub use hub::{
+    DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_HELLO_TIMEOUT,
+    DEFAULT_MAX_PENDING_WORKS, HubConfig, HubEvent, HubSession,
+};
+
+/// The desired state of one ManifestWork for the cluster, as the gateway hands it to
+/// [`HubSession::begin_sync`] and [`HubSession::upsert_work`]. It is exactly the `WorkUpdate`
+/// frame that carries it, so nothing is copied on the way out.
+pub type DesiredWork = crate::wire::WorkUpdate;
+
+/// What the agent holds durably, one entry per work, for [`AgentSession::new`].
+pub type HeldWork = crate::wire::HeldWork;
+
+/// Milliseconds for a `u32` wire field, saturating: 49 days is beyond any interval we send.
+fn duration_ms(d: Duration) -> u32 {
+    u32::try_from(d.as_millis()).unwrap_or(u32::MAX)
+}

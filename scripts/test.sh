@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The one test command (README, .ci/run): installs and builds everything it needs on a fresh
+# machine, then checks formatting, lints, dependencies, and runs every test, including the ones
+# against a real kube-apiserver and etcd.
+#
+# Build outputs are cached outside the clone so repeated runs are fast; nothing depends on the
+# caches existing:
+#   CARGO_TARGET_DIR        default $HOME/.cache/flotilla/target
+#   FLOTILLA_TESTENV_BIN    default $HOME/.cache/flotilla/testenv/<versions> (deploy/testenv/build.sh)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+root=$(pwd)
+
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/flotilla/target}
+export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
+export CARGO_NET_RETRY=${CARGO_NET_RETRY:-5}
+cache=$HOME/.cache/flotilla
+mkdir -p "$cache"
+
+step() { printf '\n==> %s (%s)\n' "$*" "$(date +%H:%M:%S)"; }
+
+step "toolchain"
+for tool in cargo go kubectl; do
+  command -v "$tool" >/dev/null || { echo "missing $tool: install it (README, 'What a machine needs')" >&2; exit 1; }
+done
+cargo fmt --version >/dev/null 2>&1 || rustup component add rustfmt
+cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
+if ! command -v cargo-deny >/dev/null; then
+  step "installing cargo-deny"
+  cargo install --locked cargo-deny@0.20.2 2>&1 | tail -n 3
+fi
+
+step "test kube-apiserver and etcd"
+FLOTILLA_TESTENV_BIN=$(deploy/testenv/build.sh | tail -n 1)
+export FLOTILLA_TESTENV_BIN
+
+step "format"
+cargo fmt --all --check
+
+step "fetch"
+cargo fetch --locked
+
+step "dependencies (cargo deny)"
+if [ -d "$root/../shared/advisory-db" ]; then
+  # A snapshot of the RustSec database for machines that cannot fetch it.
+  "$root/../shared/advisory-db/prepare.sh" "$cache/advisory-db" >/dev/null
+else
+  cargo deny fetch db
+fi
+cargo deny --offline check --config deny.toml
+
+step "clippy"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+step "build"
+cargo build --workspace --bins --locked
+
+step "tests"
+cargo test --workspace --locked --no-fail-fast -- --test-threads="${FLOTILLA_TEST_THREADS:-4}"
+
+step "no stray test processes"
+strays=$(pgrep -a -f "$FLOTILLA_TESTENV_BIN/(kube-apiserver|etcd)|$CARGO_TARGET_DIR/debug/flotilla-(hub|agent)" || true)
+if [ -n "$strays" ]; then
+  echo "test processes left behind:" >&2
+  echo "$strays" >&2
+  exit 1
+fi
+echo "all checks passed"

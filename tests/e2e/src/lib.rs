@@ -1,0 +1,213 @@
+//! Helpers for end-to-end tests: flotilla's real binaries as child processes, their logs in
+//! files, and waiting on conditions with deadlines.
+//!
+//! Not for: anything but tests. The binaries must be built first (`cargo build --workspace
+//! --bins`, which the README's test command does).
+#![forbid(unsafe_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde_json::Value;
+use tokio::time::Instant;
+
+/// Path of a workspace binary next to the running test (target/<profile>/<name>).
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe.parent().and_then(Path::parent).expect("target/<profile>/deps");
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build the binaries first with `cargo build --workspace --bins`",
+        path.display()
+    );
+    path
+}
+
+/// Waits until `check` returns `Some`, polling every 50 ms, failing after `timeout` with the
+/// last observation. This is how tests wait: on the condition, with a deadline.
+pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = anyhow::Result<Option<T>>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        let last = match check().await {
+            Ok(Some(v)) => return Ok(v),
+            Ok(None) => "condition not met".to_string(),
+            Err(e) => format!("{e:#}"),
+        };
+        if Instant::now() >= deadline {
+            bail!("timed out after {timeout:?} waiting for {what}; last: {last}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A child process that is killed and reaped when dropped, with its stderr in a file.
+pub struct Proc {
+    child: Option<Child>,
+    log: PathBuf,
+    name: String,
+}
+
+impl Proc {
+    pub fn spawn(name: &str, mut cmd: Command, log: PathBuf) -> anyhow::Result<Proc> {
+        let file = std::fs::File::create(&log)?;
+        cmd.stdout(Stdio::null()).stderr(file).stdin(Stdio::null());
+        let child = cmd.spawn().with_context(|| format!("starting {name}"))?;
+        Ok(Proc { child: Some(child), log, name: name.to_string() })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
+    /// Sends a real signal and reaps the process.
+    pub fn signal_and_wait(&mut self, signal: Signal) {
+        if let Some(mut child) = self.child.take() {
+            let _ = kill(Pid::from_raw(child.id() as i32), signal);
+            let _ = child.wait();
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn log_path(&self) -> &Path {
+        &self.log
+    }
+
+    /// Whether the process is still running.
+    pub fn alive(&mut self) -> bool {
+        self.child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if self.child.is_some() {
+            if std::thread::panicking() {
+                eprintln!("--- log of {} ---\n{}", self.name, self.log());
+            }
+            self.signal_and_wait(Signal::SIGKILL);
+        }
+    }
+}
+
+/// Flags that make a hub notice things in test time rather than production time.
+pub const FAST_HEALTH: &[&str] = &[
+    "--heartbeat-interval=200ms",
+    "--heartbeat-timeout=1s",
+    "--grace-period=2s",
+];
+
+/// A `flotilla-hub` process with its own data dir and ephemeral ports.
+pub struct Hub {
+    pub proc: Proc,
+    pub data_dir: PathBuf,
+    pub agents_addr: String,
+    pub api_addr: String,
+}
+
+impl Hub {
+    /// Starts a hub on the sled store (`extra` adds flags, e.g. `--store kube`).
+    pub async fn start(dir: &Path, extra: &[&str]) -> anyhow::Result<Hub> {
+        let data_dir = dir.join("hub-data");
+        let mut cmd = Command::new(bin("flotilla-hub"));
+        cmd.arg("--data-dir")
+            .arg(&data_dir)
+            .args(["--listen=127.0.0.1:0", "--api-listen=127.0.0.1:0"])
+            .args(FAST_HEALTH)
+            .args(extra)
+            .env("RUST_LOG", "info,flotilla_gateway=debug");
+        let _ = std::fs::remove_file(data_dir.join("listen.json"));
+        let mut proc = Proc::spawn("flotilla-hub", cmd, dir.join("hub.log"))?;
+        let listen_path = data_dir.join("listen.json");
+        let listen: Value = wait_for("the hub to listen", Duration::from_secs(30), || {
+            let alive = proc.alive();
+            let path = listen_path.clone();
+            async move {
+                if !alive {
+                    bail!("flotilla-hub exited");
+                }
+                Ok(std::fs::read_to_string(&path).ok().and_then(|t| serde_json::from_str(&t).ok()))
+            }
+        })
+        .await
+        .with_context(|| format!("hub log:\n{}", proc.log()))?;
+        Ok(Hub {
+            proc,
+            data_dir,
+            agents_addr: listen["agents"].as_str().unwrap_or_default().to_string(),
+            api_addr: listen["api"].as_str().unwrap_or_default().to_string(),
+        })
+    }
+
+    /// Issues an agent certificate for `cluster` into `out` with `flotilla-hub dev-cert`.
+    pub fn dev_cert(&self, cluster: &str, out: &Path) -> anyhow::Result<()> {
+        let output = Command::new(bin("flotilla-hub"))
+            .arg("dev-cert")
+            .arg("--data-dir")
+            .arg(&self.data_dir)
+            .args(["--cluster", cluster])
+            .arg("--out")
+            .arg(out)
+            .output()?;
+        anyhow::ensure!(output.status.success(), "dev-cert failed: {}", String::from_utf8_lossy(&output.stderr));
+        Ok(())
+    }
+
+    /// Runs the real `flotilla` CLI against this hub.
+    pub fn cli(&self, args: &[&str]) -> anyhow::Result<Output> {
+        Ok(Command::new(bin("flotilla"))
+            .env("FLOTILLA_CONFIG", self.data_dir.join("operator/config.yaml"))
+            .args(args)
+            .output()?)
+    }
+
+    /// `flotilla get clusters -o json`, parsed.
+    pub fn clusters(&self) -> anyhow::Result<Vec<Value>> {
+        let out = self.cli(&["get", "clusters", "-o", "json"])?;
+        anyhow::ensure!(out.status.success(), "flotilla get clusters failed: {}", String::from_utf8_lossy(&out.stderr));
+        let list: Value = serde_json::from_slice(&out.stdout)?;
+        Ok(list["items"].as_array().cloned().unwrap_or_default())
+    }
+
+    /// Status of a condition of a managed cluster as the CLI shows it ("True", "Unknown", ...).
+    pub fn cluster_condition(&self, cluster: &str, condition: &str) -> anyhow::Result<Option<String>> {
+        Ok(self
+            .clusters()?
+            .iter()
+            .find(|c| c["metadata"]["name"] == cluster)
+            .and_then(|c| condition_status(c, condition)))
+    }
+}
+
+/// Status string of condition `t` in an object's status.conditions.
+pub fn condition_status(obj: &Value, t: &str) -> Option<String> {
+    obj["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == t)?["status"]
+        .as_str()
+        .map(str::to_string)
+}
+
+/// Starts `flotilla-agent run` for `cluster` with the certificates in `cert_dir`.
+pub fn start_agent(dir: &Path, hub: &Hub, cluster: &str, cert_dir: &Path) -> anyhow::Result<Proc> {
+    let mut cmd = Command::new(bin("flotilla-agent"));
+    cmd.arg("run")
+        .args(["--hub", &hub.agents_addr, "--server-name", "localhost", "--cluster-name", cluster])
+        .arg("--cert-dir")
+        .arg(cert_dir)
+        .args(["--initial-jitter=0s", "--max-backoff=1s", "--kubernetes-version=v1.36.3"])
+        .env("RUST_LOG", "info");
+    Proc::spawn("flotilla-agent", cmd, dir.join(format!("agent-{cluster}.log")))
+}
