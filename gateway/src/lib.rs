@@ -7,9 +7,13 @@
 //! agents reconnect elsewhere.
 #![forbid(unsafe_code)]
 
+pub mod desired;
 pub mod health;
 pub mod identity;
+pub mod mailbox;
+pub mod registry;
 mod server;
+pub mod statuses;
 pub mod tls;
 
 pub use server::{Gateway, GatewayConfig, GatewayError};

@@ -1,6 +1,5 @@
 //! The `Fleet` gRPC service and one driver task per session.
 
-use std::collections::HashMap;
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -12,13 +11,17 @@ use flotilla_proto::wire::fleet_server::{Fleet, FleetServer};
 use flotilla_proto::wire::{AgentFrame, HubFrame, TunnelFrame};
 use flotilla_store::Store;
 use futures::Stream;
-use tokio::sync::{Mutex, mpsc, oneshot};
+use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{Instrument, debug, info, info_span, warn};
 
+use crate::desired::DesiredState;
 use crate::health::HealthTracker;
+use crate::mailbox::{Mailbox, WorkChange};
+use crate::registry::{Registry, SessionHandle};
+use crate::statuses::StatusWriter;
 use crate::identity::Peer;
 use crate::tls::{AuthenticatedConn, ConnInfo};
 
@@ -37,6 +40,8 @@ pub struct GatewayConfig {
     pub session_queue_bound: usize,
     /// Frames buffered between a session's driver and its HTTP/2 stream.
     pub send_buffer: usize,
+    /// Budget of work-status writes to the store, per second, for the whole gateway.
+    pub status_writes_per_second: u32,
 }
 
 impl Default for GatewayConfig {
@@ -49,6 +54,7 @@ impl Default for GatewayConfig {
             max_frame_bytes: 4 * 1024 * 1024,
             session_queue_bound: 4096,
             send_buffer: 32,
+            status_writes_per_second: 500,
         }
     }
 }
@@ -68,51 +74,79 @@ pub struct Gateway {
 }
 
 struct Shared {
+    store: Arc<dyn Store>,
     config: GatewayConfig,
     health: Arc<HealthTracker>,
-    /// The live session of each cluster, by the way to end it. A newer session for the same
-    /// cluster replaces the older one (the agent restarted, or its old TCP connection is a
-    /// zombie the agent gave up on).
-    sessions: Mutex<HashMap<String, (String, oneshot::Sender<String>)>>,
+    registry: Arc<Registry>,
+    desired: Arc<DesiredState>,
+    statuses: Arc<StatusWriter>,
     next_session: AtomicU64,
 }
 
 impl Gateway {
     pub fn new(store: Arc<dyn Store>, config: GatewayConfig) -> Gateway {
         let health = HealthTracker::new(store.clone(), config.grace_period);
+        let statuses = StatusWriter::new(config.status_writes_per_second);
         Gateway {
             shared: Arc::new(Shared {
+                store,
                 config,
                 health,
-                sessions: Mutex::new(HashMap::new()),
+                registry: Arc::new(Registry::default()),
+                desired: DesiredState::new(),
+                statuses,
                 next_session: AtomicU64::new(1),
             }),
         }
     }
 
-    /// Serves sessions on the authenticated connections until `shutdown` completes.
+    /// Serves sessions on the authenticated connections until `shutdown` completes, with the
+    /// watch cache and the status writer running beside them.
     pub async fn serve(
         self,
         conns: mpsc::Receiver<io::Result<AuthenticatedConn>>,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), GatewayError> {
-        let max = self.shared.config.max_frame_bytes;
-        let keepalive = self.shared.config.heartbeat_interval;
+        let shared = self.shared.clone();
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let desired = tokio::spawn(shared.desired.clone().run(
+            shared.store.clone(),
+            shared.registry.clone(),
+            stop_rx.clone(),
+        ));
+        let statuses = tokio::spawn(shared.statuses.clone().run(
+            shared.store.clone(),
+            shared.registry.clone(),
+            stop_rx,
+        ));
+        let max = shared.config.max_frame_bytes;
+        let keepalive = shared.config.heartbeat_interval;
         let service = FleetServer::new(self)
             .max_decoding_message_size(max)
             .max_encoding_message_size(max);
-        tonic::transport::Server::builder()
+        let served = tonic::transport::Server::builder()
             // HTTP/2 pings find dead TCP connections even when the protocol is idle.
             .http2_keepalive_interval(Some(keepalive))
             .add_service(service)
-            .serve_with_incoming_shutdown(ReceiverStream::new(conns), shutdown)
-            .await?;
+            .serve_with_incoming_shutdown(ReceiverStream::new(conns), async {
+                shutdown.await;
+                // Say goodbye on every session so agents reconnect at once elsewhere rather
+                // than wait for a heartbeat timeout.
+                for h in shared.registry.all().await {
+                    h.mailbox.close("gateway shutting down").await;
+                }
+            })
+            .await;
+        let _ = stop_tx.send(true);
+        let _ = desired.await;
+        let _ = statuses.await;
+        served?;
         Ok(())
     }
 
     /// Number of live sessions.
     pub async fn session_count(&self) -> usize {
-        self.shared.sessions.lock().await.len()
+        self.shared.registry.len().await
     }
 }
 
@@ -181,10 +215,7 @@ async fn drive(
         cluster.clone(),
         session_id.clone(),
     );
-    // Lets a newer session of the same cluster (or shutdown) end this one.
-    let (close_tx, mut close_rx) = oneshot::channel::<String>();
-    let mut close_tx = Some(close_tx);
-    let mut close_rx_done = false;
+    let mailbox = Arc::new(Mailbox::default());
     let mut established = false;
     // The status sent to the agent when the transport itself fails (oversized frame, reset).
     let mut transport_error: Option<Status> = None;
@@ -198,28 +229,37 @@ async fn drive(
         }
         while let Some(event) = machine.poll_event() {
             match event {
-                HubEvent::Established { hello, .. } => {
+                HubEvent::Established { hello } => {
                     established = true;
-                    if let Some(tx) = close_tx.take() {
-                        let older = shared
-                            .sessions
-                            .lock()
-                            .await
-                            .insert(cluster.clone(), (session_id.clone(), tx));
-                        if let Some((older_id, older_tx)) = older {
-                            info!(older = %older_id, "replacing the cluster's older session");
-                            let _ = older_tx
-                                .send("replaced by a newer session of the same cluster".into());
-                        }
+                    // Register before taking the snapshot: a change that lands in between
+                    // reaches the mailbox, and the machine treats it as newer than the snapshot.
+                    let handle = SessionHandle { session_id: session_id.clone(), mailbox: mailbox.clone() };
+                    if let Some(older) = shared.registry.register(&cluster, handle).await {
+                        info!(older = %older.session_id, "replacing the cluster's older session");
+                        older.mailbox.close("replaced by a newer session of the same cluster").await;
                     }
                     info!(agent_version = %hello.agent_version, held = hello.held.len(), "session established");
                     shared.health.connected(&cluster, &session_id, &hello).await;
-                    machine.begin_sync(Vec::new());
+                    shared.desired.wait_ready().await;
+                    machine.begin_sync(shared.desired.snapshot(&cluster).await);
                 }
-                HubEvent::Closed { reason, .. } => {
-                    info!(%reason, "session closed");
+                HubEvent::StatusReported { uid, generation, seq, status_json } => {
+                    let Some(name) = shared.desired.owned_by(&cluster, &uid).await else {
+                        warn!(work_uid = %uid, "status for a work that is not this cluster's; ignored");
+                        continue;
+                    };
+                    debug!(work = %name, generation, seq, "status reported");
+                    if let Err(e) = shared.statuses.submit(&cluster, &name, &uid, seq, &status_json).await {
+                        warn!(error = %e, "status refused");
+                    }
                 }
-                other => debug!(event = ?other, "session event"),
+                HubEvent::WorkAcked { uid, generation, current } => {
+                    debug!(work_uid = %uid, generation, current, "work durable on the agent");
+                }
+                HubEvent::Closed { reason, by_peer } => {
+                    info!(%reason, by_peer, "session closed");
+                }
+                HubEvent::Alive { .. } => {}
             }
         }
         if machine.is_closed() {
@@ -243,9 +283,18 @@ async fn drive(
                 }
             },
             _ = sleep_until(deadline) => machine.handle_timeout(Instant::now()),
-            reason = &mut close_rx, if !close_rx_done => {
-                close_rx_done = true;
-                if let Ok(reason) = reason {
+            _ = mailbox.ready(), if established => {
+                let delivery = mailbox.take().await;
+                for change in delivery.works {
+                    match change {
+                        WorkChange::Upsert(work) => machine.upsert_work(work),
+                        WorkChange::Delete { uid, namespace, name } => machine.delete_work(uid, namespace, name),
+                    }
+                }
+                for (uid, seq) in delivery.status_acks {
+                    machine.ack_status(uid, seq);
+                }
+                if let Some(reason) = delivery.close {
                     machine.close(reason);
                 }
             }
@@ -259,11 +308,7 @@ async fn drive(
         let _ = out.send(Err(status)).await;
     }
     if established {
-        let mut sessions = shared.sessions.lock().await;
-        if sessions.get(&cluster).is_some_and(|(id, _)| *id == session_id) {
-            sessions.remove(&cluster);
-        }
-        drop(sessions);
+        shared.registry.unregister(&cluster, &session_id).await;
         shared.health.disconnected(&cluster, &session_id).await;
     }
 }

@@ -2,7 +2,6 @@
 //! operator's client certificate.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use anyhow::{Context, anyhow, bail};
 use http_body_util::{BodyExt, Full};
@@ -80,6 +79,18 @@ impl OperatorClient {
     /// GET `path` and return the JSON body; a non-2xx answer becomes an error carrying the
     /// server's message.
     pub async fn get_json(&self, path: &str) -> anyhow::Result<serde_json::Value> {
+        self.request(http::Method::GET, path, None).await.map(|(_, v)| v)
+    }
+
+    /// One request; returns the status and JSON body of a 2xx answer, or an error with the
+    /// server's message. `Ok` with a 404/409 status never happens: those are errors too, and
+    /// callers that care match on [`ApiError`].
+    pub async fn request(
+        &self,
+        method: http::Method,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> anyhow::Result<(http::StatusCode, serde_json::Value)> {
         let tcp = TcpStream::connect(&self.authority)
             .await
             .with_context(|| format!("cannot reach the hub's operator API at {}", self.authority))?;
@@ -89,22 +100,35 @@ impl OperatorClient {
         })?;
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await?;
         tokio::spawn(conn);
-        let request = http::Request::get(path)
+        let bytes = match body {
+            Some(b) => serde_json::to_vec(b)?,
+            None => Vec::new(),
+        };
+        let request = http::Request::builder()
+            .method(method)
+            .uri(path)
             .header(http::header::HOST, &self.authority)
             .header(http::header::ACCEPT, "application/json")
-            .body(Full::<bytes::Bytes>::default())?;
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(bytes::Bytes::from(bytes)))?;
         let response = sender.send_request(request).await?;
         let status = response.status();
         let body = response.into_body().collect().await?.to_bytes();
-        let value: serde_json::Value = serde_json::from_slice(&body)
-            .with_context(|| format!("hub answered {status} with a body that is not JSON"))?;
+        let value: serde_json::Value = serde_json::from_slice(&body).unwrap_or_else(|_| {
+            serde_json::json!({ "message": String::from_utf8_lossy(&body).trim().to_string() })
+        });
         if !status.is_success() {
-            let msg = value.get("message").and_then(|m| m.as_str()).unwrap_or("no message");
-            bail!("hub refused: {msg} ({status})");
+            let message = value.get("message").and_then(|m| m.as_str()).unwrap_or("no message");
+            return Err(ApiError { status, message: message.to_string() }.into());
         }
-        Ok(value)
+        Ok((status, value))
     }
 }
 
-/// Keeps `Arc` in the signature stable for callers that share the client.
-pub type SharedClient = Arc<OperatorClient>;
+/// A refusal from the operator API.
+#[derive(Debug, thiserror::Error)]
+#[error("hub refused: {message} ({status})")]
+pub struct ApiError {
+    pub status: http::StatusCode,
+    pub message: String,
+}

@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 pub mod ca;
+pub mod cli;
 pub mod client;
 pub mod config;
 pub mod operator_api;

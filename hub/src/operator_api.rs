@@ -16,7 +16,8 @@ use flotilla_store::{Store, StoreError};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
-use serde_json::json;
+use flotilla_proto::api::{ManifestWork, validate_manifest_work};
+use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tracing::{debug, info};
 
@@ -29,10 +30,21 @@ struct ApiState {
 pub fn router(store: Arc<dyn Store>) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
-        .route("/apis/{group}/{version}/{plural}", get(list_all))
-        .route("/apis/{group}/{version}/namespaces/{ns}/{plural}", get(list_namespaced))
-        .route("/apis/{group}/{version}/{plural}/{name}", get(get_cluster_scoped))
-        .route("/apis/{group}/{version}/namespaces/{ns}/{plural}/{name}", get(get_namespaced))
+        .route("/apis/{group}/{version}/{plural}", get(list_all).post(create_cluster_scoped))
+        .route(
+            "/apis/{group}/{version}/namespaces/{ns}/{plural}",
+            get(list_namespaced).post(create_namespaced),
+        )
+        .route(
+            "/apis/{group}/{version}/{plural}/{name}",
+            get(get_cluster_scoped).put(replace_cluster_scoped).delete(delete_cluster_scoped),
+        )
+        .route(
+            "/apis/{group}/{version}/namespaces/{ns}/{plural}/{name}",
+            get(get_namespaced).put(replace_namespaced).delete(delete_namespaced),
+        )
+        // Bodies beyond the store's object limit (plus JSON slack) are refused before parsing.
+        .layer(axum::extract::DefaultBodyLimit::max(2 * flotilla_store::MAX_OBJECT_BYTES))
         .layer(axum::middleware::from_fn(require_operator))
         .with_state(ApiState { store })
 }
@@ -149,6 +161,141 @@ async fn get_one(
     match s.store.get(kind, ns, name).await {
         Ok(Some(obj)) => Json(obj).into_response(),
         Ok(None) => error(StatusCode::NOT_FOUND, format!("{kind} {} not found", qualified(ns, name))),
+        Err(e) => store_error(e),
+    }
+}
+
+async fn create_cluster_scoped(
+    State(s): State<ApiState>,
+    Path((group, version, plural)): Path<(String, String, String)>,
+    Json(body): Json<Value>,
+) -> Response {
+    write(s, Write::Create, &group, &version, &plural, None, None, body).await
+}
+
+async fn create_namespaced(
+    State(s): State<ApiState>,
+    Path((group, version, ns, plural)): Path<(String, String, String, String)>,
+    Json(body): Json<Value>,
+) -> Response {
+    write(s, Write::Create, &group, &version, &plural, Some(&ns), None, body).await
+}
+
+async fn replace_cluster_scoped(
+    State(s): State<ApiState>,
+    Path((group, version, plural, name)): Path<(String, String, String, String)>,
+    Json(body): Json<Value>,
+) -> Response {
+    write(s, Write::Replace, &group, &version, &plural, None, Some(&name), body).await
+}
+
+async fn replace_namespaced(
+    State(s): State<ApiState>,
+    Path((group, version, ns, plural, name)): Path<(String, String, String, String, String)>,
+    Json(body): Json<Value>,
+) -> Response {
+    write(s, Write::Replace, &group, &version, &plural, Some(&ns), Some(&name), body).await
+}
+
+async fn delete_cluster_scoped(
+    State(s): State<ApiState>,
+    Path((group, version, plural, name)): Path<(String, String, String, String)>,
+) -> Response {
+    delete(s, &group, &version, &plural, None, &name).await
+}
+
+async fn delete_namespaced(
+    State(s): State<ApiState>,
+    Path((group, version, ns, plural, name)): Path<(String, String, String, String, String)>,
+) -> Response {
+    delete(s, &group, &version, &plural, Some(&ns), &name).await
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Write {
+    Create,
+    Replace,
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn write(
+    s: ApiState,
+    how: Write,
+    group: &str,
+    version: &str,
+    plural: &str,
+    ns: Option<&str>,
+    name: Option<&str>,
+    mut body: Value,
+) -> Response {
+    let kind = match kind_of(group, version, plural) {
+        Ok(k) => k,
+        Err(r) => return r,
+    };
+    // The path decides where the object goes; a body that says otherwise is a mistake.
+    let body_ns = body["metadata"]["namespace"].as_str().map(str::to_string);
+    if let (Some(path_ns), Some(body_ns)) = (ns, body_ns.as_deref()) {
+        if path_ns != body_ns {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("{kind}: metadata.namespace {body_ns:?} does not match the request's namespace {path_ns:?}"),
+            );
+        }
+    }
+    if let (Some(ns), Some(meta)) = (ns, body["metadata"].as_object_mut()) {
+        meta.insert("namespace".into(), Value::String(ns.to_string()));
+    }
+    let body_name = body["metadata"]["name"].as_str().unwrap_or("").to_string();
+    if let Some(name) = name {
+        if body_name != name {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("{kind}: metadata.name {body_name:?} does not match the request's name {name:?}"),
+            );
+        }
+    }
+    if kind == Kind::ManifestWork {
+        if let Err(message) = validate_work(&body) {
+            return error(StatusCode::UNPROCESSABLE_ENTITY, message);
+        }
+    }
+    let result = match how {
+        Write::Create => s.store.create(body).await,
+        Write::Replace => s.store.update_spec(body).await,
+    };
+    match result {
+        Ok(obj) => {
+            let status = if how == Write::Create { StatusCode::CREATED } else { StatusCode::OK };
+            (status, Json(obj)).into_response()
+        }
+        Err(e) => store_error(e),
+    }
+}
+
+/// OCM's rules for a ManifestWork, all problems in one message.
+fn validate_work(body: &Value) -> Result<(), String> {
+    let work: ManifestWork = serde_json::from_value(body.clone()).map_err(|e| {
+        format!(
+            "ManifestWork {}: does not parse: {e}",
+            body["metadata"]["name"].as_str().unwrap_or("<unnamed>")
+        )
+    })?;
+    validate_manifest_work(&work).map_err(|errors| {
+        errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
+    })
+}
+
+async fn delete(s: ApiState, group: &str, version: &str, plural: &str, ns: Option<&str>, name: &str) -> Response {
+    let kind = match kind_of(group, version, plural) {
+        Ok(k) => k,
+        Err(r) => return r,
+    };
+    match s.store.delete(kind, ns, name).await {
+        Ok(()) => Json(json!({
+            "apiVersion": "v1", "kind": "Status", "status": "Success",
+            "details": { "name": name, "kind": kind.plural() },
+        }))
+        .into_response(),
         Err(e) => store_error(e),
     }
 }

@@ -15,14 +15,7 @@ pub fn clusters(items: &[Value], now: Timestamp) -> String {
         "AGE".into(),
     ]];
     for mc in items {
-        let condition = |t: &str| {
-            mc["status"]["conditions"]
-                .as_array()
-                .and_then(|cs| cs.iter().find(|c| c["type"] == t))
-                .and_then(|c| c["status"].as_str())
-                .unwrap_or("")
-                .to_string()
-        };
+        let condition = |t: &str| condition_status(mc, t);
         rows.push(vec![
             mc["metadata"]["name"].as_str().unwrap_or("<none>").to_string(),
             mc["spec"]["hubAcceptsClient"].as_bool().unwrap_or(false).to_string(),
@@ -33,6 +26,41 @@ pub fn clusters(items: &[Value], now: Timestamp) -> String {
         ]);
     }
     render(&rows)
+}
+
+/// `flotilla get works`: each ManifestWork's state per OCM's work-level conditions.
+pub fn works(items: &[Value], now: Timestamp) -> String {
+    let mut rows = vec![vec![
+        "CLUSTER".to_string(),
+        "NAME".into(),
+        "MANIFESTS".into(),
+        "APPLIED".into(),
+        "AVAILABLE".into(),
+        "DEGRADED".into(),
+        "AGE".into(),
+    ]];
+    for mw in items {
+        let condition = |t: &str| condition_status(mw, t);
+        rows.push(vec![
+            mw["metadata"]["namespace"].as_str().unwrap_or("<none>").to_string(),
+            mw["metadata"]["name"].as_str().unwrap_or("<none>").to_string(),
+            mw["spec"]["workload"]["manifests"].as_array().map_or(0, Vec::len).to_string(),
+            condition("Applied"),
+            condition("Available"),
+            condition("Degraded"),
+            age(mw["metadata"]["creationTimestamp"].as_str(), now),
+        ]);
+    }
+    render(&rows)
+}
+
+fn condition_status(obj: &Value, t: &str) -> String {
+    obj["status"]["conditions"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["type"] == t))
+        .and_then(|c| c["status"].as_str())
+        .unwrap_or("")
+        .to_string()
 }
 
 fn age(created: Option<&str>, now: Timestamp) -> String {

@@ -5,9 +5,11 @@ use kube::ResourceExt;
 
 use super::work::{Manifest, ManifestWork};
 
-/// Largest total size of a work's manifests, in bytes of compact JSON. OCM's webhook refuses
-/// works above 500 KiB; flotilla keeps the same bound so that what works on OCM works here.
-pub const MAX_WORKLOAD_BYTES: usize = 500 * 1024;
+/// Largest total size of a work's manifests, in bytes of compact JSON. The stores hold objects up
+/// to 1.5 MiB (etcd's request limit); 1 MiB of manifests leaves room within it for metadata and
+/// the per-resource status the agent reports into the same object. (OCM's webhook stops at
+/// 500 KiB, so everything that works on OCM works here.)
+pub const MAX_WORKLOAD_BYTES: usize = 1024 * 1024;
 
 /// One problem with a ManifestWork. None is retryable: the work must be fixed and re-applied.
 ///

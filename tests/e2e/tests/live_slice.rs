@@ -94,3 +94,42 @@ async fn certificate_from_another_ca_is_refused_at_tls_and_others_keep_their_ses
     assert_eq!(hub.cluster_condition("store-good", AVAILABLE)?.as_deref(), Some("True"));
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kube_backend_keeps_managed_clusters_on_the_real_apiserver() -> anyhow::Result<()> {
+    let env = flotilla_testenv::TestEnv::start().await?;
+    env.install_crds(&flotilla_testenv::workspace_root().join("deploy/crds")).await?;
+    let dir = tempfile::tempdir()?;
+    let kubeconfig = env.kubeconfig_path().to_str().unwrap().to_string();
+    let hub = Hub::start(dir.path(), &["--store=kube", "--kubeconfig", &kubeconfig]).await?;
+    let certs = dir.path().join("store-0042");
+    hub.dev_cert("store-0042", &certs)?;
+    let mut agent = start_agent(dir.path(), &hub, "store-0042", &certs)?;
+
+    // What kubectl shows on the hub apiserver, through OCM's printer columns.
+    let kubectl_row = |env: &flotilla_testenv::TestEnv| -> anyhow::Result<Vec<String>> {
+        let out = env.kubectl().args(["get", "managedclusters", "--no-headers"]).output()?;
+        anyhow::ensure!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        Ok(String::from_utf8(out.stdout)?
+            .lines()
+            .find(|l| l.starts_with("store-0042"))
+            .map(|l| l.split_whitespace().map(str::to_string).collect())
+            .unwrap_or_default())
+    };
+    // Columns: NAME, HUB ACCEPTED, (MANAGED CLUSTER URLS empty), JOINED, AVAILABLE, AGE.
+    wait_for("kubectl to show store-0042 available", Duration::from_secs(30), || async {
+        let row = kubectl_row(&env)?;
+        Ok((row.len() >= 4 && row[1] == "true" && row[2] == "True" && row[3] == "True").then_some(()))
+    })
+    .await?;
+
+    agent.signal_and_wait(Signal::SIGKILL);
+    wait_for("kubectl to show store-0042 unknown", Duration::from_secs(30), || async {
+        let row = kubectl_row(&env)?;
+        Ok((row.len() >= 4 && row[3] == "Unknown").then_some(()))
+    })
+    .await?;
+    // The flotilla CLI reads the same objects through the hub.
+    assert_eq!(hub.cluster_condition("store-0042", AVAILABLE)?.as_deref(), Some("Unknown"));
+    Ok(())
+}

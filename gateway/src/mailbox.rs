@@ -1,0 +1,107 @@
+//! What the rest of the gateway tells one session's driver: desired-state changes, status acks,
+//! close requests. Writers never wait on a session: the mailbox coalesces by work (latest wins),
+//! so a slow agent costs one entry per work, and fan-out to the other sessions never stalls.
+
+use std::collections::HashMap;
+
+use flotilla_proto::session::DesiredWork;
+use tokio::sync::{Mutex, Notify};
+
+/// A change to one work, as the driver will hand it to the protocol machine.
+#[derive(Clone, Debug, PartialEq)]
+pub enum WorkChange {
+    Upsert(DesiredWork),
+    Delete { uid: String, namespace: String, name: String },
+}
+
+#[derive(Default)]
+struct Pending {
+    /// Latest change per work uid, in no particular order: the machine's own queue orders
+    /// delivery, this only coalesces until the driver looks.
+    works: HashMap<String, WorkChange>,
+    /// Highest stored status seq per work uid, to acknowledge to the agent.
+    status_acks: HashMap<String, u64>,
+    close: Option<String>,
+}
+
+/// The drained contents of a mailbox.
+#[derive(Debug, Default)]
+pub struct Delivery {
+    pub works: Vec<WorkChange>,
+    pub status_acks: Vec<(String, u64)>,
+    pub close: Option<String>,
+}
+
+#[derive(Default)]
+pub struct Mailbox {
+    pending: Mutex<Pending>,
+    notify: Notify,
+}
+
+impl Mailbox {
+    pub async fn work(&self, change: WorkChange) {
+        let uid = match &change {
+            WorkChange::Upsert(w) => w.uid.clone(),
+            WorkChange::Delete { uid, .. } => uid.clone(),
+        };
+        self.pending.lock().await.works.insert(uid, change);
+        self.notify.notify_one();
+    }
+
+    pub async fn status_ack(&self, uid: &str, seq: u64) {
+        let mut pending = self.pending.lock().await;
+        let entry = pending.status_acks.entry(uid.to_string()).or_insert(seq);
+        *entry = (*entry).max(seq);
+        drop(pending);
+        self.notify.notify_one();
+    }
+
+    pub async fn close(&self, reason: impl Into<String>) {
+        self.pending.lock().await.close = Some(reason.into());
+        self.notify.notify_one();
+    }
+
+    /// Waits until something is pending (returns at once if something already is).
+    pub async fn ready(&self) {
+        self.notify.notified().await;
+    }
+
+    pub async fn take(&self) -> Delivery {
+        let mut pending = self.pending.lock().await;
+        Delivery {
+            works: pending.works.drain().map(|(_, c)| c).collect(),
+            status_acks: pending.status_acks.drain().collect(),
+            close: pending.close.take(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn update(uid: &str, generation: i64) -> WorkChange {
+        WorkChange::Upsert(DesiredWork { uid: uid.into(), generation, ..Default::default() })
+    }
+
+    #[tokio::test]
+    async fn coalesces_per_work_and_keeps_the_highest_ack() {
+        let mb = Mailbox::default();
+        for g in 1..=10 {
+            mb.work(update("a", g)).await;
+        }
+        mb.work(update("b", 1)).await;
+        mb.work(WorkChange::Delete { uid: "b".into(), namespace: "c".into(), name: "w".into() })
+            .await;
+        mb.status_ack("a", 7).await;
+        mb.status_ack("a", 5).await;
+        mb.ready().await; // a permit is stored: returns at once
+        let mut got = mb.take().await;
+        got.works.sort_by_key(|c| format!("{c:?}"));
+        assert_eq!(got.works.len(), 2);
+        assert!(got.works.contains(&update("a", 10)));
+        assert!(got.works.iter().any(|c| matches!(c, WorkChange::Delete { uid, .. } if uid == "b")));
+        assert_eq!(got.status_acks, vec![("a".to_string(), 7)]);
+        assert!(mb.take().await.works.is_empty());
+    }
+}

@@ -1,0 +1,57 @@
+//! The live session of each cluster on this gateway, reachable through its mailbox.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use tokio::sync::RwLock;
+
+use crate::mailbox::{Mailbox, WorkChange};
+
+#[derive(Clone)]
+pub struct SessionHandle {
+    pub session_id: String,
+    pub mailbox: Arc<Mailbox>,
+}
+
+/// One session per cluster: a newer session of the same cluster replaces the older one (the
+/// agent restarted, or its old TCP connection is a zombie the agent gave up on).
+#[derive(Default)]
+pub struct Registry {
+    sessions: RwLock<HashMap<String, SessionHandle>>,
+}
+
+impl Registry {
+    /// Registers a session and returns the one it replaces, if any.
+    pub async fn register(&self, cluster: &str, handle: SessionHandle) -> Option<SessionHandle> {
+        self.sessions.write().await.insert(cluster.to_string(), handle)
+    }
+
+    /// Removes the cluster's entry if it is still this session.
+    pub async fn unregister(&self, cluster: &str, session_id: &str) {
+        let mut sessions = self.sessions.write().await;
+        if sessions.get(cluster).is_some_and(|h| h.session_id == session_id) {
+            sessions.remove(cluster);
+        }
+    }
+
+    pub async fn get(&self, cluster: &str) -> Option<SessionHandle> {
+        self.sessions.read().await.get(cluster).cloned()
+    }
+
+    /// Hands a desired-state change to the cluster's session, if it has one here. Clusters
+    /// without a session get it at their next hello (resume), from the watch cache.
+    pub async fn deliver(&self, cluster: &str, change: WorkChange) {
+        if let Some(h) = self.get(cluster).await {
+            h.mailbox.work(change).await;
+        }
+    }
+
+    pub async fn len(&self) -> usize {
+        self.sessions.read().await.len()
+    }
+
+    /// Every live session, for shutdown.
+    pub async fn all(&self) -> Vec<SessionHandle> {
+        self.sessions.read().await.values().cloned().collect()
+    }
+}
