@@ -47,7 +47,7 @@ if [ -d "$root/../shared/advisory-db" ]; then
 else
   cargo deny fetch db
 fi
-cargo deny --offline check --config deny.toml
+cargo deny --offline check
 
 step "clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings

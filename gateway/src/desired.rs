@@ -49,7 +49,12 @@ impl DesiredState {
     /// The (namespace, name) of the work with this uid, if it belongs to `cluster`. A session
     /// may write status only for works in its own cluster's namespace.
     pub async fn owned_by(&self, cluster: &str, uid: &str) -> Option<String> {
-        self.works.read().await.get(cluster)?.get(uid).map(|w| w.name.clone())
+        self.works
+            .read()
+            .await
+            .get(cluster)?
+            .get(uid)
+            .map(|w| w.name.clone())
     }
 
     /// Keeps the cache in step with the store until `stop` fires: list, then watch from the
@@ -109,7 +114,10 @@ impl DesiredState {
         let mut fresh: HashMap<String, HashMap<String, DesiredWork>> = HashMap::new();
         for obj in list.items {
             if let Some(w) = desired_work(obj) {
-                fresh.entry(w.namespace.clone()).or_default().insert(w.uid.clone(), w);
+                fresh
+                    .entry(w.namespace.clone())
+                    .or_default()
+                    .insert(w.uid.clone(), w);
             }
         }
         let old = std::mem::replace(&mut *self.works.write().await, fresh.clone());
@@ -133,7 +141,11 @@ impl DesiredState {
             }
         } else {
             let count: usize = fresh.values().map(HashMap::len).sum();
-            info!(works = count, clusters = fresh.len(), "desired state loaded");
+            info!(
+                works = count,
+                clusters = fresh.len(),
+                "desired state loaded"
+            );
             self.ready.send_replace(true);
         }
         Ok(list.revision)
@@ -153,7 +165,9 @@ impl DesiredState {
                 };
                 // Status-only writes (ours, from agents) do not change the spec: nothing to send.
                 if changed {
-                    registry.deliver(&w.namespace.clone(), WorkChange::Upsert(w)).await;
+                    registry
+                        .deliver(&w.namespace.clone(), WorkChange::Upsert(w))
+                        .await;
                 }
             }
             WatchEvent::Deleted(obj) => {
@@ -171,7 +185,11 @@ impl DesiredState {
 }
 
 fn deletion(w: &DesiredWork) -> WorkChange {
-    WorkChange::Delete { uid: w.uid.clone(), namespace: w.namespace.clone(), name: w.name.clone() }
+    WorkChange::Delete {
+        uid: w.uid.clone(),
+        namespace: w.namespace.clone(),
+        name: w.name.clone(),
+    }
 }
 
 /// The frame that carries a stored ManifestWork to its agent: the object without its status

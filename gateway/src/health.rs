@@ -42,14 +42,20 @@ enum Presence {
 
 impl HealthTracker {
     pub fn new(store: Arc<dyn Store>, grace_period: Duration) -> Arc<HealthTracker> {
-        Arc::new(HealthTracker { store, grace_period, state: Mutex::new(HashMap::new()) })
+        Arc::new(HealthTracker {
+            store,
+            grace_period,
+            state: Mutex::new(HashMap::new()),
+        })
     }
 
     /// A session for `cluster` was established: mark it Joined and Available now.
     pub async fn connected(&self, cluster: &str, session_id: &str, hello: &wire::Hello) {
         self.state.lock().await.insert(
             cluster.to_string(),
-            Presence::Connected { session_id: session_id.to_string() },
+            Presence::Connected {
+                session_id: session_id.to_string(),
+            },
         );
         if let Err(e) = self.mark_available(cluster, hello).await {
             warn!(cluster, error = %e, "could not record the cluster as Available");
@@ -65,7 +71,9 @@ impl HealthTracker {
             let mut state = self.state.lock().await;
             match state.get(cluster) {
                 // A newer session already replaced this one: nothing changes.
-                Some(Presence::Connected { session_id: current }) if current != session_id => return,
+                Some(Presence::Connected {
+                    session_id: current,
+                }) if current != session_id => return,
                 _ => {
                     state.insert(cluster.to_string(), Presence::Gone { epoch });
                 }
@@ -75,11 +83,10 @@ impl HealthTracker {
         let cluster = cluster.to_string();
         tokio::spawn(async move {
             tokio::time::sleep(this.grace_period).await;
-            let still_gone = this.state.lock().await.get(&cluster) == Some(&Presence::Gone { epoch });
-            if still_gone {
-                if let Err(e) = this.mark_unknown(&cluster).await {
-                    warn!(cluster, error = %e, "could not record the cluster as Unknown");
-                }
+            let still_gone =
+                this.state.lock().await.get(&cluster) == Some(&Presence::Gone { epoch });
+            if still_gone && let Err(e) = this.mark_unknown(&cluster).await {
+                warn!(cluster, error = %e, "could not record the cluster as Unknown");
             }
         });
     }
@@ -118,7 +125,9 @@ impl HealthTracker {
                 .map(|c| json!({ "name": c.name, "value": c.value }))
                 .collect();
         }
-        self.store.update_status(Kind::ManagedCluster, None, cluster, status, None).await?;
+        self.store
+            .update_status(Kind::ManagedCluster, None, cluster, status, None)
+            .await?;
         // Remove the unreachable taint the cluster may carry from an earlier outage.
         self.set_unreachable_taint(current, false).await?;
         info!(cluster, "cluster available");
@@ -144,7 +153,10 @@ impl HealthTracker {
             now(),
         );
         status["conditions"] = serde_json::to_value(&conds).unwrap_or_default();
-        let updated = self.store.update_status(Kind::ManagedCluster, None, cluster, status, None).await?;
+        let updated = self
+            .store
+            .update_status(Kind::ManagedCluster, None, cluster, status, None)
+            .await?;
         self.set_unreachable_taint(updated, true).await?;
         info!(cluster, grace = ?self.grace_period, "cluster unknown: no session within the grace period");
         Ok(())
@@ -185,8 +197,10 @@ impl HealthTracker {
         if has == present {
             return Ok(());
         }
-        let mut taints: Vec<Value> =
-            taints.into_iter().filter(|t| t["key"] != UNREACHABLE_TAINT).collect();
+        let mut taints: Vec<Value> = taints
+            .into_iter()
+            .filter(|t| t["key"] != UNREACHABLE_TAINT)
+            .collect();
         if present {
             taints.push(json!({
                 "key": UNREACHABLE_TAINT,

@@ -30,10 +30,14 @@ pub enum IdentityError {
     #[error("client certificate has no common name")]
     NoCommonName,
     /// Neither a cluster nor an operator certificate; not retryable.
-    #[error("client certificate for {cn:?} is in none of the groups {CLUSTER_GROUP} or {OPERATOR_GROUP}")]
+    #[error(
+        "client certificate for {cn:?} is in none of the groups {CLUSTER_GROUP} or {OPERATOR_GROUP}"
+    )]
     UnknownGroup { cn: String },
     /// A cluster name that is not a DNS-1123 label; not retryable.
-    #[error("client certificate names cluster {0:?}, which is not a valid cluster name (DNS-1123 label)")]
+    #[error(
+        "client certificate names cluster {0:?}, which is not a valid cluster name (DNS-1123 label)"
+    )]
     InvalidClusterName(String),
 }
 

@@ -11,7 +11,11 @@ use tokio::sync::{Mutex, Notify};
 #[derive(Clone, Debug, PartialEq)]
 pub enum WorkChange {
     Upsert(DesiredWork),
-    Delete { uid: String, namespace: String, name: String },
+    Delete {
+        uid: String,
+        namespace: String,
+        name: String,
+    },
 }
 
 #[derive(Default)]
@@ -81,7 +85,11 @@ mod tests {
     use super::*;
 
     fn update(uid: &str, generation: i64) -> WorkChange {
-        WorkChange::Upsert(DesiredWork { uid: uid.into(), generation, ..Default::default() })
+        WorkChange::Upsert(DesiredWork {
+            uid: uid.into(),
+            generation,
+            ..Default::default()
+        })
     }
 
     #[tokio::test]
@@ -91,8 +99,12 @@ mod tests {
             mb.work(update("a", g)).await;
         }
         mb.work(update("b", 1)).await;
-        mb.work(WorkChange::Delete { uid: "b".into(), namespace: "c".into(), name: "w".into() })
-            .await;
+        mb.work(WorkChange::Delete {
+            uid: "b".into(),
+            namespace: "c".into(),
+            name: "w".into(),
+        })
+        .await;
         mb.status_ack("a", 7).await;
         mb.status_ack("a", 5).await;
         mb.ready().await; // a permit is stored: returns at once
@@ -100,7 +112,11 @@ mod tests {
         got.works.sort_by_key(|c| format!("{c:?}"));
         assert_eq!(got.works.len(), 2);
         assert!(got.works.contains(&update("a", 10)));
-        assert!(got.works.iter().any(|c| matches!(c, WorkChange::Delete { uid, .. } if uid == "b")));
+        assert!(
+            got.works
+                .iter()
+                .any(|c| matches!(c, WorkChange::Delete { uid, .. } if uid == "b"))
+        );
         assert_eq!(got.status_acks, vec![("a".to_string(), 7)]);
         assert!(mb.take().await.works.is_empty());
     }

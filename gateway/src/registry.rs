@@ -23,13 +23,19 @@ pub struct Registry {
 impl Registry {
     /// Registers a session and returns the one it replaces, if any.
     pub async fn register(&self, cluster: &str, handle: SessionHandle) -> Option<SessionHandle> {
-        self.sessions.write().await.insert(cluster.to_string(), handle)
+        self.sessions
+            .write()
+            .await
+            .insert(cluster.to_string(), handle)
     }
 
     /// Removes the cluster's entry if it is still this session.
     pub async fn unregister(&self, cluster: &str, session_id: &str) {
         let mut sessions = self.sessions.write().await;
-        if sessions.get(cluster).is_some_and(|h| h.session_id == session_id) {
+        if sessions
+            .get(cluster)
+            .is_some_and(|h| h.session_id == session_id)
+        {
             sessions.remove(cluster);
         }
     }
@@ -44,6 +50,10 @@ impl Registry {
         if let Some(h) = self.get(cluster).await {
             h.mailbox.work(change).await;
         }
+    }
+
+    pub async fn is_empty(&self) -> bool {
+        self.sessions.read().await.is_empty()
     }
 
     pub async fn len(&self) -> usize {

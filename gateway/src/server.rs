@@ -19,10 +19,10 @@ use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::desired::DesiredState;
 use crate::health::HealthTracker;
+use crate::identity::Peer;
 use crate::mailbox::{Mailbox, WorkChange};
 use crate::registry::{Registry, SessionHandle};
 use crate::statuses::StatusWriter;
-use crate::identity::Peer;
 use crate::tls::{AuthenticatedConn, ConnInfo};
 
 /// Knobs of the session tier; every queue and size has a bound.
@@ -178,9 +178,7 @@ impl Fleet for Gateway {
         let (tx, rx) = mpsc::channel(self.shared.config.send_buffer);
         let shared = self.shared.clone();
         let span = info_span!("session", cluster = %cluster, id = %session_id, peer = %info.remote);
-        tokio::spawn(
-            drive(shared, cluster, session_id, request.into_inner(), tx).instrument(span),
-        );
+        tokio::spawn(drive(shared, cluster, session_id, request.into_inner(), tx).instrument(span));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
@@ -188,7 +186,9 @@ impl Fleet for Gateway {
         &self,
         _request: Request<Streaming<TunnelFrame>>,
     ) -> Result<Response<HubTunnelStream>, Status> {
-        Err(Status::unimplemented("this gateway does not open tunnels yet"))
+        Err(Status::unimplemented(
+            "this gateway does not open tunnels yet",
+        ))
     }
 }
 
@@ -233,27 +233,46 @@ async fn drive(
                     established = true;
                     // Register before taking the snapshot: a change that lands in between
                     // reaches the mailbox, and the machine treats it as newer than the snapshot.
-                    let handle = SessionHandle { session_id: session_id.clone(), mailbox: mailbox.clone() };
+                    let handle = SessionHandle {
+                        session_id: session_id.clone(),
+                        mailbox: mailbox.clone(),
+                    };
                     if let Some(older) = shared.registry.register(&cluster, handle).await {
                         info!(older = %older.session_id, "replacing the cluster's older session");
-                        older.mailbox.close("replaced by a newer session of the same cluster").await;
+                        older
+                            .mailbox
+                            .close("replaced by a newer session of the same cluster")
+                            .await;
                     }
                     info!(agent_version = %hello.agent_version, held = hello.held.len(), "session established");
                     shared.health.connected(&cluster, &session_id, &hello).await;
                     shared.desired.wait_ready().await;
                     machine.begin_sync(shared.desired.snapshot(&cluster).await);
                 }
-                HubEvent::StatusReported { uid, generation, seq, status_json } => {
+                HubEvent::StatusReported {
+                    uid,
+                    generation,
+                    seq,
+                    status_json,
+                } => {
                     let Some(name) = shared.desired.owned_by(&cluster, &uid).await else {
                         warn!(work_uid = %uid, "status for a work that is not this cluster's; ignored");
                         continue;
                     };
                     debug!(work = %name, generation, seq, "status reported");
-                    if let Err(e) = shared.statuses.submit(&cluster, &name, &uid, seq, &status_json).await {
+                    if let Err(e) = shared
+                        .statuses
+                        .submit(&cluster, &name, &uid, seq, &status_json)
+                        .await
+                    {
                         warn!(error = %e, "status refused");
                     }
                 }
-                HubEvent::WorkAcked { uid, generation, current } => {
+                HubEvent::WorkAcked {
+                    uid,
+                    generation,
+                    current,
+                } => {
                     debug!(work_uid = %uid, generation, current, "work durable on the agent");
                 }
                 HubEvent::Closed { reason, by_peer } => {

@@ -37,7 +37,11 @@ pub struct StatusWriter {
 #[derive(Debug, thiserror::Error)]
 pub enum StatusError {
     #[error("status of ManifestWork {cluster}/{name} is not a ManifestWork status: {reason}")]
-    Malformed { cluster: String, name: String, reason: String },
+    Malformed {
+        cluster: String,
+        name: String,
+        reason: String,
+    },
 }
 
 impl StatusWriter {
@@ -109,14 +113,28 @@ impl StatusWriter {
                 _ = tick.tick() => {}
                 _ = stop.changed() => return,
             }
-            let Some(p) = self.pending.lock().await.remove(&uid) else { continue };
-            if self.written.lock().await.get(&p.uid).is_some_and(|w| *w >= p.seq) {
+            let Some(p) = self.pending.lock().await.remove(&uid) else {
+                continue;
+            };
+            if self
+                .written
+                .lock()
+                .await
+                .get(&p.uid)
+                .is_some_and(|w| *w >= p.seq)
+            {
                 // Already stored (a resend after reconnect): just acknowledge again.
                 ack(&registry, &p).await;
                 continue;
             }
             match store
-                .update_status(Kind::ManifestWork, Some(&p.cluster), &p.name, p.status.clone(), None)
+                .update_status(
+                    Kind::ManifestWork,
+                    Some(&p.cluster),
+                    &p.name,
+                    p.status.clone(),
+                    None,
+                )
                 .await
             {
                 Ok(_) => {

@@ -74,9 +74,11 @@ pub fn server_config(
     key_pem: &[u8],
 ) -> Result<Arc<rustls::ServerConfig>, TlsConfigError> {
     let provider = provider();
-    let verifier =
-        WebPkiClientVerifier::builder_with_provider(Arc::new(root_store(ca_pem)?), provider.clone())
-            .build()?;
+    let verifier = WebPkiClientVerifier::builder_with_provider(
+        Arc::new(root_store(ca_pem)?),
+        provider.clone(),
+    )
+    .build()?;
     let mut config = rustls::ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()?
         .with_client_cert_verifier(verifier)
@@ -180,7 +182,10 @@ pub struct AcceptLimits {
 
 impl Default for AcceptLimits {
     fn default() -> Self {
-        AcceptLimits { max_handshakes: 256, handshake_timeout: Duration::from_secs(10) }
+        AcceptLimits {
+            max_handshakes: 256,
+            handshake_timeout: Duration::from_secs(10),
+        }
     }
 }
 
@@ -198,7 +203,9 @@ pub fn accept_authenticated(
     let permits = Arc::new(Semaphore::new(limits.max_handshakes));
     tokio::spawn(async move {
         loop {
-            let Ok(permit) = permits.clone().acquire_owned().await else { return };
+            let Ok(permit) = permits.clone().acquire_owned().await else {
+                return;
+            };
             let (tcp, remote) = tokio::select! {
                 accepted = listener.accept() => match accepted {
                     Ok(a) => a,
@@ -230,7 +237,12 @@ pub fn accept_authenticated(
                         return;
                     }
                 };
-                let Some(cert) = stream.get_ref().1.peer_certificates().and_then(|c| c.first()) else {
+                let Some(cert) = stream
+                    .get_ref()
+                    .1
+                    .peer_certificates()
+                    .and_then(|c| c.first())
+                else {
                     warn!(listener = what, peer = %remote, "TLS connection without client certificate refused");
                     return;
                 };
@@ -240,7 +252,9 @@ pub fn accept_authenticated(
                         let info = ConnInfo { peer, remote };
                         let _ = tx.send(Ok(AuthenticatedConn { stream, info })).await;
                     }
-                    Err(e) => warn!(listener = what, peer = %remote, error = %e, "TLS connection refused"),
+                    Err(e) => {
+                        warn!(listener = what, peer = %remote, error = %e, "TLS connection refused")
+                    }
                 }
             });
         }

@@ -25,10 +25,15 @@ pub const SERVER_CERT_LIFETIME: Duration = Duration::from_secs(365 * 24 * 3600);
 #[derive(Debug, thiserror::Error)]
 pub enum CaError {
     #[error("CA file {path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("certificate generation failed: {0}")]
     Rcgen(#[from] rcgen::Error),
-    #[error("CA in {dir} is incomplete: {missing} is missing (restore it, or move the directory away to create a new CA, which invalidates every issued certificate)")]
+    #[error(
+        "CA in {dir} is incomplete: {missing} is missing (restore it, or move the directory away to create a new CA, which invalidates every issued certificate)"
+    )]
     Incomplete { dir: PathBuf, missing: &'static str },
 }
 
@@ -42,7 +47,9 @@ pub struct IssuedCert {
 impl std::fmt::Debug for IssuedCert {
     // Keys never reach logs.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("IssuedCert").field("key_pem", &"<redacted>").finish_non_exhaustive()
+        f.debug_struct("IssuedCert")
+            .field("key_pem", &"<redacted>")
+            .finish_non_exhaustive()
     }
 }
 
@@ -66,7 +73,10 @@ impl Ca {
                 Ok(Ca { cert_pem, issuer })
             }
             (false, false) => {
-                fs::create_dir_all(dir).map_err(|source| CaError::Io { path: dir.into(), source })?;
+                fs::create_dir_all(dir).map_err(|source| CaError::Io {
+                    path: dir.into(),
+                    source,
+                })?;
                 let key = KeyPair::generate()?;
                 let mut params = CertificateParams::default();
                 params.distinguished_name = dn("flotilla hub CA", &["flotilla"]);
@@ -80,10 +90,19 @@ impl Ca {
                 let cert = params.self_signed(&key)?;
                 write(&key_path, &key.serialize_pem(), true)?;
                 write(&cert_path, &cert.pem(), false)?;
-                Ok(Ca { cert_pem: cert.pem(), issuer: Issuer::new(params, key) })
+                Ok(Ca {
+                    cert_pem: cert.pem(),
+                    issuer: Issuer::new(params, key),
+                })
             }
-            (true, false) => Err(CaError::Incomplete { dir: dir.into(), missing: "ca.key" }),
-            (false, true) => Err(CaError::Incomplete { dir: dir.into(), missing: "ca.crt" }),
+            (true, false) => Err(CaError::Incomplete {
+                dir: dir.into(),
+                missing: "ca.key",
+            }),
+            (false, true) => Err(CaError::Incomplete {
+                dir: dir.into(),
+                missing: "ca.crt",
+            }),
         }
     }
 
@@ -117,7 +136,10 @@ impl Ca {
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         validity(&mut params, SERVER_CERT_LIFETIME);
         let cert = params.signed_by(&key, &self.issuer)?;
-        Ok(IssuedCert { cert_pem: cert.pem(), key_pem: key.serialize_pem() })
+        Ok(IssuedCert {
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+        })
     }
 
     /// A client certificate for the agent of managed cluster `cluster`.
@@ -130,7 +152,12 @@ impl Ca {
         self.issue_client(user, &[OPERATOR_GROUP], lifetime)
     }
 
-    fn issue_client(&self, cn: &str, groups: &[&str], lifetime: Duration) -> Result<IssuedCert, CaError> {
+    fn issue_client(
+        &self,
+        cn: &str,
+        groups: &[&str],
+        lifetime: Duration,
+    ) -> Result<IssuedCert, CaError> {
         let key = KeyPair::generate()?;
         let mut params = CertificateParams::default();
         params.distinguished_name = dn(cn, groups);
@@ -138,7 +165,10 @@ impl Ca {
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         validity(&mut params, lifetime);
         let cert = params.signed_by(&key, &self.issuer)?;
-        Ok(IssuedCert { cert_pem: cert.pem(), key_pem: key.serialize_pem() })
+        Ok(IssuedCert {
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+        })
     }
 }
 
@@ -159,12 +189,18 @@ fn validity(params: &mut CertificateParams, lifetime: Duration) {
 }
 
 fn read(path: &Path) -> Result<String, CaError> {
-    fs::read_to_string(path).map_err(|source| CaError::Io { path: path.into(), source })
+    fs::read_to_string(path).map_err(|source| CaError::Io {
+        path: path.into(),
+        source,
+    })
 }
 
 /// Writes a file completely or not at all (temp file + rename), private when it holds a key.
 pub fn write(path: &Path, contents: &str, private: bool) -> Result<(), CaError> {
-    let err = |source| CaError::Io { path: path.into(), source };
+    let err = |source| CaError::Io {
+        path: path.into(),
+        source,
+    };
     let tmp = path.with_extension("partial");
     let mut opts = fs::OpenOptions::new();
     opts.write(true).create(true).truncate(true);
@@ -181,7 +217,10 @@ pub fn write(path: &Path, contents: &str, private: bool) -> Result<(), CaError> 
 
 /// Writes `ca.crt`, `tls.crt` and `tls.key` into `dir`: the layout agents and the CLI read.
 pub fn write_bundle(dir: &Path, ca_pem: &str, issued: &IssuedCert) -> Result<(), CaError> {
-    fs::create_dir_all(dir).map_err(|source| CaError::Io { path: dir.into(), source })?;
+    fs::create_dir_all(dir).map_err(|source| CaError::Io {
+        path: dir.into(),
+        source,
+    })?;
     write(&dir.join("ca.crt"), ca_pem, false)?;
     write(&dir.join("tls.key"), &issued.key_pem, true)?;
     write(&dir.join("tls.crt"), &issued.cert_pem, false)
@@ -198,13 +237,25 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let ca = Ca::load_or_create(dir.path()).unwrap();
         let again = Ca::load_or_create(dir.path()).unwrap();
-        assert_eq!(ca.cert_pem(), again.cert_pem(), "second start must reuse the CA");
+        assert_eq!(
+            ca.cert_pem(),
+            again.cert_pem(),
+            "second start must reuse the CA"
+        );
         assert_eq!(ca.fingerprint(), again.fingerprint());
 
-        let issued = again.issue_cluster("store-0042", DEFAULT_CLIENT_CERT_LIFETIME).unwrap();
+        let issued = again
+            .issue_cluster("store-0042", DEFAULT_CLIENT_CERT_LIFETIME)
+            .unwrap();
         let der = CertificateDer::from_pem_slice(issued.cert_pem.as_bytes()).unwrap();
-        assert_eq!(Peer::from_der(&der).unwrap(), Peer::Cluster("store-0042".into()));
-        assert!(!format!("{issued:?}").contains("PRIVATE"), "keys never print");
+        assert_eq!(
+            Peer::from_der(&der).unwrap(),
+            Peer::Cluster("store-0042".into())
+        );
+        assert!(
+            !format!("{issued:?}").contains("PRIVATE"),
+            "keys never print"
+        );
     }
 
     #[test]

@@ -12,9 +12,19 @@ use serde_json::{Value, json};
 pub fn collection_path(kind: Kind, namespace: Option<&str>) -> String {
     match namespace {
         Some(ns) if kind.namespaced() => {
-            format!("/apis/{}/{}/namespaces/{ns}/{}", kind.group(), kind.version(), kind.plural())
+            format!(
+                "/apis/{}/{}/namespaces/{ns}/{}",
+                kind.group(),
+                kind.version(),
+                kind.plural()
+            )
         }
-        _ => format!("/apis/{}/{}/{}", kind.group(), kind.version(), kind.plural()),
+        _ => format!(
+            "/apis/{}/{}/{}",
+            kind.group(),
+            kind.version(),
+            kind.plural()
+        ),
     }
 }
 
@@ -31,7 +41,9 @@ pub fn read_documents(path: &Path) -> anyhow::Result<Vec<Value>> {
             .with_context(|| format!("reading directory {}", path.display()))?
             .filter_map(|e| e.ok().map(|e| e.path()))
             .filter(|p| {
-                p.extension().and_then(|e| e.to_str()).is_some_and(|e| matches!(e, "yaml" | "yml" | "json"))
+                p.extension()
+                    .and_then(|e| e.to_str())
+                    .is_some_and(|e| matches!(e, "yaml" | "yml" | "json"))
             })
             .collect();
         files.sort();
@@ -44,10 +56,12 @@ pub fn read_documents(path: &Path) -> anyhow::Result<Vec<Value>> {
     };
     let mut docs = Vec::new();
     for file in files {
-        let text = std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
+        let text = std::fs::read_to_string(&file)
+            .with_context(|| format!("reading {}", file.display()))?;
         for (i, doc) in yaml_serde::Deserializer::from_str(&text).enumerate() {
-            let value = Value::deserialize(doc)
-                .with_context(|| format!("{}: document {} is not valid YAML", file.display(), i + 1))?;
+            let value = Value::deserialize(doc).with_context(|| {
+                format!("{}: document {} is not valid YAML", file.display(), i + 1)
+            })?;
             match value {
                 Value::Null => continue,
                 Value::Object(_) => docs.push(value),
@@ -77,8 +91,10 @@ pub fn kind_of_document(doc: &Value) -> anyhow::Result<Kind> {
         .into_iter()
         .find(|k| k.name() == kind && k.api_version() == api_version)
         .with_context(|| {
-            let served: Vec<String> =
-                Kind::ALL.iter().map(|k| format!("{} {}", k.api_version(), k.name())).collect();
+            let served: Vec<String> = Kind::ALL
+                .iter()
+                .map(|k| format!("{} {}", k.api_version(), k.name()))
+                .collect();
             format!(
                 "{api_version} {kind} {}: the hub serves only {}",
                 doc["metadata"]["name"].as_str().unwrap_or("<unnamed>"),
@@ -123,10 +139,15 @@ mod tests {
 
     #[test]
     fn unknown_kinds_are_named_with_what_is_served() {
-        let err = kind_of_document(&json!({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "web"}}))
-            .unwrap_err()
-            .to_string();
-        assert!(err.starts_with("apps/v1 Deployment web: the hub serves only"), "{err}");
+        let err = kind_of_document(
+            &json!({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "web"}}),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.starts_with("apps/v1 Deployment web: the hub serves only"),
+            "{err}"
+        );
         assert!(err.contains("work.open-cluster-management.io/v1 ManifestWork"));
     }
 }

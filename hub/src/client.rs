@@ -56,11 +56,16 @@ pub struct OperatorClient {
 
 impl OperatorClient {
     pub fn new(config: &OperatorConfig) -> anyhow::Result<OperatorClient> {
-        let uri: http::Uri = config.server.parse().with_context(|| format!("server {:?} is not a URL", config.server))?;
+        let uri: http::Uri = config
+            .server
+            .parse()
+            .with_context(|| format!("server {:?} is not a URL", config.server))?;
         if uri.scheme_str() != Some("https") {
             bail!("server {:?} must be an https:// URL", config.server);
         }
-        let host = uri.host().ok_or_else(|| anyhow!("server {:?} has no host", config.server))?;
+        let host = uri
+            .host()
+            .ok_or_else(|| anyhow!("server {:?} has no host", config.server))?;
         let port = uri.port_u16().unwrap_or(443);
         let read = |p: &Path| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
         let tls = flotilla_gateway::tls::client_config(
@@ -71,7 +76,10 @@ impl OperatorClient {
         )?;
         Ok(OperatorClient {
             authority: format!("{host}:{port}"),
-            host: host.trim_start_matches('[').trim_end_matches(']').to_string(),
+            host: host
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string(),
             tls: TlsConnector::from(tls),
         })
     }
@@ -79,7 +87,9 @@ impl OperatorClient {
     /// GET `path` and return the JSON body; a non-2xx answer becomes an error carrying the
     /// server's message.
     pub async fn get_json(&self, path: &str) -> anyhow::Result<serde_json::Value> {
-        self.request(http::Method::GET, path, None).await.map(|(_, v)| v)
+        self.request(http::Method::GET, path, None)
+            .await
+            .map(|(_, v)| v)
     }
 
     /// One request; returns the status and JSON body of a 2xx answer, or an error with the
@@ -91,12 +101,15 @@ impl OperatorClient {
         path: &str,
         body: Option<&serde_json::Value>,
     ) -> anyhow::Result<(http::StatusCode, serde_json::Value)> {
-        let tcp = TcpStream::connect(&self.authority)
-            .await
-            .with_context(|| format!("cannot reach the hub's operator API at {}", self.authority))?;
+        let tcp = TcpStream::connect(&self.authority).await.with_context(|| {
+            format!("cannot reach the hub's operator API at {}", self.authority)
+        })?;
         let name = ServerName::try_from(self.host.clone())?;
         let tls = self.tls.connect(name, tcp).await.with_context(|| {
-            format!("TLS with the hub at {} failed (is the config's CA the hub's?)", self.authority)
+            format!(
+                "TLS with the hub at {} failed (is the config's CA the hub's?)",
+                self.authority
+            )
         })?;
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await?;
         tokio::spawn(conn);
@@ -114,12 +127,19 @@ impl OperatorClient {
         let response = sender.send_request(request).await?;
         let status = response.status();
         let body = response.into_body().collect().await?.to_bytes();
-        let value: serde_json::Value = serde_json::from_slice(&body).unwrap_or_else(|_| {
-            serde_json::json!({ "message": String::from_utf8_lossy(&body).trim().to_string() })
-        });
+        let value: serde_json::Value = serde_json::from_slice(&body).unwrap_or_else(
+            |_| serde_json::json!({ "message": String::from_utf8_lossy(&body).trim().to_string() }),
+        );
         if !status.is_success() {
-            let message = value.get("message").and_then(|m| m.as_str()).unwrap_or("no message");
-            return Err(ApiError { status, message: message.to_string() }.into());
+            let message = value
+                .get("message")
+                .and_then(|m| m.as_str())
+                .unwrap_or("no message");
+            return Err(ApiError {
+                status,
+                message: message.to_string(),
+            }
+            .into());
         }
         Ok((status, value))
     }

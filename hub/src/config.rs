@@ -94,9 +94,15 @@ impl HubConfig {
             "--max-frame-bytes {} is below 64 KiB; a single ManifestWork status would not fit",
             self.max_frame_bytes
         );
-        anyhow::ensure!(!self.server_names.is_empty(), "--server-name: give at least one name agents dial");
+        anyhow::ensure!(
+            !self.server_names.is_empty(),
+            "--server-name: give at least one name agents dial"
+        );
         if self.store == StoreBackend::Sled {
-            anyhow::ensure!(self.kubeconfig.is_none(), "--kubeconfig only applies with --store kube");
+            anyhow::ensure!(
+                self.kubeconfig.is_none(),
+                "--kubeconfig only applies with --store kube"
+            );
         }
         Ok(())
     }

@@ -50,7 +50,10 @@ pub async fn open_store(config: &HubConfig) -> anyhow::Result<Arc<dyn Store>> {
         StoreBackend::Sled => {
             let path = config.data_dir.join("store");
             Arc::new(flotilla_store::SledStore::open(&path).with_context(|| {
-                format!("opening the sled store at {} (is another flotilla-hub using this --data-dir?)", path.display())
+                format!(
+                    "opening the sled store at {} (is another flotilla-hub using this --data-dir?)",
+                    path.display()
+                )
             })?)
         }
         StoreBackend::Kube => {
@@ -60,7 +63,9 @@ pub async fn open_store(config: &HubConfig) -> anyhow::Result<Arc<dyn Store>> {
                         .with_context(|| format!("reading kubeconfig {}", path.display()))?;
                     kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?
                 }
-                None => kube::Config::infer().await.context("no --kubeconfig given and none could be inferred")?,
+                None => kube::Config::infer()
+                    .await
+                    .context("no --kubeconfig given and none could be inferred")?,
             };
             let client = kube::Client::try_from(kube_config)?;
             Arc::new(flotilla_store::KubeStore::new(client))
@@ -69,7 +74,10 @@ pub async fn open_store(config: &HubConfig) -> anyhow::Result<Arc<dyn Store>> {
 }
 
 /// Runs the hub until `shutdown` completes.
-pub async fn run(config: HubConfig, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+pub async fn run(
+    config: HubConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
     config.validate()?;
     std::fs::create_dir_all(&config.data_dir)
         .with_context(|| format!("creating data dir {}", config.data_dir.display()))?;
@@ -82,8 +90,16 @@ pub async fn run(config: HubConfig, shutdown: impl Future<Output = ()> + Send + 
         .with_context(|| format!("cannot listen for agents on {} (--listen)", config.listen))?;
     let api = TcpListener::bind(config.api_listen)
         .await
-        .with_context(|| format!("cannot listen for the operator API on {} (--api-listen)", config.api_listen))?;
-    let listen = ListenInfo { agents: agents.local_addr()?, api: api.local_addr()? };
+        .with_context(|| {
+            format!(
+                "cannot listen for the operator API on {} (--api-listen)",
+                config.api_listen
+            )
+        })?;
+    let listen = ListenInfo {
+        agents: agents.local_addr()?,
+        api: api.local_addr()?,
+    };
 
     let serving = ca.issue_server(&config.server_names)?;
     let server_tls = flotilla_gateway::tls::server_config(
@@ -98,13 +114,16 @@ pub async fn run(config: HubConfig, shutdown: impl Future<Output = ()> + Send + 
         let _ = rx.wait_for(|s| *s).await;
     };
 
-    let gateway = Gateway::new(store.clone(), GatewayConfig {
-        heartbeat_interval: config.heartbeat_interval,
-        heartbeat_timeout: config.heartbeat_timeout,
-        grace_period: config.grace_period,
-        max_frame_bytes: config.max_frame_bytes,
-        ..GatewayConfig::default()
-    });
+    let gateway = Gateway::new(
+        store.clone(),
+        GatewayConfig {
+            heartbeat_interval: config.heartbeat_interval,
+            heartbeat_timeout: config.heartbeat_timeout,
+            grace_period: config.grace_period,
+            max_frame_bytes: config.max_frame_bytes,
+            ..GatewayConfig::default()
+        },
+    );
     let agent_conns = flotilla_gateway::tls::accept_authenticated(
         agents,
         server_tls.clone(),
@@ -112,11 +131,19 @@ pub async fn run(config: HubConfig, shutdown: impl Future<Output = ()> + Send + 
         "agents",
     );
     let gateway_task = tokio::spawn(gateway.serve(agent_conns, stopped(stop_rx.clone())));
-    let api_conns =
-        flotilla_gateway::tls::accept_authenticated(api, server_tls, Default::default(), "operator-api");
+    let api_conns = flotilla_gateway::tls::accept_authenticated(
+        api,
+        server_tls,
+        Default::default(),
+        "operator-api",
+    );
     let api_task = tokio::spawn(operator_api::serve(api_conns, store, stopped(stop_rx)));
 
-    ca::write(&ListenInfo::path(&config.data_dir), &serde_json::to_string_pretty(&listen)?, false)?;
+    ca::write(
+        &ListenInfo::path(&config.data_dir),
+        &serde_json::to_string_pretty(&listen)?,
+        false,
+    )?;
     info!(agents = %listen.agents, api = %listen.api, store = ?config.store, "hub serving");
 
     shutdown.await;
@@ -129,16 +156,27 @@ pub async fn run(config: HubConfig, shutdown: impl Future<Output = ()> + Send + 
 
 /// Issues the operator credentials on first start and (re)writes the CLI config with the API's
 /// current address.
-fn write_operator_config(ca: &Ca, config: &HubConfig, api: std::net::SocketAddr) -> anyhow::Result<()> {
+fn write_operator_config(
+    ca: &Ca,
+    config: &HubConfig,
+    api: std::net::SocketAddr,
+) -> anyhow::Result<()> {
     let dir = config.data_dir.join("operator");
     if !dir.join("tls.key").exists() {
         let issued = ca.issue_operator("admin", OPERATOR_CERT_LIFETIME)?;
         ca::write_bundle(&dir, ca.cert_pem(), &issued)?;
         info!(dir = %dir.display(), "operator credentials for user admin written");
     }
-    let host = if api.ip().is_unspecified() { "127.0.0.1".to_string() } else { api.ip().to_string() };
+    let host = if api.ip().is_unspecified() {
+        "127.0.0.1".to_string()
+    } else {
+        api.ip().to_string()
+    };
     let cli = OperatorConfig {
-        server: format!("https://{}", std::net::SocketAddr::new(host.parse()?, api.port())),
+        server: format!(
+            "https://{}",
+            std::net::SocketAddr::new(host.parse()?, api.port())
+        ),
         certificate_authority: "ca.crt".into(),
         client_certificate: "tls.crt".into(),
         client_key: "tls.key".into(),
@@ -163,7 +201,9 @@ pub async fn shutdown_signal() {
 pub fn init_tracing() {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     if std::env::var("FLOTILLA_LOG_FORMAT").as_deref() == Ok("json") {
         builder.json().init();
     } else {

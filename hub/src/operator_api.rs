@@ -12,11 +12,11 @@ use axum::{Extension, Json, Router};
 use flotilla_gateway::identity::Peer;
 use flotilla_gateway::tls::{AuthenticatedConn, ConnInfo};
 use flotilla_proto::api::Kind;
+use flotilla_proto::api::{ManifestWork, validate_manifest_work};
 use flotilla_store::{Store, StoreError};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
-use flotilla_proto::api::{ManifestWork, validate_manifest_work};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tracing::{debug, info};
@@ -30,21 +30,30 @@ struct ApiState {
 pub fn router(store: Arc<dyn Store>) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
-        .route("/apis/{group}/{version}/{plural}", get(list_all).post(create_cluster_scoped))
+        .route(
+            "/apis/{group}/{version}/{plural}",
+            get(list_all).post(create_cluster_scoped),
+        )
         .route(
             "/apis/{group}/{version}/namespaces/{ns}/{plural}",
             get(list_namespaced).post(create_namespaced),
         )
         .route(
             "/apis/{group}/{version}/{plural}/{name}",
-            get(get_cluster_scoped).put(replace_cluster_scoped).delete(delete_cluster_scoped),
+            get(get_cluster_scoped)
+                .put(replace_cluster_scoped)
+                .delete(delete_cluster_scoped),
         )
         .route(
             "/apis/{group}/{version}/namespaces/{ns}/{plural}/{name}",
-            get(get_namespaced).put(replace_namespaced).delete(delete_namespaced),
+            get(get_namespaced)
+                .put(replace_namespaced)
+                .delete(delete_namespaced),
         )
         // Bodies beyond the store's object limit (plus JSON slack) are refused before parsing.
-        .layer(axum::extract::DefaultBodyLimit::max(2 * flotilla_store::MAX_OBJECT_BYTES))
+        .layer(axum::extract::DefaultBodyLimit::max(
+            2 * flotilla_store::MAX_OBJECT_BYTES,
+        ))
         .layer(axum::middleware::from_fn(require_operator))
         .with_state(ApiState { store })
 }
@@ -92,12 +101,24 @@ async fn require_operator(
     }
 }
 
-fn kind_of(group: &str, version: &str, plural: &str) -> Result<Kind, Response> {
+/// A refusal, small enough to travel in a `Result`; rendered as a Kubernetes `Status`.
+struct Failure(StatusCode, String);
+
+impl IntoResponse for Failure {
+    fn into_response(self) -> Response {
+        error(self.0, self.1)
+    }
+}
+
+fn kind_of(group: &str, version: &str, plural: &str) -> Result<Kind, Failure> {
     Kind::ALL
         .into_iter()
         .find(|k| k.group() == group && k.version() == version && k.plural() == plural)
         .ok_or_else(|| {
-            error(StatusCode::NOT_FOUND, format!("the hub serves no resource {plural} in {group}/{version}"))
+            Failure(
+                StatusCode::NOT_FOUND,
+                format!("the hub serves no resource {plural} in {group}/{version}"),
+            )
         })
 }
 
@@ -118,7 +139,7 @@ async fn list_namespaced(
 async fn list(s: ApiState, group: &str, version: &str, plural: &str, ns: Option<&str>) -> Response {
     let kind = match kind_of(group, version, plural) {
         Ok(k) => k,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     match s.store.list(kind, ns).await {
         Ok(list) => Json(json!({
@@ -156,11 +177,14 @@ async fn get_one(
 ) -> Response {
     let kind = match kind_of(group, version, plural) {
         Ok(k) => k,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     match s.store.get(kind, ns, name).await {
         Ok(Some(obj)) => Json(obj).into_response(),
-        Ok(None) => error(StatusCode::NOT_FOUND, format!("{kind} {} not found", qualified(ns, name))),
+        Ok(None) => error(
+            StatusCode::NOT_FOUND,
+            format!("{kind} {} not found", qualified(ns, name)),
+        ),
         Err(e) => store_error(e),
     }
 }
@@ -170,7 +194,17 @@ async fn create_cluster_scoped(
     Path((group, version, plural)): Path<(String, String, String)>,
     Json(body): Json<Value>,
 ) -> Response {
-    write(s, Write::Create, &group, &version, &plural, None, None, body).await
+    write(
+        s,
+        Write::Create,
+        &group,
+        &version,
+        &plural,
+        None,
+        None,
+        body,
+    )
+    .await
 }
 
 async fn create_namespaced(
@@ -178,7 +212,17 @@ async fn create_namespaced(
     Path((group, version, ns, plural)): Path<(String, String, String, String)>,
     Json(body): Json<Value>,
 ) -> Response {
-    write(s, Write::Create, &group, &version, &plural, Some(&ns), None, body).await
+    write(
+        s,
+        Write::Create,
+        &group,
+        &version,
+        &plural,
+        Some(&ns),
+        None,
+        body,
+    )
+    .await
 }
 
 async fn replace_cluster_scoped(
@@ -186,7 +230,17 @@ async fn replace_cluster_scoped(
     Path((group, version, plural, name)): Path<(String, String, String, String)>,
     Json(body): Json<Value>,
 ) -> Response {
-    write(s, Write::Replace, &group, &version, &plural, None, Some(&name), body).await
+    write(
+        s,
+        Write::Replace,
+        &group,
+        &version,
+        &plural,
+        None,
+        Some(&name),
+        body,
+    )
+    .await
 }
 
 async fn replace_namespaced(
@@ -194,7 +248,17 @@ async fn replace_namespaced(
     Path((group, version, ns, plural, name)): Path<(String, String, String, String, String)>,
     Json(body): Json<Value>,
 ) -> Response {
-    write(s, Write::Replace, &group, &version, &plural, Some(&ns), Some(&name), body).await
+    write(
+        s,
+        Write::Replace,
+        &group,
+        &version,
+        &plural,
+        Some(&ns),
+        Some(&name),
+        body,
+    )
+    .await
 }
 
 async fn delete_cluster_scoped(
@@ -230,34 +294,38 @@ async fn write(
 ) -> Response {
     let kind = match kind_of(group, version, plural) {
         Ok(k) => k,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     // The path decides where the object goes; a body that says otherwise is a mistake.
     let body_ns = body["metadata"]["namespace"].as_str().map(str::to_string);
-    if let (Some(path_ns), Some(body_ns)) = (ns, body_ns.as_deref()) {
-        if path_ns != body_ns {
-            return error(
-                StatusCode::BAD_REQUEST,
-                format!("{kind}: metadata.namespace {body_ns:?} does not match the request's namespace {path_ns:?}"),
-            );
-        }
+    if let (Some(path_ns), Some(body_ns)) = (ns, body_ns.as_deref())
+        && path_ns != body_ns
+    {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "{kind}: metadata.namespace {body_ns:?} does not match the request's namespace {path_ns:?}"
+            ),
+        );
     }
     if let (Some(ns), Some(meta)) = (ns, body["metadata"].as_object_mut()) {
         meta.insert("namespace".into(), Value::String(ns.to_string()));
     }
     let body_name = body["metadata"]["name"].as_str().unwrap_or("").to_string();
-    if let Some(name) = name {
-        if body_name != name {
-            return error(
-                StatusCode::BAD_REQUEST,
-                format!("{kind}: metadata.name {body_name:?} does not match the request's name {name:?}"),
-            );
-        }
+    if let Some(name) = name
+        && body_name != name
+    {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "{kind}: metadata.name {body_name:?} does not match the request's name {name:?}"
+            ),
+        );
     }
-    if kind == Kind::ManifestWork {
-        if let Err(message) = validate_work(&body) {
-            return error(StatusCode::UNPROCESSABLE_ENTITY, message);
-        }
+    if kind == Kind::ManifestWork
+        && let Err(message) = validate_work(&body)
+    {
+        return error(StatusCode::UNPROCESSABLE_ENTITY, message);
     }
     let result = match how {
         Write::Create => s.store.create(body).await,
@@ -265,7 +333,11 @@ async fn write(
     };
     match result {
         Ok(obj) => {
-            let status = if how == Write::Create { StatusCode::CREATED } else { StatusCode::OK };
+            let status = if how == Write::Create {
+                StatusCode::CREATED
+            } else {
+                StatusCode::OK
+            };
             (status, Json(obj)).into_response()
         }
         Err(e) => store_error(e),
@@ -281,14 +353,25 @@ fn validate_work(body: &Value) -> Result<(), String> {
         )
     })?;
     validate_manifest_work(&work).map_err(|errors| {
-        errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
+        errors
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; ")
     })
 }
 
-async fn delete(s: ApiState, group: &str, version: &str, plural: &str, ns: Option<&str>, name: &str) -> Response {
+async fn delete(
+    s: ApiState,
+    group: &str,
+    version: &str,
+    plural: &str,
+    ns: Option<&str>,
+    name: &str,
+) -> Response {
     let kind = match kind_of(group, version, plural) {
         Ok(k) => k,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     match s.store.delete(kind, ns, name).await {
         Ok(()) => Json(json!({

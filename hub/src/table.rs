@@ -17,11 +17,20 @@ pub fn clusters(items: &[Value], now: Timestamp) -> String {
     for mc in items {
         let condition = |t: &str| condition_status(mc, t);
         rows.push(vec![
-            mc["metadata"]["name"].as_str().unwrap_or("<none>").to_string(),
-            mc["spec"]["hubAcceptsClient"].as_bool().unwrap_or(false).to_string(),
+            mc["metadata"]["name"]
+                .as_str()
+                .unwrap_or("<none>")
+                .to_string(),
+            mc["spec"]["hubAcceptsClient"]
+                .as_bool()
+                .unwrap_or(false)
+                .to_string(),
             condition("ManagedClusterJoined"),
             condition("ManagedClusterConditionAvailable"),
-            mc["status"]["version"]["kubernetes"].as_str().unwrap_or("").to_string(),
+            mc["status"]["version"]["kubernetes"]
+                .as_str()
+                .unwrap_or("")
+                .to_string(),
             age(mc["metadata"]["creationTimestamp"].as_str(), now),
         ]);
     }
@@ -42,9 +51,18 @@ pub fn works(items: &[Value], now: Timestamp) -> String {
     for mw in items {
         let condition = |t: &str| condition_status(mw, t);
         rows.push(vec![
-            mw["metadata"]["namespace"].as_str().unwrap_or("<none>").to_string(),
-            mw["metadata"]["name"].as_str().unwrap_or("<none>").to_string(),
-            mw["spec"]["workload"]["manifests"].as_array().map_or(0, Vec::len).to_string(),
+            mw["metadata"]["namespace"]
+                .as_str()
+                .unwrap_or("<none>")
+                .to_string(),
+            mw["metadata"]["name"]
+                .as_str()
+                .unwrap_or("<none>")
+                .to_string(),
+            mw["spec"]["workload"]["manifests"]
+                .as_array()
+                .map_or(0, Vec::len)
+                .to_string(),
             condition("Applied"),
             condition("Available"),
             condition("Degraded"),
@@ -82,8 +100,11 @@ fn render(rows: &[Vec<String>]) -> String {
         .collect();
     let mut out = String::new();
     for row in rows {
-        let line: Vec<String> =
-            row.iter().zip(&widths).map(|(cell, w)| format!("{cell:<w$}")).collect();
+        let line: Vec<String> = row
+            .iter()
+            .zip(&widths)
+            .map(|(cell, w)| format!("{cell:<w$}"))
+            .collect();
         out.push_str(line.join("   ").trim_end());
         out.push('\n');
     }
@@ -108,8 +129,17 @@ mod tests {
         ];
         let table = clusters(&items, now);
         let lines: Vec<&str> = table.lines().collect();
-        assert_eq!(lines[0], "NAME         HUB ACCEPTED   JOINED   AVAILABLE   KUBERNETES   AGE");
-        assert_eq!(lines[1], "store-0001   true           True     Unknown     v1.36.3      5m");
-        assert_eq!(lines[2], "s2           false                                             <unknown>");
+        assert_eq!(
+            lines[0],
+            "NAME         HUB ACCEPTED   JOINED   AVAILABLE   KUBERNETES   AGE"
+        );
+        assert_eq!(
+            lines[1],
+            "store-0001   true           True     Unknown     v1.36.3      5m"
+        );
+        assert_eq!(
+            lines[2],
+            "s2           false                                             <unknown>"
+        );
     }
 }

@@ -10,7 +10,11 @@ use flotilla_hub::ca::{self, Ca};
 use flotilla_hub::config::HubConfig;
 
 #[derive(Parser)]
-#[command(name = "flotilla-hub", version, about = "flotilla's hub: CA, operator API and agent sessions")]
+#[command(
+    name = "flotilla-hub",
+    version,
+    about = "flotilla's hub: CA, operator API and agent sessions"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
@@ -42,7 +46,12 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     flotilla_hub::init_tracing();
     match cli.command {
-        Some(Command::DevCert { data_dir, cluster, out, lifetime }) => {
+        Some(Command::DevCert {
+            data_dir,
+            cluster,
+            out,
+            lifetime,
+        }) => {
             anyhow::ensure!(
                 flotilla_gateway::identity::is_dns1123_label(&cluster),
                 "--cluster {cluster:?} is not a valid cluster name: lower-case letters, digits and '-', at most 63"
@@ -50,7 +59,10 @@ fn main() -> anyhow::Result<()> {
             let ca = Ca::load_or_create(&data_dir.join("ca"))?;
             let issued = ca.issue_cluster(&cluster, lifetime)?;
             ca::write_bundle(&out, ca.cert_pem(), &issued)?;
-            println!("certificate for cluster {cluster} written to {}", out.display());
+            println!(
+                "certificate for cluster {cluster} written to {}",
+                out.display()
+            );
             Ok(())
         }
         None => {

@@ -5,7 +5,9 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
-use flotilla_hub::cli::{collection_path, kind_of_document, manifest_work, object_path, read_documents};
+use flotilla_hub::cli::{
+    collection_path, kind_of_document, manifest_work, object_path, read_documents,
+};
 use flotilla_hub::client::{ApiError, OperatorClient, OperatorConfig};
 use flotilla_hub::table;
 use flotilla_proto::api::Kind;
@@ -13,10 +15,19 @@ use http::{Method, StatusCode};
 use serde_json::Value;
 
 #[derive(Parser)]
-#[command(name = "flotilla", version, about = "Operate a flotilla fleet: clusters, works, placements")]
+#[command(
+    name = "flotilla",
+    version,
+    about = "Operate a flotilla fleet: clusters, works, placements"
+)]
 struct Cli {
     /// CLI config written by the hub (server address and operator certificate).
-    #[arg(long, env = "FLOTILLA_CONFIG", global = true, default_value = "flotilla-data/operator/config.yaml")]
+    #[arg(
+        long,
+        env = "FLOTILLA_CONFIG",
+        global = true,
+        default_value = "flotilla-data/operator/config.yaml"
+    )]
     config: PathBuf,
     #[command(subcommand)]
     command: Command,
@@ -103,13 +114,20 @@ async fn main() {
 async fn run(cli: Cli) -> anyhow::Result<()> {
     let client = OperatorClient::new(&OperatorConfig::load(&cli.config)?)?;
     match cli.command {
-        Command::Get { what: GetWhat::Clusters { output } } => {
-            let list = client.get_json(&collection_path(Kind::ManagedCluster, None)).await?;
+        Command::Get {
+            what: GetWhat::Clusters { output },
+        } => {
+            let list = client
+                .get_json(&collection_path(Kind::ManagedCluster, None))
+                .await?;
             print_list(&list, output, table::clusters)?;
         }
-        Command::Get { what: GetWhat::Works { cluster, output } } => {
-            let list =
-                client.get_json(&collection_path(Kind::ManifestWork, cluster.as_deref())).await?;
+        Command::Get {
+            what: GetWhat::Works { cluster, output },
+        } => {
+            let list = client
+                .get_json(&collection_path(Kind::ManifestWork, cluster.as_deref()))
+                .await?;
             print_list(&list, output, table::works)?;
         }
         Command::Apply { filename } => {
@@ -119,9 +137,21 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 println!("{}/{} {verb}", kind.plural(), qualified(&doc));
             }
         }
-        Command::Work { action: WorkAction::Create { name, filename, clusters, overwrite } } => {
+        Command::Work {
+            action:
+                WorkAction::Create {
+                    name,
+                    filename,
+                    clusters,
+                    overwrite,
+                },
+        } => {
             let manifests = read_documents(&filename)?;
-            anyhow::ensure!(!manifests.is_empty(), "{} holds no manifests", filename.display());
+            anyhow::ensure!(
+                !manifests.is_empty(),
+                "{} holds no manifests",
+                filename.display()
+            );
             for cluster in &clusters {
                 let work = manifest_work(&name, cluster, &manifests);
                 let verb = upsert(&client, Kind::ManifestWork, work, overwrite)
@@ -130,10 +160,16 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 println!("manifestwork {cluster}/{name} {verb}");
             }
         }
-        Command::Work { action: WorkAction::Delete { name, clusters } } => {
+        Command::Work {
+            action: WorkAction::Delete { name, clusters },
+        } => {
             for cluster in &clusters {
                 client
-                    .request(Method::DELETE, &object_path(Kind::ManifestWork, Some(cluster), &name), None)
+                    .request(
+                        Method::DELETE,
+                        &object_path(Kind::ManifestWork, Some(cluster), &name),
+                        None,
+                    )
                     .await?;
                 println!("manifestwork {cluster}/{name} deleted");
             }
@@ -143,24 +179,46 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 /// Creates the object, or (when `replace`) replaces an existing one. Returns what happened.
-async fn upsert(client: &OperatorClient, kind: Kind, doc: Value, replace: bool) -> anyhow::Result<&'static str> {
+async fn upsert(
+    client: &OperatorClient,
+    kind: Kind,
+    doc: Value,
+    replace: bool,
+) -> anyhow::Result<&'static str> {
     let ns = doc["metadata"]["namespace"].as_str().map(str::to_string);
-    let name = doc["metadata"]["name"].as_str().unwrap_or_default().to_string();
+    let name = doc["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
     anyhow::ensure!(!name.is_empty(), "{kind} without metadata.name");
     anyhow::ensure!(
         !kind.namespaced() || ns.is_some(),
         "{kind} {name}: metadata.namespace is required (for a ManifestWork: the cluster's name)"
     );
-    match client.request(Method::POST, &collection_path(kind, ns.as_deref()), Some(&doc)).await {
+    match client
+        .request(
+            Method::POST,
+            &collection_path(kind, ns.as_deref()),
+            Some(&doc),
+        )
+        .await
+    {
         Ok(_) => Ok("created"),
         Err(e) => match e.downcast_ref::<ApiError>() {
             Some(api) if api.status == StatusCode::CONFLICT && replace => {
-                client.request(Method::PUT, &object_path(kind, ns.as_deref(), &name), Some(&doc)).await?;
+                client
+                    .request(
+                        Method::PUT,
+                        &object_path(kind, ns.as_deref(), &name),
+                        Some(&doc),
+                    )
+                    .await?;
                 Ok("configured")
             }
-            Some(api) if api.status == StatusCode::CONFLICT => {
-                Err(anyhow::anyhow!("{}; pass --overwrite to replace it", api.message))
-            }
+            Some(api) if api.status == StatusCode::CONFLICT => Err(anyhow::anyhow!(
+                "{}; pass --overwrite to replace it",
+                api.message
+            )),
             _ => Err(e),
         },
     }
@@ -174,7 +232,11 @@ fn qualified(doc: &Value) -> String {
     }
 }
 
-fn print_list(list: &Value, output: Output, render: fn(&[Value], jiff::Timestamp) -> String) -> anyhow::Result<()> {
+fn print_list(
+    list: &Value,
+    output: Output,
+    render: fn(&[Value], jiff::Timestamp) -> String,
+) -> anyhow::Result<()> {
     match output {
         Output::Json => println!("{}", serde_json::to_string_pretty(list)?),
         Output::Yaml => print!("{}", yaml_serde::to_string(list)?),

@@ -18,7 +18,10 @@ use tokio::time::Instant;
 /// Path of a workspace binary next to the running test (target/<profile>/<name>).
 pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
-    let dir = exe.parent().and_then(Path::parent).expect("target/<profile>/deps");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps");
     let path = dir.join(name);
     assert!(
         path.exists(),
@@ -61,7 +64,11 @@ impl Proc {
         let file = std::fs::File::create(&log)?;
         cmd.stdout(Stdio::null()).stderr(file).stdin(Stdio::null());
         let child = cmd.spawn().with_context(|| format!("starting {name}"))?;
-        Ok(Proc { child: Some(child), log, name: name.to_string() })
+        Ok(Proc {
+            child: Some(child),
+            log,
+            name: name.to_string(),
+        })
     }
 
     pub fn pid(&self) -> u32 {
@@ -86,7 +93,9 @@ impl Proc {
 
     /// Whether the process is still running.
     pub fn alive(&mut self) -> bool {
-        self.child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
     }
 }
 
@@ -137,7 +146,9 @@ impl Hub {
                 if !alive {
                     bail!("flotilla-hub exited");
                 }
-                Ok(std::fs::read_to_string(&path).ok().and_then(|t| serde_json::from_str(&t).ok()))
+                Ok(std::fs::read_to_string(&path)
+                    .ok()
+                    .and_then(|t| serde_json::from_str(&t).ok()))
             }
         })
         .await
@@ -160,14 +171,21 @@ impl Hub {
             .arg("--out")
             .arg(out)
             .output()?;
-        anyhow::ensure!(output.status.success(), "dev-cert failed: {}", String::from_utf8_lossy(&output.stderr));
+        anyhow::ensure!(
+            output.status.success(),
+            "dev-cert failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
         Ok(())
     }
 
     /// Runs the real `flotilla` CLI against this hub.
     pub fn cli(&self, args: &[&str]) -> anyhow::Result<Output> {
         Ok(Command::new(bin("flotilla"))
-            .env("FLOTILLA_CONFIG", self.data_dir.join("operator/config.yaml"))
+            .env(
+                "FLOTILLA_CONFIG",
+                self.data_dir.join("operator/config.yaml"),
+            )
             .args(args)
             .output()?)
     }
@@ -175,13 +193,21 @@ impl Hub {
     /// `flotilla get clusters -o json`, parsed.
     pub fn clusters(&self) -> anyhow::Result<Vec<Value>> {
         let out = self.cli(&["get", "clusters", "-o", "json"])?;
-        anyhow::ensure!(out.status.success(), "flotilla get clusters failed: {}", String::from_utf8_lossy(&out.stderr));
+        anyhow::ensure!(
+            out.status.success(),
+            "flotilla get clusters failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let list: Value = serde_json::from_slice(&out.stdout)?;
         Ok(list["items"].as_array().cloned().unwrap_or_default())
     }
 
     /// Status of a condition of a managed cluster as the CLI shows it ("True", "Unknown", ...).
-    pub fn cluster_condition(&self, cluster: &str, condition: &str) -> anyhow::Result<Option<String>> {
+    pub fn cluster_condition(
+        &self,
+        cluster: &str,
+        condition: &str,
+    ) -> anyhow::Result<Option<String>> {
         Ok(self
             .clusters()?
             .iter()
@@ -204,10 +230,25 @@ pub fn condition_status(obj: &Value, t: &str) -> Option<String> {
 pub fn start_agent(dir: &Path, hub: &Hub, cluster: &str, cert_dir: &Path) -> anyhow::Result<Proc> {
     let mut cmd = Command::new(bin("flotilla-agent"));
     cmd.arg("run")
-        .args(["--hub", &hub.agents_addr, "--server-name", "localhost", "--cluster-name", cluster])
+        .args([
+            "--hub",
+            &hub.agents_addr,
+            "--server-name",
+            "localhost",
+            "--cluster-name",
+            cluster,
+        ])
         .arg("--cert-dir")
         .arg(cert_dir)
-        .args(["--initial-jitter=0s", "--max-backoff=1s", "--kubernetes-version=v1.36.3"])
+        .args([
+            "--initial-jitter=0s",
+            "--max-backoff=1s",
+            "--kubernetes-version=v1.36.3",
+        ])
         .env("RUST_LOG", "info");
-    Proc::spawn("flotilla-agent", cmd, dir.join(format!("agent-{cluster}.log")))
+    Proc::spawn(
+        "flotilla-agent",
+        cmd,
+        dir.join(format!("agent-{cluster}.log")),
+    )
 }

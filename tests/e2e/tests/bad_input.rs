@@ -44,7 +44,10 @@ async fn oversized_frame_closes_only_that_session() -> anyhow::Result<()> {
         .await?
         .into_inner();
     let welcome = inbound.message().await?.expect("welcome");
-    assert!(matches!(welcome.frame, Some(hub_frame::Frame::Welcome(_))), "{welcome:?}");
+    assert!(
+        matches!(welcome.frame, Some(hub_frame::Frame::Welcome(_))),
+        "{welcome:?}"
+    );
     tx.send(AgentFrame {
         frame: Some(Frame::WorkStatus(WorkStatus {
             uid: "w".into(),
@@ -62,12 +65,22 @@ async fn oversized_frame_closes_only_that_session() -> anyhow::Result<()> {
         }
     };
     assert!(
-        error.message().contains("exceeds the gateway's bound of 65536 bytes"),
+        error
+            .message()
+            .contains("exceeds the gateway's bound of 65536 bytes"),
         "the agent is told why: {error:?}"
     );
-    wait_for("the hub to log the reason", Duration::from_secs(10), || async {
-        Ok(hub.proc.log().contains("exceeds the gateway's bound").then_some(()))
-    })
+    wait_for(
+        "the hub to log the reason",
+        Duration::from_secs(10),
+        || async {
+            Ok(hub
+                .proc
+                .log()
+                .contains("exceeds the gateway's bound")
+                .then_some(()))
+        },
+    )
     .await?;
 
     // The hub keeps serving: a new session works, and store-a never lost its session.
@@ -80,8 +93,15 @@ async fn oversized_frame_closes_only_that_session() -> anyhow::Result<()> {
         .into_inner();
     let welcome = inbound.message().await?.expect("welcome");
     assert!(matches!(welcome.frame, Some(hub_frame::Frame::Welcome(_))));
-    assert_eq!(hub.cluster_condition("store-a", AVAILABLE)?.as_deref(), Some("True"));
-    assert_eq!(good.log().matches("session established").count(), 1, "store-a kept its one session");
+    assert_eq!(
+        hub.cluster_condition("store-a", AVAILABLE)?.as_deref(),
+        Some("True")
+    );
+    assert_eq!(
+        good.log().matches("session established").count(),
+        1,
+        "store-a kept its one session"
+    );
     drop(tx);
     Ok(())
 }
@@ -104,8 +124,15 @@ async fn hello_naming_another_cluster_is_refused_with_the_reason() -> anyhow::Re
             said = g.reason;
         }
     }
-    assert!(said.contains("store-a") && said.contains("store-b"), "goodbye names both: {said:?}");
-    assert!(hub.clusters()?.iter().all(|c| c["metadata"]["name"] != "store-b"));
+    assert!(
+        said.contains("store-a") && said.contains("store-b"),
+        "goodbye names both: {said:?}"
+    );
+    assert!(
+        hub.clusters()?
+            .iter()
+            .all(|c| c["metadata"]["name"] != "store-b")
+    );
     drop(tx);
     Ok(())
 }
