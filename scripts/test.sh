@@ -25,6 +25,14 @@ for tool in cargo go kubectl; do
 done
 cargo fmt --version >/dev/null 2>&1 || rustup component add rustfmt
 cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
+# A real HTTP forward proxy for the proxy end-to-end test (registration.rs).
+if ! command -v tinyproxy >/dev/null; then
+  step "installing tinyproxy"
+  sudo_cmd=""
+  [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo -n"
+  $sudo_cmd env DEBIAN_FRONTEND=noninteractive apt-get install -y -q tinyproxy >/dev/null \
+    || { $sudo_cmd apt-get update -q >/dev/null && $sudo_cmd env DEBIAN_FRONTEND=noninteractive apt-get install -y -q tinyproxy >/dev/null; }
+fi
 if ! command -v cargo-deny >/dev/null; then
   step "installing cargo-deny"
   cargo install --locked cargo-deny@0.20.2 2>&1 | tail -n 3
@@ -59,7 +67,7 @@ step "tests"
 cargo test --workspace --locked --no-fail-fast -- --test-threads="${FLOTILLA_TEST_THREADS:-4}"
 
 step "no stray test processes"
-strays=$(pgrep -a -f "$FLOTILLA_TESTENV_BIN/(kube-apiserver|etcd)|$CARGO_TARGET_DIR/debug/flotilla-(hub|agent)" || true)
+strays=$(pgrep -a -f "$FLOTILLA_TESTENV_BIN/(kube-apiserver|etcd)|$CARGO_TARGET_DIR/debug/flotilla-(hub|agent)|tinyproxy -d -c /tmp/" || true)
 if [ -n "$strays" ]; then
   echo "test processes left behind:" >&2
   echo "$strays" >&2

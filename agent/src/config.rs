@@ -5,11 +5,27 @@ use std::time::Duration;
 
 use clap::Args;
 
+use crate::proxy::ProxyUrl;
+use crate::reconcile::{DEFAULT_APPLY_CONCURRENCY, DEFAULT_RETRY_INITIAL, ReconcilerConfig};
+
 /// Upper bound of the random delay before the first connection after process start, so a site
 /// that powers on all at once does not reach the hub in the same second.
 pub const DEFAULT_INITIAL_JITTER: &str = "2s";
 /// Largest backoff between reconnect attempts.
 pub const DEFAULT_MAX_BACKOFF: &str = "60s";
+/// Where the durable cache lives by default: a path a DaemonSet or Deployment mounts a
+/// persistent volume at. Anything run by hand passes `--data-dir`.
+pub const DEFAULT_DATA_DIR: &str = "/var/lib/flotilla-agent";
+/// The sled cache's directory under `--data-dir`.
+pub const CACHE_SUBDIR: &str = "cache";
+/// The identity's directory under `--data-dir` (unless `--cert-dir` says otherwise).
+pub const IDENTITY_SUBDIR: &str = "identity";
+/// Default of `--resync-interval`; see [`crate::reconcile::DEFAULT_RESYNC_INTERVAL`].
+pub const DEFAULT_RESYNC_INTERVAL: &str = "5m";
+/// Shortest accepted `--resync-interval`: below it the agent would spend its time re-applying.
+pub const MIN_RESYNC_INTERVAL: Duration = Duration::from_secs(1);
+/// Most works reconciled at once that `--apply-concurrency` accepts.
+pub const MAX_APPLY_CONCURRENCY: usize = 64;
 
 #[derive(Clone, Debug, Args)]
 pub struct AgentConfig {
@@ -25,9 +41,35 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOTILLA_CLUSTER_NAME")]
     pub cluster_name: String,
 
-    /// Directory with ca.crt (the hub CA), tls.crt and tls.key (this cluster's identity).
+    /// Directory with ca.crt (the hub CA bundle), tls.crt and tls.key (this cluster's
+    /// identity; the key is made here at join and never leaves the spoke). Default:
+    /// <data-dir>/identity, where `flotilla-agent join` stores it.
     #[arg(long, env = "FLOTILLA_CERT_DIR")]
-    pub cert_dir: PathBuf,
+    pub cert_dir: Option<PathBuf>,
+
+    /// Reach the hub through this HTTP forward proxy (http://host:port, CONNECT); TLS with the
+    /// hub stays end to end through it. Used for joining and for sessions.
+    #[arg(long, env = "FLOTILLA_PROXY_URL")]
+    pub proxy_url: Option<ProxyUrl>,
+
+    /// kubeconfig of the spoke cluster's apiserver, where works are applied. Default: the
+    /// KUBECONFIG variable, then ~/.kube/config, then the pod's service account.
+    #[arg(long, env = "FLOTILLA_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// Directory of the agent's durable cache (desired works, what was applied, status not yet
+    /// acknowledged). Keep it across restarts: it is how the agent works while the hub is away.
+    /// One agent per directory.
+    #[arg(long, env = "FLOTILLA_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
+    pub data_dir: PathBuf,
+
+    /// How often every work is applied again to repair changes made by hand (±10% jitter).
+    #[arg(long, env = "FLOTILLA_RESYNC_INTERVAL", default_value = DEFAULT_RESYNC_INTERVAL, value_parser = humantime::parse_duration)]
+    pub resync_interval: Duration,
+
+    /// How many works are applied at once.
+    #[arg(long, default_value_t = DEFAULT_APPLY_CONCURRENCY)]
+    pub apply_concurrency: usize,
 
     /// Upper bound of the random delay before the first connection.
     #[arg(long, default_value = DEFAULT_INITIAL_JITTER, value_parser = humantime::parse_duration)]
@@ -37,17 +79,179 @@ pub struct AgentConfig {
     #[arg(long, default_value = DEFAULT_MAX_BACKOFF, value_parser = humantime::parse_duration)]
     pub max_backoff: Duration,
 
-    /// Kubernetes version reported to the hub (until the agent reads it from its apiserver).
+    /// Kubernetes version reported to the hub. Default: read from the spoke apiserver's
+    /// /version at start.
     #[arg(long, env = "FLOTILLA_KUBERNETES_VERSION", default_value = "")]
     pub kubernetes_version: String,
+}
+
+/// A configuration that cannot work. None is retryable: fix the flag named.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// `--cluster-name` is not a DNS label. Not retryable.
+    #[error(
+        "--cluster-name {0:?} is not a valid cluster name: use lower-case letters, digits and '-', at most 63 characters"
+    )]
+    ClusterName(String),
+    /// `--resync-interval` is too short. Not retryable.
+    #[error("--resync-interval {got:?} is shorter than {min:?}; use e.g. 5m")]
+    ResyncInterval { got: Duration, min: Duration },
+    /// `--apply-concurrency` is out of range. Not retryable.
+    #[error("--apply-concurrency {0} is out of range; use 1 to {MAX_APPLY_CONCURRENCY}")]
+    ApplyConcurrency(usize),
+    /// The kubeconfig named by `--kubeconfig` cannot be read. Not retryable.
+    #[error("cannot use --kubeconfig {path}: {detail}")]
+    Kubeconfig { path: String, detail: String },
+    /// No kubeconfig given and none could be inferred. Not retryable.
+    #[error(
+        "no spoke apiserver configured ({0}); pass --kubeconfig PATH, set KUBECONFIG, or run the agent in a pod with a service account"
+    )]
+    NoSpoke(String),
 }
 
 impl AgentConfig {
     /// Host part of `--hub`, or `--server-name`.
     pub fn server_name(&self) -> String {
         self.server_name.clone().unwrap_or_else(|| {
-            let host = self.hub.rsplit_once(':').map_or(self.hub.as_str(), |(h, _)| h);
-            host.trim_start_matches('[').trim_end_matches(']').to_string()
+            let host = self
+                .hub
+                .rsplit_once(':')
+                .map_or(self.hub.as_str(), |(h, _)| h);
+            host.trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string()
         })
+    }
+
+    /// Where the sled cache lives: its own directory under `--data-dir`, beside the agent's
+    /// identity.
+    pub fn cache_dir(&self) -> PathBuf {
+        self.data_dir.join(CACHE_SUBDIR)
+    }
+
+    /// Where the identity (key, certificate, CA bundle) lives: `--cert-dir`, or its own
+    /// directory under `--data-dir`.
+    pub fn identity_dir(&self) -> PathBuf {
+        self.cert_dir
+            .clone()
+            .unwrap_or_else(|| self.data_dir.join(IDENTITY_SUBDIR))
+    }
+
+    /// Checks what can be checked without touching the network or the disk.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let name = &self.cluster_name;
+        let label_ok = !name.is_empty()
+            && name.len() <= 63
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && !name.starts_with('-')
+            && !name.ends_with('-');
+        if !label_ok {
+            return Err(ConfigError::ClusterName(name.clone()));
+        }
+        if self.resync_interval < MIN_RESYNC_INTERVAL {
+            return Err(ConfigError::ResyncInterval {
+                got: self.resync_interval,
+                min: MIN_RESYNC_INTERVAL,
+            });
+        }
+        if !(1..=MAX_APPLY_CONCURRENCY).contains(&self.apply_concurrency) {
+            return Err(ConfigError::ApplyConcurrency(self.apply_concurrency));
+        }
+        Ok(())
+    }
+
+    /// The reconciler's pacing from the flags.
+    pub fn reconciler(&self) -> ReconcilerConfig {
+        ReconcilerConfig {
+            resync_interval: self.resync_interval,
+            concurrency: self.apply_concurrency,
+            retry_initial: DEFAULT_RETRY_INITIAL,
+        }
+    }
+
+    /// The client configuration of the spoke apiserver: `--kubeconfig`, or inferred. Reads
+    /// files only; the apiserver need not be up.
+    pub async fn spoke_kube_config(&self) -> Result<kube::Config, ConfigError> {
+        match &self.kubeconfig {
+            Some(path) => {
+                let fail = |detail: String| ConfigError::Kubeconfig {
+                    path: path.display().to_string(),
+                    detail,
+                };
+                let kubeconfig =
+                    kube::config::Kubeconfig::read_from(path).map_err(|e| fail(e.to_string()))?;
+                kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+                    .await
+                    .map_err(|e| fail(e.to_string()))
+            }
+            None => kube::Config::infer()
+                .await
+                .map_err(|e| ConfigError::NoSpoke(e.to_string())),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        config: AgentConfig,
+    }
+
+    fn parse(extra: &[&str]) -> AgentConfig {
+        let mut args = vec!["agent", "--hub", "hub:443", "--cert-dir", "/c"];
+        if !extra.contains(&"--cluster-name") {
+            args.extend_from_slice(&["--cluster-name", "store-7"]);
+        }
+        args.extend_from_slice(extra);
+        Cli::parse_from(args).config
+    }
+
+    fn check(extra: &[&str], expected: Result<(), &str>) {
+        let got = parse(extra).validate().map_err(|e| e.to_string());
+        match (got, expected) {
+            (Ok(()), Ok(())) => {}
+            (Err(got), Err(want)) => assert!(got.contains(want), "{extra:?}: {got}"),
+            (got, want) => panic!("{extra:?}: got {got:?}, want {want:?}"),
+        }
+    }
+
+    #[test]
+    fn defaults_are_valid_and_documented_values() {
+        let config = parse(&[]);
+        assert_eq!(config.data_dir, PathBuf::from(DEFAULT_DATA_DIR));
+        assert_eq!(config.resync_interval, Duration::from_secs(300));
+        assert_eq!(config.apply_concurrency, DEFAULT_APPLY_CONCURRENCY);
+        check(&[], Ok(()));
+    }
+
+    #[test]
+    fn bad_values_name_the_flag_and_the_fix() {
+        check(&["--resync-interval", "100ms"], Err("--resync-interval"));
+        check(&["--apply-concurrency", "0"], Err("use 1 to 64"));
+        check(
+            &["--cluster-name", "Store_7"],
+            Err("--cluster-name \"Store_7\""),
+        );
+        check(
+            &["--resync-interval", "30s", "--apply-concurrency", "8"],
+            Ok(()),
+        );
+    }
+
+    #[tokio::test]
+    async fn a_missing_kubeconfig_names_the_flag() {
+        let config = parse(&["--kubeconfig", "/nonexistent/kubeconfig"]);
+        let err = config.spoke_kube_config().await.unwrap_err().to_string();
+        assert!(
+            err.starts_with("cannot use --kubeconfig /nonexistent/kubeconfig"),
+            "{err}"
+        );
     }
 }

@@ -1,47 +1,57 @@
-//! Dialling the hub: TCP, then TLS with the agent's client certificate, then HTTP/2 (gRPC).
+//! Dialling the hub: TCP (directly or through an HTTP CONNECT proxy), then TLS with the agent's
+//! client certificate, then HTTP/2 (gRPC).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::Context;
 use hyper_util::rt::TokioIo;
 use rustls_pki_types::ServerName;
-use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 use tonic::transport::{Channel, Endpoint};
 
-/// Everything needed to open a connection to the hub; built once from the certificate files.
+use crate::proxy::{self, ProxyUrl};
+
+/// Everything needed to open a connection to the hub. The identity files are read again for
+/// every connection, so a certificate renewed over the session (or a new CA bundle) is used
+/// from the next connection on without a restart.
 #[derive(Clone)]
 pub struct Dialer {
     hub: String,
     server_name: ServerName<'static>,
-    tls: TlsConnector,
+    cert_dir: PathBuf,
+    proxy: Option<ProxyUrl>,
 }
 
 impl Dialer {
+    /// Checks the identity in `cert_dir` once, so a broken one fails at start.
     pub fn new(hub: &str, server_name: &str, cert_dir: &Path) -> anyhow::Result<Dialer> {
-        let read = |f: &str| {
-            let p = cert_dir.join(f);
-            std::fs::read(&p).with_context(|| format!("reading {} (the agent's --cert-dir)", p.display()))
-        };
-        let config = tls_client_config(&read("ca.crt")?, &read("tls.crt")?, &read("tls.key")?)?;
+        tls_connector(cert_dir)?;
         Ok(Dialer {
             hub: hub.to_string(),
             server_name: ServerName::try_from(server_name.to_string())
                 .with_context(|| format!("{server_name:?} is not a valid server name"))?,
-            tls: TlsConnector::from(config),
+            cert_dir: cert_dir.to_path_buf(),
+            proxy: None,
         })
     }
 
-    /// Opens one HTTP/2 connection to the hub. Errors carry what failed (TCP or TLS).
+    /// Dials through `proxy` (HTTP CONNECT) when given.
+    pub fn with_proxy(mut self, proxy: Option<ProxyUrl>) -> Dialer {
+        self.proxy = proxy;
+        self
+    }
+
+    /// Opens one HTTP/2 connection to the hub. Errors carry what failed (proxy, TCP or TLS).
     pub async fn connect(&self) -> anyhow::Result<Channel> {
+        let tls = tls_connector(&self.cert_dir)?;
         let this = self.clone();
         let connector = tower::service_fn(move |_uri: http::Uri| {
             let this = this.clone();
+            let tls = tls.clone();
             async move {
-                let tcp = TcpStream::connect(&this.hub).await?;
-                tcp.set_nodelay(true)?;
-                let tls = this.tls.connect(this.server_name.clone(), tcp).await?;
+                let tcp = proxy::dial(&this.hub, this.proxy.as_ref()).await?;
+                let tls = tls.connect(this.server_name.clone(), tcp).await?;
                 Ok::<_, std::io::Error>(TokioIo::new(tls))
             }
         });
@@ -55,7 +65,25 @@ impl Dialer {
     }
 }
 
-fn tls_client_config(ca: &[u8], cert: &[u8], key: &[u8]) -> anyhow::Result<Arc<rustls::ClientConfig>> {
+fn tls_connector(cert_dir: &Path) -> anyhow::Result<TlsConnector> {
+    let read = |f: &str| {
+        let p = cert_dir.join(f);
+        std::fs::read(&p).with_context(|| {
+            format!(
+                "reading {} (the agent's identity: join first with `flotilla-agent join`, or pass --cert-dir)",
+                p.display()
+            )
+        })
+    };
+    let config = tls_client_config(&read("ca.crt")?, &read("tls.crt")?, &read("tls.key")?)?;
+    Ok(TlsConnector::from(config))
+}
+
+fn tls_client_config(
+    ca: &[u8],
+    cert: &[u8],
+    key: &[u8],
+) -> anyhow::Result<Arc<rustls::ClientConfig>> {
     use rustls_pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut roots = rustls::RootCertStore::empty();

@@ -1,13 +1,35 @@
 //! flotilla's spoke agent: dials out to the hub, keeps one session (reconnecting with jittered
-//! backoff), and speaks the shared sans-IO protocol from `flotilla-proto`.
+//! backoff), speaks the shared sans-IO protocol from `flotilla-proto`, and applies the
+//! ManifestWorks it receives to its own cluster, from a durable cache that lets it keep working
+//! while the hub is away.
+//!
+//! * [`session`]: the reconnect loop and the thin driver of the protocol machine.
+//! * [`cache`]: the durable state behind [`WorkCache`] (sled): works, ledger, status outbox.
+//! * [`reconcile`]: the task that makes the spoke match the cache (start, changes, resync).
+//! * [`apply`]: the apply engine behind [`ApplyTarget`] (kube-rs server-side apply, or an
+//!   in-memory cluster).
+//! * [`status`]: ManifestWork status as OCM shapes it.
+//! * [`join`], [`identity`]: joining with a bootstrap token (key made here, CSR sent, CA pinned)
+//!   and the identity on disk, renewed over the session.
+//! * [`proxy`]: dialling through an HTTP CONNECT forward proxy.
 //!
 //! Not for: anything the hub decides, and it links no hub code: what both ends agree on lives in
 //! `flotilla-proto`. The agent opens outbound connections only; it never listens.
 #![forbid(unsafe_code)]
 
+pub mod apply;
+pub mod cache;
 pub mod config;
 pub mod connect;
+pub mod identity;
+pub mod join;
+pub mod proxy;
+pub mod reconcile;
 pub mod session;
+pub mod status;
 
+pub use apply::{ApplyTarget, KubeApplyTarget, MemoryCluster};
+pub use cache::{SledCache, SledCacheDb, WorkCache};
 pub use config::AgentConfig;
-pub use session::run;
+pub use reconcile::{ReconcileHandle, Reconciler, ReconcilerConfig};
+pub use session::{RunError, run, run_with};

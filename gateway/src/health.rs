@@ -92,7 +92,7 @@ impl HealthTracker {
     }
 
     async fn mark_available(&self, cluster: &str, hello: &wire::Hello) -> Result<(), StoreError> {
-        let current = self.ensure_cluster(cluster).await?;
+        let current = self.existing_cluster(cluster).await?;
         let mut status = current.get("status").cloned().unwrap_or_else(|| json!({}));
         let now = now();
         let mut conds = read_conditions(&status);
@@ -125,11 +125,12 @@ impl HealthTracker {
                 .map(|c| json!({ "name": c.name, "value": c.value }))
                 .collect();
         }
-        self.store
+        let updated = self
+            .store
             .update_status(Kind::ManagedCluster, None, cluster, status, None)
             .await?;
         // Remove the unreachable taint the cluster may carry from an earlier outage.
-        self.set_unreachable_taint(current, false).await?;
+        self.set_unreachable_taint(updated, false).await?;
         info!(cluster, "cluster available");
         Ok(())
     }
@@ -162,58 +163,59 @@ impl HealthTracker {
         Ok(())
     }
 
-    /// Returns the stored ManagedCluster, creating it for a cluster whose agent holds a valid
-    /// hub-issued certificate but has no object yet (dev certificates; an operator who deleted
-    /// the object revokes the cluster instead).
-    async fn ensure_cluster(&self, cluster: &str) -> Result<Value, StoreError> {
-        if let Some(mc) = self.store.get(Kind::ManagedCluster, None, cluster).await? {
-            return Ok(mc);
-        }
-        let mc = json!({
-            "apiVersion": Kind::ManagedCluster.api_version(),
-            "kind": "ManagedCluster",
-            "metadata": { "name": cluster },
-            "spec": { "hubAcceptsClient": true, "leaseDurationSeconds": 60 },
-        });
-        match self.store.create(mc).await {
-            Ok(created) => Ok(created),
-            // Raced with another writer: use theirs.
-            Err(StoreError::AlreadyExists { .. }) => self
-                .store
-                .get(Kind::ManagedCluster, None, cluster)
-                .await?
-                .ok_or_else(|| StoreError::NotFound {
-                    kind: Kind::ManagedCluster,
-                    namespace: None,
-                    name: cluster.to_string(),
-                }),
-            Err(e) => Err(e),
-        }
+    /// The stored ManagedCluster. Sessions open only for registered, accepted clusters (see
+    /// `admission`), so a missing one was deleted while the session opened: its session is
+    /// being closed, and nothing is recreated (a deleted cluster stays revoked).
+    async fn existing_cluster(&self, cluster: &str) -> Result<Value, StoreError> {
+        self.store
+            .get(Kind::ManagedCluster, None, cluster)
+            .await?
+            .ok_or_else(|| StoreError::NotFound {
+                kind: Kind::ManagedCluster,
+                namespace: None,
+                name: cluster.to_string(),
+            })
     }
 
+    /// Adds or removes OCM's unreachable taint. Other writers (registration's key pins,
+    /// operators' taints) change the same object, so the write carries the version it read and
+    /// is redone from a fresh read on conflict: nothing another writer stored is lost.
     async fn set_unreachable_taint(&self, mut mc: Value, present: bool) -> Result<(), StoreError> {
-        let taints = mc["spec"]["taints"].as_array().cloned().unwrap_or_default();
-        let has = taints.iter().any(|t| t["key"] == UNREACHABLE_TAINT);
-        if has == present {
-            return Ok(());
+        const ATTEMPTS: usize = 5;
+        for attempt in 1..=ATTEMPTS {
+            let taints = mc["spec"]["taints"].as_array().cloned().unwrap_or_default();
+            let has = taints.iter().any(|t| t["key"] == UNREACHABLE_TAINT);
+            if has == present {
+                return Ok(());
+            }
+            let mut taints: Vec<Value> = taints
+                .into_iter()
+                .filter(|t| t["key"] != UNREACHABLE_TAINT)
+                .collect();
+            if present {
+                taints.push(json!({
+                    "key": UNREACHABLE_TAINT,
+                    "effect": "NoSelect",
+                    "timeAdded": now(),
+                }));
+            }
+            let name = mc["metadata"]["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            mc["spec"]["taints"] = Value::Array(taints);
+            match self.store.update_spec(mc).await {
+                Ok(_) => return Ok(()),
+                Err(StoreError::Conflict { .. }) if attempt < ATTEMPTS => {
+                    let Some(fresh) = self.store.get(Kind::ManagedCluster, None, &name).await?
+                    else {
+                        return Ok(()); // deleted meanwhile: no taint to keep
+                    };
+                    mc = fresh;
+                }
+                Err(e) => return Err(e),
+            }
         }
-        let mut taints: Vec<Value> = taints
-            .into_iter()
-            .filter(|t| t["key"] != UNREACHABLE_TAINT)
-            .collect();
-        if present {
-            taints.push(json!({
-                "key": UNREACHABLE_TAINT,
-                "effect": "NoSelect",
-                "timeAdded": now(),
-            }));
-        }
-        mc["spec"]["taints"] = Value::Array(taints);
-        // Last writer wins for the taint list: health is the only writer of this taint.
-        if let Some(meta) = mc["metadata"].as_object_mut() {
-            meta.remove("resourceVersion");
-        }
-        self.store.update_spec(mc).await?;
         Ok(())
     }
 }

@@ -3,6 +3,10 @@
 //! The hub CA issues two kinds of client certificates: agents get `CN=<cluster name>,
 //! O=flotilla:clusters`, operators get `CN=<user>, O=flotilla:operators` (plus any extra groups
 //! as further O values). The certificate is the only source of "which cluster is this".
+//!
+//! A connection without a client certificate is [`Peer::Anonymous`]: the agents' listener lets
+//! it through the handshake only so that a joining agent (which has no certificate yet) can
+//! call `Registration.Join`; every other service refuses it.
 
 use x509_parser::prelude::{FromDer, X509Certificate};
 
@@ -18,6 +22,8 @@ pub enum Peer {
     Cluster(String),
     /// A person or tool using the operator API.
     Operator { user: String, groups: Vec<String> },
+    /// No client certificate (a joining agent); allowed to call `Registration.Join` only.
+    Anonymous,
 }
 
 /// Why a verified certificate still names no usable identity.
@@ -69,6 +75,18 @@ impl Peer {
             Err(IdentityError::UnknownGroup { cn })
         }
     }
+}
+
+/// Hex SHA-256 of a certificate's subject public key (the raw key bits of its
+/// SubjectPublicKeyInfo): the key pin the hub records for a cluster at join and renewal, and
+/// the gateway compares at every session. The same function of a CSR's key gives the same pin.
+pub fn public_key_sha256(cert_der: &[u8]) -> Result<String, IdentityError> {
+    use sha2::Digest;
+    let (_, cert) =
+        X509Certificate::from_der(cert_der).map_err(|e| IdentityError::Malformed(e.to_string()))?;
+    Ok(hex::encode(sha2::Sha256::digest(
+        &cert.public_key().subject_public_key.data,
+    )))
 }
 
 /// Kubernetes' rule for names that become namespaces: lower-case alphanumerics and '-', at most

@@ -26,6 +26,8 @@ struct Pending {
     /// Highest stored status seq per work uid, to acknowledge to the agent.
     status_acks: HashMap<String, u64>,
     close: Option<String>,
+    /// A new CA bundle to send the agent (after a CA rotation); the latest wins.
+    trust_bundle: Option<String>,
 }
 
 /// The drained contents of a mailbox.
@@ -34,6 +36,7 @@ pub struct Delivery {
     pub works: Vec<WorkChange>,
     pub status_acks: Vec<(String, u64)>,
     pub close: Option<String>,
+    pub trust_bundle: Option<String>,
 }
 
 #[derive(Default)]
@@ -65,6 +68,11 @@ impl Mailbox {
         self.notify.notify_one();
     }
 
+    pub async fn trust_bundle(&self, ca_bundle_pem: String) {
+        self.pending.lock().await.trust_bundle = Some(ca_bundle_pem);
+        self.notify.notify_one();
+    }
+
     /// Waits until something is pending (returns at once if something already is).
     pub async fn ready(&self) {
         self.notify.notified().await;
@@ -76,6 +84,7 @@ impl Mailbox {
             works: pending.works.drain().map(|(_, c)| c).collect(),
             status_acks: pending.status_acks.drain().collect(),
             close: pending.close.take(),
+            trust_bundle: pending.trust_bundle.take(),
         }
     }
 }

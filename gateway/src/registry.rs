@@ -9,7 +9,12 @@ use crate::mailbox::{Mailbox, WorkChange};
 
 #[derive(Clone)]
 pub struct SessionHandle {
+    /// The cluster named in the session's certificate.
+    pub cluster: String,
     pub session_id: String,
+    /// Public key hash of the session's certificate: admission closes the session if the
+    /// cluster's registered keys no longer include it.
+    pub client_key_sha256: String,
     pub mailbox: Arc<Mailbox>,
 }
 

@@ -17,6 +17,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{Instrument, debug, info, info_span, warn};
 
+use crate::admission::Admissions;
+use crate::certificates::{ClusterCertificates, bundle_sha256};
 use crate::desired::DesiredState;
 use crate::health::HealthTracker;
 use crate::identity::Peer;
@@ -80,11 +82,32 @@ struct Shared {
     registry: Arc<Registry>,
     desired: Arc<DesiredState>,
     statuses: Arc<StatusWriter>,
+    admissions: Arc<Admissions>,
+    /// The hub's CA, for renewals over the session; `None` on a gateway that cannot sign.
+    certificates: Option<Arc<dyn ClusterCertificates>>,
     next_session: AtomicU64,
 }
 
 impl Gateway {
+    /// A gateway that refuses certificate renewals (it has no CA to ask).
     pub fn new(store: Arc<dyn Store>, config: GatewayConfig) -> Gateway {
+        Self::build(store, config, None)
+    }
+
+    /// A gateway that answers renewals with the hub's CA (the hub's in-process gateway).
+    pub fn with_certificates(
+        store: Arc<dyn Store>,
+        config: GatewayConfig,
+        certificates: Arc<dyn ClusterCertificates>,
+    ) -> Gateway {
+        Self::build(store, config, Some(certificates))
+    }
+
+    fn build(
+        store: Arc<dyn Store>,
+        config: GatewayConfig,
+        certificates: Option<Arc<dyn ClusterCertificates>>,
+    ) -> Gateway {
         let health = HealthTracker::new(store.clone(), config.grace_period);
         let statuses = StatusWriter::new(config.status_writes_per_second);
         Gateway {
@@ -95,8 +118,26 @@ impl Gateway {
                 registry: Arc::new(Registry::default()),
                 desired: DesiredState::new(),
                 statuses,
+                admissions: Admissions::new(),
+                certificates,
                 next_session: AtomicU64::new(1),
             }),
+        }
+    }
+
+    /// The gateway's cache of cluster admissions (the hub's join flow waits on it).
+    pub fn admissions(&self) -> Arc<Admissions> {
+        self.shared.admissions.clone()
+    }
+
+    /// Sends the hub's current CA bundle to every live session (after a CA rotation).
+    pub async fn push_trust_bundle(&self) {
+        let Some(certs) = &self.shared.certificates else {
+            return;
+        };
+        let bundle = certs.ca_bundle();
+        for h in self.shared.registry.all().await {
+            h.mailbox.trust_bundle(bundle.clone()).await;
         }
     }
 
@@ -107,8 +148,24 @@ impl Gateway {
         conns: mpsc::Receiver<io::Result<AuthenticatedConn>>,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), GatewayError> {
+        self.serve_with(conns, None, shutdown).await
+    }
+
+    /// [`serve`](Self::serve), with more gRPC services on the same listener (the hub adds
+    /// `Registration`, so a joining agent dials the same address it will hold its session on).
+    pub async fn serve_with(
+        self,
+        conns: mpsc::Receiver<io::Result<AuthenticatedConn>>,
+        extra: Option<tonic::service::Routes>,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), GatewayError> {
         let shared = self.shared.clone();
         let (stop_tx, stop_rx) = watch::channel(false);
+        let admissions = tokio::spawn(shared.admissions.clone().run(
+            shared.store.clone(),
+            shared.registry.clone(),
+            stop_rx.clone(),
+        ));
         let desired = tokio::spawn(shared.desired.clone().run(
             shared.store.clone(),
             shared.registry.clone(),
@@ -124,10 +181,14 @@ impl Gateway {
         let service = FleetServer::new(self)
             .max_decoding_message_size(max)
             .max_encoding_message_size(max);
-        let served = tonic::transport::Server::builder()
+        let mut server = tonic::transport::Server::builder()
             // HTTP/2 pings find dead TCP connections even when the protocol is idle.
-            .http2_keepalive_interval(Some(keepalive))
-            .add_service(service)
+            .http2_keepalive_interval(Some(keepalive));
+        let router = match extra {
+            Some(routes) => server.add_routes(routes).add_service(service),
+            None => server.add_service(service),
+        };
+        let served = router
             .serve_with_incoming_shutdown(ReceiverStream::new(conns), async {
                 shutdown.await;
                 // Say goodbye on every session so agents reconnect at once elsewhere rather
@@ -140,6 +201,7 @@ impl Gateway {
         let _ = stop_tx.send(true);
         let _ = desired.await;
         let _ = statuses.await;
+        let _ = admissions.await;
         served?;
         Ok(())
     }
@@ -166,11 +228,25 @@ impl Fleet for Gateway {
             .get::<ConnInfo>()
             .cloned()
             .ok_or_else(|| Status::unauthenticated("no client certificate"))?;
-        let Peer::Cluster(cluster) = info.peer else {
-            return Err(Status::permission_denied(
-                "only agent certificates (group flotilla:clusters) may open a session",
-            ));
+        let cluster = match info.peer {
+            Peer::Cluster(cluster) => cluster,
+            Peer::Anonymous => {
+                return Err(Status::unauthenticated(
+                    "no client certificate: an agent joins first (`flotilla-agent join` with a \
+                     bootstrap token) and opens its session with the certificate it receives",
+                ));
+            }
+            Peer::Operator { .. } => {
+                return Err(Status::permission_denied(
+                    "only agent certificates (group flotilla:clusters) may open a session",
+                ));
+            }
         };
+        let key = info.client_key_sha256.clone().unwrap_or_default();
+        if let Err(refusal) = self.shared.admissions.check(&cluster, &key).await {
+            warn!(cluster = %cluster, peer = %info.remote, reason = %refusal, "session refused");
+            return Err(Status::permission_denied(refusal.to_string()));
+        }
         let session_id = format!(
             "{cluster}-{}",
             self.shared.next_session.fetch_add(1, Ordering::Relaxed)
@@ -178,7 +254,9 @@ impl Fleet for Gateway {
         let (tx, rx) = mpsc::channel(self.shared.config.send_buffer);
         let shared = self.shared.clone();
         let span = info_span!("session", cluster = %cluster, id = %session_id, peer = %info.remote);
-        tokio::spawn(drive(shared, cluster, session_id, request.into_inner(), tx).instrument(span));
+        tokio::spawn(
+            drive(shared, cluster, key, session_id, request.into_inner(), tx).instrument(span),
+        );
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
@@ -199,6 +277,7 @@ type HubTunnelStream = Pin<Box<dyn Stream<Item = Result<TunnelFrame, Status>> + 
 async fn drive(
     shared: Arc<Shared>,
     cluster: String,
+    client_key_sha256: String,
     session_id: String,
     mut inbound: Streaming<AgentFrame>,
     out: mpsc::Sender<Result<HubFrame, Status>>,
@@ -234,7 +313,9 @@ async fn drive(
                     // Register before taking the snapshot: a change that lands in between
                     // reaches the mailbox, and the machine treats it as newer than the snapshot.
                     let handle = SessionHandle {
+                        cluster: cluster.clone(),
                         session_id: session_id.clone(),
+                        client_key_sha256: client_key_sha256.clone(),
                         mailbox: mailbox.clone(),
                     };
                     if let Some(older) = shared.registry.register(&cluster, handle).await {
@@ -243,6 +324,22 @@ async fn drive(
                             .mailbox
                             .close("replaced by a newer session of the same cluster")
                             .await;
+                    }
+                    // A revocation between the check at open and the registration above found
+                    // no session to close: look again now that it is registered.
+                    if let Err(refusal) =
+                        shared.admissions.check(&cluster, &client_key_sha256).await
+                    {
+                        warn!(reason = %refusal, "cluster revoked while its session opened");
+                        machine.close(refusal.to_string());
+                        continue;
+                    }
+                    if let Some(certs) = &shared.certificates {
+                        let bundle = certs.ca_bundle();
+                        if bundle_sha256(&bundle) != hello.ca_bundle_sha256 {
+                            debug!("agent trusts an older CA bundle; sending the current one");
+                            machine.send_trust_bundle(bundle);
+                        }
                     }
                     info!(agent_version = %hello.agent_version, held = hello.held.len(), "session established");
                     shared.health.connected(&cluster, &session_id, &hello).await;
@@ -274,6 +371,25 @@ async fn drive(
                     current,
                 } => {
                     debug!(work_uid = %uid, generation, current, "work durable on the agent");
+                }
+                HubEvent::RenewalRequested { csr_pem } => {
+                    let Some(certs) = &shared.certificates else {
+                        machine.refuse_renewal(
+                            "this gateway cannot issue certificates; renew through the hub",
+                        );
+                        continue;
+                    };
+                    match certs.renew(&cluster, &client_key_sha256, &csr_pem).await {
+                        Ok(renewed) => {
+                            info!("client certificate renewed over the session");
+                            machine
+                                .issue_certificate(renewed.certificate_pem, renewed.ca_bundle_pem);
+                        }
+                        Err(e) => {
+                            warn!(error = %e, "certificate renewal refused");
+                            machine.refuse_renewal(e.to_string());
+                        }
+                    }
                 }
                 HubEvent::Closed { reason, by_peer } => {
                     info!(%reason, by_peer, "session closed");
@@ -312,6 +428,9 @@ async fn drive(
                 }
                 for (uid, seq) in delivery.status_acks {
                     machine.ack_status(uid, seq);
+                }
+                if let Some(bundle) = delivery.trust_bundle {
+                    machine.send_trust_bundle(bundle);
                 }
                 if let Some(reason) = delivery.close {
                     machine.close(reason);

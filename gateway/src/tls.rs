@@ -13,12 +13,12 @@ use rustls::server::WebPkiClientVerifier;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::{Semaphore, mpsc, watch};
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
 use tracing::{debug, warn};
 
-use crate::identity::Peer;
+use crate::identity::{Peer, public_key_sha256};
 
 /// Errors building a TLS configuration from PEM material; none is retryable without new files.
 #[derive(Debug, thiserror::Error)]
@@ -90,6 +90,61 @@ pub fn server_config(
     Ok(Arc::new(config))
 }
 
+/// The agents' listener: client certificates issued by a CA in `ca_bundle_pem` (during a CA
+/// rotation, the old and the new CA) are verified, and a client without one may complete the
+/// handshake as [`Peer::Anonymous`] so that a joining agent can reach `Registration.Join`;
+/// every other service refuses anonymous peers. `chain_pem` is the serving certificate followed
+/// by the CA certificates a joining agent needs to find the CA it pinned by fingerprint. HTTP/2
+/// only.
+pub fn agent_server_config(
+    ca_bundle_pem: &[u8],
+    chain_pem: &[u8],
+    key_pem: &[u8],
+) -> Result<Arc<rustls::ServerConfig>, TlsConfigError> {
+    let provider = provider();
+    let verifier = WebPkiClientVerifier::builder_with_provider(
+        Arc::new(root_store(ca_bundle_pem)?),
+        provider.clone(),
+    )
+    .allow_unauthenticated()
+    .build()?;
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(
+            parse_certs(chain_pem, "server certificate chain")?,
+            parse_key(key_pem, "server key")?,
+        )?;
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// Where an accept loop takes its TLS configuration from, per connection: a fixed one, or one
+/// the hub replaces at run time (a CA rotation changes the serving chain and the client roots;
+/// established connections keep theirs, new handshakes use the new one).
+#[derive(Clone, Debug)]
+pub struct TlsSource(watch::Receiver<Arc<rustls::ServerConfig>>);
+
+impl TlsSource {
+    /// A source that can be updated through the returned sender.
+    pub fn updatable(
+        config: Arc<rustls::ServerConfig>,
+    ) -> (watch::Sender<Arc<rustls::ServerConfig>>, TlsSource) {
+        let (tx, rx) = watch::channel(config);
+        (tx, TlsSource(rx))
+    }
+
+    fn current(&self) -> Arc<rustls::ServerConfig> {
+        self.0.borrow().clone()
+    }
+}
+
+impl From<Arc<rustls::ServerConfig>> for TlsSource {
+    fn from(config: Arc<rustls::ServerConfig>) -> Self {
+        TlsSource::updatable(config).1
+    }
+}
+
 /// A client configuration that trusts only `ca_pem` and presents the given certificate.
 pub fn client_config(
     ca_pem: &[u8],
@@ -119,6 +174,9 @@ pub struct AuthenticatedConn {
 pub struct ConnInfo {
     pub peer: Peer,
     pub remote: SocketAddr,
+    /// [`public_key_sha256`](crate::identity::public_key_sha256) of the client certificate;
+    /// `None` for anonymous peers. The gateway compares it with the cluster's registered keys.
+    pub client_key_sha256: Option<String>,
 }
 
 impl AuthenticatedConn {
@@ -194,12 +252,12 @@ impl Default for AcceptLimits {
 /// with the peer address and the reason. The returned channel closes when `listener` fails.
 pub fn accept_authenticated(
     listener: TcpListener,
-    config: Arc<rustls::ServerConfig>,
+    config: impl Into<TlsSource>,
     limits: AcceptLimits,
     what: &'static str,
 ) -> mpsc::Receiver<io::Result<AuthenticatedConn>> {
     let (tx, rx) = mpsc::channel(64);
-    let acceptor = TlsAcceptor::from(config);
+    let source = config.into();
     let permits = Arc::new(Semaphore::new(limits.max_handshakes));
     tokio::spawn(async move {
         loop {
@@ -220,7 +278,7 @@ pub fn accept_authenticated(
                 _ = tx.closed() => return,
             };
             let _ = tcp.set_nodelay(true);
-            let acceptor = acceptor.clone();
+            let acceptor = TlsAcceptor::from(source.current());
             let tx = tx.clone();
             let timeout = limits.handshake_timeout;
             tokio::spawn(async move {
@@ -242,14 +300,27 @@ pub fn accept_authenticated(
                     .1
                     .peer_certificates()
                     .and_then(|c| c.first())
+                    .cloned()
                 else {
-                    warn!(listener = what, peer = %remote, "TLS connection without client certificate refused");
+                    // Only a configuration that allows it (the agents' listener, for joining)
+                    // completes a handshake without a client certificate.
+                    debug!(listener = what, peer = %remote, "TLS connection without client certificate (joining agent)");
+                    let info = ConnInfo {
+                        peer: Peer::Anonymous,
+                        remote,
+                        client_key_sha256: None,
+                    };
+                    let _ = tx.send(Ok(AuthenticatedConn { stream, info })).await;
                     return;
                 };
-                match Peer::from_der(cert) {
-                    Ok(peer) => {
+                match Peer::from_der(&cert).and_then(|peer| Ok((peer, public_key_sha256(&cert)?))) {
+                    Ok((peer, key)) => {
                         debug!(listener = what, peer = %remote, identity = ?peer, "TLS connection authenticated");
-                        let info = ConnInfo { peer, remote };
+                        let info = ConnInfo {
+                            peer,
+                            remote,
+                            client_key_sha256: Some(key),
+                        };
                         let _ = tx.send(Ok(AuthenticatedConn { stream, info })).await;
                     }
                     Err(e) => {
@@ -272,6 +343,9 @@ fn handshake_hint(e: &io::Error) -> &'static str {
     } else if text.contains("peer sent no certificates") || text.contains("NoCertificatesPresented")
     {
         "client presented no certificate; agents and operators must use hub-issued certificates"
+    } else if text.contains("received fatal alert") {
+        "the client rejected the hub's certificate chain (a joining agent with a wrong \
+         --ca-fingerprint, or a client that does not trust this hub's CA)"
     } else {
         "TLS handshake failed"
     }

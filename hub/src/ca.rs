@@ -1,5 +1,13 @@
 //! The hub's certificate authority: created on first start in the data dir, it signs the
-//! gateways' serving certificates, the agents' client certificates and the operators'.
+//! gateways' serving certificates, the agents' client certificates (from the CSRs of keys the
+//! agents made themselves) and the operators'.
+//!
+//! Rotation with overlap: [`Ca::rotate`] makes a new CA and keeps the old certificate as
+//! `previous.crt` (its key is dropped: it signs nothing more), plus `cross.crt`, the new CA
+//! signed by the old one. Agents trust the bundle (old + new) they receive over their session;
+//! an agent that still trusts only the old CA verifies the new serving chain through the
+//! cross-signed certificate, and client certificates from the old CA stay valid until they
+//! are renewed. [`Ca::finish_rotation`] drops the old CA once every agent has renewed.
 
 use std::fs;
 use std::io::Write;
@@ -9,9 +17,11 @@ use std::time::Duration;
 
 use flotilla_gateway::identity::{CLUSTER_GROUP, OPERATOR_GROUP};
 use rcgen::{
-    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
-    Issuer, KeyPair, KeyUsagePurpose, SanType,
+    BasicConstraints, CertificateParams, CertificateSigningRequestParams, DistinguishedName,
+    DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose, PublicKeyData,
+    SanType,
 };
+use sha2::Digest;
 use time::OffsetDateTime;
 
 /// Lifetime of the CA created on first start.
@@ -35,6 +45,9 @@ pub enum CaError {
         "CA in {dir} is incomplete: {missing} is missing (restore it, or move the directory away to create a new CA, which invalidates every issued certificate)"
     )]
     Incomplete { dir: PathBuf, missing: &'static str },
+    /// The agent's certificate signing request is unusable; not retryable with the same request.
+    #[error("certificate signing request: {0}")]
+    BadRequest(String),
 }
 
 /// PEM certificate and key, as written to disk or sent to an agent.
@@ -58,41 +71,55 @@ impl std::fmt::Debug for IssuedCert {
 pub struct Ca {
     cert_pem: String,
     issuer: Issuer<'static, KeyPair>,
+    /// The CA before the last rotation, trusted (for client certificates it issued) until
+    /// [`Ca::finish_rotation`].
+    previous_pem: Option<String>,
+    /// This CA signed by the previous one, so agents that trust only the previous CA verify
+    /// the serving chain during the overlap.
+    cross_pem: Option<String>,
 }
+
+/// File names in the CA directory.
+const CA_CRT: &str = "ca.crt";
+const CA_KEY: &str = "ca.key";
+const PREVIOUS_CRT: &str = "previous.crt";
+const CROSS_CRT: &str = "cross.crt";
 
 impl Ca {
     /// Loads the CA from `dir`, creating it (and `dir`) on first start.
     pub fn load_or_create(dir: &Path) -> Result<Ca, CaError> {
-        let cert_path = dir.join("ca.crt");
-        let key_path = dir.join("ca.key");
+        let cert_path = dir.join(CA_CRT);
+        let key_path = dir.join(CA_KEY);
         match (cert_path.exists(), key_path.exists()) {
             (true, true) => {
                 let cert_pem = read(&cert_path)?;
                 let key = KeyPair::from_pem(&read(&key_path)?)?;
                 let issuer = Issuer::from_ca_cert_pem(&cert_pem, key)?;
-                Ok(Ca { cert_pem, issuer })
+                let optional = |name: &str| {
+                    let path = dir.join(name);
+                    path.exists().then(|| read(&path)).transpose()
+                };
+                Ok(Ca {
+                    cert_pem,
+                    issuer,
+                    previous_pem: optional(PREVIOUS_CRT)?,
+                    cross_pem: optional(CROSS_CRT)?,
+                })
             }
             (false, false) => {
                 fs::create_dir_all(dir).map_err(|source| CaError::Io {
                     path: dir.into(),
                     source,
                 })?;
-                let key = KeyPair::generate()?;
-                let mut params = CertificateParams::default();
-                params.distinguished_name = dn("flotilla hub CA", &["flotilla"]);
-                params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-                params.key_usages = vec![
-                    KeyUsagePurpose::KeyCertSign,
-                    KeyUsagePurpose::CrlSign,
-                    KeyUsagePurpose::DigitalSignature,
-                ];
-                validity(&mut params, CA_LIFETIME);
+                let (params, key) = ca_params("flotilla hub CA")?;
                 let cert = params.self_signed(&key)?;
                 write(&key_path, &key.serialize_pem(), true)?;
                 write(&cert_path, &cert.pem(), false)?;
                 Ok(Ca {
                     cert_pem: cert.pem(),
                     issuer: Issuer::new(params, key),
+                    previous_pem: None,
+                    cross_pem: None,
                 })
             }
             (true, false) => Err(CaError::Incomplete {
@@ -108,6 +135,108 @@ impl Ca {
 
     pub fn cert_pem(&self) -> &str {
         &self.cert_pem
+    }
+
+    /// The CA certificates agents and the client verifier trust: the current CA, and during a
+    /// rotation's overlap the previous one.
+    pub fn bundle_pem(&self) -> String {
+        match &self.previous_pem {
+            Some(previous) => format!("{}{}", self.cert_pem, previous),
+            None => self.cert_pem.clone(),
+        }
+    }
+
+    /// Whether a rotation's overlap is in progress (a previous CA is still trusted).
+    pub fn rotating(&self) -> bool {
+        self.previous_pem.is_some()
+    }
+
+    /// What the agents' listener presents: the serving certificate, then every CA certificate
+    /// a client may need to reach the CA it trusts or pinned (the cross-signed certificate, the
+    /// current CA, the previous CA). A joining agent looks in this chain for the CA whose
+    /// fingerprint its join command pins.
+    pub fn serving_chain_pem(&self, leaf_pem: &str) -> String {
+        let mut chain = leaf_pem.to_string();
+        for pem in [
+            self.cross_pem.as_deref(),
+            Some(self.cert_pem.as_str()),
+            self.previous_pem.as_deref(),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            chain.push_str(pem);
+        }
+        chain
+    }
+
+    /// Makes a new CA in `dir`, keeping this one as the previous CA for the overlap and
+    /// cross-signing the new one with it. Refused while an overlap is already in progress
+    /// (finish it first), so that at most two CAs are ever trusted.
+    pub fn rotate(&self, dir: &Path) -> Result<Ca, CaError> {
+        if self.rotating() {
+            return Err(CaError::BadRequest(
+                "a CA rotation is already in progress: finish it first \
+                 (`flotilla ca finish-rotation`, once every agent has renewed its certificate)"
+                    .into(),
+            ));
+        }
+        let stamp = OffsetDateTime::now_utc().unix_timestamp();
+        let (params, key) = ca_params(&format!("flotilla hub CA {stamp}"))?;
+        let cert = params.self_signed(&key)?;
+        let cross = params.signed_by(&key, &self.issuer)?;
+        write(&dir.join(PREVIOUS_CRT), &self.cert_pem, false)?;
+        write(&dir.join(CROSS_CRT), &cross.pem(), false)?;
+        write(&dir.join(CA_KEY), &key.serialize_pem(), true)?;
+        write(&dir.join(CA_CRT), &cert.pem(), false)?;
+        Ok(Ca {
+            cert_pem: cert.pem(),
+            issuer: Issuer::new(params, key),
+            previous_pem: Some(self.cert_pem.clone()),
+            cross_pem: Some(cross.pem()),
+        })
+    }
+
+    /// Ends a rotation's overlap: the previous CA is no longer trusted, and certificates it
+    /// issued stop working. Run it after every agent renewed (one client-certificate lifetime
+    /// after the rotation at the latest).
+    pub fn finish_rotation(&self, dir: &Path) -> Result<Ca, CaError> {
+        for name in [PREVIOUS_CRT, CROSS_CRT] {
+            let path = dir.join(name);
+            if path.exists() {
+                fs::remove_file(&path).map_err(|source| CaError::Io { path, source })?;
+            }
+        }
+        Ok(Ca {
+            cert_pem: self.cert_pem.clone(),
+            issuer: Issuer::from_ca_cert_pem(
+                &self.cert_pem,
+                KeyPair::from_pem(&self.issuer.key().serialize_pem())?,
+            )?,
+            previous_pem: None,
+            cross_pem: None,
+        })
+    }
+
+    /// Signs an agent's certificate signing request for managed cluster `cluster`. Only the
+    /// request's key is used (its signature proves the agent holds the private key); subject,
+    /// extensions and lifetime are the hub's. Returns the PEM certificate and the key's pin
+    /// ([`csr_key_sha256`]).
+    pub fn sign_cluster_csr(
+        &self,
+        cluster: &str,
+        csr_pem: &str,
+        lifetime: Duration,
+    ) -> Result<(String, String), CaError> {
+        let csr = parse_csr(csr_pem)?;
+        let pin = hex::encode(sha2::Sha256::digest(csr.public_key.der_bytes()));
+        let mut params = CertificateParams::default();
+        params.distinguished_name = dn(cluster, &[CLUSTER_GROUP]);
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        validity(&mut params, lifetime);
+        let cert = params.signed_by(&csr.public_key, &self.issuer)?;
+        Ok((cert.pem(), pin))
     }
 
     /// SHA-256 of the CA certificate (DER), hex: what a join command pins.
@@ -172,6 +301,39 @@ impl Ca {
     }
 }
 
+/// The key pin of a certificate signing request: hex SHA-256 of its raw public key, the same
+/// value `flotilla_gateway::identity::public_key_sha256` computes from a certificate for that
+/// key. Verifies the request's signature.
+pub fn csr_key_sha256(csr_pem: &str) -> Result<String, CaError> {
+    let csr = parse_csr(csr_pem)?;
+    Ok(hex::encode(sha2::Sha256::digest(
+        csr.public_key.der_bytes(),
+    )))
+}
+
+fn parse_csr(csr_pem: &str) -> Result<CertificateSigningRequestParams, CaError> {
+    CertificateSigningRequestParams::from_pem(csr_pem).map_err(|e| {
+        CaError::BadRequest(format!(
+            "does not parse or its signature does not verify ({e}); the agent must send a PEM \
+             PKCS#10 request signed by its new key"
+        ))
+    })
+}
+
+fn ca_params(cn: &str) -> Result<(CertificateParams, KeyPair), CaError> {
+    let key = KeyPair::generate()?;
+    let mut params = CertificateParams::default();
+    params.distinguished_name = dn(cn, &["flotilla"]);
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    validity(&mut params, CA_LIFETIME);
+    Ok((params, key))
+}
+
 fn dn(cn: &str, orgs: &[&str]) -> DistinguishedName {
     let mut dn = DistinguishedName::new();
     dn.push(DnType::CommonName, cn);
@@ -181,10 +343,15 @@ fn dn(cn: &str, orgs: &[&str]) -> DistinguishedName {
     dn
 }
 
+/// Most a certificate is back-dated.
+const MAX_BACKDATE: Duration = Duration::from_secs(5 * 60);
+
 fn validity(params: &mut CertificateParams, lifetime: Duration) {
-    // Back-date a little: clocks of edge sites drift.
+    // Back-date a little: clocks of edge sites drift. Never by more than a tenth of the
+    // lifetime, or a short-lived certificate would be past its renewal point when issued.
+    let backdate = MAX_BACKDATE.min(lifetime / 10);
     let now = OffsetDateTime::now_utc();
-    params.not_before = now - time::Duration::minutes(5);
+    params.not_before = now - backdate;
     params.not_after = now + lifetime;
 }
 
@@ -256,6 +423,98 @@ mod tests {
             !format!("{issued:?}").contains("PRIVATE"),
             "keys never print"
         );
+    }
+
+    /// Whether a client trusting only `roots_pem` accepts `chain_pem` for `localhost`.
+    fn verifies(roots_pem: &str, chain_pem: &str) -> bool {
+        use rustls::client::danger::ServerCertVerifier;
+        let mut roots = rustls::RootCertStore::empty();
+        for c in CertificateDer::pem_slice_iter(roots_pem.as_bytes()) {
+            roots.add(c.unwrap()).unwrap();
+        }
+        let chain: Vec<CertificateDer<'static>> =
+            CertificateDer::pem_slice_iter(chain_pem.as_bytes())
+                .map(Result::unwrap)
+                .collect();
+        let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(
+            std::sync::Arc::new(roots),
+            std::sync::Arc::new(rustls::crypto::ring::default_provider()),
+        )
+        .build()
+        .unwrap();
+        verifier
+            .verify_server_cert(
+                &chain[0],
+                &chain[1..],
+                &rustls_pki_types::ServerName::try_from("localhost").unwrap(),
+                &[],
+                rustls_pki_types::UnixTime::now(),
+            )
+            .is_ok()
+    }
+
+    #[test]
+    fn rotation_keeps_old_and_new_clients_working_through_the_overlap() {
+        let dir = tempfile::tempdir().unwrap();
+        let old = Ca::load_or_create(dir.path()).unwrap();
+        let old_pem = old.cert_pem().to_string();
+        let new = old.rotate(dir.path()).unwrap();
+        assert!(new.rotating());
+        assert!(
+            new.rotate(dir.path()).is_err(),
+            "no second rotation during an overlap"
+        );
+        assert_ne!(new.fingerprint(), old.fingerprint());
+        assert_eq!(new.bundle_pem(), format!("{}{}", new.cert_pem(), old_pem));
+
+        // A serving certificate from the new CA, presented with the chain: accepted by an agent
+        // that trusts only the old CA (cross-signed path) and by one with the new bundle.
+        let serving = new.issue_server(&["localhost".into()]).unwrap();
+        let chain = new.serving_chain_pem(&serving.cert_pem);
+        assert!(
+            verifies(&old_pem, &chain),
+            "old-CA agents must still connect"
+        );
+        assert!(verifies(&new.bundle_pem(), &chain));
+        assert!(
+            !verifies(&old_pem, &serving.cert_pem),
+            "the leaf alone is not enough"
+        );
+
+        // It survives a restart, and finishing drops the old CA.
+        let reloaded = Ca::load_or_create(dir.path()).unwrap();
+        assert_eq!(reloaded.bundle_pem(), new.bundle_pem());
+        let finished = reloaded.finish_rotation(dir.path()).unwrap();
+        assert!(!finished.rotating());
+        assert_eq!(finished.bundle_pem(), new.cert_pem());
+        assert!(!Ca::load_or_create(dir.path()).unwrap().rotating());
+    }
+
+    #[test]
+    fn signs_csrs_for_the_hubs_name_and_pins_the_requests_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = Ca::load_or_create(dir.path()).unwrap();
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::default();
+        params.distinguished_name = dn("someone-else", &["system:masters"]);
+        let csr = params.serialize_request(&key).unwrap().pem().unwrap();
+        let (cert, pin) = ca
+            .sign_cluster_csr("store-7", &csr, Duration::from_secs(60))
+            .unwrap();
+        let der = CertificateDer::from_pem_slice(cert.as_bytes()).unwrap();
+        assert_eq!(
+            Peer::from_der(&der).unwrap(),
+            Peer::Cluster("store-7".into())
+        );
+        assert_eq!(
+            flotilla_gateway::identity::public_key_sha256(&der).unwrap(),
+            pin
+        );
+        assert_eq!(csr_key_sha256(&csr).unwrap(), pin);
+        let err = ca
+            .sign_cluster_csr("store-7", "not a csr", Duration::from_secs(60))
+            .unwrap_err();
+        assert!(err.to_string().contains("PKCS#10"), "{err}");
     }
 
     #[test]

@@ -16,6 +16,9 @@ pub const DEFAULT_HEARTBEAT_INTERVAL: &str = "10s";
 pub const DEFAULT_HEARTBEAT_TIMEOUT: &str = "30s";
 /// Time without a session after which a cluster turns Unknown and gets the unreachable taint.
 pub const DEFAULT_GRACE_PERIOD: &str = "40s";
+/// Lifetime of the client certificates the hub signs for agents (renewed over the session
+/// after two thirds of it).
+pub const DEFAULT_CLIENT_CERT_LIFETIME: &str = "720h";
 /// Largest frame an agent may send (a ManifestWork status with many resources fits easily).
 pub const DEFAULT_MAX_FRAME_BYTES: usize = 4 * 1024 * 1024;
 
@@ -46,6 +49,16 @@ pub struct HubConfig {
     /// certificate. Repeat or separate with commas.
     #[arg(long = "server-name", env = "FLOTILLA_SERVER_NAMES", value_delimiter = ',', default_values_t = ["localhost".to_string(), "127.0.0.1".to_string()])]
     pub server_names: Vec<String>,
+
+    /// host:port agents dial, as printed in join commands (default: the bound agent address,
+    /// or the first --server-name with its port when listening on all interfaces).
+    #[arg(long, env = "FLOTILLA_ADVERTISE_ADDRESS")]
+    pub advertise_address: Option<String>,
+
+    /// Lifetime of agent client certificates; agents renew over their session after two
+    /// thirds of it. Short lifetimes bound how long a stolen key is useful.
+    #[arg(long, env = "FLOTILLA_CLIENT_CERT_LIFETIME", default_value = DEFAULT_CLIENT_CERT_LIFETIME, value_parser = humantime::parse_duration)]
+    pub client_cert_lifetime: Duration,
 
     /// Where the fleet's objects live.
     #[arg(long, env = "FLOTILLA_STORE", value_enum, default_value_t = StoreBackend::Sled)]
@@ -97,6 +110,11 @@ impl HubConfig {
         anyhow::ensure!(
             !self.server_names.is_empty(),
             "--server-name: give at least one name agents dial"
+        );
+        anyhow::ensure!(
+            self.client_cert_lifetime >= Duration::from_secs(3),
+            "--client-cert-lifetime {:?} is too short for an agent to renew in time; use at least 3s (tests) and days in production",
+            self.client_cert_lifetime
         );
         if self.store == StoreBackend::Sled {
             anyhow::ensure!(

@@ -11,7 +11,9 @@ pub mod cli;
 pub mod client;
 pub mod config;
 pub mod operator_api;
+pub mod registration;
 pub mod table;
+pub mod tokens;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -27,6 +29,10 @@ use tracing::info;
 use crate::ca::Ca;
 use crate::client::OperatorConfig;
 use crate::config::{HubConfig, StoreBackend};
+use crate::operator_api::RegistrationApi;
+use crate::registration::{Authority, HubCertificates, JoinService};
+use crate::tokens::BootstrapTokens;
+use flotilla_gateway::tls::TlsSource;
 
 /// Lifetime of the operator certificate written on first start.
 pub const OPERATOR_CERT_LIFETIME: Duration = Duration::from_secs(365 * 24 * 3600);
@@ -81,8 +87,11 @@ pub async fn run(
     config.validate()?;
     std::fs::create_dir_all(&config.data_dir)
         .with_context(|| format!("creating data dir {}", config.data_dir.display()))?;
-    let ca = Ca::load_or_create(&config.data_dir.join("ca"))?;
-    info!(fingerprint = %ca.fingerprint(), "hub CA ready");
+    let ca_dir = config.data_dir.join("ca");
+    let ca = Ca::load_or_create(&ca_dir)?;
+    info!(fingerprint = %ca.fingerprint(), rotating = ca.rotating(), "hub CA ready");
+    let authority = Authority::new(ca_dir, ca);
+    let tokens = Arc::new(BootstrapTokens::open(&config.data_dir)?);
     let store = open_store(&config).await?;
 
     let agents = TcpListener::bind(config.listen)
@@ -101,12 +110,17 @@ pub async fn run(
         api: api.local_addr()?,
     };
 
+    let ca = authority.current();
     let serving = ca.issue_server(&config.server_names)?;
-    let server_tls = flotilla_gateway::tls::server_config(
-        ca.cert_pem().as_bytes(),
-        serving.cert_pem.as_bytes(),
+    // The operator API keeps this configuration until the hub restarts; after a CA rotation
+    // the chain's cross-signed certificate lets CLIs that trust the old CA in.
+    let api_tls = flotilla_gateway::tls::server_config(
+        ca.bundle_pem().as_bytes(),
+        ca.serving_chain_pem(&serving.cert_pem).as_bytes(),
         serving.key_pem.as_bytes(),
     )?;
+    let (agent_tls_tx, agent_tls) =
+        TlsSource::updatable(agent_tls_config(&ca, &config.server_names)?);
     write_operator_config(&ca, &config, listen.api)?;
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -114,7 +128,7 @@ pub async fn run(
         let _ = rx.wait_for(|s| *s).await;
     };
 
-    let gateway = Gateway::new(
+    let gateway = Gateway::with_certificates(
         store.clone(),
         GatewayConfig {
             heartbeat_interval: config.heartbeat_interval,
@@ -123,21 +137,75 @@ pub async fn run(
             max_frame_bytes: config.max_frame_bytes,
             ..GatewayConfig::default()
         },
+        HubCertificates::new(
+            store.clone(),
+            authority.clone(),
+            config.client_cert_lifetime,
+        ),
+    );
+    let join = JoinService::new(
+        store.clone(),
+        tokens.clone(),
+        authority.clone(),
+        gateway.admissions(),
+        config.client_cert_lifetime,
     );
     let agent_conns = flotilla_gateway::tls::accept_authenticated(
         agents,
-        server_tls.clone(),
+        agent_tls,
         Default::default(),
         "agents",
     );
-    let gateway_task = tokio::spawn(gateway.serve(agent_conns, stopped(stop_rx.clone())));
+    // Joining agents dial the same address they will hold their session on.
+    let routes = tonic::service::Routes::new(join.into_server());
+    let gateway_task = tokio::spawn(gateway.clone().serve_with(
+        agent_conns,
+        Some(routes),
+        stopped(stop_rx.clone()),
+    ));
     let api_conns = flotilla_gateway::tls::accept_authenticated(
         api,
-        server_tls,
+        api_tls,
         Default::default(),
         "operator-api",
     );
-    let api_task = tokio::spawn(operator_api::serve(api_conns, store, stopped(stop_rx)));
+    let (ca_changed, mut ca_changes) = tokio::sync::watch::channel(0u64);
+    let registration = Arc::new(RegistrationApi {
+        tokens,
+        authority: authority.clone(),
+        agent_address: agent_address(&config, listen.agents),
+        ca_changed,
+    });
+    let api_task = tokio::spawn(operator_api::serve(
+        api_conns,
+        store,
+        Some(registration),
+        stopped(stop_rx.clone()),
+    ));
+    // After a CA rotation: new handshakes get a serving chain from the new CA and trust both
+    // CAs' client certificates; live sessions get the new bundle.
+    let server_names = config.server_names.clone();
+    let mut rotation_stop = stop_rx.clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                changed = ca_changes.changed() => if changed.is_err() { return },
+                _ = rotation_stop.wait_for(|s| *s) => return,
+            }
+            match agent_tls_config(&authority.current(), &server_names) {
+                Ok(tls) => {
+                    agent_tls_tx.send_replace(tls);
+                    gateway.push_trust_bundle().await;
+                    info!(
+                        "agents' listener now serves from the new CA; sessions told the new bundle"
+                    );
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot build the agents' TLS configuration after a CA change")
+                }
+            }
+        }
+    });
 
     ca::write(
         &ListenInfo::path(&config.data_dir),
@@ -154,6 +222,34 @@ pub async fn run(
     Ok(())
 }
 
+/// The agents' listener configuration for CA `ca`: a fresh serving certificate from it, the
+/// chain a joining agent searches for its pinned CA, and client roots for the whole bundle.
+fn agent_tls_config(ca: &Ca, server_names: &[String]) -> anyhow::Result<Arc<rustls::ServerConfig>> {
+    let serving = ca.issue_server(server_names)?;
+    Ok(flotilla_gateway::tls::agent_server_config(
+        ca.bundle_pem().as_bytes(),
+        ca.serving_chain_pem(&serving.cert_pem).as_bytes(),
+        serving.key_pem.as_bytes(),
+    )?)
+}
+
+/// host:port for join commands: `--advertise-address`, else the bound address, else (bound to
+/// all interfaces) the first server name with the bound port.
+fn agent_address(config: &HubConfig, bound: std::net::SocketAddr) -> String {
+    if let Some(a) = &config.advertise_address {
+        return a.clone();
+    }
+    if bound.ip().is_unspecified() {
+        let host = config
+            .server_names
+            .first()
+            .cloned()
+            .unwrap_or_else(|| "localhost".into());
+        return format!("{host}:{}", bound.port());
+    }
+    bound.to_string()
+}
+
 /// Issues the operator credentials on first start and (re)writes the CLI config with the API's
 /// current address.
 fn write_operator_config(
@@ -164,8 +260,11 @@ fn write_operator_config(
     let dir = config.data_dir.join("operator");
     if !dir.join("tls.key").exists() {
         let issued = ca.issue_operator("admin", OPERATOR_CERT_LIFETIME)?;
-        ca::write_bundle(&dir, ca.cert_pem(), &issued)?;
+        ca::write_bundle(&dir, &ca.bundle_pem(), &issued)?;
         info!(dir = %dir.display(), "operator credentials for user admin written");
+    } else {
+        // After a CA rotation the CLI trusts both CAs.
+        ca::write(&dir.join("ca.crt"), &ca.bundle_pem(), false)?;
     }
     let host = if api.ip().is_unspecified() {
         "127.0.0.1".to_string()

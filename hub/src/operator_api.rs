@@ -7,7 +7,7 @@ use std::sync::Arc;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{delete as delete_route, get, post};
 use axum::{Extension, Json, Router};
 use flotilla_gateway::identity::Peer;
 use flotilla_gateway::tls::{AuthenticatedConn, ConnInfo};
@@ -18,18 +18,59 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
 use serde_json::{Value, json};
-use tokio::sync::mpsc;
-use tracing::{debug, info};
+use tokio::sync::{mpsc, watch};
+use tracing::{debug, info, warn};
+
+use crate::registration::{self, Authority, ClusterOpError};
+use crate::tokens::{BootstrapTokens, TokenRecord};
 
 #[derive(Clone)]
 struct ApiState {
     store: Arc<dyn Store>,
+    registration: Option<Arc<RegistrationApi>>,
+}
+
+/// What the registration endpoints (`/registration/v1/...`: tokens, accept, deny, CA
+/// rotation) work with.
+pub struct RegistrationApi {
+    pub tokens: Arc<BootstrapTokens>,
+    pub authority: Arc<Authority>,
+    /// host:port agents dial, printed in join commands.
+    pub agent_address: String,
+    /// Bumped after a CA rotation; the hub then re-keys the agents' listener and sends the new
+    /// bundle to every session.
+    pub ca_changed: watch::Sender<u64>,
 }
 
 /// The routes, independent of transport (tests call them in-process).
 pub fn router(store: Arc<dyn Store>) -> Router {
+    router_with(store, None)
+}
+
+/// The routes, with the registration endpoints when `registration` is given.
+pub fn router_with(store: Arc<dyn Store>, registration: Option<Arc<RegistrationApi>>) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
+        .route(
+            "/registration/v1/tokens",
+            get(list_tokens).post(create_token),
+        )
+        .route("/registration/v1/tokens/{id}", delete_route(revoke_token))
+        .route(
+            "/registration/v1/clusters/{name}/accept",
+            post(accept_cluster),
+        )
+        .route("/registration/v1/clusters/{name}/deny", post(deny_cluster))
+        .route(
+            "/registration/v1/clusters/{name}/dev-key",
+            post(register_dev_key),
+        )
+        .route("/registration/v1/ca", get(ca_info))
+        .route("/registration/v1/ca/rotate", post(rotate_ca))
+        .route(
+            "/registration/v1/ca/finish-rotation",
+            post(finish_ca_rotation),
+        )
         .route(
             "/apis/{group}/{version}/{plural}",
             get(list_all).post(create_cluster_scoped),
@@ -55,16 +96,20 @@ pub fn router(store: Arc<dyn Store>) -> Router {
             2 * flotilla_store::MAX_OBJECT_BYTES,
         ))
         .layer(axum::middleware::from_fn(require_operator))
-        .with_state(ApiState { store })
+        .with_state(ApiState {
+            store,
+            registration,
+        })
 }
 
 /// Serves the API on authenticated connections until the channel closes or `shutdown` fires.
 pub async fn serve(
     mut conns: mpsc::Receiver<std::io::Result<AuthenticatedConn>>,
     store: Arc<dyn Store>,
+    registration: Option<Arc<RegistrationApi>>,
     shutdown: impl Future<Output = ()>,
 ) {
-    let app = router(store);
+    let app = router_with(store, registration);
     tokio::pin!(shutdown);
     loop {
         let conn = tokio::select! {
@@ -97,6 +142,10 @@ async fn require_operator(
         Peer::Cluster(name) => error(
             StatusCode::FORBIDDEN,
             format!("cluster {name} may not use the operator API; use an operator certificate"),
+        ),
+        Peer::Anonymous => error(
+            StatusCode::UNAUTHORIZED,
+            "the operator API needs an operator certificate (operator/config.yaml in the hub's data dir)".into(),
         ),
     }
 }
@@ -411,4 +460,209 @@ fn error(status: StatusCode, message: String) -> Response {
         })),
     )
         .into_response()
+}
+
+// ---- registration: tokens, acceptance, CA rotation ----
+
+fn registration_api(s: &ApiState) -> Result<Arc<RegistrationApi>, Failure> {
+    s.registration.clone().ok_or_else(|| {
+        Failure(
+            StatusCode::NOT_FOUND,
+            "this hub does not serve registration".into(),
+        )
+    })
+}
+
+/// `POST /registration/v1/tokens`: the body of a token request.
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct TokenRequest {
+    ttl_seconds: u64,
+    uses: Option<u32>,
+    #[serde(default)]
+    auto_accept: bool,
+    #[serde(default)]
+    labels: std::collections::BTreeMap<String, String>,
+}
+
+/// A token record as the API shows it: never the secret or its hash.
+fn token_view(r: &TokenRecord) -> Value {
+    json!({
+        "id": r.id,
+        "created": r.created,
+        "expires": r.expires,
+        "maxUses": r.max_uses,
+        "uses": r.uses,
+        "revoked": r.revoked,
+        "autoAccept": r.auto_accept,
+        "labels": r.labels,
+        "state": r.state(jiff::Timestamp::now()),
+    })
+}
+
+async fn create_token(State(s): State<ApiState>, Json(body): Json<TokenRequest>) -> Response {
+    let api = match registration_api(&s) {
+        Ok(a) => a,
+        Err(f) => return f.into_response(),
+    };
+    if body.ttl_seconds == 0 {
+        return error(StatusCode::BAD_REQUEST, "--ttl must be positive".into());
+    }
+    if body.uses == Some(0) {
+        return error(StatusCode::BAD_REQUEST, "--uses must be at least 1".into());
+    }
+    let auto_accept = body.auto_accept || !body.labels.is_empty();
+    match api
+        .tokens
+        .create(
+            std::time::Duration::from_secs(body.ttl_seconds),
+            body.uses,
+            auto_accept,
+            body.labels,
+        )
+        .await
+    {
+        Ok(created) => {
+            let fingerprint = api.authority.current().fingerprint();
+            let mut view = token_view(&created.record);
+            view["token"] = Value::String(created.token.clone());
+            view["caFingerprint"] = Value::String(fingerprint.clone());
+            view["hub"] = Value::String(api.agent_address.clone());
+            view["joinCommand"] = Value::String(format!(
+                "flotilla-agent join --hub {} --token {} --cluster-name <cluster-name> --ca-fingerprint {}",
+                api.agent_address, created.token, fingerprint
+            ));
+            (StatusCode::CREATED, Json(view)).into_response()
+        }
+        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+    }
+}
+
+async fn list_tokens(State(s): State<ApiState>) -> Response {
+    match registration_api(&s) {
+        Ok(api) => {
+            let items: Vec<Value> = api.tokens.list().await.iter().map(token_view).collect();
+            Json(json!({ "items": items })).into_response()
+        }
+        Err(f) => f.into_response(),
+    }
+}
+
+async fn revoke_token(State(s): State<ApiState>, Path(id): Path<String>) -> Response {
+    let api = match registration_api(&s) {
+        Ok(a) => a,
+        Err(f) => return f.into_response(),
+    };
+    match api.tokens.revoke(&id).await {
+        Ok(true) => Json(json!({ "id": id, "state": "revoked" })).into_response(),
+        Ok(false) => error(
+            StatusCode::NOT_FOUND,
+            format!("bootstrap token {id} not found (`flotilla token list` shows the ids)"),
+        ),
+        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+    }
+}
+
+fn cluster_op(result: Result<Value, ClusterOpError>) -> Response {
+    match result {
+        Ok(mc) => Json(mc).into_response(),
+        Err(e @ ClusterOpError::NotFound(_)) => error(StatusCode::NOT_FOUND, e.to_string()),
+        Err(ClusterOpError::Store(e)) => store_error(e),
+    }
+}
+
+async fn accept_cluster(State(s): State<ApiState>, Path(name): Path<String>) -> Response {
+    let result = registration::accept(s.store.as_ref(), &name).await;
+    if result.is_ok() {
+        info!(cluster = %name, "cluster accepted by an operator");
+    }
+    cluster_op(result)
+}
+
+#[derive(serde::Deserialize)]
+struct DenyRequest {
+    #[serde(default)]
+    reason: String,
+}
+
+async fn deny_cluster(
+    State(s): State<ApiState>,
+    Path(name): Path<String>,
+    Json(body): Json<DenyRequest>,
+) -> Response {
+    let reason = if body.reason.trim().is_empty() {
+        "denied by an operator".to_string()
+    } else {
+        body.reason
+    };
+    let result = registration::deny(s.store.as_ref(), &name, &reason).await;
+    if result.is_ok() {
+        warn!(cluster = %name, %reason, "cluster denied by an operator");
+    }
+    cluster_op(result)
+}
+
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct DevKeyRequest {
+    key_sha256: String,
+}
+
+async fn register_dev_key(
+    State(s): State<ApiState>,
+    Path(name): Path<String>,
+    Json(body): Json<DevKeyRequest>,
+) -> Response {
+    if !flotilla_gateway::identity::is_dns1123_label(&name)
+        || body.key_sha256.len() != 64
+        || !body.key_sha256.bytes().all(|b| b.is_ascii_hexdigit())
+    {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!("dev key for {name:?}: a DNS-1123 cluster name and a hex SHA-256 are needed"),
+        );
+    }
+    warn!(cluster = %name, "cluster registered with a development certificate (no join)");
+    cluster_op(registration::register_dev_key(s.store.as_ref(), &name, &body.key_sha256).await)
+}
+
+fn ca_view(ca: &crate::ca::Ca) -> Value {
+    json!({
+        "fingerprint": ca.fingerprint(),
+        "rotating": ca.rotating(),
+        "bundle": ca.bundle_pem(),
+    })
+}
+
+async fn ca_info(State(s): State<ApiState>) -> Response {
+    match registration_api(&s) {
+        Ok(api) => Json(ca_view(&api.authority.current())).into_response(),
+        Err(f) => f.into_response(),
+    }
+}
+
+async fn rotate_ca(State(s): State<ApiState>) -> Response {
+    ca_change(s, |a| a.rotate()).await
+}
+
+async fn finish_ca_rotation(State(s): State<ApiState>) -> Response {
+    ca_change(s, |a| a.finish_rotation()).await
+}
+
+async fn ca_change(
+    s: ApiState,
+    change: impl FnOnce(&Authority) -> Result<Arc<crate::ca::Ca>, crate::ca::CaError>,
+) -> Response {
+    let api = match registration_api(&s) {
+        Ok(a) => a,
+        Err(f) => return f.into_response(),
+    };
+    match change(&api.authority) {
+        Ok(ca) => {
+            api.ca_changed.send_modify(|n| *n = n.wrapping_add(1));
+            Json(ca_view(&ca)).into_response()
+        }
+        Err(e @ crate::ca::CaError::BadRequest(_)) => error(StatusCode::CONFLICT, e.to_string()),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
 }

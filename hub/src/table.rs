@@ -72,6 +72,51 @@ pub fn works(items: &[Value], now: Timestamp) -> String {
     render(&rows)
 }
 
+/// `flotilla token list`: bootstrap tokens by id (the secrets are never shown after creation).
+pub fn tokens(items: &[Value], now: Timestamp) -> String {
+    let mut rows = vec![vec![
+        "ID".to_string(),
+        "STATE".into(),
+        "USES".into(),
+        "EXPIRES".into(),
+        "AUTO-ACCEPT".into(),
+        "LABELS".into(),
+    ]];
+    for t in items {
+        let uses = match t["maxUses"].as_u64() {
+            Some(max) => format!("{}/{max}", t["uses"].as_u64().unwrap_or(0)),
+            None => format!("{}/unlimited", t["uses"].as_u64().unwrap_or(0)),
+        };
+        let expires = match t["expires"]
+            .as_str()
+            .and_then(|e| e.parse::<Timestamp>().ok())
+        {
+            Some(e) if e > now => format!("in {}", age(Some(&now.to_string()), e)),
+            Some(e) => format!("{} ago", age(Some(&e.to_string()), now)),
+            None => "<unknown>".into(),
+        };
+        let labels = t["labels"]
+            .as_object()
+            .map(|m| {
+                m.iter()
+                    .map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or("")))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            })
+            .filter(|l| !l.is_empty())
+            .unwrap_or_else(|| "<none>".into());
+        rows.push(vec![
+            t["id"].as_str().unwrap_or("<none>").to_string(),
+            t["state"].as_str().unwrap_or("").to_string(),
+            uses,
+            expires,
+            t["autoAccept"].as_bool().unwrap_or(false).to_string(),
+            labels,
+        ]);
+    }
+    render(&rows)
+}
+
 fn condition_status(obj: &Value, t: &str) -> String {
     obj["status"]["conditions"]
         .as_array()
@@ -139,7 +184,7 @@ mod tests {
         );
         assert_eq!(
             lines[2],
-            "s2           false                                             <unknown>"
+            "s2           false                                            <unknown>"
         );
     }
 }

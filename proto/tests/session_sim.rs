@@ -8,7 +8,7 @@ use std::time::Duration;
 use flotilla_proto::PROTOCOL_VERSION;
 use flotilla_proto::session::{
     AgentConfig, AgentEvent, AgentSession, CloseReason, DesiredWork, HeldWork, HubConfig, HubEvent,
-    HubSession, ProtocolError,
+    HubSession, MAX_CSR_BYTES, ProtocolError, renew_at,
 };
 use flotilla_proto::wire::{self, agent_frame, hub_frame};
 use tokio::time::Instant;
@@ -928,4 +928,175 @@ fn heartbeat_echoes_jump_a_work_backlog() {
         hub.poll_transmit().and_then(|f| f.frame),
         Some(hub_frame::Frame::Heartbeat(wire::Heartbeat { seq: 9 }))
     );
+}
+
+// ---- certificate rotation over the live session ----
+
+fn renewal_requests(sim: &Sim) -> Vec<String> {
+    sim.hub_events
+        .iter()
+        .filter_map(|e| match e {
+            HubEvent::RenewalRequested { csr_pem } => Some(csr_pem.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn renewal_round_trip_keeps_the_session() {
+    let mut sim = Sim::synced(vec![], vec![work("a", 1)]);
+    sim.clear_logs();
+
+    assert!(sim.agent.renew_certificate("CSR-1"));
+    assert!(sim.agent.is_renewing());
+    sim.settle();
+    assert_eq!(renewal_requests(&sim), vec!["CSR-1".to_string()]);
+
+    sim.hub.issue_certificate("CERT-2", "BUNDLE");
+    sim.settle();
+    assert!(sim.agent_events.contains(&AgentEvent::CertificateIssued {
+        certificate_pem: "CERT-2".to_string(),
+        ca_bundle_pem: "BUNDLE".to_string(),
+    }));
+    assert!(!sim.agent.is_renewing());
+
+    // Well past several heartbeat timeouts: the session that renewed is the session that lives.
+    sim.run_for(TIMEOUT * 4);
+    assert!(sim.hub_closed().is_none() && sim.agent_closed().is_none());
+    assert!(sim.hub.is_established() && sim.agent.is_established());
+    assert!(sim.hub_errors.is_empty() && sim.agent_errors.is_empty());
+}
+
+#[test]
+fn one_renewal_at_a_time_and_a_refusal_allows_the_next() {
+    let mut sim = Sim::synced(vec![], vec![]);
+    sim.clear_logs();
+
+    assert!(sim.agent.renew_certificate("CSR-1"));
+    assert!(
+        !sim.agent.renew_certificate("CSR-2"),
+        "a second request while one is outstanding is not sent"
+    );
+    sim.settle();
+    assert_eq!(renewal_requests(&sim), vec!["CSR-1".to_string()]);
+
+    sim.hub.refuse_renewal("cluster store-0042 is not accepted");
+    sim.settle();
+    assert!(sim.agent_events.contains(&AgentEvent::RenewalRefused {
+        reason: "cluster store-0042 is not accepted".to_string()
+    }));
+    assert!(sim.agent.renew_certificate("CSR-3"));
+    sim.settle();
+    assert_eq!(
+        renewal_requests(&sim),
+        vec!["CSR-1".to_string(), "CSR-3".to_string()]
+    );
+    assert!(sim.agent.is_established());
+}
+
+#[test]
+fn renewal_before_welcome_is_not_sent() {
+    let now = Instant::now();
+    let mut agent = AgentSession::new(now, agent_config(CLUSTER), vec![]);
+    assert!(!agent.renew_certificate("CSR"));
+}
+
+#[test]
+fn hub_drops_a_repeated_request_and_refuses_an_oversized_one() {
+    let now = Instant::now();
+    let mut hub = HubSession::new(now, hub_config(), CLUSTER, "s");
+    hub.handle_frame(now, hello(PROTOCOL_VERSION, CLUSTER))
+        .unwrap();
+    while hub.poll_event().is_some() {}
+    let renew = |csr: String| wire::AgentFrame {
+        frame: Some(agent_frame::Frame::RenewCertificate(
+            wire::RenewCertificate { csr_pem: csr },
+        )),
+    };
+
+    hub.handle_frame(now, renew("CSR".into())).unwrap();
+    hub.handle_frame(now, renew("CSR".into())).unwrap();
+    assert_eq!(
+        hub.poll_event(),
+        Some(HubEvent::RenewalRequested {
+            csr_pem: "CSR".into()
+        })
+    );
+    assert_eq!(hub.poll_event(), None, "the repeat is dropped");
+
+    hub.issue_certificate("CERT", "BUNDLE");
+    hub.handle_frame(now, renew("x".repeat(MAX_CSR_BYTES + 1)))
+        .unwrap();
+    assert_eq!(hub.poll_event(), None);
+    let refused = std::iter::from_fn(|| hub.poll_transmit())
+        .filter_map(|f| f.frame)
+        .find_map(|f| match f {
+            hub_frame::Frame::RenewalRefused(r) => Some(r.reason),
+            _ => None,
+        })
+        .expect("a refusal");
+    assert!(refused.contains("exceeds the bound"), "{refused}");
+    assert!(
+        hub.is_established(),
+        "an oversized request refuses, not closes"
+    );
+}
+
+#[test]
+fn an_unrequested_certificate_is_a_protocol_error() {
+    let mut sim = Sim::synced(vec![], vec![]);
+    sim.hub.issue_certificate("CERT", "BUNDLE");
+    sim.settle();
+    assert!(matches!(
+        sim.agent_errors.as_slice(),
+        [ProtocolError::UnexpectedFrame {
+            frame: "CertificateIssued",
+            ..
+        }]
+    ));
+    assert!(sim.agent.is_closed());
+}
+
+#[test]
+fn hello_carries_the_trusted_bundle_and_the_hub_can_send_a_new_one() {
+    let now = Instant::now();
+    let mut sim = Sim::new(CLUSTER, CLUSTER, vec![], vec![]);
+    sim.agent = AgentSession::new(now, agent_config(CLUSTER), vec![]).with_ca_bundle_sha256("abc");
+    sim.settle();
+    let hello = sim
+        .hub_events
+        .iter()
+        .find_map(|e| match e {
+            HubEvent::Established { hello } => Some(hello.clone()),
+            _ => None,
+        })
+        .expect("established");
+    assert_eq!(hello.ca_bundle_sha256, "abc");
+
+    sim.hub.send_trust_bundle("OLD+NEW");
+    sim.settle();
+    assert!(sim.agent_events.contains(&AgentEvent::TrustBundleUpdated {
+        ca_bundle_pem: "OLD+NEW".to_string()
+    }));
+    assert!(sim.agent.is_established());
+}
+
+#[test]
+fn renewal_is_due_two_thirds_into_the_lifetime() {
+    use std::time::{Duration, SystemTime};
+    let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+    let check = |lifetime_s: u64, due_after_s: u64| {
+        let at = renew_at(t0, t0 + Duration::from_secs(lifetime_s));
+        assert_eq!(
+            at,
+            t0 + Duration::from_secs(due_after_s),
+            "lifetime {lifetime_s}s"
+        );
+    };
+    check(30 * 24 * 3600, 20 * 24 * 3600);
+    check(30, 20);
+    check(3, 2);
+    check(0, 0);
+    // Inverted validity: due at once.
+    assert_eq!(renew_at(t0, t0 - Duration::from_secs(5)), t0);
 }

@@ -7,6 +7,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use flotilla_hub::ca::{self, Ca};
+use flotilla_hub::client::{OperatorClient, OperatorConfig};
 use flotilla_hub::config::HubConfig;
 
 #[derive(Parser)]
@@ -25,7 +26,9 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Issue an agent client certificate from the hub CA without the join flow (development
-    /// only; works while the hub runs, reading the CA from the data dir).
+    /// only; reads the CA from the data dir). If the hub of that data dir is running, the
+    /// cluster is also registered through its operator API as accepted, with this
+    /// certificate's key: without that, the hub refuses the certificate.
     DevCert {
         /// Data directory of the hub whose CA signs.
         #[arg(long, env = "FLOTILLA_DATA_DIR", default_value = "flotilla-data")]
@@ -58,11 +61,46 @@ fn main() -> anyhow::Result<()> {
             );
             let ca = Ca::load_or_create(&data_dir.join("ca"))?;
             let issued = ca.issue_cluster(&cluster, lifetime)?;
-            ca::write_bundle(&out, ca.cert_pem(), &issued)?;
+            ca::write_bundle(&out, &ca.bundle_pem(), &issued)?;
             println!(
                 "certificate for cluster {cluster} written to {}",
                 out.display()
             );
+            let operator = data_dir.join("operator").join("config.yaml");
+            if !operator.exists() {
+                eprintln!(
+                    "note: no running hub uses {} (no operator/config.yaml): cluster {cluster} is \
+                     not registered, and a hub will refuse this certificate until it is",
+                    data_dir.display()
+                );
+                return Ok(());
+            }
+            let key = {
+                use rustls_pki_types::{CertificateDer, pem::PemObject};
+                let der = CertificateDer::from_pem_slice(issued.cert_pem.as_bytes())?;
+                flotilla_gateway::identity::public_key_sha256(&der)?
+            };
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            runtime
+                .block_on(async {
+                    let client = OperatorClient::new(&OperatorConfig::load(&operator)?)?;
+                    client
+                        .request(
+                            http::Method::POST,
+                            &format!("/registration/v1/clusters/{cluster}/dev-key"),
+                            Some(&serde_json::json!({ "keySha256": key })),
+                        )
+                        .await
+                })
+                .with_context(|| {
+                    format!(
+                        "registering cluster {cluster} with the hub of {}",
+                        data_dir.display()
+                    )
+                })?;
+            println!("cluster {cluster} registered as accepted with this certificate's key");
             Ok(())
         }
         None => {

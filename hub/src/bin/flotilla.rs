@@ -52,6 +52,93 @@ enum Command {
         #[command(subcommand)]
         action: WorkAction,
     },
+    /// Bootstrap tokens that let spokes ask to join (like `clusteradm get token`).
+    Token {
+        #[command(subcommand)]
+        action: TokenAction,
+    },
+    /// Accept, deny or remove managed clusters (the hub's half of the double opt-in).
+    Cluster {
+        #[command(subcommand)]
+        action: ClusterAction,
+    },
+    /// The hub CA: show it, rotate it with an overlap, finish the rotation.
+    Ca {
+        #[command(subcommand)]
+        action: CaAction,
+    },
+}
+
+/// Default of `flotilla token create --ttl`.
+const DEFAULT_TOKEN_TTL: &str = flotilla_hub::tokens::DEFAULT_TOKEN_TTL;
+
+#[derive(Subcommand)]
+enum TokenAction {
+    /// Create a token and print the join command to run on the spoke.
+    Create {
+        /// How long the token admits joins.
+        #[arg(long, default_value = DEFAULT_TOKEN_TTL, value_parser = humantime::parse_duration)]
+        ttl: std::time::Duration,
+        /// How many clusters may join with it (default: any number until it expires).
+        #[arg(long)]
+        uses: Option<u32>,
+        /// Accept clusters that join with this token at once, and give them these labels
+        /// (k=v, comma-separated).
+        #[arg(long, value_delimiter = ',')]
+        auto_accept_labels: Vec<String>,
+        /// Accept clusters that join with this token at once, without labels.
+        #[arg(long)]
+        auto_accept: bool,
+        /// Put this cluster name into the printed join command instead of a placeholder.
+        #[arg(long)]
+        cluster_name: Option<String>,
+        #[arg(short, long, value_enum, default_value_t = Output::Table)]
+        output: Output,
+    },
+    /// List tokens (ids, expiry, uses, state; never the secrets).
+    List {
+        #[arg(short, long, value_enum, default_value_t = Output::Table)]
+        output: Output,
+    },
+    /// Revoke a token: joins with it are refused from now on.
+    Revoke { id: String },
+}
+
+#[derive(Subcommand)]
+enum ClusterAction {
+    /// Accept a cluster's join request (sets spec.hubAcceptsClient: true); its waiting agent
+    /// receives its certificate.
+    Accept {
+        #[arg(required = true)]
+        names: Vec<String>,
+    },
+    /// Deny a cluster: a waiting agent gets DENIED, a connected one loses its session at once,
+    /// and its certificate stops working.
+    Deny {
+        #[arg(required = true)]
+        names: Vec<String>,
+        /// Told to the agent and kept on the ManagedCluster.
+        #[arg(long, default_value = "")]
+        reason: String,
+    },
+    /// Delete a cluster: its sessions close at once and its certificate stops working; the
+    /// spoke must join again with a new token.
+    Delete {
+        #[arg(required = true)]
+        names: Vec<String>,
+    },
+}
+
+#[derive(Subcommand)]
+enum CaAction {
+    /// Show the CA fingerprint (what join commands pin) and whether a rotation is in progress.
+    Show,
+    /// Make a new CA. The old one stays trusted (overlap); agents receive the new bundle over
+    /// their sessions, new and renewed certificates come from the new CA.
+    Rotate,
+    /// End the overlap: stop trusting the previous CA. Run it once every agent has renewed (one
+    /// --client-cert-lifetime after the rotation at the latest).
+    FinishRotation,
 }
 
 #[derive(Subcommand)]
@@ -160,6 +247,25 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 println!("manifestwork {cluster}/{name} {verb}");
             }
         }
+        Command::Token { action } => token(&client, action).await?,
+        Command::Cluster { action } => cluster(&client, action).await?,
+        Command::Ca { action } => {
+            let (method, path) = match action {
+                CaAction::Show => (Method::GET, "/registration/v1/ca"),
+                CaAction::Rotate => (Method::POST, "/registration/v1/ca/rotate"),
+                CaAction::FinishRotation => (Method::POST, "/registration/v1/ca/finish-rotation"),
+            };
+            let (_, ca) = client.request(method, path, None).await?;
+            println!("fingerprint: {}", ca["fingerprint"].as_str().unwrap_or(""));
+            println!(
+                "rotation:    {}",
+                if ca["rotating"].as_bool() == Some(true) {
+                    "in progress (old and new CA trusted)"
+                } else {
+                    "none"
+                }
+            );
+        }
         Command::Work {
             action: WorkAction::Delete { name, clusters },
         } => {
@@ -172,6 +278,121 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     )
                     .await?;
                 println!("manifestwork {cluster}/{name} deleted");
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn token(client: &OperatorClient, action: TokenAction) -> anyhow::Result<()> {
+    match action {
+        TokenAction::Create {
+            ttl,
+            uses,
+            auto_accept_labels,
+            auto_accept,
+            cluster_name,
+            output,
+        } => {
+            let mut labels = serde_json::Map::new();
+            for pair in auto_accept_labels.iter().filter(|p| !p.is_empty()) {
+                let (k, v) = pair
+                    .split_once('=')
+                    .with_context(|| format!("--auto-accept-labels: {pair:?} is not key=value"))?;
+                labels.insert(k.to_string(), Value::String(v.to_string()));
+            }
+            let body = serde_json::json!({
+                "ttlSeconds": ttl.as_secs().max(1),
+                "uses": uses,
+                "autoAccept": auto_accept,
+                "labels": labels,
+            });
+            let (_, mut created) = client
+                .request(Method::POST, "/registration/v1/tokens", Some(&body))
+                .await?;
+            if let Some(name) = cluster_name
+                && let Some(cmd) = created["joinCommand"].as_str()
+            {
+                created["joinCommand"] = Value::String(cmd.replace("<cluster-name>", &name));
+            }
+            match output {
+                Output::Json => println!("{}", serde_json::to_string_pretty(&created)?),
+                Output::Yaml => print!("{}", yaml_serde::to_string(&created)?),
+                Output::Table => {
+                    println!(
+                        "token {} created, expires {}",
+                        created["id"].as_str().unwrap_or(""),
+                        created["expires"].as_str().unwrap_or("")
+                    );
+                    println!("run this on the spoke cluster to ask to join:\n");
+                    println!("{}", created["joinCommand"].as_str().unwrap_or(""));
+                }
+            }
+        }
+        TokenAction::List { output } => {
+            let list = client.get_json("/registration/v1/tokens").await?;
+            match output {
+                Output::Json => println!("{}", serde_json::to_string_pretty(&list)?),
+                Output::Yaml => print!("{}", yaml_serde::to_string(&list)?),
+                Output::Table => {
+                    let items = list["items"].as_array().cloned().unwrap_or_default();
+                    print!("{}", table::tokens(&items, jiff::Timestamp::now()));
+                }
+            }
+        }
+        TokenAction::Revoke { id } => {
+            client
+                .request(
+                    Method::DELETE,
+                    &format!("/registration/v1/tokens/{id}"),
+                    None,
+                )
+                .await?;
+            println!("token {id} revoked");
+        }
+    }
+    Ok(())
+}
+
+async fn cluster(client: &OperatorClient, action: ClusterAction) -> anyhow::Result<()> {
+    match action {
+        ClusterAction::Accept { names } => {
+            for name in names {
+                client
+                    .request(
+                        Method::POST,
+                        &format!("/registration/v1/clusters/{name}/accept"),
+                        Some(&serde_json::json!({})),
+                    )
+                    .await
+                    .with_context(|| format!("accepting cluster {name}"))?;
+                println!("cluster {name} accepted");
+            }
+        }
+        ClusterAction::Deny { names, reason } => {
+            for name in names {
+                client
+                    .request(
+                        Method::POST,
+                        &format!("/registration/v1/clusters/{name}/deny"),
+                        Some(&serde_json::json!({ "reason": reason })),
+                    )
+                    .await
+                    .with_context(|| format!("denying cluster {name}"))?;
+                println!("cluster {name} denied");
+            }
+        }
+        ClusterAction::Delete { names } => {
+            for name in names {
+                client
+                    .request(
+                        Method::DELETE,
+                        &object_path(Kind::ManagedCluster, None, &name),
+                        None,
+                    )
+                    .await
+                    .with_context(|| format!("deleting cluster {name}"))?;
+                println!("cluster {name} deleted");
             }
         }
     }

@@ -84,7 +84,7 @@ impl KubeStore {
 
     /// Creates the namespace a namespaced object is meant for, as OCM's registration controller
     /// does for each cluster; one that exists already is fine.
-    async fn ensure_namespace(&self, name: &str) -> Result<(), StoreError> {
+    async fn create_namespace(&self, name: &str) -> Result<(), StoreError> {
         let namespaces: Api<Namespace> = Api::all(self.client.clone());
         let namespace = Namespace {
             metadata: ObjectMeta {
@@ -276,7 +276,7 @@ impl Store for KubeStore {
         let params = PostParams::default();
         let created = match api.create(&params, &object).await {
             Err(e) if is_missing_namespace(&e) => {
-                self.ensure_namespace(key.namespace().unwrap_or_default())
+                self.create_namespace(key.namespace().unwrap_or_default())
                     .await?;
                 api.create(&params, &object).await
             }
@@ -379,6 +379,10 @@ impl Store for KubeStore {
             .map_err(|e| object_error(e, &key, "deleting"))?;
         debug!(%kind, namespace, name, "deleted");
         Ok(())
+    }
+
+    async fn ensure_namespace(&self, name: &str) -> Result<(), StoreError> {
+        self.create_namespace(name).await
     }
 }
 

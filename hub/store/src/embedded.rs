@@ -572,6 +572,11 @@ impl Store for SledStore {
         debug!(%kind, namespace, name, revision, "deleted");
         Ok(())
     }
+
+    async fn ensure_namespace(&self, _name: &str) -> Result<(), StoreError> {
+        // Namespaces are implicit here: a key prefix, nothing to create.
+        Ok(())
+    }
 }
 
 /// The state behind one watch stream.

@@ -103,4 +103,9 @@ pub trait Store: Send + Sync + 'static {
         namespace: Option<&str>,
         name: &str,
     ) -> Result<(), StoreError>;
+
+    /// Makes sure a namespace exists, as OCM's registration controller does for each accepted
+    /// cluster, so that `kubectl apply` of a ManifestWork into it works on the kube backend.
+    /// Backends whose namespaces are implicit (sled) do nothing.
+    async fn ensure_namespace(&self, name: &str) -> Result<(), StoreError>;
 }

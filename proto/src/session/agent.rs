@@ -75,6 +75,27 @@ pub enum AgentEvent {
         /// The highest status seq stored.
         seq: u64,
     },
+    /// The hub signed the certificate asked for with [`AgentSession::renew_certificate`]. The
+    /// driver stores it (with the key it made for the request) durably and uses it from the
+    /// next connection on; the current session carries on with the current certificate.
+    CertificateIssued {
+        /// PEM client certificate for the key of the request.
+        certificate_pem: String,
+        /// PEM CA certificates to trust for the hub from now on.
+        ca_bundle_pem: String,
+    },
+    /// The hub refused the renewal; the current certificate stays. The driver tries again
+    /// later (with a fresh request), and well before expiry says so loudly.
+    RenewalRefused {
+        /// Why, in the hub's words.
+        reason: String,
+    },
+    /// The hub's CA bundle changed (a CA rotation): trust these CAs for the hub from now on,
+    /// stored durably, for the next connection.
+    TrustBundleUpdated {
+        /// PEM CA certificates.
+        ca_bundle_pem: String,
+    },
     /// The hub asks for tunnel stream `id` to be opened (a kubectl request).
     TunnelRequested {
         /// The tunnel id to name in the first frame of the tunnel stream.
@@ -140,6 +161,9 @@ pub struct AgentSession {
     /// Work acks and statuses, coalesced per work (the latest generation / seq wins).
     data: CoalescingQueue<Key, agent_frame::Frame>,
     events: VecDeque<AgentEvent>,
+    /// A `RenewCertificate` was sent and neither `CertificateIssued` nor `RenewalRefused` has
+    /// answered it: at most one request is outstanding per session.
+    renewing: bool,
 }
 
 impl AgentSession {
@@ -154,6 +178,7 @@ impl AgentSession {
             held,
             claims: config.claims,
             kubernetes_version: config.kubernetes_version,
+            ca_bundle_sha256: String::new(),
         };
         Self {
             welcome_timeout: config.welcome_timeout,
@@ -165,7 +190,45 @@ impl AgentSession {
             control: VecDeque::from([agent(agent_frame::Frame::Hello(hello))]),
             data: CoalescingQueue::default(),
             events: VecDeque::new(),
+            renewing: false,
         }
+    }
+
+    /// Adds the hex SHA-256 of the CA bundle the agent trusts to the queued hello, so that the
+    /// hub sends its bundle only when it differs. Call it right after [`new`](Self::new), before
+    /// the first [`poll_transmit`](Self::poll_transmit); later it does nothing.
+    pub fn with_ca_bundle_sha256(mut self, sha256: impl Into<String>) -> Self {
+        if let Some(agent_frame::Frame::Hello(hello)) = self
+            .control
+            .front_mut()
+            .and_then(|frame| frame.frame.as_mut())
+        {
+            hello.ca_bundle_sha256 = sha256.into();
+        }
+        self
+    }
+
+    /// Asks the hub for a certificate for a new key, over this session (certificate rotation).
+    /// `csr_pem` is a PKCS#10 request for a key made on the spoke. Returns `false` (and sends
+    /// nothing) unless the session is established and no other request is outstanding; the
+    /// answer arrives as [`AgentEvent::CertificateIssued`] or [`AgentEvent::RenewalRefused`].
+    pub fn renew_certificate(&mut self, csr_pem: impl Into<String>) -> bool {
+        if !self.is_established() || self.renewing {
+            return false;
+        }
+        self.renewing = true;
+        self.control
+            .push_back(agent(agent_frame::Frame::RenewCertificate(
+                wire::RenewCertificate {
+                    csr_pem: csr_pem.into(),
+                },
+            )));
+        true
+    }
+
+    /// Whether a renewal request is waiting for the hub's answer.
+    pub fn is_renewing(&self) -> bool {
+        self.renewing
     }
 
     /// Whether the welcome has arrived and the session is not closed.
@@ -253,6 +316,39 @@ impl AgentSession {
             hub_frame::Frame::OpenTunnel(open) => {
                 self.events
                     .push_back(AgentEvent::TunnelRequested { id: open.id });
+                Ok(())
+            }
+            hub_frame::Frame::CertificateIssued(_) if !self.renewing => {
+                self.fail(ProtocolError::UnexpectedFrame {
+                    frame: "CertificateIssued",
+                    state: "no renewal requested",
+                })
+            }
+            hub_frame::Frame::CertificateIssued(issued) => {
+                self.renewing = false;
+                if issued.certificate_pem.is_empty() {
+                    return self.fail(ProtocolError::InvalidFrame {
+                        frame: "CertificateIssued",
+                        detail: "no certificate".to_string(),
+                    });
+                }
+                self.events.push_back(AgentEvent::CertificateIssued {
+                    certificate_pem: issued.certificate_pem,
+                    ca_bundle_pem: issued.ca_bundle_pem,
+                });
+                Ok(())
+            }
+            hub_frame::Frame::RenewalRefused(refused) => {
+                self.renewing = false;
+                self.events.push_back(AgentEvent::RenewalRefused {
+                    reason: refused.reason,
+                });
+                Ok(())
+            }
+            hub_frame::Frame::TrustBundle(bundle) => {
+                self.events.push_back(AgentEvent::TrustBundleUpdated {
+                    ca_bundle_pem: bundle.ca_bundle_pem,
+                });
                 Ok(())
             }
         }
@@ -471,5 +567,8 @@ fn hub_frame_name(frame: &hub_frame::Frame) -> &'static str {
         hub_frame::Frame::OpenTunnel(_) => "OpenTunnel",
         hub_frame::Frame::StatusAck(_) => "StatusAck",
         hub_frame::Frame::Goodbye(_) => "Goodbye",
+        hub_frame::Frame::CertificateIssued(_) => "CertificateIssued",
+        hub_frame::Frame::TrustBundle(_) => "TrustBundle",
+        hub_frame::Frame::RenewalRefused(_) => "RenewalRefused",
     }
 }

@@ -19,6 +19,9 @@ pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(30);
 pub const DEFAULT_HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default for [`HubConfig::max_pending_works`].
 pub const DEFAULT_MAX_PENDING_WORKS: usize = 4096;
+/// Largest certificate signing request a session accepts (a PEM CSR for an ECDSA or RSA-4096
+/// key is 0.5–2 KiB); a larger one is refused without closing the session.
+pub const MAX_CSR_BYTES: usize = 16 * 1024;
 
 /// Settings shared by all sessions of a gateway.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,6 +93,15 @@ pub enum HubEvent {
         seq: u64,
         /// ManifestWork status (conditions, resourceStatus) as JSON.
         status_json: Vec<u8>,
+    },
+    /// The agent asks for a certificate for a new key (rotation). The driver checks that the
+    /// cluster is still accepted, signs the request for the session's own identity (never a
+    /// name from the request), and answers with [`HubSession::issue_certificate`] or
+    /// [`HubSession::refuse_renewal`]. At most one is outstanding per session: repeats before
+    /// the answer are dropped.
+    RenewalRequested {
+        /// PEM PKCS#10 request, at most [`MAX_CSR_BYTES`].
+        csr_pem: String,
     },
     /// The session is over. The driver sends what [`HubSession::poll_transmit`] still yields
     /// (a `Goodbye`, after a drain the `Drain` first), then ends the stream. Events queued
@@ -178,6 +190,8 @@ pub struct HubSession {
     /// Work updates and deletes coalesced by uid, plus the sync marker.
     works: CoalescingQueue<Slot, Outgoing>,
     events: VecDeque<HubEvent>,
+    /// A renewal was handed to the driver and not answered yet.
+    renewing: bool,
 }
 
 impl HubSession {
@@ -206,6 +220,7 @@ impl HubSession {
             status_acks: CoalescingQueue::default(),
             works: CoalescingQueue::default(),
             events: VecDeque::new(),
+            renewing: false,
         }
     }
 
@@ -303,6 +318,26 @@ impl HubSession {
                     generation: status.generation,
                     seq: status.seq,
                     status_json: status.status_json,
+                });
+                Ok(())
+            }
+            (Phase::Established, agent_frame::Frame::RenewCertificate(renew)) => {
+                if self.renewing {
+                    // The first request is being answered; the agent sends one at a time, so
+                    // a repeat is a retry of the same thing.
+                    return Ok(());
+                }
+                if renew.csr_pem.len() > MAX_CSR_BYTES {
+                    self.refuse_renewal(format!(
+                        "certificate signing request of {} bytes exceeds the bound of \
+                         {MAX_CSR_BYTES} bytes",
+                        renew.csr_pem.len()
+                    ));
+                    return Ok(());
+                }
+                self.renewing = true;
+                self.events.push_back(HubEvent::RenewalRequested {
+                    csr_pem: renew.csr_pem,
                 });
                 Ok(())
             }
@@ -507,6 +542,52 @@ impl HubSession {
         }
     }
 
+    /// Answers the outstanding [`HubEvent::RenewalRequested`] with the signed certificate and
+    /// the CA bundle to trust. Ignored unless established.
+    pub fn issue_certificate(
+        &mut self,
+        certificate_pem: impl Into<String>,
+        ca_bundle_pem: impl Into<String>,
+    ) {
+        if self.phase != Phase::Established {
+            return;
+        }
+        self.renewing = false;
+        self.control
+            .push_back(hub(hub_frame::Frame::CertificateIssued(
+                wire::CertificateIssued {
+                    certificate_pem: certificate_pem.into(),
+                    ca_bundle_pem: ca_bundle_pem.into(),
+                },
+            )));
+    }
+
+    /// Answers the outstanding [`HubEvent::RenewalRequested`] with a refusal naming the reason;
+    /// the session continues. Ignored unless established.
+    pub fn refuse_renewal(&mut self, reason: impl Into<String>) {
+        if self.phase != Phase::Established {
+            return;
+        }
+        self.renewing = false;
+        self.control.push_back(hub(hub_frame::Frame::RenewalRefused(
+            wire::RenewalRefused {
+                reason: reason.into(),
+            },
+        )));
+    }
+
+    /// Tells the agent to trust these CA certificates for the hub from now on (after a CA
+    /// rotation, or when its hello showed an older bundle). Ignored unless established.
+    pub fn send_trust_bundle(&mut self, ca_bundle_pem: impl Into<String>) {
+        if self.phase != Phase::Established {
+            return;
+        }
+        self.control
+            .push_back(hub(hub_frame::Frame::TrustBundle(wire::TrustBundle {
+                ca_bundle_pem: ca_bundle_pem.into(),
+            })));
+    }
+
     /// Ends the session on purpose, telling the agent to come back after `retry_after` (which
     /// the gateway spreads across its agents). Queues `Drain` then `Goodbye`, drops pending
     /// work (the agent resumes it elsewhere) and emits [`HubEvent::Closed`] with
@@ -654,5 +735,6 @@ fn agent_frame_name(frame: &agent_frame::Frame) -> &'static str {
         agent_frame::Frame::WorkAck(_) => "WorkAck",
         agent_frame::Frame::WorkStatus(_) => "WorkStatus",
         agent_frame::Frame::Goodbye(_) => "Goodbye",
+        agent_frame::Frame::RenewCertificate(_) => "RenewCertificate",
     }
 }

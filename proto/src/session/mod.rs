@@ -22,12 +22,19 @@
 //! it made durable and reports status; the hub acks stored status. The agent heartbeats, the
 //! hub echoes, and either side closes after hearing nothing for the heartbeat timeout. A
 //! draining gateway sends `Drain` with a retry-after, which [`Backoff`] honours.
+//!
+//! Certificates rotate over the live session: before [`renew_at`] the agent sends
+//! `RenewCertificate` with a request for a key it made, the hub answers `CertificateIssued`
+//! (or `RenewalRefused`), and the agent uses the new certificate from its next connection on,
+//! so the cluster never loses its session for a rotation. After a CA rotation the hub sends
+//! `TrustBundle` to agents whose hello shows an older bundle.
 
 mod agent;
 mod backoff;
 mod error;
 mod hub;
 mod queue;
+mod renewal;
 
 use std::time::Duration;
 
@@ -39,8 +46,9 @@ pub use backoff::{
 pub use error::{CloseReason, ProtocolError};
 pub use hub::{
     DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_HELLO_TIMEOUT,
-    DEFAULT_MAX_PENDING_WORKS, HubConfig, HubEvent, HubSession,
+    DEFAULT_MAX_PENDING_WORKS, HubConfig, HubEvent, HubSession, MAX_CSR_BYTES,
 };
+pub use renewal::{RENEW_AT_FRACTION, renew_at};
 
 /// The desired state of one ManifestWork for the cluster, as the gateway hands it to
 /// [`HubSession::begin_sync`] and [`HubSession::upsert_work`]. It is exactly the `WorkUpdate`

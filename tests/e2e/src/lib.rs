@@ -5,6 +5,8 @@
 //! --bins`, which the README's test command does).
 #![forbid(unsafe_code)]
 
+pub mod spoke;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
@@ -128,16 +130,41 @@ pub struct Hub {
 impl Hub {
     /// Starts a hub on the sled store (`extra` adds flags, e.g. `--store kube`).
     pub async fn start(dir: &Path, extra: &[&str]) -> anyhow::Result<Hub> {
+        Hub::start_listening(dir, "127.0.0.1:0", "127.0.0.1:0", extra).await
+    }
+
+    /// Stops the hub with SIGTERM and starts it again on the same data dir and addresses, so
+    /// agents find it where they left it.
+    pub async fn restart(&mut self, dir: &Path, extra: &[&str]) -> anyhow::Result<()> {
+        self.proc.signal_and_wait(Signal::SIGTERM);
+        let (agents, api) = (self.agents_addr.clone(), self.api_addr.clone());
+        *self = Hub::start_listening(dir, &agents, &api, extra).await?;
+        Ok(())
+    }
+
+    /// Starts a hub on the given addresses (port 0: any free port).
+    pub async fn start_listening(
+        dir: &Path,
+        agents: &str,
+        api: &str,
+        extra: &[&str],
+    ) -> anyhow::Result<Hub> {
         let data_dir = dir.join("hub-data");
         let mut cmd = Command::new(bin("flotilla-hub"));
         cmd.arg("--data-dir")
             .arg(&data_dir)
-            .args(["--listen=127.0.0.1:0", "--api-listen=127.0.0.1:0"])
+            .arg(format!("--listen={agents}"))
+            .arg(format!("--api-listen={api}"))
             .args(FAST_HEALTH)
             .args(extra)
             .env("RUST_LOG", "info,flotilla_gateway=debug");
         let _ = std::fs::remove_file(data_dir.join("listen.json"));
-        let mut proc = Proc::spawn("flotilla-hub", cmd, dir.join("hub.log"))?;
+        // Each start logs to a new file, so a restarted hub's log does not hide the first one's.
+        let log = (1..)
+            .map(|n| dir.join(format!("hub-{n}.log")))
+            .find(|p| !p.exists())
+            .expect("a free log name");
+        let mut proc = Proc::spawn("flotilla-hub", cmd, log)?;
         let listen_path = data_dir.join("listen.json");
         let listen: Value = wait_for("the hub to listen", Duration::from_secs(30), || {
             let alive = proc.alive();
@@ -226,8 +253,11 @@ pub fn condition_status(obj: &Value, t: &str) -> Option<String> {
         .map(str::to_string)
 }
 
-/// Starts `flotilla-agent run` for `cluster` with the certificates in `cert_dir`.
+/// Starts `flotilla-agent run` for `cluster` with the certificates in `cert_dir`, for tests about
+/// sessions and health: its spoke kubeconfig points at nothing, so the session is all it does.
 pub fn start_agent(dir: &Path, hub: &Hub, cluster: &str, cert_dir: &Path) -> anyhow::Result<Proc> {
+    let kubeconfig = dir.join("no-spoke.kubeconfig");
+    std::fs::write(&kubeconfig, NO_SPOKE_KUBECONFIG)?;
     let mut cmd = Command::new(bin("flotilla-agent"));
     cmd.arg("run")
         .args([
@@ -240,6 +270,10 @@ pub fn start_agent(dir: &Path, hub: &Hub, cluster: &str, cert_dir: &Path) -> any
         ])
         .arg("--cert-dir")
         .arg(cert_dir)
+        .arg("--data-dir")
+        .arg(dir.join(format!("agent-{cluster}-data")))
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
         .args([
             "--initial-jitter=0s",
             "--max-backoff=1s",
@@ -252,3 +286,21 @@ pub fn start_agent(dir: &Path, hub: &Hub, cluster: &str, cert_dir: &Path) -> any
         dir.join(format!("agent-{cluster}.log")),
     )
 }
+
+/// A kubeconfig whose apiserver is a closed loopback port.
+const NO_SPOKE_KUBECONFIG: &str = "apiVersion: v1
+kind: Config
+clusters:
+- name: none
+  cluster:
+    server: https://127.0.0.1:9
+users:
+- name: none
+  user: {}
+contexts:
+- name: none
+  context:
+    cluster: none
+    user: none
+current-context: none
+";

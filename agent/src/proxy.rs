@@ -1,0 +1,133 @@
+//! Reaching the hub through an HTTP forward proxy: `CONNECT host:port`, then the agent's own
+//! TLS (and mTLS) end to end inside the tunnel, so the proxy sees only ciphertext and the
+//! hub still authenticates the agent's certificate.
+
+use std::fmt;
+use std::io;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Largest proxy response header the agent reads before giving up on the proxy.
+const MAX_RESPONSE_HEADER: usize = 8 * 1024;
+
+/// An `http://host:port` forward proxy (`--proxy-url`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct ProxyUrl {
+    /// host:port of the proxy.
+    authority: String,
+}
+
+impl fmt::Debug for ProxyUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "http://{}", self.authority)
+    }
+}
+
+impl fmt::Display for ProxyUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "http://{}", self.authority)
+    }
+}
+
+/// Why a proxy URL is unusable; none is retryable without a new `--proxy-url`.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ProxyUrlError {
+    /// Only plain-HTTP forward proxies that support CONNECT are spoken.
+    #[error("--proxy-url {0:?}: only http://host:port forward proxies are supported")]
+    Scheme(String),
+    /// Credentials in the URL would end up in process listings and logs.
+    #[error(
+        "--proxy-url: credentials in the URL are not supported (they would show in process listings); use a proxy that admits the spoke by address"
+    )]
+    Credentials,
+    /// No port: proxies have no well-known one.
+    #[error("--proxy-url {0:?}: give host:port")]
+    NoPort(String),
+}
+
+impl std::str::FromStr for ProxyUrl {
+    type Err = ProxyUrlError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let rest = s
+            .strip_prefix("http://")
+            .ok_or_else(|| ProxyUrlError::Scheme(s.to_string()))?;
+        let authority = rest.trim_end_matches('/');
+        if authority.contains('@') {
+            return Err(ProxyUrlError::Credentials);
+        }
+        if authority.is_empty() || authority.contains('/') || !authority.contains(':') {
+            return Err(ProxyUrlError::NoPort(s.to_string()));
+        }
+        Ok(ProxyUrl {
+            authority: authority.to_string(),
+        })
+    }
+}
+
+/// Opens a TCP stream to `target` (host:port): directly, or through `proxy` with HTTP CONNECT.
+/// Errors say which hop failed.
+pub async fn dial(target: &str, proxy: Option<&ProxyUrl>) -> io::Result<TcpStream> {
+    let Some(proxy) = proxy else {
+        let tcp = TcpStream::connect(target).await?;
+        tcp.set_nodelay(true)?;
+        return Ok(tcp);
+    };
+    let mut tcp = TcpStream::connect(&proxy.authority)
+        .await
+        .map_err(|e| io::Error::new(e.kind(), format!("cannot reach the proxy {proxy}: {e}")))?;
+    tcp.set_nodelay(true)?;
+    let request = format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n");
+    tcp.write_all(request.as_bytes()).await?;
+    // Byte by byte up to the blank line: after a 200 the proxy sends nothing until the client
+    // speaks (its TLS hello), so nothing of the tunnel can be read by mistake.
+    let mut header = Vec::with_capacity(256);
+    let mut byte = [0u8; 1];
+    while !header.ends_with(b"\r\n\r\n") {
+        if header.len() >= MAX_RESPONSE_HEADER {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("proxy {proxy} sent a response header over {MAX_RESPONSE_HEADER} bytes"),
+            ));
+        }
+        if tcp.read(&mut byte).await? == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("proxy {proxy} closed the connection during CONNECT {target}"),
+            ));
+        }
+        header.push(byte[0]);
+    }
+    let text = String::from_utf8_lossy(&header);
+    let status_line = text.lines().next().unwrap_or("").trim().to_string();
+    let code = status_line.split_whitespace().nth(1).unwrap_or("");
+    if code != "200" {
+        return Err(io::Error::new(
+            io::ErrorKind::ConnectionRefused,
+            format!(
+                "proxy {proxy} refused CONNECT {target}: {status_line:?} (does it allow this \
+                 client and this port?)"
+            ),
+        ));
+    }
+    Ok(tcp)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proxy_urls() {
+        let ok: ProxyUrl = "http://127.0.0.1:3128/".parse().unwrap();
+        assert_eq!(ok.to_string(), "http://127.0.0.1:3128");
+        for (bad, want) in [
+            ("https://p:1", ProxyUrlError::Scheme("https://p:1".into())),
+            ("http://u:pw@p:1", ProxyUrlError::Credentials),
+            ("http://p", ProxyUrlError::NoPort("http://p".into())),
+        ] {
+            assert_eq!(bad.parse::<ProxyUrl>().unwrap_err(), want, "{bad}");
+        }
+    }
+}

@@ -1,0 +1,832 @@
+//! The reconciler: the one task that makes the spoke match the cache.
+//!
+//! It owns applying. On start it reconciles every work in the cache at once, hub or no hub
+//! (that is the agent's offline autonomy); after that it reconciles a work when the session
+//! driver says it changed or was deleted, retries a work that failed with a growing delay, and
+//! every resync interval (jittered) reconciles everything again, which repairs drift: an object
+//! changed or deleted by hand is applied again.
+//!
+//! One work is reconciled by one task at a time, and at most `concurrency` works at once. A
+//! reconcile writes the work's new status into the cache's outbox, only when it differs from
+//! the last one, and then wakes the session driver through `outbox_changed`.
+//!
+//! Crash safety: before applying, the ledger is extended with every object the work is about to
+//! apply (write-ahead), so a crash mid-apply never leaves an object the agent forgot it owns.
+
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use flotilla_proto::api::{
+    ManifestWork, ManifestWorkStatus, PropagationPolicy, ResourceIdentifier,
+};
+use flotilla_proto::session::Jitter;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use tokio::sync::{Mutex, Notify};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tracing::{Instrument as _, debug, info, info_span, warn};
+
+use crate::apply::{ApplyTarget, Deletion, apply_planned, plan_manifests};
+use crate::cache::{AppliedResource, CacheError, CachedWork, WorkCache, durably};
+use crate::status::{carry_transition_times, refused_status, work_status};
+
+/// Default of `--resync-interval`. Five minutes bounds how long hand-made drift survives, and
+/// costs one no-op server-side apply per manifest per interval on the spoke's own apiserver
+/// (an unchanged apply writes nothing to etcd): a work of 20 manifests is 0.07 requests/s.
+pub const DEFAULT_RESYNC_INTERVAL: Duration = Duration::from_secs(5 * 60);
+/// Default of `--apply-concurrency`: works reconciled at once. Each reconcile is sequential
+/// apiserver calls, so a few in parallel keep a resync of hundreds of works short without
+/// crowding the spoke apiserver.
+pub const DEFAULT_APPLY_CONCURRENCY: usize = 4;
+/// First retry delay after a failed reconcile; doubles per failure up to the resync interval.
+pub const DEFAULT_RETRY_INITIAL: Duration = Duration::from_secs(2);
+
+/// How the reconciler paces itself.
+#[derive(Clone, Debug)]
+pub struct ReconcilerConfig {
+    /// How often every work is reconciled again, ±10 % jitter.
+    pub resync_interval: Duration,
+    /// Works reconciled at once.
+    pub concurrency: usize,
+    /// First retry delay after a failure.
+    pub retry_initial: Duration,
+}
+
+impl Default for ReconcilerConfig {
+    fn default() -> Self {
+        Self {
+            resync_interval: DEFAULT_RESYNC_INTERVAL,
+            concurrency: DEFAULT_APPLY_CONCURRENCY,
+            retry_initial: DEFAULT_RETRY_INITIAL,
+        }
+    }
+}
+
+/// What one reconcile of one work did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Reconciled {
+    /// The seq of the new status written to the outbox; `None` when the status was unchanged.
+    pub new_status: Option<u64>,
+    /// Something failed that may succeed later (a manifest, a delete still pending).
+    pub retry: bool,
+    /// The work was a tombstone and is now gone from the cache.
+    pub forgotten: bool,
+}
+
+/// Works waiting to be reconciled: an ordered set, so a work changed many times while busy is
+/// reconciled once. Its size is bounded by the number of works in the cache (every uid put
+/// here is one the cache holds), and the "everything" request is a flag, not a copy.
+#[derive(Debug, Default)]
+struct WorkQueue {
+    state: Mutex<QueueState>,
+    wake: Notify,
+}
+
+#[derive(Debug, Default)]
+struct QueueState {
+    order: VecDeque<String>,
+    queued: HashSet<String>,
+    all: bool,
+}
+
+impl WorkQueue {
+    async fn mark(&self, uid: &str) {
+        let mut state = self.state.lock().await;
+        if state.queued.insert(uid.to_owned()) {
+            state.order.push_back(uid.to_owned());
+        }
+        drop(state);
+        self.wake.notify_one();
+    }
+
+    async fn mark_all(&self) {
+        self.state.lock().await.all = true;
+        self.wake.notify_one();
+    }
+}
+
+/// Tells the reconciler about changes; cheap to clone. The session driver holds one.
+#[derive(Clone, Debug)]
+pub struct ReconcileHandle {
+    queue: Arc<WorkQueue>,
+}
+
+impl ReconcileHandle {
+    /// The work's desired state changed, or it became a tombstone: reconcile it soon.
+    pub async fn work_changed(&self, uid: &str) {
+        self.queue.mark(uid).await;
+    }
+
+    /// Reconcile every work now (as the periodic resync does).
+    pub async fn resync_all(&self) {
+        self.queue.mark_all().await;
+    }
+}
+
+/// The reconciler task; see the module docs.
+pub struct Reconciler {
+    cache: Arc<dyn WorkCache>,
+    target: Arc<dyn ApplyTarget>,
+    config: ReconcilerConfig,
+    queue: Arc<WorkQueue>,
+    /// Woken after every new status in the outbox; the session driver waits on it.
+    outbox_changed: Arc<Notify>,
+    jitter: Box<dyn Jitter + Send + Sync>,
+}
+
+impl std::fmt::Debug for Reconciler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reconciler")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Reconciler {
+    /// A reconciler over `cache` and `target`, and the handle to tell it about changes.
+    pub fn new(
+        cache: Arc<dyn WorkCache>,
+        target: Arc<dyn ApplyTarget>,
+        config: ReconcilerConfig,
+        outbox_changed: Arc<Notify>,
+        jitter: Box<dyn Jitter + Send + Sync>,
+    ) -> (Self, ReconcileHandle) {
+        let queue = Arc::new(WorkQueue::default());
+        let handle = ReconcileHandle {
+            queue: Arc::clone(&queue),
+        };
+        let reconciler = Self {
+            cache,
+            target,
+            config,
+            queue,
+            outbox_changed,
+            jitter,
+        };
+        (reconciler, handle)
+    }
+
+    /// Runs until `shutdown` completes. Reconciles in flight are then abandoned: each is
+    /// idempotent, and the next start reconciles everything again.
+    pub async fn run(mut self, shutdown: impl Future<Output = ()>) {
+        tokio::pin!(shutdown);
+        // Everything in the cache, at once: the hub may be away for hours.
+        self.queue.mark_all().await;
+        let mut tasks: JoinSet<(String, Result<Reconciled, CacheError>)> = JoinSet::new();
+        // Task id → the uid it reconciles; a uid appears at most once.
+        let mut running: HashMap<tokio::task::Id, String> = HashMap::new();
+        let mut failures: HashMap<String, u32> = HashMap::new();
+        let mut retry_at: HashMap<String, Instant> = HashMap::new();
+        let mut next_resync = Instant::now() + self.jittered_resync();
+        loop {
+            self.start_ready(&mut tasks, &mut running).await;
+            let next_retry = retry_at.values().min().copied();
+            tokio::select! {
+                _ = self.queue.wake.notified() => {}
+                Some(joined) = tasks.join_next_with_id(), if !tasks.is_empty() => {
+                    let (uid, result) = match joined {
+                        Ok((id, done)) => {
+                            running.remove(&id);
+                            done
+                        }
+                        Err(e) => {
+                            // A panicking reconcile is a bug; the work is retried like a failure.
+                            let uid = running.remove(&e.id()).unwrap_or_default();
+                            warn!(uid = %uid, error = %e, "work reconcile panicked");
+                            (uid, Ok(Reconciled { retry: true, ..Reconciled::default() }))
+                        }
+                    };
+                    let retry = match result {
+                        Ok(r) if r.forgotten => {
+                            failures.remove(&uid);
+                            retry_at.remove(&uid);
+                            continue;
+                        }
+                        Ok(r) => r.retry,
+                        Err(e) => {
+                            warn!(uid = %uid, error = %e, "work reconcile failed on the cache");
+                            true
+                        }
+                    };
+                    if retry {
+                        let n = failures.entry(uid.clone()).or_insert(0);
+                        *n += 1;
+                        let delay = self.retry_delay(*n);
+                        debug!(uid = %uid, failures = *n, ?delay, "retrying the work later");
+                        retry_at.insert(uid, Instant::now() + delay);
+                    } else {
+                        failures.remove(&uid);
+                        retry_at.remove(&uid);
+                    }
+                }
+                _ = tokio::time::sleep_until(next_resync) => {
+                    debug!("periodic resync");
+                    self.queue.mark_all().await;
+                    next_resync = Instant::now() + self.jittered_resync();
+                }
+                _ = sleep_until(next_retry) => {
+                    let now = Instant::now();
+                    let due: Vec<String> = retry_at.iter().filter(|(_, at)| **at <= now).map(|(u, _)| u.clone()).collect();
+                    for uid in due {
+                        retry_at.remove(&uid);
+                        self.queue.mark(&uid).await;
+                    }
+                }
+                _ = &mut shutdown => break,
+            }
+        }
+        tasks.shutdown().await;
+    }
+
+    /// Starts reconciles for queued works that are not already running, up to the bound.
+    async fn start_ready(
+        &self,
+        tasks: &mut JoinSet<(String, Result<Reconciled, CacheError>)>,
+        running: &mut HashMap<tokio::task::Id, String>,
+    ) {
+        let mut state = self.queue.state.lock().await;
+        if std::mem::take(&mut state.all) {
+            match self.cache.works() {
+                Ok(works) => {
+                    for work in works {
+                        if state.queued.insert(work.uid.clone()) {
+                            state.order.push_back(work.uid);
+                        }
+                    }
+                }
+                // Nothing to do but try again at the next resync; the log says why.
+                Err(e) => warn!(error = %e, "cannot list the cached works"),
+            }
+        }
+        let mut busy = VecDeque::new();
+        while tasks.len() < self.config.concurrency.max(1) {
+            let Some(uid) = state.order.pop_front() else {
+                break;
+            };
+            if running.values().any(|r| *r == uid) {
+                // Reconciled again once the running one ends.
+                busy.push_back(uid);
+                continue;
+            }
+            state.queued.remove(&uid);
+            let task_uid = uid.clone();
+            let cache = Arc::clone(&self.cache);
+            let target = Arc::clone(&self.target);
+            let outbox = Arc::clone(&self.outbox_changed);
+            let task = tasks.spawn(async move {
+                let result = reconcile_work(&cache, target.as_ref(), &uid).await;
+                if matches!(&result, Ok(r) if r.new_status.is_some()) {
+                    outbox.notify_one();
+                }
+                (uid, result)
+            });
+            running.insert(task.id(), task_uid);
+        }
+        while let Some(uid) = busy.pop_back() {
+            state.order.push_front(uid);
+        }
+    }
+
+    fn jittered_resync(&mut self) -> Duration {
+        let base = self.config.resync_interval;
+        // ±10 %: agents started together (a site powering on) spread their resyncs apart.
+        base.mul_f64(0.9) + self.jitter.uniform(base.mul_f64(0.2))
+    }
+
+    fn retry_delay(&self, failures: u32) -> Duration {
+        let factor = 2u32.saturating_pow(failures.saturating_sub(1).min(16));
+        self.config
+            .retry_initial
+            .saturating_mul(factor)
+            .min(self.config.resync_interval)
+    }
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Reconciles one work: applies a live work and records its status, or removes a tombstone's
+/// resources and forgets it. Safe to call at any time, any number of times.
+pub async fn reconcile_work(
+    cache: &Arc<dyn WorkCache>,
+    target: &dyn ApplyTarget,
+    uid: &str,
+) -> Result<Reconciled, CacheError> {
+    let Some(work) = cache.work(uid)? else {
+        return Ok(Reconciled::default());
+    };
+    let span = info_span!(
+        "reconcile",
+        work = %work.display_name(),
+        uid = %work.uid,
+        generation = work.generation,
+        deleting = work.deleting,
+    );
+    async {
+        if work.deleting {
+            remove_work(cache, target, &work).await
+        } else {
+            apply_work(cache, target, &work).await
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+/// The work's content, or why there is none to apply.
+fn load(
+    cache: &dyn WorkCache,
+    work: &CachedWork,
+) -> Result<Result<ManifestWork, String>, CacheError> {
+    if let Some(reason) = &work.refused {
+        return Ok(Err(reason.clone()));
+    }
+    let Some(bytes) = cache.manifest_work(&work.uid)? else {
+        return Ok(Err(
+            "the agent holds no content for this work; the hub resends it on the next session"
+                .into(),
+        ));
+    };
+    Ok(serde_json::from_slice::<ManifestWork>(&bytes)
+        .map_err(|e| format!("the work is not a valid ManifestWork: {e}")))
+}
+
+async fn apply_work(
+    cache: &Arc<dyn WorkCache>,
+    target: &dyn ApplyTarget,
+    work: &CachedWork,
+) -> Result<Reconciled, CacheError> {
+    let now = now();
+    let manifest_work = match load(cache.as_ref(), work)? {
+        Ok(mw) => mw,
+        Err(reason) => {
+            warn!(%reason, "work not applied");
+            let status = refused_status(work.generation, &reason, &now);
+            let new_status = record_status(cache, work, status).await?;
+            // Retrying cannot help until the hub sends another generation.
+            return Ok(Reconciled {
+                new_status,
+                ..Reconciled::default()
+            });
+        }
+    };
+    let planned = plan_manifests(target, &manifest_work.spec.workload.manifests).await;
+    let old: BTreeSet<AppliedResource> = cache.ledger(&work.uid)?.into_iter().collect();
+    let planned_ids: BTreeSet<AppliedResource> = planned
+        .iter()
+        .filter_map(|p| p.target.as_ref().ok().cloned())
+        .collect();
+    let ahead: BTreeSet<AppliedResource> = old.union(&planned_ids).cloned().collect();
+    if ahead != old {
+        set_ledger(cache, &work.uid, &ahead).await?;
+    }
+
+    let outcomes = apply_planned(target, &planned).await;
+    let current: BTreeSet<AppliedResource> =
+        outcomes.iter().filter_map(|o| o.resource.clone()).collect();
+
+    // Objects of an earlier generation that the work no longer has.
+    let stale: Vec<AppliedResource> = old.difference(&current).cloned().collect();
+    let mut kept = BTreeSet::new();
+    if !stale.is_empty() {
+        let owned_elsewhere = owned_by_other_works(cache.as_ref(), &work.uid)?;
+        for resource in stale {
+            if owned_elsewhere.contains(&resource) {
+                debug!(resource = %resource, "left in place: another work applies it too");
+                continue;
+            }
+            match target.delete(&resource).await {
+                Ok(Deletion::Gone) => info!(resource = %resource, "deleted: removed from the work"),
+                Ok(Deletion::Terminating) => {
+                    kept.insert(resource);
+                }
+                Err(e) => {
+                    warn!(resource = %resource, error = %e, "cannot delete a resource removed from the work");
+                    kept.insert(resource);
+                }
+            }
+        }
+    }
+    let ledger: BTreeSet<AppliedResource> = current.union(&kept).cloned().collect();
+    if ledger != ahead {
+        set_ledger(cache, &work.uid, &ledger).await?;
+    }
+
+    let failed = outcomes.iter().filter(|o| o.applied.is_err()).count();
+    let retry = !kept.is_empty()
+        || outcomes
+            .iter()
+            .any(|o| o.applied.as_ref().is_err_and(|f| f.retryable));
+    if failed > 0 {
+        warn!(
+            failed,
+            manifests = outcomes.len(),
+            "work applied with failures"
+        );
+    } else {
+        debug!(manifests = outcomes.len(), "work applied");
+    }
+    let status = work_status(work.generation, &outcomes, &now);
+    let new_status = record_status(cache, work, status).await?;
+    Ok(Reconciled {
+        new_status,
+        retry,
+        forgotten: false,
+    })
+}
+
+async fn remove_work(
+    cache: &Arc<dyn WorkCache>,
+    target: &dyn ApplyTarget,
+    work: &CachedWork,
+) -> Result<Reconciled, CacheError> {
+    let mut resources: BTreeSet<AppliedResource> = cache.ledger(&work.uid)?.into_iter().collect();
+    let (policy, orphans) = match load(cache.as_ref(), work)? {
+        Ok(mw) => {
+            // What the content resolves to also counts: an agent that crashed after applying
+            // but before its ledger write still finds those objects.
+            for p in plan_manifests(target, &mw.spec.workload.manifests).await {
+                if let Ok(resource) = p.target {
+                    resources.insert(resource);
+                }
+            }
+            let option = mw.spec.delete_option.unwrap_or_default();
+            let rules = option
+                .selectively_orphans
+                .map(|s| s.orphaning_rules)
+                .unwrap_or_default();
+            (option.propagation_policy, rules)
+        }
+        // No content: delete what the ledger says, as the default policy does.
+        Err(_) => (PropagationPolicy::Foreground, Vec::new()),
+    };
+    let owned_elsewhere = owned_by_other_works(cache.as_ref(), &work.uid)?;
+    let mut remaining = BTreeSet::new();
+    for resource in resources {
+        let orphan = match policy {
+            PropagationPolicy::Orphan => true,
+            PropagationPolicy::SelectivelyOrphan => {
+                orphans.iter().any(|rule| matches_rule(rule, &resource))
+            }
+            PropagationPolicy::Foreground => false,
+        };
+        if orphan {
+            info!(resource = %resource, "orphaned: left on the cluster");
+            continue;
+        }
+        if owned_elsewhere.contains(&resource) {
+            info!(resource = %resource, "left in place: another work applies it too");
+            continue;
+        }
+        match target.delete(&resource).await {
+            Ok(Deletion::Gone) => info!(resource = %resource, "deleted with its work"),
+            Ok(Deletion::Terminating) => {
+                debug!(resource = %resource, "terminating; waiting for its finalizers");
+                remaining.insert(resource);
+            }
+            Err(e) => {
+                warn!(resource = %resource, error = %e, "cannot delete a resource of a deleted work");
+                remaining.insert(resource);
+            }
+        }
+    }
+    if remaining.is_empty() {
+        let uid = work.uid.clone();
+        durably(cache, move |c| c.forget(&uid)).await?;
+        info!("work removed");
+        return Ok(Reconciled {
+            forgotten: true,
+            ..Reconciled::default()
+        });
+    }
+    set_ledger(cache, &work.uid, &remaining).await?;
+    Ok(Reconciled {
+        retry: true,
+        ..Reconciled::default()
+    })
+}
+
+/// Whether an orphaning rule names this object (group, resource, namespace and name).
+fn matches_rule(rule: &ResourceIdentifier, resource: &AppliedResource) -> bool {
+    rule.group() == resource.group
+        && rule.resource == resource.resource
+        && rule.namespace() == resource.namespace
+        && rule.name == resource.name
+}
+
+/// Objects in the ledgers of other live works: deleting them would break those works.
+fn owned_by_other_works(
+    cache: &dyn WorkCache,
+    uid: &str,
+) -> Result<HashSet<AppliedResource>, CacheError> {
+    let live: HashSet<String> = cache
+        .works()?
+        .into_iter()
+        .filter(|w| !w.deleting && w.uid != uid)
+        .map(|w| w.uid)
+        .collect();
+    Ok(cache
+        .ledgers()?
+        .into_iter()
+        .filter(|(owner, _)| live.contains(owner))
+        .flat_map(|(_, resources)| resources)
+        .collect())
+}
+
+async fn set_ledger(
+    cache: &Arc<dyn WorkCache>,
+    uid: &str,
+    resources: &BTreeSet<AppliedResource>,
+) -> Result<(), CacheError> {
+    let uid = uid.to_owned();
+    let resources: Vec<AppliedResource> = resources.iter().cloned().collect();
+    durably(cache, move |c| c.set_ledger(&uid, &resources)).await
+}
+
+/// Puts `status` in the outbox unless it equals the last one (ignoring transition times that
+/// only moved because it was rebuilt). Returns the new seq.
+async fn record_status(
+    cache: &Arc<dyn WorkCache>,
+    work: &CachedWork,
+    mut status: ManifestWorkStatus,
+) -> Result<Option<u64>, CacheError> {
+    if let Some(previous) = cache.last_status(&work.uid)? {
+        // A status written by another agent version may not parse; then it is simply replaced.
+        if let Ok(prev) = serde_json::from_value::<ManifestWorkStatus>(previous.status) {
+            carry_transition_times(&prev, &mut status);
+            if previous.generation == work.generation && prev == status {
+                return Ok(None);
+            }
+        }
+    }
+    let json = serde_json::to_value(&status).map_err(|source| CacheError::Encode {
+        tree: "status",
+        uid: work.uid.clone(),
+        source,
+    })?;
+    let uid = work.uid.clone();
+    let generation = work.generation;
+    let seq = durably(cache, move |c| c.push_status(&uid, generation, &json)).await?;
+    debug!(seq, "new status in the outbox");
+    Ok(Some(seq))
+}
+
+/// Wall-clock time for `lastTransitionTime`, to the second as metav1 stores it.
+fn now() -> Time {
+    let now = Timestamp::now();
+    Time(Timestamp::from_second(now.as_second()).unwrap_or(now))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::apply::MemoryCluster;
+    use crate::cache::SledCacheDb;
+    use flotilla_proto::api::conditions::{WORK_APPLIED, is_condition_true};
+    use serde_json::{Value, json};
+
+    fn cache() -> Arc<dyn WorkCache> {
+        Arc::new(
+            SledCacheDb::temporary()
+                .unwrap()
+                .cluster("store-7")
+                .unwrap(),
+        )
+    }
+
+    fn configmap(name: &str) -> Value {
+        json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "namespace": "default"}, "data": {"k": name}})
+    }
+
+    fn cm_id(name: &str) -> AppliedResource {
+        AppliedResource {
+            group: String::new(),
+            version: "v1".into(),
+            kind: "ConfigMap".into(),
+            resource: "configmaps".into(),
+            namespace: "default".into(),
+            name: name.into(),
+        }
+    }
+
+    async fn put(
+        cache: &Arc<dyn WorkCache>,
+        uid: &str,
+        generation: i64,
+        manifests: Vec<Value>,
+        delete_option: Value,
+    ) {
+        let mw = json!({
+            "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
+            "metadata": {"name": format!("w-{uid}"), "namespace": "store-7", "uid": uid, "generation": generation},
+            "spec": {"workload": {"manifests": manifests}, "deleteOption": delete_option},
+        });
+        let work = CachedWork {
+            uid: uid.into(),
+            namespace: "store-7".into(),
+            name: format!("w-{uid}"),
+            generation,
+            content_hash: format!("h{generation}"),
+            refused: None,
+            deleting: false,
+        };
+        cache
+            .put_work(&work, Some(&serde_json::to_vec(&mw).unwrap()))
+            .unwrap();
+    }
+
+    fn status(cache: &Arc<dyn WorkCache>, uid: &str) -> ManifestWorkStatus {
+        serde_json::from_value(cache.last_status(uid).unwrap().unwrap().status).unwrap()
+    }
+
+    #[tokio::test]
+    async fn an_unchanged_work_produces_no_new_status() {
+        let cache = cache();
+        let cluster = MemoryCluster::new();
+        put(&cache, "a", 1, vec![configmap("x")], Value::Null).await;
+        let first = reconcile_work(&cache, &cluster, "a").await.unwrap();
+        assert_eq!(first.new_status, Some(1));
+        assert!(is_condition_true(
+            &status(&cache, "a").conditions,
+            WORK_APPLIED
+        ));
+        let again = reconcile_work(&cache, &cluster, "a").await.unwrap();
+        assert_eq!(again, Reconciled::default(), "idle: no status traffic");
+        // Drift is repaired and, the status being the same, still says nothing new.
+        cluster.remove(&cm_id("x")).await;
+        reconcile_work(&cache, &cluster, "a").await.unwrap();
+        assert!(cluster.get(&cm_id("x")).await.is_some());
+    }
+
+    #[tokio::test]
+    async fn removed_manifests_are_deleted_unless_another_work_applies_them() {
+        let cache = cache();
+        let cluster = MemoryCluster::new();
+        put(
+            &cache,
+            "a",
+            1,
+            vec![configmap("x"), configmap("shared"), configmap("y")],
+            Value::Null,
+        )
+        .await;
+        put(&cache, "b", 1, vec![configmap("shared")], Value::Null).await;
+        reconcile_work(&cache, &cluster, "a").await.unwrap();
+        reconcile_work(&cache, &cluster, "b").await.unwrap();
+        put(&cache, "a", 2, vec![configmap("x")], Value::Null).await;
+        let r = reconcile_work(&cache, &cluster, "a").await.unwrap();
+        assert_eq!(r.new_status, Some(2));
+        assert_eq!(cluster.objects().await, vec![cm_id("shared"), cm_id("x")]);
+        assert_eq!(cache.ledger("a").unwrap(), vec![cm_id("x")]);
+    }
+
+    async fn delete_with(option: Value) -> Vec<AppliedResource> {
+        let cache = cache();
+        let cluster = MemoryCluster::new();
+        put(&cache, "a", 1, vec![configmap("x"), configmap("y")], option).await;
+        reconcile_work(&cache, &cluster, "a").await.unwrap();
+        cache.mark_deleting("a").unwrap();
+        let r = reconcile_work(&cache, &cluster, "a").await.unwrap();
+        assert!(r.forgotten);
+        assert_eq!(cache.work("a").unwrap(), None);
+        assert_eq!(cache.last_status("a").unwrap(), None);
+        cluster.objects().await
+    }
+
+    #[tokio::test]
+    async fn deleting_a_work_honours_its_delete_option() {
+        assert_eq!(delete_with(Value::Null).await, vec![]);
+        assert_eq!(
+            delete_with(json!({"propagationPolicy": "Foreground"})).await,
+            vec![]
+        );
+        assert_eq!(
+            delete_with(json!({"propagationPolicy": "Orphan"})).await,
+            vec![cm_id("x"), cm_id("y")]
+        );
+        let selective = json!({"propagationPolicy": "SelectivelyOrphan", "selectivelyOrphans": {"orphaningRules": [
+            {"group": "", "resource": "configmaps", "namespace": "default", "name": "y"}
+        ]}});
+        assert_eq!(delete_with(selective).await, vec![cm_id("y")]);
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_spoke_keeps_the_tombstone_until_the_deletes_succeed() {
+        let cache = cache();
+        let cluster = MemoryCluster::new();
+        put(&cache, "a", 1, vec![configmap("x")], Value::Null).await;
+        reconcile_work(&cache, &cluster, "a").await.unwrap();
+        cache.mark_deleting("a").unwrap();
+        cluster.set_down(true).await;
+        let r = reconcile_work(&cache, &cluster, "a").await.unwrap();
+        assert!(r.retry && !r.forgotten);
+        assert!(cache.work("a").unwrap().is_some());
+        cluster.set_down(false).await;
+        assert!(
+            reconcile_work(&cache, &cluster, "a")
+                .await
+                .unwrap()
+                .forgotten
+        );
+        assert!(cluster.objects().await.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_refused_work_gets_a_degraded_status_and_no_retry() {
+        let cache = cache();
+        let cluster = MemoryCluster::new();
+        let work = CachedWork {
+            uid: "big".into(),
+            namespace: "store-7".into(),
+            name: "big".into(),
+            generation: 2,
+            content_hash: "h".into(),
+            refused: Some("the ManifestWork is 3 MiB".into()),
+            deleting: false,
+        };
+        cache.put_work(&work, None).unwrap();
+        let r = reconcile_work(&cache, &cluster, "big").await.unwrap();
+        assert_eq!((r.new_status, r.retry), (Some(1), false));
+        let status = status(&cache, "big");
+        assert!(is_condition_true(&status.conditions, "Degraded"));
+    }
+
+    #[test]
+    fn retries_back_off_up_to_the_resync_interval() {
+        let (reconciler, _) = Reconciler::new(
+            cache(),
+            Arc::new(MemoryCluster::new()),
+            ReconcilerConfig {
+                resync_interval: Duration::from_secs(60),
+                concurrency: 1,
+                retry_initial: Duration::from_secs(2),
+            },
+            Arc::new(Notify::new()),
+            Box::new(NoJitter),
+        );
+        let delays: Vec<u64> = (1..=7)
+            .map(|n| reconciler.retry_delay(n).as_secs())
+            .collect();
+        assert_eq!(delays, [2, 4, 8, 16, 32, 60, 60]);
+    }
+
+    struct NoJitter;
+    impl Jitter for NoJitter {
+        fn uniform(&mut self, _max: Duration) -> Duration {
+            Duration::ZERO
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_task_reconciles_the_cache_at_start_and_drift_at_each_resync() {
+        let cache = cache();
+        let cluster = Arc::new(MemoryCluster::new());
+        put(&cache, "a", 1, vec![configmap("x")], Value::Null).await;
+        let outbox = Arc::new(Notify::new());
+        let (reconciler, handle) = Reconciler::new(
+            Arc::clone(&cache),
+            cluster.clone(),
+            ReconcilerConfig {
+                resync_interval: Duration::from_secs(100),
+                ..ReconcilerConfig::default()
+            },
+            Arc::clone(&outbox),
+            Box::new(NoJitter),
+        );
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(reconciler.run(async {
+            let _ = stopped.await;
+        }));
+        // Offline start: applied with no hub and no call from the driver.
+        outbox.notified().await;
+        assert!(cluster.get(&cm_id("x")).await.is_some());
+
+        // A change through the handle is applied without waiting for the resync.
+        put(&cache, "a", 2, vec![configmap("y")], Value::Null).await;
+        handle.work_changed("a").await;
+        outbox.notified().await;
+        assert_eq!(cluster.objects().await, vec![cm_id("y")]);
+
+        // Drift: removed by hand, back after the resync interval (90 s with no jitter).
+        cluster.remove(&cm_id("y")).await;
+        tokio::time::sleep(Duration::from_secs(89)).await;
+        assert!(cluster.get(&cm_id("y")).await.is_none());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while cluster.get(&cm_id("y")).await.is_none() {
+            assert!(
+                Instant::now() < deadline,
+                "drift not repaired by the resync"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let _ = stop.send(());
+        task.await.unwrap();
+    }
+}

@@ -1,0 +1,334 @@
+//! Which clusters may hold a session: the gateway's watch cache of ManagedClusters, checked at
+//! every session open, and the trigger that closes live sessions when an operator revokes a
+//! cluster.
+//!
+//! A certificate alone is not enough. A session opens only if the ManagedCluster named in the
+//! certificate exists, has `spec.hubAcceptsClient: true`, is not denied, and lists the
+//! certificate's public key among its registered keys (annotation [`KEY_PINS_ANNOTATION`],
+//! written by the hub at join and at each renewal). This is an allow-list kept in the store, so
+//! every gateway enforces the same revocations without a CRL: deleting or denying a cluster
+//! removes everything, a rejoin or renewal replaces the keys, and a certificate whose key is
+//! not listed is refused even while it is unexpired.
+//!
+//! The cache is one LIST + WATCH per gateway; when a cluster stops being admitted (deleted,
+//! denied, unaccepted, or the live session's key unlisted), its session here is closed at once.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use flotilla_proto::api::Kind;
+use flotilla_store::{Revision, Store, StoreError, WatchEvent};
+use futures::StreamExt;
+use serde_json::Value;
+use tokio::sync::{RwLock, watch};
+use tracing::{debug, info, warn};
+
+use crate::registry::Registry;
+
+/// Annotation on a ManagedCluster: comma-separated hex SHA-256 of the public keys whose
+/// certificates may open its session (the newest first; at most the current and the previous
+/// one, so an agent that crashed before storing a renewed certificate still gets in).
+pub const KEY_PINS_ANNOTATION: &str = "registration.flotilla.dev/client-key-sha256";
+/// Annotation on a ManagedCluster: set by `flotilla cluster deny` with the operator's reason.
+/// A denied cluster's joins get DENIED and its certificates are refused.
+pub const DENIED_ANNOTATION: &str = "registration.flotilla.dev/denied";
+/// Annotation on a ManagedCluster: the id (never the secret) of the bootstrap token it joined
+/// with, for audit.
+pub const TOKEN_ANNOTATION: &str = "registration.flotilla.dev/bootstrap-token-id";
+/// Annotation on a ManagedCluster: when the agent's join request was recorded (RFC 3339).
+pub const REQUESTED_AT_ANNOTATION: &str = "registration.flotilla.dev/join-requested-at";
+
+/// What the store says about one cluster's right to a session.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClusterAdmission {
+    /// `spec.hubAcceptsClient`.
+    pub accepted: bool,
+    /// The deny annotation's reason, if denied.
+    pub denied: Option<String>,
+    /// Registered public keys, newest first.
+    pub key_pins: Vec<String>,
+}
+
+impl ClusterAdmission {
+    /// Reads a stored ManagedCluster.
+    pub fn from_object(obj: &Value) -> ClusterAdmission {
+        let annotations = &obj["metadata"]["annotations"];
+        ClusterAdmission {
+            accepted: obj["spec"]["hubAcceptsClient"].as_bool().unwrap_or(false),
+            denied: annotations[DENIED_ANNOTATION].as_str().map(str::to_string),
+            key_pins: key_pins(obj),
+        }
+    }
+}
+
+/// The registered key pins of a stored ManagedCluster, newest first.
+pub fn key_pins(obj: &Value) -> Vec<String> {
+    obj["metadata"]["annotations"][KEY_PINS_ANNOTATION]
+        .as_str()
+        .unwrap_or("")
+        .split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+/// Why a certificate may not open a session. Each says what the operator or the spoke must do;
+/// none is retryable until that happens.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AdmissionRefusal {
+    /// No ManagedCluster of that name: never joined, or deleted (revoked). Not retryable:
+    /// the spoke must join again with a bootstrap token.
+    #[error(
+        "cluster {cluster} is not registered with this hub (never joined, or deleted): join again \
+         with a bootstrap token (`flotilla token create`, then `flotilla-agent join`)"
+    )]
+    NotRegistered { cluster: String },
+    /// Denied by an operator. Not retryable: an operator must delete the cluster before it can
+    /// join again.
+    #[error(
+        "cluster {cluster} was denied by the hub: {reason}; an operator must delete it \
+         (`flotilla cluster delete {cluster}`) before it can join again"
+    )]
+    Denied { cluster: String, reason: String },
+    /// Registered but not (or no longer) accepted. Not retryable until an operator accepts.
+    #[error(
+        "cluster {cluster} is not accepted by the hub (spec.hubAcceptsClient is false): an \
+         operator must run `flotilla cluster accept {cluster}`"
+    )]
+    NotAccepted { cluster: String },
+    /// The certificate's key is not one the cluster registered (replaced by a rejoin, or
+    /// revoked). Not retryable with this certificate: join again with a new token.
+    #[error(
+        "the certificate's key is not registered for cluster {cluster} (revoked or replaced): \
+         join again with a new bootstrap token"
+    )]
+    KeyNotRegistered { cluster: String },
+}
+
+/// The gateway's view of every ManagedCluster's admission, kept current by [`Admissions::run`].
+#[derive(Default)]
+pub struct Admissions {
+    clusters: RwLock<HashMap<String, ClusterAdmission>>,
+    /// Set once the first list is loaded: a gateway that has not read the clusters yet refuses
+    /// nobody by mistake; sessions wait for it.
+    ready: watch::Sender<bool>,
+    /// Bumped on every change, for waiters such as a pending join (which thereby costs the
+    /// store nothing while it waits).
+    changes: watch::Sender<u64>,
+}
+
+impl Admissions {
+    pub fn new() -> Arc<Admissions> {
+        Arc::new(Admissions::default())
+    }
+
+    /// Whether a session for `cluster` authenticated with key `key_sha256` may open.
+    pub async fn check(&self, cluster: &str, key_sha256: &str) -> Result<(), AdmissionRefusal> {
+        let mut ready = self.ready.subscribe();
+        let _ = ready.wait_for(|r| *r).await;
+        let clusters = self.clusters.read().await;
+        verdict(cluster, clusters.get(cluster), key_sha256)
+    }
+
+    /// The cached admission of `cluster`, if the cache has seen it.
+    pub async fn get(&self, cluster: &str) -> Option<ClusterAdmission> {
+        self.clusters.read().await.get(cluster).cloned()
+    }
+
+    /// A receiver that changes whenever any cluster's admission may have changed.
+    pub fn changes(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
+    fn changed(&self) {
+        self.changes.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// Keeps the cache in step with the store until `stop` fires, closing the sessions of
+    /// clusters that stop being admitted.
+    pub async fn run(
+        self: Arc<Self>,
+        store: Arc<dyn Store>,
+        registry: Arc<Registry>,
+        mut stop: watch::Receiver<bool>,
+    ) {
+        let mut retry = Duration::from_millis(200);
+        loop {
+            let revision = match self.relist(store.as_ref(), &registry).await {
+                Ok(r) => r,
+                Err(e) => {
+                    warn!(error = %e, ?retry, "listing ManagedClusters failed; retrying");
+                    tokio::select! {
+                        _ = tokio::time::sleep(retry) => {}
+                        _ = stop.changed() => return,
+                    }
+                    retry = (retry * 2).min(Duration::from_secs(10));
+                    continue;
+                }
+            };
+            retry = Duration::from_millis(200);
+            let mut events = match store
+                .watch(Kind::ManagedCluster, None, Some(revision))
+                .await
+            {
+                Ok(s) => s,
+                Err(e) => {
+                    warn!(error = %e, "watching ManagedClusters failed; listing again");
+                    continue;
+                }
+            };
+            loop {
+                let event = tokio::select! {
+                    e = events.next() => e,
+                    _ = stop.changed() => return,
+                };
+                match event {
+                    Some(Ok(WatchEvent::Added(obj) | WatchEvent::Modified(obj))) => {
+                        let Some(name) = obj["metadata"]["name"].as_str().map(str::to_string)
+                        else {
+                            continue;
+                        };
+                        let admission = ClusterAdmission::from_object(&obj);
+                        self.clusters
+                            .write()
+                            .await
+                            .insert(name.clone(), admission.clone());
+                        self.changed();
+                        enforce(&registry, &name, Some(&admission)).await;
+                    }
+                    Some(Ok(WatchEvent::Deleted(obj))) => {
+                        let Some(name) = obj["metadata"]["name"].as_str().map(str::to_string)
+                        else {
+                            continue;
+                        };
+                        self.clusters.write().await.remove(&name);
+                        self.changed();
+                        enforce(&registry, &name, None).await;
+                    }
+                    Some(Err(StoreError::Gone { .. })) | None => {
+                        debug!("ManagedCluster watch ended; listing again");
+                        break;
+                    }
+                    Some(Err(e)) => {
+                        warn!(error = %e, "ManagedCluster watch failed; listing again");
+                        break;
+                    }
+                }
+            }
+        }
+    }
+
+    async fn relist(&self, store: &dyn Store, registry: &Registry) -> Result<Revision, StoreError> {
+        let list = store.list(Kind::ManagedCluster, None).await?;
+        let fresh: HashMap<String, ClusterAdmission> = list
+            .items
+            .iter()
+            .filter_map(|obj| {
+                let name = obj["metadata"]["name"].as_str()?.to_string();
+                Some((name, ClusterAdmission::from_object(obj)))
+            })
+            .collect();
+        *self.clusters.write().await = fresh.clone();
+        self.changed();
+        // A relist can hide a revocation that happened while the watch was down.
+        for handle in registry.all().await {
+            enforce(registry, &handle.cluster, fresh.get(&handle.cluster)).await;
+        }
+        if !*self.ready.borrow() {
+            info!(clusters = fresh.len(), "cluster admissions loaded");
+            self.ready.send_replace(true);
+        }
+        Ok(list.revision)
+    }
+}
+
+fn verdict(
+    cluster: &str,
+    admission: Option<&ClusterAdmission>,
+    key_sha256: &str,
+) -> Result<(), AdmissionRefusal> {
+    let cluster = cluster.to_string();
+    let Some(a) = admission else {
+        return Err(AdmissionRefusal::NotRegistered { cluster });
+    };
+    if let Some(reason) = &a.denied {
+        return Err(AdmissionRefusal::Denied {
+            cluster,
+            reason: reason.clone(),
+        });
+    }
+    if !a.accepted {
+        return Err(AdmissionRefusal::NotAccepted { cluster });
+    }
+    if !a.key_pins.iter().any(|p| p == key_sha256) {
+        return Err(AdmissionRefusal::KeyNotRegistered { cluster });
+    }
+    Ok(())
+}
+
+/// Closes the cluster's live session on this gateway if it is no longer admitted.
+async fn enforce(registry: &Registry, cluster: &str, admission: Option<&ClusterAdmission>) {
+    let Some(handle) = registry.get(cluster).await else {
+        return;
+    };
+    if let Err(refusal) = verdict(cluster, admission, &handle.client_key_sha256) {
+        info!(cluster, session = %handle.session_id, reason = %refusal, "closing the session of a revoked cluster");
+        handle.mailbox.close(refusal.to_string()).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn check(obj: Option<Value>, key: &str, expected: Result<(), &str>) {
+        let admission = obj.as_ref().map(ClusterAdmission::from_object);
+        let got = verdict("store-1", admission.as_ref(), key).map_err(|e| e.to_string());
+        match (got, expected) {
+            (Ok(()), Ok(())) => {}
+            (Err(msg), Err(want)) => assert!(msg.contains(want), "{msg:?} lacks {want:?}"),
+            (got, want) => panic!("got {got:?}, want {want:?} for {obj:?}"),
+        }
+    }
+
+    fn cluster(accepted: bool, annotations: Value) -> Option<Value> {
+        Some(json!({
+            "metadata": { "name": "store-1", "annotations": annotations },
+            "spec": { "hubAcceptsClient": accepted },
+        }))
+    }
+
+    #[test]
+    fn admission_rules() {
+        let pinned = json!({ KEY_PINS_ANNOTATION: "new,old" });
+        check(cluster(true, pinned.clone()), "new", Ok(()));
+        check(cluster(true, pinned.clone()), "old", Ok(()));
+        check(
+            cluster(true, pinned.clone()),
+            "other",
+            Err("key is not registered"),
+        );
+        check(
+            cluster(false, pinned),
+            "new",
+            Err("flotilla cluster accept store-1"),
+        );
+        check(
+            cluster(
+                false,
+                json!({ KEY_PINS_ANNOTATION: "new", DENIED_ANNOTATION: "stolen" }),
+            ),
+            "new",
+            Err("denied by the hub: stolen"),
+        );
+        check(None, "new", Err("not registered with this hub"));
+        check(
+            cluster(true, json!({})),
+            "new",
+            Err("key is not registered"),
+        );
+    }
+}

@@ -1,0 +1,232 @@
+//! The agents of a run, wherever they live: one [`Swarm`] in this process, or one per worker
+//! process (`--processes`), each a re-execution of the harness that speaks JSON lines: it
+//! prints a [`Sample`] every [`SAMPLE_EVERY`] and answers `records` and `stop` read from stdin.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::process::{Child, ChildStdin, Command};
+use tokio::sync::{Mutex, mpsc, watch};
+
+use crate::fleet::Identity;
+use crate::swarm::{AgentRecord, Sample, Swarm, SwarmSpec};
+
+/// How often a worker reports its counters.
+pub const SAMPLE_EVERY: Duration = Duration::from_millis(100);
+/// How long a worker may take to answer `records`.
+pub const RECORDS_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// What a worker is given.
+#[derive(Serialize, Deserialize)]
+pub struct WorkerSpec {
+    pub swarm: SwarmSpec,
+    pub identities: Vec<Identity>,
+}
+
+/// A line a worker prints.
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum WorkerLine {
+    Sample(Sample),
+    Records(Vec<AgentRecord>),
+    Failed(String),
+}
+
+/// Runs as a worker: the swarm of the spec, until stdin says `stop` or closes.
+pub async fn run_worker(spec: &Path) -> anyhow::Result<()> {
+    crate::machine::raise_open_files_limit();
+    let spec: WorkerSpec = serde_json::from_slice(
+        &std::fs::read(spec).with_context(|| format!("reading {}", spec.display()))?,
+    )?;
+    let out = Arc::new(Mutex::new(tokio::io::stdout()));
+    let print = move |line: WorkerLine| {
+        let out = out.clone();
+        async move {
+            let mut text = serde_json::to_string(&line).expect("worker lines serialize");
+            text.push('\n');
+            let mut out = out.lock().await;
+            let _ = out.write_all(text.as_bytes()).await;
+            let _ = out.flush().await;
+        }
+    };
+    let swarm = match Swarm::start(&spec.swarm, &spec.identities) {
+        Ok(s) => Arc::new(s),
+        Err(e) => {
+            print(WorkerLine::Failed(format!("{e:#}"))).await;
+            return Err(e);
+        }
+    };
+    let sampler = {
+        let swarm = swarm.clone();
+        let print = print.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(SAMPLE_EVERY);
+            loop {
+                tick.tick().await;
+                print(WorkerLine::Sample(swarm.sample())).await;
+            }
+        })
+    };
+    let mut lines = BufReader::new(tokio::io::stdin()).lines();
+    while let Ok(Some(line)) = lines.next_line().await {
+        match line.trim() {
+            "records" => print(WorkerLine::Records(swarm.records().await)).await,
+            "stop" => break,
+            other => tracing::warn!(command = other, "unknown worker command"),
+        }
+    }
+    sampler.abort();
+    match Arc::try_unwrap(swarm) {
+        Ok(s) => s.stop().await,
+        Err(_) => bail!("the swarm is still shared at shutdown"),
+    }
+    Ok(())
+}
+
+pub struct Worker {
+    child: Child,
+    stdin: ChildStdin,
+    sample: watch::Receiver<Sample>,
+    records: mpsc::Receiver<Result<Vec<AgentRecord>, String>>,
+}
+
+/// Where the agents run.
+pub enum Agents {
+    Local(Swarm),
+    Workers(Vec<Worker>),
+}
+
+impl Agents {
+    /// Starts the agents: in this process when `processes` is 1, else split evenly over that
+    /// many workers, each ramping at its share of the rate.
+    pub async fn start(
+        spec: SwarmSpec,
+        identities: Vec<Identity>,
+        processes: usize,
+        exe: PathBuf,
+        run_dir: &Path,
+    ) -> anyhow::Result<Agents> {
+        if processes <= 1 {
+            return Ok(Agents::Local(Swarm::start(&spec, &identities)?));
+        }
+        let per = identities.len().div_ceil(processes);
+        let mut workers = Vec::new();
+        for (w, chunk) in identities.chunks(per).enumerate() {
+            let mut swarm = spec.clone();
+            swarm.first_index = spec.first_index + w * per;
+            swarm.connect_rate = spec.connect_rate / processes as f64;
+            swarm.cache_dir = spec.cache_dir.join(format!("worker-{w}"));
+            let spec_path: PathBuf = run_dir.join(format!("worker-{w}.json"));
+            std::fs::write(
+                &spec_path,
+                serde_json::to_vec(&WorkerSpec {
+                    swarm,
+                    identities: chunk.to_vec(),
+                })?,
+            )?;
+            let log = std::fs::File::create(run_dir.join(format!("worker-{w}.log")))?;
+            let mut child = Command::new(&exe)
+                .arg("worker")
+                .arg("--spec")
+                .arg(&spec_path)
+                .env(
+                    "RUST_LOG",
+                    std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+                )
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(log)
+                .kill_on_drop(true)
+                .spawn()
+                .context("starting a worker process")?;
+            let stdin = child.stdin.take().expect("piped stdin");
+            let stdout = child.stdout.take().expect("piped stdout");
+            let (sample_tx, sample) = watch::channel(Sample::default());
+            let (records_tx, records) = mpsc::channel(1);
+            tokio::spawn(async move {
+                let mut lines = BufReader::new(stdout).lines();
+                while let Ok(Some(line)) = lines.next_line().await {
+                    match serde_json::from_str::<WorkerLine>(&line) {
+                        Ok(WorkerLine::Sample(s)) => {
+                            let _ = sample_tx.send(s);
+                        }
+                        Ok(WorkerLine::Records(r)) => {
+                            let _ = records_tx.send(Ok(r)).await;
+                        }
+                        Ok(WorkerLine::Failed(e)) => {
+                            let _ = records_tx.send(Err(e)).await;
+                        }
+                        Err(e) => tracing::warn!(error = %e, "unreadable worker line"),
+                    }
+                }
+            });
+            workers.push(Worker {
+                child,
+                stdin,
+                sample,
+                records,
+            });
+        }
+        Ok(Agents::Workers(workers))
+    }
+
+    /// The counters of all agents now (a worker's are at most [`SAMPLE_EVERY`] old).
+    pub fn sample(&self) -> Sample {
+        match self {
+            Agents::Local(s) => s.sample(),
+            Agents::Workers(ws) => {
+                let mut total = Sample::default();
+                for w in ws {
+                    total.add(&w.sample.borrow());
+                }
+                total
+            }
+        }
+    }
+
+    /// Every agent's record.
+    pub async fn records(&mut self) -> anyhow::Result<Vec<AgentRecord>> {
+        match self {
+            Agents::Local(s) => Ok(s.records().await),
+            Agents::Workers(ws) => {
+                let mut all = Vec::new();
+                for (i, w) in ws.iter_mut().enumerate() {
+                    w.stdin.write_all(b"records\n").await?;
+                    w.stdin.flush().await?;
+                    match tokio::time::timeout(RECORDS_TIMEOUT, w.records.recv()).await {
+                        Ok(Some(Ok(r))) => all.extend(r),
+                        Ok(Some(Err(e))) => bail!("worker {i} failed: {e}"),
+                        Ok(None) => bail!("worker {i} exited (see worker-{i}.log)"),
+                        Err(_) => bail!("worker {i} did not answer within {RECORDS_TIMEOUT:?}"),
+                    }
+                }
+                Ok(all)
+            }
+        }
+    }
+
+    /// Stops every agent and waits for them (workers exit).
+    pub async fn stop(self) {
+        match self {
+            Agents::Local(s) => s.stop().await,
+            Agents::Workers(ws) => {
+                for mut w in ws {
+                    let _ = w.stdin.write_all(b"stop\n").await;
+                    let _ = w.stdin.flush().await;
+                    drop(w.stdin);
+                    if tokio::time::timeout(Duration::from_secs(30), w.child.wait())
+                        .await
+                        .is_err()
+                    {
+                        let _ = w.child.kill().await;
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,452 @@
+//! The harness's command line: parsed and validated once, then passed down as typed structs.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use serde::{Deserialize, Serialize};
+
+/// Default of `--agents` for `run`: a CI-sized fleet.
+pub const DEFAULT_AGENTS: usize = 200;
+/// Default of `--agents` for `demo`.
+pub const DEFAULT_DEMO_AGENTS: usize = 1000;
+/// Default of `--scenario`: every scenario, in this order.
+pub const DEFAULT_SCENARIOS: &str = "connect,fanout,storm,outage";
+/// Default of `--connect-rate`: new agents started per second during the ramp.
+pub const DEFAULT_CONNECT_RATE: f64 = 500.0;
+/// Default of `--timeout`: the longest any one scenario may run before it stops itself.
+pub const DEFAULT_TIMEOUT: &str = "120s";
+/// Default of `--source-addresses`: loopback source addresses the agents dial from.
+pub const DEFAULT_SOURCE_ADDRESSES: u32 = 16;
+/// Default of `--outage`: how long the hub stays down in the outage scenario.
+pub const DEFAULT_OUTAGE: &str = "5s";
+/// Default of `--max-backoff`: the agents' reconnect backoff ceiling.
+pub const DEFAULT_MAX_BACKOFF: &str = "5s";
+/// Default of `--poll-interval`: how often the hub's objects are listed while waiting.
+pub const DEFAULT_POLL_INTERVAL: &str = "250ms";
+/// Default of `--cluster-prefix`.
+pub const DEFAULT_CLUSTER_PREFIX: &str = "lt";
+/// Default of `--hub-listen` and `--hub-api-listen`: any free loopback port.
+pub const DEFAULT_HUB_LISTEN: &str = "127.0.0.1:0";
+/// Default of `--seed`.
+pub const DEFAULT_SEED: u64 = 1;
+/// Sessions one harness process may hold per file descriptor budget: each needs one socket,
+/// plus headroom for the runtime, the cache and the hub's own sockets when in-process.
+pub const FD_HEADROOM: u64 = 256;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "flotilla-loadtest",
+    version,
+    about = "Runs thousands of real agent sessions against a flotilla hub and reports what it measured",
+    long_about = "Runs thousands of simulated agents (real sessions, real TLS, the real protocol, a \
+                  simulated cluster behind each) against a flotilla hub it starts itself or an \
+                  existing one on loopback, drives scenarios (connect, fanout, storm, outage), \
+                  shows live progress, and writes a JSON report and SVG plots."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// The whole fabric on this machine in under two minutes: a hub with its gateway, 1,000
+    /// agents, a ManifestWork fanned out to all, a gateway restart survived, results printed,
+    /// report and plots written.
+    Demo(DemoArgs),
+    /// Runs scenarios, alone or as a sequence.
+    Run(RunArgs),
+    /// (internal) One worker process of `--processes`: runs a slice of the agents.
+    #[command(hide = true)]
+    Worker {
+        /// The worker's specification, written by the coordinator.
+        #[arg(long)]
+        spec: PathBuf,
+    },
+    /// (internal) The hub as a child process of the harness: `flotilla_hub::run` with the
+    /// hub's own flags.
+    #[command(hide = true)]
+    Hub(flotilla_hub::config::HubConfig),
+}
+
+/// The scenarios. Each one stops itself after `--timeout`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Scenario {
+    /// Ramp the agents up at --connect-rate: time to all Available, handshakes/s, the hub's
+    /// RSS per session and CPU.
+    Connect,
+    /// One ManifestWork to every agent: latency from create to each agent's durable ack and to
+    /// Applied on the hub (p50/p90/p99/max).
+    Fanout,
+    /// Kill (or restart) the hub under all sessions: reconnect curve, time to 100% back, peak
+    /// accept rate, lost or duplicated statuses.
+    Storm,
+    /// Hub down for --outage while agents keep their state: resume volume and convergence.
+    Outage,
+    // `proxy` (kubectl requests through the agents' tunnels) and `baseline-klusterlet` (every
+    // agent listing and watching a real apiserver) take their places here once tunnels and a
+    // kube-backed baseline exist; they are absent rather than faked.
+}
+
+/// How the hub under test runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum HubMode {
+    /// A child process (the harness re-executed as `flotilla-loadtest hub`, or --hub-binary):
+    /// needed to measure the hub's RSS and to kill it in `storm` and `outage`.
+    Child,
+    /// `flotilla_hub::run` inside the harness process: no kill, no separate RSS.
+    InProcess,
+}
+
+/// Signal sent to the hub in `storm`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum StormSignal {
+    /// SIGKILL: a crash; agents notice the reset and reconnect with backoff.
+    Kill,
+    /// SIGTERM: a graceful restart; the gateway says goodbye to every session first.
+    Term,
+}
+
+#[derive(Clone, Debug, Args)]
+pub struct DemoArgs {
+    /// Agents to run.
+    #[arg(long, default_value_t = DEFAULT_DEMO_AGENTS)]
+    pub agents: usize,
+    /// Where the report and plots go (default: a fresh folder ./loadtest-<time> it names).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Hide the live progress display.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+#[derive(Clone, Debug, Args, Serialize, Deserialize)]
+pub struct RunArgs {
+    /// Scenarios to run, in order (comma-separated).
+    #[arg(long = "scenario", value_enum, value_delimiter = ',', default_value = DEFAULT_SCENARIOS)]
+    pub scenarios: Vec<Scenario>,
+
+    /// Number of agents (clusters) to simulate.
+    #[arg(long, default_value_t = DEFAULT_AGENTS)]
+    pub agents: usize,
+
+    /// Spread the agents over this many worker processes (the harness re-executes itself).
+    /// One process holds fewer sessions than its open-file limit, so large fleets need several.
+    #[arg(long, default_value_t = 1)]
+    pub processes: usize,
+
+    /// How the harness runs the hub it starts (ignored with --hub).
+    #[arg(long, value_enum, default_value_t = HubMode::Child)]
+    pub hub_mode: HubMode,
+
+    /// Use this flotilla-hub binary for the child hub instead of re-executing the harness.
+    #[arg(long)]
+    pub hub_binary: Option<PathBuf>,
+
+    /// Agent address of the hub the harness starts (loopback; port 0 picks a free port).
+    #[arg(long, default_value = DEFAULT_HUB_LISTEN)]
+    pub hub_listen: SocketAddr,
+
+    /// Operator API address of the hub the harness starts (loopback; port 0: a free port).
+    #[arg(long, default_value = DEFAULT_HUB_LISTEN)]
+    pub hub_api_listen: SocketAddr,
+
+    /// Target an existing hub's agent address (loopback only) instead of starting one; needs
+    /// --data-dir. Scenarios that stop the hub (storm, outage) cannot run against it.
+    #[arg(long, requires = "data_dir")]
+    pub hub: Option<SocketAddr>,
+
+    /// The existing hub's data directory: its CA (ca/) signs the agents' certificates and its
+    /// operator credentials (operator/config.yaml) register them.
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+
+    /// New agents started per second during the ramp.
+    #[arg(long, default_value_t = DEFAULT_CONNECT_RATE)]
+    pub connect_rate: f64,
+
+    /// Longest time any one scenario may take; it then stops and reports what it saw.
+    #[arg(long, default_value = DEFAULT_TIMEOUT, value_parser = humantime::parse_duration)]
+    #[serde(with = "humantime_serde_compat")]
+    pub timeout: Duration,
+
+    /// Loopback source addresses (127.0.0.1, 127.0.0.2, ...) the agents dial from, so the
+    /// number of sessions is not bounded by one address's ephemeral ports.
+    #[arg(long, default_value_t = DEFAULT_SOURCE_ADDRESSES)]
+    pub source_addresses: u32,
+
+    /// Signal the storm scenario sends to the hub.
+    #[arg(long, value_enum, default_value_t = StormSignal::Kill)]
+    pub storm_signal: StormSignal,
+
+    /// How long the hub stays down in the outage scenario.
+    #[arg(long, default_value = DEFAULT_OUTAGE, value_parser = humantime::parse_duration)]
+    #[serde(with = "humantime_serde_compat")]
+    pub outage: Duration,
+
+    /// The agents' reconnect backoff ceiling (exponential backoff with full jitter).
+    #[arg(long, default_value = DEFAULT_MAX_BACKOFF, value_parser = humantime::parse_duration)]
+    #[serde(with = "humantime_serde_compat")]
+    pub max_backoff: Duration,
+
+    /// Time each apply to a simulated cluster takes.
+    #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
+    #[serde(with = "humantime_serde_compat")]
+    pub apply_delay: Duration,
+
+    /// Fraction (0..1) of applies to simulated clusters that fail as if the spoke apiserver
+    /// were unreachable (retried by the agent).
+    #[arg(long, default_value_t = 0.0)]
+    pub apply_failure_rate: f64,
+
+    /// How often the hub's objects are listed while waiting (the resolution of hub-side
+    /// latencies such as Applied).
+    #[arg(long, default_value = DEFAULT_POLL_INTERVAL, value_parser = humantime::parse_duration)]
+    #[serde(with = "humantime_serde_compat")]
+    pub poll_interval: Duration,
+
+    /// Prefix of the simulated clusters' names (<prefix>-00042).
+    #[arg(long, default_value = DEFAULT_CLUSTER_PREFIX)]
+    pub cluster_prefix: String,
+
+    /// Seed of every random choice (jitter, injected failures), for reproducible runs.
+    #[arg(long, default_value_t = DEFAULT_SEED)]
+    pub seed: u64,
+
+    /// Where the report and plots go (default: a fresh folder ./loadtest-<time> it names).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+
+    /// Hide the live progress display.
+    #[arg(long)]
+    pub quiet: bool,
+
+    /// The harness binary re-executed as the child hub and as workers (default: this
+    /// executable; tests point it at the built binary).
+    #[arg(long, hide = true, env = "FLOTILLA_LOADTEST_EXE")]
+    pub harness_exe: Option<PathBuf>,
+
+    /// Keep the hub's and workers' logs and data in <out>/run-* even when every scenario
+    /// completed (they are always kept when one did not).
+    #[arg(long)]
+    pub keep_logs: bool,
+}
+
+impl RunArgs {
+    /// What `demo` runs: the whole fabric with a graceful gateway restart.
+    pub fn demo(demo: &DemoArgs) -> RunArgs {
+        let mut args = RunArgs::parse_defaults();
+        args.agents = demo.agents;
+        args.scenarios = vec![Scenario::Connect, Scenario::Fanout, Scenario::Storm];
+        args.storm_signal = StormSignal::Term;
+        args.out = demo.out.clone();
+        args.quiet = demo.quiet;
+        args
+    }
+
+    /// The defaults, as `run` with no flags has them.
+    pub fn parse_defaults() -> RunArgs {
+        #[derive(Parser)]
+        struct Only {
+            #[command(flatten)]
+            args: RunArgs,
+        }
+        Only::parse_from(["run"]).args
+    }
+
+    /// Checks what clap cannot; every message names the flag and the fix.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(self.agents >= 1, "--agents must be at least 1");
+        anyhow::ensure!(
+            self.agents <= 99_999,
+            "--agents {} is above 99,999, the most cluster names <prefix>-NNNNN can tell apart",
+            self.agents
+        );
+        anyhow::ensure!(
+            (1..=64).contains(&self.processes),
+            "--processes {} is out of range; use 1 to 64",
+            self.processes
+        );
+        anyhow::ensure!(
+            self.processes <= self.agents,
+            "--processes {} is more than --agents {}",
+            self.processes,
+            self.agents
+        );
+        anyhow::ensure!(
+            self.connect_rate > 0.0 && self.connect_rate.is_finite(),
+            "--connect-rate must be a positive number of agents per second"
+        );
+        anyhow::ensure!(
+            (1..=65_000).contains(&self.source_addresses),
+            "--source-addresses {} is out of range; use 1 to 65000 (127.0.0.1 upwards)",
+            self.source_addresses
+        );
+        anyhow::ensure!(
+            (0.0..1.0).contains(&self.apply_failure_rate),
+            "--apply-failure-rate {} must be at least 0 and below 1",
+            self.apply_failure_rate
+        );
+        anyhow::ensure!(
+            !self.timeout.is_zero(),
+            "--timeout must be positive, e.g. 120s"
+        );
+        anyhow::ensure!(
+            !self.poll_interval.is_zero(),
+            "--poll-interval must be positive, e.g. 250ms"
+        );
+        anyhow::ensure!(
+            flotilla_gateway::identity::is_dns1123_label(&format!("{}-00000", self.cluster_prefix)),
+            "--cluster-prefix {:?} does not make valid cluster names: use lower-case letters, digits and '-'",
+            self.cluster_prefix
+        );
+        if let Some(hub) = self.hub {
+            anyhow::ensure!(
+                hub.ip().is_loopback(),
+                "--hub {hub} is not a loopback address: the harness only sends traffic to this machine (127.0.0.0/8 or ::1)"
+            );
+            for s in &self.scenarios {
+                anyhow::ensure!(
+                    !matches!(s, Scenario::Storm | Scenario::Outage),
+                    "scenario {s:?} stops the hub, which the harness cannot do to an existing hub (--hub); leave --hub out to let it start one"
+                );
+            }
+        } else if self.data_dir.is_some() {
+            anyhow::bail!(
+                "--data-dir goes with --hub (an existing hub); leave both out to let the harness start a hub"
+            );
+        }
+        for (flag, addr) in [
+            ("--hub-listen", self.hub_listen),
+            ("--hub-api-listen", self.hub_api_listen),
+        ] {
+            anyhow::ensure!(
+                addr.ip().is_loopback(),
+                "{flag} {addr} is not a loopback address: the harness keeps all traffic on this machine"
+            );
+        }
+        if self.hub_mode == HubMode::InProcess && self.hub.is_none() {
+            for s in &self.scenarios {
+                anyhow::ensure!(
+                    !matches!(s, Scenario::Storm | Scenario::Outage),
+                    "scenario {s:?} kills the hub, which needs --hub-mode child"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The binary to re-execute for the child hub and the workers.
+    pub fn harness_exe(&self) -> anyhow::Result<PathBuf> {
+        match &self.harness_exe {
+            Some(p) => Ok(p.clone()),
+            None => Ok(std::env::current_exe()?),
+        }
+    }
+
+    /// Cluster name of agent `i`.
+    pub fn cluster_name(&self, i: usize) -> String {
+        cluster_name(&self.cluster_prefix, i)
+    }
+}
+
+/// Cluster name of agent `i` with `prefix`.
+pub fn cluster_name(prefix: &str, i: usize) -> String {
+    format!("{prefix}-{i:05}")
+}
+
+/// Durations in the report and worker specs as humantime strings ("1m 30s").
+mod humantime_serde_compat {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&humantime::format_duration(*d).to_string())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let s = String::deserialize(d)?;
+        humantime::parse_duration(&s).map_err(serde::de::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(extra: &[&str], expected: Result<(), &str>) {
+        #[derive(Parser)]
+        struct Only {
+            #[command(flatten)]
+            args: RunArgs,
+        }
+        let mut argv = vec!["run"];
+        argv.extend_from_slice(extra);
+        let got = Only::try_parse_from(argv)
+            .map_err(|e| e.to_string())
+            .and_then(|o| o.args.validate().map_err(|e| e.to_string()));
+        match (got, expected) {
+            (Ok(()), Ok(())) => {}
+            (Err(got), Err(want)) => assert!(got.contains(want), "{extra:?}: {got}"),
+            (got, want) => panic!("{extra:?}: got {got:?}, want {want:?}"),
+        }
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        let d = RunArgs::parse_defaults();
+        assert_eq!(d.agents, DEFAULT_AGENTS);
+        assert_eq!(d.scenarios.len(), 4);
+        check(&[], Ok(()));
+    }
+
+    #[test]
+    fn bad_input_names_the_flag() {
+        check(
+            &[
+                "--hub",
+                "10.0.0.1:9443",
+                "--data-dir",
+                "x",
+                "--scenario",
+                "connect",
+            ],
+            Err("not a loopback address"),
+        );
+        check(
+            &["--hub", "127.0.0.1:9443", "--data-dir", "x"],
+            Err("stops the hub"),
+        );
+        check(
+            &[
+                "--hub",
+                "127.0.0.1:9443",
+                "--data-dir",
+                "x",
+                "--scenario",
+                "connect,fanout",
+            ],
+            Ok(()),
+        );
+        check(&["--data-dir", "x"], Err("--data-dir goes with --hub"));
+        check(&["--agents", "0"], Err("--agents"));
+        check(&["--processes", "3", "--agents", "2"], Err("--processes 3"));
+        check(&["--hub-mode", "in-process"], Err("needs --hub-mode child"));
+        check(
+            &["--hub-mode", "in-process", "--scenario", "connect,fanout"],
+            Ok(()),
+        );
+        check(
+            &["--apply-failure-rate", "1.5"],
+            Err("--apply-failure-rate"),
+        );
+        check(&["--cluster-prefix", "Bad_"], Err("--cluster-prefix"));
+        check(&["--scenario", "proxy"], Err("invalid value 'proxy'"));
+    }
+}

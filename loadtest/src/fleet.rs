@@ -1,0 +1,352 @@
+//! The hub under test: started by the harness (a child process, or in-process) or an existing
+//! one on loopback; stopped, killed and started again by the scenarios; and the agents'
+//! enrollment (certificates from the hub's CA, keys registered through the operator API).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use flotilla_hub::ListenInfo;
+use flotilla_hub::ca::Ca;
+use futures::StreamExt;
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde::{Deserialize, Serialize};
+use tokio::process::{Child, Command};
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+use tracing::info;
+
+use crate::cli::{HubMode, RunArgs};
+use crate::machine::ProcStats;
+use crate::operator::{OperatorApi, POOL_SIZE};
+
+/// The name agents check the hub's serving certificate against (in the hub's default
+/// `--server-name` list).
+pub const SERVER_NAME: &str = "localhost";
+/// How long a started hub may take to write its listen.json.
+pub const HUB_START_TIMEOUT: Duration = Duration::from_secs(60);
+/// Lifetime of the agents' certificates: longer than any run, so no renewal happens mid-test.
+pub const AGENT_CERT_LIFETIME: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// One agent's identity: its cluster name, certificate and key.
+#[derive(Clone, Serialize, Deserialize)]
+pub struct Identity {
+    pub name: String,
+    pub cert_pem: String,
+    pub key_pem: String,
+}
+
+impl std::fmt::Debug for Identity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Identity")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+enum Running {
+    /// `flotilla_hub::run` on the harness's runtime.
+    InProcess {
+        stop: Option<oneshot::Sender<()>>,
+        task: tokio::task::JoinHandle<anyhow::Result<()>>,
+    },
+    /// A child process; `None` while stopped.
+    Child(Option<Child>),
+    /// Someone else's hub.
+    External,
+}
+
+/// The hub under test.
+pub struct Hub {
+    pub mode: &'static str,
+    pub data_dir: PathBuf,
+    pub agents: SocketAddr,
+    pub api: SocketAddr,
+    running: Running,
+    /// Child hub: program and the arguments before `--data-dir`.
+    program: Option<(PathBuf, Vec<String>)>,
+    /// Where child hubs log (one file per start).
+    log_dir: PathBuf,
+    starts: usize,
+}
+
+impl Hub {
+    /// Starts the hub `args` asks for, or attaches to the existing one.
+    pub async fn start(args: &RunArgs, run_dir: &Path) -> anyhow::Result<Hub> {
+        if let (Some(agents), Some(data_dir)) = (args.hub, &args.data_dir) {
+            let api = OperatorApi::from_data_dir(data_dir)?;
+            let api_addr = api.address().parse().with_context(|| {
+                format!(
+                    "the operator API address {} is not host:port with an IP",
+                    api.address()
+                )
+            })?;
+            return Ok(Hub {
+                mode: "external",
+                data_dir: data_dir.clone(),
+                agents,
+                api: api_addr,
+                running: Running::External,
+                program: None,
+                log_dir: run_dir.to_path_buf(),
+                starts: 1,
+            });
+        }
+        let data_dir = run_dir.join("hub-data");
+        std::fs::create_dir_all(&data_dir)?;
+        match args.hub_mode {
+            HubMode::InProcess => {
+                let config = hub_config(&data_dir, args.hub_listen, args.hub_api_listen);
+                let (stop, stopped) = oneshot::channel::<()>();
+                let task = tokio::spawn(flotilla_hub::run(config, async {
+                    let _ = stopped.await;
+                }));
+                let listen = wait_listen(&data_dir, || task.is_finished()).await?;
+                Ok(Hub {
+                    mode: "in-process",
+                    data_dir,
+                    agents: listen.agents,
+                    api: listen.api,
+                    running: Running::InProcess {
+                        stop: Some(stop),
+                        task,
+                    },
+                    program: None,
+                    log_dir: run_dir.to_path_buf(),
+                    starts: 1,
+                })
+            }
+            HubMode::Child => {
+                let program = match &args.hub_binary {
+                    Some(bin) => (bin.clone(), Vec::new()),
+                    None => (args.harness_exe()?, vec!["hub".to_string()]),
+                };
+                let mut hub = Hub {
+                    mode: "child",
+                    data_dir,
+                    agents: args.hub_listen,
+                    api: args.hub_api_listen,
+                    running: Running::Child(None),
+                    program: Some(program),
+                    log_dir: run_dir.to_path_buf(),
+                    starts: 0,
+                };
+                hub.start_again().await?;
+                Ok(hub)
+            }
+        }
+    }
+
+    /// The child hub's pid, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        match &self.running {
+            Running::Child(Some(c)) => c.id(),
+            _ => None,
+        }
+    }
+
+    /// RSS and CPU of the child hub; `None` for other modes or while it is down.
+    pub fn stats(&self) -> Option<ProcStats> {
+        ProcStats::read(&self.pid()?.to_string())
+    }
+
+    /// Whether the harness can stop and start this hub.
+    pub fn can_restart(&self) -> bool {
+        matches!(self.running, Running::Child(_))
+    }
+
+    /// Sends `signal` to the child hub and waits until it has exited.
+    pub async fn stop_with(&mut self, signal: Signal) -> anyhow::Result<()> {
+        let Running::Child(child) = &mut self.running else {
+            bail!("only a child hub can be stopped by the harness");
+        };
+        let Some(mut c) = child.take() else {
+            return Ok(());
+        };
+        if let Some(pid) = c.id() {
+            kill(Pid::from_raw(pid as i32), signal)?;
+        }
+        let status = c.wait().await?;
+        info!(?signal, %status, "hub stopped");
+        Ok(())
+    }
+
+    /// (Re)starts the child hub on the same data dir and, after the first start, the same
+    /// addresses, so agents find it where they left it. Returns once it listens.
+    pub async fn start_again(&mut self) -> anyhow::Result<()> {
+        let Some((program, pre)) = self.program.clone() else {
+            bail!("only a child hub can be started again");
+        };
+        let _ = std::fs::remove_file(ListenInfo::path(&self.data_dir));
+        self.starts += 1;
+        let log = self.log_dir.join(format!("hub-{}.log", self.starts));
+        let file = std::fs::File::create(&log)?;
+        let mut cmd = Command::new(&program);
+        cmd.args(&pre)
+            .arg("--data-dir")
+            .arg(&self.data_dir)
+            .arg(format!("--listen={}", self.agents))
+            .arg(format!("--api-listen={}", self.api))
+            .env(
+                "RUST_LOG",
+                std::env::var("FLOTILLA_LOADTEST_HUB_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(file)
+            .kill_on_drop(true);
+        let mut child = cmd
+            .spawn()
+            .with_context(|| format!("starting the hub {}", program.display()))?;
+        let listen = {
+            let mut exited = || matches!(child.try_wait(), Ok(Some(_)));
+            wait_listen(&self.data_dir, &mut exited).await
+        };
+        let listen = listen.with_context(|| {
+            format!(
+                "hub log {}:\n{}",
+                log.display(),
+                tail(&std::fs::read_to_string(&log).unwrap_or_default(), 20)
+            )
+        })?;
+        self.agents = listen.agents;
+        self.api = listen.api;
+        self.running = Running::Child(Some(child));
+        Ok(())
+    }
+
+    /// Stops the hub (gracefully) if the harness started it.
+    pub async fn shutdown(mut self) -> anyhow::Result<()> {
+        match std::mem::replace(&mut self.running, Running::External) {
+            Running::InProcess { mut stop, task } => {
+                if let Some(s) = stop.take() {
+                    let _ = s.send(());
+                }
+                task.await??;
+            }
+            running @ Running::Child(_) => {
+                self.running = running;
+                self.stop_with(Signal::SIGTERM).await?;
+            }
+            Running::External => {}
+        }
+        Ok(())
+    }
+
+    /// The operator API of this hub.
+    pub fn operator(&self) -> anyhow::Result<Arc<OperatorApi>> {
+        OperatorApi::from_data_dir(&self.data_dir)
+    }
+
+    /// The CA bundle agents trust.
+    pub fn ca_bundle(&self) -> anyhow::Result<String> {
+        Ok(self.ca()?.bundle_pem())
+    }
+
+    fn ca(&self) -> anyhow::Result<Ca> {
+        let dir = self.data_dir.join("ca");
+        anyhow::ensure!(
+            dir.join("ca.crt").exists() && dir.join("ca.key").exists(),
+            "{} holds no hub CA (ca.crt and ca.key): is {} the hub's --data-dir?",
+            dir.display(),
+            self.data_dir.display()
+        );
+        Ok(Ca::load_or_create(&dir)?)
+    }
+
+    /// Issues a certificate for each name from the hub's CA and registers its key with the
+    /// hub (accepted), `progress` ticking per cluster.
+    pub async fn enroll(
+        &self,
+        names: Vec<String>,
+        progress: &indicatif::ProgressBar,
+    ) -> anyhow::Result<Vec<Identity>> {
+        let ca = Arc::new(self.ca()?);
+        let api = self.operator()?;
+        let identities: Vec<anyhow::Result<Identity>> = futures::stream::iter(names)
+            .map(|name| {
+                let ca = ca.clone();
+                let api = api.clone();
+                async move {
+                    let (identity, pin) =
+                        tokio::task::spawn_blocking(move || issue(&ca, name)).await??;
+                    api.register_dev_key(&identity.name, &pin).await?;
+                    Ok(identity)
+                }
+            })
+            .buffered(POOL_SIZE)
+            .inspect(|_| progress.inc(1))
+            .collect()
+            .await;
+        identities.into_iter().collect()
+    }
+}
+
+fn issue(ca: &Ca, name: String) -> anyhow::Result<(Identity, String)> {
+    use rustls_pki_types::{CertificateDer, pem::PemObject};
+    let issued = ca.issue_cluster(&name, AGENT_CERT_LIFETIME)?;
+    let der = CertificateDer::from_pem_slice(issued.cert_pem.as_bytes())?;
+    let pin = flotilla_gateway::identity::public_key_sha256(&der)?;
+    Ok((
+        Identity {
+            name,
+            cert_pem: issued.cert_pem,
+            key_pem: issued.key_pem,
+        },
+        pin,
+    ))
+}
+
+fn hub_config(
+    data_dir: &Path,
+    listen: SocketAddr,
+    api: SocketAddr,
+) -> flotilla_hub::config::HubConfig {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Only {
+        #[command(flatten)]
+        config: flotilla_hub::config::HubConfig,
+    }
+    let mut config = Only::parse_from(["hub"]).config;
+    config.data_dir = data_dir.to_path_buf();
+    config.listen = listen;
+    config.api_listen = api;
+    config
+}
+
+/// Waits for the hub's listen.json, failing early if `exited` says the hub is gone.
+async fn wait_listen(
+    data_dir: &Path,
+    mut exited: impl FnMut() -> bool,
+) -> anyhow::Result<ListenInfo> {
+    let path = ListenInfo::path(data_dir);
+    let deadline = Instant::now() + HUB_START_TIMEOUT;
+    loop {
+        if let Some(listen) = std::fs::read_to_string(&path)
+            .ok()
+            .and_then(|t| serde_json::from_str::<ListenInfo>(&t).ok())
+        {
+            return Ok(listen);
+        }
+        if exited() {
+            bail!("the hub exited before it listened");
+        }
+        if Instant::now() >= deadline {
+            bail!(
+                "the hub did not write {} within {HUB_START_TIMEOUT:?}",
+                path.display()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn tail(text: &str, lines: usize) -> String {
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}

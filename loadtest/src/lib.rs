@@ -1,0 +1,161 @@
+//! flotilla's load-test harness: thousands of simulated agents, each a real session (real TLS,
+//! real HTTP/2, the real protocol machine from `flotilla-proto`) with the agent library's cache,
+//! reconciler and status logic over an in-memory cluster, against a real hub that the harness
+//! starts (a child process or in-process) or finds on loopback. It drives scenarios (connect,
+//! fanout, storm, outage), shows progress, and writes a versioned JSON report, a table and SVG
+//! plots.
+//!
+//! Not for: proving correctness in the small (the crates' own tests do that), or traffic to
+//! anything but this machine: every address it dials or binds is loopback.
+//!
+//! * [`cli`]: flags, defaults and their validation.
+//! * [`preflight`]: checks that fail before anything starts (file descriptors, ports, the hub).
+//! * [`fleet`]: the hub under test, and enrolling the agents with its CA and operator API.
+//! * [`swarm`]: many agents in one process; [`agents`]: one swarm here, or one per worker
+//!   process (`--processes`).
+//! * [`scenario`]: the scenarios; [`report`] and [`plot`]: what comes out.
+//!
+//! The session driver in [`swarm`] is the harness's own because the agent's `run_with` cannot
+//! yet bind a source address or tell a caller when a session opens, a work is acked or a
+//! status is acknowledged; everything behind the driver is the agent library.
+#![forbid(unsafe_code)]
+
+pub mod agents;
+pub mod cli;
+pub mod clock;
+pub mod fleet;
+pub mod machine;
+pub mod operator;
+pub mod plot;
+pub mod preflight;
+pub mod report;
+pub mod scenario;
+pub mod sim;
+pub mod swarm;
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use crate::cli::{RunArgs, Scenario};
+use crate::fleet::{Hub, SERVER_NAME};
+use crate::machine::Machine;
+use crate::report::{HubInfo, Report, SCHEMA};
+use crate::scenario::Run;
+use crate::swarm::SwarmSpec;
+
+/// Where a run's outputs go: `--out`, or a fresh `./loadtest-<time>`.
+pub fn out_dir(args: &RunArgs) -> PathBuf {
+    args.out.clone().unwrap_or_else(|| {
+        let stamp = jiff::Zoned::now().strftime("%Y%m%d-%H%M%S").to_string();
+        PathBuf::from(format!("loadtest-{stamp}"))
+    })
+}
+
+/// Runs the scenarios of `args`; writes `report.json` and the plots into the output directory
+/// and returns the report with that directory.
+pub async fn run(args: RunArgs) -> anyhow::Result<(Report, PathBuf)> {
+    args.validate()?;
+    let out = out_dir(&args);
+    preflight::check(&args).await?;
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let out = out.canonicalize()?;
+    let started_at = jiff::Timestamp::now().to_string();
+    let machine = Machine::read();
+    let progress = MultiProgress::with_draw_target(if args.quiet {
+        ProgressDrawTarget::hidden()
+    } else {
+        ProgressDrawTarget::stderr()
+    });
+    let status = progress.add(ProgressBar::new_spinner());
+    status.set_style(ProgressStyle::with_template("{spinner} {msg}").expect("static template"));
+    status.enable_steady_tick(std::time::Duration::from_millis(200));
+
+    status.set_message("starting the hub");
+    let run_dir = tempfile::Builder::new().prefix("run-").tempdir_in(&out)?;
+    let hub = Hub::start(&args, run_dir.path()).await?;
+    let hub_info = HubInfo {
+        mode: hub.mode.to_string(),
+        agents_address: hub.agents.to_string(),
+        api_address: hub.api.to_string(),
+    };
+    let api = hub.operator()?;
+
+    status.set_message(format!(
+        "enrolling {} agents (certificates from the hub CA)",
+        args.agents
+    ));
+    let names: Vec<String> = (0..args.agents).map(|i| args.cluster_name(i)).collect();
+    let bar = progress.add(ProgressBar::new(args.agents as u64));
+    let identities = hub.enroll(names, &bar).await?;
+    bar.finish_and_clear();
+    let spec = SwarmSpec {
+        hub: hub.agents,
+        server_name: SERVER_NAME.to_string(),
+        ca_bundle: hub.ca_bundle()?,
+        first_index: 0,
+        connect_rate: args.connect_rate,
+        source_addresses: args.source_addresses,
+        seed: args.seed,
+        max_backoff_ms: args.max_backoff.as_millis() as u64,
+        apply_delay_ms: args.apply_delay.as_millis() as u64,
+        apply_failure_rate: args.apply_failure_rate,
+        cache_dir: run_dir.path().join("agent-cache"),
+    };
+    let mut run = Run::new(
+        args.clone(),
+        hub,
+        api,
+        identities,
+        spec,
+        progress.clone(),
+        run_dir.path().to_path_buf(),
+    );
+    let mut scenarios = Vec::new();
+    for s in &args.scenarios {
+        status.set_message(format!("scenario {s:?}"));
+        let report = match s {
+            Scenario::Connect => run.connect().await,
+            Scenario::Fanout => run.fanout().await,
+            Scenario::Storm => run.storm(false).await,
+            Scenario::Outage => run.storm(true).await,
+        };
+        scenarios.push(report);
+    }
+    status.set_message("stopping agents and hub");
+    let shutdown = run.shutdown().await;
+    status.finish_and_clear();
+
+    let mut report = Report {
+        schema: SCHEMA.to_string(),
+        tool_version: env!("CARGO_PKG_VERSION").to_string(),
+        started_at,
+        finished_at: jiff::Timestamp::now().to_string(),
+        command: std::env::args().collect(),
+        parameters: args,
+        machine,
+        hub: hub_info,
+        scenarios,
+        plots: Vec::new(),
+    };
+    report.plots = plot::write_all(&report, &out)?;
+    std::fs::write(
+        out.join("report.json"),
+        serde_json::to_string_pretty(&report)?,
+    )?;
+    if let Err(e) = shutdown {
+        tracing::warn!(error = %format!("{e:#}"), "stopping the hub failed");
+    }
+    // Keep hub and worker logs only when something went wrong.
+    let failed = report
+        .scenarios
+        .iter()
+        .any(|s| s.outcome != Some(report::Outcome::Completed));
+    if failed || report.parameters.keep_logs {
+        let kept = run_dir.keep();
+        let _ = std::fs::remove_dir_all(kept.join("hub-data/store"));
+        let _ = std::fs::remove_dir_all(kept.join("agent-cache"));
+    }
+    Ok((report, out))
+}

@@ -1,0 +1,53 @@
+//! `flotilla-loadtest`: see `--help`, and the crate docs of `flotilla_loadtest`.
+#![forbid(unsafe_code)]
+
+use clap::Parser;
+use flotilla_loadtest::cli::{Cli, Command, RunArgs};
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    init_tracing();
+    // Rustls needs one process-wide crypto provider; ring only.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let runtime = tokio::runtime::Runtime::new()?;
+    match cli.command {
+        Command::Hub(config) => {
+            flotilla_loadtest::machine::raise_open_files_limit();
+            runtime.block_on(flotilla_hub::run(config, flotilla_hub::shutdown_signal()))
+        }
+        Command::Worker { spec } => runtime.block_on(flotilla_loadtest::agents::run_worker(&spec)),
+        Command::Demo(demo) => {
+            report(runtime.block_on(flotilla_loadtest::run(RunArgs::demo(&demo))))
+        }
+        Command::Run(args) => report(runtime.block_on(flotilla_loadtest::run(args))),
+    }
+}
+
+fn report(
+    result: anyhow::Result<(flotilla_loadtest::report::Report, std::path::PathBuf)>,
+) -> anyhow::Result<()> {
+    let (report, out) = result?;
+    print!("{}", flotilla_loadtest::report::table(&report));
+    println!("report: {}", out.join("report.json").display());
+    let failed: Vec<&str> = report
+        .scenarios
+        .iter()
+        .filter(|s| s.outcome != Some(flotilla_loadtest::report::Outcome::Completed))
+        .map(|s| s.name.as_str())
+        .collect();
+    anyhow::ensure!(
+        failed.is_empty(),
+        "scenarios that did not complete: {}",
+        failed.join(", ")
+    );
+    Ok(())
+}
+
+fn init_tracing() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}

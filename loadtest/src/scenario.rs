@@ -1,0 +1,590 @@
+//! The scenarios. Each waits on conditions with the run's `--timeout` as its deadline, and on
+//! expiry stops and reports what it saw (outcome `timed_out`).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use flotilla_proto::api::conditions::{MANAGED_CLUSTER_CONDITION_AVAILABLE, WORK_APPLIED};
+use futures::StreamExt;
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+use nix::sys::signal::Signal;
+use serde_json::{Value, json};
+use tokio::time::Instant;
+
+use crate::agents::Agents;
+use crate::cli::{RunArgs, StormSignal};
+use crate::clock::{self, Stamp};
+use crate::fleet::{Hub, Identity};
+use crate::machine::ProcStats;
+use crate::operator::{OperatorApi, POOL_SIZE, condition};
+use crate::report::{Outcome, Percentiles, Point, ScenarioReport, StatusAudit};
+use crate::swarm::{AgentRecord, Sample, SwarmSpec, status_digest};
+
+/// How often sessions are counted for the curves.
+pub const SAMPLE_EVERY: Duration = Duration::from_millis(100);
+/// Window over which handshake and accept rates are measured.
+const RATE_WINDOW: Duration = Duration::from_secs(1);
+/// Mismatches quoted in a status audit.
+const AUDIT_EXAMPLES: usize = 5;
+
+/// Everything the scenarios share.
+pub struct Run {
+    pub args: RunArgs,
+    pub hub: Hub,
+    pub api: Arc<OperatorApi>,
+    pub identities: Vec<Identity>,
+    pub spec: SwarmSpec,
+    pub agents: Option<Agents>,
+    pub progress: MultiProgress,
+    pub run_dir: std::path::PathBuf,
+    /// Works created so far, to name the next one.
+    works_created: usize,
+}
+
+/// A deadline and a clock for one scenario.
+struct Clock {
+    start: Instant,
+    deadline: Instant,
+}
+
+impl Clock {
+    fn new(timeout: Duration) -> Clock {
+        let start = Instant::now();
+        Clock {
+            start,
+            deadline: start + timeout,
+        }
+    }
+    fn t(&self) -> f64 {
+        self.start.elapsed().as_secs_f64()
+    }
+    fn expired(&self) -> bool {
+        Instant::now() >= self.deadline
+    }
+}
+
+/// The most a counter grew within any [`RATE_WINDOW`], per second, in a series of
+/// (seconds, counter).
+fn peak_rate(series: &[(f64, u64)]) -> f64 {
+    let w = RATE_WINDOW.as_secs_f64();
+    let mut peak = 0.0f64;
+    let mut j = 0;
+    for i in 0..series.len() {
+        while series[i].0 - series[j].0 > w {
+            j += 1;
+        }
+        if i > j {
+            peak = peak.max((series[i].1 - series[j].1) as f64 / w);
+        }
+    }
+    peak
+}
+
+impl Run {
+    pub fn new(
+        args: RunArgs,
+        hub: Hub,
+        api: Arc<OperatorApi>,
+        identities: Vec<Identity>,
+        spec: SwarmSpec,
+        progress: MultiProgress,
+        run_dir: std::path::PathBuf,
+    ) -> Run {
+        Run {
+            args,
+            hub,
+            api,
+            identities,
+            spec,
+            agents: None,
+            progress,
+            run_dir,
+            works_created: 0,
+        }
+    }
+
+    fn n(&self) -> u64 {
+        self.identities.len() as u64
+    }
+
+    fn bar(&self, what: &str, len: u64) -> ProgressBar {
+        let bar = self.progress.add(ProgressBar::new(len));
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{prefix:>10} [{elapsed_precise}] {bar:40.cyan/blue} {pos:>6}/{len:6} {msg}",
+            )
+            .expect("static template")
+            .progress_chars("=> "),
+        );
+        bar.set_prefix(what.to_string());
+        bar
+    }
+
+    fn sample(&self) -> Sample {
+        self.agents.as_ref().map(Agents::sample).unwrap_or_default()
+    }
+
+    async fn start_agents(&mut self) -> anyhow::Result<()> {
+        if self.agents.is_none() {
+            self.agents = Some(
+                Agents::start(
+                    self.spec.clone(),
+                    self.identities.clone(),
+                    self.args.processes,
+                    self.args.harness_exe()?,
+                    &self.run_dir,
+                )
+                .await?,
+            );
+        }
+        Ok(())
+    }
+
+    /// Makes sure every agent runs and is connected (for scenarios run without `connect`).
+    async fn ensure_connected(&mut self, clock: &Clock) -> anyhow::Result<()> {
+        self.start_agents().await?;
+        let bar = self.bar("sessions", self.n());
+        while self.sample().connected < self.n() {
+            anyhow::ensure!(
+                !clock.expired(),
+                "only {} of {} agents connected before the deadline",
+                self.sample().connected,
+                self.n()
+            );
+            bar.set_position(self.sample().connected);
+            tokio::time::sleep(SAMPLE_EVERY).await;
+        }
+        bar.finish_and_clear();
+        Ok(())
+    }
+
+    /// Names of our clusters that the hub shows Available=True.
+    async fn available_on_hub(&self) -> anyhow::Result<u64> {
+        let ours: HashSet<&str> = self.identities.iter().map(|i| i.name.as_str()).collect();
+        Ok(self
+            .api
+            .clusters()
+            .await?
+            .iter()
+            .filter(|c| {
+                c["metadata"]["name"]
+                    .as_str()
+                    .is_some_and(|n| ours.contains(n))
+                    && condition(c, MANAGED_CLUSTER_CONDITION_AVAILABLE) == Some("True")
+            })
+            .count() as u64)
+    }
+
+    /// `connect`: ramp every agent up and wait for all to be Available on the hub.
+    pub async fn connect(&mut self) -> ScenarioReport {
+        let mut r = ScenarioReport::new("connect", self.identities.len());
+        let clock = Clock::new(self.args.timeout);
+        let result = self.connect_inner(&clock, &mut r).await;
+        finish(&mut r, &clock, result);
+        r
+    }
+
+    async fn connect_inner(
+        &mut self,
+        clock: &Clock,
+        r: &mut ScenarioReport,
+    ) -> anyhow::Result<bool> {
+        anyhow::ensure!(
+            self.agents.is_none(),
+            "connect must be the first scenario of a run"
+        );
+        let hub_before = self.hub.stats();
+        let self_before = ProcStats::read("self");
+        r.hub_rss_before_bytes = hub_before.map(|s| s.rss_bytes);
+        let n = self.n();
+        self.start_agents().await?;
+        let bar = self.bar("connect", n);
+        let mut established = Vec::new();
+        let mut next_available_poll = Instant::now();
+        let mut available = 0;
+        let mut done = false;
+        while !clock.expired() {
+            let s = self.sample();
+            let t = clock.t();
+            r.curve.push(Point {
+                t_s: t,
+                value: s.connected as f64,
+            });
+            established.push((t, s.established_total));
+            if let Some(h) = self.hub.stats() {
+                r.rss_curve.push((s.connected, h.rss_bytes));
+            }
+            if s.connected >= n && r.time_to_all_connected_s.is_none() {
+                r.time_to_all_connected_s = Some(t);
+            }
+            if Instant::now() >= next_available_poll {
+                next_available_poll = Instant::now() + self.args.poll_interval;
+                available = self.available_on_hub().await.unwrap_or(available);
+                if available >= n && r.time_to_all_available_s.is_none() {
+                    r.time_to_all_available_s = Some(t);
+                }
+            }
+            bar.set_position(s.connected);
+            bar.set_message(format!("connected, {available} Available on the hub"));
+            if r.time_to_all_connected_s.is_some() && r.time_to_all_available_s.is_some() {
+                done = true;
+                break;
+            }
+            tokio::time::sleep(SAMPLE_EVERY).await;
+        }
+        bar.finish_and_clear();
+        let s = self.sample();
+        r.connected = Some(s.connected);
+        r.available_on_hub = Some(available);
+        r.failed_attempts = Some(s.failed_attempts);
+        r.handshakes_per_s = r
+            .time_to_all_connected_s
+            .map(|t| s.established_total as f64 / t.max(1e-3));
+        r.peak_handshakes_per_s = Some(peak_rate(&established));
+        let hub_after = self.hub.stats();
+        r.hub_rss_after_bytes = hub_after.map(|s| s.rss_bytes);
+        if let (Some(b), Some(a)) = (hub_before, hub_after) {
+            r.hub_rss_per_session_bytes =
+                Some((a.rss_bytes as f64 - b.rss_bytes as f64) / s.connected.max(1) as f64);
+            r.hub_cpu_s = Some(a.cpu_seconds - b.cpu_seconds);
+        }
+        if let (Some(b), Some(a)) = (self_before, ProcStats::read("self")) {
+            r.harness_cpu_s = Some(a.cpu_seconds - b.cpu_seconds);
+        }
+        Ok(done)
+    }
+
+    fn next_work_name(&mut self, what: &str) -> String {
+        self.works_created += 1;
+        format!("{what}-{}", self.works_created)
+    }
+
+    /// Creates ManifestWork `name` in every cluster's namespace; returns when each create was
+    /// sent (clock stamps) per cluster.
+    async fn create_everywhere(&self, name: &str) -> anyhow::Result<HashMap<String, Stamp>> {
+        let bar = self.bar("create", self.n());
+        let api = self.api.clone();
+        let results: Vec<anyhow::Result<(String, Stamp)>> =
+            futures::stream::iter(self.identities.iter().map(|i| i.name.clone()))
+                .map(|cluster| {
+                    let api = api.clone();
+                    let work = work_json(&cluster, name);
+                    async move {
+                        let sent = clock::now();
+                        api.create_work(&work)
+                            .await
+                            .with_context(|| format!("creating ManifestWork {cluster}/{name}"))?;
+                        Ok((cluster, sent))
+                    }
+                })
+                .buffer_unordered(POOL_SIZE)
+                .inspect(|_| bar.inc(1))
+                .collect()
+                .await;
+        bar.finish_and_clear();
+        results.into_iter().collect()
+    }
+
+    /// Clusters whose work `name` the hub shows Applied=True.
+    async fn applied_on_hub(&self, name: &str) -> anyhow::Result<Vec<String>> {
+        Ok(self
+            .api
+            .works()
+            .await?
+            .iter()
+            .filter(|w| w["metadata"]["name"] == name && condition(w, WORK_APPLIED) == Some("True"))
+            .filter_map(|w| w["metadata"]["namespace"].as_str().map(str::to_string))
+            .collect())
+    }
+
+    /// `fanout`: one ManifestWork to every agent; latency to durable ack and to Applied.
+    pub async fn fanout(&mut self) -> ScenarioReport {
+        let mut r = ScenarioReport::new("fanout", self.identities.len());
+        let clock = Clock::new(self.args.timeout);
+        let result = self.fanout_inner(&clock, &mut r).await;
+        finish(&mut r, &clock, result);
+        r
+    }
+
+    async fn fanout_inner(
+        &mut self,
+        clock: &Clock,
+        r: &mut ScenarioReport,
+    ) -> anyhow::Result<bool> {
+        self.ensure_connected(clock).await?;
+        let n = self.n();
+        let name = self.next_work_name("fanout");
+        r.work = Some(name.clone());
+        r.poll_interval_ms = Some(self.args.poll_interval.as_secs_f64() * 1000.0);
+        let acked_before = self.sample().works_acked;
+        let t0 = clock.t();
+        let created = self.create_everywhere(&name).await?;
+        r.create_s = Some(clock.t() - t0);
+        let bar = self.bar("fanout", n);
+        let mut applied_at: HashMap<String, Stamp> = HashMap::new();
+        let mut done = false;
+        while !clock.expired() {
+            let now = clock::now();
+            for cluster in self.applied_on_hub(&name).await? {
+                applied_at.entry(cluster).or_insert(now);
+            }
+            let acked = self.sample().works_acked - acked_before;
+            bar.set_position(applied_at.len() as u64);
+            bar.set_message(format!("Applied on the hub, {acked} acked by agents"));
+            if acked >= n && applied_at.len() as u64 >= n {
+                done = true;
+                break;
+            }
+            tokio::time::sleep(self.args.poll_interval).await;
+        }
+        bar.finish_and_clear();
+        let records = self.records().await?;
+        let mut ack_us = Vec::new();
+        for rec in &records {
+            if let (Some(ack), Some(sent)) = (rec.acks.get(&name), created.get(&rec.name)) {
+                ack_us.push(clock::between(*sent, *ack).as_micros() as u64);
+            }
+        }
+        let applied_us: Vec<u64> = applied_at
+            .iter()
+            .filter_map(|(c, at)| {
+                created
+                    .get(c)
+                    .map(|sent| clock::between(*sent, *at).as_micros() as u64)
+            })
+            .collect();
+        r.acked = Some(ack_us.len() as u64);
+        r.applied_on_hub = Some(applied_us.len() as u64);
+        r.ack_latency = Some(Percentiles::from_micros(&ack_us));
+        r.applied_latency = Some(Percentiles::from_micros(&applied_us));
+        Ok(done)
+    }
+
+    async fn records(&mut self) -> anyhow::Result<Vec<AgentRecord>> {
+        match self.agents.as_mut() {
+            Some(a) => a.records().await,
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// Compares what each agent last reported with what the hub stored.
+    async fn audit(&mut self, duplicates: u64) -> anyhow::Result<StatusAudit> {
+        let records = self.records().await?;
+        let hub: HashMap<(String, String), u64> = self
+            .api
+            .works()
+            .await?
+            .iter()
+            .filter_map(|w| {
+                let ns = w["metadata"]["namespace"].as_str()?.to_string();
+                let name = w["metadata"]["name"].as_str()?.to_string();
+                let status = w.get("status").filter(|s| !s.is_null())?;
+                Some(((ns, name), status_digest(status)))
+            })
+            .collect();
+        let mut audit = StatusAudit {
+            agents: records.len() as u64,
+            duplicated: duplicates,
+            ..Default::default()
+        };
+        for rec in &records {
+            audit.without_status += rec.works_without_status.len() as u64;
+            for s in &rec.statuses {
+                audit.compared += 1;
+                if s.acked_seq < s.seq {
+                    audit.unacked += 1;
+                }
+                let stored = hub.get(&(rec.name.clone(), s.work.clone()));
+                if stored != Some(&s.digest) {
+                    audit.lost += 1;
+                    if audit.examples.len() < AUDIT_EXAMPLES {
+                        audit.examples.push(format!(
+                            "{}/{}: agent's status seq {} (acked up to {}) {}",
+                            rec.name,
+                            s.work,
+                            s.seq,
+                            s.acked_seq,
+                            if stored.is_some() {
+                                "differs from the hub's"
+                            } else {
+                                "is not on the hub"
+                            }
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(audit)
+    }
+
+    /// Waits until no agent has an unacknowledged status and the hub holds each agent's
+    /// latest status, then audits; on the deadline, audits what is there.
+    async fn converge_and_audit(
+        &mut self,
+        clock: &Clock,
+        duplicates_before: u64,
+    ) -> anyhow::Result<(StatusAudit, bool)> {
+        loop {
+            let duplicates = self.sample().duplicate_status_acks - duplicates_before;
+            let audit = self.audit(duplicates).await?;
+            tracing::info!(compared = audit.compared, unacked = audit.unacked, lost = audit.lost, examples = ?audit.examples, "status audit");
+            let converged = audit.unacked == 0 && audit.lost == 0 && audit.without_status == 0;
+            if converged || clock.expired() {
+                return Ok((audit, converged));
+            }
+            tokio::time::sleep(Duration::from_millis(500).max(self.args.poll_interval)).await;
+        }
+    }
+
+    /// `storm` and `outage`: stop the hub under every session, start it again (at once, or
+    /// after `down`), and follow the sessions back.
+    pub async fn storm(&mut self, outage: bool) -> ScenarioReport {
+        let mut r = ScenarioReport::new(
+            if outage { "outage" } else { "storm" },
+            self.identities.len(),
+        );
+        let clock = Clock::new(self.args.timeout);
+        let result = self.storm_inner(&clock, &mut r, outage).await;
+        finish(&mut r, &clock, result);
+        r
+    }
+
+    async fn storm_inner(
+        &mut self,
+        clock: &Clock,
+        r: &mut ScenarioReport,
+        outage: bool,
+    ) -> anyhow::Result<bool> {
+        anyhow::ensure!(
+            self.hub.can_restart(),
+            "needs a hub the harness started as a child process"
+        );
+        self.ensure_connected(clock).await?;
+        let n = self.n();
+        let (signal, down) = if outage {
+            (Signal::SIGKILL, self.args.outage)
+        } else {
+            match self.args.storm_signal {
+                StormSignal::Kill => (Signal::SIGKILL, Duration::ZERO),
+                StormSignal::Term => (Signal::SIGTERM, Duration::ZERO),
+            }
+        };
+        r.signal = Some(signal.as_str().to_string());
+        let before = self.sample();
+        r.sessions_before = Some(before.connected);
+        // In a storm, statuses are in flight when the hub goes: a new work for everyone first.
+        if !outage {
+            let name = self.next_work_name("storm");
+            self.create_everywhere(&name).await?;
+        }
+        let mut established = Vec::new();
+        let mut sample_curve = |r: &mut ScenarioReport, s: &Sample| {
+            let t = clock.t();
+            r.curve.push(Point {
+                t_s: t,
+                value: s.connected as f64,
+            });
+            established.push((t, s.established_total));
+        };
+        sample_curve(r, &before);
+        r.hub_stopped_at_s = Some(clock.t());
+        self.hub.stop_with(signal).await?;
+        let stopped = Instant::now();
+        let bar = self.bar(if outage { "outage" } else { "storm" }, n);
+        while stopped.elapsed() < down && !clock.expired() {
+            let s = self.sample();
+            sample_curve(r, &s);
+            bar.set_position(s.connected);
+            bar.set_message(format!(
+                "hub down for {:.0?} more",
+                down.saturating_sub(stopped.elapsed())
+            ));
+            tokio::time::sleep(SAMPLE_EVERY).await;
+        }
+        let at_restart = self.sample();
+        self.hub.start_again().await?;
+        r.hub_started_at_s = Some(clock.t());
+        r.hub_down_s = Some(stopped.elapsed().as_secs_f64());
+        let mut back = false;
+        while !clock.expired() {
+            let s = self.sample();
+            sample_curve(r, &s);
+            bar.set_position(s.connected);
+            bar.set_message("sessions back");
+            if s.connected >= n && r.time_to_all_back_s.is_none() {
+                r.time_to_all_back_s = Some(stopped.elapsed().as_secs_f64());
+                back = true;
+                break;
+            }
+            tokio::time::sleep(SAMPLE_EVERY).await;
+        }
+        bar.set_message("statuses converging");
+        let (audit, converged) = self
+            .converge_and_audit(clock, before.duplicate_status_acks)
+            .await?;
+        bar.finish_and_clear();
+        let after = self.sample();
+        if outage {
+            r.resume_frames_in = Some(after.frames_in - at_restart.frames_in);
+            r.resume_bytes_in = Some(after.bytes_in - at_restart.bytes_in);
+            r.resume_frames_out = Some(after.frames_out - at_restart.frames_out);
+            r.resume_bytes_out = Some(after.bytes_out - at_restart.bytes_out);
+            r.convergence_s = converged.then(|| clock.t() - r.hub_started_at_s.unwrap_or(0.0));
+        }
+        r.peak_accept_per_s = Some(peak_rate(&established));
+        r.statuses = Some(audit);
+        Ok(back && converged)
+    }
+
+    /// Stops the agents and the hub.
+    pub async fn shutdown(self) -> anyhow::Result<()> {
+        if let Some(a) = self.agents {
+            a.stop().await;
+        }
+        self.hub.shutdown().await
+    }
+}
+
+fn finish(r: &mut ScenarioReport, clock: &Clock, result: anyhow::Result<bool>) {
+    r.duration_s = clock.t();
+    match result {
+        Ok(true) => r.outcome = Some(Outcome::Completed),
+        Ok(false) => r.outcome = Some(Outcome::TimedOut),
+        Err(e) => {
+            r.outcome = Some(Outcome::Failed);
+            r.error = Some(format!("{e:#}"));
+        }
+    }
+}
+
+/// The ManifestWork a scenario sends: one ConfigMap, small, like most fleet config.
+fn work_json(cluster: &str, name: &str) -> Value {
+    json!({
+        "apiVersion": "work.open-cluster-management.io/v1",
+        "kind": "ManifestWork",
+        "metadata": { "name": name, "namespace": cluster },
+        "spec": { "workload": { "manifests": [{
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": { "name": format!("flotilla-loadtest-{name}"), "namespace": "default" },
+            "data": { "work": name, "cluster": cluster },
+        }]}},
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peak_rate_finds_the_busiest_second() {
+        let series: Vec<(f64, u64)> = (0..50)
+            .map(|i| (i as f64 * 0.1, if i < 20 { 0 } else { (i - 20) * 10 }))
+            .collect();
+        let peak = peak_rate(&series);
+        assert!((peak - 100.0).abs() < 1e-6, "{peak}");
+        assert_eq!(peak_rate(&[]), 0.0);
+    }
+}

@@ -1,0 +1,84 @@
+//! The simulated spoke cluster behind each agent: the agent library's in-memory cluster, made
+//! slow or flaky on request, counting what was applied.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use flotilla_agent::MemoryCluster;
+use flotilla_agent::apply::{ApplyError, ApplyTarget, Deletion, ResourceKind};
+use flotilla_agent::cache::AppliedResource;
+use rand::{Rng, SeedableRng};
+use serde_json::Value;
+use tokio::sync::Mutex;
+
+/// How a simulated cluster misbehaves.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Faults {
+    /// Time every apply takes.
+    pub apply_delay: Duration,
+    /// Fraction of applies that fail as if the apiserver were unreachable.
+    pub failure_rate: f64,
+}
+
+/// A simulated spoke cluster.
+#[derive(Debug)]
+pub struct SimCluster {
+    inner: MemoryCluster,
+    faults: Faults,
+    /// Decides which applies fail; seeded per agent, so a run is reproducible.
+    rng: Mutex<rand::rngs::StdRng>,
+    /// Applies that succeeded and that were failed on purpose.
+    pub applied: AtomicU64,
+    pub failed: AtomicU64,
+}
+
+impl SimCluster {
+    pub fn new(faults: Faults, seed: u64) -> Arc<SimCluster> {
+        Arc::new(SimCluster {
+            inner: MemoryCluster::new(),
+            faults,
+            rng: Mutex::new(rand::rngs::StdRng::seed_from_u64(seed)),
+            applied: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
+        })
+    }
+
+    /// Objects present in the cluster.
+    pub async fn objects(&self) -> usize {
+        self.inner.objects().await.len()
+    }
+}
+
+#[async_trait]
+impl ApplyTarget for SimCluster {
+    async fn resolve(&self, api_version: &str, kind: &str) -> Result<ResourceKind, ApplyError> {
+        self.inner.resolve(api_version, kind).await
+    }
+
+    async fn apply(&self, resource: &AppliedResource, manifest: &Value) -> Result<(), ApplyError> {
+        if !self.faults.apply_delay.is_zero() {
+            tokio::time::sleep(self.faults.apply_delay).await;
+        }
+        if self.faults.failure_rate > 0.0
+            && self.rng.lock().await.random_bool(self.faults.failure_rate)
+        {
+            self.failed.fetch_add(1, Ordering::Relaxed);
+            return Err(ApplyError::Unreachable(
+                "injected failure (loadtest)".into(),
+            ));
+        }
+        self.inner.apply(resource, manifest).await?;
+        self.applied.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    async fn exists(&self, resource: &AppliedResource) -> Result<bool, ApplyError> {
+        self.inner.exists(resource).await
+    }
+
+    async fn delete(&self, resource: &AppliedResource) -> Result<Deletion, ApplyError> {
+        self.inner.delete(resource).await
+    }
+}

@@ -1,0 +1,287 @@
+//! A CI-sized run of every scenario against a real hub (a child process), agents split over
+//! worker processes, and the report checked for internal consistency: every agent accounted
+//! for, no status lost or duplicated, percentiles ordered. Speed is not checked here.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use flotilla_loadtest::cli::RunArgs;
+use flotilla_loadtest::report::{Outcome, Report, SCHEMA};
+
+/// Agents in the CI run: enough for hundreds of concurrent sessions, small enough for debug
+/// builds on 2 shared cores.
+const CI_AGENTS: u64 = 200;
+
+fn trace_init() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "warn,flotilla_loadtest=info".into()),
+        )
+        .with_test_writer()
+        .try_init();
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+fn args(out: &std::path::Path, extra: &[&str]) -> RunArgs {
+    #[derive(Parser)]
+    struct Only {
+        #[command(flatten)]
+        args: RunArgs,
+    }
+    let mut argv = vec!["run", "--quiet", "--out", out.to_str().unwrap()];
+    argv.extend_from_slice(extra);
+    let mut args = Only::parse_from(argv).args;
+    // The child hub and the workers are this package's binary, not the test executable.
+    args.harness_exe = Some(PathBuf::from(env!("CARGO_BIN_EXE_flotilla-loadtest")));
+    args
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ci_sized_run_of_every_scenario_accounts_for_every_agent() {
+    trace_init();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let run = args(
+        &out,
+        &[
+            "--agents",
+            &CI_AGENTS.to_string(),
+            "--processes",
+            "2",
+            "--scenario",
+            "connect,fanout,storm,outage",
+            "--outage",
+            "2s",
+            "--max-backoff",
+            "2s",
+            "--timeout",
+            "90s",
+            "--apply-failure-rate",
+            "0.05",
+        ],
+    );
+    let (report, written_to) = flotilla_loadtest::run(run).await.expect("the run starts");
+    eprintln!("{}", flotilla_loadtest::report::table(&report));
+
+    // The report on disk is the one returned, in the versioned schema.
+    let on_disk: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(written_to.join("report.json")).unwrap()).unwrap();
+    assert_eq!(on_disk["schema"], SCHEMA);
+    let parsed: Report = serde_json::from_value(on_disk).unwrap();
+    assert_eq!(parsed.scenarios.len(), 4);
+    assert!(parsed.machine.cores >= 1 && parsed.machine.memory_bytes > 0);
+    assert_eq!(parsed.parameters.agents, CI_AGENTS as usize);
+
+    let n = CI_AGENTS;
+    for s in &report.scenarios {
+        assert_eq!(
+            s.outcome,
+            Some(Outcome::Completed),
+            "{} did not complete: {:?}",
+            s.name,
+            s.error
+        );
+        assert_eq!(s.agents, n, "{}", s.name);
+    }
+    let [connect, fanout, storm, outage] = &report.scenarios[..] else {
+        unreachable!()
+    };
+
+    assert_eq!(connect.connected, Some(n));
+    assert_eq!(connect.available_on_hub, Some(n));
+    let (all_connected, all_available) = (
+        connect.time_to_all_connected_s.unwrap(),
+        connect.time_to_all_available_s.unwrap(),
+    );
+    assert!(all_connected > 0.0 && all_available > 0.0);
+    assert!(
+        connect.hub_rss_per_session_bytes.unwrap() > 0.0,
+        "a child hub's RSS is measured"
+    );
+    assert!(connect.curve.windows(2).all(|w| w[0].t_s <= w[1].t_s));
+
+    assert_eq!(fanout.acked, Some(n), "every agent acked the work");
+    assert_eq!(
+        fanout.applied_on_hub,
+        Some(n),
+        "every work is Applied on the hub"
+    );
+    for p in [fanout.ack_latency.as_ref(), fanout.applied_latency.as_ref()] {
+        let p = p.unwrap();
+        assert_eq!(p.count, n);
+        assert!(p.ordered(), "{p:?}");
+        assert!(
+            p.cdf
+                .windows(2)
+                .all(|w| w[0].0 <= w[1].0 && w[0].1 <= w[1].1)
+        );
+    }
+
+    for s in [storm, outage] {
+        assert_eq!(s.sessions_before, Some(n), "{}", s.name);
+        assert!(
+            s.time_to_all_back_s.unwrap() >= s.hub_down_s.unwrap(),
+            "{}",
+            s.name
+        );
+        let audit = s.statuses.as_ref().unwrap();
+        assert_eq!(audit.agents, n, "{}: every agent accounted for", s.name);
+        assert_eq!(
+            (audit.lost, audit.duplicated, audit.unacked),
+            (0, 0, 0),
+            "{}: {audit:?}",
+            s.name
+        );
+        assert!(
+            audit.compared >= 2 * n,
+            "{}: fanout and storm works compared: {audit:?}",
+            s.name
+        );
+        let stopped = s.hub_stopped_at_s.unwrap();
+        assert!(
+            s.curve
+                .iter()
+                .any(|p| p.t_s >= stopped && p.value < n as f64),
+            "{}: the curve shows the sessions dropping",
+            s.name
+        );
+    }
+    assert_eq!(storm.signal.as_deref(), Some("SIGKILL"));
+    assert!(outage.hub_down_s.unwrap() >= 2.0);
+    assert!(
+        outage.resume_frames_out.unwrap() >= n,
+        "at least a hello per agent"
+    );
+
+    for plot in [
+        "connect-ramp.svg",
+        "rss-vs-sessions.svg",
+        "fanout-cdf.svg",
+        "storm-reconnect.svg",
+        "outage-reconnect.svg",
+    ] {
+        let svg = std::fs::read_to_string(written_to.join(plot)).unwrap();
+        assert!(svg.starts_with("<svg"), "{plot}");
+        assert!(report.plots.iter().any(|p| p == plot));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_in_process_hub_runs_connect_and_fanout() {
+    trace_init();
+    let dir = tempfile::tempdir().unwrap();
+    let run = args(
+        &dir.path().join("out"),
+        &[
+            "--agents",
+            "100",
+            "--hub-mode",
+            "in-process",
+            "--scenario",
+            "connect,fanout",
+            "--timeout",
+            "60s",
+        ],
+    );
+    let (report, _) = flotilla_loadtest::run(run).await.unwrap();
+    assert_eq!(report.hub.mode, "in-process");
+    let [connect, fanout] = &report.scenarios[..] else {
+        unreachable!()
+    };
+    assert_eq!(
+        connect.outcome,
+        Some(Outcome::Completed),
+        "{:?}",
+        connect.error
+    );
+    assert_eq!(
+        connect.hub_rss_per_session_bytes, None,
+        "no separate RSS in-process"
+    );
+    assert_eq!(
+        fanout.outcome,
+        Some(Outcome::Completed),
+        "{:?}",
+        fanout.error
+    );
+    assert_eq!(fanout.acked, Some(100));
+}
+
+#[tokio::test]
+async fn bad_input_fails_before_anything_starts() {
+    trace_init();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let check = |extra: &[&str], want: &str| {
+        let run = args(&out, extra);
+        let want = want.to_string();
+        let out = out.clone();
+        async move {
+            let err = tokio::time::timeout(Duration::from_secs(10), flotilla_loadtest::run(run))
+                .await
+                .expect("fails fast")
+                .expect_err("must fail");
+            let msg = format!("{err:#}");
+            assert!(msg.contains(&want), "{msg:?} lacks {want:?}");
+            assert!(!out.exists(), "nothing was started or written");
+        }
+    };
+    // A hub data dir that exists, so only the address is wrong.
+    let data_dir = dir.path().join("hub-data");
+    std::fs::create_dir_all(data_dir.join("ca")).unwrap();
+    std::fs::create_dir_all(data_dir.join("operator")).unwrap();
+    std::fs::write(data_dir.join("ca/ca.crt"), "").unwrap();
+    std::fs::write(data_dir.join("operator/config.yaml"), "").unwrap();
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let data = data_dir.to_str().unwrap();
+    check(
+        &[
+            "--hub",
+            &closed.to_string(),
+            "--data-dir",
+            data,
+            "--scenario",
+            "connect",
+        ],
+        "is unreachable",
+    )
+    .await;
+    check(
+        &[
+            "--hub",
+            "192.0.2.1:9443",
+            "--data-dir",
+            data,
+            "--scenario",
+            "connect",
+        ],
+        "not a loopback address",
+    )
+    .await;
+    check(
+        &[
+            "--hub",
+            "127.0.0.1:9443",
+            "--data-dir",
+            dir.path().to_str().unwrap(),
+            "--scenario",
+            "connect",
+        ],
+        "is not a flotilla hub's data directory",
+    )
+    .await;
+    let (_, hard) = flotilla_loadtest::machine::open_files_limit();
+    let too_many = (hard + 1000).min(99_999).to_string();
+    check(&["--agents", &too_many], "open-file limit").await;
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    check(
+        &["--hub-listen", &taken.local_addr().unwrap().to_string()],
+        "cannot be used",
+    )
+    .await;
+}

@@ -1,0 +1,105 @@
+//! Spoke clusters for end-to-end tests: a real kube-apiserver each, and an agent process
+//! applying to it.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use flotilla_testenv::TestEnv;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, ServiceAccount};
+use kube::Api;
+
+use crate::{Hub, Proc, bin, wait_for};
+
+/// A managed cluster: its own apiserver, its agent's certificate and data directory.
+pub struct Spoke {
+    pub name: String,
+    pub env: TestEnv,
+    pub certs: PathBuf,
+    pub data: PathBuf,
+}
+
+impl Spoke {
+    /// Starts an apiserver for cluster `name` and issues its agent a certificate from `hub`.
+    pub async fn start(dir: &Path, hub: &Hub, name: &str) -> anyhow::Result<Spoke> {
+        let env = TestEnv::start().await?;
+        let certs = dir.join(format!("{name}-certs"));
+        hub.dev_cert(name, &certs)?;
+        Ok(Spoke {
+            name: name.into(),
+            env,
+            certs,
+            data: dir.join(format!("{name}-agent-data")),
+        })
+    }
+
+    /// Starts this cluster's agent against `hub` (`extra` adds flags).
+    pub fn start_agent(&self, dir: &Path, hub: &Hub, extra: &[&str]) -> anyhow::Result<Proc> {
+        let mut cmd = Command::new(bin("flotilla-agent"));
+        cmd.arg("run")
+            .args(["--hub", &hub.agents_addr, "--server-name", "localhost"])
+            .args(["--cluster-name", &self.name])
+            .arg("--cert-dir")
+            .arg(&self.certs)
+            .arg("--data-dir")
+            .arg(&self.data)
+            .arg("--kubeconfig")
+            .arg(self.env.kubeconfig_path())
+            .args(["--initial-jitter=0s", "--max-backoff=1s"])
+            .args(extra)
+            .env("RUST_LOG", "info,flotilla_agent=debug");
+        let log = (1..)
+            .map(|n| dir.join(format!("agent-{}-{n}.log", self.name)))
+            .find(|p| !p.exists())
+            .expect("a free log name");
+        Proc::spawn("flotilla-agent", cmd, log)
+    }
+
+    pub async fn deployment(&self, ns: &str, name: &str) -> anyhow::Result<Option<Deployment>> {
+        let api: Api<Deployment> = Api::namespaced(self.env.client().await?, ns);
+        Ok(api.get_opt(name).await?)
+    }
+
+    pub async fn service_account(
+        &self,
+        ns: &str,
+        name: &str,
+    ) -> anyhow::Result<Option<ServiceAccount>> {
+        let api: Api<ServiceAccount> = Api::namespaced(self.env.client().await?, ns);
+        Ok(api.get_opt(name).await?)
+    }
+
+    pub async fn config_map(&self, ns: &str, name: &str) -> anyhow::Result<Option<ConfigMap>> {
+        let api: Api<ConfigMap> = Api::namespaced(self.env.client().await?, ns);
+        Ok(api.get_opt(name).await?)
+    }
+
+    /// Waits until the Deployment exists with this image (or, with `None`, until it is gone).
+    pub async fn wait_deployment_image(
+        &self,
+        name: &str,
+        image: Option<&str>,
+    ) -> anyhow::Result<()> {
+        wait_for(
+            &format!("{}: deployment default/{name} image {image:?}", self.name),
+            Duration::from_secs(60),
+            || async {
+                let d = self.deployment("default", name).await?;
+                let got = d.as_ref().and_then(|d| {
+                    d.spec
+                        .as_ref()?
+                        .template
+                        .spec
+                        .as_ref()?
+                        .containers
+                        .first()?
+                        .image
+                        .clone()
+                });
+                Ok((got.as_deref() == image).then_some(()))
+            },
+        )
+        .await
+    }
+}

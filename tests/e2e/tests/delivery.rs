@@ -1,0 +1,428 @@
+//! ManifestWork delivery end to end: real hub, real agents, real spoke apiservers.
+
+use std::path::Path;
+use std::time::Duration;
+
+use flotilla_e2e::spoke::Spoke;
+use flotilla_e2e::{Hub, condition_status, wait_for};
+use flotilla_testenv::{TestEnv, workspace_root};
+use nix::sys::signal::Signal;
+use serde_json::Value;
+
+const SEED_WORK: &str = "proto/tests/fixtures/manifestwork_my_first_work.yaml";
+
+/// The hub under test and, for the kube backend, its apiserver.
+struct Fleet {
+    hub: Hub,
+    hub_env: Option<TestEnv>,
+}
+
+impl Fleet {
+    async fn start(dir: &Path, kube: bool) -> anyhow::Result<Fleet> {
+        if !kube {
+            return Ok(Fleet {
+                hub: Hub::start(dir, &[]).await?,
+                hub_env: None,
+            });
+        }
+        let env = TestEnv::start().await?;
+        env.install_crds(&workspace_root().join("deploy/crds"))
+            .await?;
+        let kubeconfig = env.kubeconfig_path().to_str().unwrap().to_string();
+        let hub = Hub::start(dir, &["--store=kube", "--kubeconfig", &kubeconfig]).await?;
+        Ok(Fleet {
+            hub,
+            hub_env: Some(env),
+        })
+    }
+
+    /// Applies OCM YAML the way an operator of this backend would: `kubectl apply` on the
+    /// kube backend, `flotilla apply` on the sled one.
+    fn apply(&self, file: &Path) -> anyhow::Result<()> {
+        let out = match &self.hub_env {
+            Some(env) => env.kubectl().arg("apply").arg("-f").arg(file).output()?,
+            None => self.hub.cli(&["apply", "-f", file.to_str().unwrap()])?,
+        };
+        anyhow::ensure!(
+            out.status.success(),
+            "apply failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(())
+    }
+
+    fn work(&self, cluster: &str, name: &str) -> anyhow::Result<Option<Value>> {
+        let out = self
+            .hub
+            .cli(&["get", "works", "--cluster", cluster, "-o", "json"])?;
+        anyhow::ensure!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let list: Value = serde_json::from_slice(&out.stdout)?;
+        Ok(list["items"].as_array().and_then(|items| {
+            items
+                .iter()
+                .find(|w| w["metadata"]["name"] == name)
+                .cloned()
+        }))
+    }
+
+    /// Waits until the hub shows the work Applied=True at its current generation.
+    async fn wait_applied(&self, cluster: &str, name: &str) -> anyhow::Result<Value> {
+        wait_for(
+            &format!("{cluster}/{name} Applied on the hub"),
+            Duration::from_secs(60),
+            || async {
+                let Some(w) = self.work(cluster, name)? else {
+                    return Ok(None);
+                };
+                let generation = w["metadata"]["generation"].as_i64();
+                let applied = w["status"]["conditions"]
+                    .as_array()
+                    .and_then(|cs| cs.iter().find(|c| c["type"] == "Applied"))
+                    .is_some_and(|c| {
+                        c["status"] == "True" && c["observedGeneration"].as_i64() == generation
+                    });
+                Ok(applied.then_some(w))
+            },
+        )
+        .await
+    }
+}
+
+/// The seed's ManifestWork, retargeted at `cluster` and edited by `edit`, written to a file.
+fn seed_work(
+    dir: &Path,
+    cluster: &str,
+    edit: impl FnOnce(&mut Value),
+) -> anyhow::Result<std::path::PathBuf> {
+    let text = std::fs::read_to_string(workspace_root().join(SEED_WORK))?;
+    let mut work: Value = yaml_serde::from_str(&text)?;
+    work["metadata"]["namespace"] = cluster.into();
+    edit(&mut work);
+    let path = dir.join(format!("work-{cluster}-{}.json", rand_suffix()));
+    std::fs::write(&path, serde_json::to_vec_pretty(&work)?)?;
+    Ok(path)
+}
+
+/// Status and message of a condition of one `status.resourceStatus.manifests[]` entry.
+fn manifest_condition(manifest: &Value, t: &str) -> (Option<String>, String) {
+    let c = manifest["conditions"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["type"] == t));
+    (
+        c.and_then(|c| c["status"].as_str()).map(str::to_string),
+        c.and_then(|c| c["message"].as_str())
+            .unwrap_or("")
+            .to_string(),
+    )
+}
+
+fn rand_suffix() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
+}
+
+fn set_image(work: &mut Value, image: &str) {
+    work["spec"]["workload"]["manifests"][1]["spec"]["template"]["spec"]["containers"][0]["image"] =
+        image.into();
+}
+
+async fn delivery(kube: bool) -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let fleet = Fleet::start(dir.path(), kube).await?;
+    let spokes = [
+        Spoke::start(dir.path(), &fleet.hub, "cluster1").await?,
+        Spoke::start(dir.path(), &fleet.hub, "cluster2").await?,
+    ];
+    let _agents = spokes
+        .iter()
+        .map(|s| s.start_agent(dir.path(), &fleet.hub, &[]))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+
+    // cluster1 gets the seed's YAML unchanged (it names namespace cluster1), cluster2 a copy.
+    fleet.apply(&workspace_root().join(SEED_WORK))?;
+    fleet.apply(&seed_work(dir.path(), "cluster2", |_| {})?)?;
+    for spoke in &spokes {
+        spoke
+            .wait_deployment_image("nginx-deployment", Some("nginx:1.14.2"))
+            .await?;
+        assert!(spoke.service_account("default", "my-sa").await?.is_some());
+        let work = fleet.wait_applied(&spoke.name, "my-first-work").await?;
+        let manifests = work["status"]["resourceStatus"]["manifests"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let kinds: Vec<&str> = manifests
+            .iter()
+            .filter_map(|m| m["resourceMeta"]["kind"].as_str())
+            .collect();
+        assert_eq!(
+            kinds,
+            ["ServiceAccount", "Deployment"],
+            "per-resource status: {work}"
+        );
+        for m in &manifests {
+            assert_eq!(
+                manifest_condition(m, "Applied").0.as_deref(),
+                Some("True"),
+                "{m}"
+            );
+        }
+        assert_eq!(manifests[1]["resourceMeta"]["resource"], "deployments");
+        assert_eq!(manifests[1]["resourceMeta"]["group"], "apps");
+    }
+
+    // An update of the work reaches the spokes.
+    for spoke in &spokes {
+        fleet.apply(&seed_work(dir.path(), &spoke.name, |w| {
+            set_image(w, "nginx:1.25.5")
+        })?)?;
+    }
+    for spoke in &spokes {
+        spoke
+            .wait_deployment_image("nginx-deployment", Some("nginx:1.25.5"))
+            .await?;
+    }
+
+    // Removing a manifest from the work deletes its resource on the spokes.
+    for spoke in &spokes {
+        fleet.apply(&seed_work(dir.path(), &spoke.name, |w| {
+            set_image(w, "nginx:1.25.5");
+            let deployment = w["spec"]["workload"]["manifests"][1].clone();
+            w["spec"]["workload"]["manifests"] = Value::Array(vec![deployment]);
+        })?)?;
+    }
+    for spoke in &spokes {
+        wait_for(
+            &format!("{}: my-sa deleted", spoke.name),
+            Duration::from_secs(60),
+            || async {
+                Ok(spoke
+                    .service_account("default", "my-sa")
+                    .await?
+                    .is_none()
+                    .then_some(()))
+            },
+        )
+        .await?;
+        assert!(
+            spoke
+                .deployment("default", "nginx-deployment")
+                .await?
+                .is_some()
+        );
+    }
+
+    // Deleting the work: Orphan on cluster1 leaves the Deployment, Foreground on cluster2
+    // removes it. The orphaned one is checked after the agent has finished with the deletion
+    // (its work is gone from the hub and the agent says so), not merely soon after.
+    fleet.apply(&seed_work(dir.path(), "cluster1", |w| {
+        set_image(w, "nginx:1.25.5");
+        w["spec"]["deleteOption"] = serde_json::json!({ "propagationPolicy": "Orphan" });
+    })?)?;
+    fleet.wait_applied("cluster1", "my-first-work").await?;
+    let out = fleet.hub.cli(&[
+        "work",
+        "delete",
+        "my-first-work",
+        "--clusters",
+        "cluster1,cluster2",
+    ])?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    spokes[1]
+        .wait_deployment_image("nginx-deployment", None)
+        .await?;
+    wait_for(
+        "cluster1's agent to release the orphaned work",
+        Duration::from_secs(60),
+        || async { Ok(_agents[0].log().contains("work removed").then_some(())) },
+    )
+    .await?;
+    assert!(
+        spokes[0]
+            .deployment("default", "nginx-deployment")
+            .await?
+            .is_some(),
+        "Orphan must leave the Deployment on cluster1"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seed_work_reaches_two_spokes_follows_updates_and_deletes_sled() -> anyhow::Result<()> {
+    delivery(false).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seed_work_reaches_two_spokes_follows_updates_and_deletes_kube() -> anyhow::Result<()> {
+    delivery(true).await
+}
+
+/// The hub goes away; the agent keeps enforcing its cache, even across its own restart; the
+/// statuses it recorded meanwhile reach the hub when it returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_rides_out_a_hub_outage() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut fleet = Fleet::start(dir.path(), false).await?;
+    let spoke = Spoke::start(dir.path(), &fleet.hub, "cluster1").await?;
+    let resync = ["--resync-interval=1s"];
+    let mut agent = spoke.start_agent(dir.path(), &fleet.hub, &resync)?;
+
+    fleet.apply(&workspace_root().join(SEED_WORK))?;
+    // A second work that cannot apply yet: its namespace does not exist on the spoke.
+    let late = seed_work(dir.path(), "cluster1", |w| {
+        w["metadata"]["name"] = "late-work".into();
+        w["spec"]["workload"]["manifests"] = serde_json::json!([{
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": { "namespace": "created-later", "name": "settings" },
+            "data": { "mode": "store" },
+        }]);
+    })?;
+    fleet.apply(&late)?;
+    fleet.wait_applied("cluster1", "my-first-work").await?;
+    wait_for(
+        "late-work Degraded on the hub",
+        Duration::from_secs(60),
+        || async {
+            let w = fleet.work("cluster1", "late-work")?;
+            Ok(
+                w.filter(|w| condition_status(w, "Applied").as_deref() == Some("False"))
+                    .map(|_| ()),
+            )
+        },
+    )
+    .await?;
+
+    // The hub stops. The Deployment is deleted by hand and the agent restarts, hub still down.
+    fleet.hub.proc.signal_and_wait(Signal::SIGTERM);
+    let client = spoke.env.client().await?;
+    let deployments: kube::Api<k8s_openapi::api::apps::v1::Deployment> =
+        kube::Api::namespaced(client.clone(), "default");
+    deployments
+        .delete("nginx-deployment", &Default::default())
+        .await?;
+    agent.signal_and_wait(Signal::SIGKILL);
+    let _agent = spoke.start_agent(dir.path(), &fleet.hub, &resync)?;
+    spoke
+        .wait_deployment_image("nginx-deployment", Some("nginx:1.14.2"))
+        .await?;
+
+    // While the hub is away the blocker goes: the late work now applies, and that status waits
+    // in the agent's outbox.
+    let namespaces: kube::Api<k8s_openapi::api::core::v1::Namespace> = kube::Api::all(client);
+    namespaces
+        .create(
+            &Default::default(),
+            &serde_json::from_value(serde_json::json!({"metadata": {"name": "created-later"}}))?,
+        )
+        .await?;
+    wait_for(
+        "the ConfigMap applied during the outage",
+        Duration::from_secs(60),
+        || async {
+            Ok(spoke
+                .config_map("created-later", "settings")
+                .await?
+                .map(|_| ()))
+        },
+    )
+    .await?;
+
+    fleet.hub.restart(dir.path(), &[]).await?;
+    fleet.wait_applied("cluster1", "late-work").await?;
+    fleet.wait_applied("cluster1", "my-first-work").await?;
+    Ok(())
+}
+
+/// Invalid manifests fail alone, with the spoke's own words; the rest of the work applies. A
+/// manifest without a kind never gets that far: the hub refuses the work on both backends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_manifests_are_reported_per_manifest_and_the_rest_applies() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    // The kube backend: kubectl stores what the CRD schema admits, so the agent is the judge.
+    let fleet = Fleet::start(dir.path(), true).await?;
+    let spoke = Spoke::start(dir.path(), &fleet.hub, "cluster1").await?;
+    let _agent = spoke.start_agent(dir.path(), &fleet.hub, &[])?;
+
+    let no_kind = seed_work(dir.path(), "cluster1", |w| {
+        w["metadata"]["name"] = "no-kind".into();
+        w["spec"]["workload"]["manifests"] = serde_json::json!([{ "apiVersion": "v1", "metadata": { "namespace": "default", "name": "x" } }]);
+    })?;
+    let err = fleet.apply(&no_kind).unwrap_err().to_string();
+    assert!(err.contains("kind"), "the hub names what is missing: {err}");
+    let sled_dir = dir.path().join("sled");
+    std::fs::create_dir_all(&sled_dir)?;
+    let sled = Fleet::start(&sled_dir, false).await?;
+    let err = sled.apply(&no_kind).unwrap_err().to_string();
+    assert!(
+        err.contains("manifest #0 has no kind"),
+        "the operator API names the manifest: {err}"
+    );
+
+    let work = seed_work(dir.path(), "cluster1", |w| {
+        w["metadata"]["name"] = "mixed".into();
+        w["spec"]["workload"]["manifests"] = serde_json::json!([
+            { "apiVersion": "v1", "kind": "ConfigMap", "metadata": { "namespace": "default", "name": "good" } },
+            { "apiVersion": "v1", "kind": "ConfigMap", "metadata": { "namespace": "default" } },
+            { "apiVersion": "widgets.example.com/v1", "kind": "Widget", "metadata": { "namespace": "default", "name": "w" } },
+            { "apiVersion": "apps/v1", "kind": "Deployment", "metadata": { "namespace": "default", "name": "bad" },
+              "spec": { "replicas": -1, "selector": { "matchLabels": { "a": "b" } },
+                        "template": { "metadata": { "labels": { "a": "b" } }, "spec": { "containers": [{ "name": "c", "image": "x" }] } } } },
+        ]);
+    })?;
+    fleet.apply(&work)?;
+    let status = wait_for(
+        "mixed work Degraded with per-manifest status",
+        Duration::from_secs(60),
+        || async {
+            let Some(w) = fleet.work("cluster1", "mixed")? else {
+                return Ok(None);
+            };
+            let n = w["status"]["resourceStatus"]["manifests"]
+                .as_array()
+                .map_or(0, Vec::len);
+            Ok(
+                (n == 4 && condition_status(&w, "Degraded").as_deref() == Some("True"))
+                    .then_some(w),
+            )
+        },
+    )
+    .await?;
+    assert!(
+        spoke.config_map("default", "good").await?.is_some(),
+        "the valid manifest applies"
+    );
+    let manifests = status["status"]["resourceStatus"]["manifests"]
+        .as_array()
+        .unwrap();
+    let applied: Vec<Option<String>> = manifests
+        .iter()
+        .map(|m| manifest_condition(m, "Applied").0)
+        .collect();
+    assert_eq!(applied[0].as_deref(), Some("True"));
+    for (i, m) in manifests.iter().enumerate().skip(1) {
+        assert_eq!(applied[i].as_deref(), Some("False"), "manifest #{i}: {m}");
+    }
+    let message = |i: usize| manifest_condition(&manifests[i], "Applied").1;
+    assert!(message(1).contains("name"), "no name: {}", message(1));
+    assert!(
+        message(2).contains("widgets.example.com"),
+        "unknown group: {}",
+        message(2)
+    );
+    // The spoke apiserver's own validation message, verbatim.
+    assert!(
+        message(3).contains("spec.replicas"),
+        "rejected field: {}",
+        message(3)
+    );
+    Ok(())
+}
