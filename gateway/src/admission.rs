@@ -15,15 +15,15 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
 
+use async_trait::async_trait;
 use flotilla_proto::api::Kind;
-use flotilla_store::{Revision, Store, StoreError, WatchEvent};
-use futures::StreamExt;
+use flotilla_store::{Object, Store, WatchEvent};
 use serde_json::Value;
 use tokio::sync::{RwLock, watch};
-use tracing::{debug, info, warn};
+use tracing::info;
 
+use crate::reflect::{Reflector, reflect};
 use crate::registry::Registry;
 
 /// Annotation on a ManagedCluster: comma-separated hex SHA-256 of the public keys whose
@@ -146,84 +146,48 @@ impl Admissions {
         self.changes.send_modify(|n| *n = n.wrapping_add(1));
     }
 
-    /// Keeps the cache in step with the store until `stop` fires, closing the sessions of
-    /// clusters that stop being admitted.
+    /// Keeps the cache in step with the store until `stop` fires (see [`reflect`]), closing the
+    /// sessions of clusters that stop being admitted.
     pub async fn run(
         self: Arc<Self>,
         store: Arc<dyn Store>,
         registry: Arc<Registry>,
-        mut stop: watch::Receiver<bool>,
+        stop: watch::Receiver<bool>,
     ) {
-        let mut retry = Duration::from_millis(200);
-        loop {
-            let revision = match self.relist(store.as_ref(), &registry).await {
-                Ok(r) => r,
-                Err(e) => {
-                    warn!(error = %e, ?retry, "listing ManagedClusters failed; retrying");
-                    tokio::select! {
-                        _ = tokio::time::sleep(retry) => {}
-                        _ = stop.changed() => return,
-                    }
-                    retry = (retry * 2).min(Duration::from_secs(10));
-                    continue;
-                }
-            };
-            retry = Duration::from_millis(200);
-            let mut events = match store
-                .watch(Kind::ManagedCluster, None, Some(revision))
-                .await
-            {
-                Ok(s) => s,
-                Err(e) => {
-                    warn!(error = %e, "watching ManagedClusters failed; listing again");
-                    continue;
-                }
-            };
-            loop {
-                let event = tokio::select! {
-                    e = events.next() => e,
-                    _ = stop.changed() => return,
+        let target = Reflecting {
+            admissions: &self,
+            registry: &registry,
+        };
+        reflect(Kind::ManagedCluster, store.as_ref(), &target, stop).await;
+    }
+
+    async fn apply(&self, event: WatchEvent, registry: &Registry) {
+        match event {
+            WatchEvent::Added(obj) | WatchEvent::Modified(obj) => {
+                let Some(name) = obj["metadata"]["name"].as_str().map(str::to_string) else {
+                    return;
                 };
-                match event {
-                    Some(Ok(WatchEvent::Added(obj) | WatchEvent::Modified(obj))) => {
-                        let Some(name) = obj["metadata"]["name"].as_str().map(str::to_string)
-                        else {
-                            continue;
-                        };
-                        let admission = ClusterAdmission::from_object(&obj);
-                        self.clusters
-                            .write()
-                            .await
-                            .insert(name.clone(), admission.clone());
-                        self.changed();
-                        enforce(&registry, &name, Some(&admission)).await;
-                    }
-                    Some(Ok(WatchEvent::Deleted(obj))) => {
-                        let Some(name) = obj["metadata"]["name"].as_str().map(str::to_string)
-                        else {
-                            continue;
-                        };
-                        self.clusters.write().await.remove(&name);
-                        self.changed();
-                        enforce(&registry, &name, None).await;
-                    }
-                    Some(Err(StoreError::Gone { .. })) | None => {
-                        debug!("ManagedCluster watch ended; listing again");
-                        break;
-                    }
-                    Some(Err(e)) => {
-                        warn!(error = %e, "ManagedCluster watch failed; listing again");
-                        break;
-                    }
-                }
+                let admission = ClusterAdmission::from_object(&obj);
+                self.clusters
+                    .write()
+                    .await
+                    .insert(name.clone(), admission.clone());
+                self.changed();
+                enforce(registry, &name, Some(&admission)).await;
+            }
+            WatchEvent::Deleted(obj) => {
+                let Some(name) = obj["metadata"]["name"].as_str().map(str::to_string) else {
+                    return;
+                };
+                self.clusters.write().await.remove(&name);
+                self.changed();
+                enforce(registry, &name, None).await;
             }
         }
     }
 
-    async fn relist(&self, store: &dyn Store, registry: &Registry) -> Result<Revision, StoreError> {
-        let list = store.list(Kind::ManagedCluster, None).await?;
-        let fresh: HashMap<String, ClusterAdmission> = list
-            .items
+    async fn replace(&self, items: Vec<Object>, registry: &Registry) {
+        let fresh: HashMap<String, ClusterAdmission> = items
             .iter()
             .filter_map(|obj| {
                 let name = obj["metadata"]["name"].as_str()?.to_string();
@@ -240,7 +204,22 @@ impl Admissions {
             info!(clusters = fresh.len(), "cluster admissions loaded");
             self.ready.send_replace(true);
         }
-        Ok(list.revision)
+    }
+}
+
+/// The admissions and the sessions they govern, as one [`Reflector`].
+struct Reflecting<'a> {
+    admissions: &'a Admissions,
+    registry: &'a Registry,
+}
+
+#[async_trait]
+impl Reflector for Reflecting<'_> {
+    async fn replace(&self, items: Vec<Object>) {
+        self.admissions.replace(items, self.registry).await;
+    }
+    async fn apply(&self, event: WatchEvent) {
+        self.admissions.apply(event, self.registry).await;
     }
 }
 

@@ -4,16 +4,16 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
 
+use async_trait::async_trait;
 use flotilla_proto::api::{Kind, ManifestWork, content_hash};
 use flotilla_proto::session::DesiredWork;
-use flotilla_store::{Revision, Store, StoreError, WatchEvent};
-use futures::StreamExt;
+use flotilla_store::{Object, Store, WatchEvent};
 use tokio::sync::{RwLock, watch};
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 use crate::mailbox::WorkChange;
+use crate::reflect::{Reflector, reflect};
 use crate::registry::Registry;
 
 /// Desired works by cluster namespace, then by uid.
@@ -57,62 +57,25 @@ impl DesiredState {
             .map(|w| w.name.clone())
     }
 
-    /// Keeps the cache in step with the store until `stop` fires: list, then watch from the
-    /// list's revision; on `Gone` or a broken stream, list again. Changes go to the sessions of
-    /// the clusters they concern.
+    /// Keeps the cache in step with the store until `stop` fires (see [`reflect`]). Changes go
+    /// to the sessions of the clusters they concern.
     pub async fn run(
         self: Arc<Self>,
         store: Arc<dyn Store>,
         registry: Arc<Registry>,
-        mut stop: watch::Receiver<bool>,
+        stop: watch::Receiver<bool>,
     ) {
-        let mut retry = Duration::from_millis(200);
-        loop {
-            let revision = match self.relist(store.as_ref(), &registry).await {
-                Ok(r) => r,
-                Err(e) => {
-                    warn!(error = %e, ?retry, "listing ManifestWorks failed; retrying");
-                    tokio::select! {
-                        _ = tokio::time::sleep(retry) => {}
-                        _ = stop.changed() => return,
-                    }
-                    retry = (retry * 2).min(Duration::from_secs(10));
-                    continue;
-                }
-            };
-            retry = Duration::from_millis(200);
-            let mut events = match store.watch(Kind::ManifestWork, None, Some(revision)).await {
-                Ok(s) => s,
-                Err(e) => {
-                    warn!(error = %e, "watching ManifestWorks failed; listing again");
-                    continue;
-                }
-            };
-            loop {
-                let event = tokio::select! {
-                    e = events.next() => e,
-                    _ = stop.changed() => return,
-                };
-                match event {
-                    Some(Ok(event)) => self.apply(event, &registry).await,
-                    Some(Err(StoreError::Gone { .. })) | None => {
-                        debug!("ManifestWork watch ended; listing again");
-                        break;
-                    }
-                    Some(Err(e)) => {
-                        warn!(error = %e, "ManifestWork watch failed; listing again");
-                        break;
-                    }
-                }
-            }
-        }
+        let target = Reflecting {
+            state: &self,
+            registry: &registry,
+        };
+        reflect(Kind::ManifestWork, store.as_ref(), &target, stop).await;
     }
 
     /// Replaces the cache with a fresh list and tells sessions what changed meanwhile.
-    async fn relist(&self, store: &dyn Store, registry: &Registry) -> Result<Revision, StoreError> {
-        let list = store.list(Kind::ManifestWork, None).await?;
+    async fn replace(&self, items: Vec<Object>, registry: &Registry) {
         let mut fresh: HashMap<String, HashMap<String, DesiredWork>> = HashMap::new();
-        for obj in list.items {
+        for obj in items {
             if let Some(w) = desired_work(obj) {
                 fresh
                     .entry(w.namespace.clone())
@@ -148,7 +111,6 @@ impl DesiredState {
             );
             self.ready.send_replace(true);
         }
-        Ok(list.revision)
     }
 
     async fn apply(&self, event: WatchEvent, registry: &Registry) {
@@ -181,6 +143,22 @@ impl DesiredState {
                 }
             }
         }
+    }
+}
+
+/// The desired state and the sessions it feeds, as one [`Reflector`].
+struct Reflecting<'a> {
+    state: &'a DesiredState,
+    registry: &'a Registry,
+}
+
+#[async_trait]
+impl Reflector for Reflecting<'_> {
+    async fn replace(&self, items: Vec<Object>) {
+        self.state.replace(items, self.registry).await;
+    }
+    async fn apply(&self, event: WatchEvent) {
+        self.state.apply(event, self.registry).await;
     }
 }
 

@@ -14,6 +14,7 @@ pub mod desired;
 pub mod health;
 pub mod identity;
 pub mod mailbox;
+mod reflect;
 pub mod registry;
 mod server;
 pub mod statuses;
