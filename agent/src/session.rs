@@ -340,58 +340,68 @@ async fn session_once(
     // empty and re-reports the whole outbox.
     let mut reported: HashMap<String, u64> = HashMap::new();
     loop {
-        while let Some(frame) = machine.poll_transmit() {
-            if tx.send(frame).await.is_err() {
-                break;
+        // Handling an event can queue frames (acks, the outbox on Established) and more events:
+        // go round until nothing is left, so nothing waits for the next wake-up.
+        loop {
+            while let Some(frame) = machine.poll_transmit() {
+                if tx.send(frame).await.is_err() {
+                    break;
+                }
             }
-        }
-        while let Some(event) = machine.poll_event() {
-            let Some(event) = on_delivery_event(&mut machine, spoke, &mut reported, event).await
-            else {
-                continue;
-            };
-            match event {
-                AgentEvent::Established { session_id, .. } => {
-                    *established_at = Some(Instant::now());
-                    info!(session = %session_id, "session established");
-                    report_outbox(&mut machine, spoke, &mut reported);
-                    renew_at = renewal_deadline(&identity);
-                }
-                AgentEvent::CertificateIssued {
-                    certificate_pem,
-                    ca_bundle_pem,
-                } => match identity.complete_renewal(&certificate_pem, &ca_bundle_pem) {
-                    Ok(()) => {
-                        info!(
-                            "client certificate renewed; the next connection uses it, this session carries on"
-                        );
-                        // Never back to back, whatever the certificate says.
-                        let earliest = Instant::now() + RENEWAL_MIN_INTERVAL;
-                        renew_at = renewal_deadline(&identity).map(|at| at.max(earliest));
+            let mut handled = false;
+            while let Some(event) = machine.poll_event() {
+                handled = true;
+                let Some(event) =
+                    on_delivery_event(&mut machine, spoke, &mut reported, event).await
+                else {
+                    continue;
+                };
+                match event {
+                    AgentEvent::Established { session_id, .. } => {
+                        *established_at = Some(Instant::now());
+                        info!(session = %session_id, "session established");
+                        report_outbox(&mut machine, spoke, &mut reported);
+                        renew_at = renewal_deadline(&identity);
                     }
-                    Err(e) => {
-                        warn!(error = %e, "cannot store the renewed certificate; asking again later");
-                        renew_at = Some(Instant::now() + renewal_retry(&identity));
+                    AgentEvent::CertificateIssued {
+                        certificate_pem,
+                        ca_bundle_pem,
+                    } => match identity.complete_renewal(&certificate_pem, &ca_bundle_pem) {
+                        Ok(()) => {
+                            info!(
+                                "client certificate renewed; the next connection uses it, this session carries on"
+                            );
+                            // Never back to back, whatever the certificate says.
+                            let earliest = Instant::now() + RENEWAL_MIN_INTERVAL;
+                            renew_at = renewal_deadline(&identity).map(|at| at.max(earliest));
+                        }
+                        Err(e) => {
+                            warn!(error = %e, "cannot store the renewed certificate; asking again later");
+                            renew_at = Some(Instant::now() + renewal_retry(&identity));
+                        }
+                    },
+                    AgentEvent::RenewalRefused { reason } => {
+                        let retry = renewal_retry(&identity);
+                        warn!(%reason, ?retry, "the hub refused to renew the certificate; asking again later");
+                        renew_at = Some(Instant::now() + retry);
                     }
-                },
-                AgentEvent::RenewalRefused { reason } => {
-                    let retry = renewal_retry(&identity);
-                    warn!(%reason, ?retry, "the hub refused to renew the certificate; asking again later");
-                    renew_at = Some(Instant::now() + retry);
-                }
-                AgentEvent::TrustBundleUpdated { ca_bundle_pem } => {
-                    match identity.update_ca_bundle(&ca_bundle_pem) {
-                        Ok(()) => info!(
-                            "the hub's CA bundle changed (CA rotation); stored for the next connection"
-                        ),
-                        Err(e) => warn!(error = %e, "cannot store the hub's new CA bundle"),
+                    AgentEvent::TrustBundleUpdated { ca_bundle_pem } => {
+                        match identity.update_ca_bundle(&ca_bundle_pem) {
+                            Ok(()) => info!(
+                                "the hub's CA bundle changed (CA rotation); stored for the next connection"
+                            ),
+                            Err(e) => warn!(error = %e, "cannot store the hub's new CA bundle"),
+                        }
                     }
+                    AgentEvent::Synced { sent } => info!(sent, "in sync with the hub"),
+                    AgentEvent::Drained { retry_after, .. } => drained = Some(retry_after),
+                    AgentEvent::Closed { reason, .. } => last_reason = reason.to_string(),
+                    // Tunnels are not handled by this driver yet.
+                    _ => {}
                 }
-                AgentEvent::Synced { sent } => info!(sent, "in sync with the hub"),
-                AgentEvent::Drained { retry_after, .. } => drained = Some(retry_after),
-                AgentEvent::Closed { reason, .. } => last_reason = reason.to_string(),
-                // Tunnels are not handled by this driver yet.
-                _ => {}
+            }
+            if !handled {
+                break;
             }
         }
         if machine.is_closed() {

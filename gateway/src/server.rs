@@ -300,101 +300,112 @@ async fn drive(
     let mut transport_error: Option<Status> = None;
 
     loop {
-        while let Some(frame) = machine.poll_transmit() {
-            if out.send(Ok(frame)).await.is_err() {
-                machine.close("agent stream closed");
-                break;
+        // Handling an event can queue frames (the sync after Established) and more events: go
+        // round until nothing is left, so nothing waits for the next wake-up.
+        loop {
+            while let Some(frame) = machine.poll_transmit() {
+                if out.send(Ok(frame)).await.is_err() {
+                    machine.close("agent stream closed");
+                    break;
+                }
             }
-        }
-        while let Some(event) = machine.poll_event() {
-            match event {
-                HubEvent::Established { hello } => {
-                    established = true;
-                    // Register before taking the snapshot: a change that lands in between
-                    // reaches the mailbox, and the machine treats it as newer than the snapshot.
-                    let handle = SessionHandle {
-                        cluster: cluster.clone(),
-                        session_id: session_id.clone(),
-                        client_key_sha256: client_key_sha256.clone(),
-                        mailbox: mailbox.clone(),
-                    };
-                    if let Some(older) = shared.registry.register(&cluster, handle).await {
-                        info!(older = %older.session_id, "replacing the cluster's older session");
-                        older
-                            .mailbox
-                            .close("replaced by a newer session of the same cluster")
-                            .await;
+            let mut handled = false;
+            while let Some(event) = machine.poll_event() {
+                handled = true;
+                match event {
+                    HubEvent::Established { hello } => {
+                        established = true;
+                        // Register before taking the snapshot: a change that lands in between
+                        // reaches the mailbox, and the machine treats it as newer than the snapshot.
+                        let handle = SessionHandle {
+                            cluster: cluster.clone(),
+                            session_id: session_id.clone(),
+                            client_key_sha256: client_key_sha256.clone(),
+                            mailbox: mailbox.clone(),
+                        };
+                        if let Some(older) = shared.registry.register(&cluster, handle).await {
+                            info!(older = %older.session_id, "replacing the cluster's older session");
+                            older
+                                .mailbox
+                                .close("replaced by a newer session of the same cluster")
+                                .await;
+                        }
+                        // A revocation between the check at open and the registration above found
+                        // no session to close: look again now that it is registered.
+                        if let Err(refusal) =
+                            shared.admissions.check(&cluster, &client_key_sha256).await
+                        {
+                            warn!(reason = %refusal, "cluster revoked while its session opened");
+                            machine.close(refusal.to_string());
+                            continue;
+                        }
+                        if let Some(certs) = &shared.certificates {
+                            let bundle = certs.ca_bundle();
+                            if bundle_sha256(&bundle) != hello.ca_bundle_sha256 {
+                                debug!("agent trusts an older CA bundle; sending the current one");
+                                machine.send_trust_bundle(bundle);
+                            }
+                        }
+                        info!(agent_version = %hello.agent_version, held = hello.held.len(), "session established");
+                        shared.health.connected(&cluster, &session_id, &hello).await;
+                        shared.desired.wait_ready().await;
+                        machine.begin_sync(shared.desired.snapshot(&cluster).await);
                     }
-                    // A revocation between the check at open and the registration above found
-                    // no session to close: look again now that it is registered.
-                    if let Err(refusal) =
-                        shared.admissions.check(&cluster, &client_key_sha256).await
-                    {
-                        warn!(reason = %refusal, "cluster revoked while its session opened");
-                        machine.close(refusal.to_string());
-                        continue;
-                    }
-                    if let Some(certs) = &shared.certificates {
-                        let bundle = certs.ca_bundle();
-                        if bundle_sha256(&bundle) != hello.ca_bundle_sha256 {
-                            debug!("agent trusts an older CA bundle; sending the current one");
-                            machine.send_trust_bundle(bundle);
+                    HubEvent::StatusReported {
+                        uid,
+                        generation,
+                        seq,
+                        status_json,
+                    } => {
+                        let Some(name) = shared.desired.owned_by(&cluster, &uid).await else {
+                            warn!(work_uid = %uid, "status for a work that is not this cluster's; ignored");
+                            continue;
+                        };
+                        debug!(work = %name, generation, seq, "status reported");
+                        if let Err(e) = shared
+                            .statuses
+                            .submit(&cluster, &name, &uid, seq, &status_json)
+                            .await
+                        {
+                            warn!(error = %e, "status refused");
                         }
                     }
-                    info!(agent_version = %hello.agent_version, held = hello.held.len(), "session established");
-                    shared.health.connected(&cluster, &session_id, &hello).await;
-                    shared.desired.wait_ready().await;
-                    machine.begin_sync(shared.desired.snapshot(&cluster).await);
-                }
-                HubEvent::StatusReported {
-                    uid,
-                    generation,
-                    seq,
-                    status_json,
-                } => {
-                    let Some(name) = shared.desired.owned_by(&cluster, &uid).await else {
-                        warn!(work_uid = %uid, "status for a work that is not this cluster's; ignored");
-                        continue;
-                    };
-                    debug!(work = %name, generation, seq, "status reported");
-                    if let Err(e) = shared
-                        .statuses
-                        .submit(&cluster, &name, &uid, seq, &status_json)
-                        .await
-                    {
-                        warn!(error = %e, "status refused");
+                    HubEvent::WorkAcked {
+                        uid,
+                        generation,
+                        current,
+                    } => {
+                        debug!(work_uid = %uid, generation, current, "work durable on the agent");
                     }
-                }
-                HubEvent::WorkAcked {
-                    uid,
-                    generation,
-                    current,
-                } => {
-                    debug!(work_uid = %uid, generation, current, "work durable on the agent");
-                }
-                HubEvent::RenewalRequested { csr_pem } => {
-                    let Some(certs) = &shared.certificates else {
-                        machine.refuse_renewal(
-                            "this gateway cannot issue certificates; renew through the hub",
-                        );
-                        continue;
-                    };
-                    match certs.renew(&cluster, &client_key_sha256, &csr_pem).await {
-                        Ok(renewed) => {
-                            info!("client certificate renewed over the session");
-                            machine
-                                .issue_certificate(renewed.certificate_pem, renewed.ca_bundle_pem);
-                        }
-                        Err(e) => {
-                            warn!(error = %e, "certificate renewal refused");
-                            machine.refuse_renewal(e.to_string());
+                    HubEvent::RenewalRequested { csr_pem } => {
+                        let Some(certs) = &shared.certificates else {
+                            machine.refuse_renewal(
+                                "this gateway cannot issue certificates; renew through the hub",
+                            );
+                            continue;
+                        };
+                        match certs.renew(&cluster, &client_key_sha256, &csr_pem).await {
+                            Ok(renewed) => {
+                                info!("client certificate renewed over the session");
+                                machine.issue_certificate(
+                                    renewed.certificate_pem,
+                                    renewed.ca_bundle_pem,
+                                );
+                            }
+                            Err(e) => {
+                                warn!(error = %e, "certificate renewal refused");
+                                machine.refuse_renewal(e.to_string());
+                            }
                         }
                     }
+                    HubEvent::Closed { reason, by_peer } => {
+                        info!(%reason, by_peer, "session closed");
+                    }
+                    HubEvent::Alive { .. } => {}
                 }
-                HubEvent::Closed { reason, by_peer } => {
-                    info!(%reason, by_peer, "session closed");
-                }
-                HubEvent::Alive { .. } => {}
+            }
+            if !handled {
+                break;
             }
         }
         if machine.is_closed() {

@@ -65,19 +65,18 @@ impl Clock {
     }
 }
 
-/// The most a counter grew within any [`RATE_WINDOW`], per second, in a series of
-/// (seconds, counter).
+/// The most a counter grew per second over any window of at least [`RATE_WINDOW`], in a series
+/// of (seconds, counter). Samples further apart than the window count as one window.
 fn peak_rate(series: &[(f64, u64)]) -> f64 {
     let w = RATE_WINDOW.as_secs_f64();
     let mut peak = 0.0f64;
     let mut j = 0;
-    for i in 0..series.len() {
-        while series[i].0 - series[j].0 > w {
+    for i in 1..series.len() {
+        while j + 1 < i && series[i].0 - series[j + 1].0 >= w {
             j += 1;
         }
-        if i > j {
-            peak = peak.max((series[i].1 - series[j].1) as f64 / w);
-        }
+        let dt = (series[i].0 - series[j].0).max(w);
+        peak = peak.max(series[i].1.saturating_sub(series[j].1) as f64 / dt);
     }
     peak
 }
@@ -160,23 +159,6 @@ impl Run {
         Ok(())
     }
 
-    /// Names of our clusters that the hub shows Available=True.
-    async fn available_on_hub(&self) -> anyhow::Result<u64> {
-        let ours: HashSet<&str> = self.identities.iter().map(|i| i.name.as_str()).collect();
-        Ok(self
-            .api
-            .clusters()
-            .await?
-            .iter()
-            .filter(|c| {
-                c["metadata"]["name"]
-                    .as_str()
-                    .is_some_and(|n| ours.contains(n))
-                    && condition(c, MANAGED_CLUSTER_CONDITION_AVAILABLE) == Some("True")
-            })
-            .count() as u64)
-    }
-
     /// `connect`: ramp every agent up and wait for all to be Available on the hub.
     pub async fn connect(&mut self) -> ScenarioReport {
         let mut r = ScenarioReport::new("connect", self.identities.len());
@@ -202,7 +184,22 @@ impl Run {
         self.start_agents().await?;
         let bar = self.bar("connect", n);
         let mut established = Vec::new();
-        let mut next_available_poll = Instant::now();
+        // Listing every ManagedCluster takes a while at 10k; it runs beside the 100 ms sampling.
+        let (available_tx, available_rx) = tokio::sync::watch::channel((0u64, clock.t()));
+        let poller = {
+            let api = self.api.clone();
+            let ours: HashSet<String> = self.identities.iter().map(|i| i.name.clone()).collect();
+            let every = self.args.poll_interval;
+            let start = clock.start;
+            tokio::spawn(async move {
+                loop {
+                    if let Ok(count) = available_among(&api, &ours).await {
+                        let _ = available_tx.send((count, start.elapsed().as_secs_f64()));
+                    }
+                    tokio::time::sleep(every).await;
+                }
+            })
+        };
         let mut available = 0;
         let mut done = false;
         while !clock.expired() {
@@ -219,12 +216,10 @@ impl Run {
             if s.connected >= n && r.time_to_all_connected_s.is_none() {
                 r.time_to_all_connected_s = Some(t);
             }
-            if Instant::now() >= next_available_poll {
-                next_available_poll = Instant::now() + self.args.poll_interval;
-                available = self.available_on_hub().await.unwrap_or(available);
-                if available >= n && r.time_to_all_available_s.is_none() {
-                    r.time_to_all_available_s = Some(t);
-                }
+            let (count, seen_at) = *available_rx.borrow();
+            available = count;
+            if available >= n && r.time_to_all_available_s.is_none() {
+                r.time_to_all_available_s = Some(seen_at);
             }
             bar.set_position(s.connected);
             bar.set_message(format!("connected, {available} Available on the hub"));
@@ -234,6 +229,7 @@ impl Run {
             }
             tokio::time::sleep(SAMPLE_EVERY).await;
         }
+        poller.abort();
         bar.finish_and_clear();
         let s = self.sample();
         r.connected = Some(s.connected);
@@ -547,6 +543,21 @@ impl Run {
     }
 }
 
+/// How many of `ours` the hub shows Available=True.
+async fn available_among(api: &OperatorApi, ours: &HashSet<String>) -> anyhow::Result<u64> {
+    Ok(api
+        .clusters()
+        .await?
+        .iter()
+        .filter(|c| {
+            c["metadata"]["name"]
+                .as_str()
+                .is_some_and(|n| ours.contains(n))
+                && condition(c, MANAGED_CLUSTER_CONDITION_AVAILABLE) == Some("True")
+        })
+        .count() as u64)
+}
+
 fn finish(r: &mut ScenarioReport, clock: &Clock, result: anyhow::Result<bool>) {
     r.duration_s = clock.t();
     match result {
@@ -586,5 +597,8 @@ mod tests {
         let peak = peak_rate(&series);
         assert!((peak - 100.0).abs() < 1e-6, "{peak}");
         assert_eq!(peak_rate(&[]), 0.0);
+        // Sparse samples: 3 s apart, 900 more each time: 300/s.
+        let sparse = [(0.0, 0), (3.0, 900), (6.0, 1800)];
+        assert!((peak_rate(&sparse) - 300.0).abs() < 1e-6);
     }
 }

@@ -276,8 +276,10 @@ async fn bad_input_fails_before_anything_starts() {
     )
     .await;
     let (_, hard) = flotilla_loadtest::machine::open_files_limit();
-    let too_many = (hard + 1000).min(99_999).to_string();
-    check(&["--agents", &too_many], "open-file limit").await;
+    // Only where the limit is below what cluster names can count (20,000 on the CI machine).
+    if hard + 1000 <= 99_999 {
+        check(&["--agents", &(hard + 1000).to_string()], "open-file limit").await;
+    }
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     check(
         &["--hub-listen", &taken.local_addr().unwrap().to_string()],

@@ -155,7 +155,11 @@ impl Hub {
             .arg(&data_dir)
             .arg(format!("--listen={agents}"))
             .arg(format!("--api-listen={api}"))
-            .args(FAST_HEALTH)
+            // A flag given in `extra` replaces the fast default of the same name.
+            .args(FAST_HEALTH.iter().filter(|f| {
+                let name = f.split('=').next().unwrap_or(f);
+                !extra.iter().any(|e| e.split('=').next() == Some(name))
+            }))
             .args(extra)
             .env("RUST_LOG", "info,flotilla_gateway=debug");
         let _ = std::fs::remove_file(data_dir.join("listen.json"));

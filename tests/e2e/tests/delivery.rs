@@ -426,3 +426,25 @@ async fn invalid_manifests_are_reported_per_manifest_and_the_rest_applies() -> a
     );
     Ok(())
 }
+
+/// Frames that the protocol queues while handling another (the sync after a hello, the acks and
+/// statuses after a work) go out at once, not with the next heartbeat: with heartbeats an hour
+/// apart, a work created before the agent connects is still applied and reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delivery_does_not_wait_for_heartbeats() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let hub = Hub::start(
+        dir.path(),
+        &["--heartbeat-interval=1h", "--heartbeat-timeout=3h"],
+    )
+    .await?;
+    let fleet = Fleet { hub, hub_env: None };
+    let spoke = Spoke::start(dir.path(), &fleet.hub, "cluster1").await?;
+    fleet.apply(&workspace_root().join(SEED_WORK))?;
+    let _agent = spoke.start_agent(dir.path(), &fleet.hub, &[])?;
+    spoke
+        .wait_deployment_image("nginx-deployment", Some("nginx:1.14.2"))
+        .await?;
+    fleet.wait_applied("cluster1", "my-first-work").await?;
+    Ok(())
+}
