@@ -448,3 +448,166 @@ async fn delivery_does_not_wait_for_heartbeats() -> anyhow::Result<()> {
     fleet.wait_applied("cluster1", "my-first-work").await?;
     Ok(())
 }
+
+/// A work close to the size limit is delivered and applied; one over it is refused on create
+/// with its size and the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_works_are_delivered_and_oversized_ones_refused_with_their_size() -> anyhow::Result<()>
+{
+    let dir = tempfile::tempdir()?;
+    let fleet = Fleet::start(dir.path(), false).await?;
+    let spoke = Spoke::start(dir.path(), &fleet.hub, "cluster1").await?;
+    let _agent = spoke.start_agent(dir.path(), &fleet.hub, &[])?;
+    // Two ConfigMaps of 450 KiB each (a ConfigMap itself may hold at most 1 MiB): 900 KiB of
+    // manifests against the 1 MiB limit.
+    let blob = "x".repeat(450 * 1024);
+    let manifests = serde_json::json!([
+        { "apiVersion": "v1", "kind": "ConfigMap", "metadata": { "namespace": "default", "name": "big-a" }, "data": { "blob": blob } },
+        { "apiVersion": "v1", "kind": "ConfigMap", "metadata": { "namespace": "default", "name": "big-b" }, "data": { "blob": blob } },
+    ]);
+    let big = seed_work(dir.path(), "cluster1", |w| {
+        w["metadata"]["name"] = "big".into();
+        w["spec"]["workload"]["manifests"] = manifests.clone();
+    })?;
+    fleet.apply(&big)?;
+    fleet.wait_applied("cluster1", "big").await?;
+    for name in ["big-a", "big-b"] {
+        let cm = spoke
+            .config_map("default", name)
+            .await?
+            .expect("applied on the spoke");
+        assert_eq!(cm.data.unwrap_or_default()["blob"].len(), 450 * 1024);
+    }
+
+    let too_big = seed_work(dir.path(), "cluster1", |w| {
+        w["metadata"]["name"] = "too-big".into();
+        let mut m = manifests.clone();
+        m.as_array_mut().unwrap().push(serde_json::json!({
+            "apiVersion": "v1", "kind": "ConfigMap", "metadata": { "namespace": "default", "name": "big-c" },
+            "data": { "blob": blob },
+        }));
+        w["spec"]["workload"]["manifests"] = m;
+    })?;
+    let err = fleet.apply(&too_big).unwrap_err().to_string();
+    assert!(
+        err.contains("ManifestWork cluster1/too-big: manifests take")
+            && err.contains("more than the limit of 1048576"),
+        "the refusal names the work, its size and the limit: {err}"
+    );
+    assert!(
+        fleet.work("cluster1", "too-big")?.is_none(),
+        "nothing stored"
+    );
+    assert!(
+        fleet.work("cluster1", "big")?.is_some(),
+        "what was stored stays"
+    );
+    Ok(())
+}
+
+/// Crash safety: the agent is SIGKILLed at random points while it applies and caches, hundreds
+/// of times; after each kill its cache opens, and in the end the desired state in the cache is
+/// intact (the agent restores the spoke from it with the hub down) and the spoke converges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_survives_sigkill_at_random_points() -> anyhow::Result<()> {
+    use rand::{Rng, SeedableRng};
+    const ITERATIONS: usize = 300;
+    const TIME_BOUND: Duration = Duration::from_secs(120);
+    const CONFIG_MAPS: usize = 20;
+
+    let dir = tempfile::tempdir()?;
+    let mut fleet = Fleet::start(dir.path(), false).await?;
+    let spoke = Spoke::start(dir.path(), &fleet.hub, "cluster1").await?;
+    let work_at = |version: usize| {
+        seed_work(dir.path(), "cluster1", |w| {
+            w["metadata"]["name"] = "torture".into();
+            let mut manifests = vec![serde_json::json!({
+                "apiVersion": "v1", "kind": "Namespace", "metadata": { "name": "torture" },
+            })];
+            for i in 0..CONFIG_MAPS {
+                manifests.push(serde_json::json!({
+                    "apiVersion": "v1", "kind": "ConfigMap",
+                    "metadata": { "namespace": "torture", "name": format!("cm-{i}") },
+                    "data": { "version": version.to_string() },
+                }));
+            }
+            w["spec"]["workload"]["manifests"] = Value::Array(manifests);
+        })
+    };
+    let seed: u64 = std::env::var("FLOTILLA_TORTURE_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random);
+    eprintln!("torture seed {seed} (set FLOTILLA_TORTURE_SEED to replay)");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let resync = ["--resync-interval=1s"];
+
+    let started = tokio::time::Instant::now();
+    let mut version = 0;
+    let mut iterations = 0;
+    while iterations < ITERATIONS && started.elapsed() < TIME_BOUND {
+        if iterations % 25 == 0 {
+            version = iterations;
+            fleet.apply(&work_at(version)?)?;
+        }
+        let mut agent = spoke.start_agent(dir.path(), &fleet.hub, &resync)?;
+        // The kill point: anywhere from process start through connect, receive, cache, apply.
+        let kill_after = Duration::from_millis(rng.random_range(0..400));
+        tokio::time::sleep(kill_after).await;
+        agent.signal_and_wait(Signal::SIGKILL);
+        let log = agent.log();
+        for bad in [
+            "Error:",
+            "panicked",
+            "unreadable",
+            "cannot open the agent cache",
+        ] {
+            assert!(
+                !log.contains(bad),
+                "iteration {iterations} (seed {seed}, killed after {kill_after:?}): {log}"
+            );
+        }
+        iterations += 1;
+    }
+    eprintln!("{iterations} kills in {:?}", started.elapsed());
+    assert!(
+        iterations >= 100,
+        "only {iterations} iterations in {TIME_BOUND:?}"
+    );
+
+    // Converge with the hub, so the final desired state is acked (durable in the cache).
+    let mut agent = spoke.start_agent(dir.path(), &fleet.hub, &resync)?;
+    fleet.wait_applied("cluster1", "torture").await?;
+    agent.signal_and_wait(Signal::SIGKILL);
+
+    // The desired state in the cache is intact: with the hub down, a fresh agent restores
+    // everything deleted on the spoke, at the last version.
+    fleet.hub.proc.signal_and_wait(Signal::SIGTERM);
+    let client = spoke.env.client().await?;
+    let cms: kube::Api<k8s_openapi::api::core::v1::ConfigMap> =
+        kube::Api::namespaced(client, "torture");
+    for i in 0..CONFIG_MAPS {
+        cms.delete(&format!("cm-{i}"), &Default::default()).await?;
+    }
+    let _agent = spoke.start_agent(dir.path(), &fleet.hub, &resync)?;
+    let want = version.to_string();
+    wait_for(
+        "every ConfigMap restored from the cache",
+        Duration::from_secs(60),
+        || async {
+            for i in 0..CONFIG_MAPS {
+                let Some(cm) = spoke.config_map("torture", &format!("cm-{i}")).await? else {
+                    return Ok(None);
+                };
+                if cm.data.unwrap_or_default().get("version") != Some(&want) {
+                    return Ok(None);
+                }
+            }
+            Ok(Some(()))
+        },
+    )
+    .await?;
+    fleet.hub.restart(dir.path(), &[]).await?;
+    fleet.wait_applied("cluster1", "torture").await?;
+    Ok(())
+}
