@@ -668,6 +668,26 @@ mod tests {
         assert!(cache.pending_statuses().unwrap().is_empty());
     }
 
+    /// Opens `dir` again after the previous handles were dropped. sled releases its directory
+    /// lock from its background flusher thread a moment after the last handle goes, so poll
+    /// for that, with a bound (500 × 10 ms).
+    #[allow(clippy::disallowed_methods)]
+    fn reopen(dir: &Path) -> SledCacheDb {
+        for _ in 0..500 {
+            match SledCacheDb::open(dir) {
+                Ok(db) => return db,
+                Err(CacheError::Open { source, .. }) if source.to_string().contains("lock") => {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                Err(e) => panic!("reopening the cache: {e}"),
+            }
+        }
+        panic!(
+            "sled kept its lock on {} for 5 s after every handle was dropped",
+            dir.display()
+        );
+    }
+
     #[test]
     fn everything_survives_reopening() {
         let dir = tempfile::tempdir().unwrap();
@@ -679,7 +699,7 @@ mod tests {
             assert_eq!(cache.push_status("a", 3, &json!({"n": 1})).unwrap(), 1);
             assert_eq!(cache.push_status("a", 3, &json!({"n": 2})).unwrap(), 2);
         }
-        let db = SledCacheDb::open(dir.path()).unwrap();
+        let db = reopen(dir.path());
         let cache = db.cluster("store-7").unwrap();
         assert_eq!(cache.work("a").unwrap(), Some(work("a", 3)));
         assert_eq!(cache.ledger("a").unwrap(), vec![deployment("web")]);
@@ -691,7 +711,7 @@ mod tests {
         assert!(cache.ack_status("a", 2).unwrap());
         drop(cache);
         drop(db);
-        let db = SledCacheDb::open(dir.path()).unwrap();
+        let db = reopen(dir.path());
         let cache = db.cluster("store-7").unwrap();
         assert!(cache.pending_statuses().unwrap().is_empty());
         assert_eq!(cache.push_status("a", 4, &json!({"n": 3})).unwrap(), 3);

@@ -660,6 +660,25 @@ mod tests {
             .expect("the stream to go on")
     }
 
+    /// Opens `path` again after the previous store was dropped. sled releases its directory
+    /// lock from its background flusher thread a moment after the last handle goes, so poll
+    /// for that, with a bound (500 × 10 ms).
+    async fn reopen(path: &std::path::Path) -> SledStore {
+        for _ in 0..500 {
+            match SledStore::open(path) {
+                Ok(store) => return store,
+                Err(e) if e.to_string().contains("lock") => {
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                }
+                Err(e) => panic!("reopening the store: {e}"),
+            }
+        }
+        panic!(
+            "sled kept its lock on {} for 5 s after the store was dropped",
+            path.display()
+        );
+    }
+
     #[tokio::test]
     async fn reopen_keeps_objects_and_never_reuses_revisions() {
         let dir = tempfile::tempdir().unwrap();
@@ -673,7 +692,7 @@ mod tests {
                 .unwrap();
             a
         };
-        let store = SledStore::open(dir.path()).unwrap();
+        let store = reopen(dir.path()).await;
         let got = store
             .get(Kind::ManifestWork, Some("store-1"), "a")
             .await
@@ -810,6 +829,6 @@ mod tests {
             .unwrap();
         assert!(end.is_none());
         // ... and releases the database, so it can be opened again.
-        SledStore::open(dir.path()).unwrap();
+        reopen(dir.path()).await;
     }
 }
