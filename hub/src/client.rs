@@ -1,15 +1,22 @@
-//! The operator API's client, used by the `flotilla` CLI: one HTTPS request per call, with the
-//! operator's client certificate.
+//! The operator API's client, used by the `flotilla` CLI and the load test: HTTPS with the
+//! operator's client certificate, over a few kept-alive connections so that many requests are
+//! not as many TLS handshakes.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, anyhow, bail};
+use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
 use rustls_pki_types::ServerName;
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpStream;
+use tokio::sync::Mutex;
 use tokio_rustls::TlsConnector;
+
+/// Idle connections a client keeps for its next requests.
+pub const IDLE_CONNECTIONS: usize = 8;
 
 /// The CLI's config file, written by the hub on first start (`<data-dir>/operator/config.yaml`).
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -52,6 +59,9 @@ pub struct OperatorClient {
     authority: String,
     host: String,
     tls: TlsConnector,
+    /// Connections whose last response has been read in full; a request takes one (or dials)
+    /// and puts it back when done, up to [`IDLE_CONNECTIONS`].
+    idle: Mutex<Vec<SendRequest<Full<Bytes>>>>,
 }
 
 impl OperatorClient {
@@ -81,7 +91,35 @@ impl OperatorClient {
                 .trim_end_matches(']')
                 .to_string(),
             tls: TlsConnector::from(tls),
+            idle: Mutex::new(Vec::new()),
         })
+    }
+
+    /// `host:port` of the operator API.
+    pub fn address(&self) -> &str {
+        &self.authority
+    }
+
+    /// An idle connection that is still usable, or a new one.
+    async fn connection(&self) -> anyhow::Result<SendRequest<Full<Bytes>>> {
+        while let Some(mut sender) = self.idle.lock().await.pop() {
+            if sender.ready().await.is_ok() {
+                return Ok(sender);
+            }
+        }
+        let tcp = TcpStream::connect(&self.authority).await.with_context(|| {
+            format!("cannot reach the hub's operator API at {}", self.authority)
+        })?;
+        let name = ServerName::try_from(self.host.clone())?;
+        let tls = self.tls.connect(name, tcp).await.with_context(|| {
+            format!(
+                "TLS with the hub at {} failed (is the config's CA the hub's?)",
+                self.authority
+            )
+        })?;
+        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await?;
+        tokio::spawn(conn);
+        Ok(sender)
     }
 
     /// GET `path` and return the JSON body; a non-2xx answer becomes an error carrying the
@@ -101,18 +139,7 @@ impl OperatorClient {
         path: &str,
         body: Option<&serde_json::Value>,
     ) -> anyhow::Result<(http::StatusCode, serde_json::Value)> {
-        let tcp = TcpStream::connect(&self.authority).await.with_context(|| {
-            format!("cannot reach the hub's operator API at {}", self.authority)
-        })?;
-        let name = ServerName::try_from(self.host.clone())?;
-        let tls = self.tls.connect(name, tcp).await.with_context(|| {
-            format!(
-                "TLS with the hub at {} failed (is the config's CA the hub's?)",
-                self.authority
-            )
-        })?;
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await?;
-        tokio::spawn(conn);
+        let mut sender = self.connection().await?;
         let bytes = match body {
             Some(b) => serde_json::to_vec(b)?,
             None => Vec::new(),
@@ -123,10 +150,16 @@ impl OperatorClient {
             .header(http::header::HOST, &self.authority)
             .header(http::header::ACCEPT, "application/json")
             .header(http::header::CONTENT_TYPE, "application/json")
-            .body(Full::new(bytes::Bytes::from(bytes)))?;
+            .body(Full::new(Bytes::from(bytes)))?;
         let response = sender.send_request(request).await?;
         let status = response.status();
         let body = response.into_body().collect().await?.to_bytes();
+        {
+            let mut idle = self.idle.lock().await;
+            if idle.len() < IDLE_CONNECTIONS {
+                idle.push(sender);
+            }
+        }
         let value: serde_json::Value = serde_json::from_slice(&body).unwrap_or_else(
             |_| serde_json::json!({ "message": String::from_utf8_lossy(&body).trim().to_string() }),
         );

@@ -5,28 +5,17 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use anyhow::{Context, anyhow, bail};
-use bytes::Bytes;
-use flotilla_hub::client::OperatorConfig;
-use http_body_util::{BodyExt, Full};
-use hyper::client::conn::http1::SendRequest;
-use hyper_util::rt::TokioIo;
-use rustls_pki_types::ServerName;
+use anyhow::{Context, anyhow};
+use flotilla_hub::client::{OperatorClient, OperatorConfig};
 use serde_json::Value;
-use tokio::net::TcpStream;
-use tokio::sync::Mutex;
-use tokio_rustls::TlsConnector;
 
-/// Connections kept open to the operator API.
-pub const POOL_SIZE: usize = 8;
+/// Requests the harness keeps in flight against the operator API: as many as the client keeps
+/// connections for.
+pub const POOL_SIZE: usize = flotilla_hub::client::IDLE_CONNECTIONS;
 
-/// A client of one hub's operator API.
+/// A client of one hub's operator API: the CLI's client plus the calls the harness makes.
 pub struct OperatorApi {
-    address: String,
-    host: String,
-    tls: TlsConnector,
-    /// Idle connections; a request takes one (or dials) and puts it back when done.
-    idle: Mutex<Vec<SendRequest<Full<Bytes>>>>,
+    client: OperatorClient,
 }
 
 impl OperatorApi {
@@ -39,51 +28,14 @@ impl OperatorApi {
                 data_dir.display()
             )
         })?;
-        let uri: http::Uri = config.server.parse()?;
-        let host = uri
-            .host()
-            .ok_or_else(|| anyhow!("{} has no host", config.server))?
-            .trim_start_matches('[')
-            .trim_end_matches(']')
-            .to_string();
-        let address = format!("{host}:{}", uri.port_u16().unwrap_or(443));
-        let read = |p: &Path| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
-        let tls = flotilla_gateway::tls::client_config(
-            &read(&config.certificate_authority)?,
-            &read(&config.client_certificate)?,
-            &read(&config.client_key)?,
-            &[b"http/1.1"],
-        )?;
         Ok(Arc::new(OperatorApi {
-            address,
-            host,
-            tls: TlsConnector::from(tls),
-            idle: Mutex::new(Vec::new()),
+            client: OperatorClient::new(&config)?,
         }))
     }
 
     /// host:port of the API.
     pub fn address(&self) -> &str {
-        &self.address
-    }
-
-    async fn connection(&self) -> anyhow::Result<SendRequest<Full<Bytes>>> {
-        while let Some(mut c) = self.idle.lock().await.pop() {
-            if c.ready().await.is_ok() {
-                return Ok(c);
-            }
-        }
-        let tcp = TcpStream::connect(&self.address)
-            .await
-            .with_context(|| format!("cannot reach the hub's operator API at {}", self.address))?;
-        let tls = self
-            .tls
-            .connect(ServerName::try_from(self.host.clone())?, tcp)
-            .await
-            .with_context(|| format!("TLS with the operator API at {} failed", self.address))?;
-        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await?;
-        tokio::spawn(conn);
-        Ok(sender)
+        self.client.address()
     }
 
     /// One request; the JSON body of a 2xx answer, or an error with the hub's message.
@@ -93,35 +45,11 @@ impl OperatorApi {
         path: &str,
         body: Option<&Value>,
     ) -> anyhow::Result<Value> {
-        let mut sender = self.connection().await?;
-        let bytes = match body {
-            Some(b) => serde_json::to_vec(b)?,
-            None => Vec::new(),
-        };
-        let request = http::Request::builder()
-            .method(method.clone())
-            .uri(path)
-            .header(http::header::HOST, &self.address)
-            .header(http::header::CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::from(bytes)))?;
-        let response = sender
-            .send_request(request)
+        let (_, value) = self
+            .client
+            .request(method.clone(), path, body)
             .await
             .with_context(|| format!("{method} {path}"))?;
-        let status = response.status();
-        let body = response.into_body().collect().await?.to_bytes();
-        if POOL_SIZE > self.idle.lock().await.len() {
-            self.idle.lock().await.push(sender);
-        }
-        let value: Value = serde_json::from_slice(&body).unwrap_or_else(
-            |_| serde_json::json!({ "message": String::from_utf8_lossy(&body).trim().to_string() }),
-        );
-        if !status.is_success() {
-            bail!(
-                "{method} {path}: hub refused ({status}): {}",
-                value["message"].as_str().unwrap_or("no message")
-            );
-        }
         Ok(value)
     }
 
