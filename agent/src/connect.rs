@@ -1,8 +1,10 @@
-//! Dialling the hub: TCP (directly or through an HTTP CONNECT proxy), then TLS with the agent's
-//! client certificate, then HTTP/2 (gRPC).
+//! Dialling the hub: TCP (directly or through an HTTP CONNECT proxy, from a chosen source
+//! address if asked), then TLS with the agent's client certificate, then HTTP/2 (gRPC).
 
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use hyper_util::rt::TokioIo;
@@ -11,6 +13,11 @@ use tokio_rustls::TlsConnector;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::proxy::{self, ProxyUrl};
+
+/// How long one dial (TCP, proxy, TLS and HTTP/2 together) may take before it counts as a
+/// failed attempt and the agent backs off: without it a SYN into a black hole waits for the
+/// kernel's retries (minutes).
+pub const DIAL_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// Everything needed to open a connection to the hub. The identity files are read again for
 /// every connection, so a certificate renewed over the session (or a new CA bundle) is used
@@ -21,6 +28,7 @@ pub struct Dialer {
     server_name: ServerName<'static>,
     cert_dir: PathBuf,
     proxy: Option<ProxyUrl>,
+    local_address: Option<IpAddr>,
 }
 
 impl Dialer {
@@ -33,7 +41,16 @@ impl Dialer {
                 .with_context(|| format!("{server_name:?} is not a valid server name"))?,
             cert_dir: cert_dir.to_path_buf(),
             proxy: None,
+            local_address: None,
         })
+    }
+
+    /// Binds each connection's socket to `address` (port chosen by the kernel) before dialling:
+    /// for hosts with several addresses, and for the load test, whose thousands of agents need
+    /// more source ports than one address has.
+    pub fn with_local_address(mut self, address: Option<IpAddr>) -> Dialer {
+        self.local_address = address;
+        self
     }
 
     /// Dials through `proxy` (HTTP CONNECT) when given.
@@ -42,15 +59,27 @@ impl Dialer {
         self
     }
 
-    /// Opens one HTTP/2 connection to the hub. Errors carry what failed (proxy, TCP or TLS).
+    /// Opens one HTTP/2 connection to the hub, within [`DIAL_TIMEOUT`]. Errors carry what
+    /// failed (proxy, TCP or TLS).
     pub async fn connect(&self) -> anyhow::Result<Channel> {
+        tokio::time::timeout(DIAL_TIMEOUT, self.connect_unbounded())
+            .await
+            .map_err(|_| {
+                anyhow::anyhow!(
+                    "connecting to the hub at {}: no answer within {DIAL_TIMEOUT:?}",
+                    self.hub
+                )
+            })?
+    }
+
+    async fn connect_unbounded(&self) -> anyhow::Result<Channel> {
         let tls = tls_connector(&self.cert_dir)?;
         let this = self.clone();
         let connector = tower::service_fn(move |_uri: http::Uri| {
             let this = this.clone();
             let tls = tls.clone();
             async move {
-                let tcp = proxy::dial(&this.hub, this.proxy.as_ref()).await?;
+                let tcp = proxy::dial(&this.hub, this.proxy.as_ref(), this.local_address).await?;
                 let tls = tls.connect(this.server_name.clone(), tcp).await?;
                 Ok::<_, std::io::Error>(TokioIo::new(tls))
             }

@@ -186,7 +186,7 @@ async fn attempt(
             proxy.clone(),
         );
         async move {
-            let tcp = proxy::dial(&hub, proxy.as_ref()).await?;
+            let tcp = proxy::dial(&hub, proxy.as_ref(), None).await?;
             let tls = connector.connect(server_name, tcp).await?;
             Ok::<_, std::io::Error>(TokioIo::new(tls))
         }

@@ -32,4 +32,4 @@ pub use apply::{ApplyTarget, KubeApplyTarget, MemoryCluster};
 pub use cache::{SledCache, SledCacheDb, WorkCache};
 pub use config::AgentConfig;
 pub use reconcile::{ReconcileHandle, Reconciler, ReconcilerConfig};
-pub use session::{RunError, run, run_with};
+pub use session::{Observer, Parts, RunError, Unobserved, run, run_with};

@@ -4,9 +4,10 @@
 
 use std::fmt;
 use std::io;
+use std::net::{IpAddr, SocketAddr};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::net::{TcpSocket, TcpStream};
 
 /// Largest proxy response header the agent reads before giving up on the proxy.
 const MAX_RESPONSE_HEADER: usize = 8 * 1024;
@@ -66,18 +67,19 @@ impl std::str::FromStr for ProxyUrl {
     }
 }
 
-/// Opens a TCP stream to `target` (host:port): directly, or through `proxy` with HTTP CONNECT.
-/// Errors say which hop failed.
-pub async fn dial(target: &str, proxy: Option<&ProxyUrl>) -> io::Result<TcpStream> {
+/// Opens a TCP stream to `target` (host:port): directly, or through `proxy` with HTTP CONNECT;
+/// from `local` (any port) when given. Errors say which hop failed.
+pub async fn dial(
+    target: &str,
+    proxy: Option<&ProxyUrl>,
+    local: Option<IpAddr>,
+) -> io::Result<TcpStream> {
     let Some(proxy) = proxy else {
-        let tcp = TcpStream::connect(target).await?;
-        tcp.set_nodelay(true)?;
-        return Ok(tcp);
+        return connect(target, local).await;
     };
-    let mut tcp = TcpStream::connect(&proxy.authority)
+    let mut tcp = connect(&proxy.authority, local)
         .await
         .map_err(|e| io::Error::new(e.kind(), format!("cannot reach the proxy {proxy}: {e}")))?;
-    tcp.set_nodelay(true)?;
     let request = format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n");
     tcp.write_all(request.as_bytes()).await?;
     // Byte by byte up to the blank line: after a 200 the proxy sends nothing until the client
@@ -114,6 +116,49 @@ pub async fn dial(target: &str, proxy: Option<&ProxyUrl>) -> io::Result<TcpStrea
     Ok(tcp)
 }
 
+/// One TCP connection to `address` (host:port), with Nagle off; bound to `local` when given,
+/// trying each of the host's addresses of the same family in turn.
+async fn connect(address: &str, local: Option<IpAddr>) -> io::Result<TcpStream> {
+    let tcp = match local {
+        None => TcpStream::connect(address).await?,
+        Some(local) => {
+            let mut last = None;
+            let mut connected = None;
+            for remote in tokio::net::lookup_host(address).await? {
+                if remote.is_ipv4() != local.is_ipv4() {
+                    continue;
+                }
+                let socket = if local.is_ipv4() {
+                    TcpSocket::new_v4()?
+                } else {
+                    TcpSocket::new_v6()?
+                };
+                socket.bind(SocketAddr::new(local, 0))?;
+                match socket.connect(remote).await {
+                    Ok(tcp) => {
+                        connected = Some(tcp);
+                        break;
+                    }
+                    Err(e) => last = Some(e),
+                }
+            }
+            match connected {
+                Some(tcp) => tcp,
+                None => {
+                    return Err(last.unwrap_or_else(|| {
+                        io::Error::new(
+                            io::ErrorKind::AddrNotAvailable,
+                            format!("{address} has no address of the same family as {local}"),
+                        )
+                    }));
+                }
+            }
+        }
+    };
+    tcp.set_nodelay(true)?;
+    Ok(tcp)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -129,5 +174,20 @@ mod tests {
         ] {
             assert_eq!(bad.parse::<ProxyUrl>().unwrap_err(), want, "{bad}");
         }
+    }
+
+    #[tokio::test]
+    async fn a_local_address_is_the_source_the_hub_sees() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let target = listener.local_addr().unwrap().to_string();
+        let source: IpAddr = "127.0.0.3".parse().unwrap();
+        let (dialled, accepted) =
+            tokio::join!(dial(&target, None, Some(source)), listener.accept());
+        dialled.unwrap();
+        assert_eq!(accepted.unwrap().1.ip(), source);
+
+        let v6: IpAddr = "::1".parse().unwrap();
+        let err = dial(&target, None, Some(v6)).await.unwrap_err();
+        assert!(err.to_string().contains("same family as ::1"), "{err}");
     }
 }

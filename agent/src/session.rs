@@ -17,7 +17,7 @@ use flotilla_proto::session::{
     DEFAULT_WELCOME_TIMEOUT, Jitter, renew_at,
 };
 use flotilla_proto::wire::{self, fleet_client::FleetClient};
-use rand::SeedableRng as _;
+use rand::{Rng as _, SeedableRng as _};
 use tokio::sync::{Notify, mpsc, watch};
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
@@ -95,8 +95,55 @@ impl<R: rand::Rng> Jitter for RandJitter<R> {
     }
 }
 
+/// What the session loop tells whoever watches it, as it happens. Every method has an empty
+/// default; the agent binary watches nothing ([`Unobserved`]), the load-test harness counts
+/// sessions, frames and acks with it. Called on the session's task: keep it cheap and never
+/// block.
+pub trait Observer: Send + Sync {
+    /// A session reached Welcome.
+    fn session_established(&self) {}
+    /// An established session ended (the hub went away, drained us, or we shut down).
+    fn session_closed(&self, _reason: &str) {}
+    /// A dial or session open failed before Welcome; the agent backs off.
+    fn connection_failed(&self, _reason: &str) {}
+    /// A frame arrived from the hub.
+    fn frame_received(&self, _frame: &wire::HubFrame) {}
+    /// A frame was queued for the hub.
+    fn frame_sent(&self, _frame: &wire::AgentFrame) {}
+    /// A work from the hub was stored durably and acked.
+    fn work_stored(&self, _work: &CachedWork) {}
+    /// A status left the outbox for the hub.
+    fn status_reported(&self, _uid: &str, _seq: u64) {}
+    /// The hub acknowledged a status as stored.
+    fn status_acked(&self, _uid: &str, _seq: u64) {}
+}
+
+/// The observer of an agent nobody watches.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Unobserved;
+
+impl Observer for Unobserved {}
+
+/// The parts [`run_with`] runs on. [`run`] makes them from the agent's flags; the load-test
+/// harness makes thousands, sharing one cache database and simulated clusters.
+pub struct Parts {
+    /// Opens connections to the hub.
+    pub dialer: Dialer,
+    /// This cluster's durable cache.
+    pub cache: Arc<dyn WorkCache>,
+    /// Where works are applied.
+    pub target: Arc<dyn ApplyTarget>,
+    /// The spoke's Kubernetes version for the hello; empty until known.
+    pub kubernetes_version: watch::Receiver<String>,
+    /// Told what the session does.
+    pub observer: Arc<dyn Observer>,
+    /// Seeds the reconnect and resync jitter, for runs that must repeat; `None` draws from
+    /// the operating system.
+    pub seed: Option<u64>,
+}
+
 /// The spoke side of the agent, as the session driver sees it.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Spoke {
     /// The durable cache: works are stored here before they are acked; statuses wait here
     /// until the hub acks them.
@@ -107,6 +154,8 @@ pub struct Spoke {
     pub outbox_changed: Arc<Notify>,
     /// The spoke's Kubernetes version for the hello; empty until known.
     pub kubernetes_version: watch::Receiver<String>,
+    /// Told what the session does.
+    pub observer: Arc<dyn Observer>,
 }
 
 /// Runs the agent until `shutdown` completes: opens the cache, starts the reconciler on the
@@ -133,22 +182,42 @@ pub async fn run(
         .kubernetes_version
         .is_empty()
         .then(|| tokio::spawn(read_spoke_version(client, version_tx)));
-    let result = run_with(&config, dialer, cache, target, kubernetes_version, shutdown).await;
+    let parts = Parts {
+        dialer,
+        cache,
+        target,
+        kubernetes_version,
+        observer: Arc::new(Unobserved),
+        seed: None,
+    };
+    let result = run_with(&config, parts, shutdown).await;
     if let Some(task) = version_task {
         task.abort();
     }
     result
 }
 
-/// Runs the agent on parts made elsewhere (the load-test's shared cache and simulated cluster).
+/// Runs the agent on `parts` until `shutdown` completes: the reconciler beside the session
+/// loop, as [`run`] does. Of `config` it uses the cluster name, the identity directory (read
+/// for each session, renewed in place), the reconciler settings and the backoff.
 pub async fn run_with(
     config: &AgentConfig,
-    dialer: Dialer,
-    cache: Arc<dyn WorkCache>,
-    target: Arc<dyn ApplyTarget>,
-    kubernetes_version: watch::Receiver<String>,
+    parts: Parts,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), RunError> {
+    let Parts {
+        dialer,
+        cache,
+        target,
+        kubernetes_version,
+        observer,
+        seed,
+    } = parts;
+    let mut seeds = match seed {
+        Some(seed) => rand::rngs::StdRng::seed_from_u64(seed),
+        None => rand::rngs::StdRng::from_os_rng(),
+    };
+    let reconciler_rng = rand::rngs::StdRng::seed_from_u64(seeds.random());
     let (stop_tx, stop_rx) = watch::channel(false);
     let outbox_changed = Arc::new(Notify::new());
     let (reconciler, handle) = Reconciler::new(
@@ -156,7 +225,7 @@ pub async fn run_with(
         target,
         config.reconciler(),
         Arc::clone(&outbox_changed),
-        Box::new(RandJitter(rand::rngs::StdRng::from_os_rng())),
+        Box::new(RandJitter(reconciler_rng)),
     );
     let reconciler = tokio::spawn(reconciler.run(stopped(stop_rx.clone())));
     let spoke = Spoke {
@@ -164,8 +233,10 @@ pub async fn run_with(
         reconciler: handle,
         outbox_changed,
         kubernetes_version,
+        observer,
     };
-    hold_session(config, &dialer, &spoke, &stop_tx, stop_rx, shutdown).await;
+    let jitter = RandJitter(rand::rngs::StdRng::seed_from_u64(seeds.random()));
+    hold_session(config, &dialer, &spoke, jitter, &stop_tx, stop_rx, shutdown).await;
     let _ = stop_tx.send(true);
     if let Err(e) = reconciler.await {
         warn!(error = %e, "the reconciler ended abnormally");
@@ -206,11 +277,11 @@ async fn hold_session(
     config: &AgentConfig,
     dialer: &Dialer,
     spoke: &Spoke,
+    mut jitter: RandJitter<rand::rngs::StdRng>,
     stop_tx: &watch::Sender<bool>,
     stop_rx: watch::Receiver<bool>,
     shutdown: impl Future<Output = ()> + Send,
 ) {
-    let mut jitter = RandJitter(rand::rng());
     let mut backoff = Backoff::new(BackoffConfig {
         max: config.max_backoff,
         initial: config.max_backoff.min(BackoffConfig::default().initial),
@@ -251,6 +322,13 @@ async fn hold_session(
                 // Only a session that got as far as Welcome counts towards a stable connection.
                 if let Some(at) = established_at {
                     backoff.connected(at);
+                    spoke.observer.session_closed(match &ended {
+                        Ended::Shutdown => "agent shutting down",
+                        Ended::Drained { .. } => "hub draining",
+                        Ended::Lost { reason } => reason,
+                    });
+                } else if let Ended::Lost { reason } = &ended {
+                    spoke.observer.connection_failed(reason);
                 }
                 link = match ended {
                     Ended::Shutdown => return,
@@ -283,13 +361,16 @@ async fn session_once(
     mut stop: watch::Receiver<bool>,
     established_at: &mut Option<Instant>,
 ) -> Ended {
-    let channel = match dialer.connect().await {
-        Ok(c) => c,
-        Err(e) => {
-            return Ended::Lost {
-                reason: format!("{e:#}"),
-            };
-        }
+    let channel = tokio::select! {
+        dialled = dialer.connect() => match dialled {
+            Ok(c) => c,
+            Err(e) => {
+                return Ended::Lost {
+                    reason: format!("{e:#}"),
+                };
+            }
+        },
+        _ = stop.wait_for(|stop| *stop) => return Ended::Shutdown,
     };
     // Tell the hub what we hold so it sends only what differs. If the cache cannot say, an
     // empty list is safe: the hub then sends everything, and storing is idempotent.
@@ -320,6 +401,7 @@ async fn session_once(
     let (tx, rx) = mpsc::channel(32);
     // The hello must be in the request stream before the call starts.
     while let Some(frame) = machine.poll_transmit() {
+        spoke.observer.frame_sent(&frame);
         let _ = tx.try_send(frame);
     }
     let mut client = FleetClient::new(channel)
@@ -344,6 +426,7 @@ async fn session_once(
         // go round until nothing is left, so nothing waits for the next wake-up.
         loop {
             while let Some(frame) = machine.poll_transmit() {
+                spoke.observer.frame_sent(&frame);
                 if tx.send(frame).await.is_err() {
                     break;
                 }
@@ -360,6 +443,7 @@ async fn session_once(
                     AgentEvent::Established { session_id, .. } => {
                         *established_at = Some(Instant::now());
                         info!(session = %session_id, "session established");
+                        spoke.observer.session_established();
                         report_outbox(&mut machine, spoke, &mut reported);
                         renew_at = renewal_deadline(&identity);
                     }
@@ -412,6 +496,7 @@ async fn session_once(
         tokio::select! {
             frame = inbound.message() => match frame {
                 Ok(Some(frame)) => {
+                    spoke.observer.frame_received(&frame);
                     // An error has already closed the session; the log says why.
                     if let Err(e) = machine.handle_frame(Instant::now(), frame) {
                         warn!(error = %e, "protocol error from the hub");
@@ -472,14 +557,19 @@ async fn on_delivery_event(
             namespace,
             name,
         } => delete_work(spoke, uid, &namespace, &name).await,
-        AgentEvent::StatusAcked { uid, seq } => match spoke.cache.ack_status(&uid, seq) {
-            Ok(true) => {
-                reported.remove(&uid);
+        AgentEvent::StatusAcked { uid, seq } => {
+            spoke.observer.status_acked(&uid, seq);
+            match spoke.cache.ack_status(&uid, seq) {
+                Ok(true) => {
+                    reported.remove(&uid);
+                }
+                Ok(false) => {}
+                // The status stays pending and is re-sent next session; the hub drops it by seq.
+                Err(e) => {
+                    warn!(uid = %uid, seq, error = %e, "cannot record the hub's status ack")
+                }
             }
-            Ok(false) => {}
-            // The status stays pending and is re-sent next session; the hub drops it by seq.
-            Err(e) => warn!(uid = %uid, seq, error = %e, "cannot record the hub's status ack"),
-        },
+        }
         other => return Some(other),
     }
     None
@@ -535,6 +625,7 @@ async fn receive_work(machine: &mut AgentSession, spoke: &Spoke, work: wire::Wor
         warn!(work = %cached.display_name(), uid = %uid, %reason, "work refused");
     }
     let work_name = cached.display_name();
+    let stored = cached.clone();
     match durably(&spoke.cache, move |c| {
         c.put_work(&cached, content.as_deref())
     })
@@ -543,6 +634,7 @@ async fn receive_work(machine: &mut AgentSession, spoke: &Spoke, work: wire::Wor
         Ok(()) => {
             debug!(work = %work_name, uid = %uid, generation, "work stored");
             machine.ack_work(uid.clone(), generation);
+            spoke.observer.work_stored(&stored);
             spoke.reconciler.work_changed(&uid).await;
         }
         // Not acked: the next session's hello does not hold it, so the hub sends it again.
@@ -585,6 +677,7 @@ fn report_outbox(machine: &mut AgentSession, spoke: &Spoke, reported: &mut HashM
         }
         debug!(uid = %status.uid, seq = status.seq, "reporting status");
         reported.insert(status.uid.clone(), status.seq);
+        spoke.observer.status_reported(&status.uid, status.seq);
         machine.report_status(
             status.uid,
             status.generation,
@@ -698,6 +791,7 @@ mod tests {
                     reconciler: handle,
                     outbox_changed,
                     kubernetes_version,
+                    observer: Arc::new(Unobserved),
                 },
                 cluster,
                 _stop: stop,

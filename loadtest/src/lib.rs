@@ -1,9 +1,8 @@
-//! flotilla's load-test harness: thousands of simulated agents, each a real session (real TLS,
-//! real HTTP/2, the real protocol machine from `flotilla-proto`) with the agent library's cache,
-//! reconciler and status logic over an in-memory cluster, against a real hub that the harness
-//! starts (a child process or in-process) or finds on loopback. It drives scenarios (connect,
-//! fanout, storm, outage), shows progress, and writes a versioned JSON report, a table and SVG
-//! plots.
+//! flotilla's load-test harness: thousands of agents, each the real agent library (its session
+//! loop over real TLS and HTTP/2, cache, reconciler and status logic) over an in-memory
+//! cluster, against a real hub that the harness starts (a child process or in-process) or finds
+//! on loopback. It drives scenarios (connect, fanout, storm, outage), shows progress, and writes
+//! a versioned JSON report, a table and SVG plots.
 //!
 //! Not for: proving correctness in the small (the crates' own tests do that), or traffic to
 //! anything but this machine: every address it dials or binds is loopback.
@@ -15,9 +14,8 @@
 //!   process (`--processes`).
 //! * [`scenario`]: the scenarios; [`report`] and [`plot`]: what comes out.
 //!
-//! The session driver in [`swarm`] is the harness's own because the agent's `run_with` cannot
-//! yet bind a source address or tell a caller when a session opens, a work is acked or a
-//! status is acknowledged; everything behind the driver is the agent library.
+//! Each simulated agent is `flotilla_agent::run_with`, the agent binary's own loop, watched
+//! through its `Observer`; only the spoke apiserver is simulated.
 #![forbid(unsafe_code)]
 
 pub mod agents;
@@ -102,6 +100,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<(Report, PathBuf)> {
         apply_delay_ms: args.apply_delay.as_millis() as u64,
         apply_failure_rate: args.apply_failure_rate,
         cache_dir: run_dir.path().join("agent-cache"),
+        identities_dir: run_dir.path().join("agent-identities"),
     };
     let mut run = Run::new(
         args.clone(),
@@ -156,6 +155,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<(Report, PathBuf)> {
         let kept = run_dir.keep();
         let _ = std::fs::remove_dir_all(kept.join("hub-data/store"));
         let _ = std::fs::remove_dir_all(kept.join("agent-cache"));
+        let _ = std::fs::remove_dir_all(kept.join("agent-identities"));
     }
     Ok((report, out))
 }

@@ -1,54 +1,42 @@
-//! A swarm: many simulated agents in one process. Each is the agent library's spoke side (its
-//! durable cache, reconciler and status logic, over a [`SimCluster`]) behind a session driver
-//! that speaks the real protocol (`flotilla_proto::session::AgentSession`) over real TLS and
-//! HTTP/2 from a chosen loopback source address, and that counts what a load test needs to see:
-//! sessions up, frames and bytes, when each work was durably acked.
-//!
-//! The driver follows the agent's own (`flotilla_agent::session`) step for step: store a work
-//! durably, then ack it, then hand it to the reconciler; statuses leave from the cache's outbox
-//! and stay there until the hub acks them. It exists because the agent's `run_with` has no way
-//! yet to bind a source address or to report these events; see the crate docs.
+//! A swarm: many simulated agents in one process. Each is the agent itself,
+//! `flotilla_agent::run_with`: its session loop, durable cache (one sled database shared by the
+//! swarm, a prefix per cluster), reconciler and status logic, its identity on disk, dialling
+//! from a chosen loopback source address, with a [`SimCluster`] where a real agent has its
+//! spoke apiserver. The harness watches each agent through the library's [`Observer`] to count
+//! what a load test needs to see: sessions up, frames and bytes, when each work was durably
+//! acked, statuses sent and acknowledged.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
-use flotilla_agent::cache::{CachedWork, MAX_MANIFEST_WORK_BYTES, SledCacheDb, WorkCache, durably};
-use flotilla_agent::reconcile::{ReconcileHandle, Reconciler, ReconcilerConfig};
-use flotilla_proto::api::{ManifestWork, ManifestWorkStatus};
-use flotilla_proto::session::{
-    AgentConfig as SessionConfig, AgentEvent, AgentSession, Backoff, BackoffConfig,
-    DEFAULT_WELCOME_TIMEOUT,
-};
-use flotilla_proto::wire::{self, fleet_client::FleetClient};
-use hyper_util::rt::TokioIo;
+use flotilla_agent::cache::{CachedWork, SledCacheDb, WorkCache};
+use flotilla_agent::connect::Dialer;
+use flotilla_agent::identity;
+use flotilla_agent::reconcile::DEFAULT_APPLY_CONCURRENCY;
+use flotilla_agent::{AgentConfig, Observer, Parts};
+use flotilla_proto::api::ManifestWorkStatus;
+use flotilla_proto::wire;
 use prost::Message as _;
-use rand::{Rng, SeedableRng};
-use rustls_pki_types::ServerName;
 use serde::{Deserialize, Serialize};
-use tokio::net::TcpSocket;
-use tokio::sync::{Mutex, Notify, mpsc, watch};
+use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
-use tokio_rustls::TlsConnector;
-use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::Endpoint;
 use tracing::{debug, warn};
 
 use crate::clock::{self, Stamp};
 use crate::fleet::Identity;
 use crate::sim::{Faults, SimCluster};
 
-/// Largest frame a simulated agent accepts (the agent's own bound).
-pub const MAX_FRAME_BYTES: usize = 8 * 1024 * 1024;
 /// Kubernetes version the simulated clusters report.
 pub const SIM_KUBERNETES_VERSION: &str = "v1.36.0-flotilla-loadtest";
-/// How long one dial (TCP, TLS, HTTP/2) may take before it counts as failed.
-pub const DIAL_TIMEOUT: Duration = Duration::from_secs(20);
+/// The agents' resync interval: the agent's default (5 minutes), so a run's steady state is a
+/// fleet's.
+pub const RESYNC_INTERVAL: Duration = Duration::from_secs(300);
 
 /// Everything a swarm needs; a worker process reads it from a file.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -69,6 +57,8 @@ pub struct SwarmSpec {
     pub apply_failure_rate: f64,
     /// The sled database all the swarm's agents share.
     pub cache_dir: PathBuf,
+    /// Where each agent's identity directory (`<dir>/<cluster>/`) is written.
+    pub identities_dir: PathBuf,
 }
 
 /// Counters of a swarm at one moment. Swarms in several processes add up.
@@ -175,14 +165,85 @@ struct SimAgent {
     name: String,
     /// Global index: source address and seed.
     index: usize,
-    tls: TlsConnector,
+    /// ca.crt, tls.crt and tls.key, as `flotilla-agent join` leaves them.
+    identity_dir: PathBuf,
     cache: Arc<dyn WorkCache>,
     cluster: Arc<SimCluster>,
+    tally: Arc<Tally>,
     connected: AtomicBool,
     sessions: AtomicU64,
-    acks: Mutex<BTreeMap<String, Stamp>>,
+    /// Work name → when its first generation was durably stored and acked.
+    acks: SyncMutex<BTreeMap<String, Stamp>>,
     /// Highest status seq the hub acked per work uid, to notice a status acked twice.
-    acked: Mutex<HashMap<String, u64>>,
+    acked: SyncMutex<HashMap<String, u64>>,
+}
+
+/// The observer's maps are touched for one insert at a time, never across an await, from the
+/// agent's own task and from `records`: a plain mutex cannot block the runtime here.
+#[allow(clippy::disallowed_types)]
+type SyncMutex<T> = std::sync::Mutex<T>;
+
+impl Observer for SimAgent {
+    fn session_established(&self) {
+        self.connected.store(true, Ordering::Relaxed);
+        self.sessions.fetch_add(1, Ordering::Relaxed);
+        self.tally.connected.fetch_add(1, Ordering::Relaxed);
+        self.tally.established_total.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn session_closed(&self, reason: &str) {
+        debug!(agent = %self.name, %reason, "session ended");
+        self.connected.store(false, Ordering::Relaxed);
+        self.tally.connected.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    fn connection_failed(&self, reason: &str) {
+        debug!(agent = %self.name, %reason, "connection failed");
+        self.tally.failed_attempts.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn frame_received(&self, frame: &wire::HubFrame) {
+        self.tally.frames_in.fetch_add(1, Ordering::Relaxed);
+        self.tally
+            .bytes_in
+            .fetch_add(frame.encoded_len() as u64, Ordering::Relaxed);
+    }
+
+    fn frame_sent(&self, frame: &wire::AgentFrame) {
+        self.tally.frames_out.fetch_add(1, Ordering::Relaxed);
+        self.tally
+            .bytes_out
+            .fetch_add(frame.encoded_len() as u64, Ordering::Relaxed);
+    }
+
+    fn work_stored(&self, work: &CachedWork) {
+        self.tally.works_acked.fetch_add(1, Ordering::Relaxed);
+        lock(&self.acks)
+            .entry(work.name.clone())
+            .or_insert_with(clock::now);
+    }
+
+    fn status_reported(&self, _uid: &str, _seq: u64) {
+        self.tally.statuses_sent.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn status_acked(&self, uid: &str, seq: u64) {
+        self.tally.statuses_acked.fetch_add(1, Ordering::Relaxed);
+        let mut acked = lock(&self.acked);
+        let previous = acked.entry(uid.to_string()).or_insert(0);
+        if *previous >= seq {
+            self.tally
+                .duplicate_status_acks
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        *previous = (*previous).max(seq);
+    }
+}
+
+/// Locks `m`, carrying on past a poisoned lock: the maps stay consistent after any panic
+/// because every update is a single insert.
+fn lock<T>(m: &SyncMutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Many agents in this process.
@@ -194,8 +255,9 @@ pub struct Swarm {
 }
 
 impl Swarm {
-    /// Starts one agent per identity, ramping at the spec's rate. Fails before any agent
-    /// starts if a certificate or the cache cannot be used.
+    /// Writes each agent's identity to disk and starts one agent per identity, ramping at the
+    /// spec's rate. Fails before any agent starts if a certificate, its directory or the cache
+    /// cannot be used.
     pub fn start(spec: &SwarmSpec, identities: &[Identity]) -> anyhow::Result<Swarm> {
         let db = SledCacheDb::open(&spec.cache_dir)
             .with_context(|| format!("opening the agents' cache {}", spec.cache_dir.display()))?;
@@ -203,43 +265,38 @@ impl Swarm {
             apply_delay: Duration::from_millis(spec.apply_delay_ms),
             failure_rate: spec.apply_failure_rate,
         };
+        let tally = Arc::new(Tally::default());
         let mut agents = Vec::with_capacity(identities.len());
         for (k, id) in identities.iter().enumerate() {
             let index = spec.first_index + k;
-            let tls = flotilla_gateway::tls::client_config(
-                spec.ca_bundle.as_bytes(),
-                id.cert_pem.as_bytes(),
-                id.key_pem.as_bytes(),
-                &[b"h2"],
-            )
-            .with_context(|| format!("agent {}: certificate", id.name))?;
+            let identity_dir = spec.identities_dir.join(&id.name);
+            write_identity(&identity_dir, &spec.ca_bundle, id)
+                .with_context(|| format!("agent {}: writing its identity", id.name))?;
             agents.push(Arc::new(SimAgent {
                 name: id.name.clone(),
                 index,
-                tls: TlsConnector::from(tls),
+                identity_dir,
                 cache: Arc::new(db.cluster(&id.name)?),
                 cluster: SimCluster::new(
                     faults,
                     spec.seed ^ (index as u64).wrapping_mul(0x9E37_79B9),
                 ),
+                tally: tally.clone(),
                 connected: AtomicBool::new(false),
                 sessions: AtomicU64::new(0),
-                acks: Mutex::new(BTreeMap::new()),
-                acked: Mutex::new(HashMap::new()),
+                acks: SyncMutex::new(BTreeMap::new()),
+                acked: SyncMutex::new(HashMap::new()),
             }));
         }
-        let tally = Arc::new(Tally::default());
         let (stop, stop_rx) = watch::channel(false);
         let mut tasks = JoinSet::new();
         let t0 = Instant::now();
         let shared = Arc::new(Shared {
             hub: spec.hub,
-            server_name: ServerName::try_from(spec.server_name.clone())?,
-            ca_sha256: flotilla_gateway::certificates::bundle_sha256(&spec.ca_bundle),
+            server_name: spec.server_name.clone(),
             source_addresses: spec.source_addresses,
             max_backoff: Duration::from_millis(spec.max_backoff_ms),
             seed: spec.seed,
-            tally: tally.clone(),
             _db: db,
         });
         for (k, agent) in agents.iter().enumerate() {
@@ -317,7 +374,7 @@ impl Swarm {
                 name: a.name.clone(),
                 connected: a.connected.load(Ordering::Relaxed),
                 sessions: a.sessions.load(Ordering::Relaxed),
-                acks: a.acks.lock().await.clone(),
+                acks: lock(&a.acks).clone(),
                 statuses,
                 works_without_status,
             });
@@ -334,14 +391,29 @@ impl Swarm {
 
 struct Shared {
     hub: SocketAddr,
-    server_name: ServerName<'static>,
-    ca_sha256: String,
+    server_name: String,
     source_addresses: u32,
     max_backoff: Duration,
     seed: u64,
-    tally: Arc<Tally>,
     /// Kept open for as long as any agent runs.
     _db: SledCacheDb,
+}
+
+/// Writes an identity as the agent keeps it: the hub CA bundle, the certificate, and the key
+/// readable by its owner only.
+fn write_identity(dir: &Path, ca_bundle: &str, id: &Identity) -> std::io::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(dir.join(identity::CA_FILE), ca_bundle)?;
+    std::fs::write(dir.join(identity::CERT_FILE), &id.cert_pem)?;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(dir.join(identity::KEY_FILE))?
+        .write_all(id.key_pem.as_bytes())
 }
 
 /// Loopback source address number `n`: 127.0.0.1, 127.0.0.2, ...
@@ -349,13 +421,8 @@ pub fn source_address(n: u32) -> IpAddr {
     IpAddr::V4(Ipv4Addr::from(u32::from(Ipv4Addr::new(127, 0, 0, 1)) + n))
 }
 
-/// How one session ended.
-enum Ended {
-    Drained { retry_after: Duration },
-    Lost { reason: String },
-    Shutdown,
-}
-
+/// One agent: waits for its turn in the ramp, then runs the agent library until the swarm
+/// stops.
 async fn run_agent(
     agent: Arc<SimAgent>,
     shared: Arc<Shared>,
@@ -366,351 +433,44 @@ async fn run_agent(
         _ = tokio::time::sleep_until(start_at) => {}
         _ = stop.wait_for(|s| *s) => return,
     }
-    shared.tally.started.fetch_add(1, Ordering::Relaxed);
-    let mut rng = rand::rngs::StdRng::seed_from_u64(shared.seed.wrapping_add(agent.index as u64));
-    let reconciler_rng = rand::rngs::StdRng::seed_from_u64(rng.random());
-    let outbox_changed = Arc::new(Notify::new());
-    let (reconciler, handle) = Reconciler::new(
-        agent.cache.clone(),
-        agent.cluster.clone(),
-        ReconcilerConfig::default(),
-        outbox_changed.clone(),
-        Box::new(jitter(reconciler_rng)),
-    );
-    let stop_reconciler = stop.clone();
-    let reconciler = tokio::spawn(reconciler.run(async move {
-        let mut s = stop_reconciler;
-        let _ = s.wait_for(|s| *s).await;
-    }));
-    let mut draw = jitter(rng);
-    let mut backoff = Backoff::new(BackoffConfig {
-        max: shared.max_backoff,
-        initial: shared.max_backoff.min(BackoffConfig::default().initial),
-        startup_jitter: Duration::ZERO,
-        ..BackoffConfig::default()
-    });
-    loop {
-        let mut established_at = None;
-        let ended = session_once(
-            &agent,
-            &shared,
-            &handle,
-            &outbox_changed,
-            stop.clone(),
-            &mut established_at,
-        )
-        .await;
-        if let Some(at) = established_at {
-            backoff.connected(at);
-        }
-        let delay = match ended {
-            Ended::Shutdown => break,
-            Ended::Drained { retry_after } => {
-                backoff.next_delay(Instant::now(), Some(retry_after), &mut draw)
-            }
-            Ended::Lost { reason } => {
-                if established_at.is_none() {
-                    shared.tally.failed_attempts.fetch_add(1, Ordering::Relaxed);
-                }
-                debug!(agent = %agent.name, %reason, "session ended");
-                backoff.next_delay(Instant::now(), None, &mut draw)
-            }
-        };
-        tokio::select! {
-            _ = tokio::time::sleep(delay) => {}
-            _ = stop.wait_for(|s| *s) => break,
-        }
-    }
-    let _ = reconciler.await;
-}
-
-/// A `Jitter` over a seeded RNG.
-fn jitter(mut rng: rand::rngs::StdRng) -> impl FnMut(Duration) -> Duration + Send + Sync + 'static {
-    move |max: Duration| {
-        if max.is_zero() {
-            Duration::ZERO
-        } else {
-            Duration::from_nanos(rng.random_range(0..=max.as_nanos().min(u64::MAX as u128) as u64))
-        }
-    }
-}
-
-async fn dial(agent: &SimAgent, shared: &Shared) -> anyhow::Result<tonic::transport::Channel> {
-    let source = source_address(agent.index as u32 % shared.source_addresses);
-    let hub = shared.hub;
-    let tls = agent.tls.clone();
-    let name = shared.server_name.clone();
-    let connector = tower::service_fn(move |_uri: http::Uri| {
-        let tls = tls.clone();
-        let name = name.clone();
-        async move {
-            let socket = TcpSocket::new_v4()?;
-            socket.bind(SocketAddr::new(source, 0))?;
-            let tcp = socket.connect(hub).await?;
-            tcp.set_nodelay(true)?;
-            let tls = tls.connect(name, tcp).await?;
-            Ok::<_, std::io::Error>(TokioIo::new(tls))
-        }
-    });
-    let channel = tokio::time::timeout(
-        DIAL_TIMEOUT,
-        Endpoint::from_shared(format!("http://{hub}"))?.connect_with_connector(connector),
-    )
-    .await
-    .context("dial timed out")??;
-    Ok(channel)
-}
-
-async fn session_once(
-    agent: &SimAgent,
-    shared: &Shared,
-    reconciler: &ReconcileHandle,
-    outbox_changed: &Notify,
-    mut stop: watch::Receiver<bool>,
-    established_at: &mut Option<Instant>,
-) -> Ended {
-    let channel = tokio::select! {
-        c = dial(agent, shared) => match c {
-            Ok(c) => c,
-            Err(e) => return Ended::Lost { reason: format!("{e:#}") },
-        },
-        _ = stop.wait_for(|s| *s) => return Ended::Shutdown,
+    agent.tally.started.fetch_add(1, Ordering::Relaxed);
+    let config = AgentConfig {
+        hub: shared.hub.to_string(),
+        server_name: Some(shared.server_name.clone()),
+        cluster_name: agent.name.clone(),
+        cert_dir: Some(agent.identity_dir.clone()),
+        proxy_url: None,
+        kubeconfig: None,
+        data_dir: agent.identity_dir.clone(),
+        resync_interval: RESYNC_INTERVAL,
+        apply_concurrency: DEFAULT_APPLY_CONCURRENCY,
+        // The ramp spaces the agents out already.
+        initial_jitter: Duration::ZERO,
+        max_backoff: shared.max_backoff,
+        kubernetes_version: SIM_KUBERNETES_VERSION.into(),
     };
-    let held = durably(&agent.cache, |c| c.held())
-        .await
-        .unwrap_or_default();
-    let mut machine = AgentSession::new(
-        Instant::now(),
-        SessionConfig {
-            cluster_name: agent.name.clone(),
-            agent_version: concat!("flotilla-loadtest/", env!("CARGO_PKG_VERSION")).into(),
-            kubernetes_version: SIM_KUBERNETES_VERSION.into(),
-            claims: Vec::new(),
-            welcome_timeout: DEFAULT_WELCOME_TIMEOUT,
-        },
-        held,
-    )
-    .with_ca_bundle_sha256(shared.ca_sha256.clone());
-    let (tx, rx) = mpsc::channel(32);
-    let tally = &shared.tally;
-    while let Some(frame) = machine.poll_transmit() {
-        count_out(tally, &frame);
-        let _ = tx.try_send(frame);
-    }
-    let mut client = FleetClient::new(channel)
-        .max_decoding_message_size(MAX_FRAME_BYTES)
-        .max_encoding_message_size(MAX_FRAME_BYTES);
-    let mut inbound = match client.session(ReceiverStream::new(rx)).await {
-        Ok(r) => r.into_inner(),
-        Err(status) => {
-            return Ended::Lost {
-                reason: format!("hub refused the session: {}", status.message()),
-            };
+    let dialer = match Dialer::new(&config.hub, &shared.server_name, &agent.identity_dir) {
+        Ok(d) => d.with_local_address(Some(source_address(
+            agent.index as u32 % shared.source_addresses,
+        ))),
+        Err(e) => {
+            warn!(agent = %agent.name, error = %format!("{e:#}"), "cannot start the agent");
+            return;
         }
     };
-    let mut drained = None;
-    let mut reason = String::from("session ended");
-    let mut reported: HashMap<String, u64> = HashMap::new();
-    let mut shutdown = false;
-    loop {
-        // Transmit, then act on events, until neither is left: acting on an event (an ack, the
-        // outbox on Established) queues frames that must leave now, not at the next wake-up.
-        loop {
-            while let Some(frame) = machine.poll_transmit() {
-                count_out(tally, &frame);
-                if tx.send(frame).await.is_err() {
-                    break;
-                }
-            }
-            let mut acted = false;
-            while let Some(event) = machine.poll_event() {
-                acted = true;
-                match event {
-                    AgentEvent::Established { .. } => {
-                        *established_at = Some(Instant::now());
-                        agent.connected.store(true, Ordering::Relaxed);
-                        agent.sessions.fetch_add(1, Ordering::Relaxed);
-                        tally.connected.fetch_add(1, Ordering::Relaxed);
-                        tally.established_total.fetch_add(1, Ordering::Relaxed);
-                        report_outbox(agent, tally, &mut machine, &mut reported);
-                    }
-                    AgentEvent::WorkReceived { work } => {
-                        receive_work(agent, tally, reconciler, &mut machine, work).await
-                    }
-                    AgentEvent::WorkDeleted { uid, .. } => {
-                        let key = uid.clone();
-                        if let Ok(true) =
-                            durably(&agent.cache, move |c| c.mark_deleting(&key)).await
-                        {
-                            reconciler.work_changed(&uid).await;
-                        }
-                    }
-                    AgentEvent::StatusAcked { uid, seq } => {
-                        tally.statuses_acked.fetch_add(1, Ordering::Relaxed);
-                        {
-                            let mut acked = agent.acked.lock().await;
-                            let previous = acked.entry(uid.clone()).or_insert(0);
-                            if *previous >= seq {
-                                tally.duplicate_status_acks.fetch_add(1, Ordering::Relaxed);
-                            }
-                            *previous = (*previous).max(seq);
-                        }
-                        if let Ok(true) = agent.cache.ack_status(&uid, seq) {
-                            reported.remove(&uid);
-                        }
-                    }
-                    AgentEvent::Drained { retry_after, .. } => drained = Some(retry_after),
-                    AgentEvent::Closed { reason: r, .. } => reason = r.to_string(),
-                    _ => {}
-                }
-            }
-            if !acted {
-                break;
-            }
-        }
-        if machine.is_closed() {
-            break;
-        }
-        let deadline = machine.poll_timeout();
-        let established = machine.is_established();
-        tokio::select! {
-            frame = inbound.message() => match frame {
-                Ok(Some(frame)) => {
-                    tally.frames_in.fetch_add(1, Ordering::Relaxed);
-                    tally.bytes_in.fetch_add(frame.encoded_len() as u64, Ordering::Relaxed);
-                    if let Err(e) = machine.handle_frame(Instant::now(), frame) {
-                        warn!(agent = %agent.name, error = %e, "protocol error from the hub");
-                    }
-                }
-                Ok(None) => machine.close("hub closed the stream"),
-                Err(status) => machine.close(format!("hub ended the session: {}", status.message())),
-            },
-            _ = sleep_until(deadline) => machine.handle_timeout(Instant::now()),
-            _ = outbox_changed.notified(), if established => {
-                report_outbox(agent, tally, &mut machine, &mut reported);
-            }
-            _ = stop.wait_for(|s| *s) => {
-                machine.close("agent shutting down");
-                while let Some(frame) = machine.poll_transmit() {
-                    let _ = tx.try_send(frame);
-                }
-                shutdown = true;
-                break;
-            }
-        }
-    }
-    if established_at.is_some() {
-        agent.connected.store(false, Ordering::Relaxed);
-        tally.connected.fetch_sub(1, Ordering::Relaxed);
-    }
-    if shutdown {
-        return Ended::Shutdown;
-    }
-    match drained {
-        Some(retry_after) => Ended::Drained { retry_after },
-        None => Ended::Lost { reason },
-    }
-}
-
-fn count_out(tally: &Tally, frame: &wire::AgentFrame) {
-    tally.frames_out.fetch_add(1, Ordering::Relaxed);
-    tally
-        .bytes_out
-        .fetch_add(frame.encoded_len() as u64, Ordering::Relaxed);
-}
-
-/// Stores a work durably, acks it, hands it to the reconciler: the agent's order.
-async fn receive_work(
-    agent: &SimAgent,
-    tally: &Tally,
-    reconciler: &ReconcileHandle,
-    machine: &mut AgentSession,
-    work: wire::WorkUpdate,
-) {
-    let wire::WorkUpdate {
-        uid,
-        namespace,
-        name,
-        generation,
-        content_hash,
-        manifest_work_json,
-    } = work;
-    let refused = if manifest_work_json.len() > MAX_MANIFEST_WORK_BYTES {
-        Some(format!(
-            "the ManifestWork is {} bytes",
-            manifest_work_json.len()
-        ))
-    } else {
-        serde_json::from_slice::<ManifestWork>(&manifest_work_json)
-            .err()
-            .map(|e| format!("the ManifestWork does not parse: {e}"))
+    let (_, kubernetes_version) = watch::channel(config.kubernetes_version.clone());
+    let parts = Parts {
+        dialer,
+        cache: agent.cache.clone(),
+        target: agent.cluster.clone(),
+        kubernetes_version,
+        observer: agent.clone(),
+        seed: Some(shared.seed.wrapping_add(agent.index as u64)),
     };
-    let content = refused.is_none().then_some(manifest_work_json);
-    let cached = CachedWork {
-        uid: uid.clone(),
-        namespace,
-        name: name.clone(),
-        generation,
-        content_hash,
-        refused,
-        deleting: false,
+    let stopped = async move {
+        let _ = stop.wait_for(|s| *s).await;
     };
-    if let Ok(Some(held)) = agent.cache.work(&uid)
-        && held == cached
-    {
-        machine.ack_work(uid, generation);
-        return;
-    }
-    match durably(&agent.cache, move |c| {
-        c.put_work(&cached, content.as_deref())
-    })
-    .await
-    {
-        Ok(()) => {
-            machine.ack_work(uid.clone(), generation);
-            tally.works_acked.fetch_add(1, Ordering::Relaxed);
-            agent
-                .acks
-                .lock()
-                .await
-                .entry(name)
-                .or_insert_with(clock::now);
-            reconciler.work_changed(&uid).await;
-        }
-        Err(e) => warn!(agent = %agent.name, uid = %uid, error = %e, "cannot store a work"),
-    }
-}
-
-fn report_outbox(
-    agent: &SimAgent,
-    tally: &Tally,
-    machine: &mut AgentSession,
-    reported: &mut HashMap<String, u64>,
-) {
-    let Ok(pending) = agent.cache.pending_statuses() else {
-        return;
-    };
-    for status in pending {
-        if reported
-            .get(&status.uid)
-            .is_some_and(|seq| *seq >= status.seq)
-        {
-            continue;
-        }
-        reported.insert(status.uid.clone(), status.seq);
-        tally.statuses_sent.fetch_add(1, Ordering::Relaxed);
-        machine.report_status(
-            status.uid,
-            status.generation,
-            status.seq,
-            status.status_json,
-        );
-    }
-}
-
-async fn sleep_until(deadline: Option<Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(d).await,
-        None => std::future::pending().await,
+    if let Err(e) = flotilla_agent::run_with(&config, parts, stopped).await {
+        warn!(agent = %agent.name, error = %e, "the agent stopped with an error");
     }
 }
