@@ -10,6 +10,7 @@
 //! re-attaches the agent to its recorded request.
 
 use std::fmt;
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -25,6 +26,7 @@ use tokio_rustls::TlsConnector;
 use tonic::transport::Endpoint;
 use tracing::{info, warn};
 
+use crate::connect::DIAL_TIMEOUT;
 use crate::identity::{Identity, IdentityError};
 use crate::proxy::{self, ProxyUrl};
 
@@ -82,6 +84,8 @@ pub struct JoinParams {
     /// `k=v` labels the agent asks for (the hub may add its own).
     pub labels: Vec<String>,
     pub proxy: Option<ProxyUrl>,
+    /// Source address to dial from (see `Dialer::with_local_address`).
+    pub local_address: Option<IpAddr>,
 }
 
 /// Why a join ended without a certificate.
@@ -178,6 +182,7 @@ async fn attempt(
         .map_err(|e| Attempt::Final(JoinError::Denied(format!("--server-name: {e}"))))?;
     let hub = params.hub.clone();
     let proxy = params.proxy.clone();
+    let local = params.local_address;
     let dial = tower::service_fn(move |_uri: http::Uri| {
         let (connector, server_name, hub, proxy) = (
             connector.clone(),
@@ -186,15 +191,21 @@ async fn attempt(
             proxy.clone(),
         );
         async move {
-            let tcp = proxy::dial(&hub, proxy.as_ref(), None).await?;
+            let tcp = proxy::dial(&hub, proxy.as_ref(), local).await?;
             let tls = connector.connect(server_name, tcp).await?;
             Ok::<_, std::io::Error>(TokioIo::new(tls))
         }
     });
-    let channel = Endpoint::from_shared(format!("http://{}", params.hub))
-        .map_err(|e| Attempt::Final(JoinError::Denied(format!("--hub {}: {e}", params.hub))))?
-        .connect_with_connector(dial)
+    let endpoint = Endpoint::from_shared(format!("http://{}", params.hub))
+        .map_err(|e| Attempt::Final(JoinError::Denied(format!("--hub {}: {e}", params.hub))))?;
+    let channel = tokio::time::timeout(DIAL_TIMEOUT, endpoint.connect_with_connector(dial))
         .await
+        .map_err(|_| {
+            Attempt::Retry(format!(
+                "connecting to the hub at {}: no answer within {DIAL_TIMEOUT:?}",
+                params.hub
+            ))
+        })?
         .map_err(|e| Attempt::Retry(format!("connecting to the hub at {}: {e:?}", params.hub)))?;
     let request = JoinRequest {
         cluster_name: params.cluster_name.clone(),

@@ -78,6 +78,7 @@ async fn join_then_run(args: JoinArgs) -> anyhow::Result<()> {
             ca_fingerprint: args.ca_fingerprint,
             labels: args.labels,
             proxy: config.proxy_url.clone(),
+            local_address: None,
         };
         if let Err(e) = flotilla_agent::join::join(&params, &identity, shutdown_signal()).await {
             if matches!(e, flotilla_agent::join::JoinError::Shutdown) {

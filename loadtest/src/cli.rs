@@ -102,6 +102,19 @@ pub enum HubMode {
     InProcess,
 }
 
+/// How the agents get their identities.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Enrollment {
+    /// The harness issues each certificate from the hub's CA and registers its key through
+    /// the operator API before the ramp: the ramp then measures sessions alone.
+    Issue,
+    /// Real registration: each agent joins with one shared bootstrap token (auto-accept),
+    /// making its key and sending a CSR as `flotilla-agent join` does, then connects; the
+    /// connect scenario's figures include the join.
+    Join,
+}
+
 /// Signal sent to the hub in `storm`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -165,6 +178,10 @@ pub struct RunArgs {
     /// operator credentials (operator/config.yaml) register them.
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
+
+    /// How the agents get their identities before connecting.
+    #[arg(long, value_enum, default_value_t = Enrollment::Issue)]
+    pub enroll: Enrollment,
 
     /// New agents started per second during the ramp.
     #[arg(long, default_value_t = DEFAULT_CONNECT_RATE)]

@@ -40,6 +40,17 @@ pub struct Identity {
     pub key_pem: String,
 }
 
+impl Identity {
+    /// An agent that has no identity yet and joins for one.
+    pub fn to_join(name: String) -> Identity {
+        Identity {
+            name,
+            cert_pem: String::new(),
+            key_pem: String::new(),
+        }
+    }
+}
+
 impl std::fmt::Debug for Identity {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Identity")

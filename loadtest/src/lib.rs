@@ -36,12 +36,12 @@ use std::path::PathBuf;
 use anyhow::Context;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use crate::cli::{RunArgs, Scenario};
-use crate::fleet::{Hub, SERVER_NAME};
+use crate::cli::{Enrollment, RunArgs, Scenario};
+use crate::fleet::{Hub, Identity, SERVER_NAME};
 use crate::machine::Machine;
 use crate::report::{HubInfo, Report, SCHEMA};
 use crate::scenario::Run;
-use crate::swarm::SwarmSpec;
+use crate::swarm::{JoinSpec, SwarmSpec};
 
 /// Where a run's outputs go: `--out`, or a fresh `./loadtest-<time>`.
 pub fn out_dir(args: &RunArgs) -> PathBuf {
@@ -80,14 +80,31 @@ pub async fn run(args: RunArgs) -> anyhow::Result<(Report, PathBuf)> {
     };
     let api = hub.operator()?;
 
-    status.set_message(format!(
-        "enrolling {} agents (certificates from the hub CA)",
-        args.agents
-    ));
     let names: Vec<String> = (0..args.agents).map(|i| args.cluster_name(i)).collect();
-    let bar = progress.add(ProgressBar::new(args.agents as u64));
-    let identities = hub.enroll(names, &bar).await?;
-    bar.finish_and_clear();
+    let (identities, join) = match args.enroll {
+        Enrollment::Issue => {
+            status.set_message(format!(
+                "enrolling {} agents (certificates from the hub CA)",
+                args.agents
+            ));
+            let bar = progress.add(ProgressBar::new(args.agents as u64));
+            let identities = hub.enroll(names, &bar).await?;
+            bar.finish_and_clear();
+            (identities, None)
+        }
+        Enrollment::Join => {
+            status.set_message("creating a bootstrap token for the agents to join with");
+            // Good for every scenario's longest run, and no longer.
+            let ttl = args.timeout * (args.scenarios.len() as u32 + 1);
+            let (token, ca_fingerprint) = api.bootstrap_token(args.agents, ttl).await?;
+            let identities = names.into_iter().map(Identity::to_join).collect();
+            let join = JoinSpec {
+                token,
+                ca_fingerprint,
+            };
+            (identities, Some(join))
+        }
+    };
     let spec = SwarmSpec {
         hub: hub.agents,
         server_name: SERVER_NAME.to_string(),
@@ -101,6 +118,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<(Report, PathBuf)> {
         apply_failure_rate: args.apply_failure_rate,
         cache_dir: run_dir.path().join("agent-cache"),
         identities_dir: run_dir.path().join("agent-identities"),
+        join,
     };
     let mut run = Run::new(
         args.clone(),

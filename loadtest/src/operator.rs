@@ -65,6 +65,34 @@ impl OperatorApi {
         Ok(())
     }
 
+    /// Creates a bootstrap token good for `uses` joins within `ttl`, auto-accepting: what
+    /// `flotilla token create --uses N --auto-accept` does. Returns the token and the hub CA's
+    /// fingerprint that joining agents pin.
+    pub async fn bootstrap_token(
+        &self,
+        uses: usize,
+        ttl: std::time::Duration,
+    ) -> anyhow::Result<(String, String)> {
+        let created = self
+            .request(
+                http::Method::POST,
+                "/registration/v1/tokens",
+                Some(&serde_json::json!({
+                    "ttlSeconds": ttl.as_secs().max(1),
+                    "uses": u32::try_from(uses).context("too many uses for one token")?,
+                    "autoAccept": true,
+                })),
+            )
+            .await?;
+        let field = |f: &str| {
+            created[f]
+                .as_str()
+                .map(str::to_string)
+                .with_context(|| format!("the hub's token answer has no {f}"))
+        };
+        Ok((field("token")?, field("caFingerprint")?))
+    }
+
     /// Every ManagedCluster.
     pub async fn clusters(&self) -> anyhow::Result<Vec<Value>> {
         let list = self

@@ -136,6 +136,9 @@ pub struct ScenarioReport {
     pub agents: u64,
 
     // connect
+    /// With `--enroll join`: agents that joined with the bootstrap token, and that gave up.
+    pub joined: Option<u64>,
+    pub join_failures: Option<u64>,
     pub connected: Option<u64>,
     pub available_on_hub: Option<u64>,
     pub time_to_all_connected_s: Option<f64>,
@@ -227,6 +230,12 @@ pub fn table(report: &Report) -> String {
         };
         match s.name.as_str() {
             "connect" => {
+                if let Some(joined) = s.joined {
+                    row(
+                        "joined (token, CSR, auto-accept)",
+                        format!("{joined} / {} ({} gave up)", s.agents, opt(s.join_failures)),
+                    );
+                }
                 row(
                     "sessions connected",
                     format!("{} / {}", opt(s.connected), s.agents),

@@ -204,6 +204,11 @@ impl Run {
         let mut done = false;
         while !clock.expired() {
             let s = self.sample();
+            anyhow::ensure!(
+                s.join_failures == 0,
+                "{} agents could not join with the bootstrap token (the hub's log says why)",
+                s.join_failures
+            );
             let t = clock.t();
             r.curve.push(Point {
                 t_s: t,
@@ -232,6 +237,10 @@ impl Run {
         poller.abort();
         bar.finish_and_clear();
         let s = self.sample();
+        if self.spec.join.is_some() {
+            r.joined = Some(s.joined);
+            r.join_failures = Some(s.join_failures);
+        }
         r.connected = Some(s.connected);
         r.available_on_hub = Some(available);
         r.failed_attempts = Some(s.failed_attempts);

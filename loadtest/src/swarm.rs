@@ -17,6 +17,7 @@ use anyhow::Context;
 use flotilla_agent::cache::{CachedWork, SledCacheDb, WorkCache};
 use flotilla_agent::connect::Dialer;
 use flotilla_agent::identity;
+use flotilla_agent::join::{JoinError, JoinParams};
 use flotilla_agent::reconcile::DEFAULT_APPLY_CONCURRENCY;
 use flotilla_agent::{AgentConfig, Observer, Parts};
 use flotilla_proto::api::ManifestWorkStatus;
@@ -59,6 +60,28 @@ pub struct SwarmSpec {
     pub cache_dir: PathBuf,
     /// Where each agent's identity directory (`<dir>/<cluster>/`) is written.
     pub identities_dir: PathBuf,
+    /// With `--enroll join`: the agents join with this token before connecting, and the
+    /// identities they are given carry names only.
+    pub join: Option<JoinSpec>,
+}
+
+/// What joining agents are given: a `flotilla token create` output.
+#[derive(Clone, Serialize, Deserialize)]
+pub struct JoinSpec {
+    /// `<id>.<secret>`: a secret, never printed.
+    pub token: String,
+    /// The hub CA's SHA-256 fingerprint the agents pin.
+    pub ca_fingerprint: String,
+}
+
+impl std::fmt::Debug for JoinSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let id = self.token.split('.').next().unwrap_or_default();
+        f.debug_struct("JoinSpec")
+            .field("token", &format_args!("{id}.<redacted>"))
+            .field("ca_fingerprint", &self.ca_fingerprint)
+            .finish()
+    }
 }
 
 /// Counters of a swarm at one moment. Swarms in several processes add up.
@@ -66,6 +89,9 @@ pub struct SwarmSpec {
 pub struct Sample {
     /// Agents whose task has started.
     pub started: u64,
+    /// With `--enroll join`: agents that joined (identity stored), and that gave up.
+    pub joined: u64,
+    pub join_failures: u64,
     /// Sessions established right now.
     pub connected: u64,
     /// Sessions established since the start (the hub's accepted handshakes).
@@ -90,6 +116,8 @@ pub struct Sample {
 impl Sample {
     pub fn add(&mut self, o: &Sample) {
         self.started += o.started;
+        self.joined += o.joined;
+        self.join_failures += o.join_failures;
         self.connected += o.connected;
         self.established_total += o.established_total;
         self.failed_attempts += o.failed_attempts;
@@ -109,6 +137,8 @@ impl Sample {
 #[derive(Default)]
 struct Tally {
     started: AtomicU64,
+    joined: AtomicU64,
+    join_failures: AtomicU64,
     connected: AtomicI64,
     established_total: AtomicU64,
     failed_attempts: AtomicU64,
@@ -270,8 +300,10 @@ impl Swarm {
         for (k, id) in identities.iter().enumerate() {
             let index = spec.first_index + k;
             let identity_dir = spec.identities_dir.join(&id.name);
-            write_identity(&identity_dir, &spec.ca_bundle, id)
-                .with_context(|| format!("agent {}: writing its identity", id.name))?;
+            if spec.join.is_none() {
+                write_identity(&identity_dir, &spec.ca_bundle, id)
+                    .with_context(|| format!("agent {}: writing its identity", id.name))?;
+            }
             agents.push(Arc::new(SimAgent {
                 name: id.name.clone(),
                 index,
@@ -297,6 +329,7 @@ impl Swarm {
             source_addresses: spec.source_addresses,
             max_backoff: Duration::from_millis(spec.max_backoff_ms),
             seed: spec.seed,
+            join: spec.join.clone(),
             _db: db,
         });
         for (k, agent) in agents.iter().enumerate() {
@@ -335,6 +368,8 @@ impl Swarm {
         });
         Sample {
             started: t.started.load(Ordering::Relaxed),
+            joined: t.joined.load(Ordering::Relaxed),
+            join_failures: t.join_failures.load(Ordering::Relaxed),
             connected: t.connected.load(Ordering::Relaxed).max(0) as u64,
             established_total: t.established_total.load(Ordering::Relaxed),
             failed_attempts: t.failed_attempts.load(Ordering::Relaxed),
@@ -395,6 +430,7 @@ struct Shared {
     source_addresses: u32,
     max_backoff: Duration,
     seed: u64,
+    join: Option<JoinSpec>,
     /// Kept open for as long as any agent runs.
     _db: SledCacheDb,
 }
@@ -434,6 +470,20 @@ async fn run_agent(
         _ = stop.wait_for(|s| *s) => return,
     }
     agent.tally.started.fetch_add(1, Ordering::Relaxed);
+    let source = source_address(agent.index as u32 % shared.source_addresses);
+    if let Some(join) = &shared.join {
+        match join_hub(&agent, &shared, join, source, &mut stop).await {
+            Ok(()) => {
+                agent.tally.joined.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(JoinError::Shutdown) => return,
+            Err(e) => {
+                warn!(agent = %agent.name, error = %e, "the agent could not join");
+                agent.tally.join_failures.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+        }
+    }
     let config = AgentConfig {
         hub: shared.hub.to_string(),
         server_name: Some(shared.server_name.clone()),
@@ -450,9 +500,7 @@ async fn run_agent(
         kubernetes_version: SIM_KUBERNETES_VERSION.into(),
     };
     let dialer = match Dialer::new(&config.hub, &shared.server_name, &agent.identity_dir) {
-        Ok(d) => d.with_local_address(Some(source_address(
-            agent.index as u32 % shared.source_addresses,
-        ))),
+        Ok(d) => d.with_local_address(Some(source)),
         Err(e) => {
             warn!(agent = %agent.name, error = %format!("{e:#}"), "cannot start the agent");
             return;
@@ -473,4 +521,33 @@ async fn run_agent(
     if let Err(e) = flotilla_agent::run_with(&config, parts, stopped).await {
         warn!(agent = %agent.name, error = %e, "the agent stopped with an error");
     }
+}
+
+/// `flotilla-agent join`: a key made here, a CSR sent with the shared token, the hub CA pinned
+/// by fingerprint, the identity stored in the agent's directory.
+async fn join_hub(
+    agent: &SimAgent,
+    shared: &Shared,
+    join: &JoinSpec,
+    source: IpAddr,
+    stop: &mut watch::Receiver<bool>,
+) -> Result<(), JoinError> {
+    let params = JoinParams {
+        hub: shared.hub.to_string(),
+        server_name: shared.server_name.clone(),
+        cluster_name: agent.name.clone(),
+        token: join
+            .token
+            .parse()
+            .map_err(|e| JoinError::Denied(format!("the harness's bootstrap token: {e}")))?,
+        ca_fingerprint: join.ca_fingerprint.clone(),
+        labels: Vec::new(),
+        proxy: None,
+        local_address: Some(source),
+    };
+    let identity = identity::Identity::new(&agent.identity_dir);
+    flotilla_agent::join::join(&params, &identity, async {
+        let _ = stop.wait_for(|s| *s).await;
+    })
+    .await
 }

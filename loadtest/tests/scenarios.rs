@@ -209,6 +209,49 @@ async fn an_in_process_hub_runs_connect_and_fanout() {
     assert_eq!(fanout.acked, Some(100));
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_can_join_with_a_bootstrap_token_instead_of_issued_certificates() {
+    trace_init();
+    let dir = tempfile::tempdir().unwrap();
+    let run = args(
+        &dir.path().join("out"),
+        &[
+            "--agents",
+            "60",
+            "--processes",
+            "2",
+            "--enroll",
+            "join",
+            "--scenario",
+            "connect,fanout",
+            "--timeout",
+            "90s",
+        ],
+    );
+    let (report, _) = flotilla_loadtest::run(run).await.unwrap();
+    let [connect, fanout] = &report.scenarios[..] else {
+        unreachable!()
+    };
+    assert_eq!(
+        connect.outcome,
+        Some(Outcome::Completed),
+        "{:?}",
+        connect.error
+    );
+    // Every agent made its key, sent a CSR and was auto-accepted before its session.
+    assert_eq!(connect.joined, Some(60));
+    assert_eq!(connect.join_failures, Some(0));
+    assert_eq!(connect.available_on_hub, Some(60));
+    assert_eq!(
+        fanout.outcome,
+        Some(Outcome::Completed),
+        "{:?}",
+        fanout.error
+    );
+    assert_eq!(fanout.acked, Some(60));
+    assert_eq!(fanout.applied_on_hub, Some(60));
+}
+
 #[tokio::test]
 async fn bad_input_fails_before_anything_starts() {
     trace_init();
