@@ -174,6 +174,7 @@ impl Gateway {
         let statuses = tokio::spawn(shared.statuses.clone().run(
             shared.store.clone(),
             shared.registry.clone(),
+            shared.desired.clone(),
             stop_rx,
         ));
         let max = shared.config.max_frame_bytes;

@@ -11,7 +11,12 @@ use flotilla_store::{Store, StoreError};
 use tokio::sync::{Mutex, Notify, watch};
 use tracing::{debug, warn};
 
+use crate::desired::DesiredState;
 use crate::registry::Registry;
+
+/// How often the record of stored seqs forgets works that no longer exist, so it holds the
+/// live works (and those deleted within this period), not every work ever seen.
+const PRUNE_EVERY: Duration = Duration::from_secs(60);
 
 /// A status waiting to be written.
 #[derive(Clone, Debug)]
@@ -23,14 +28,21 @@ pub struct PendingStatus {
     pub status: serde_json::Value,
 }
 
+#[derive(Clone, Debug, PartialEq)]
+struct Written {
+    cluster: String,
+    seq: u64,
+}
+
 pub struct StatusWriter {
     /// Newest pending status per work uid.
     pending: Mutex<HashMap<String, PendingStatus>>,
-    /// Highest seq stored per work uid, to drop stale reports (a reconnecting agent resends
-    /// its outbox).
-    written: Mutex<HashMap<String, u64>>,
+    /// Highest seq stored per work uid (with the work's cluster), to drop stale reports (a
+    /// reconnecting agent resends its outbox). Pruned of deleted works every [`PRUNE_EVERY`].
+    written: Mutex<HashMap<String, Written>>,
     notify: Notify,
     writes_per_second: u32,
+    prune_every: Duration,
 }
 
 /// Why a reported status was refused; none is retryable with the same frame.
@@ -51,6 +63,7 @@ impl StatusWriter {
             written: Mutex::new(HashMap::new()),
             notify: Notify::new(),
             writes_per_second: writes_per_second.max(1),
+            prune_every: PRUNE_EVERY,
         })
     }
 
@@ -96,12 +109,18 @@ impl StatusWriter {
         self: Arc<Self>,
         store: Arc<dyn Store>,
         registry: Arc<Registry>,
+        desired: Arc<DesiredState>,
         mut stop: watch::Receiver<bool>,
     ) {
         let spacing = Duration::from_secs(1) / self.writes_per_second;
         let mut tick = tokio::time::interval(spacing);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut next_prune = tokio::time::Instant::now() + self.prune_every;
         loop {
+            if tokio::time::Instant::now() >= next_prune {
+                next_prune = tokio::time::Instant::now() + self.prune_every;
+                self.prune(&desired).await;
+            }
             let next = { self.pending.lock().await.keys().next().cloned() };
             let Some(uid) = next else {
                 tokio::select! {
@@ -121,7 +140,7 @@ impl StatusWriter {
                 .lock()
                 .await
                 .get(&p.uid)
-                .is_some_and(|w| *w >= p.seq)
+                .is_some_and(|w| w.seq >= p.seq)
             {
                 // Already stored (a resend after reconnect): just acknowledge again.
                 ack(&registry, &p).await;
@@ -138,7 +157,11 @@ impl StatusWriter {
                 .await
             {
                 Ok(_) => {
-                    self.written.lock().await.insert(p.uid.clone(), p.seq);
+                    let written = Written {
+                        cluster: p.cluster.clone(),
+                        seq: p.seq,
+                    };
+                    self.written.lock().await.insert(p.uid.clone(), written);
                     debug!(cluster = %p.cluster, work = %p.name, seq = p.seq, "work status stored");
                     ack(&registry, &p).await;
                 }
@@ -163,8 +186,132 @@ impl StatusWriter {
     }
 }
 
+impl StatusWriter {
+    /// Forgets the stored seqs of works the desired state no longer has.
+    async fn prune(&self, desired: &DesiredState) {
+        let entries: Vec<(String, Written)> = {
+            let written = self.written.lock().await;
+            written
+                .iter()
+                .map(|(uid, w)| (uid.clone(), w.clone()))
+                .collect()
+        };
+        let mut gone = Vec::new();
+        for (uid, w) in entries {
+            if desired.owned_by(&w.cluster, &uid).await.is_none() {
+                gone.push(uid);
+            }
+        }
+        if !gone.is_empty() {
+            let mut written = self.written.lock().await;
+            for uid in &gone {
+                written.remove(uid);
+            }
+            debug!(
+                forgotten = gone.len(),
+                "status record pruned of deleted works"
+            );
+        }
+    }
+
+    /// Works whose stored seq is remembered (for tests).
+    #[cfg(test)]
+    async fn remembered(&self) -> Vec<String> {
+        let mut uids: Vec<String> = self.written.lock().await.keys().cloned().collect();
+        uids.sort();
+        uids
+    }
+}
+
 async fn ack(registry: &Registry, p: &PendingStatus) {
     if let Some(h) = registry.get(&p.cluster).await {
         h.mailbox.status_ack(&p.uid, p.seq).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The record of stored seqs stays bounded by the live works.
+
+    use super::*;
+    use flotilla_store::SledStore;
+    use serde_json::json;
+
+    fn work(name: &str) -> serde_json::Value {
+        json!({
+            "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
+            "metadata": {"name": name, "namespace": "store-1"},
+            "spec": {"workload": {"manifests": []}},
+        })
+    }
+
+    async fn eventually<F: Future<Output = bool>>(what: &str, mut check: impl FnMut() -> F) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !check().await {
+            assert!(tokio::time::Instant::now() < deadline, "never: {what}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn deleted_works_are_forgotten() {
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(SledStore::open(dir.path()).unwrap());
+        let uid = |o: &serde_json::Value| o["metadata"]["uid"].as_str().unwrap().to_string();
+        let kept = uid(&store.create(work("kept")).await.unwrap());
+        let gone = uid(&store.create(work("gone")).await.unwrap());
+        let registry = Arc::new(Registry::default());
+        let desired = DesiredState::new();
+        let (stop_tx, stop) = watch::channel(false);
+        tokio::spawn(
+            desired
+                .clone()
+                .run(store.clone(), registry.clone(), stop.clone()),
+        );
+        desired.wait_ready().await;
+        let writer = Arc::new(StatusWriter {
+            prune_every: Duration::ZERO,
+            ..Arc::into_inner(StatusWriter::new(1000)).unwrap()
+        });
+        tokio::spawn(
+            writer
+                .clone()
+                .run(store.clone(), registry, desired.clone(), stop),
+        );
+        let status = json!({"conditions": []}).to_string();
+        for (name, uid) in [("kept", &kept), ("gone", &gone)] {
+            writer
+                .submit("store-1", name, uid, 1, status.as_bytes())
+                .await
+                .unwrap();
+        }
+        let both = {
+            let mut both = vec![kept.clone(), gone.clone()];
+            both.sort();
+            both
+        };
+        eventually("both statuses stored", || async {
+            writer.remembered().await == both
+        })
+        .await;
+
+        store
+            .delete(Kind::ManifestWork, Some("store-1"), "gone")
+            .await
+            .unwrap();
+        eventually("the deletion reaches the desired state", || async {
+            desired.owned_by("store-1", &gone).await.is_none()
+        })
+        .await;
+        // The next status written goes through a pruning pass.
+        writer
+            .submit("store-1", "kept", &kept, 2, status.as_bytes())
+            .await
+            .unwrap();
+        eventually("the deleted work is forgotten", || async {
+            writer.remembered().await == [kept.clone()]
+        })
+        .await;
+        let _ = stop_tx.send(true);
     }
 }
