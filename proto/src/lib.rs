@@ -17,6 +17,19 @@ pub mod session;
 pub mod wire {
     #![allow(clippy::all, missing_docs)]
     tonic::include_proto!("flotilla.v1");
+
+    impl std::fmt::Debug for JoinRequest {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            // `<id>.<secret>`: the id names the token in logs and `flotilla token list`.
+            let id = self.token.split('.').next().unwrap_or_default();
+            f.debug_struct("JoinRequest")
+                .field("cluster_name", &self.cluster_name)
+                .field("token", &format_args!("{id}.<redacted>"))
+                .field("csr_pem", &format_args!("<{} bytes>", self.csr_pem.len()))
+                .field("labels", &self.labels)
+                .finish()
+        }
+    }
 }
 
 /// The session protocol version this build speaks (`Hello.protocol_version`).

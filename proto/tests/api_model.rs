@@ -368,3 +368,20 @@ fn empty_and_oversized_works_are_refused() {
         errors[0]
     );
 }
+
+#[test]
+fn a_join_request_never_shows_its_token_secret_in_debug_output() {
+    let request = flotilla_proto::wire::JoinRequest {
+        cluster_name: "store-1".into(),
+        token: "abc123.s3cr3tvalue".into(),
+        csr_pem: "-----BEGIN CERTIFICATE REQUEST-----".into(),
+        labels: vec!["region=eu".into()],
+    };
+    let shown = format!("{request:?}");
+    assert!(!shown.contains("s3cr3tvalue"), "{shown}");
+    assert!(shown.contains("abc123.<redacted>"), "{shown}");
+    assert!(
+        shown.contains("store-1") && shown.contains("region=eu"),
+        "{shown}"
+    );
+}
