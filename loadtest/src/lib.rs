@@ -28,6 +28,7 @@ pub mod machine;
 pub mod operator;
 pub mod plot;
 pub mod preflight;
+pub mod prometheus;
 pub mod report;
 pub mod scenario;
 pub mod sim;
