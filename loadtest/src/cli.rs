@@ -31,6 +31,13 @@ pub const DEFAULT_CLUSTER_PREFIX: &str = "lt";
 pub const DEFAULT_HUB_LISTEN: &str = "127.0.0.1:0";
 /// Default of `--seed`.
 pub const DEFAULT_SEED: u64 = 1;
+/// Default of `--store`: the embedded store, nothing to install.
+pub const DEFAULT_STORE: HubStore = HubStore::Sled;
+/// Default of `--baseline-window`: how long `baseline-klusterlet` watches each side idle.
+pub const DEFAULT_BASELINE_WINDOW: &str = "30s";
+/// Default of `--lease-interval`: OCM's default `ManagedCluster.spec.leaseDurationSeconds`, the
+/// period at which its registration agent renews the cluster's Lease on the hub.
+pub const DEFAULT_LEASE_INTERVAL: &str = "60s";
 /// Sessions one harness process may hold per file descriptor budget: each needs one socket,
 /// plus headroom for the runtime, the cache and the hub's own sockets when in-process.
 pub const FD_HEADROOM: u64 = 256;
@@ -42,8 +49,9 @@ pub const FD_HEADROOM: u64 = 256;
     about = "Runs thousands of real agent sessions against a flotilla hub and reports what it measured",
     long_about = "Runs thousands of simulated agents (real sessions, real TLS, the real protocol, a \
                   simulated cluster behind each) against a flotilla hub it starts itself or an \
-                  existing one on loopback, drives scenarios (connect, fanout, storm, outage), \
-                  shows live progress, and writes a JSON report and SVG plots."
+                  existing one on loopback, drives scenarios (connect, fanout, storm, outage, \
+                  and with --store kube the klusterlet baseline), shows live progress, and \
+                  writes a JSON report and SVG plots."
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -86,9 +94,33 @@ pub enum Scenario {
     Storm,
     /// Hub down for --outage while agents keep their state: resume volume and convergence.
     Outage,
-    // `proxy` (kubectl requests through the agents' tunnels) and `baseline-klusterlet` (every
-    // agent listing and watching a real apiserver) take their places here once tunnels and a
-    // kube-backed baseline exist; they are absent rather than faked.
+    /// (--store kube) The pattern flotilla replaces: one klusterlet-style client per cluster
+    /// listing and watching a second, fresh apiserver itself, against the hub apiserver's load
+    /// under flotilla's agents; requests per phase, watches and apiserver memory side by side.
+    BaselineKlusterlet,
+    // `proxy` (kubectl requests through the agents' tunnels) takes its place here once tunnels
+    // exist; it is absent rather than faked.
+}
+
+/// Where the hub under test keeps its objects (`--store`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum HubStore {
+    /// The embedded sled database in the hub's data dir.
+    #[default]
+    Sled,
+    /// OCM's CRDs on a real kube-apiserver (with etcd) that the harness starts from the test
+    /// environment and stops at the end; every scenario then reports the apiserver's load.
+    Kube,
+}
+
+impl std::fmt::Display for HubStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            HubStore::Sled => "sled",
+            HubStore::Kube => "kube",
+        })
+    }
 }
 
 /// How the hub under test runs.
@@ -143,6 +175,24 @@ pub struct RunArgs {
     /// Scenarios to run, in order (comma-separated).
     #[arg(long = "scenario", value_enum, value_delimiter = ',', default_value = DEFAULT_SCENARIOS)]
     pub scenarios: Vec<Scenario>,
+
+    /// Where the hub keeps its objects: sled (embedded), or kube (OCM's CRDs on a real
+    /// kube-apiserver that the harness starts and stops; reports add the apiserver's load).
+    #[arg(long, value_enum, default_value_t = DEFAULT_STORE)]
+    #[serde(default)]
+    pub store: HubStore,
+
+    /// How long baseline-klusterlet watches each side with every agent (client) up and
+    /// nothing happening; it is measured twice, once per side.
+    #[arg(long, default_value = DEFAULT_BASELINE_WINDOW, value_parser = humantime::parse_duration)]
+    #[serde(with = "humantime_serde_compat", default = "default_baseline_window")]
+    pub baseline_window: Duration,
+
+    /// How often each klusterlet client of baseline-klusterlet renews its cluster's Lease
+    /// (whole seconds; OCM's default is 60s).
+    #[arg(long, default_value = DEFAULT_LEASE_INTERVAL, value_parser = humantime::parse_duration)]
+    #[serde(with = "humantime_serde_compat", default = "default_lease_interval")]
+    pub lease_interval: Duration,
 
     /// Number of agents (clusters) to simulate.
     #[arg(long, default_value_t = DEFAULT_AGENTS)]
@@ -347,6 +397,35 @@ impl RunArgs {
                 "{flag} {addr} is not a loopback address: the harness keeps all traffic on this machine"
             );
         }
+        if self.store == HubStore::Kube {
+            anyhow::ensure!(
+                self.hub.is_none(),
+                "--store kube starts a kube-apiserver for the hub the harness starts, so it cannot go with --hub (an existing hub keeps its own store); leave out --hub or --store"
+            );
+        }
+        if self.scenarios.contains(&Scenario::BaselineKlusterlet) {
+            anyhow::ensure!(
+                self.store == HubStore::Kube,
+                "scenario baseline-klusterlet compares the load on a real kube-apiserver, which needs --store kube (the harness then starts kube-apiserver and etcd itself); add --store kube"
+            );
+            anyhow::ensure!(
+                !self.baseline_window.is_zero(),
+                "--baseline-window must be positive, e.g. 30s"
+            );
+            anyhow::ensure!(
+                self.baseline_window * 2 < self.timeout,
+                "--baseline-window {} is waited out twice in baseline-klusterlet (once per side), so it must be under half of --timeout {}; raise --timeout or shorten --baseline-window",
+                humantime::format_duration(self.baseline_window),
+                humantime::format_duration(self.timeout)
+            );
+            anyhow::ensure!(
+                self.lease_interval >= Duration::from_secs(1)
+                    && self.lease_interval.subsec_nanos() == 0
+                    && self.lease_interval.as_secs() <= i32::MAX as u64,
+                "--lease-interval {} must be a whole number of seconds, at least 1s (a Lease counts in seconds); OCM's default is 60s",
+                humantime::format_duration(self.lease_interval)
+            );
+        }
         if self.hub_mode == HubMode::InProcess && self.hub.is_none() {
             for s in &self.scenarios {
                 anyhow::ensure!(
@@ -375,6 +454,14 @@ impl RunArgs {
 /// Cluster name of agent `i` with `prefix`.
 pub fn cluster_name(prefix: &str, i: usize) -> String {
     format!("{prefix}-{i:05}")
+}
+
+fn default_baseline_window() -> Duration {
+    humantime::parse_duration(DEFAULT_BASELINE_WINDOW).expect("a valid default")
+}
+
+fn default_lease_interval() -> Duration {
+    humantime::parse_duration(DEFAULT_LEASE_INTERVAL).expect("a valid default")
 }
 
 /// Durations in the report and worker specs as humantime strings ("1m 30s").
@@ -465,5 +552,65 @@ mod tests {
         );
         check(&["--cluster-prefix", "Bad_"], Err("--cluster-prefix"));
         check(&["--scenario", "proxy"], Err("invalid value 'proxy'"));
+    }
+
+    #[test]
+    fn the_klusterlet_baseline_needs_the_kube_store() {
+        check(
+            &["--scenario", "connect,baseline-klusterlet"],
+            Err(
+                "baseline-klusterlet compares the load on a real kube-apiserver, which needs --store kube",
+            ),
+        );
+        check(
+            &[
+                "--scenario",
+                "baseline-klusterlet",
+                "--store",
+                "kube",
+                "--baseline-window",
+                "5s",
+                "--lease-interval",
+                "2s",
+            ],
+            Ok(()),
+        );
+        check(
+            &[
+                "--scenario",
+                "baseline-klusterlet",
+                "--store",
+                "kube",
+                "--timeout",
+                "60s",
+            ],
+            Err("--baseline-window 30s is waited out twice"),
+        );
+        check(
+            &[
+                "--scenario",
+                "baseline-klusterlet",
+                "--store",
+                "kube",
+                "--lease-interval",
+                "1500ms",
+            ],
+            Err("--lease-interval 1s 500ms must be a whole number of seconds"),
+        );
+        check(
+            &[
+                "--store",
+                "kube",
+                "--hub",
+                "127.0.0.1:9443",
+                "--data-dir",
+                "x",
+                "--scenario",
+                "connect",
+            ],
+            Err("cannot go with --hub"),
+        );
+        check(&["--store", "kube"], Ok(()));
+        assert_eq!(RunArgs::parse_defaults().store, HubStore::Sled);
     }
 }

@@ -1,6 +1,11 @@
 //! The hub under test: started by the harness (a child process, or in-process) or an existing
 //! one on loopback; stopped, killed and started again by the scenarios; and the agents'
 //! enrollment (certificates from the hub's CA, keys registered through the operator API).
+//!
+//! With `--store kube` the hub keeps its objects on a real kube-apiserver that [`Hub::start`]
+//! starts first and that lives exactly as long as the [`Hub`]: restarts of the hub (storm,
+//! outage) leave it running, and it stops after the hub, or when the `Hub` is dropped on an
+//! error path.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -11,6 +16,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use flotilla_hub::ListenInfo;
 use flotilla_hub::ca::Ca;
+use flotilla_hub::config::StoreBackend;
 use futures::StreamExt;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -20,7 +26,8 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tracing::info;
 
-use crate::cli::{HubMode, RunArgs};
+use crate::apiserver::{Apiserver, crds_dir};
+use crate::cli::{HubMode, HubStore, RunArgs};
 use crate::machine::ProcStats;
 use crate::operator::{OperatorApi, POOL_SIZE};
 
@@ -83,6 +90,9 @@ pub struct Hub {
     /// Where child hubs log (one file per start).
     log_dir: PathBuf,
     starts: usize,
+    /// The hub's kube-apiserver with `--store kube`. Declared after `running` so that, when a
+    /// `Hub` is dropped, the hub goes before the apiserver it talks to.
+    apiserver: Option<Apiserver>,
 }
 
 impl Hub {
@@ -105,13 +115,23 @@ impl Hub {
                 program: None,
                 log_dir: run_dir.to_path_buf(),
                 starts: 1,
+                apiserver: None,
             });
         }
         let data_dir = run_dir.join("hub-data");
         std::fs::create_dir_all(&data_dir)?;
+        // Dropped (stopping kube-apiserver and etcd) if the hub then fails to start.
+        let apiserver = match args.store {
+            HubStore::Sled => None,
+            HubStore::Kube => Some(Apiserver::start(&crds_dir()).await?),
+        };
         match args.hub_mode {
             HubMode::InProcess => {
-                let config = hub_config(&data_dir, args.hub_listen, args.hub_api_listen);
+                let mut config = hub_config(&data_dir, args.hub_listen, args.hub_api_listen);
+                if let Some(a) = &apiserver {
+                    config.store = StoreBackend::Kube;
+                    config.kubeconfig = Some(a.kubeconfig_path().to_path_buf());
+                }
                 let (stop, stopped) = oneshot::channel::<()>();
                 let task = tokio::spawn(flotilla_hub::run(config, async {
                     let _ = stopped.await;
@@ -129,13 +149,20 @@ impl Hub {
                     program: None,
                     log_dir: run_dir.to_path_buf(),
                     starts: 1,
+                    apiserver,
                 })
             }
             HubMode::Child => {
-                let program = match &args.hub_binary {
+                let mut program = match &args.hub_binary {
                     Some(bin) => (bin.clone(), Vec::new()),
                     None => (args.harness_exe()?, vec!["hub".to_string()]),
                 };
+                if let Some(a) = &apiserver {
+                    program.1.extend([
+                        "--store=kube".to_string(),
+                        format!("--kubeconfig={}", a.kubeconfig_path().display()),
+                    ]);
+                }
                 let mut hub = Hub {
                     mode: "child",
                     data_dir,
@@ -145,11 +172,17 @@ impl Hub {
                     program: Some(program),
                     log_dir: run_dir.to_path_buf(),
                     starts: 0,
+                    apiserver,
                 };
                 hub.start_again().await?;
                 Ok(hub)
             }
         }
+    }
+
+    /// The hub's kube-apiserver (`--store kube`).
+    pub fn apiserver(&self) -> Option<&Apiserver> {
+        self.apiserver.as_ref()
     }
 
     /// The child hub's pid, while it runs.
@@ -230,22 +263,26 @@ impl Hub {
         Ok(())
     }
 
-    /// Stops the hub (gracefully) if the harness started it.
+    /// Stops the hub (gracefully) if the harness started it, then its kube-apiserver, if any
+    /// (also when stopping the hub failed).
     pub async fn shutdown(mut self) -> anyhow::Result<()> {
-        match std::mem::replace(&mut self.running, Running::External) {
+        let stopped = match std::mem::replace(&mut self.running, Running::External) {
             Running::InProcess { mut stop, task } => {
                 if let Some(s) = stop.take() {
                     let _ = s.send(());
                 }
-                task.await??;
+                task.await.map_err(anyhow::Error::from).and_then(|r| r)
             }
             running @ Running::Child(_) => {
                 self.running = running;
-                self.stop_with(Signal::SIGTERM).await?;
+                self.stop_with(Signal::SIGTERM).await
             }
-            Running::External => {}
+            Running::External => Ok(()),
+        };
+        if let Some(a) = self.apiserver.take() {
+            a.stop().await;
         }
-        Ok(())
+        stopped
     }
 
     /// The operator API of this hub.

@@ -1,8 +1,9 @@
 //! flotilla's load-test harness: thousands of agents, each the real agent library (its session
 //! loop over real TLS and HTTP/2, cache, reconciler and status logic) over an in-memory
 //! cluster, against a real hub that the harness starts (a child process or in-process) or finds
-//! on loopback. It drives scenarios (connect, fanout, storm, outage), shows progress, and writes
-//! a versioned JSON report, a table and SVG plots.
+//! on loopback. It drives scenarios (connect, fanout, storm, outage, and with `--store kube`
+//! baseline-klusterlet), shows progress, and writes a versioned JSON report, a table and SVG
+//! plots.
 //!
 //! Not for: proving correctness in the small (the crates' own tests do that), or traffic to
 //! anything but this machine: every address it dials or binds is loopback.
@@ -13,19 +14,27 @@
 //! * [`swarm`]: many agents in one process; [`agents`]: one swarm here, or one per worker
 //!   process (`--processes`).
 //! * [`scenario`]: the scenarios; [`report`] and [`plot`]: what comes out.
+//! * [`apiserver`] (with [`prometheus`]): with `--store kube`, the hub's real kube-apiserver and
+//!   the load each scenario puts on it; [`klusterlet`] and [`baseline`]: the
+//!   `baseline-klusterlet` scenario, the same clusters as klusterlet-style clients that each
+//!   list and watch an apiserver themselves.
 //!
 //! Each simulated agent is `flotilla_agent::run_with`, the agent binary's own loop, watched
 //! through its `Observer`; only the spoke apiserver is simulated.
 #![forbid(unsafe_code)]
 
 pub mod agents;
+pub mod apiserver;
+pub mod baseline;
 pub mod cli;
 pub mod clock;
 pub mod fleet;
+pub mod klusterlet;
 pub mod machine;
 pub mod operator;
 pub mod plot;
 pub mod preflight;
+pub mod prometheus;
 pub mod report;
 pub mod scenario;
 pub mod sim;
@@ -36,6 +45,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
+use crate::apiserver::{Apiserver, ApiserverSnapshot};
 use crate::cli::{Enrollment, RunArgs, Scenario};
 use crate::fleet::{Hub, Identity, SERVER_NAME};
 use crate::machine::Machine;
@@ -77,6 +87,14 @@ pub async fn run(args: RunArgs) -> anyhow::Result<(Report, PathBuf)> {
         mode: hub.mode.to_string(),
         agents_address: hub.agents.to_string(),
         api_address: hub.api.to_string(),
+        store: if args.hub.is_some() {
+            // An existing hub's store is its own business.
+            "unknown".to_string()
+        } else {
+            args.store.to_string()
+        },
+        apiserver_url: hub.apiserver().map(|a| a.url().to_string()),
+        apiserver_pid: hub.apiserver().map(Apiserver::pid),
     };
     let api = hub.operator()?;
 
@@ -132,12 +150,18 @@ pub async fn run(args: RunArgs) -> anyhow::Result<(Report, PathBuf)> {
     let mut scenarios = Vec::new();
     for s in &args.scenarios {
         status.set_message(format!("scenario {s:?}"));
-        let report = match s {
+        let before = apiserver_snapshot(&run.hub).await;
+        let mut report = match s {
             Scenario::Connect => run.connect().await,
             Scenario::Fanout => run.fanout().await,
             Scenario::Storm => run.storm(false).await,
             Scenario::Outage => run.storm(true).await,
+            Scenario::BaselineKlusterlet => run.baseline_klusterlet(&scenarios).await,
         };
+        if let (Some(before), Some(after)) = (before, apiserver_snapshot(&run.hub).await) {
+            let own = run.hub.apiserver().map_or(0, Apiserver::own_watches);
+            report.apiserver = Some(after.load_since(&before, own));
+        }
         scenarios.push(report);
     }
     status.set_message("stopping agents and hub");
@@ -176,4 +200,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<(Report, PathBuf)> {
         let _ = std::fs::remove_dir_all(kept.join("agent-identities"));
     }
     Ok((report, out))
+}
+
+/// The hub apiserver's counters now (`--store kube`); a failure to read them is logged and
+/// leaves the scenario without an `apiserver` field rather than failing it.
+async fn apiserver_snapshot(hub: &Hub) -> Option<ApiserverSnapshot> {
+    match hub.apiserver()?.snapshot().await {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!(error = %format!("{e:#}"), "reading the hub apiserver's metrics failed");
+            None
+        }
+    }
 }

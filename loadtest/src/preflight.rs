@@ -1,13 +1,14 @@
 //! Checks that run before anything starts, so bad input fails at once with a message that
-//! names the flag and the fix: too many agents for the open-file limit, a port in use, an
-//! unreachable or non-loopback hub, a missing hub binary.
+//! names the flag and the fix: too many agents (or klusterlet clients) for the open-file limit,
+//! a port in use, an unreachable or non-loopback hub, a missing hub binary, missing CRDs.
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
 
-use crate::cli::{FD_HEADROOM, HubMode, RunArgs};
+use crate::cli::{FD_HEADROOM, HubMode, HubStore, RunArgs, Scenario};
+use crate::klusterlet::CONNECTIONS_PER_CLIENT;
 use crate::machine::raise_open_files_limit;
 
 /// How long the harness waits for an existing hub to accept a TCP connection.
@@ -51,6 +52,36 @@ pub fn check_fds(args: &RunArgs, limit: u64) -> anyhow::Result<()> {
             n.div_ceil(per.max(1)).max(2),
             if in_process_hub {
                 " and --hub-mode child"
+            } else {
+                ""
+            },
+        );
+    }
+    // baseline-klusterlet's clients run in this process beside the agents that live here,
+    // each holding its own connections to the apiserver.
+    let clients = if args.scenarios.contains(&Scenario::BaselineKlusterlet) {
+        n * CONNECTIONS_PER_CLIENT
+    } else {
+        0
+    };
+    if clients > 0 && fds_needed(here + clients) > limit {
+        let per_agent =
+            CONNECTIONS_PER_CLIENT + u64::from(args.processes == 1) + u64::from(in_process_hub);
+        bail!(
+            "scenario baseline-klusterlet runs one klusterlet client per agent in this process, \
+             each with its own kube client holding about {CONNECTIONS_PER_CLIENT} connections \
+             (two watches and one for writes): --agents {n} needs about {} open files here with \
+             the {here} the agents{} hold, but the open-file limit (ulimit -n, RLIMIT_NOFILE) is \
+             {limit}: lower --agents to about {}{}, or raise the hard limit",
+            fds_needed(here + clients),
+            if in_process_hub {
+                " and the in-process hub"
+            } else {
+                ""
+            },
+            limit.saturating_sub(FD_HEADROOM) / per_agent,
+            if args.processes == 1 {
+                " (or move the agents into workers with --processes 2)"
             } else {
                 ""
             },
@@ -101,6 +132,15 @@ pub async fn check(args: &RunArgs) -> anyhow::Result<()> {
         _ => {
             check_port_free("--hub-listen", args.hub_listen)?;
             check_port_free("--hub-api-listen", args.hub_api_listen)?;
+            if args.store == HubStore::Kube {
+                let crds = crate::apiserver::crds_dir();
+                anyhow::ensure!(
+                    crds.is_dir(),
+                    "--store kube installs flotilla's CRDs from {}, which does not exist: run the \
+                     harness built from a flotilla checkout that has deploy/crds",
+                    crds.display()
+                );
+            }
             if let Some(bin) = &args.hub_binary {
                 anyhow::ensure!(
                     bin.is_file(),
@@ -157,6 +197,27 @@ mod tests {
         .to_string();
         assert!(err.contains("--hub-mode child"), "{err}");
         check_fds(&args(&["--agents", "15000"]), 20_000).unwrap();
+        let baseline = |agents: &str, extra: &[&str]| {
+            let mut a = vec![
+                "--agents",
+                agents,
+                "--store",
+                "kube",
+                "--scenario",
+                "connect,baseline-klusterlet",
+            ];
+            a.extend_from_slice(extra);
+            check_fds(&args(&a), 20_000)
+        };
+        let err = baseline("5000", &[]).unwrap_err().to_string();
+        assert!(
+            err.contains("about 3 connections")
+                && err.contains("lower --agents to about 4936 (or move the agents into workers"),
+            "{err}"
+        );
+        baseline("4900", &[]).unwrap();
+        // With the agents in workers, the clients alone count here.
+        baseline("6000", &["--processes", "2"]).unwrap();
         check_fds(&args(&["--agents", "19000", "--processes", "2"]), 20_000).unwrap();
     }
 

@@ -8,7 +8,13 @@
 //! a scenario that stopped early still reports what it saw), and `plots` (file names written).
 //! Durations are seconds (`_s`) or milliseconds (`_ms`), sizes bytes (`_bytes`). Fields are only
 //! ever added within v1.
+//!
+//! Added within v1: `parameters.store`, `parameters.baseline_window`,
+//! `parameters.lease_interval`; `hub.store`, `hub.apiserver_url`, `hub.apiserver_pid`; per
+//! scenario `apiserver` (the hub apiserver's load during the scenario, `--store kube` only) and
+//! `baseline` (the `baseline-klusterlet` scenario's comparison).
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use hdrhistogram::Histogram;
@@ -40,6 +46,15 @@ pub struct HubInfo {
     pub mode: String,
     pub agents_address: String,
     pub api_address: String,
+    /// `sled` or `kube` (`--store`), or `unknown` for an existing hub (`--hub`).
+    #[serde(default)]
+    pub store: String,
+    /// With `--store kube`: the hub's kube-apiserver, and its process id (gone once the run
+    /// has returned).
+    #[serde(default)]
+    pub apiserver_url: Option<String>,
+    #[serde(default)]
+    pub apiserver_pid: Option<u32>,
 }
 
 /// How a scenario ended.
@@ -168,6 +183,9 @@ pub struct ScenarioReport {
     pub sessions_before: Option<u64>,
     pub hub_down_s: Option<f64>,
     pub time_to_all_back_s: Option<f64>,
+    /// Sessions established after the hub was stopped (at least one per agent once all are
+    /// back).
+    pub sessions_reestablished: Option<u64>,
     pub peak_accept_per_s: Option<f64>,
     pub resume_frames_in: Option<u64>,
     pub resume_bytes_in: Option<u64>,
@@ -181,6 +199,150 @@ pub struct ScenarioReport {
     /// Seconds into the scenario when the hub was stopped and started again.
     pub hub_stopped_at_s: Option<f64>,
     pub hub_started_at_s: Option<f64>,
+
+    /// With `--store kube`: what the hub's apiserver served while this scenario ran.
+    #[serde(default)]
+    pub apiserver: Option<ApiserverLoad>,
+    /// `baseline-klusterlet`: flotilla against klusterlet-style clients on apiserver load.
+    #[serde(default)]
+    pub baseline: Option<BaselineReport>,
+}
+
+/// What one kube-apiserver served over a window, from its own `/metrics`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct ApiserverLoad {
+    pub window_s: f64,
+    /// Requests that started in the window: `apiserver_request_total` counts a request when it
+    /// finishes, so watches still open at the end are added from `apiserver_longrunning_requests`.
+    /// Includes the apiserver's own housekeeping (its identity lease, endpoint reconciling), the
+    /// same few requests a minute on any apiserver.
+    pub requests: u64,
+    /// `requests` by verb (`GET`, `LIST`, `WATCH`, `POST`, `PUT`, `PATCH`, ...); sums to
+    /// `requests`.
+    pub requests_by_verb: BTreeMap<String, u64>,
+    /// `requests` by resource (`manifestworks`, `managedclusters/status`, `leases`, ...,
+    /// `(non-resource)`); sums to `requests`.
+    pub requests_by_resource: BTreeMap<String, u64>,
+    /// Watches the apiserver held at the end of the window, its own internal ones included.
+    pub watches_held: u64,
+    /// `watches_held` less the watches the apiserver held for itself before any client came.
+    pub watches_held_by_clients: u64,
+    /// Resident memory of the kube-apiserver process at the end of the window.
+    pub rss_bytes: Option<u64>,
+}
+
+impl ApiserverLoad {
+    /// Requests per minute over the window.
+    pub fn per_minute(&self) -> f64 {
+        self.requests as f64 * 60.0 / self.window_s.max(1e-3)
+    }
+}
+
+/// One side of the baseline: the apiserver load of each phase.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct BaselineSide {
+    /// Every agent (client) coming up and becoming Available.
+    pub connect: Option<ApiserverLoad>,
+    /// One ManifestWork per cluster created, delivered, and Applied and Available.
+    pub fanout: Option<ApiserverLoad>,
+    /// Every agent (client) up and nothing happening, for `--baseline-window`.
+    pub idle: Option<ApiserverLoad>,
+}
+
+/// One row of the comparison: apiserver requests of each side and klusterlet / flotilla.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct BaselineRow {
+    /// `connect`, `fanout`, `idle_per_minute` or `total`.
+    pub phase: String,
+    pub flotilla: Option<f64>,
+    pub klusterlet: Option<f64>,
+    /// `klusterlet / flotilla`; absent when either is, or flotilla's is 0.
+    pub ratio: Option<f64>,
+}
+
+/// `baseline-klusterlet`: the apiserver load of flotilla's agents (on the hub's apiserver)
+/// against one klusterlet-style client per cluster listing and watching a second, fresh
+/// apiserver itself.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct BaselineReport {
+    /// Klusterlet clients the scenario runs: one per agent of the run.
+    pub clients: u64,
+    /// Clients whose task started.
+    pub clients_started: u64,
+    /// Clients whose two informers (ManifestWorks in their namespace, their ManagedCluster)
+    /// finished their initial list.
+    pub clients_synced: u64,
+    /// Clients that wrote their ManagedCluster's Available condition and created their Lease.
+    pub clients_registered: u64,
+    /// Clients whose ManifestWork watch delivered the fan-out work.
+    pub clients_saw_work: u64,
+    /// ManifestWork status updates the clients wrote (Applied and Available).
+    pub statuses_written: u64,
+    /// Lease renewals (updates after the create) the clients wrote.
+    pub lease_renewals: u64,
+    /// Client requests that failed and were retried.
+    pub client_errors: u64,
+    /// A few of those failures, for a person to look at.
+    pub client_error_examples: Vec<String>,
+    /// The fan-out work's name; one per cluster namespace.
+    pub work: Option<String>,
+    pub works_created: u64,
+    /// Works the apiserver shows with Applied=True and Available=True.
+    pub works_applied: u64,
+    pub lease_interval_s: f64,
+    pub window_s: f64,
+    /// The hub's apiserver: connect and fanout from the run's earlier `connect` and `fanout`
+    /// scenarios (absent unless they ran and completed), idle measured by this scenario.
+    pub flotilla: BaselineSide,
+    /// The klusterlet clients' apiserver, phase by phase.
+    pub klusterlet: BaselineSide,
+    /// The comparison; `total` sums the phases both sides measured (idle as its window).
+    pub rows: Vec<BaselineRow>,
+    /// The klusterlet side's kube-apiserver process (gone once the scenario has returned).
+    pub klusterlet_apiserver_pid: Option<u32>,
+}
+
+impl BaselineReport {
+    /// Fills `rows` from the two sides.
+    pub fn compare(&mut self) {
+        let f = &self.flotilla;
+        let k = &self.klusterlet;
+        let requests = |l: &Option<ApiserverLoad>| l.as_ref().map(|l| l.requests as f64);
+        let per_minute = |l: &Option<ApiserverLoad>| l.as_ref().map(ApiserverLoad::per_minute);
+        let mut rows = vec![
+            row("connect", requests(&f.connect), requests(&k.connect)),
+            row("fanout", requests(&f.fanout), requests(&k.fanout)),
+            row("idle_per_minute", per_minute(&f.idle), per_minute(&k.idle)),
+        ];
+        let both: Vec<(f64, f64)> = [
+            (&f.connect, &k.connect),
+            (&f.fanout, &k.fanout),
+            (&f.idle, &k.idle),
+        ]
+        .into_iter()
+        .filter_map(|(f, k)| Some((requests(f)?, requests(k)?)))
+        .collect();
+        if !both.is_empty() {
+            rows.push(row(
+                "total",
+                Some(both.iter().map(|(f, _)| f).sum()),
+                Some(both.iter().map(|(_, k)| k).sum()),
+            ));
+        }
+        self.rows = rows;
+    }
+}
+
+fn row(phase: &str, flotilla: Option<f64>, klusterlet: Option<f64>) -> BaselineRow {
+    BaselineRow {
+        phase: phase.to_string(),
+        flotilla,
+        klusterlet,
+        ratio: match (flotilla, klusterlet) {
+            (Some(f), Some(k)) if f > 0.0 => Some(k / f),
+            _ => None,
+        },
+    }
 }
 
 impl ScenarioReport {
@@ -207,9 +369,10 @@ pub fn table(report: &Report) -> String {
     let m = &report.machine;
     let _ = writeln!(
         t,
-        "flotilla-loadtest: {} agents, hub {} at {}, {} cores, {:.1} GiB, kernel {}, load {:.2}",
+        "flotilla-loadtest: {} agents, hub {} ({} store) at {}, {} cores, {:.1} GiB, kernel {}, load {:.2}",
         report.parameters.agents,
         report.hub.mode,
+        report.hub.store,
         report.hub.agents_address,
         m.cores,
         m.memory_bytes as f64 / (1u64 << 30) as f64,
@@ -294,11 +457,17 @@ pub fn table(report: &Report) -> String {
                     );
                 }
             }
+            "baseline-klusterlet" => {
+                if let Some(b) = &s.baseline {
+                    baseline_rows(b, &mut row);
+                }
+            }
             _ => {
                 row("hub stopped with", opt(s.signal.clone()));
                 row("sessions before", opt(s.sessions_before));
                 row("hub down for", secs(s.hub_down_s));
                 row("time to 100% back", secs(s.time_to_all_back_s));
+                row("sessions re-established", opt(s.sessions_reestablished));
                 row(
                     "peak accept rate",
                     s.peak_accept_per_s
@@ -331,11 +500,132 @@ pub fn table(report: &Report) -> String {
                 }
             }
         }
+        if let Some(a) = &s.apiserver {
+            apiserver_rows(a, &mut row);
+        }
     }
     if !report.plots.is_empty() {
         let _ = writeln!(t, "\nplots: {}", report.plots.join(", "));
     }
     t
+}
+
+/// Resources whose requests the table names one by one: flotilla's kinds and what a
+/// klusterlet writes besides them. The rest add up to "other".
+const NAMED_RESOURCES: &[&str] = &[
+    "managedclusters",
+    "managedclusters/status",
+    "manifestworks",
+    "manifestworks/status",
+    "leases",
+    "namespaces",
+];
+
+fn apiserver_rows(a: &ApiserverLoad, row: &mut impl FnMut(&str, String)) {
+    let verbs: Vec<String> = a
+        .requests_by_verb
+        .iter()
+        .map(|(v, n)| format!("{v} {n}"))
+        .collect();
+    row(
+        "apiserver requests",
+        format!(
+            "{} in {:.1} s ({})",
+            a.requests,
+            a.window_s,
+            if verbs.is_empty() {
+                "none".to_string()
+            } else {
+                verbs.join(", ")
+            }
+        ),
+    );
+    let mut named: Vec<String> = Vec::new();
+    let mut other = 0;
+    for (r, n) in &a.requests_by_resource {
+        if NAMED_RESOURCES.contains(&r.as_str()) {
+            named.push(format!("{r} {n}"));
+        } else {
+            other += n;
+        }
+    }
+    if other > 0 {
+        named.push(format!("other {other}"));
+    }
+    if !named.is_empty() {
+        row("  by resource", named.join(", "));
+    }
+    row(
+        "apiserver watches held (clients)",
+        format!("{} ({})", a.watches_held, a.watches_held_by_clients),
+    );
+    row(
+        "apiserver RSS",
+        a.rss_bytes
+            .map_or("-".into(), |b| format!("{:.1} MiB", mib(b))),
+    );
+}
+
+fn baseline_rows(b: &BaselineReport, row: &mut impl FnMut(&str, String)) {
+    row(
+        "klusterlet clients",
+        format!(
+            "{} started, {} synced, {} registered, {} saw the work, of {}",
+            b.clients_started,
+            b.clients_synced,
+            b.clients_registered,
+            b.clients_saw_work,
+            b.clients
+        ),
+    );
+    row(
+        "works Applied (klusterlet side)",
+        format!(
+            "{} / {} ({} statuses written, {} lease renewals, {} client errors)",
+            b.works_applied, b.works_created, b.statuses_written, b.lease_renewals, b.client_errors
+        ),
+    );
+    row(
+        "apiserver requests",
+        format!("{:>12} {:>12} {:>12}", "flotilla", "klusterlet", "ratio"),
+    );
+    for r in &b.rows {
+        let num = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.0}"));
+        row(
+            &format!("  {}", r.phase.replace('_', " ")),
+            format!(
+                "{:>12} {:>12} {:>12}",
+                num(r.flotilla),
+                num(r.klusterlet),
+                r.ratio.map_or("-".into(), |x| format!("{x:.1}x"))
+            ),
+        );
+    }
+    let idle =
+        |s: &BaselineSide, f: fn(&ApiserverLoad) -> String| s.idle.as_ref().map_or("-".into(), f);
+    row(
+        "watches held by clients (idle)",
+        format!(
+            "{:>12} {:>12}",
+            idle(&b.flotilla, |l| l.watches_held_by_clients.to_string()),
+            idle(&b.klusterlet, |l| l.watches_held_by_clients.to_string())
+        ),
+    );
+    row(
+        "apiserver RSS (idle)",
+        format!(
+            "{:>12} {:>12}",
+            idle(&b.flotilla, |l| l
+                .rss_bytes
+                .map_or("-".into(), |b| format!("{:.0} MiB", mib(b)))),
+            idle(&b.klusterlet, |l| l
+                .rss_bytes
+                .map_or("-".into(), |b| format!("{:.0} MiB", mib(b))))
+        ),
+    );
+    if !b.client_error_examples.is_empty() {
+        row("client errors, e.g.", b.client_error_examples.join("; "));
+    }
 }
 
 fn pct(p: &Percentiles) -> String {
@@ -363,5 +653,53 @@ mod tests {
         assert!((p.max_ms - 1000.0).abs() < 5.0, "{p:?}");
         assert_eq!(p.cdf.len(), 101);
         assert_eq!(Percentiles::from_micros(&[]), Percentiles::default());
+    }
+
+    fn load(requests: u64, window_s: f64) -> Option<ApiserverLoad> {
+        Some(ApiserverLoad {
+            requests,
+            window_s,
+            ..Default::default()
+        })
+    }
+
+    #[test]
+    fn the_baseline_compares_the_phases_both_sides_measured() {
+        let mut b = BaselineReport {
+            flotilla: BaselineSide {
+                connect: None,
+                fanout: load(1000, 5.0),
+                idle: load(3, 30.0),
+            },
+            klusterlet: BaselineSide {
+                connect: load(5000, 4.0),
+                fanout: load(3000, 6.0),
+                idle: load(600, 30.0),
+            },
+            ..Default::default()
+        };
+        b.compare();
+        let got: Vec<_> = b
+            .rows
+            .iter()
+            .map(|r| (r.phase.as_str(), r.flotilla, r.klusterlet, r.ratio))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("connect", None, Some(5000.0), None),
+                ("fanout", Some(1000.0), Some(3000.0), Some(3.0)),
+                ("idle_per_minute", Some(6.0), Some(1200.0), Some(200.0)),
+                // Connect is left out: flotilla has no number for it.
+                ("total", Some(1003.0), Some(3600.0), Some(3600.0 / 1003.0)),
+            ]
+        );
+        // Nothing measured on flotilla's side: no ratios, and no total.
+        b.flotilla = BaselineSide::default();
+        b.compare();
+        assert!(b.rows.iter().all(|r| r.ratio.is_none()));
+        assert!(!b.rows.iter().any(|r| r.phase == "total"));
+        let zero = row("idle_per_minute", Some(0.0), Some(10.0));
+        assert_eq!(zero.ratio, None, "no ratio against zero");
     }
 }

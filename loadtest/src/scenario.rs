@@ -44,23 +44,23 @@ pub struct Run {
 }
 
 /// A deadline and a clock for one scenario.
-struct Clock {
-    start: Instant,
-    deadline: Instant,
+pub(crate) struct Clock {
+    pub(crate) start: Instant,
+    pub(crate) deadline: Instant,
 }
 
 impl Clock {
-    fn new(timeout: Duration) -> Clock {
+    pub(crate) fn new(timeout: Duration) -> Clock {
         let start = Instant::now();
         Clock {
             start,
             deadline: start + timeout,
         }
     }
-    fn t(&self) -> f64 {
+    pub(crate) fn t(&self) -> f64 {
         self.start.elapsed().as_secs_f64()
     }
-    fn expired(&self) -> bool {
+    pub(crate) fn expired(&self) -> bool {
         Instant::now() >= self.deadline
     }
 }
@@ -104,11 +104,11 @@ impl Run {
         }
     }
 
-    fn n(&self) -> u64 {
+    pub(crate) fn n(&self) -> u64 {
         self.identities.len() as u64
     }
 
-    fn bar(&self, what: &str, len: u64) -> ProgressBar {
+    pub(crate) fn bar(&self, what: &str, len: u64) -> ProgressBar {
         let bar = self.progress.add(ProgressBar::new(len));
         bar.set_style(
             ProgressStyle::with_template(
@@ -121,7 +121,7 @@ impl Run {
         bar
     }
 
-    fn sample(&self) -> Sample {
+    pub(crate) fn sample(&self) -> Sample {
         self.agents.as_ref().map(Agents::sample).unwrap_or_default()
     }
 
@@ -142,7 +142,7 @@ impl Run {
     }
 
     /// Makes sure every agent runs and is connected (for scenarios run without `connect`).
-    async fn ensure_connected(&mut self, clock: &Clock) -> anyhow::Result<()> {
+    pub(crate) async fn ensure_connected(&mut self, clock: &Clock) -> anyhow::Result<()> {
         self.start_agents().await?;
         let bar = self.bar("sessions", self.n());
         while self.sample().connected < self.n() {
@@ -261,7 +261,7 @@ impl Run {
         Ok(done)
     }
 
-    fn next_work_name(&mut self, what: &str) -> String {
+    pub(crate) fn next_work_name(&mut self, what: &str) -> String {
         self.works_created += 1;
         format!("{what}-{}", self.works_created)
     }
@@ -518,7 +518,11 @@ impl Run {
             sample_curve(r, &s);
             bar.set_position(s.connected);
             bar.set_message("sessions back");
-            if s.connected >= n && r.time_to_all_back_s.is_none() {
+            // Back means a new session for every agent, not a count that has not noticed the
+            // kill yet.
+            let renewed = s.established_total - before.established_total;
+            r.sessions_reestablished = Some(renewed);
+            if renewed >= n && s.connected >= n && r.time_to_all_back_s.is_none() {
                 r.time_to_all_back_s = Some(stopped.elapsed().as_secs_f64());
                 back = true;
                 break;
@@ -567,7 +571,7 @@ async fn available_among(api: &OperatorApi, ours: &HashSet<String>) -> anyhow::R
         .count() as u64)
 }
 
-fn finish(r: &mut ScenarioReport, clock: &Clock, result: anyhow::Result<bool>) {
+pub(crate) fn finish(r: &mut ScenarioReport, clock: &Clock, result: anyhow::Result<bool>) {
     r.duration_s = clock.t();
     match result {
         Ok(true) => r.outcome = Some(Outcome::Completed),
@@ -580,7 +584,7 @@ fn finish(r: &mut ScenarioReport, clock: &Clock, result: anyhow::Result<bool>) {
 }
 
 /// The ManifestWork a scenario sends: one ConfigMap, small, like most fleet config.
-fn work_json(cluster: &str, name: &str) -> Value {
+pub(crate) fn work_json(cluster: &str, name: &str) -> Value {
     json!({
         "apiVersion": "work.open-cluster-management.io/v1",
         "kind": "ManifestWork",

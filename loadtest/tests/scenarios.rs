@@ -139,13 +139,13 @@ async fn a_ci_sized_run_of_every_scenario_accounts_for_every_agent() {
             "{}: fanout and storm works compared: {audit:?}",
             s.name
         );
-        let stopped = s.hub_stopped_at_s.unwrap();
+        // Every agent noticed the hub go and opened a new session (the curve may not show
+        // the dip: 200 agents can be back between two 100 ms samples).
         assert!(
-            s.curve
-                .iter()
-                .any(|p| p.t_s >= stopped && p.value < n as f64),
-            "{}: the curve shows the sessions dropping",
-            s.name
+            s.sessions_reestablished.unwrap() >= n,
+            "{}: every agent reconnected: {:?}",
+            s.name,
+            s.sessions_reestablished
         );
     }
     assert_eq!(storm.signal.as_deref(), Some("SIGKILL"));

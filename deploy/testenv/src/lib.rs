@@ -10,7 +10,8 @@
 //! run, Deployments never get ReplicaSets, namespaces stay `Terminating` once deleted (no namespace
 //! controller), nothing is garbage-collected, and no namespace gets a `default` ServiceAccount. A
 //! test that needs a workload's status writes it the way a controller would. It is also not for
-//! production code: this is a dev-dependency only.
+//! production code: it is a dev-dependency of the crates' tests, and a dependency of the load-test
+//! harness (`flotilla-loadtest --store kube`), a development tool itself.
 //!
 //! The binaries are built from their Go modules by `deploy/testenv/build.sh` the first time a
 //! process needs them (minutes, once per machine; then cached outside the clone).
