@@ -23,6 +23,7 @@ use serde_json::Value;
 use tokio::sync::{RwLock, watch};
 use tracing::info;
 
+use crate::health::RecordedHealth;
 use crate::reflect::{Reflector, reflect};
 use crate::registry::Registry;
 
@@ -48,6 +49,8 @@ pub struct ClusterAdmission {
     pub denied: Option<String>,
     /// Registered public keys, newest first.
     pub key_pins: Vec<String>,
+    /// The health the store records, so a reconnect that changes nothing writes nothing.
+    pub health: RecordedHealth,
 }
 
 impl ClusterAdmission {
@@ -58,6 +61,7 @@ impl ClusterAdmission {
             accepted: obj["spec"]["hubAcceptsClient"].as_bool().unwrap_or(false),
             denied: annotations[DENIED_ANNOTATION].as_str().map(str::to_string),
             key_pins: key_pins(obj),
+            health: RecordedHealth::from_object(obj),
         }
     }
 }

@@ -4,9 +4,12 @@
 //!
 //! Writes happen on transitions only (connect, grace expiry), never per heartbeat: the store (and
 //! behind it, with the kube backend, the hub apiserver) sees O(transitions), not O(clusters ×
-//! heartbeats).
+//! heartbeats). A connect that finds the cluster already recorded Available (in the gateway's
+//! watch cache of ManagedClusters, see `admission`) with the same version and claims writes
+//! nothing and reads nothing: a hub restarted under every session costs the store no request
+//! for health.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,7 +22,9 @@ use flotilla_store::{Store, StoreError};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use serde_json::{Value, json};
 use tokio::sync::Mutex;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
+
+use crate::admission::Admissions;
 
 /// OCM's taint for clusters whose agent stopped reporting (Available=Unknown).
 pub const UNREACHABLE_TAINT: &str = "cluster.open-cluster-management.io/unreachable";
@@ -32,6 +37,70 @@ pub struct HealthTracker {
     /// grace-period timer fires only if the epoch it was armed with is still current, so a
     /// reconnect in between cancels it without any timer bookkeeping.
     state: Mutex<HashMap<String, Presence>>,
+    /// The gateway's watch cache of ManagedClusters: what the store records now.
+    admissions: Arc<Admissions>,
+    /// Clusters this tracker marked Unknown and has not marked Available since. Their watch
+    /// event may not have reached the cache yet when the agent comes back, so a connect always
+    /// writes for them.
+    marked_unknown: Mutex<HashSet<String>>,
+}
+
+/// A ManagedCluster's health as stored: what a connect would otherwise write again.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RecordedHealth {
+    /// Joined and Available are both True.
+    pub available: bool,
+    /// It carries the unreachable taint.
+    pub unreachable: bool,
+    /// `status.version.kubernetes`.
+    pub kubernetes_version: String,
+    /// `status.clusterClaims` as (name, value).
+    pub claims: Vec<(String, String)>,
+}
+
+impl RecordedHealth {
+    /// Reads a stored ManagedCluster.
+    pub fn from_object(obj: &Value) -> RecordedHealth {
+        let conds = read_conditions(&obj["status"]);
+        let is_true = |t: &str| conditions::is_condition_true(&conds, t);
+        RecordedHealth {
+            available: is_true(MANAGED_CLUSTER_JOINED)
+                && is_true(MANAGED_CLUSTER_CONDITION_AVAILABLE),
+            unreachable: obj["spec"]["taints"]
+                .as_array()
+                .is_some_and(|t| t.iter().any(|t| t["key"] == UNREACHABLE_TAINT)),
+            kubernetes_version: obj["status"]["version"]["kubernetes"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+            claims: obj["status"]["clusterClaims"]
+                .as_array()
+                .map(|claims| {
+                    claims
+                        .iter()
+                        .map(|c| {
+                            let field = |f: &str| c[f].as_str().unwrap_or_default().to_string();
+                            (field("name"), field("value"))
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
+        }
+    }
+
+    /// Whether marking the cluster Available for this hello would change nothing.
+    fn already_shows(&self, hello: &wire::Hello) -> bool {
+        let claims: Vec<(String, String)> = hello
+            .claims
+            .iter()
+            .map(|c| (c.name.clone(), c.value.clone()))
+            .collect();
+        self.available
+            && !self.unreachable
+            && (hello.kubernetes_version.is_empty()
+                || hello.kubernetes_version == self.kubernetes_version)
+            && (claims.is_empty() || claims == self.claims)
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -41,11 +110,17 @@ enum Presence {
 }
 
 impl HealthTracker {
-    pub fn new(store: Arc<dyn Store>, grace_period: Duration) -> Arc<HealthTracker> {
+    pub fn new(
+        store: Arc<dyn Store>,
+        grace_period: Duration,
+        admissions: Arc<Admissions>,
+    ) -> Arc<HealthTracker> {
         Arc::new(HealthTracker {
             store,
             grace_period,
             state: Mutex::new(HashMap::new()),
+            admissions,
+            marked_unknown: Mutex::new(HashSet::new()),
         })
     }
 
@@ -57,8 +132,20 @@ impl HealthTracker {
                 session_id: session_id.to_string(),
             },
         );
-        if let Err(e) = self.mark_available(cluster, hello).await {
-            warn!(cluster, error = %e, "could not record the cluster as Available");
+        let recorded = self.admissions.get(cluster).await.map(|a| a.health);
+        let unknown_here = self.marked_unknown.lock().await.contains(cluster);
+        if !unknown_here && recorded.is_some_and(|h| h.already_shows(hello)) {
+            debug!(
+                cluster,
+                "cluster already recorded Available: nothing to write"
+            );
+            return;
+        }
+        match self.mark_available(cluster, hello).await {
+            Ok(()) => {
+                self.marked_unknown.lock().await.remove(cluster);
+            }
+            Err(e) => warn!(cluster, error = %e, "could not record the cluster as Available"),
         }
     }
 
@@ -85,8 +172,12 @@ impl HealthTracker {
             tokio::time::sleep(this.grace_period).await;
             let still_gone =
                 this.state.lock().await.get(&cluster) == Some(&Presence::Gone { epoch });
-            if still_gone && let Err(e) = this.mark_unknown(&cluster).await {
-                warn!(cluster, error = %e, "could not record the cluster as Unknown");
+            if still_gone {
+                // Noted before the write: a connect racing it then writes Available after.
+                this.marked_unknown.lock().await.insert(cluster.clone());
+                if let Err(e) = this.mark_unknown(&cluster).await {
+                    warn!(cluster, error = %e, "could not record the cluster as Unknown");
+                }
             }
         });
     }
@@ -230,4 +321,105 @@ fn read_conditions(status: &Value) -> Vec<Condition> {
 
 fn now() -> Time {
     Time(jiff::Timestamp::now())
+}
+
+#[cfg(test)]
+mod tests {
+    //! Health writes happen on transitions only: a reconnect that changes nothing costs the
+    //! store nothing, a changed version or a cluster marked Unknown is written.
+
+    use super::*;
+    use crate::registry::Registry;
+    use flotilla_store::SledStore;
+    use tokio::sync::watch;
+
+    async fn eventually<F: Future<Output = bool>>(what: &str, mut check: impl FnMut() -> F) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !check().await {
+            assert!(tokio::time::Instant::now() < deadline, "never: {what}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    fn hello(version: &str) -> wire::Hello {
+        wire::Hello {
+            kubernetes_version: version.into(),
+            ..Default::default()
+        }
+    }
+
+    async fn stored(store: &dyn Store) -> (String, RecordedHealth) {
+        let mc = store
+            .get(Kind::ManagedCluster, None, "store-1")
+            .await
+            .unwrap()
+            .unwrap();
+        let rv = mc["metadata"]["resourceVersion"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        (rv, RecordedHealth::from_object(&mc))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_reconnect_that_changes_nothing_writes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(SledStore::open(dir.path()).unwrap());
+        store
+            .create(json!({
+                "apiVersion": "cluster.open-cluster-management.io/v1", "kind": "ManagedCluster",
+                "metadata": {"name": "store-1"}, "spec": {"hubAcceptsClient": true},
+            }))
+            .await
+            .unwrap();
+        let admissions = Admissions::new();
+        let (stop_tx, stop) = watch::channel(false);
+        tokio::spawn(
+            admissions
+                .clone()
+                .run(store.clone(), Arc::new(Registry::default()), stop),
+        );
+        let cached_available = || async {
+            admissions
+                .get("store-1")
+                .await
+                .is_some_and(|a| a.health.available)
+        };
+        let grace = Duration::from_millis(50);
+
+        let tracker = HealthTracker::new(store.clone(), grace, admissions.clone());
+        tracker.connected("store-1", "s1", &hello("v1.36.3")).await;
+        let (first, health) = stored(store.as_ref()).await;
+        assert!(health.available && !health.unreachable, "{health:?}");
+        eventually("the cache sees Available", cached_available).await;
+
+        // A restarted hub (a new tracker) meeting the same agent again: nothing to write.
+        let restarted = HealthTracker::new(store.clone(), grace, admissions.clone());
+        restarted
+            .connected("store-1", "s2", &hello("v1.36.3"))
+            .await;
+        assert_eq!(stored(store.as_ref()).await.0, first, "no write");
+
+        // The spoke was upgraded: written.
+        restarted
+            .connected("store-1", "s3", &hello("v1.37.0"))
+            .await;
+        let (upgraded, health) = stored(store.as_ref()).await;
+        assert_ne!(upgraded, first);
+        assert_eq!(health.kubernetes_version, "v1.37.0");
+
+        // Gone past the grace period: Unknown and tainted; back at once (before the cache may
+        // have seen it): Available again, taint removed.
+        restarted.disconnected("store-1", "s3").await;
+        eventually("Unknown after the grace period", || async {
+            stored(store.as_ref()).await.1.unreachable
+        })
+        .await;
+        restarted
+            .connected("store-1", "s4", &hello("v1.37.0"))
+            .await;
+        let health = stored(store.as_ref()).await.1;
+        assert!(health.available && !health.unreachable, "{health:?}");
+        let _ = stop_tx.send(true);
+    }
 }

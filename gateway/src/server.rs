@@ -108,7 +108,8 @@ impl Gateway {
         config: GatewayConfig,
         certificates: Option<Arc<dyn ClusterCertificates>>,
     ) -> Gateway {
-        let health = HealthTracker::new(store.clone(), config.grace_period);
+        let admissions = Admissions::new();
+        let health = HealthTracker::new(store.clone(), config.grace_period, admissions.clone());
         let statuses = StatusWriter::new(config.status_writes_per_second);
         Gateway {
             shared: Arc::new(Shared {
@@ -118,7 +119,7 @@ impl Gateway {
                 registry: Arc::new(Registry::default()),
                 desired: DesiredState::new(),
                 statuses,
-                admissions: Admissions::new(),
+                admissions,
                 certificates,
                 next_session: AtomicU64::new(1),
             }),
