@@ -47,8 +47,8 @@ pub const FD_HEADROOM: u64 = 256;
     name = "flotilla-loadtest",
     version,
     about = "Runs thousands of real agent sessions against a flotilla hub and reports what it measured",
-    long_about = "Runs thousands of simulated agents (real sessions, real TLS, the real protocol, a \
-                  simulated cluster behind each) against a flotilla hub it starts itself or an \
+    long_about = "Runs thousands of agents (each the real agent library: its session loop over \
+                  real TLS, its cache and reconciler, a simulated cluster behind it) against a flotilla hub it starts itself or an \
                   existing one on loopback, drives scenarios (connect, fanout, storm, outage, \
                   and with --store kube the klusterlet baseline), shows live progress, and \
                   writes a JSON report and SVG plots."
