@@ -330,16 +330,9 @@ mod tests {
 
     use super::*;
     use crate::registry::Registry;
+    use crate::test_support::eventually;
     use flotilla_store::SledStore;
     use tokio::sync::watch;
-
-    async fn eventually<F: Future<Output = bool>>(what: &str, mut check: impl FnMut() -> F) {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while !check().await {
-            assert!(tokio::time::Instant::now() < deadline, "never: {what}");
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    }
 
     fn hello(version: &str) -> wire::Hello {
         wire::Hello {

@@ -21,3 +21,19 @@ pub mod statuses;
 pub mod tls;
 
 pub use server::{Gateway, GatewayConfig, GatewayError};
+
+#[cfg(test)]
+mod test_support {
+    //! What the crate's unit tests share.
+
+    use std::time::Duration;
+
+    /// Polls `check` until it holds, for at most 10 s; panics naming `what` otherwise.
+    pub async fn eventually<F: Future<Output = bool>>(what: &str, mut check: impl FnMut() -> F) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !check().await {
+            assert!(tokio::time::Instant::now() < deadline, "never: {what}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+}

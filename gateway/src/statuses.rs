@@ -234,6 +234,7 @@ mod tests {
     //! The record of stored seqs stays bounded by the live works.
 
     use super::*;
+    use crate::test_support::eventually;
     use flotilla_store::SledStore;
     use serde_json::json;
 
@@ -243,14 +244,6 @@ mod tests {
             "metadata": {"name": name, "namespace": "store-1"},
             "spec": {"workload": {"manifests": []}},
         })
-    }
-
-    async fn eventually<F: Future<Output = bool>>(what: &str, mut check: impl FnMut() -> F) {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while !check().await {
-            assert!(tokio::time::Instant::now() < deadline, "never: {what}");
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,46 +1,22 @@
 //! A CI-sized `--store kube` run: the hub on a real kube-apiserver, `connect`, `fanout`, `storm`
 //! (the hub killed and restarted, the apiserver staying), then `baseline-klusterlet` (the same
-//! clusters as klusterlet-style clients on a second real apiserver). The report is checked for internal consistency: every agent and every client
-//! accounted for, every work Applied on both sides, request breakdowns adding up to their
-//! totals, ratios that are what the numbers say, both apiservers gone afterwards. Speed is not
-//! checked here.
+//! clusters as klusterlet-style clients on a second real apiserver). The report is checked for
+//! internal consistency: every agent and every client accounted for, every work Applied on both
+//! sides, request breakdowns adding up to their totals, ratios that are what the numbers say,
+//! both apiservers gone afterwards. Speed is not checked here.
 
-use std::path::PathBuf;
+mod common;
+
 use std::time::Duration;
 
-use clap::Parser;
-use flotilla_loadtest::cli::{HubStore, RunArgs};
+use common::{args, trace_init};
+use flotilla_loadtest::cli::HubStore;
 use flotilla_loadtest::report::{ApiserverLoad, Outcome, Report, SCHEMA};
 use tokio::time::Instant;
 
 /// Agents (and klusterlet clients) in the CI run: hundreds of watches on the baseline's
 /// apiserver, small enough for debug builds on 2 shared cores.
 const CI_AGENTS: u64 = 100;
-
-fn trace_init() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "warn,flotilla_loadtest=info".into()),
-        )
-        .with_test_writer()
-        .try_init();
-    let _ = rustls::crypto::ring::default_provider().install_default();
-}
-
-fn args(out: &std::path::Path, extra: &[&str]) -> RunArgs {
-    #[derive(Parser)]
-    struct Only {
-        #[command(flatten)]
-        args: RunArgs,
-    }
-    let mut argv = vec!["run", "--quiet", "--out", out.to_str().unwrap()];
-    argv.extend_from_slice(extra);
-    let mut args = Only::parse_from(argv).args;
-    // The child hub is this package's binary, not the test executable.
-    args.harness_exe = Some(PathBuf::from(env!("CARGO_BIN_EXE_flotilla-loadtest")));
-    args
-}
 
 /// Waits (bounded) until process `pid` is gone.
 async fn gone(pid: u32, what: &str) {

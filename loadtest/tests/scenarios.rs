@@ -2,41 +2,16 @@
 //! worker processes, and the report checked for internal consistency: every agent accounted
 //! for, no status lost or duplicated, percentiles ordered. Speed is not checked here.
 
-use std::path::PathBuf;
+mod common;
+
 use std::time::Duration;
 
-use clap::Parser;
-use flotilla_loadtest::cli::RunArgs;
+use common::{args, trace_init};
 use flotilla_loadtest::report::{Outcome, Report, SCHEMA};
 
 /// Agents in the CI run: enough for hundreds of concurrent sessions, small enough for debug
 /// builds on 2 shared cores.
 const CI_AGENTS: u64 = 200;
-
-fn trace_init() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "warn,flotilla_loadtest=info".into()),
-        )
-        .with_test_writer()
-        .try_init();
-    let _ = rustls::crypto::ring::default_provider().install_default();
-}
-
-fn args(out: &std::path::Path, extra: &[&str]) -> RunArgs {
-    #[derive(Parser)]
-    struct Only {
-        #[command(flatten)]
-        args: RunArgs,
-    }
-    let mut argv = vec!["run", "--quiet", "--out", out.to_str().unwrap()];
-    argv.extend_from_slice(extra);
-    let mut args = Only::parse_from(argv).args;
-    // The child hub and the workers are this package's binary, not the test executable.
-    args.harness_exe = Some(PathBuf::from(env!("CARGO_BIN_EXE_flotilla-loadtest")));
-    args
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ci_sized_run_of_every_scenario_accounts_for_every_agent() {
