@@ -140,14 +140,7 @@ impl AgentConfig {
     /// Checks what can be checked without touching the network or the disk.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let name = &self.cluster_name;
-        let label_ok = !name.is_empty()
-            && name.len() <= 63
-            && name
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-            && !name.starts_with('-')
-            && !name.ends_with('-');
-        if !label_ok {
+        if !flotilla_proto::contract::is_dns1123_label(name) {
             return Err(ConfigError::ClusterName(name.clone()));
         }
         if self.resync_interval < MIN_RESYNC_INTERVAL {

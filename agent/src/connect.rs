@@ -3,7 +3,6 @@
 
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -104,29 +103,12 @@ fn tls_connector(cert_dir: &Path) -> anyhow::Result<TlsConnector> {
             )
         })
     };
-    let config = tls_client_config(&read("ca.crt")?, &read("tls.crt")?, &read("tls.key")?)?;
+    let config = flotilla_transport::tls::client_config(
+        &read("ca.crt")?,
+        &read("tls.crt")?,
+        &read("tls.key")?,
+        &[b"h2"],
+    )
+    .with_context(|| format!("the agent's identity in {}", cert_dir.display()))?;
     Ok(TlsConnector::from(config))
-}
-
-fn tls_client_config(
-    ca: &[u8],
-    cert: &[u8],
-    key: &[u8],
-) -> anyhow::Result<Arc<rustls::ClientConfig>> {
-    use rustls_pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut roots = rustls::RootCertStore::empty();
-    for c in CertificateDer::pem_slice_iter(ca) {
-        roots.add(c.context("hub CA (ca.crt) does not parse")?)?;
-    }
-    let chain = CertificateDer::pem_slice_iter(cert)
-        .collect::<Result<Vec<_>, _>>()
-        .context("client certificate (tls.crt) does not parse")?;
-    let key = PrivateKeyDer::from_pem_slice(key).context("client key (tls.key) does not parse")?;
-    let mut config = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()?
-        .with_root_certificates(roots)
-        .with_client_auth_cert(chain, key)?;
-    config.alpn_protocols = vec![b"h2".to_vec()];
-    Ok(Arc::new(config))
 }

@@ -7,12 +7,11 @@
 //! either the old pair or the new one ([`Identity::recover`] finishes a half-done switch).
 
 use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
+use flotilla_transport::files::{Access, write_atomic};
 use rcgen::{CertificateParams, DistinguishedName, DnType, KeyPair};
-use sha2::Digest;
 
 /// CA certificates the agent trusts for the hub (PEM bundle; two during a CA rotation).
 pub const CA_FILE: &str = "ca.crt";
@@ -137,7 +136,7 @@ impl Identity {
     /// Hex SHA-256 of the stored CA bundle, as the hello reports it ("" if none).
     pub fn ca_bundle_sha256(&self) -> String {
         fs::read(self.dir.join(CA_FILE))
-            .map(|b| hex::encode(sha2::Sha256::digest(&b)))
+            .map(flotilla_proto::contract::ca_bundle_sha256)
             .unwrap_or_default()
     }
 
@@ -224,25 +223,15 @@ fn rename(from: &Path, to: &Path) -> Result<(), IdentityError> {
 
 /// Writes a file completely or not at all (temp file, fsync, rename); keys with mode 0600.
 fn write(path: &Path, contents: &str, private: bool) -> Result<(), IdentityError> {
-    let err = |source| IdentityError::Io {
+    let access = if private {
+        Access::Private
+    } else {
+        Access::Public
+    };
+    write_atomic(path, contents.as_bytes(), access).map_err(|source| IdentityError::Io {
         path: path.into(),
         source,
-    };
-    if let Some(dir) = path.parent() {
-        fs::create_dir_all(dir).map_err(err)?;
-    }
-    let tmp = path.with_extension("partial");
-    let mut opts = fs::OpenOptions::new();
-    opts.write(true).create(true).truncate(true);
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        opts.mode(if private { 0o600 } else { 0o644 });
-    }
-    let mut f = opts.open(&tmp).map_err(err)?;
-    f.write_all(contents.as_bytes()).map_err(err)?;
-    f.sync_all().map_err(err)?;
-    fs::rename(&tmp, path).map_err(err)
+    })
 }
 
 #[cfg(test)]

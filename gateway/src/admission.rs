@@ -24,21 +24,12 @@ use tokio::sync::{RwLock, watch};
 use tracing::info;
 
 use crate::health::RecordedHealth;
-use crate::reflect::{Reflector, reflect};
 use crate::registry::Registry;
+use flotilla_store::reflect::{Reflector, reflect};
 
-/// Annotation on a ManagedCluster: comma-separated hex SHA-256 of the public keys whose
-/// certificates may open its session (the newest first; at most the current and the previous
-/// one, so an agent that crashed before storing a renewed certificate still gets in).
-pub const KEY_PINS_ANNOTATION: &str = "registration.flotilla.dev/client-key-sha256";
-/// Annotation on a ManagedCluster: set by `flotilla cluster deny` with the operator's reason.
-/// A denied cluster's joins get DENIED and its certificates are refused.
-pub const DENIED_ANNOTATION: &str = "registration.flotilla.dev/denied";
-/// Annotation on a ManagedCluster: the id (never the secret) of the bootstrap token it joined
-/// with, for audit.
-pub const TOKEN_ANNOTATION: &str = "registration.flotilla.dev/bootstrap-token-id";
-/// Annotation on a ManagedCluster: when the agent's join request was recorded (RFC 3339).
-pub const REQUESTED_AT_ANNOTATION: &str = "registration.flotilla.dev/join-requested-at";
+pub use flotilla_proto::contract::{
+    DENIED_ANNOTATION, KEY_PINS_ANNOTATION, REQUESTED_AT_ANNOTATION, TOKEN_ANNOTATION,
+};
 
 /// What the store says about one cluster's right to a session.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -55,9 +55,3 @@ pub trait ClusterCertificates: Send + Sync + 'static {
     /// rotation's overlap).
     fn ca_bundle(&self) -> String;
 }
-
-/// Hex SHA-256 of a CA bundle's PEM text, as agents report it in their hello.
-pub fn bundle_sha256(ca_bundle_pem: &str) -> String {
-    use sha2::Digest;
-    hex::encode(sha2::Sha256::digest(ca_bundle_pem.as_bytes()))
-}

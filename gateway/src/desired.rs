@@ -13,8 +13,8 @@ use tokio::sync::{RwLock, watch};
 use tracing::{info, warn};
 
 use crate::mailbox::WorkChange;
-use crate::reflect::{Reflector, reflect};
 use crate::registry::Registry;
+use flotilla_store::reflect::{Reflector, reflect};
 
 /// Desired works by cluster namespace, then by uid.
 #[derive(Default)]

@@ -26,8 +26,7 @@ use tracing::{debug, info, warn};
 
 use crate::admission::Admissions;
 
-/// OCM's taint for clusters whose agent stopped reporting (Available=Unknown).
-pub const UNREACHABLE_TAINT: &str = "cluster.open-cluster-management.io/unreachable";
+pub use flotilla_proto::contract::UNREACHABLE_TAINT;
 
 /// Tracks which clusters hold a session, and writes their health transitions to the store.
 pub struct HealthTracker {

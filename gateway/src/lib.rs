@@ -12,13 +12,10 @@ pub mod admission;
 pub mod certificates;
 pub mod desired;
 pub mod health;
-pub mod identity;
 pub mod mailbox;
-mod reflect;
 pub mod registry;
 mod server;
 pub mod statuses;
-pub mod tls;
 
 pub use server::{Gateway, GatewayConfig, GatewayError};
 

@@ -18,14 +18,15 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::admission::Admissions;
-use crate::certificates::{ClusterCertificates, bundle_sha256};
+use crate::certificates::ClusterCertificates;
 use crate::desired::DesiredState;
 use crate::health::HealthTracker;
-use crate::identity::Peer;
 use crate::mailbox::{Mailbox, WorkChange};
 use crate::registry::{Registry, SessionHandle};
 use crate::statuses::StatusWriter;
-use crate::tls::{AuthenticatedConn, ConnInfo};
+use flotilla_proto::contract::ca_bundle_sha256;
+use flotilla_transport::identity::Peer;
+use flotilla_transport::tls::{AuthenticatedConn, ConnInfo};
 
 /// Knobs of the session tier; every queue and size has a bound.
 #[derive(Clone, Debug)]
@@ -343,7 +344,7 @@ async fn drive(
                         }
                         if let Some(certs) = &shared.certificates {
                             let bundle = certs.ca_bundle();
-                            if bundle_sha256(&bundle) != hello.ca_bundle_sha256 {
+                            if ca_bundle_sha256(&bundle) != hello.ca_bundle_sha256 {
                                 debug!("agent trusts an older CA bundle; sending the current one");
                                 machine.send_trust_bundle(bundle);
                             }

@@ -10,12 +10,12 @@
 //! are renewed. [`Ca::finish_rotation`] drops the old CA once every agent has renewed.
 
 use std::fs;
-use std::io::Write;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use flotilla_gateway::identity::{CLUSTER_GROUP, OPERATOR_GROUP};
+use flotilla_proto::contract::{CLUSTER_GROUP, OPERATOR_GROUP};
+use flotilla_transport::files::{Access, write_atomic};
 use rcgen::{
     BasicConstraints, CertificateParams, CertificateSigningRequestParams, DistinguishedName,
     DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose, PublicKeyData,
@@ -302,7 +302,7 @@ impl Ca {
 }
 
 /// The key pin of a certificate signing request: hex SHA-256 of its raw public key, the same
-/// value `flotilla_gateway::identity::public_key_sha256` computes from a certificate for that
+/// value `flotilla_transport::identity::public_key_sha256` computes from a certificate for that
 /// key. Verifies the request's signature.
 pub fn csr_key_sha256(csr_pem: &str) -> Result<String, CaError> {
     let csr = parse_csr(csr_pem)?;
@@ -362,24 +362,18 @@ fn read(path: &Path) -> Result<String, CaError> {
     })
 }
 
-/// Writes a file completely or not at all (temp file + rename), private when it holds a key.
+/// Writes a file completely or not at all, durably (see `flotilla_transport::files`), private
+/// when it holds a key.
 pub fn write(path: &Path, contents: &str, private: bool) -> Result<(), CaError> {
-    let err = |source| CaError::Io {
+    let access = if private {
+        Access::Private
+    } else {
+        Access::Public
+    };
+    write_atomic(path, contents.as_bytes(), access).map_err(|source| CaError::Io {
         path: path.into(),
         source,
-    };
-    let tmp = path.with_extension("partial");
-    let mut opts = fs::OpenOptions::new();
-    opts.write(true).create(true).truncate(true);
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        opts.mode(if private { 0o600 } else { 0o644 });
-    }
-    let mut f = opts.open(&tmp).map_err(err)?;
-    f.write_all(contents.as_bytes()).map_err(err)?;
-    f.sync_all().map_err(err)?;
-    fs::rename(&tmp, path).map_err(err)
+    })
 }
 
 /// Writes `ca.crt`, `tls.crt` and `tls.key` into `dir`: the layout agents and the CLI read.
@@ -396,7 +390,7 @@ pub fn write_bundle(dir: &Path, ca_pem: &str, issued: &IssuedCert) -> Result<(),
 #[cfg(test)]
 mod tests {
     use super::*;
-    use flotilla_gateway::identity::Peer;
+    use flotilla_transport::identity::Peer;
     use rustls_pki_types::{CertificateDer, pem::PemObject};
 
     #[test]
@@ -507,7 +501,7 @@ mod tests {
             Peer::Cluster("store-7".into())
         );
         assert_eq!(
-            flotilla_gateway::identity::public_key_sha256(&der).unwrap(),
+            flotilla_transport::identity::public_key_sha256(&der).unwrap(),
             pin
         );
         assert_eq!(csr_key_sha256(&csr).unwrap(), pin);

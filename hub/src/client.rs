@@ -78,7 +78,7 @@ impl OperatorClient {
             .ok_or_else(|| anyhow!("server {:?} has no host", config.server))?;
         let port = uri.port_u16().unwrap_or(443);
         let read = |p: &Path| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
-        let tls = flotilla_gateway::tls::client_config(
+        let tls = flotilla_transport::tls::client_config(
             &read(&config.certificate_authority)?,
             &read(&config.client_certificate)?,
             &read(&config.client_key)?,

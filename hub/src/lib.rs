@@ -32,7 +32,7 @@ use crate::config::{HubConfig, StoreBackend};
 use crate::operator_api::RegistrationApi;
 use crate::registration::{Authority, HubCertificates, JoinService};
 use crate::tokens::BootstrapTokens;
-use flotilla_gateway::tls::TlsSource;
+use flotilla_transport::tls::TlsSource;
 
 /// Lifetime of the operator certificate written on first start.
 pub const OPERATOR_CERT_LIFETIME: Duration = Duration::from_secs(365 * 24 * 3600);
@@ -114,7 +114,7 @@ pub async fn run(
     let serving = ca.issue_server(&config.server_names)?;
     // The operator API keeps this configuration until the hub restarts; after a CA rotation
     // the chain's cross-signed certificate lets CLIs that trust the old CA in.
-    let api_tls = flotilla_gateway::tls::server_config(
+    let api_tls = flotilla_transport::tls::server_config(
         ca.bundle_pem().as_bytes(),
         ca.serving_chain_pem(&serving.cert_pem).as_bytes(),
         serving.key_pem.as_bytes(),
@@ -150,7 +150,7 @@ pub async fn run(
         gateway.admissions(),
         config.client_cert_lifetime,
     );
-    let agent_conns = flotilla_gateway::tls::accept_authenticated(
+    let agent_conns = flotilla_transport::tls::accept_authenticated(
         agents,
         agent_tls,
         Default::default(),
@@ -163,7 +163,7 @@ pub async fn run(
         Some(routes),
         stopped(stop_rx.clone()),
     ));
-    let api_conns = flotilla_gateway::tls::accept_authenticated(
+    let api_conns = flotilla_transport::tls::accept_authenticated(
         api,
         api_tls,
         Default::default(),
@@ -226,7 +226,7 @@ pub async fn run(
 /// chain a joining agent searches for its pinned CA, and client roots for the whole bundle.
 fn agent_tls_config(ca: &Ca, server_names: &[String]) -> anyhow::Result<Arc<rustls::ServerConfig>> {
     let serving = ca.issue_server(server_names)?;
-    Ok(flotilla_gateway::tls::agent_server_config(
+    Ok(flotilla_transport::tls::agent_server_config(
         ca.bundle_pem().as_bytes(),
         ca.serving_chain_pem(&serving.cert_pem).as_bytes(),
         serving.key_pem.as_bytes(),

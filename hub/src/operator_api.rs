@@ -9,11 +9,11 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete as delete_route, get, post};
 use axum::{Extension, Json, Router};
-use flotilla_gateway::identity::Peer;
-use flotilla_gateway::tls::{AuthenticatedConn, ConnInfo};
 use flotilla_proto::api::Kind;
 use flotilla_proto::api::{ManifestWork, validate_manifest_work};
 use flotilla_store::{Store, StoreError};
+use flotilla_transport::identity::Peer;
+use flotilla_transport::tls::{AuthenticatedConn, ConnInfo};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
@@ -613,7 +613,7 @@ async fn register_dev_key(
     Path(name): Path<String>,
     Json(body): Json<DevKeyRequest>,
 ) -> Response {
-    if !flotilla_gateway::identity::is_dns1123_label(&name)
+    if !flotilla_proto::contract::is_dns1123_label(&name)
         || body.key_sha256.len() != 64
         || !body.key_sha256.bytes().all(|b| b.is_ascii_hexdigit())
     {

@@ -16,17 +16,17 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use flotilla_gateway::admission::{
-    Admissions, ClusterAdmission, DENIED_ANNOTATION, KEY_PINS_ANNOTATION, REQUESTED_AT_ANNOTATION,
-    TOKEN_ANNOTATION, key_pins,
-};
+use flotilla_gateway::admission::{Admissions, ClusterAdmission, key_pins};
 use flotilla_gateway::certificates::{ClusterCertificates, RenewalError, RenewedCertificate};
-use flotilla_gateway::identity::is_dns1123_label;
-use flotilla_gateway::tls::ConnInfo;
 use flotilla_proto::api::Kind;
+use flotilla_proto::contract::is_dns1123_label;
+use flotilla_proto::contract::{
+    DENIED_ANNOTATION, KEY_PINS_ANNOTATION, REQUESTED_AT_ANNOTATION, TOKEN_ANNOTATION,
+};
 use flotilla_proto::wire::registration_server::{Registration, RegistrationServer};
 use flotilla_proto::wire::{JoinRequest, JoinUpdate, join_update};
 use flotilla_store::{Store, StoreError};
+use flotilla_transport::tls::ConnInfo;
 use futures::Stream;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;

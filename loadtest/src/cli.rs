@@ -368,7 +368,7 @@ impl RunArgs {
             "--poll-interval must be positive, e.g. 250ms"
         );
         anyhow::ensure!(
-            flotilla_gateway::identity::is_dns1123_label(&format!("{}-00000", self.cluster_prefix)),
+            flotilla_proto::contract::is_dns1123_label(&format!("{}-00000", self.cluster_prefix)),
             "--cluster-prefix {:?} does not make valid cluster names: use lower-case letters, digits and '-'",
             self.cluster_prefix
         );

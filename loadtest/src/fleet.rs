@@ -338,7 +338,7 @@ fn issue(ca: &Ca, name: String) -> anyhow::Result<(Identity, String)> {
     use rustls_pki_types::{CertificateDer, pem::PemObject};
     let issued = ca.issue_cluster(&name, AGENT_CERT_LIFETIME)?;
     let der = CertificateDer::from_pem_slice(issued.cert_pem.as_bytes())?;
-    let pin = flotilla_gateway::identity::public_key_sha256(&der)?;
+    let pin = flotilla_transport::identity::public_key_sha256(&der)?;
     Ok((
         Identity {
             name,

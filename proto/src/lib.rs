@@ -3,6 +3,8 @@
 //! * [`wire`]: the gRPC services and frames generated from `proto/flotilla/v1/*.proto`.
 //! * [`api`]: Open Cluster Management's resource kinds as Rust types, with OCM's exact group,
 //!   version, kind and field names, and the CRDs generated from them.
+//! * [`contract`]: the rules both ends must agree on (cluster names, certificate groups, the
+//!   CA-bundle hash, ManagedCluster annotation keys), written once.
 //! * [`session`]: the session protocol (hello/resume, heartbeats, drain, delivery queues) as a
 //!   sans-IO state machine shared by the gateway and the agent.
 //!
@@ -11,6 +13,7 @@
 #![forbid(unsafe_code)]
 
 pub mod api;
+pub mod contract;
 pub mod session;
 
 /// Generated wire types and service stubs (package `flotilla.v1`).

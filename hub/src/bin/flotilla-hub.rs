@@ -56,7 +56,7 @@ fn main() -> anyhow::Result<()> {
             lifetime,
         }) => {
             anyhow::ensure!(
-                flotilla_gateway::identity::is_dns1123_label(&cluster),
+                flotilla_proto::contract::is_dns1123_label(&cluster),
                 "--cluster {cluster:?} is not a valid cluster name: lower-case letters, digits and '-', at most 63"
             );
             let ca = Ca::load_or_create(&data_dir.join("ca"))?;
@@ -78,7 +78,7 @@ fn main() -> anyhow::Result<()> {
             let key = {
                 use rustls_pki_types::{CertificateDer, pem::PemObject};
                 let der = CertificateDer::from_pem_slice(issued.cert_pem.as_bytes())?;
-                flotilla_gateway::identity::public_key_sha256(&der)?
+                flotilla_transport::identity::public_key_sha256(&der)?
             };
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()

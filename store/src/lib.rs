@@ -11,7 +11,7 @@
 //! * [`KubeStore`] — the OCM CRDs on a real kube-apiserver, for hubs that scale out.
 //!
 //! For: controllers, gateways and the operator API reading and writing hub state, one code path
-//! for both modes. Not for: the agent's local cache (it never links hub code), leases and shard
+//! for both modes, and the one list-then-watch loop ([`reflect`]) every watch cache runs on. Not for: the agent's local cache (it never links hub code), leases and shard
 //! ownership (later, beside this trait), or business rules (validating a ManifestWork's
 //! manifests is proto's and the hub's job; the store checks only what any object needs).
 //! Callers work on JSON objects, or on `flotilla_proto::api` types through [`StoreExt`].
@@ -22,6 +22,7 @@ mod apiserver;
 mod embedded;
 mod error;
 mod object;
+pub mod reflect;
 mod typed;
 
 #[cfg(feature = "conformance")]

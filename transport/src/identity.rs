@@ -10,10 +10,8 @@
 
 use x509_parser::prelude::{FromDer, X509Certificate};
 
-/// Organization of every agent (cluster) certificate.
-pub const CLUSTER_GROUP: &str = "flotilla:clusters";
-/// Organization of every operator certificate.
-pub const OPERATOR_GROUP: &str = "flotilla:operators";
+use flotilla_proto::contract::is_dns1123_label;
+pub use flotilla_proto::contract::{CLUSTER_GROUP, OPERATOR_GROUP};
 
 /// The authenticated peer of a connection.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -87,30 +85,4 @@ pub fn public_key_sha256(cert_der: &[u8]) -> Result<String, IdentityError> {
     Ok(hex::encode(sha2::Sha256::digest(
         &cert.public_key().subject_public_key.data,
     )))
-}
-
-/// Kubernetes' rule for names that become namespaces: lower-case alphanumerics and '-', at most
-/// 63 characters, starting and ending alphanumeric.
-pub fn is_dns1123_label(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 63
-        && s.bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !s.starts_with('-')
-        && !s.ends_with('-')
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn dns1123_labels() {
-        for ok in ["store-0042", "a", "x1"] {
-            assert!(is_dns1123_label(ok), "{ok}");
-        }
-        for bad in ["", "-a", "a-", "Store", "a.b", &"a".repeat(64)] {
-            assert!(!is_dns1123_label(bad), "{bad}");
-        }
-    }
 }

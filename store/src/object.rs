@@ -255,7 +255,7 @@ pub(crate) fn validate(object: &Object) -> Result<ObjectKey, StoreError> {
                 "{kind} is cluster-scoped: remove metadata.namespace {ns:?}"
             )));
         }
-        (true, Some(ns)) if !is_dns1123_label(ns) => {
+        (true, Some(ns)) if !flotilla_proto::contract::is_dns1123_label(ns) => {
             return Err(invalid(format!(
                 "metadata.namespace {ns:?} is not a valid DNS-1123 label: use at most 63 \
                  lower-case letters, digits and '-', starting and ending with a letter or digit"
@@ -338,10 +338,6 @@ pub(crate) fn spec_changed(old: &Object, new: &Object) -> bool {
             .unwrap_or_default()
     };
     desired(old) != desired(new)
-}
-
-fn is_dns1123_label(s: &str) -> bool {
-    !s.is_empty() && s.len() <= 63 && is_label_chars(s)
 }
 
 fn is_label_chars(s: &str) -> bool {

@@ -1,0 +1,320 @@
+//! The one list-then-watch loop behind every watch cache: list, watch from the list's revision,
+//! and on a watch that ends resume from the last revision seen. Only a `Gone` (the history is
+//! too old) lists again. Every failure (a list, a watch that cannot open, a watch that breaks)
+//! waits a bounded, growing delay before the next request, so a store that keeps failing costs
+//! it a request every few seconds, not a relist of every object in a tight loop. Caches
+//! implement [`Reflector`]; the loop owns the store conversation and the resume rules.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use flotilla_proto::api::Kind;
+use futures::StreamExt;
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tracing::{debug, warn};
+
+use crate::{Object, Revision, Store, StoreError, WatchEvent};
+
+/// First delay after a failure; doubles with each failure in a row.
+pub const RETRY_MIN: Duration = Duration::from_millis(200);
+/// Longest delay between two attempts.
+pub const RETRY_MAX: Duration = Duration::from_secs(10);
+/// A watch that delivered an event, or stayed open this long, counts as healthy: the next
+/// failure starts again from [`RETRY_MIN`].
+pub const HEALTHY_AFTER: Duration = Duration::from_secs(30);
+
+/// A cache kept in step with one kind of the store.
+#[async_trait]
+pub trait Reflector: Send + Sync {
+    /// Replaces the cache with a complete list. After the first one this also has to deliver
+    /// what changed while the watch was down.
+    async fn replace(&self, items: Vec<Object>);
+    /// Applies one change.
+    async fn apply(&self, event: WatchEvent);
+}
+
+/// What to ask the store next.
+enum Next {
+    List,
+    Watch(Revision),
+}
+
+/// Runs the loop for `kind` (all namespaces) until `stop` turns true or its sender is dropped.
+pub async fn reflect(
+    kind: Kind,
+    store: &dyn Store,
+    target: &dyn Reflector,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut retry = Retry::default();
+    let mut next = Next::List;
+    loop {
+        if *stop.borrow() {
+            return;
+        }
+        let from = match next {
+            Next::List => match store.list(kind, None).await {
+                Ok(list) => {
+                    target.replace(list.items).await;
+                    list.revision
+                }
+                Err(e) => {
+                    let delay = retry.failed();
+                    warn!(%kind, error = %e, ?delay, "listing failed; retrying");
+                    if !pause(delay, &mut stop).await {
+                        return;
+                    }
+                    continue;
+                }
+            },
+            Next::Watch(from) => from,
+        };
+        let opened = Instant::now();
+        let mut events = match store.watch(kind, None, Some(from.clone())).await {
+            Ok(s) => s,
+            Err(StoreError::Gone { .. }) => {
+                debug!(%kind, "watch history too old; listing again");
+                next = Next::List;
+                continue;
+            }
+            Err(e) => {
+                let delay = retry.failed();
+                warn!(%kind, error = %e, ?delay, "watching failed; retrying");
+                next = Next::Watch(from);
+                if !pause(delay, &mut stop).await {
+                    return;
+                }
+                continue;
+            }
+        };
+        let mut last = from;
+        let mut delivered = false;
+        let outcome = loop {
+            let event = tokio::select! {
+                e = events.next() => e,
+                _ = stop.wait_for(|s| *s) => return,
+            };
+            match event {
+                Some(Ok(event)) => {
+                    if let Some(rev) = event.revision() {
+                        last = rev;
+                    }
+                    delivered = true;
+                    target.apply(event).await;
+                }
+                Some(Err(StoreError::Gone { .. })) => break Ended::Gone,
+                None => break Ended::Closed,
+                Some(Err(e)) => break Ended::Failed(e),
+            }
+        };
+        if delivered || opened.elapsed() >= HEALTHY_AFTER {
+            retry.healthy();
+        }
+        next = match outcome {
+            Ended::Gone => {
+                debug!(%kind, "watch history too old; listing again");
+                Next::List
+            }
+            // A watch the store ended on purpose (the apiserver's timeout): resume where it
+            // stopped. One that ends again at once is treated like a failure.
+            Ended::Closed if delivered || opened.elapsed() >= HEALTHY_AFTER => {
+                debug!(%kind, "watch ended; resuming");
+                Next::Watch(last)
+            }
+            Ended::Closed => {
+                let delay = retry.failed();
+                debug!(%kind, ?delay, "watch ended at once; resuming after a pause");
+                if !pause(delay, &mut stop).await {
+                    return;
+                }
+                Next::Watch(last)
+            }
+            Ended::Failed(e) => {
+                let delay = retry.failed();
+                warn!(%kind, error = %e, ?delay, "watch failed; resuming after a pause");
+                if !pause(delay, &mut stop).await {
+                    return;
+                }
+                Next::Watch(last)
+            }
+        };
+    }
+}
+
+enum Ended {
+    Gone,
+    Closed,
+    Failed(StoreError),
+}
+
+/// Delays between failed attempts: doubling from [`RETRY_MIN`] to [`RETRY_MAX`].
+#[derive(Default)]
+struct Retry {
+    failures: u32,
+}
+
+impl Retry {
+    fn failed(&mut self) -> Duration {
+        let delay = RETRY_MIN
+            .saturating_mul(1u32 << self.failures.min(16))
+            .min(RETRY_MAX);
+        self.failures = self.failures.saturating_add(1);
+        delay
+    }
+
+    fn healthy(&mut self) {
+        self.failures = 0;
+    }
+}
+
+/// Sleeps for `delay`; `false` if `stop` turned true (or was dropped) first.
+async fn pause(delay: Duration, stop: &mut watch::Receiver<bool>) -> bool {
+    tokio::select! {
+        _ = tokio::time::sleep(delay) => true,
+        _ = stop.wait_for(|s| *s) => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The loop's requests to a store that misbehaves: counted, with time paused.
+
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use serde_json::json;
+
+    use super::*;
+    use crate::{ObjectList, SledStore, WatchStream};
+
+    /// A sled store whose watches fail to open (or end at once) as told, counting requests.
+    struct Flaky {
+        inner: SledStore,
+        watch_fails: bool,
+        lists: AtomicUsize,
+        watches: AtomicUsize,
+    }
+
+    #[async_trait]
+    impl Store for Flaky {
+        async fn get(
+            &self,
+            kind: Kind,
+            namespace: Option<&str>,
+            name: &str,
+        ) -> Result<Option<Object>, StoreError> {
+            self.inner.get(kind, namespace, name).await
+        }
+        async fn list(
+            &self,
+            kind: Kind,
+            namespace: Option<&str>,
+        ) -> Result<ObjectList, StoreError> {
+            self.lists.fetch_add(1, Ordering::SeqCst);
+            self.inner.list(kind, namespace).await
+        }
+        async fn watch(
+            &self,
+            _kind: Kind,
+            _namespace: Option<&str>,
+            _from: Option<Revision>,
+        ) -> Result<WatchStream, StoreError> {
+            self.watches.fetch_add(1, Ordering::SeqCst);
+            if self.watch_fails {
+                Err(StoreError::backend("watching", "connection reset"))
+            } else {
+                Ok(futures::stream::empty().boxed())
+            }
+        }
+        async fn create(&self, object: Object) -> Result<Object, StoreError> {
+            self.inner.create(object).await
+        }
+        async fn update_spec(&self, object: Object) -> Result<Object, StoreError> {
+            self.inner.update_spec(object).await
+        }
+        async fn update_status(
+            &self,
+            kind: Kind,
+            namespace: Option<&str>,
+            name: &str,
+            status: serde_json::Value,
+            expected: Option<&Revision>,
+        ) -> Result<Object, StoreError> {
+            self.inner
+                .update_status(kind, namespace, name, status, expected)
+                .await
+        }
+        async fn delete(
+            &self,
+            kind: Kind,
+            namespace: Option<&str>,
+            name: &str,
+        ) -> Result<(), StoreError> {
+            self.inner.delete(kind, namespace, name).await
+        }
+        async fn ensure_namespace(&self, name: &str) -> Result<(), StoreError> {
+            self.inner.ensure_namespace(name).await
+        }
+    }
+
+    struct Counting(AtomicUsize);
+
+    #[async_trait]
+    impl Reflector for Counting {
+        async fn replace(&self, _items: Vec<Object>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+        async fn apply(&self, _event: WatchEvent) {}
+    }
+
+    async fn run_for(watch_fails: bool, run: Duration) -> (usize, usize) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(Flaky {
+            inner: SledStore::open(dir.path()).unwrap(),
+            watch_fails,
+            lists: AtomicUsize::new(0),
+            watches: AtomicUsize::new(0),
+        });
+        store
+            .create(json!({
+                "apiVersion": "cluster.open-cluster-management.io/v1", "kind": "ManagedCluster",
+                "metadata": {"name": "store-1"}, "spec": {},
+            }))
+            .await
+            .unwrap();
+        let target = Arc::new(Counting(AtomicUsize::new(0)));
+        let (stop_tx, stop) = watch::channel(false);
+        let task = {
+            let (store, target) = (store.clone(), target.clone());
+            tokio::spawn(async move {
+                reflect(Kind::ManagedCluster, store.as_ref(), target.as_ref(), stop).await
+            })
+        };
+        tokio::time::sleep(run).await;
+        stop_tx.send(true).unwrap();
+        task.await.unwrap();
+        (
+            store.lists.load(Ordering::SeqCst),
+            store.watches.load(Ordering::SeqCst),
+        )
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_watch_that_keeps_failing_is_retried_with_backoff_and_never_relists() {
+        // A minute of a watch that never opens: 0.2+0.4+..+10 s delays, then one every 10 s.
+        let (lists, watches) = run_for(true, Duration::from_secs(60)).await;
+        assert_eq!(lists, 1, "a failing watch does not relist every object");
+        assert!(
+            (5..=12).contains(&watches),
+            "{watches} watch attempts in a minute: not backed off"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_watch_that_ends_at_once_is_resumed_with_backoff() {
+        let (lists, watches) = run_for(false, Duration::from_secs(60)).await;
+        assert_eq!(lists, 1);
+        assert!((5..=12).contains(&watches), "{watches} watch attempts");
+    }
+}
