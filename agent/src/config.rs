@@ -30,41 +30,41 @@ pub const MAX_APPLY_CONCURRENCY: usize = 64;
 #[derive(Clone, Debug, Args)]
 pub struct AgentConfig {
     /// The hub's agent address, host:port (a gateway or the single-node hub).
-    #[arg(long, env = "FLOTILLA_HUB")]
+    #[arg(long, env = "FLOTILLA_AGENT_HUB")]
     pub hub: String,
 
     /// Name the hub's certificate is checked against (default: the host part of --hub).
-    #[arg(long, env = "FLOTILLA_SERVER_NAME")]
+    #[arg(long, env = "FLOTILLA_AGENT_SERVER_NAME")]
     pub server_name: Option<String>,
 
     /// The managed cluster this agent speaks for; must match its certificate.
-    #[arg(long, env = "FLOTILLA_CLUSTER_NAME")]
+    #[arg(long, env = "FLOTILLA_AGENT_CLUSTER_NAME")]
     pub cluster_name: String,
 
     /// Directory with ca.crt (the hub CA bundle), tls.crt and tls.key (this cluster's
     /// identity; the key is made here at join and never leaves the spoke). Default:
     /// <data-dir>/identity, where `flotilla-agent join` stores it.
-    #[arg(long, env = "FLOTILLA_CERT_DIR")]
+    #[arg(long, env = "FLOTILLA_AGENT_CERT_DIR")]
     pub cert_dir: Option<PathBuf>,
 
     /// Reach the hub through this HTTP forward proxy (http://host:port, CONNECT); TLS with the
     /// hub stays end to end through it. Used for joining and for sessions.
-    #[arg(long, env = "FLOTILLA_PROXY_URL")]
+    #[arg(long, env = "FLOTILLA_AGENT_PROXY_URL")]
     pub proxy_url: Option<ProxyUrl>,
 
     /// kubeconfig of the spoke cluster's apiserver, where works are applied. Default: the
     /// KUBECONFIG variable, then ~/.kube/config, then the pod's service account.
-    #[arg(long, env = "FLOTILLA_KUBECONFIG")]
+    #[arg(long, env = "FLOTILLA_AGENT_KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
 
     /// Directory of the agent's durable cache (desired works, what was applied, status not yet
     /// acknowledged). Keep it across restarts: it is how the agent works while the hub is away.
     /// One agent per directory.
-    #[arg(long, env = "FLOTILLA_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
+    #[arg(long, env = "FLOTILLA_AGENT_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
     pub data_dir: PathBuf,
 
     /// How often every work is applied again to repair changes made by hand (±10% jitter).
-    #[arg(long, env = "FLOTILLA_RESYNC_INTERVAL", default_value = DEFAULT_RESYNC_INTERVAL, value_parser = humantime::parse_duration)]
+    #[arg(long, env = "FLOTILLA_AGENT_RESYNC_INTERVAL", default_value = DEFAULT_RESYNC_INTERVAL, value_parser = humantime::parse_duration)]
     pub resync_interval: Duration,
 
     /// How many works are applied at once.
@@ -81,7 +81,7 @@ pub struct AgentConfig {
 
     /// Kubernetes version reported to the hub. Default: read from the spoke apiserver's
     /// /version at start.
-    #[arg(long, env = "FLOTILLA_KUBERNETES_VERSION", default_value = "")]
+    #[arg(long, env = "FLOTILLA_AGENT_KUBERNETES_VERSION", default_value = "")]
     pub kubernetes_version: String,
 }
 

@@ -49,6 +49,7 @@ struct JoinArgs {
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     init_tracing();
+    warn_retired_variables();
     match cli.command {
         Command::Run(config) => {
             let runtime = tokio::runtime::Runtime::new()?;
@@ -114,5 +115,22 @@ fn init_tracing() {
         builder.json().init();
     } else {
         builder.init();
+    }
+}
+
+/// Variables an earlier release read, and that now mean the hub's settings to `flotilla-hub`:
+/// on a box that runs both, an exported one could have pointed the agent at the hub's
+/// apiserver. They are ignored; say so.
+fn warn_retired_variables() {
+    for (old, new) in [
+        (
+            "FLOTILLA_KUBECONFIG",
+            "FLOTILLA_AGENT_KUBECONFIG (the spoke's kubeconfig)",
+        ),
+        ("FLOTILLA_DATA_DIR", "FLOTILLA_AGENT_DATA_DIR"),
+    ] {
+        if std::env::var_os(old).is_some() {
+            tracing::warn!("{old} is set but no longer read by the agent; use {new}");
+        }
     }
 }

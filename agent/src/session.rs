@@ -647,10 +647,19 @@ async fn receive_work(machine: &mut AgentSession, spoke: &Spoke, work: wire::Wor
 /// Marks a work deleted by the hub as a tombstone and hands it to the reconciler, which
 /// removes or orphans its resources and then forgets it.
 async fn delete_work(spoke: &Spoke, uid: String, namespace: &str, name: &str) {
+    // A delete found during the hello sync carries only the uid: the name is in the cache.
+    let work = if name.is_empty() {
+        match spoke.cache.work(&uid) {
+            Ok(Some(cached)) => cached.display_name(),
+            _ => format!("uid {uid}"),
+        }
+    } else {
+        format!("{namespace}/{name}")
+    };
     let key = uid.clone();
     match durably(&spoke.cache, move |c| c.mark_deleting(&key)).await {
         Ok(true) => {
-            info!(uid = %uid, work = %format!("{namespace}/{name}"), "work deleted on the hub");
+            info!(uid = %uid, %work, "work deleted on the hub");
             spoke.reconciler.work_changed(&uid).await;
         }
         Ok(false) => debug!(uid = %uid, "the hub deleted a work this agent does not hold"),

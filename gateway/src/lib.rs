@@ -16,6 +16,7 @@ pub mod mailbox;
 pub mod registry;
 mod server;
 pub mod statuses;
+pub mod supervise;
 
 pub use server::{Gateway, GatewayConfig, GatewayError};
 

@@ -10,7 +10,7 @@ use flotilla_proto::session::{HubConfig, HubEvent, HubSession};
 use flotilla_proto::wire::fleet_server::{Fleet, FleetServer};
 use flotilla_proto::wire::{AgentFrame, HubFrame, TunnelFrame};
 use flotilla_store::Store;
-use futures::Stream;
+use futures::{FutureExt as _, Stream, StreamExt as _};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
@@ -24,6 +24,7 @@ use crate::health::HealthTracker;
 use crate::mailbox::{Mailbox, WorkChange};
 use crate::registry::{Registry, SessionHandle};
 use crate::statuses::StatusWriter;
+use crate::supervise::{TaskEnded, Tasks};
 use flotilla_proto::contract::ca_bundle_sha256;
 use flotilla_transport::identity::Peer;
 use flotilla_transport::tls::{AuthenticatedConn, ConnInfo};
@@ -45,6 +46,10 @@ pub struct GatewayConfig {
     pub send_buffer: usize,
     /// Budget of work-status writes to the store, per second, for the whole gateway.
     pub status_writes_per_second: u32,
+    /// On shutdown each session is drained with a retry-after spread over this window.
+    pub drain_window: Duration,
+    /// On shutdown, how long drained sessions may take to end before the rest are closed.
+    pub drain_timeout: Duration,
 }
 
 impl Default for GatewayConfig {
@@ -58,17 +63,30 @@ impl Default for GatewayConfig {
             session_queue_bound: 4096,
             send_buffer: 32,
             status_writes_per_second: 500,
+            drain_window: Duration::from_secs(5),
+            drain_timeout: Duration::from_secs(20),
         }
     }
 }
 
-/// Errors that stop the whole gateway; sessions' own failures never surface here.
+/// Errors that stop the whole gateway; sessions' own failures never surface here. Each is
+/// retryable by restarting the process (its supervisor does), none in-process.
 #[derive(Debug, thiserror::Error)]
 pub enum GatewayError {
-    /// The HTTP/2 server failed; retryable by restarting the gateway.
+    /// The HTTP/2 server failed.
     #[error("gRPC server failed: {0}")]
     Transport(#[from] tonic::transport::Error),
+    /// One of the gateway's own tasks (watch caches, status writer) ended while serving.
+    #[error(transparent)]
+    TaskEnded(#[from] TaskEnded),
+    /// The stream of accepted connections ended although the gateway was not stopping: its
+    /// listener is gone.
+    #[error("the stream of agent connections ended: the listener is gone")]
+    ListenerClosed,
 }
+
+/// How long the gateway's own tasks may take to stop once told.
+const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A session tier over one store.
 #[derive(Clone)]
@@ -87,6 +105,9 @@ struct Shared {
     /// The hub's CA, for renewals over the session; `None` on a gateway that cannot sign.
     certificates: Option<Arc<dyn ClusterCertificates>>,
     next_session: AtomicU64,
+    /// Turns true when the gateway starts draining: every session, whenever it opens, is
+    /// drained from then on.
+    draining: watch::Sender<bool>,
 }
 
 impl Gateway {
@@ -123,6 +144,7 @@ impl Gateway {
                 admissions,
                 certificates,
                 next_session: AtomicU64::new(1),
+                draining: watch::Sender::new(false),
             }),
         }
     }
@@ -147,7 +169,7 @@ impl Gateway {
     /// watch cache and the status writer running beside them.
     pub async fn serve(
         self,
-        conns: mpsc::Receiver<io::Result<AuthenticatedConn>>,
+        conns: mpsc::Receiver<AuthenticatedConn>,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), GatewayError> {
         self.serve_with(conns, None, shutdown).await
@@ -157,28 +179,52 @@ impl Gateway {
     /// `Registration`, so a joining agent dials the same address it will hold its session on).
     pub async fn serve_with(
         self,
-        conns: mpsc::Receiver<io::Result<AuthenticatedConn>>,
+        conns: mpsc::Receiver<AuthenticatedConn>,
         extra: Option<tonic::service::Routes>,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), GatewayError> {
         let shared = self.shared.clone();
         let (stop_tx, stop_rx) = watch::channel(false);
-        let admissions = tokio::spawn(shared.admissions.clone().run(
-            shared.store.clone(),
-            shared.registry.clone(),
-            stop_rx.clone(),
-        ));
-        let desired = tokio::spawn(shared.desired.clone().run(
-            shared.store.clone(),
-            shared.registry.clone(),
-            stop_rx.clone(),
-        ));
-        let statuses = tokio::spawn(shared.statuses.clone().run(
-            shared.store.clone(),
-            shared.registry.clone(),
-            shared.desired.clone(),
-            stop_rx,
-        ));
+        // The caches and the writer run until told to stop; one that ends before is a fault
+        // the gateway cannot serve through (sessions would be synced from a dead cache).
+        let mut tasks = Tasks::new();
+        tasks.spawn(
+            "the ManagedCluster watch cache",
+            shared
+                .admissions
+                .clone()
+                .run(
+                    shared.store.clone(),
+                    shared.registry.clone(),
+                    stop_rx.clone(),
+                )
+                .map(Ok),
+        );
+        tasks.spawn(
+            "the ManifestWork watch cache",
+            shared
+                .desired
+                .clone()
+                .run(
+                    shared.store.clone(),
+                    shared.registry.clone(),
+                    stop_rx.clone(),
+                )
+                .map(Ok),
+        );
+        tasks.spawn(
+            "the status writer",
+            shared
+                .statuses
+                .clone()
+                .run(
+                    shared.store.clone(),
+                    shared.registry.clone(),
+                    shared.desired.clone(),
+                    stop_rx,
+                )
+                .map(Ok),
+        );
         let max = shared.config.max_frame_bytes;
         let keepalive = shared.config.heartbeat_interval;
         let service = FleetServer::new(self)
@@ -191,22 +237,42 @@ impl Gateway {
             Some(routes) => server.add_routes(routes).add_service(service),
             None => server.add_service(service),
         };
-        let served = router
-            .serve_with_incoming_shutdown(ReceiverStream::new(conns), async {
-                shutdown.await;
-                // Say goodbye on every session so agents reconnect at once elsewhere rather
-                // than wait for a heartbeat timeout.
-                for h in shared.registry.all().await {
-                    h.mailbox.close("gateway shutting down").await;
-                }
-            })
-            .await;
+        // Shutdown: stop accepting (tonic drops the listener's stream once this resolves),
+        // then drain every session, including ones that open or finish their handshake after
+        // this point; at the drain deadline close whatever is left.
+        let draining = shared.draining.clone();
+        let drain_timeout = shared.config.drain_timeout;
+        let mut drain_started = shared.draining.subscribe();
+        let self_draining = shared.draining.subscribe();
+        let registry = shared.registry.clone();
+        let incoming = ReceiverStream::new(conns).map(Ok::<_, io::Error>);
+        let served = router.serve_with_incoming_shutdown(incoming, async move {
+            shutdown.await;
+            let sessions = shared.registry.len().await;
+            info!(sessions, "draining sessions");
+            draining.send_replace(true);
+        });
+        let deadline = async {
+            let _ = drain_started.wait_for(|d| *d).await;
+            tokio::time::sleep(drain_timeout).await;
+        };
+        let outcome = tokio::select! {
+            served = served => served.map_err(GatewayError::from),
+            ended = tasks.first_end() => Err(GatewayError::TaskEnded(ended)),
+            _ = deadline => {
+                let left = registry.len().await;
+                warn!(left, ?drain_timeout, "drain deadline reached; closing the sessions left");
+                Ok(())
+            }
+        };
         let _ = stop_tx.send(true);
-        let _ = desired.await;
-        let _ = statuses.await;
-        let _ = admissions.await;
-        served?;
-        Ok(())
+        tasks.stop_within(STOP_TIMEOUT).await;
+        // The server returns on its own only when the stream of connections ends: the
+        // listener is gone although nobody asked the gateway to stop.
+        if outcome.is_ok() && !*self_draining.borrow() {
+            return Err(GatewayError::ListenerClosed);
+        }
+        outcome
     }
 
     /// Number of live sessions.
@@ -299,6 +365,13 @@ async fn drive(
     );
     let mailbox = Arc::new(Mailbox::default());
     let mut established = false;
+    let mut draining = shared.draining.subscribe();
+    // Spread over the window by session number, so agents drained together come back apart.
+    let spread = {
+        let n = shared.next_session.load(Ordering::Relaxed);
+        let window = config.drain_window.as_millis().max(1) as u64;
+        Duration::from_millis(n.wrapping_mul(0x9E37_79B9_7F4A_7C15) % window)
+    };
     // The status sent to the agent when the transport itself fails (oversized frame, reset).
     let mut transport_error: Option<Status> = None;
 
@@ -414,8 +487,13 @@ async fn drive(
         if machine.is_closed() {
             break;
         }
+        if *draining.borrow_and_update() {
+            machine.drain(spread, "gateway shutting down");
+            continue;
+        }
         let deadline = machine.poll_timeout();
         tokio::select! {
+            _ = draining.changed() => {}
             frame = inbound.message() => match frame {
                 Ok(Some(frame)) => {
                     // An error has already closed the session (Goodbye queued, Closed emitted).

@@ -20,8 +20,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use flotilla_gateway::supervise::Tasks;
 use flotilla_gateway::{Gateway, GatewayConfig};
 use flotilla_store::Store;
+use futures::{FutureExt as _, TryFutureExt as _};
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
 use tracing::info;
@@ -135,6 +137,8 @@ pub async fn run(
             heartbeat_timeout: config.heartbeat_timeout,
             grace_period: config.grace_period,
             max_frame_bytes: config.max_frame_bytes,
+            drain_window: config.drain_window,
+            drain_timeout: config.drain_timeout,
             ..GatewayConfig::default()
         },
         HubCertificates::new(
@@ -150,62 +154,61 @@ pub async fn run(
         gateway.admissions(),
         config.client_cert_lifetime,
     );
-    let agent_conns = flotilla_transport::tls::accept_authenticated(
+    // Every long-lived task of the hub, with one owner: one that ends while the hub serves
+    // makes it exit non-zero (see `supervise`).
+    let mut tasks = Tasks::new();
+    let (agent_conns, agent_accept) = flotilla_transport::tls::accept_authenticated(
         agents,
         agent_tls,
         Default::default(),
         "agents",
     );
+    tasks.spawn("the agents' listener", agent_accept.err_into());
     // Joining agents dial the same address they will hold their session on.
     let routes = tonic::service::Routes::new(join.into_server());
-    let gateway_task = tokio::spawn(gateway.clone().serve_with(
-        agent_conns,
-        Some(routes),
-        stopped(stop_rx.clone()),
-    ));
-    let api_conns = flotilla_transport::tls::accept_authenticated(
+    tasks.spawn(
+        "the agents' gateway",
+        gateway
+            .clone()
+            .serve_with(agent_conns, Some(routes), stopped(stop_rx.clone()))
+            .err_into(),
+    );
+    let (api_conns, api_accept) = flotilla_transport::tls::accept_authenticated(
         api,
         api_tls,
         Default::default(),
         "operator-api",
     );
-    let (ca_changed, mut ca_changes) = tokio::sync::watch::channel(0u64);
+    tasks.spawn("the operator API's listener", api_accept.err_into());
+    let (ca_changed, ca_changes) = tokio::sync::watch::channel(0u64);
     let registration = Arc::new(RegistrationApi {
         tokens,
         authority: authority.clone(),
         agent_address: agent_address(&config, listen.agents),
         ca_changed,
     });
-    let api_task = tokio::spawn(operator_api::serve(
-        api_conns,
-        store,
-        Some(registration),
-        stopped(stop_rx.clone()),
-    ));
-    // After a CA rotation: new handshakes get a serving chain from the new CA and trust both
-    // CAs' client certificates; live sessions get the new bundle.
-    let server_names = config.server_names.clone();
-    let mut rotation_stop = stop_rx.clone();
-    tokio::spawn(async move {
-        loop {
-            tokio::select! {
-                changed = ca_changes.changed() => if changed.is_err() { return },
-                _ = rotation_stop.wait_for(|s| *s) => return,
-            }
-            match agent_tls_config(&authority.current(), &server_names) {
-                Ok(tls) => {
-                    agent_tls_tx.send_replace(tls);
-                    gateway.push_trust_bundle().await;
-                    info!(
-                        "agents' listener now serves from the new CA; sessions told the new bundle"
-                    );
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, "cannot build the agents' TLS configuration after a CA change")
-                }
-            }
-        }
-    });
+    tasks.spawn(
+        "the operator API",
+        operator_api::serve(
+            api_conns,
+            store,
+            Some(registration),
+            stopped(stop_rx.clone()),
+        )
+        .err_into(),
+    );
+    tasks.spawn(
+        "CA rotation",
+        follow_ca_rotation(
+            authority,
+            config.server_names.clone(),
+            agent_tls_tx,
+            gateway,
+            ca_changes,
+            stop_rx,
+        )
+        .map(Ok),
+    );
 
     ca::write(
         &ListenInfo::path(&config.data_dir),
@@ -214,12 +217,60 @@ pub async fn run(
     )?;
     info!(agents = %listen.agents, api = %listen.api, store = ?config.store, "hub serving");
 
-    shutdown.await;
-    info!("shutting down");
+    tokio::select! {
+        _ = shutdown => info!("shutting down"),
+        ended = tasks.first_end() => {
+            tracing::error!(error = %ended, "a serving task ended; the hub cannot serve without it and exits");
+            let _ = stop_tx.send(true);
+            tasks.stop_within(STOP_AFTER_FAULT).await;
+            return Err(anyhow::Error::new(ended).context(
+                "flotilla-hub stopped serving; exiting non-zero so that its supervisor restarts it",
+            ));
+        }
+    }
     let _ = stop_tx.send(true);
-    gateway_task.await??;
-    api_task.await?;
+    // The gateway drains within --drain-timeout; the rest stop at once.
+    let aborted = tasks
+        .stop_within(config.drain_timeout + STOP_AFTER_FAULT)
+        .await;
+    if aborted > 0 {
+        tracing::warn!(
+            aborted,
+            "tasks still running after the drain deadline were aborted"
+        );
+    }
     Ok(())
+}
+
+/// How long the hub's tasks may take to stop once told, beyond the gateway's drain.
+const STOP_AFTER_FAULT: Duration = Duration::from_secs(5);
+
+/// After a CA rotation: new handshakes get a serving chain from the new CA and trust both CAs'
+/// client certificates; live sessions get the new bundle. Until `stop`.
+async fn follow_ca_rotation(
+    authority: Arc<Authority>,
+    server_names: Vec<String>,
+    agent_tls: tokio::sync::watch::Sender<Arc<rustls::ServerConfig>>,
+    gateway: Gateway,
+    mut changes: tokio::sync::watch::Receiver<u64>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            changed = changes.changed() => if changed.is_err() { return },
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        match agent_tls_config(&authority.current(), &server_names) {
+            Ok(tls) => {
+                agent_tls.send_replace(tls);
+                gateway.push_trust_bundle().await;
+                info!("agents' listener now serves from the new CA; sessions told the new bundle");
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot build the agents' TLS configuration after a CA change")
+            }
+        }
+    }
 }
 
 /// The agents' listener configuration for CA `ca`: a fresh serving certificate from it, the

@@ -211,6 +211,11 @@ pub struct RunArgs {
     #[arg(long)]
     pub hub_binary: Option<PathBuf>,
 
+    /// An extra flag for the child hub, e.g. `--hub-arg=--drain-window=2s`; repeat for more.
+    #[arg(long = "hub-arg", allow_hyphen_values = true)]
+    #[serde(default)]
+    pub hub_args: Vec<String>,
+
     /// Agent address of the hub the harness starts (loopback; port 0 picks a free port).
     #[arg(long, default_value = DEFAULT_HUB_LISTEN)]
     pub hub_listen: SocketAddr,

@@ -47,7 +47,7 @@ use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::apiserver::{Apiserver, ApiserverSnapshot};
 use crate::cli::{Enrollment, RunArgs, Scenario};
-use crate::fleet::{Hub, Identity, SERVER_NAME};
+use crate::fleet::{Hub, Identity};
 use crate::machine::Machine;
 use crate::report::{HubInfo, Report, SCHEMA};
 use crate::scenario::Run;
@@ -123,21 +123,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<(Report, PathBuf)> {
             (identities, Some(join))
         }
     };
-    let spec = SwarmSpec {
-        hub: hub.agents,
-        server_name: SERVER_NAME.to_string(),
-        ca_bundle: hub.ca_bundle()?,
-        first_index: 0,
-        connect_rate: args.connect_rate,
-        source_addresses: args.source_addresses,
-        seed: args.seed,
-        max_backoff_ms: args.max_backoff.as_millis() as u64,
-        apply_delay_ms: args.apply_delay.as_millis() as u64,
-        apply_failure_rate: args.apply_failure_rate,
-        cache_dir: run_dir.path().join("agent-cache"),
-        identities_dir: run_dir.path().join("agent-identities"),
-        join,
-    };
+    let spec = SwarmSpec::for_run(&args, &hub, run_dir.path(), join)?;
     let mut run = Run::new(
         args.clone(),
         hub,

@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU8, AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -35,6 +35,8 @@ use crate::sim::{Faults, SimCluster};
 
 /// Kubernetes version the simulated clusters report.
 pub const SIM_KUBERNETES_VERSION: &str = "v1.36.0-flotilla-loadtest";
+/// How long stopped agents may take to say goodbye and end.
+pub const STOP_TIMEOUT: Duration = Duration::from_secs(30);
 /// The agents' resync interval: the agent's default (5 minutes), so a run's steady state is a
 /// fleet's.
 pub const RESYNC_INTERVAL: Duration = Duration::from_secs(300);
@@ -63,6 +65,33 @@ pub struct SwarmSpec {
     /// With `--enroll join`: the agents join with this token before connecting, and the
     /// identities they are given carry names only.
     pub join: Option<JoinSpec>,
+}
+
+impl SwarmSpec {
+    /// The swarm of a run: its agents dial `hub` with the run's settings and keep their cache
+    /// and identities under `run_dir`; with `join`, they join with its token first.
+    pub fn for_run(
+        args: &crate::cli::RunArgs,
+        hub: &crate::fleet::Hub,
+        run_dir: &Path,
+        join: Option<JoinSpec>,
+    ) -> anyhow::Result<SwarmSpec> {
+        Ok(SwarmSpec {
+            hub: hub.agents,
+            server_name: crate::fleet::SERVER_NAME.to_string(),
+            ca_bundle: hub.ca_bundle()?,
+            first_index: 0,
+            connect_rate: args.connect_rate,
+            source_addresses: args.source_addresses,
+            seed: args.seed,
+            max_backoff_ms: args.max_backoff.as_millis() as u64,
+            apply_delay_ms: args.apply_delay.as_millis() as u64,
+            apply_failure_rate: args.apply_failure_rate,
+            cache_dir: run_dir.join("agent-cache"),
+            identities_dir: run_dir.join("agent-identities"),
+            join,
+        })
+    }
 }
 
 /// What joining agents are given: a `flotilla token create` output.
@@ -111,6 +140,89 @@ pub struct Sample {
     /// Successful applies to the simulated clusters, and failures injected on purpose.
     pub applies: u64,
     pub injected_failures: u64,
+    /// Agents without a session whose last attempt failed, by why.
+    #[serde(default)]
+    pub failing: Failing,
+}
+
+/// Agents whose last attempt to reach the hub failed, by the kind of failure: what a run that
+/// cannot connect reports ("180 agents could not connect: connection refused").
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Failing {
+    /// Nothing listens at the hub's address.
+    pub refused: u64,
+    /// No answer in time (dial or handshake timeout).
+    pub timed_out: u64,
+    /// TLS failed (a certificate refused by either side).
+    pub tls: u64,
+    /// The hub answered and refused the session (admission, draining).
+    pub refused_by_hub: u64,
+    /// Anything else.
+    pub other: u64,
+}
+
+/// The kinds of [`Failing`], as an agent remembers its last one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum FailureKind {
+    Refused = 1,
+    TimedOut = 2,
+    Tls = 3,
+    RefusedByHub = 4,
+    Other = 5,
+}
+
+impl FailureKind {
+    /// Sorts an agent's failure message (the agent's own words) into a kind.
+    pub fn of(reason: &str) -> FailureKind {
+        let r = reason.to_ascii_lowercase();
+        if r.contains("connection refused") {
+            FailureKind::Refused
+        } else if r.contains("timed out") || r.contains("no answer within") {
+            FailureKind::TimedOut
+        } else if r.contains("certificate") || r.contains("tls") || r.contains("handshake") {
+            FailureKind::Tls
+        } else if r.contains("hub ended the session") || r.contains("refused") {
+            FailureKind::RefusedByHub
+        } else {
+            FailureKind::Other
+        }
+    }
+
+    /// How a report names agents failing this way.
+    pub fn describe(self) -> &'static str {
+        match self {
+            FailureKind::Refused => "connection refused",
+            FailureKind::TimedOut => "no answer in time",
+            FailureKind::Tls => "TLS refused",
+            FailureKind::RefusedByHub => "refused by the hub",
+            FailureKind::Other => "other errors",
+        }
+    }
+}
+
+impl Failing {
+    pub fn add(&mut self, o: &Failing) {
+        self.refused += o.refused;
+        self.timed_out += o.timed_out;
+        self.tls += o.tls;
+        self.refused_by_hub += o.refused_by_hub;
+        self.other += o.other;
+    }
+
+    /// Kinds with at least one agent, most common first.
+    pub fn kinds(&self) -> Vec<(FailureKind, u64)> {
+        let mut all = vec![
+            (FailureKind::Refused, self.refused),
+            (FailureKind::TimedOut, self.timed_out),
+            (FailureKind::Tls, self.tls),
+            (FailureKind::RefusedByHub, self.refused_by_hub),
+            (FailureKind::Other, self.other),
+        ];
+        all.retain(|(_, n)| *n > 0);
+        all.sort_by_key(|(_, n)| std::cmp::Reverse(*n));
+        all
+    }
 }
 
 impl Sample {
@@ -131,6 +243,7 @@ impl Sample {
         self.duplicate_status_acks += o.duplicate_status_acks;
         self.applies += o.applies;
         self.injected_failures += o.injected_failures;
+        self.failing.add(&o.failing);
     }
 }
 
@@ -150,6 +263,8 @@ struct Tally {
     statuses_sent: AtomicU64,
     statuses_acked: AtomicU64,
     duplicate_status_acks: AtomicU64,
+    /// Agents whose last attempt failed, indexed by `FailureKind as usize`.
+    failing: [AtomicU64; 6],
 }
 
 /// What one agent holds at the end, for the coordinator's accounting.
@@ -202,6 +317,9 @@ struct SimAgent {
     tally: Arc<Tally>,
     connected: AtomicBool,
     sessions: AtomicU64,
+    /// The kind of this agent's last failed attempt (`FailureKind as u8`), 0 once it has a
+    /// session: what the swarm's `failing` counters count.
+    last_failure: AtomicU8,
     /// Work name → when its first generation was durably stored and acked.
     acks: SyncMutex<BTreeMap<String, Stamp>>,
     /// Highest status seq the hub acked per work uid, to notice a status acked twice.
@@ -215,6 +333,7 @@ type SyncMutex<T> = std::sync::Mutex<T>;
 
 impl Observer for SimAgent {
     fn session_established(&self) {
+        self.set_failure(None);
         self.connected.store(true, Ordering::Relaxed);
         self.sessions.fetch_add(1, Ordering::Relaxed);
         self.tally.connected.fetch_add(1, Ordering::Relaxed);
@@ -230,6 +349,7 @@ impl Observer for SimAgent {
     fn connection_failed(&self, reason: &str) {
         debug!(agent = %self.name, %reason, "connection failed");
         self.tally.failed_attempts.fetch_add(1, Ordering::Relaxed);
+        self.set_failure(Some(FailureKind::of(reason)));
     }
 
     fn frame_received(&self, frame: &wire::HubFrame) {
@@ -267,6 +387,22 @@ impl Observer for SimAgent {
                 .fetch_add(1, Ordering::Relaxed);
         }
         *previous = (*previous).max(seq);
+    }
+}
+
+impl SimAgent {
+    /// Records the kind of the agent's last failure (`None`: it has a session now).
+    fn set_failure(&self, kind: Option<FailureKind>) {
+        let new = kind.map_or(0, |k| k as u8);
+        let old = self.last_failure.swap(new, Ordering::Relaxed);
+        if old != new {
+            if old != 0 {
+                self.tally.failing[old as usize].fetch_sub(1, Ordering::Relaxed);
+            }
+            if new != 0 {
+                self.tally.failing[new as usize].fetch_add(1, Ordering::Relaxed);
+            }
+        }
     }
 }
 
@@ -316,6 +452,7 @@ impl Swarm {
                 tally: tally.clone(),
                 connected: AtomicBool::new(false),
                 sessions: AtomicU64::new(0),
+                last_failure: AtomicU8::new(0),
                 acks: SyncMutex::new(BTreeMap::new()),
                 acked: SyncMutex::new(HashMap::new()),
             }));
@@ -383,6 +520,16 @@ impl Swarm {
             duplicate_status_acks: t.duplicate_status_acks.load(Ordering::Relaxed),
             applies,
             injected_failures,
+            failing: {
+                let count = |k: FailureKind| t.failing[k as usize].load(Ordering::Relaxed);
+                Failing {
+                    refused: count(FailureKind::Refused),
+                    timed_out: count(FailureKind::TimedOut),
+                    tls: count(FailureKind::Tls),
+                    refused_by_hub: count(FailureKind::RefusedByHub),
+                    other: count(FailureKind::Other),
+                }
+            },
         }
     }
 
@@ -420,7 +567,19 @@ impl Swarm {
     /// Stops every agent (each says goodbye if connected) and waits for them.
     pub async fn stop(mut self) {
         let _ = self.stop.send(true);
-        while self.tasks.join_next().await.is_some() {}
+        // Each agent says goodbye and its loop ends; one that does not within the bound is
+        // aborted rather than waited for.
+        let drained = tokio::time::timeout(STOP_TIMEOUT, async {
+            while self.tasks.join_next().await.is_some() {}
+        })
+        .await;
+        if drained.is_err() {
+            warn!(
+                left = self.tasks.len(),
+                "agents still running {STOP_TIMEOUT:?} after stop; aborting them"
+            );
+            self.tasks.shutdown().await;
+        }
     }
 }
 

@@ -5,6 +5,7 @@
 //! --bins`, which the README's test command does).
 #![forbid(unsafe_code)]
 
+pub mod faults;
 pub mod spoke;
 
 use std::path::{Path, PathBuf};
@@ -91,6 +92,23 @@ impl Proc {
 
     pub fn log_path(&self) -> &Path {
         &self.log
+    }
+
+    /// Waits for the process to exit on its own, at most `timeout`; its exit status, or `None`
+    /// if it is still running.
+    pub async fn exited_within(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let child = self.child.as_mut()?;
+            if let Ok(Some(status)) = child.try_wait() {
+                self.child = None;
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// Whether the process is still running.

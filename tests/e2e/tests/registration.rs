@@ -214,10 +214,14 @@ async fn join_pending_accept_available(kube: bool) -> anyhow::Result<()> {
     let secret = token["token"].as_str().unwrap().to_string();
     let join_command = token["joinCommand"].as_str().unwrap();
     assert!(
-        join_command.starts_with("flotilla-agent join --hub ")
-            && join_command.contains("--ca-fingerprint ")
-            && join_command.contains(&secret),
+        join_command.starts_with(&format!(
+            "FLOTILLA_BOOTSTRAP_TOKEN={secret} flotilla-agent join --hub "
+        )) && join_command.contains("--ca-fingerprint "),
         "{join_command}"
+    );
+    assert!(
+        !join_command.contains("--token"),
+        "the secret is not an argument: {join_command}"
     );
     let (mut agent, data) = start_join(dir.path(), &token, "store-0001", &[])?;
 
