@@ -5,8 +5,9 @@ use std::time::Duration;
 
 use clap::Args;
 
-use crate::proxy::ProxyUrl;
+use crate::connect::Transport;
 use crate::reconcile::{DEFAULT_APPLY_CONCURRENCY, DEFAULT_RETRY_INITIAL, ReconcilerConfig};
+use flotilla_transport::dial::ProxyUrl;
 
 /// Upper bound of the random delay before the first connection after process start, so a site
 /// that powers on all at once does not reach the hub in the same second.
@@ -52,6 +53,12 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOTILLA_AGENT_PROXY_URL")]
     pub proxy_url: Option<ProxyUrl>,
 
+    /// The carrier of the session: grpc (HTTP/2 over TLS, TCP), quic (UDP, the same mTLS), or
+    /// auto: QUIC, falling back to gRPC when no QUIC handshake completes within 3 s (UDP
+    /// blocked on the way), remembering that for 10 minutes; always gRPC behind --proxy-url.
+    #[arg(long, env = "FLOTILLA_AGENT_TRANSPORT", value_enum, default_value_t = Transport::Auto)]
+    pub transport: Transport,
+
     /// kubeconfig of the spoke cluster's apiserver, where works are applied. Default: the
     /// KUBECONFIG variable, then ~/.kube/config, then the pod's service account.
     #[arg(long, env = "FLOTILLA_AGENT_KUBECONFIG")]
@@ -96,6 +103,11 @@ pub enum ConfigError {
     /// `--resync-interval` is too short. Not retryable.
     #[error("--resync-interval {got:?} is shorter than {min:?}; use e.g. 5m")]
     ResyncInterval { got: Duration, min: Duration },
+    /// `--transport quic` with `--proxy-url`. Not retryable.
+    #[error(
+        "--transport quic cannot go through --proxy-url (an HTTP CONNECT proxy carries TCP only); use --transport grpc or auto"
+    )]
+    QuicBehindProxy,
     /// `--apply-concurrency` is out of range. Not retryable.
     #[error("--apply-concurrency {0} is out of range; use 1 to {MAX_APPLY_CONCURRENCY}")]
     ApplyConcurrency(usize),
@@ -142,6 +154,9 @@ impl AgentConfig {
         let name = &self.cluster_name;
         if !flotilla_proto::contract::is_dns1123_label(name) {
             return Err(ConfigError::ClusterName(name.clone()));
+        }
+        if self.transport == Transport::Quic && self.proxy_url.is_some() {
+            return Err(ConfigError::QuicBehindProxy);
         }
         if self.resync_interval < MIN_RESYNC_INTERVAL {
             return Err(ConfigError::ResyncInterval {

@@ -3,7 +3,9 @@
 //! ManifestWorks it receives to its own cluster, from a durable cache that lets it keep working
 //! while the hub is away.
 //!
-//! * [`session`]: the reconnect loop and the thin driver of the protocol machine.
+//! * [`session`]: the reconnect loop; `driver`: the thin driver of one session's protocol
+//!   machine, on either carrier; [`connect`]: dialling gRPC, QUIC, or QUIC with a fallback;
+//!   [`refusal`]: every way a session fails, in words for the spoke's operator.
 //! * [`cache`]: the durable state behind [`WorkCache`] (sled): works, ledger, status outbox.
 //! * [`reconcile`]: the task that makes the spoke match the cache (start, changes, resync).
 //! * [`apply`]: the apply engine behind [`ApplyTarget`] (kube-rs server-side apply, or an
@@ -11,7 +13,6 @@
 //! * [`status`]: ManifestWork status as OCM shapes it.
 //! * [`join`], [`identity`]: joining with a bootstrap token (key made here, CSR sent, CA pinned)
 //!   and the identity on disk, renewed over the session.
-//! * [`proxy`]: dialling through an HTTP CONNECT forward proxy.
 //!
 //! Not for: anything the hub decides, and it links no hub code: what both ends agree on lives in
 //! `flotilla-proto`. The agent opens outbound connections only; it never listens.
@@ -21,10 +22,11 @@ pub mod apply;
 pub mod cache;
 pub mod config;
 pub mod connect;
+mod driver;
 pub mod identity;
 pub mod join;
-pub mod proxy;
 pub mod reconcile;
+pub mod refusal;
 pub mod session;
 pub mod status;
 

@@ -2,6 +2,11 @@
 //! once the last session of a cluster has been gone for the grace period, Available turns
 //! Unknown and the cluster gets OCM's `unreachable` taint so placements stop choosing it.
 //!
+//! One task per gateway ([`HealthWriter::run`]) owns it. Session drivers tell it about
+//! sessions opening and closing through a bounded channel ([`HealthReports`]) and never wait on
+//! the store for it; the grace period is `flotilla_proto::session::Presence`, a sans-IO
+//! machine; the writes run here, a bounded number at a time.
+//!
 //! Writes happen on transitions only (connect, grace expiry), never per heartbeat: the store (and
 //! behind it, with the kube backend, the hub apiserver) sees O(transitions), not O(clusters ×
 //! heartbeats). A connect that finds the cluster already recorded Available (in the gateway's
@@ -9,7 +14,7 @@
 //! nothing and reads nothing: a hub restarted under every session costs the store no request
 //! for health.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,170 +22,182 @@ use flotilla_proto::api::Kind;
 use flotilla_proto::api::conditions::{
     self, ConditionStatus, MANAGED_CLUSTER_CONDITION_AVAILABLE, MANAGED_CLUSTER_JOINED,
 };
+use flotilla_proto::session::{Presence, PresenceEvent};
 use flotilla_proto::wire;
 use flotilla_store::{Store, StoreError};
+use futures::StreamExt as _;
+use futures::stream::FuturesUnordered;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use serde_json::{Value, json};
-use tokio::sync::Mutex;
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use crate::admission::Admissions;
 
 pub use flotilla_proto::contract::UNREACHABLE_TAINT;
 
-/// Tracks which clusters hold a session, and writes their health transitions to the store.
-pub struct HealthTracker {
+/// Session reports waiting for the health task: enough for a reconnect storm's burst; a driver
+/// that finds it full waits (off its loop) rather than losing a report.
+pub const REPORT_BUFFER: usize = 4096;
+/// Health writes in flight at once.
+pub const WRITE_CONCURRENCY: usize = 16;
+
+/// What a session driver tells the health task.
+#[derive(Debug)]
+pub enum HealthReport {
+    /// Session `session` of `cluster` is established, with the agent's hello (its version and
+    /// claims belong in the ManagedCluster's status).
+    Connected {
+        cluster: String,
+        session: String,
+        hello: Box<wire::Hello>,
+    },
+    /// Session `session` of `cluster` ended.
+    Disconnected { cluster: String, session: String },
+}
+
+/// The drivers' end of the health task's channel.
+#[derive(Clone)]
+pub struct HealthReports(mpsc::Sender<HealthReport>);
+
+impl HealthReports {
+    /// Hands a report to the health task; waits only while its buffer is full.
+    pub async fn send(&self, report: HealthReport) {
+        // The task ends only at shutdown; a report then has nobody to act on it.
+        let _ = self.0.send(report).await;
+    }
+}
+
+/// Writes cluster health to the store from session reports and the grace period.
+pub struct HealthWriter {
     store: Arc<dyn Store>,
     grace_period: Duration,
-    /// Per cluster: the id of its current session, or the epoch of its disconnection. A
-    /// grace-period timer fires only if the epoch it was armed with is still current, so a
-    /// reconnect in between cancels it without any timer bookkeeping.
-    state: Mutex<HashMap<String, Presence>>,
     /// The gateway's watch cache of ManagedClusters: what the store records now.
     admissions: Arc<Admissions>,
-    /// Clusters this tracker marked Unknown and has not marked Available since. Their watch
-    /// event may not have reached the cache yet when the agent comes back, so a connect always
-    /// writes for them.
-    marked_unknown: Mutex<HashSet<String>>,
+    reports: mpsc::Receiver<HealthReport>,
 }
 
-/// A ManagedCluster's health as stored: what a connect would otherwise write again.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct RecordedHealth {
-    /// Joined and Available are both True.
-    pub available: bool,
-    /// It carries the unreachable taint.
-    pub unreachable: bool,
-    /// `status.version.kubernetes`.
-    pub kubernetes_version: String,
-    /// `status.clusterClaims` as (name, value).
-    pub claims: Vec<(String, String)>,
+/// The outcome of one health write, back to the task.
+enum Written {
+    Available { cluster: String, ok: bool },
+    Unknown,
 }
 
-impl RecordedHealth {
-    /// Reads a stored ManagedCluster.
-    pub fn from_object(obj: &Value) -> RecordedHealth {
-        let conds = read_conditions(&obj["status"]);
-        let is_true = |t: &str| conditions::is_condition_true(&conds, t);
-        RecordedHealth {
-            available: is_true(MANAGED_CLUSTER_JOINED)
-                && is_true(MANAGED_CLUSTER_CONDITION_AVAILABLE),
-            unreachable: obj["spec"]["taints"]
-                .as_array()
-                .is_some_and(|t| t.iter().any(|t| t["key"] == UNREACHABLE_TAINT)),
-            kubernetes_version: obj["status"]["version"]["kubernetes"]
-                .as_str()
-                .unwrap_or_default()
-                .to_string(),
-            claims: obj["status"]["clusterClaims"]
-                .as_array()
-                .map(|claims| {
-                    claims
-                        .iter()
-                        .map(|c| {
-                            let field = |f: &str| c[f].as_str().unwrap_or_default().to_string();
-                            (field("name"), field("value"))
-                        })
-                        .collect()
-                })
-                .unwrap_or_default(),
-        }
-    }
-
-    /// Whether marking the cluster Available for this hello would change nothing.
-    fn already_shows(&self, hello: &wire::Hello) -> bool {
-        let claims: Vec<(String, String)> = hello
-            .claims
-            .iter()
-            .map(|c| (c.name.clone(), c.value.clone()))
-            .collect();
-        self.available
-            && !self.unreachable
-            && (hello.kubernetes_version.is_empty()
-                || hello.kubernetes_version == self.kubernetes_version)
-            && (claims.is_empty() || claims == self.claims)
-    }
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Presence {
-    Connected { session_id: String },
-    Gone { epoch: u64 },
-}
-
-impl HealthTracker {
+impl HealthWriter {
+    /// A writer and the channel drivers report to.
     pub fn new(
         store: Arc<dyn Store>,
         grace_period: Duration,
         admissions: Arc<Admissions>,
-    ) -> Arc<HealthTracker> {
-        Arc::new(HealthTracker {
-            store,
-            grace_period,
-            state: Mutex::new(HashMap::new()),
-            admissions,
-            marked_unknown: Mutex::new(HashSet::new()),
-        })
-    }
-
-    /// A session for `cluster` was established: mark it Joined and Available now.
-    pub async fn connected(&self, cluster: &str, session_id: &str, hello: &wire::Hello) {
-        self.state.lock().await.insert(
-            cluster.to_string(),
-            Presence::Connected {
-                session_id: session_id.to_string(),
+    ) -> (HealthWriter, HealthReports) {
+        let (tx, reports) = mpsc::channel(REPORT_BUFFER);
+        (
+            HealthWriter {
+                store,
+                grace_period,
+                admissions,
+                reports,
             },
-        );
-        let recorded = self.admissions.get(cluster).await.map(|a| a.health);
-        let unknown_here = self.marked_unknown.lock().await.contains(cluster);
-        if !unknown_here && recorded.is_some_and(|h| h.already_shows(hello)) {
-            debug!(
-                cluster,
-                "cluster already recorded Available: nothing to write"
-            );
-            return;
-        }
-        match self.mark_available(cluster, hello).await {
-            Ok(()) => {
-                self.marked_unknown.lock().await.remove(cluster);
-            }
-            Err(e) => warn!(cluster, error = %e, "could not record the cluster as Available"),
-        }
+            HealthReports(tx),
+        )
     }
 
-    /// The session `session_id` of `cluster` ended. Unless a newer session arrives within the
-    /// grace period, the cluster turns Unknown.
-    pub async fn disconnected(self: &Arc<Self>, cluster: &str, session_id: &str) {
-        static EPOCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let epoch = EPOCH.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        {
-            let mut state = self.state.lock().await;
-            match state.get(cluster) {
-                // A newer session already replaced this one: nothing changes.
-                Some(Presence::Connected {
-                    session_id: current,
-                }) if current != session_id => return,
-                _ => {
-                    state.insert(cluster.to_string(), Presence::Gone { epoch });
-                }
-            }
-        }
-        let this = self.clone();
-        let cluster = cluster.to_string();
-        tokio::spawn(async move {
-            tokio::time::sleep(this.grace_period).await;
-            let still_gone =
-                this.state.lock().await.get(&cluster) == Some(&Presence::Gone { epoch });
-            if still_gone {
-                // Noted before the write: a connect racing it then writes Available after.
-                this.marked_unknown.lock().await.insert(cluster.clone());
-                if let Err(e) = this.mark_unknown(&cluster).await {
-                    warn!(cluster, error = %e, "could not record the cluster as Unknown");
-                }
-            }
+    /// Runs until `stop` turns true (or every reporter is gone).
+    pub async fn run(mut self, mut stop: watch::Receiver<bool>) {
+        let mut presence = Presence::new(self.grace_period);
+        // Clusters this task marked Unknown and has not marked Available since. Their watch
+        // event may not have reached the cache yet when the agent comes back, so a connect
+        // always writes for them.
+        let mut marked_unknown: HashSet<String> = HashSet::new();
+        let mut writes = FuturesUnordered::new();
+        // Writes waiting for a slot, in order.
+        let mut queued: std::collections::VecDeque<futures::future::BoxFuture<'static, Written>> =
+            std::collections::VecDeque::new();
+        let this = Arc::new(Writes {
+            store: self.store.clone(),
+            grace_period: self.grace_period,
         });
+        let stopped = async move {
+            let _ = stop.wait_for(|s| *s).await;
+        };
+        tokio::pin!(stopped);
+        loop {
+            while writes.len() < WRITE_CONCURRENCY {
+                let Some(w) = queued.pop_front() else { break };
+                writes.push(w);
+            }
+            let deadline = presence.poll_timeout();
+            tokio::select! {
+                report = self.reports.recv() => {
+                    let Some(report) = report else { return };
+                    match report {
+                        HealthReport::Connected { cluster, session, hello } => {
+                            presence.connected(&cluster, &session);
+                            let recorded = self.admissions.get(&cluster).await.map(|a| a.health);
+                            if !marked_unknown.contains(&cluster)
+                                && recorded.is_some_and(|h| h.already_shows(&hello))
+                            {
+                                debug!(cluster, "cluster already recorded Available: nothing to write");
+                                continue;
+                            }
+                            let w = this.clone();
+                            queued.push_back(Box::pin(async move {
+                                let ok = match w.mark_available(&cluster, &hello).await {
+                                    Ok(()) => true,
+                                    Err(e) => {
+                                        warn!(cluster, error = %e, "could not record the cluster as Available");
+                                        false
+                                    }
+                                };
+                                Written::Available { cluster, ok }
+                            }));
+                        }
+                        HealthReport::Disconnected { cluster, session } => {
+                            presence.disconnected(Instant::now(), &cluster, &session);
+                        }
+                    }
+                }
+                _ = sleep_until(deadline) => {
+                    presence.handle_timeout(Instant::now());
+                    while let Some(PresenceEvent::Unreachable { cluster, .. }) = presence.poll_event() {
+                        // Noted before the write: a connect racing it then writes Available after.
+                        marked_unknown.insert(cluster.clone());
+                        let w = this.clone();
+                        queued.push_back(Box::pin(async move {
+                            if let Err(e) = w.mark_unknown(&cluster).await {
+                                warn!(cluster, error = %e, "could not record the cluster as Unknown");
+                            }
+                            Written::Unknown
+                        }));
+                    }
+                }
+                Some(written) = writes.next(), if !writes.is_empty() => match written {
+                    Written::Available { cluster, ok: true } => {
+                        marked_unknown.remove(&cluster);
+                    }
+                    Written::Available { ok: false, .. } | Written::Unknown => {}
+                },
+                _ = &mut stopped => return,
+            }
+        }
     }
+}
 
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The store writes of cluster health.
+struct Writes {
+    store: Arc<dyn Store>,
+    grace_period: Duration,
+}
+
+impl Writes {
     async fn mark_available(&self, cluster: &str, hello: &wire::Hello) -> Result<(), StoreError> {
         let current = self.existing_cluster(cluster).await?;
         let mut status = current.get("status").cloned().unwrap_or_else(|| json!({}));
@@ -310,6 +327,64 @@ impl HealthTracker {
     }
 }
 
+/// A ManagedCluster's health as stored: what a connect would otherwise write again.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RecordedHealth {
+    /// Joined and Available are both True.
+    pub available: bool,
+    /// It carries the unreachable taint.
+    pub unreachable: bool,
+    /// `status.version.kubernetes`.
+    pub kubernetes_version: String,
+    /// `status.clusterClaims` as (name, value).
+    pub claims: Vec<(String, String)>,
+}
+
+impl RecordedHealth {
+    /// Reads a stored ManagedCluster.
+    pub fn from_object(obj: &Value) -> RecordedHealth {
+        let conds = read_conditions(&obj["status"]);
+        let is_true = |t: &str| conditions::is_condition_true(&conds, t);
+        RecordedHealth {
+            available: is_true(MANAGED_CLUSTER_JOINED)
+                && is_true(MANAGED_CLUSTER_CONDITION_AVAILABLE),
+            unreachable: obj["spec"]["taints"]
+                .as_array()
+                .is_some_and(|t| t.iter().any(|t| t["key"] == UNREACHABLE_TAINT)),
+            kubernetes_version: obj["status"]["version"]["kubernetes"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+            claims: obj["status"]["clusterClaims"]
+                .as_array()
+                .map(|claims| {
+                    claims
+                        .iter()
+                        .map(|c| {
+                            let field = |f: &str| c[f].as_str().unwrap_or_default().to_string();
+                            (field("name"), field("value"))
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
+        }
+    }
+
+    /// Whether marking the cluster Available for this hello would change nothing.
+    fn already_shows(&self, hello: &wire::Hello) -> bool {
+        let claims: Vec<(String, String)> = hello
+            .claims
+            .iter()
+            .map(|c| (c.name.clone(), c.value.clone()))
+            .collect();
+        self.available
+            && !self.unreachable
+            && (hello.kubernetes_version.is_empty()
+                || hello.kubernetes_version == self.kubernetes_version)
+            && (claims.is_empty() || claims == self.claims)
+    }
+}
+
 fn read_conditions(status: &Value) -> Vec<Condition> {
     status
         .get("conditions")
@@ -366,11 +441,11 @@ mod tests {
             .unwrap();
         let admissions = Admissions::new();
         let (stop_tx, stop) = watch::channel(false);
-        tokio::spawn(
-            admissions
-                .clone()
-                .run(store.clone(), Arc::new(Registry::default()), stop),
-        );
+        tokio::spawn(admissions.clone().run(
+            store.clone(),
+            Arc::new(Registry::default()),
+            stop.clone(),
+        ));
         let cached_available = || async {
             admissions
                 .get("store-1")
@@ -378,40 +453,55 @@ mod tests {
                 .is_some_and(|a| a.health.available)
         };
         let grace = Duration::from_millis(50);
+        let connected = |session: &str, version: &str| HealthReport::Connected {
+            cluster: "store-1".into(),
+            session: session.into(),
+            hello: Box::new(hello(version)),
+        };
+        let rv = |v: &str| v.parse::<u64>().unwrap();
 
-        let tracker = HealthTracker::new(store.clone(), grace, admissions.clone());
-        tracker.connected("store-1", "s1", &hello("v1.36.3")).await;
-        let (first, health) = stored(store.as_ref()).await;
-        assert!(health.available && !health.unreachable, "{health:?}");
+        let (writer, reports) = HealthWriter::new(store.clone(), grace, admissions.clone());
+        let first_run = tokio::spawn(writer.run(stop.clone()));
+        reports.send(connected("s1", "v1.36.3")).await;
+        eventually("Available is written", || async {
+            stored(store.as_ref()).await.1.available
+        })
+        .await;
+        let (first, _) = stored(store.as_ref()).await;
         eventually("the cache sees Available", cached_available).await;
+        first_run.abort();
 
-        // A restarted hub (a new tracker) meeting the same agent again: nothing to write.
-        let restarted = HealthTracker::new(store.clone(), grace, admissions.clone());
-        restarted
-            .connected("store-1", "s2", &hello("v1.36.3"))
-            .await;
-        assert_eq!(stored(store.as_ref()).await.0, first, "no write");
-
-        // The spoke was upgraded: written.
-        restarted
-            .connected("store-1", "s3", &hello("v1.37.0"))
-            .await;
-        let (upgraded, health) = stored(store.as_ref()).await;
-        assert_ne!(upgraded, first);
-        assert_eq!(health.kubernetes_version, "v1.37.0");
+        // A restarted hub (a new writer) meeting the same agent again: nothing to write. Then
+        // the spoke is upgraded: one write, so the version moves by exactly one.
+        let (writer, reports) = HealthWriter::new(store.clone(), grace, admissions.clone());
+        tokio::spawn(writer.run(stop.clone()));
+        reports.send(connected("s2", "v1.36.3")).await;
+        reports.send(connected("s3", "v1.37.0")).await;
+        eventually("the upgrade is written", || async {
+            stored(store.as_ref()).await.1.kubernetes_version == "v1.37.0"
+        })
+        .await;
+        let (upgraded, _) = stored(store.as_ref()).await;
+        assert_eq!(rv(&upgraded), rv(&first) + 1, "the reconnect wrote nothing");
 
         // Gone past the grace period: Unknown and tainted; back at once (before the cache may
         // have seen it): Available again, taint removed.
-        restarted.disconnected("store-1", "s3").await;
+        reports
+            .send(HealthReport::Disconnected {
+                cluster: "store-1".into(),
+                session: "s3".into(),
+            })
+            .await;
         eventually("Unknown after the grace period", || async {
             stored(store.as_ref()).await.1.unreachable
         })
         .await;
-        restarted
-            .connected("store-1", "s4", &hello("v1.37.0"))
-            .await;
-        let health = stored(store.as_ref()).await.1;
-        assert!(health.available && !health.unreachable, "{health:?}");
+        reports.send(connected("s4", "v1.37.0")).await;
+        eventually("Available again, untainted", || async {
+            let health = stored(store.as_ref()).await.1;
+            health.available && !health.unreachable
+        })
+        .await;
         let _ = stop_tx.send(true);
     }
 }

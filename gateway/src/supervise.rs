@@ -91,15 +91,23 @@ impl Tasks {
     /// Waits for the first task to end, and says how. Call it only while the process is
     /// serving: any end is unexpected then. Pends forever when there are no tasks.
     pub async fn first_end(&mut self) -> TaskEnded {
-        match self.set.join_next().await {
-            Some(Ok((task, Ok(())))) => TaskEnded::Stopped { task },
-            Some(Ok((task, Err(source)))) => TaskEnded::Failed { task, source },
-            Some(Err(e)) => TaskEnded::Crashed {
-                task: "a task",
-                cause: describe_join_error(&e),
-            },
+        let first = match self.set.join_next().await {
+            Some(ended) => ended_as(ended),
             None => std::future::pending().await,
+        };
+        // One failure often ends others with it (a server that panics drops its listener's
+        // channel, and the accept loop stops): of those that ended together, the failure is
+        // the cause worth naming.
+        if matches!(first, TaskEnded::Stopped { .. }) {
+            tokio::task::yield_now().await;
+            while let Some(other) = self.set.try_join_next() {
+                let other = ended_as(other);
+                if !matches!(other, TaskEnded::Stopped { .. }) {
+                    return other;
+                }
+            }
         }
+        first
     }
 
     /// After the tasks were told to stop: waits for all of them, at most `within`, logging any
@@ -141,6 +149,17 @@ fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
         .map(|s| s.to_string())
         .or_else(|| panic.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "no message".to_string())
+}
+
+fn ended_as(ended: Result<(&'static str, TaskResult), JoinError>) -> TaskEnded {
+    match ended {
+        Ok((task, Ok(()))) => TaskEnded::Stopped { task },
+        Ok((task, Err(source))) => TaskEnded::Failed { task, source },
+        Err(e) => TaskEnded::Crashed {
+            task: "a task",
+            cause: describe_join_error(&e),
+        },
+    }
 }
 
 fn describe_join_error(e: &JoinError) -> String {

@@ -42,10 +42,16 @@ pub struct HubConfig {
     #[arg(long, env = "FLOTILLA_HUB_DATA_DIR", default_value = "flotilla-data")]
     pub data_dir: PathBuf,
 
-    /// Address agents connect to (gRPC over HTTP/2 with mTLS). Port 0 picks a free port; the
-    /// bound addresses are written to <data-dir>/listen.json.
+    /// Address agents connect to: gRPC over HTTP/2 with mTLS on TCP, and QUIC with the same
+    /// mTLS on UDP at the same port (see --quic). Port 0 picks a free port; the bound addresses
+    /// are written to <data-dir>/listen.json.
     #[arg(long, env = "FLOTILLA_HUB_LISTEN", default_value = DEFAULT_AGENT_LISTEN)]
     pub listen: SocketAddr,
+
+    /// Serve QUIC (UDP) beside gRPC (TCP) on the agents' address and port. Agents with
+    /// `--transport auto` fall back to gRPC when UDP does not get through.
+    #[arg(long, env = "FLOTILLA_HUB_QUIC", default_value_t = true, action = clap::ArgAction::Set)]
+    pub quic: bool,
 
     /// Address of the operator API used by the `flotilla` CLI (HTTPS with client certificates).
     #[arg(long, env = "FLOTILLA_HUB_API_LISTEN", default_value = DEFAULT_API_LISTEN)]

@@ -21,8 +21,10 @@ use std::time::Duration;
 
 use anyhow::Context;
 use flotilla_gateway::supervise::Tasks;
-use flotilla_gateway::{Gateway, GatewayConfig};
+use flotilla_gateway::{Gateway, GatewayConfig, Listeners};
 use flotilla_store::Store;
+use flotilla_transport::listen::AgentSockets;
+use flotilla_transport::quic::{QuicListener, QuicTlsUpdater};
 use futures::{FutureExt as _, TryFutureExt as _};
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
@@ -42,8 +44,12 @@ pub const OPERATOR_CERT_LIFETIME: Duration = Duration::from_secs(365 * 24 * 3600
 /// What the hub bound, written to `<data-dir>/listen.json` once it serves (port 0 resolved).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct ListenInfo {
+    /// The agents' address: TCP (gRPC), and UDP (QUIC) on the same port unless `quic` is off.
     pub agents: std::net::SocketAddr,
     pub api: std::net::SocketAddr,
+    /// Whether QUIC is served on the agents' address.
+    #[serde(default)]
+    pub quic: bool,
 }
 
 impl ListenInfo {
@@ -96,7 +102,7 @@ pub async fn run(
     let tokens = Arc::new(BootstrapTokens::open(&config.data_dir)?);
     let store = open_store(&config).await?;
 
-    let agents = TcpListener::bind(config.listen)
+    let agents = AgentSockets::bind(config.listen, config.quic)
         .await
         .with_context(|| format!("cannot listen for agents on {} (--listen)", config.listen))?;
     let api = TcpListener::bind(config.api_listen)
@@ -110,6 +116,7 @@ pub async fn run(
     let listen = ListenInfo {
         agents: agents.local_addr()?,
         api: api.local_addr()?,
+        quic: agents.udp.is_some(),
     };
 
     let ca = authority.current();
@@ -121,8 +128,8 @@ pub async fn run(
         ca.serving_chain_pem(&serving.cert_pem).as_bytes(),
         serving.key_pem.as_bytes(),
     )?;
-    let (agent_tls_tx, agent_tls) =
-        TlsSource::updatable(agent_tls_config(&ca, &config.server_names)?);
+    let agent_tls_now = agent_tls_config(&ca, &config.server_names)?;
+    let (agent_tls_tx, agent_tls) = TlsSource::updatable(agent_tls_now.clone());
     write_operator_config(&ca, &config, listen.api)?;
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -132,15 +139,7 @@ pub async fn run(
 
     let gateway = Gateway::with_certificates(
         store.clone(),
-        GatewayConfig {
-            heartbeat_interval: config.heartbeat_interval,
-            heartbeat_timeout: config.heartbeat_timeout,
-            grace_period: config.grace_period,
-            max_frame_bytes: config.max_frame_bytes,
-            drain_window: config.drain_window,
-            drain_timeout: config.drain_timeout,
-            ..GatewayConfig::default()
-        },
+        gateway_config(&config),
         HubCertificates::new(
             store.clone(),
             authority.clone(),
@@ -157,20 +156,37 @@ pub async fn run(
     // Every long-lived task of the hub, with one owner: one that ends while the hub serves
     // makes it exit non-zero (see `supervise`).
     let mut tasks = Tasks::new();
+    let gateway_config = gateway_config(&config);
+    let quic = match agents.udp {
+        Some(udp) => Some(
+            QuicListener::bind(udp, &agent_tls_now, gateway_config.quic())
+                .context("serving QUIC on the agents' address (turn it off with --quic=false)")?,
+        ),
+        None => None,
+    };
+    let quic_tls = quic.as_ref().map(QuicListener::tls_updater);
     let (agent_conns, agent_accept) = flotilla_transport::tls::accept_authenticated(
-        agents,
+        agents.tcp,
         agent_tls,
         Default::default(),
         "agents",
     );
     tasks.spawn("the agents' listener", agent_accept.err_into());
     // Joining agents dial the same address they will hold their session on.
-    let routes = tonic::service::Routes::new(join.into_server());
+    let mut routes = tonic::service::RoutesBuilder::default();
+    routes.add_service(join.into_server());
     tasks.spawn(
         "the agents' gateway",
         gateway
             .clone()
-            .serve_with(agent_conns, Some(routes), stopped(stop_rx.clone()))
+            .serve(
+                Listeners {
+                    tcp: agent_conns,
+                    quic,
+                },
+                Some(routes),
+                stopped(stop_rx.clone()),
+            )
             .err_into(),
     );
     let (api_conns, api_accept) = flotilla_transport::tls::accept_authenticated(
@@ -202,7 +218,7 @@ pub async fn run(
         follow_ca_rotation(
             authority,
             config.server_names.clone(),
-            agent_tls_tx,
+            (agent_tls_tx, quic_tls),
             gateway,
             ca_changes,
             stop_rx,
@@ -242,6 +258,19 @@ pub async fn run(
     Ok(())
 }
 
+/// The session tier's settings from the hub's flags.
+fn gateway_config(config: &HubConfig) -> GatewayConfig {
+    GatewayConfig {
+        heartbeat_interval: config.heartbeat_interval,
+        heartbeat_timeout: config.heartbeat_timeout,
+        grace_period: config.grace_period,
+        max_frame_bytes: config.max_frame_bytes,
+        drain_window: config.drain_window,
+        drain_timeout: config.drain_timeout,
+        ..GatewayConfig::default()
+    }
+}
+
 /// How long the hub's tasks may take to stop once told, beyond the gateway's drain.
 const STOP_AFTER_FAULT: Duration = Duration::from_secs(5);
 
@@ -250,7 +279,10 @@ const STOP_AFTER_FAULT: Duration = Duration::from_secs(5);
 async fn follow_ca_rotation(
     authority: Arc<Authority>,
     server_names: Vec<String>,
-    agent_tls: tokio::sync::watch::Sender<Arc<rustls::ServerConfig>>,
+    (agent_tls, quic_tls): (
+        tokio::sync::watch::Sender<Arc<rustls::ServerConfig>>,
+        Option<QuicTlsUpdater>,
+    ),
     gateway: Gateway,
     mut changes: tokio::sync::watch::Receiver<u64>,
     mut stop: tokio::sync::watch::Receiver<bool>,
@@ -262,6 +294,11 @@ async fn follow_ca_rotation(
         }
         match agent_tls_config(&authority.current(), &server_names) {
             Ok(tls) => {
+                if let Some(quic) = &quic_tls
+                    && let Err(e) = quic.update(&tls)
+                {
+                    tracing::error!(error = %e, "cannot give QUIC the new CA's TLS configuration");
+                }
                 agent_tls.send_replace(tls);
                 gateway.push_trust_bundle().await;
                 info!("agents' listener now serves from the new CA; sessions told the new bundle");
@@ -353,7 +390,9 @@ pub fn init_tracing() {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        // Colours for a terminal only: log files and collectors get plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     if std::env::var("FLOTILLA_LOG_FORMAT").as_deref() == Ok("json") {
         builder.json().init();
     } else {

@@ -73,6 +73,9 @@ pub enum Command {
         #[arg(long)]
         spec: PathBuf,
     },
+    /// (internal) The bare carrier server of baseline-bare.
+    #[command(hide = true)]
+    BareServer(crate::bare::BareArgs),
     /// (internal) The hub as a child process of the harness: `flotilla_hub::run` with the
     /// hub's own flags.
     #[command(hide = true)]
@@ -98,6 +101,11 @@ pub enum Scenario {
     /// listing and watching a second, fresh apiserver itself, against the hub apiserver's load
     /// under flotilla's agents; requests per phase, watches and apiserver memory side by side.
     BaselineKlusterlet,
+    /// The floor: the same agents against a bare carrier server (tonic with default settings,
+    /// or quinn with default settings) with the same certificates and TLS, holding sessions and
+    /// nothing else; its memory per session and setup rate beside flotilla's from `connect`
+    /// in the same run, as ratios. Runs last: it stops the run's agents first.
+    BaselineBare,
     // `proxy` (kubectl requests through the agents' tunnels) takes its place here once tunnels
     // exist; it is absent rather than faked.
 }
@@ -145,6 +153,30 @@ pub enum Enrollment {
     /// making its key and sending a CSR as `flotilla-agent join` does, then connects; the
     /// connect scenario's figures include the join.
     Join,
+}
+
+/// The carrier the agents' sessions ride (`--transport`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AgentTransport {
+    /// gRPC over HTTP/2 over TLS (TCP): one socket per agent.
+    #[default]
+    Grpc,
+    /// QUIC (UDP): the swarm's agents share one UDP socket per source address.
+    Quic,
+    /// QUIC, falling back to gRPC per agent when UDP does not get through.
+    Auto,
+}
+
+impl AgentTransport {
+    /// The agent's own setting.
+    pub fn agent(self) -> flotilla_agent::connect::Transport {
+        match self {
+            AgentTransport::Grpc => flotilla_agent::connect::Transport::Grpc,
+            AgentTransport::Quic => flotilla_agent::connect::Transport::Quic,
+            AgentTransport::Auto => flotilla_agent::connect::Transport::Auto,
+        }
+    }
 }
 
 /// Signal sent to the hub in `storm`.
@@ -210,6 +242,12 @@ pub struct RunArgs {
     /// Use this flotilla-hub binary for the child hub instead of re-executing the harness.
     #[arg(long)]
     pub hub_binary: Option<PathBuf>,
+
+    /// The carrier of the agents' sessions: grpc (TCP), quic (UDP), or auto (QUIC with a
+    /// fallback to gRPC).
+    #[arg(long, value_enum, default_value_t = AgentTransport::Grpc)]
+    #[serde(default)]
+    pub transport: AgentTransport,
 
     /// An extra flag for the child hub, e.g. `--hub-arg=--drain-window=2s`; repeat for more.
     #[arg(long = "hub-arg", allow_hyphen_values = true)]

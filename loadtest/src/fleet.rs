@@ -345,6 +345,19 @@ impl Hub {
         OperatorApi::from_data_dir(&self.data_dir)
     }
 
+    /// A serving identity from the hub's CA for `names`: (CA bundle, certificate chain, key),
+    /// PEM; for the bare carrier server of `baseline-bare`.
+    pub fn serving_identity(&self, names: &[&str]) -> anyhow::Result<(String, String, String)> {
+        let ca = self.ca()?;
+        let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+        let issued = ca.issue_server(&names)?;
+        Ok((
+            ca.bundle_pem(),
+            ca.serving_chain_pem(&issued.cert_pem),
+            issued.key_pem,
+        ))
+    }
+
     /// The CA bundle agents trust.
     pub fn ca_bundle(&self) -> anyhow::Result<String> {
         Ok(self.ca()?.bundle_pem())

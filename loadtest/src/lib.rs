@@ -25,6 +25,7 @@
 
 pub mod agents;
 pub mod apiserver;
+pub mod bare;
 pub mod baseline;
 pub mod cli;
 pub mod clock;
@@ -143,6 +144,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<(Report, PathBuf)> {
             Scenario::Storm => run.storm(false).await,
             Scenario::Outage => run.storm(true).await,
             Scenario::BaselineKlusterlet => run.baseline_klusterlet(&scenarios).await,
+            Scenario::BaselineBare => run.baseline_bare(&scenarios).await,
         };
         if let (Some(before), Some(after)) = (before, apiserver_snapshot(&run.hub).await) {
             let own = run.hub.apiserver().map_or(0, Apiserver::own_watches);

@@ -206,9 +206,32 @@ pub struct ScenarioReport {
     /// `baseline-klusterlet`: flotilla against klusterlet-style clients on apiserver load.
     #[serde(default)]
     pub baseline: Option<BaselineReport>,
+    /// `baseline-bare`: the bare carrier beside flotilla.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bare: Option<BareReport>,
 }
 
 /// What one kube-apiserver served over a window, from its own `/metrics`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct BareReport {
+    /// The carrier both sides used.
+    pub carrier: String,
+    /// Sessions the bare server held.
+    pub sessions: u64,
+    /// The bare server's RSS growth per session.
+    pub bare_rss_per_session_bytes: Option<f64>,
+    /// The hub's, from `connect` in the same run.
+    pub flotilla_rss_per_session_bytes: Option<f64>,
+    /// flotilla / bare (target: at most 1.0).
+    pub memory_ratio: Option<f64>,
+    /// Sessions set up per second from the first dial to the last welcome.
+    pub bare_setup_per_s: Option<f64>,
+    /// The hub's, from `connect` in the same run.
+    pub flotilla_setup_per_s: Option<f64>,
+    /// flotilla / bare (target: at least 0.9).
+    pub setup_ratio: Option<f64>,
+}
+
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct ApiserverLoad {
     pub window_s: f64,

@@ -19,9 +19,11 @@ use flotilla_agent::connect::Dialer;
 use flotilla_agent::identity;
 use flotilla_agent::join::{JoinError, JoinParams};
 use flotilla_agent::reconcile::DEFAULT_APPLY_CONCURRENCY;
+use flotilla_agent::refusal::{Refusal, RefusalKind};
 use flotilla_agent::{AgentConfig, Observer, Parts};
 use flotilla_proto::api::ManifestWorkStatus;
 use flotilla_proto::wire;
+use flotilla_transport::quic::{QuicClient, QuicSettings};
 use prost::Message as _;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
@@ -54,6 +56,9 @@ pub struct SwarmSpec {
     /// Agents started per second by this swarm.
     pub connect_rate: f64,
     pub source_addresses: u32,
+    /// The carrier of the sessions.
+    #[serde(default)]
+    pub transport: crate::cli::AgentTransport,
     pub seed: u64,
     pub max_backoff_ms: u64,
     pub apply_delay_ms: u64,
@@ -83,6 +88,7 @@ impl SwarmSpec {
             first_index: 0,
             connect_rate: args.connect_rate,
             source_addresses: args.source_addresses,
+            transport: args.transport,
             seed: args.seed,
             max_backoff_ms: args.max_backoff.as_millis() as u64,
             apply_delay_ms: args.apply_delay.as_millis() as u64,
@@ -173,19 +179,21 @@ pub enum FailureKind {
 }
 
 impl FailureKind {
-    /// Sorts an agent's failure message (the agent's own words) into a kind.
-    pub fn of(reason: &str) -> FailureKind {
-        let r = reason.to_ascii_lowercase();
-        if r.contains("connection refused") {
-            FailureKind::Refused
-        } else if r.contains("timed out") || r.contains("no answer within") {
-            FailureKind::TimedOut
-        } else if r.contains("certificate") || r.contains("tls") || r.contains("handshake") {
-            FailureKind::Tls
-        } else if r.contains("hub ended the session") || r.contains("refused") {
-            FailureKind::RefusedByHub
-        } else {
-            FailureKind::Other
+    /// The kind of an agent's refusal.
+    pub fn of(refusal: &Refusal) -> FailureKind {
+        match refusal.kind {
+            RefusalKind::HubUnreachable | RefusalKind::ProxyUnreachable => FailureKind::Refused,
+            RefusalKind::HubTimedOut => FailureKind::TimedOut,
+            RefusalKind::CertificateNotTrusted
+            | RefusalKind::CertificateExpired
+            | RefusalKind::HubNotTrusted => FailureKind::Tls,
+            RefusalKind::ClusterNotRegistered
+            | RefusalKind::ClusterDenied
+            | RefusalKind::ClusterNotAccepted
+            | RefusalKind::KeyNotRegistered
+            | RefusalKind::NotAnAgent
+            | RefusalKind::ProxyRefused => FailureKind::RefusedByHub,
+            RefusalKind::SessionLost | RefusalKind::Other => FailureKind::Other,
         }
     }
 
@@ -346,10 +354,10 @@ impl Observer for SimAgent {
         self.tally.connected.fetch_sub(1, Ordering::Relaxed);
     }
 
-    fn connection_failed(&self, reason: &str) {
-        debug!(agent = %self.name, %reason, "connection failed");
+    fn connection_failed(&self, refusal: &Refusal) {
+        debug!(agent = %self.name, %refusal, "connection failed");
         self.tally.failed_attempts.fetch_add(1, Ordering::Relaxed);
-        self.set_failure(Some(FailureKind::of(reason)));
+        self.set_failure(Some(FailureKind::of(refusal)));
     }
 
     fn frame_received(&self, frame: &wire::HubFrame) {
@@ -467,6 +475,22 @@ impl Swarm {
             max_backoff: Duration::from_millis(spec.max_backoff_ms),
             seed: spec.seed,
             join: spec.join.clone(),
+            transport: spec.transport,
+            quic: match spec.transport {
+                crate::cli::AgentTransport::Grpc => Vec::new(),
+                _ => (0..spec.source_addresses.max(1))
+                    .map(|i| {
+                        QuicClient::bind(
+                            std::net::SocketAddr::new(source_address(i), 0),
+                            QuicSettings {
+                                max_frame_bytes: flotilla_agent::connect::MAX_FRAME_BYTES,
+                                ..QuicSettings::default()
+                            },
+                        )
+                        .with_context(|| format!("a UDP socket on {}", source_address(i)))
+                    })
+                    .collect::<anyhow::Result<_>>()?,
+            },
             _db: db,
         });
         for (k, agent) in agents.iter().enumerate() {
@@ -590,6 +614,10 @@ struct Shared {
     max_backoff: Duration,
     seed: u64,
     join: Option<JoinSpec>,
+    transport: crate::cli::AgentTransport,
+    /// With QUIC: one endpoint (one UDP socket) per source address, shared by the agents
+    /// dialling from it, as the carrier allows.
+    quic: Vec<QuicClient>,
     /// Kept open for as long as any agent runs.
     _db: SledCacheDb,
 }
@@ -657,9 +685,19 @@ async fn run_agent(
         initial_jitter: Duration::ZERO,
         max_backoff: shared.max_backoff,
         kubernetes_version: SIM_KUBERNETES_VERSION.into(),
+        transport: shared.transport.agent(),
     };
     let dialer = match Dialer::new(&config.hub, &shared.server_name, &agent.identity_dir) {
-        Ok(d) => d.with_local_address(Some(source)),
+        Ok(d) => {
+            let d = d
+                .with_local_address(Some(source))
+                .with_transport(config.transport);
+            let slot = agent.index % shared.quic.len().max(1);
+            match shared.quic.get(slot) {
+                Some(client) => d.with_quic_client(client.clone()),
+                None => d,
+            }
+        }
         Err(e) => {
             warn!(agent = %agent.name, error = %format!("{e:#}"), "cannot start the agent");
             return;

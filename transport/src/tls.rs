@@ -180,6 +180,16 @@ pub struct ConnInfo {
     pub client_key_sha256: Option<String>,
 }
 
+impl ConnInfo {
+    /// The cluster an agent certificate speaks for; `None` for operators and anonymous peers.
+    pub fn cluster(&self) -> Option<&str> {
+        match &self.peer {
+            Peer::Cluster(name) => Some(name),
+            _ => None,
+        }
+    }
+}
+
 impl AuthenticatedConn {
     pub fn info(&self) -> &ConnInfo {
         &self.info
@@ -335,7 +345,7 @@ pub fn accept_authenticated(
                     Ok(Ok(s)) => s,
                     Ok(Err(e)) => {
                         warn!(listener = what, peer = %remote, error = %e,
-                            "TLS handshake refused: {}", handshake_hint(&e));
+                            "TLS handshake refused: {}", handshake_hint(&e.to_string()));
                         return;
                     }
                     Err(_) => {
@@ -381,9 +391,8 @@ pub fn accept_authenticated(
     (rx, accept_loop)
 }
 
-/// One sentence for the operator reading the hub's log.
-fn handshake_hint(e: &io::Error) -> &'static str {
-    let text = e.to_string();
+/// One sentence for the operator reading the hub's log, from a handshake error's text.
+pub(crate) fn handshake_hint(text: &str) -> &'static str {
     if text.contains("UnknownIssuer") || text.contains("BadSignature") {
         "client certificate is not signed by the hub CA"
     } else if text.contains("Expired") {
