@@ -19,10 +19,14 @@
 
 pub mod apply;
 pub mod cache;
+pub mod cel;
+pub mod condition_rules;
 pub mod config;
 pub mod connect;
+pub mod feedback;
 pub mod identity;
 pub mod join;
+pub mod jsonpath;
 pub mod proxy;
 pub mod reconcile;
 pub mod session;
