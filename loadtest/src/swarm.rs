@@ -18,7 +18,7 @@ use flotilla_agent::cache::{CachedWork, SledCacheDb, WorkCache};
 use flotilla_agent::connect::Dialer;
 use flotilla_agent::identity;
 use flotilla_agent::join::{JoinError, JoinParams};
-use flotilla_agent::reconcile::DEFAULT_APPLY_CONCURRENCY;
+use flotilla_agent::reconcile::{DEFAULT_APPLY_CONCURRENCY, DEFAULT_FEEDBACK_INTERVAL};
 use flotilla_agent::{AgentConfig, Observer, Parts};
 use flotilla_proto::api::ManifestWorkStatus;
 use flotilla_proto::wire;
@@ -494,6 +494,7 @@ async fn run_agent(
         data_dir: agent.identity_dir.clone(),
         resync_interval: RESYNC_INTERVAL,
         apply_concurrency: DEFAULT_APPLY_CONCURRENCY,
+        feedback_interval: DEFAULT_FEEDBACK_INTERVAL,
         // The ramp spaces the agents out already.
         initial_jitter: Duration::ZERO,
         max_backoff: shared.max_backoff,
