@@ -10,6 +10,7 @@ pub mod ca;
 pub mod cli;
 pub mod client;
 pub mod config;
+pub mod controllers;
 pub mod operator_api;
 pub mod registration;
 pub mod table;
@@ -176,6 +177,7 @@ pub async fn run(
         agent_address: agent_address(&config, listen.agents),
         ca_changed,
     });
+    let controllers_task = tokio::spawn(controllers::run(store.clone(), stop_rx.clone()));
     let api_task = tokio::spawn(operator_api::serve(
         api_conns,
         store,
@@ -219,6 +221,7 @@ pub async fn run(
     let _ = stop_tx.send(true);
     gateway_task.await??;
     api_task.await?;
+    controllers_task.await?;
     Ok(())
 }
 
