@@ -1,8 +1,8 @@
 //! flotilla's load-test harness: thousands of agents, each the real agent library (its session
 //! loop over real TLS and HTTP/2, cache, reconciler and status logic) over an in-memory
 //! cluster, against a real hub that the harness starts (a child process or in-process) or finds
-//! on loopback. It drives scenarios (connect, fanout, storm, outage, and with `--store kube`
-//! baseline-klusterlet), shows progress, and writes a versioned JSON report, a table and SVG
+//! on loopback. It drives scenarios (connect, fanout, storm, outage, feedback, and with
+//! `--store kube` baseline-klusterlet), shows progress, and writes a versioned JSON report, a table and SVG
 //! plots.
 //!
 //! Not for: proving correctness in the small (the crates' own tests do that), or traffic to
@@ -28,6 +28,7 @@ pub mod apiserver;
 pub mod baseline;
 pub mod cli;
 pub mod clock;
+pub mod feedback;
 pub mod fleet;
 pub mod klusterlet;
 pub mod machine;
@@ -134,6 +135,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<(Report, PathBuf)> {
         max_backoff_ms: args.max_backoff.as_millis() as u64,
         apply_delay_ms: args.apply_delay.as_millis() as u64,
         apply_failure_rate: args.apply_failure_rate,
+        feedback_interval_ms: args.feedback_interval.as_millis() as u64,
         cache_dir: run_dir.path().join("agent-cache"),
         identities_dir: run_dir.path().join("agent-identities"),
         join,
@@ -157,6 +159,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<(Report, PathBuf)> {
             Scenario::Storm => run.storm(false).await,
             Scenario::Outage => run.storm(true).await,
             Scenario::BaselineKlusterlet => run.baseline_klusterlet(&scenarios).await,
+            Scenario::Feedback => run.feedback().await,
         };
         if let (Some(before), Some(after)) = (before, apiserver_snapshot(&run.hub).await) {
             let own = run.hub.apiserver().map_or(0, Apiserver::own_watches);

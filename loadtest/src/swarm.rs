@@ -56,6 +56,9 @@ pub struct SwarmSpec {
     pub max_backoff_ms: u64,
     pub apply_delay_ms: u64,
     pub apply_failure_rate: f64,
+    /// The agents' `--feedback-interval`, in milliseconds.
+    #[serde(default = "default_feedback_interval_ms")]
+    pub feedback_interval_ms: u64,
     /// The sled database all the swarm's agents share.
     pub cache_dir: PathBuf,
     /// Where each agent's identity directory (`<dir>/<cluster>/`) is written.
@@ -63,6 +66,10 @@ pub struct SwarmSpec {
     /// With `--enroll join`: the agents join with this token before connecting, and the
     /// identities they are given carry names only.
     pub join: Option<JoinSpec>,
+}
+
+fn default_feedback_interval_ms() -> u64 {
+    DEFAULT_FEEDBACK_INTERVAL.as_millis() as u64
 }
 
 /// What joining agents are given: a `flotilla token create` output.
@@ -111,6 +118,9 @@ pub struct Sample {
     /// Successful applies to the simulated clusters, and failures injected on purpose.
     pub applies: u64,
     pub injected_failures: u64,
+    /// Statuses the simulated clusters' "controllers" changed (the feedback scenario).
+    #[serde(default)]
+    pub status_changes: u64,
 }
 
 impl Sample {
@@ -131,6 +141,7 @@ impl Sample {
         self.duplicate_status_acks += o.duplicate_status_acks;
         self.applies += o.applies;
         self.injected_failures += o.injected_failures;
+        self.status_changes += o.status_changes;
     }
 }
 
@@ -150,6 +161,7 @@ struct Tally {
     statuses_sent: AtomicU64,
     statuses_acked: AtomicU64,
     duplicate_status_acks: AtomicU64,
+    status_changes: Arc<AtomicU64>,
 }
 
 /// What one agent holds at the end, for the coordinator's accounting.
@@ -328,6 +340,7 @@ impl Swarm {
             server_name: spec.server_name.clone(),
             source_addresses: spec.source_addresses,
             max_backoff: Duration::from_millis(spec.max_backoff_ms),
+            feedback_interval: Duration::from_millis(spec.feedback_interval_ms),
             seed: spec.seed,
             join: spec.join.clone(),
             _db: db,
@@ -383,7 +396,22 @@ impl Swarm {
             duplicate_status_acks: t.duplicate_status_acks.load(Ordering::Relaxed),
             applies,
             injected_failures,
+            status_changes: t.status_changes.load(Ordering::Relaxed),
         }
+    }
+
+    /// Changes every agent's simulated Deployment status every `every` for `duration` (the
+    /// feedback scenario); returns the steps each made.
+    pub async fn flap(&self, duration: Duration, every: Duration) -> u64 {
+        let clusters: Vec<Arc<SimCluster>> =
+            self.agents.iter().map(|a| a.cluster.clone()).collect();
+        crate::feedback::flap_clusters(
+            &clusters,
+            duration,
+            every,
+            self.tally.status_changes.clone(),
+        )
+        .await
     }
 
     /// Each agent's state, for the accounting at the end of a scenario.
@@ -429,6 +457,7 @@ struct Shared {
     server_name: String,
     source_addresses: u32,
     max_backoff: Duration,
+    feedback_interval: Duration,
     seed: u64,
     join: Option<JoinSpec>,
     /// Kept open for as long as any agent runs.
@@ -494,7 +523,7 @@ async fn run_agent(
         data_dir: agent.identity_dir.clone(),
         resync_interval: RESYNC_INTERVAL,
         apply_concurrency: DEFAULT_APPLY_CONCURRENCY,
-        feedback_interval: DEFAULT_FEEDBACK_INTERVAL,
+        feedback_interval: shared.feedback_interval,
         // The ramp spaces the agents out already.
         initial_jitter: Duration::ZERO,
         max_backoff: shared.max_backoff,
