@@ -607,10 +607,10 @@ async fn write(
     let strategy = p.strategy();
     if context.complete.contains(resource) || !strategy.owns() {
         // Complete (OCM stops updating it) or ReadOnly: only read.
-        if let (false, Some(executor)) = (strategy.owns(), &context.executor) {
-            if let Err(f) = executor::check(target, executor, resource, &["get"]).await {
-                return (Err(f), None);
-            }
+        if let (false, Some(executor)) = (strategy.owns(), &context.executor)
+            && let Err(f) = executor::check(target, executor, resource, &["get"]).await
+        {
+            return (Err(f), None);
         }
         return match target.get(resource).await {
             Ok(object) => (Ok(()), object),

@@ -14,8 +14,11 @@ use crate::jsonpath::JsonPath;
 /// Longest `JsonRaw` value, in bytes: OCM's CRD allows no more.
 pub const MAX_JSON_RAW_BYTES: usize = 1024;
 
+/// A feedback value's name and the path it is read from.
+type NamedPath = (&'static str, &'static str);
+
 /// The well-known fields of a kind: (group, version, kind) → (name, path), in OCM's order.
-const WELL_KNOWN: &[(&str, &str, &str, &[(&str, &str)])] = &[
+const WELL_KNOWN: &[(&str, &str, &str, &[NamedPath])] = &[
     (
         "apps",
         "v1",

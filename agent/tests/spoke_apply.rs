@@ -853,7 +853,7 @@ fn start_reconciler(
 fn feedback_value(status: &ManifestWorkStatus, manifest: &str, name: &str) -> Option<Value> {
     let m = manifest_status(status, manifest);
     let v = m.status_feedback.values.iter().find(|v| v.name == name)?;
-    Some(serde_json::to_value(&v.field_value).ok()?)
+    serde_json::to_value(&v.field_value).ok()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -905,10 +905,10 @@ async fn feedback_and_condition_rules_follow_status_written_on_the_spoke() -> an
             async move {
                 let deadline = Instant::now() + Duration::from_secs(30);
                 loop {
-                    if let Ok(s) = spoke.status("fb") {
-                        if check(&s) {
-                            return Ok::<_, anyhow::Error>(s);
-                        }
+                    if let Ok(s) = spoke.status("fb")
+                        && check(&s)
+                    {
+                        return Ok::<_, anyhow::Error>(s);
                     }
                     anyhow::ensure!(Instant::now() < deadline, "timed out waiting for {what}");
                     let _ =

@@ -82,7 +82,7 @@ pub enum Command {
     /// report and plots written.
     Demo(DemoArgs),
     /// Runs scenarios, alone or as a sequence.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// (internal) One worker process of `--processes`: runs a slice of the agents.
     #[command(hide = true)]
     Worker {
