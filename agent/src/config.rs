@@ -23,6 +23,11 @@ pub const CACHE_SUBDIR: &str = "cache";
 pub const IDENTITY_SUBDIR: &str = "identity";
 /// Default of `--resync-interval`; see [`crate::reconcile::DEFAULT_RESYNC_INTERVAL`].
 pub const DEFAULT_RESYNC_INTERVAL: &str = "5m";
+/// Default of `--feedback-interval`; see [`crate::reconcile::DEFAULT_FEEDBACK_INTERVAL`].
+pub const DEFAULT_FEEDBACK_INTERVAL: &str = "5s";
+/// Shortest accepted `--feedback-interval`: below it one flapping resource could fill the
+/// session with statuses.
+pub const MIN_FEEDBACK_INTERVAL: Duration = Duration::from_millis(100);
 /// Shortest accepted `--resync-interval`: below it the agent would spend its time re-applying.
 pub const MIN_RESYNC_INTERVAL: Duration = Duration::from_secs(1);
 /// Most works reconciled at once that `--apply-concurrency` accepts.
@@ -78,6 +83,13 @@ pub struct AgentConfig {
     #[arg(long, default_value_t = DEFAULT_APPLY_CONCURRENCY)]
     pub apply_concurrency: usize,
 
+    /// Shortest time between two statuses of one work that changes on this cluster cause
+    /// (feedback values, condition rules, an applied object deleted). A resource that changes
+    /// faster is reported at this pace, with its latest state each time. Applies and new
+    /// generations are reported at once regardless.
+    #[arg(long, env = "FLOTILLA_FEEDBACK_INTERVAL", default_value = DEFAULT_FEEDBACK_INTERVAL, value_parser = humantime::parse_duration)]
+    pub feedback_interval: Duration,
+
     /// Upper bound of the random delay before the first connection.
     #[arg(long, default_value = DEFAULT_INITIAL_JITTER, value_parser = humantime::parse_duration)]
     pub initial_jitter: Duration,
@@ -108,6 +120,9 @@ pub enum ConfigError {
         "--transport quic cannot go through --proxy-url (an HTTP CONNECT proxy carries TCP only); use --transport grpc or auto"
     )]
     QuicBehindProxy,
+    /// `--feedback-interval` is too short. Not retryable.
+    #[error("--feedback-interval {got:?} is shorter than {min:?}; use e.g. 5s")]
+    FeedbackInterval { got: Duration, min: Duration },
     /// `--apply-concurrency` is out of range. Not retryable.
     #[error("--apply-concurrency {0} is out of range; use 1 to {MAX_APPLY_CONCURRENCY}")]
     ApplyConcurrency(usize),
@@ -167,6 +182,12 @@ impl AgentConfig {
         if !(1..=MAX_APPLY_CONCURRENCY).contains(&self.apply_concurrency) {
             return Err(ConfigError::ApplyConcurrency(self.apply_concurrency));
         }
+        if self.feedback_interval < MIN_FEEDBACK_INTERVAL {
+            return Err(ConfigError::FeedbackInterval {
+                got: self.feedback_interval,
+                min: MIN_FEEDBACK_INTERVAL,
+            });
+        }
         Ok(())
     }
 
@@ -176,6 +197,7 @@ impl AgentConfig {
             resync_interval: self.resync_interval,
             concurrency: self.apply_concurrency,
             retry_initial: DEFAULT_RETRY_INITIAL,
+            feedback_interval: self.feedback_interval,
         }
     }
 

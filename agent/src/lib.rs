@@ -10,7 +10,9 @@
 //! * [`reconcile`]: the task that makes the spoke match the cache (start, changes, resync).
 //! * [`apply`]: the apply engine behind [`ApplyTarget`] (kube-rs server-side apply, or an
 //!   in-memory cluster).
-//! * [`status`]: ManifestWork status as OCM shapes it.
+//! * [`status`]: ManifestWork status as OCM shapes it, with [`feedback`] values and
+//!   [`condition_rules`] (CEL through [`cel`]); [`watch`] keeps it current as the applied
+//!   objects change; [`executor`] bounds a work by a ServiceAccount's rights.
 //! * [`join`], [`identity`]: joining with a bootstrap token (key made here, CSR sent, CA pinned)
 //!   and the identity on disk, renewed over the session.
 //!
@@ -20,15 +22,21 @@
 
 pub mod apply;
 pub mod cache;
+pub mod cel;
+pub mod condition_rules;
 pub mod config;
 pub mod connect;
 mod driver;
+pub mod executor;
+pub mod feedback;
 pub mod identity;
 pub mod join;
+pub mod jsonpath;
 pub mod reconcile;
 pub mod refusal;
 pub mod session;
 pub mod status;
+pub mod watch;
 
 pub use apply::{ApplyTarget, KubeApplyTarget, MemoryCluster};
 pub use cache::{SledCache, SledCacheDb, WorkCache};

@@ -10,6 +10,7 @@ pub mod ca;
 pub mod cli;
 pub mod client;
 pub mod config;
+pub mod controllers;
 pub mod operator_api;
 pub mod registration;
 pub mod table;
@@ -203,6 +204,11 @@ pub async fn run(
         agent_address: agent_address(&config, listen.agents),
         ca_changed,
     });
+    // Placement, rollout and work TTL act on the store beside the gateway.
+    tasks.spawn(
+        "the hub's controllers",
+        controllers::run(store.clone(), stop_rx.clone()).map(Ok),
+    );
     tasks.spawn(
         "the operator API",
         operator_api::serve(

@@ -13,6 +13,23 @@ pub const DEFAULT_AGENTS: usize = 200;
 pub const DEFAULT_DEMO_AGENTS: usize = 1000;
 /// Default of `--scenario`: every scenario, in this order.
 pub const DEFAULT_SCENARIOS: &str = "connect,fanout,storm,outage";
+/// Default of `--feedback-duration`: a minute of changes.
+pub const DEFAULT_FEEDBACK_DURATION: &str = "60s";
+/// Default of `--feedback-every`: every Deployment's status changes once a second.
+pub const DEFAULT_FEEDBACK_EVERY: &str = "1s";
+
+fn default_feedback_duration() -> Duration {
+    Duration::from_secs(60)
+}
+
+fn default_feedback_every() -> Duration {
+    Duration::from_secs(1)
+}
+
+fn default_feedback_interval() -> Duration {
+    flotilla_agent::reconcile::DEFAULT_FEEDBACK_INTERVAL
+}
+
 /// Default of `--connect-rate`: new agents started per second during the ramp.
 pub const DEFAULT_CONNECT_RATE: f64 = 500.0;
 /// Default of `--timeout`: the longest any one scenario may run before it stops itself.
@@ -65,7 +82,7 @@ pub enum Command {
     /// report and plots written.
     Demo(DemoArgs),
     /// Runs scenarios, alone or as a sequence.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// (internal) One worker process of `--processes`: runs a slice of the agents.
     #[command(hide = true)]
     Worker {
@@ -106,6 +123,11 @@ pub enum Scenario {
     /// nothing else; its memory per session and setup rate beside flotilla's from `connect`
     /// in the same run, as ratios. Runs last: it stops the run's agents first.
     BaselineBare,
+    /// Every cluster's Deployment changes its status every --feedback-every for
+    /// --feedback-duration; its work reports the Deployment's well-known status as feedback:
+    /// session bytes per cluster per second, statuses per cluster per second against the
+    /// agents' bound, the hub's store writes per second, the latest value on the hub at the end.
+    Feedback,
     // `proxy` (kubectl requests through the agents' tunnels) takes its place here once tunnels
     // exist; it is absent rather than faked.
 }
@@ -293,6 +315,22 @@ pub struct RunArgs {
     /// Signal the storm scenario sends to the hub.
     #[arg(long, value_enum, default_value_t = StormSignal::Kill)]
     pub storm_signal: StormSignal,
+
+    /// How long the feedback scenario changes the Deployments' statuses.
+    #[arg(long, default_value = DEFAULT_FEEDBACK_DURATION, value_parser = humantime::parse_duration)]
+    #[serde(with = "humantime_serde_compat", default = "default_feedback_duration")]
+    pub feedback_duration: Duration,
+
+    /// How often each Deployment's status changes in the feedback scenario.
+    #[arg(long, default_value = DEFAULT_FEEDBACK_EVERY, value_parser = humantime::parse_duration)]
+    #[serde(with = "humantime_serde_compat", default = "default_feedback_every")]
+    pub feedback_every: Duration,
+
+    /// The agents' --feedback-interval: the shortest time between two statuses of one work
+    /// that changes on its cluster cause.
+    #[arg(long, default_value = flotilla_agent::config::DEFAULT_FEEDBACK_INTERVAL, value_parser = humantime::parse_duration)]
+    #[serde(with = "humantime_serde_compat", default = "default_feedback_interval")]
+    pub feedback_interval: Duration,
 
     /// How long the hub stays down in the outage scenario.
     #[arg(long, default_value = DEFAULT_OUTAGE, value_parser = humantime::parse_duration)]

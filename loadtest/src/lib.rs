@@ -1,8 +1,8 @@
 //! flotilla's load-test harness: thousands of agents, each the real agent library (its session
 //! loop over real TLS and HTTP/2, cache, reconciler and status logic) over an in-memory
 //! cluster, against a real hub that the harness starts (a child process or in-process) or finds
-//! on loopback. It drives scenarios (connect, fanout, storm, outage, and with `--store kube`
-//! baseline-klusterlet), shows progress, and writes a versioned JSON report, a table and SVG
+//! on loopback. It drives scenarios (connect, fanout, storm, outage, feedback, and with
+//! `--store kube` baseline-klusterlet), shows progress, and writes a versioned JSON report, a table and SVG
 //! plots.
 //!
 //! Not for: proving correctness in the small (the crates' own tests do that), or traffic to
@@ -29,6 +29,7 @@ pub mod bare;
 pub mod baseline;
 pub mod cli;
 pub mod clock;
+pub mod feedback;
 pub mod fleet;
 pub mod klusterlet;
 pub mod machine;
@@ -145,6 +146,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<(Report, PathBuf)> {
             Scenario::Outage => run.storm(true).await,
             Scenario::BaselineKlusterlet => run.baseline_klusterlet(&scenarios).await,
             Scenario::BaselineBare => run.baseline_bare(&scenarios).await,
+            Scenario::Feedback => run.feedback().await,
         };
         if let (Some(before), Some(after)) = (before, apiserver_snapshot(&run.hub).await) {
             let own = run.hub.apiserver().map_or(0, Apiserver::own_watches);

@@ -20,7 +20,7 @@ fn main() -> anyhow::Result<()> {
         Command::Demo(demo) => {
             report(runtime.block_on(flotilla_loadtest::run(RunArgs::demo(&demo))))
         }
-        Command::Run(args) => report(runtime.block_on(flotilla_loadtest::run(args))),
+        Command::Run(args) => report(runtime.block_on(flotilla_loadtest::run(*args))),
     }
 }
 

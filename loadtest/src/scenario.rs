@@ -273,13 +273,22 @@ impl Run {
     /// Creates ManifestWork `name` in every cluster's namespace; returns when each create was
     /// sent (clock stamps) per cluster.
     async fn create_everywhere(&self, name: &str) -> anyhow::Result<HashMap<String, Stamp>> {
+        self.create_everywhere_as(name, work_json).await
+    }
+
+    /// [`Self::create_everywhere`] with the work `make(cluster, name)`.
+    pub(crate) async fn create_everywhere_as(
+        &self,
+        name: &str,
+        make: fn(&str, &str) -> Value,
+    ) -> anyhow::Result<HashMap<String, Stamp>> {
         let bar = self.bar("create", self.n());
         let api = self.api.clone();
         let results: Vec<anyhow::Result<(String, Stamp)>> =
             futures::stream::iter(self.identities.iter().map(|i| i.name.clone()))
                 .map(|cluster| {
                     let api = api.clone();
-                    let work = work_json(&cluster, name);
+                    let work = make(&cluster, name);
                     async move {
                         let sent = clock::now();
                         api.create_work(&work)
@@ -297,7 +306,7 @@ impl Run {
     }
 
     /// Clusters whose work `name` the hub shows Applied=True.
-    async fn applied_on_hub(&self, name: &str) -> anyhow::Result<Vec<String>> {
+    pub(crate) async fn applied_on_hub(&self, name: &str) -> anyhow::Result<Vec<String>> {
         Ok(self
             .api
             .works()

@@ -18,7 +18,7 @@ use flotilla_agent::cache::{CachedWork, SledCacheDb, WorkCache};
 use flotilla_agent::connect::Dialer;
 use flotilla_agent::identity;
 use flotilla_agent::join::{JoinError, JoinParams};
-use flotilla_agent::reconcile::DEFAULT_APPLY_CONCURRENCY;
+use flotilla_agent::reconcile::{DEFAULT_APPLY_CONCURRENCY, DEFAULT_FEEDBACK_INTERVAL};
 use flotilla_agent::refusal::{Refusal, RefusalKind};
 use flotilla_agent::{AgentConfig, Observer, Parts};
 use flotilla_proto::api::ManifestWorkStatus;
@@ -63,6 +63,9 @@ pub struct SwarmSpec {
     pub max_backoff_ms: u64,
     pub apply_delay_ms: u64,
     pub apply_failure_rate: f64,
+    /// The agents' `--feedback-interval`, in milliseconds.
+    #[serde(default = "default_feedback_interval_ms")]
+    pub feedback_interval_ms: u64,
     /// The sled database all the swarm's agents share.
     pub cache_dir: PathBuf,
     /// Where each agent's identity directory (`<dir>/<cluster>/`) is written.
@@ -93,11 +96,16 @@ impl SwarmSpec {
             max_backoff_ms: args.max_backoff.as_millis() as u64,
             apply_delay_ms: args.apply_delay.as_millis() as u64,
             apply_failure_rate: args.apply_failure_rate,
+            feedback_interval_ms: args.feedback_interval.as_millis() as u64,
             cache_dir: run_dir.join("agent-cache"),
             identities_dir: run_dir.join("agent-identities"),
             join,
         })
     }
+}
+
+fn default_feedback_interval_ms() -> u64 {
+    DEFAULT_FEEDBACK_INTERVAL.as_millis() as u64
 }
 
 /// What joining agents are given: a `flotilla token create` output.
@@ -149,6 +157,9 @@ pub struct Sample {
     /// Agents without a session whose last attempt failed, by why.
     #[serde(default)]
     pub failing: Failing,
+    /// Statuses the simulated clusters' "controllers" changed (the feedback scenario).
+    #[serde(default)]
+    pub status_changes: u64,
 }
 
 /// Agents whose last attempt to reach the hub failed, by the kind of failure: what a run that
@@ -252,6 +263,7 @@ impl Sample {
         self.applies += o.applies;
         self.injected_failures += o.injected_failures;
         self.failing.add(&o.failing);
+        self.status_changes += o.status_changes;
     }
 }
 
@@ -273,6 +285,7 @@ struct Tally {
     duplicate_status_acks: AtomicU64,
     /// Agents whose last attempt failed, indexed by `FailureKind as usize`.
     failing: [AtomicU64; 6],
+    status_changes: Arc<AtomicU64>,
 }
 
 /// What one agent holds at the end, for the coordinator's accounting.
@@ -473,6 +486,7 @@ impl Swarm {
             server_name: spec.server_name.clone(),
             source_addresses: spec.source_addresses,
             max_backoff: Duration::from_millis(spec.max_backoff_ms),
+            feedback_interval: Duration::from_millis(spec.feedback_interval_ms),
             seed: spec.seed,
             join: spec.join.clone(),
             transport: spec.transport,
@@ -554,7 +568,22 @@ impl Swarm {
                     other: count(FailureKind::Other),
                 }
             },
+            status_changes: t.status_changes.load(Ordering::Relaxed),
         }
+    }
+
+    /// Changes every agent's simulated Deployment status every `every` for `duration` (the
+    /// feedback scenario); returns the steps each made.
+    pub async fn flap(&self, duration: Duration, every: Duration) -> u64 {
+        let clusters: Vec<Arc<SimCluster>> =
+            self.agents.iter().map(|a| a.cluster.clone()).collect();
+        crate::feedback::flap_clusters(
+            &clusters,
+            duration,
+            every,
+            self.tally.status_changes.clone(),
+        )
+        .await
     }
 
     /// Each agent's state, for the accounting at the end of a scenario.
@@ -612,6 +641,7 @@ struct Shared {
     server_name: String,
     source_addresses: u32,
     max_backoff: Duration,
+    feedback_interval: Duration,
     seed: u64,
     join: Option<JoinSpec>,
     transport: crate::cli::AgentTransport,
@@ -681,6 +711,7 @@ async fn run_agent(
         data_dir: agent.identity_dir.clone(),
         resync_interval: RESYNC_INTERVAL,
         apply_concurrency: DEFAULT_APPLY_CONCURRENCY,
+        feedback_interval: shared.feedback_interval,
         // The ramp spaces the agents out already.
         initial_jitter: Duration::ZERO,
         max_backoff: shared.max_backoff,

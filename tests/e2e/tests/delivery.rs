@@ -587,3 +587,120 @@ on_both_carriers! {
         Ok(())
     }
 }
+
+/// A value of `status.resourceStatus.manifests[name].statusFeedback`, as the hub stores it.
+fn hub_feedback(work: &Value, manifest: &str, value: &str) -> Option<Value> {
+    work["status"]["resourceStatus"]["manifests"]
+        .as_array()?
+        .iter()
+        .find(|m| m["resourceMeta"]["name"] == manifest)?["statusFeedback"]["values"]
+        .as_array()?
+        .iter()
+        .find(|v| v["name"] == value)
+        .map(|v| v["fieldValue"].clone())
+}
+
+on_both_carriers! {
+    /// Feedback, condition rules and ttlSecondsAfterFinished through the whole fabric, with the
+    /// work applied by kubectl to the kube backend: a controller's status on the spoke reaches the
+    /// hub's ManifestWork, a finished Job completes the work, and the hub deletes it after its TTL.
+    async fn feedback_conditions_and_ttl_reach_the_hub() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let fleet = Fleet::start(dir.path(), true).await?;
+        let spoke = Spoke::start(dir.path(), &fleet.hub, "cluster1").await?;
+        let _agent = spoke.start_agent(dir.path(), &fleet.hub, &["--feedback-interval=300ms"])?;
+        let work = seed_work(dir.path(), "cluster1", |w| {
+            w["metadata"]["name"] = "observed".into();
+            let deployment = w["spec"]["workload"]["manifests"][1].clone();
+            w["spec"]["workload"]["manifests"] = serde_json::json!([deployment, {
+                "apiVersion": "batch/v1", "kind": "Job",
+                "metadata": {"name": "migrate", "namespace": "default"},
+                "spec": {"template": {"spec": {"restartPolicy": "Never",
+                    "containers": [{"name": "m", "image": "busybox"}]}}},
+            }]);
+            w["spec"]["deleteOption"] =
+                serde_json::json!({"propagationPolicy": "Foreground", "ttlSecondsAfterFinished": 2});
+            w["spec"]["manifestConfigs"] = serde_json::json!([
+                {"resourceIdentifier": {"group": "apps", "resource": "deployments", "namespace": "default", "name": "nginx-deployment"},
+                 "feedbackRules": [
+                    {"type": "WellKnownStatus"},
+                    {"type": "JSONPaths", "jsonPaths": [{"name": "available", "path": ".status.conditions[?(@.type==\"Available\")].status"}]}],
+                 "conditionRules": [{"type": "CEL", "condition": "AllReplicasReady",
+                    "celExpressions": ["object.status.readyReplicas == object.spec.replicas"]}]},
+                {"resourceIdentifier": {"group": "batch", "resource": "jobs", "namespace": "default", "name": "migrate"},
+                 "conditionRules": [{"type": "WellKnownConditions"}]},
+            ]);
+        })?;
+        fleet.apply(&work)?;
+        fleet.wait_applied("cluster1", "observed").await?;
+
+        // The kube-controller-manager would write this; there is none, so the test does.
+        let client = spoke.env.client().await?;
+        let deployments: kube::Api<k8s_openapi::api::apps::v1::Deployment> =
+            kube::Api::namespaced(client.clone(), "default");
+        deployments
+            .patch_status(
+                "nginx-deployment",
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(serde_json::json!({"status": {
+                    "replicas": 3, "readyReplicas": 3, "availableReplicas": 3,
+                    "conditions": [{"type": "Available", "status": "True", "reason": "MinimumReplicasAvailable",
+                        "lastUpdateTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}})),
+            )
+            .await?;
+        let seen = wait_for(
+            "the Deployment's feedback on the hub",
+            Duration::from_secs(60),
+            || async {
+                let w = fleet.work("cluster1", "observed")?;
+                Ok(w.filter(|w| {
+                    hub_feedback(w, "nginx-deployment", "ReadyReplicas").is_some()
+                        && condition_status(w, "AllReplicasReady").as_deref() == Some("True")
+                }))
+            },
+        )
+        .await?;
+        assert_eq!(
+            hub_feedback(&seen, "nginx-deployment", "ReadyReplicas"),
+            Some(serde_json::json!({"type": "Integer", "integer": 3}))
+        );
+        assert_eq!(
+            hub_feedback(&seen, "nginx-deployment", "available"),
+            Some(serde_json::json!({"type": "String", "string": "True"}))
+        );
+        assert_eq!(
+            condition_status(&seen, "Complete").as_deref(),
+            Some("False")
+        );
+
+        // The Job finishes: the work turns Complete, and two seconds later the hub deletes it,
+        // and with it (Foreground) what it applied.
+        let jobs: kube::Api<k8s_openapi::api::batch::v1::Job> =
+            kube::Api::namespaced(client, "default");
+        jobs.patch_status(
+            "migrate",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({"status": {
+                "startTime": "2026-01-01T00:00:00Z", "completionTime": "2026-01-01T00:01:00Z", "succeeded": 1,
+                "conditions": [
+                    {"type": "SuccessCriteriaMet", "status": "True", "lastProbeTime": "2026-01-01T00:01:00Z", "lastTransitionTime": "2026-01-01T00:01:00Z"},
+                    {"type": "Complete", "status": "True", "lastProbeTime": "2026-01-01T00:01:00Z", "lastTransitionTime": "2026-01-01T00:01:00Z"}]}})),
+        )
+        .await?;
+        wait_for(
+            "the work deleted by its ttlSecondsAfterFinished",
+            Duration::from_secs(60),
+            || async { Ok(fleet.work("cluster1", "observed")?.is_none().then_some(())) },
+        )
+        .await?;
+        let hub_log = std::fs::read_to_string(dir.path().join("hub-1.log"))?;
+        assert!(
+            hub_log.contains("Complete for longer than its ttlSecondsAfterFinished"),
+            "the hub says why it deleted the work"
+        );
+        spoke
+            .wait_deployment_image("nginx-deployment", None)
+            .await?;
+        Ok(())
+    }
+}
