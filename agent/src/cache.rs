@@ -2,24 +2,41 @@
 //! the hub has not acknowledged yet. It is what lets the agent ride out a hub outage: on start
 //! the agent reconciles from here at once, hub or no hub.
 //!
-//! Everything sits behind [`WorkCache`], a narrow, object-safe, synchronous trait (sled is
-//! synchronous and its calls are short; callers that must not block a runtime thread use
-//! [`durably`]). [`SledCache`] is the implementation: one sled database can hold many clusters,
-//! each under its own key prefix, so the load-test harness can run thousands of agents on one
-//! database instead of thousands of databases.
+//! Everything sits behind [`WorkCache`], a narrow, object-safe, synchronous trait (writes wait
+//! for the disk; callers that must not block a runtime thread use [`durably`]). [`ClusterCache`]
+//! is the implementation, one cluster's records in a [`CacheDb`]: a redb database file, which
+//! can hold many clusters, each under its own key prefix, so the load-test harness can run
+//! thousands of agents on one database instead of thousands of files.
 //!
-//! Writes that the protocol relies on are flushed before they return: the agent acks a
+//! redb because the cache must survive the agent being killed at any instant (kill -9, OOM,
+//! power cut): each write is one ACID transaction, committed with an fsync and checksummed,
+//! and after a crash the file opens at the last committed transaction. sled, used before,
+//! lost the whole cache to a kill in the agent's torture test; a cache an older agent left in
+//! sled's format is removed on start ([`retire_sled_cache`]) and the agent starts empty.
+//!
+//! Writes that the protocol relies on are durable when they return: the agent acks a
 //! generation only after it is durable, and a status must survive a restart until the hub acks
-//! it. Status acks are not flushed: losing one only re-sends a status the hub drops by its seq.
+//! it. Status acks are not: losing one only re-sends a status the hub drops by its seq.
+//!
+//! One process, one writer at a time: redb serializes write transactions, and each durable
+//! commit is an fsync. An agent writes a few records per work change, so its own database
+//! commits each write on its own ([`CommitMode::PerWrite`]). The load test's thousands of
+//! agents share one database and would queue behind each other's fsyncs, so that database
+//! commits in groups ([`CommitMode::Group`]): writes that arrive while a commit is on the disk
+//! go into the next transaction together, and each returns once that transaction is durable.
 
 use std::fmt;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, mpsc};
 
 use flotilla_proto::wire::HeldWork;
+use redb::backends::InMemoryBackend;
+use redb::{
+    Database, Durability, ReadOnlyTable, ReadableDatabase as _, ReadableTable, TableDefinition,
+    WriteTransaction,
+};
 use serde::{Deserialize, Serialize};
-use sled::Transactional as _;
-use sled::transaction::{ConflictableTransactionError, TransactionError};
+use tracing::warn;
 
 /// Largest ManifestWork (as the hub's JSON) the agent keeps. A bigger one is refused: the cache
 /// records the refusal instead of the content, and the status says so. The hub's own bound on
@@ -145,20 +162,21 @@ pub struct PendingStatus {
 /// Why the cache could not do what was asked.
 #[derive(Debug, thiserror::Error)]
 pub enum CacheError {
-    /// The cache directory could not be opened. Not retryable: fix the path or its permissions
+    /// The cache file could not be opened. Not retryable: fix the path or its permissions
     /// (`--data-dir`), or stop the other agent using it.
     #[error(
         "cannot open the agent cache at {path}: {source}; pass --data-dir a writable directory that no other agent uses"
     )]
     Open {
-        /// The directory.
+        /// The file.
         path: String,
-        /// What sled said.
-        source: sled::Error,
+        /// What redb said.
+        source: redb::DatabaseError,
     },
-    /// sled failed to read, write or flush. Retryable when the disk recovers (full, I/O error).
+    /// redb failed to read, write or commit. Retryable when the disk recovers (full, I/O
+    /// error). Shared, because one failed group commit fails every write in it.
     #[error("agent cache storage failed: {0}")]
-    Storage(#[from] sled::Error),
+    Storage(#[source] Arc<redb::Error>),
     /// A stored record does not decode. Not retryable: the record is damaged or from an
     /// incompatible agent version.
     #[error("agent cache record {tree}/{uid} is unreadable: {source}")]
@@ -180,9 +198,15 @@ pub enum CacheError {
         /// The encode error.
         source: serde_json::Error,
     },
-    /// A blocking cache call could not run (the runtime is shutting down). Not retryable.
+    /// A blocking cache call could not run (the runtime is shutting down), or the group
+    /// committer stopped. Not retryable.
     #[error("agent cache task failed: {0}")]
     Task(String),
+}
+
+/// Wraps any redb error as [`CacheError::Storage`].
+fn storage(e: impl Into<redb::Error>) -> CacheError {
+    CacheError::Storage(Arc::new(e.into()))
 }
 
 /// The agent's durable state for one cluster.
@@ -261,93 +285,374 @@ where
         .map_err(|e| CacheError::Task(e.to_string()))?
 }
 
-/// sled's in-memory page cache. Its default (1 GiB) is sized for a server; an agent on a small
-/// edge node holds a few MiB of works, and a load-test database is opened once for all.
-const SLED_CACHE_BYTES: u64 = 64 * 1024 * 1024;
+/// redb's page cache. Its default (1 GiB) is sized for a server; an agent on a small edge node
+/// holds a few MiB of works, and a load-test database is opened once for all its agents.
+const PAGE_CACHE_BYTES: usize = 64 * 1024 * 1024;
 
-/// Tree names. Each tree holds every cluster's records, keyed by `cluster \0 uid`.
-const WORKS: &str = "works";
-const MANIFESTS: &str = "manifests";
-const LEDGER: &str = "ledger";
-const STATUS: &str = "status";
-// The registration work adds the agent's identity (certificate and key) in its own tree,
-// keyed by the cluster prefix alone.
+/// Most writes one group commit puts in a transaction. Writers wait for their commit, so the
+/// queue never holds more than there are blocked writers (tokio's blocking pool, 512 by
+/// default); this bounds one transaction's size and the time the first writer waits.
+const MAX_GROUP: usize = 512;
 
-/// A sled database that holds the caches of one or more clusters.
-#[derive(Clone, Debug)]
-pub struct SledCacheDb {
-    db: sled::Db,
+/// A table of the cache. Each holds every cluster's records, keyed by `cluster \0 uid`.
+#[derive(Clone, Copy)]
+struct Table(&'static str);
+
+impl Table {
+    fn def(self) -> TableDefinition<'static, &'static [u8], &'static [u8]> {
+        TableDefinition::new(self.0)
+    }
 }
 
-impl SledCacheDb {
-    /// Opens (creating if needed) the database in `dir`. sled locks the directory: a second
-    /// process gets [`CacheError::Open`].
-    pub fn open(dir: &Path) -> Result<Self, CacheError> {
-        let db = sled::Config::new()
-            .path(dir)
-            .cache_capacity(SLED_CACHE_BYTES)
-            .open()
-            .map_err(|source| CacheError::Open {
-                path: dir.display().to_string(),
-                source,
-            })?;
-        Ok(Self { db })
+/// uid → [`CachedWork`] (JSON).
+const WORKS: Table = Table("works");
+/// uid → the ManifestWork JSON as received. Apart from `works` so listing stays cheap.
+const MANIFESTS: Table = Table("manifests");
+/// uid → `Vec<AppliedResource>` (JSON).
+const LEDGER: Table = Table("ledger");
+/// uid → [`StatusRecord`] (JSON): the latest status and the outbox in one record, so a new
+/// status and an ack meet on one key only.
+const STATUS: Table = Table("status");
+// The agent's identity (key, certificate, CA bundle) is files in its own directory, written
+// atomically (`identity`), not records here.
+
+/// How a [`CacheDb`] commits writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CommitMode {
+    /// Each write is its own transaction, committed by the caller's thread. An agent's own
+    /// database: simple, and a write waits only for its own fsync.
+    PerWrite,
+    /// Writes from many threads are committed together by one committer thread, each
+    /// returning once the transaction holding it is durable. For one database shared by many
+    /// agents (the load test), where per-write commits would queue on each other's fsyncs.
+    Group,
+}
+
+/// A redb database that holds the caches of one or more clusters. Cheap to clone; the file
+/// closes when the last handle (or [`ClusterCache`]) is dropped.
+#[derive(Clone)]
+pub struct CacheDb {
+    inner: Arc<DbInner>,
+}
+
+struct DbInner {
+    /// With [`CommitMode::Group`]. Declared before `db` so that dropping stops the committer
+    /// (which holds the database too) before the database closes.
+    committer: Option<GroupCommitter>,
+    db: Arc<Database>,
+    /// The file, or `memory`, for messages.
+    location: String,
+}
+
+impl fmt::Debug for CacheDb {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CacheDb")
+            .field("location", &self.inner.location)
+            .field("group_commit", &self.inner.committer.is_some())
+            .finish()
+    }
+}
+
+impl CacheDb {
+    /// Opens (creating it and its directory if needed) the database file at `path`, each write
+    /// committed on its own. redb locks the file: a second opener gets [`CacheError::Open`].
+    /// After a crash the file opens at its last committed transaction (redb repairs its
+    /// allocator state first, which takes a moment on a large file).
+    pub fn open(path: &Path) -> Result<Self, CacheError> {
+        Self::open_with(path, CommitMode::PerWrite)
     }
 
-    /// A database in a temporary directory that is removed on drop (tests, load tests).
+    /// [`CacheDb::open`] with the given [`CommitMode`].
+    pub fn open_with(path: &Path, mode: CommitMode) -> Result<Self, CacheError> {
+        let fail = |source: redb::DatabaseError| CacheError::Open {
+            path: path.display().to_string(),
+            source,
+        };
+        let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+        if let Some(dir) = dir {
+            std::fs::create_dir_all(dir).map_err(|e| fail(e.into()))?;
+        }
+        let created = !path.exists();
+        let db = redb::Builder::new()
+            .set_cache_size(PAGE_CACHE_BYTES)
+            .create(path)
+            .map_err(fail)?;
+        if created && let Some(dir) = dir {
+            // redb fsyncs the file on every commit, not the directory: without this a power
+            // cut could take the new file's name, and with it every write acked since.
+            std::fs::File::open(dir)
+                .and_then(|d| d.sync_all())
+                .map_err(|e| fail(e.into()))?;
+        }
+        Self::start(db, mode, path.display().to_string())
+    }
+
+    /// A database in memory, gone when dropped (tests). Same transactions, no durability.
     pub fn temporary() -> Result<Self, CacheError> {
-        let db = sled::Config::new()
-            .temporary(true)
-            .cache_capacity(SLED_CACHE_BYTES)
-            .open()?;
-        Ok(Self { db })
+        let db = redb::Builder::new()
+            .create_with_backend(InMemoryBackend::new())
+            .map_err(storage)?;
+        Self::start(db, CommitMode::PerWrite, "memory".to_owned())
+    }
+
+    fn start(db: Database, mode: CommitMode, location: String) -> Result<Self, CacheError> {
+        // Every table exists from the start, so a read never meets a missing one.
+        let txn = db.begin_write().map_err(storage)?;
+        Tables::open(&txn)?;
+        txn.commit().map_err(storage)?;
+        let db = Arc::new(db);
+        let committer = match mode {
+            CommitMode::PerWrite => None,
+            CommitMode::Group => Some(GroupCommitter::start(Arc::clone(&db), &location)?),
+        };
+        Ok(Self {
+            inner: Arc::new(DbInner {
+                committer,
+                db,
+                location,
+            }),
+        })
     }
 
     /// The cache of one cluster in this database; clusters never see each other's records.
-    pub fn cluster(&self, cluster: &str) -> Result<SledCache, CacheError> {
+    pub fn cluster(&self, cluster: &str) -> ClusterCache {
         let mut prefix = cluster.as_bytes().to_vec();
         // Cluster names are DNS labels and never contain NUL, so no prefix is another's prefix.
         prefix.push(0);
-        Ok(SledCache {
-            db: self.db.clone(),
+        ClusterCache {
+            db: self.clone(),
             prefix,
-            works: self.db.open_tree(WORKS)?,
-            manifests: self.db.open_tree(MANIFESTS)?,
-            ledger: self.db.open_tree(LEDGER)?,
-            status: self.db.open_tree(STATUS)?,
+        }
+    }
+
+    /// Runs `f` on a consistent snapshot of `table`.
+    fn read<T>(
+        &self,
+        table: Table,
+        f: impl FnOnce(&ReadOnlyTable<&'static [u8], &'static [u8]>) -> Result<T, CacheError>,
+    ) -> Result<T, CacheError> {
+        let txn = self.inner.db.begin_read().map_err(storage)?;
+        let t = txn.open_table(table.def()).map_err(storage)?;
+        f(&t)
+    }
+
+    /// Runs `op` in a write transaction and returns its result once the transaction is
+    /// committed: durable with [`Durability::Immediate`], or at the next durable commit (or
+    /// lost in a crash) with [`Durability::None`]. `op` must do everything that can fail short
+    /// of storage before it writes: in a group its writes commit even when it returns an error.
+    fn write<T: Send + 'static>(
+        &self,
+        durability: Durability,
+        op: impl for<'t> FnOnce(&mut Tables<'t>) -> Result<T, CacheError> + Send + 'static,
+    ) -> Result<T, CacheError> {
+        if let Some(committer) = &self.inner.committer {
+            // A group commit is always durable: one fsync for the whole group anyway.
+            return committer.write(op);
+        }
+        let mut txn = self.inner.db.begin_write().map_err(storage)?;
+        txn.set_durability(durability).map_err(storage)?;
+        let result = op(&mut Tables::open(&txn)?);
+        match result {
+            Ok(value) => {
+                txn.commit().map_err(storage)?;
+                Ok(value)
+            }
+            Err(e) => {
+                txn.abort().map_err(storage)?;
+                Err(e)
+            }
+        }
+    }
+}
+
+/// The cache's tables, open in one write transaction.
+struct Tables<'t> {
+    works: redb::Table<'t, &'static [u8], &'static [u8]>,
+    manifests: redb::Table<'t, &'static [u8], &'static [u8]>,
+    ledger: redb::Table<'t, &'static [u8], &'static [u8]>,
+    status: redb::Table<'t, &'static [u8], &'static [u8]>,
+}
+
+impl<'t> Tables<'t> {
+    fn open(txn: &'t WriteTransaction) -> Result<Self, CacheError> {
+        Ok(Tables {
+            works: txn.open_table(WORKS.def()).map_err(storage)?,
+            manifests: txn.open_table(MANIFESTS.def()).map_err(storage)?,
+            ledger: txn.open_table(LEDGER.def()).map_err(storage)?,
+            status: txn.open_table(STATUS.def()).map_err(storage)?,
         })
     }
 }
 
-/// [`WorkCache`] for one cluster in a [`SledCacheDb`].
-#[derive(Clone)]
-pub struct SledCache {
-    db: sled::Db,
-    /// `cluster \0`: every key of this cluster starts with it.
-    prefix: Vec<u8>,
-    /// uid → [`CachedWork`] (JSON).
-    works: sled::Tree,
-    /// uid → the ManifestWork JSON as received. Apart from `works` so listing stays cheap.
-    manifests: sled::Tree,
-    /// uid → `Vec<AppliedResource>` (JSON).
-    ledger: sled::Tree,
-    /// uid → [`StatusRecord`] (JSON): the latest status and the outbox in one record, so a new
-    /// status and an ack race on one key only.
-    status: sled::Tree,
+/// One write handed to the committer: it runs in the group's transaction and says how the
+/// writer is to be answered once the transaction is committed (or not).
+type GroupJob = Box<dyn for<'t> FnOnce(&mut Tables<'t>) -> GroupDone + Send>;
+
+/// What a [`GroupJob`] left for after the commit.
+struct GroupDone {
+    /// The write hit a storage error: the transaction must not commit.
+    failed: Option<Arc<redb::Error>>,
+    /// Answers the writer with its result, or the group's storage error.
+    answer: Box<dyn FnOnce(Result<(), Arc<redb::Error>>) + Send>,
 }
 
-impl fmt::Debug for SledCache {
+/// The thread that commits a [`CommitMode::Group`] database's writes: it takes every write
+/// queued while the previous transaction was committing (at most [`MAX_GROUP`]) into one
+/// transaction, commits it durably, then answers each writer.
+struct GroupCommitter {
+    /// Dropped first on drop, which ends the thread's loop.
+    jobs: Option<mpsc::SyncSender<GroupJob>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl GroupCommitter {
+    fn start(db: Arc<Database>, location: &str) -> Result<Self, CacheError> {
+        let (jobs, queue) = mpsc::sync_channel::<GroupJob>(MAX_GROUP);
+        let thread = std::thread::Builder::new()
+            .name("cache-commit".to_owned())
+            .spawn(move || {
+                while let Ok(first) = queue.recv() {
+                    let group: Vec<GroupJob> = std::iter::once(first)
+                        .chain(queue.try_iter().take(MAX_GROUP - 1))
+                        .collect();
+                    commit_group(&db, group);
+                }
+            })
+            .map_err(|e| {
+                CacheError::Task(format!("cannot start the committer of {location}: {e}"))
+            })?;
+        Ok(Self {
+            jobs: Some(jobs),
+            thread: Some(thread),
+        })
+    }
+
+    fn write<T: Send + 'static>(
+        &self,
+        op: impl for<'t> FnOnce(&mut Tables<'t>) -> Result<T, CacheError> + Send + 'static,
+    ) -> Result<T, CacheError> {
+        let stopped = || CacheError::Task("the cache's group committer stopped".to_owned());
+        let (reply, answer) = mpsc::sync_channel::<Result<T, CacheError>>(1);
+        let job: GroupJob = Box::new(move |tables| {
+            let result = op(tables);
+            let failed = match &result {
+                Err(CacheError::Storage(e)) => Some(Arc::clone(e)),
+                _ => None,
+            };
+            GroupDone {
+                failed,
+                answer: Box::new(move |committed| {
+                    let answer = match committed {
+                        Ok(()) => result,
+                        Err(e) => Err(result.err().unwrap_or(CacheError::Storage(e))),
+                    };
+                    // The writer waits for this; it is gone only if its thread was torn down.
+                    let _ = reply.send(answer);
+                }),
+            }
+        });
+        self.jobs
+            .as_ref()
+            .ok_or_else(stopped)?
+            .send(job)
+            .map_err(|_| stopped())?;
+        answer.recv().map_err(|_| stopped())?
+    }
+}
+
+impl Drop for GroupCommitter {
+    fn drop(&mut self) {
+        drop(self.jobs.take());
+        if let Some(thread) = self.thread.take() {
+            // It finishes the group in hand, then sees the queue closed.
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Runs a group's writes in one transaction and commits it durably; every writer gets the
+/// outcome. A storage error in any write, or in the commit, fails the whole group (nothing of
+/// it is committed).
+fn commit_group(db: &Database, group: Vec<GroupJob>) {
+    let mut answers = Vec::with_capacity(group.len());
+    let outcome = (|| -> Result<(), Arc<redb::Error>> {
+        let shared = |e: CacheError| match e {
+            CacheError::Storage(e) => e,
+            other => Arc::new(redb::Error::Corrupted(other.to_string())),
+        };
+        let txn = db.begin_write().map_err(|e| Arc::new(e.into()))?;
+        let mut failed = None;
+        {
+            let mut tables = Tables::open(&txn).map_err(shared)?;
+            for job in group {
+                let done = job(&mut tables);
+                failed = failed.or(done.failed);
+                answers.push(done.answer);
+            }
+        }
+        if let Some(e) = failed {
+            let _ = txn.abort();
+            return Err(e);
+        }
+        txn.commit().map_err(|e| Arc::new(e.into()))
+    })();
+    for answer in answers {
+        answer(outcome.clone());
+    }
+}
+
+/// Removes the cache directory an agent before redb left (sled's format, which this agent
+/// cannot read), saying so. The agent then starts with an empty cache: the hub resends every
+/// work on the first session, and statuses the hub had not acknowledged are computed again by
+/// the reconciler. Returns whether there was one.
+pub fn retire_sled_cache(dir: &Path) -> bool {
+    // sled 0.34 keeps `conf` and `db` (and `snap.*`, `blobs/`) in its directory.
+    let is_sled = dir.is_dir() && (dir.join("conf").is_file() || dir.join("db").is_file());
+    if !is_sled {
+        return false;
+    }
+    match std::fs::remove_dir_all(dir) {
+        Ok(()) => warn!(
+            path = %dir.display(),
+            "removed the cache an earlier agent version kept in sled's format; starting with an \
+             empty cache: the hub resends every work on the first session, and statuses it had \
+             not acknowledged are computed again"
+        ),
+        Err(e) => warn!(
+            path = %dir.display(),
+            error = %e,
+            "found the cache an earlier agent version kept in sled's format and could not remove \
+             it (it is not read; delete it by hand); starting with an empty cache"
+        ),
+    }
+    true
+}
+
+/// [`WorkCache`] for one cluster in a [`CacheDb`].
+#[derive(Clone)]
+pub struct ClusterCache {
+    db: CacheDb,
+    /// `cluster \0`: every key of this cluster starts with it.
+    prefix: Vec<u8>,
+}
+
+impl fmt::Debug for ClusterCache {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SledCache")
+        f.debug_struct("ClusterCache")
             .field(
                 "cluster",
                 &String::from_utf8_lossy(&self.prefix[..self.prefix.len() - 1]),
             )
-            .finish_non_exhaustive()
+            .field("db", &self.db)
+            .finish()
     }
 }
 
-impl SledCache {
+/// What both read-only and write tables can do.
+trait Readable: ReadableTable<&'static [u8], &'static [u8]> {}
+impl<T: ReadableTable<&'static [u8], &'static [u8]>> Readable for T {}
+
+impl ClusterCache {
     fn key(&self, uid: &str) -> Vec<u8> {
         let mut key = Vec::with_capacity(self.prefix.len() + uid.len());
         key.extend_from_slice(&self.prefix);
@@ -355,40 +660,47 @@ impl SledCache {
         key
     }
 
-    fn uid_of<'a>(&self, key: &'a [u8]) -> std::borrow::Cow<'a, str> {
-        String::from_utf8_lossy(&key[self.prefix.len()..])
-    }
-
-    fn flush(&self) -> Result<(), CacheError> {
-        self.db.flush()?;
-        Ok(())
-    }
-
     fn get_json<T: serde::de::DeserializeOwned>(
         &self,
-        tree: &sled::Tree,
-        name: &'static str,
+        table: Table,
         uid: &str,
     ) -> Result<Option<T>, CacheError> {
-        match tree.get(self.key(uid))? {
-            None => Ok(None),
-            Some(bytes) => decode(name, uid, &bytes).map(Some),
-        }
+        let key = self.key(uid);
+        self.db.read(table, |t| get_json(t, table, &key, uid))
     }
 
     fn scan_json<T: serde::de::DeserializeOwned>(
         &self,
-        tree: &sled::Tree,
-        name: &'static str,
+        table: Table,
     ) -> Result<Vec<(String, T)>, CacheError> {
-        let mut out = Vec::new();
-        for entry in tree.scan_prefix(&self.prefix) {
-            let (key, bytes) = entry?;
-            let uid = self.uid_of(&key).into_owned();
-            let value = decode(name, &uid, &bytes)?;
-            out.push((uid, value));
-        }
-        Ok(out)
+        self.db.read(table, |t| {
+            let mut out = Vec::new();
+            for entry in t
+                .range::<&[u8]>(self.prefix.as_slice()..)
+                .map_err(storage)?
+            {
+                let (key, value) = entry.map_err(storage)?;
+                let Some(uid) = key.value().strip_prefix(self.prefix.as_slice()) else {
+                    break;
+                };
+                let uid = String::from_utf8_lossy(uid).into_owned();
+                let record = decode(table.0, &uid, value.value())?;
+                out.push((uid, record));
+            }
+            Ok(out)
+        })
+    }
+}
+
+fn get_json<T: serde::de::DeserializeOwned>(
+    t: &impl Readable,
+    table: Table,
+    key: &[u8],
+    uid: &str,
+) -> Result<Option<T>, CacheError> {
+    match t.get(key).map_err(storage)? {
+        None => Ok(None),
+        Some(bytes) => decode(table.0, uid, bytes.value()).map(Some),
     }
 }
 
@@ -412,101 +724,102 @@ fn encode<T: Serialize>(tree: &'static str, uid: &str, value: &T) -> Result<Vec<
     })
 }
 
-fn transaction_error(e: TransactionError<()>) -> CacheError {
-    match e {
-        TransactionError::Storage(e) => CacheError::Storage(e),
-        // Nothing here aborts on purpose.
-        TransactionError::Abort(()) => CacheError::Task("cache transaction aborted".to_owned()),
-    }
-}
-
-impl WorkCache for SledCache {
+impl WorkCache for ClusterCache {
     fn works(&self) -> Result<Vec<CachedWork>, CacheError> {
         Ok(self
-            .scan_json::<CachedWork>(&self.works, WORKS)?
+            .scan_json::<CachedWork>(WORKS)?
             .into_iter()
             .map(|(_, w)| w)
             .collect())
     }
 
     fn work(&self, uid: &str) -> Result<Option<CachedWork>, CacheError> {
-        self.get_json(&self.works, WORKS, uid)
+        self.get_json(WORKS, uid)
     }
 
     fn manifest_work(&self, uid: &str) -> Result<Option<Vec<u8>>, CacheError> {
-        Ok(self.manifests.get(self.key(uid))?.map(|v| v.to_vec()))
+        let key = self.key(uid);
+        self.db.read(MANIFESTS, |t| {
+            Ok(t.get(key.as_slice())
+                .map_err(storage)?
+                .map(|v| v.value().to_vec()))
+        })
     }
 
     fn put_work(&self, work: &CachedWork, manifest_work: Option<&[u8]>) -> Result<(), CacheError> {
         let key = self.key(&work.uid);
-        let record = encode(WORKS, &work.uid, work)?;
-        // One transaction so that a crash never leaves a work with another generation's content.
-        (&self.works, &self.manifests)
-            .transaction(|(works, manifests)| {
-                works.insert(key.as_slice(), record.as_slice())?;
-                match manifest_work {
-                    Some(content) => {
-                        manifests.insert(key.as_slice(), content)?;
-                    }
-                    None => {
-                        manifests.remove(key.as_slice())?;
-                    }
-                }
-                Ok::<_, ConflictableTransactionError<()>>(())
-            })
-            .map_err(transaction_error)?;
-        self.flush()
+        let record = encode(WORKS.0, &work.uid, work)?;
+        let content = manifest_work.map(<[u8]>::to_vec);
+        // One transaction, so that a crash never leaves a work with another generation's
+        // content.
+        self.db.write(Durability::Immediate, move |t| {
+            t.works
+                .insert(key.as_slice(), record.as_slice())
+                .map_err(storage)?;
+            match &content {
+                Some(content) => t.manifests.insert(key.as_slice(), content.as_slice()),
+                None => t.manifests.remove(key.as_slice()),
+            }
+            .map_err(storage)?;
+            Ok(())
+        })
     }
 
     fn mark_deleting(&self, uid: &str) -> Result<bool, CacheError> {
-        let Some(mut work) = self.work(uid)? else {
-            return Ok(false);
-        };
-        if !work.deleting {
-            work.deleting = true;
-            self.works
-                .insert(self.key(uid), encode(WORKS, uid, &work)?)?;
-            self.flush()?;
-        }
-        Ok(true)
+        let key = self.key(uid);
+        let uid = uid.to_owned();
+        self.db.write(Durability::Immediate, move |t| {
+            let Some(mut work) = get_json::<CachedWork>(&t.works, WORKS, &key, &uid)? else {
+                return Ok(false);
+            };
+            if !work.deleting {
+                work.deleting = true;
+                let record = encode(WORKS.0, &uid, &work)?;
+                t.works
+                    .insert(key.as_slice(), record.as_slice())
+                    .map_err(storage)?;
+            }
+            Ok(true)
+        })
     }
 
     fn forget(&self, uid: &str) -> Result<(), CacheError> {
         let key = self.key(uid);
-        (&self.works, &self.manifests, &self.ledger, &self.status)
-            .transaction(|(works, manifests, ledger, status)| {
-                works.remove(key.as_slice())?;
-                manifests.remove(key.as_slice())?;
-                ledger.remove(key.as_slice())?;
-                status.remove(key.as_slice())?;
-                Ok::<_, ConflictableTransactionError<()>>(())
-            })
-            .map_err(transaction_error)?;
-        self.flush()
+        self.db.write(Durability::Immediate, move |t| {
+            for table in [&mut t.works, &mut t.manifests, &mut t.ledger, &mut t.status] {
+                table.remove(key.as_slice()).map_err(storage)?;
+            }
+            Ok(())
+        })
     }
 
     fn ledger(&self, uid: &str) -> Result<Vec<AppliedResource>, CacheError> {
-        Ok(self
-            .get_json(&self.ledger, LEDGER, uid)?
-            .unwrap_or_default())
+        Ok(self.get_json(LEDGER, uid)?.unwrap_or_default())
     }
 
     fn ledgers(&self) -> Result<Vec<(String, Vec<AppliedResource>)>, CacheError> {
-        self.scan_json(&self.ledger, LEDGER)
+        self.scan_json(LEDGER)
     }
 
     fn set_ledger(&self, uid: &str, resources: &[AppliedResource]) -> Result<(), CacheError> {
         let key = self.key(uid);
-        if resources.is_empty() {
-            self.ledger.remove(key)?;
+        let record = if resources.is_empty() {
+            None
         } else {
-            self.ledger.insert(key, encode(LEDGER, uid, &resources)?)?;
-        }
-        self.flush()
+            Some(encode(LEDGER.0, uid, &resources)?)
+        };
+        self.db.write(Durability::Immediate, move |t| {
+            match &record {
+                Some(record) => t.ledger.insert(key.as_slice(), record.as_slice()),
+                None => t.ledger.remove(key.as_slice()),
+            }
+            .map_err(storage)?;
+            Ok(())
+        })
     }
 
     fn last_status(&self, uid: &str) -> Result<Option<StatusRecord>, CacheError> {
-        self.get_json(&self.status, STATUS, uid)
+        self.get_json(STATUS, uid)
     }
 
     fn push_status(
@@ -516,40 +829,34 @@ impl WorkCache for SledCache {
         status: &serde_json::Value,
     ) -> Result<u64, CacheError> {
         let key = self.key(uid);
-        // Read-modify-write by compare-and-swap: an ack landing between the read and the write
-        // makes the swap fail and the loop re-read, so the new seq is always previous + 1.
-        loop {
-            let current = self.status.get(&key)?;
-            let (seq, acked_seq) = match &current {
-                Some(bytes) => {
-                    let prev: StatusRecord = decode(STATUS, uid, bytes)?;
-                    (prev.seq + 1, prev.acked_seq)
-                }
+        let uid = uid.to_owned();
+        let status = status.clone();
+        // Read and write in one transaction: write transactions are serialized, so an ack
+        // cannot land in between and the new seq is always the previous + 1.
+        self.db.write(Durability::Immediate, move |t| {
+            let (seq, acked_seq) = match get_json::<StatusRecord>(&t.status, STATUS, &key, &uid)? {
+                Some(prev) => (prev.seq + 1, prev.acked_seq),
                 None => (1, 0),
             };
             let record = StatusRecord {
                 generation,
                 seq,
                 acked_seq,
-                status: status.clone(),
+                status,
             };
-            let new = encode(STATUS, uid, &record)?;
-            if self
-                .status
-                .compare_and_swap(&key, current, Some(new))?
-                .is_ok()
-            {
-                self.flush()?;
-                return Ok(seq);
-            }
-        }
+            let bytes = encode(STATUS.0, &uid, &record)?;
+            t.status
+                .insert(key.as_slice(), bytes.as_slice())
+                .map_err(storage)?;
+            Ok(seq)
+        })
     }
 
     fn pending_statuses(&self) -> Result<Vec<PendingStatus>, CacheError> {
         let mut out = Vec::new();
-        for (uid, record) in self.scan_json::<StatusRecord>(&self.status, STATUS)? {
+        for (uid, record) in self.scan_json::<StatusRecord>(STATUS)? {
             if record.is_pending() {
-                let status_json = encode(STATUS, &uid, &record.status)?;
+                let status_json = encode(STATUS.0, &uid, &record.status)?;
                 out.push(PendingStatus {
                     uid,
                     generation: record.generation,
@@ -563,26 +870,24 @@ impl WorkCache for SledCache {
 
     fn ack_status(&self, uid: &str, seq: u64) -> Result<bool, CacheError> {
         let key = self.key(uid);
-        loop {
-            let Some(current) = self.status.get(&key)? else {
+        let uid = uid.to_owned();
+        // Not durable: an ack lost in a crash only re-sends a status the hub drops by its seq.
+        self.db.write(Durability::None, move |t| {
+            let Some(mut record) = get_json::<StatusRecord>(&t.status, STATUS, &key, &uid)? else {
                 return Ok(false);
             };
-            let mut record: StatusRecord = decode(STATUS, uid, &current)?;
             if seq <= record.acked_seq {
                 return Ok(!record.is_pending());
             }
             // The hub may ack a seq above ours only if it saw a status from an earlier life of
             // this cache; never let the ack run past what we produced.
             record.acked_seq = seq.min(record.seq);
-            let new = encode(STATUS, uid, &record)?;
-            if self
-                .status
-                .compare_and_swap(&key, Some(current), Some(new))?
-                .is_ok()
-            {
-                return Ok(!record.is_pending());
-            }
-        }
+            let bytes = encode(STATUS.0, &uid, &record)?;
+            t.status
+                .insert(key.as_slice(), bytes.as_slice())
+                .map_err(storage)?;
+            Ok(!record.is_pending())
+        })
     }
 }
 
@@ -616,8 +921,8 @@ mod tests {
 
     #[test]
     fn works_round_trip_with_content_and_show_in_the_hello() {
-        let db = SledCacheDb::temporary().unwrap();
-        let cache = db.cluster("store-7").unwrap();
+        let db = CacheDb::temporary().unwrap();
+        let cache = db.cluster("store-7");
         cache
             .put_work(&work("a", 1), Some(br#"{"kind":"ManifestWork"}"#))
             .unwrap();
@@ -644,8 +949,8 @@ mod tests {
 
     #[test]
     fn tombstones_leave_the_hello_and_forget_drops_everything() {
-        let db = SledCacheDb::temporary().unwrap();
-        let cache = db.cluster("c").unwrap();
+        let db = CacheDb::temporary().unwrap();
+        let cache = db.cluster("c");
         cache.put_work(&work("a", 1), Some(b"{}")).unwrap();
         cache.set_ledger("a", &[deployment("web")]).unwrap();
         cache.push_status("a", 1, &json!({"x": 1})).unwrap();
@@ -668,39 +973,21 @@ mod tests {
         assert!(cache.pending_statuses().unwrap().is_empty());
     }
 
-    /// Opens `dir` again after the previous handles were dropped. sled releases its directory
-    /// lock from its background flusher thread a moment after the last handle goes, so poll
-    /// for that, with a bound (500 × 10 ms).
-    #[allow(clippy::disallowed_methods)]
-    fn reopen(dir: &Path) -> SledCacheDb {
-        for _ in 0..500 {
-            match SledCacheDb::open(dir) {
-                Ok(db) => return db,
-                Err(CacheError::Open { source, .. }) if source.to_string().contains("lock") => {
-                    std::thread::sleep(std::time::Duration::from_millis(10));
-                }
-                Err(e) => panic!("reopening the cache: {e}"),
-            }
-        }
-        panic!(
-            "sled kept its lock on {} for 5 s after every handle was dropped",
-            dir.display()
-        );
-    }
-
     #[test]
     fn everything_survives_reopening() {
         let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent").join("cache.redb");
+        let reopen = || CacheDb::open(&path).expect("reopening the cache");
         {
-            let db = SledCacheDb::open(dir.path()).unwrap();
-            let cache = db.cluster("store-7").unwrap();
+            let db = CacheDb::open(&path).unwrap();
+            let cache = db.cluster("store-7");
             cache.put_work(&work("a", 3), Some(b"{}")).unwrap();
             cache.set_ledger("a", &[deployment("web")]).unwrap();
             assert_eq!(cache.push_status("a", 3, &json!({"n": 1})).unwrap(), 1);
             assert_eq!(cache.push_status("a", 3, &json!({"n": 2})).unwrap(), 2);
         }
-        let db = reopen(dir.path());
-        let cache = db.cluster("store-7").unwrap();
+        let db = reopen();
+        let cache = db.cluster("store-7");
         assert_eq!(cache.work("a").unwrap(), Some(work("a", 3)));
         assert_eq!(cache.ledger("a").unwrap(), vec![deployment("web")]);
         let pending = cache.pending_statuses().unwrap();
@@ -711,26 +998,124 @@ mod tests {
         assert!(cache.ack_status("a", 2).unwrap());
         drop(cache);
         drop(db);
-        let db = reopen(dir.path());
-        let cache = db.cluster("store-7").unwrap();
+        let db = reopen();
+        let cache = db.cluster("store-7");
         assert!(cache.pending_statuses().unwrap().is_empty());
         assert_eq!(cache.push_status("a", 4, &json!({"n": 3})).unwrap(), 3);
     }
 
     #[test]
-    fn a_second_process_cannot_open_the_same_directory() {
+    fn a_second_opener_of_the_same_file_is_refused_with_the_fix() {
         let dir = tempfile::tempdir().unwrap();
-        let _first = SledCacheDb::open(dir.path()).unwrap();
-        let err = SledCacheDb::open(dir.path()).unwrap_err();
-        assert!(err.to_string().contains("--data-dir"), "{err}");
+        let path = dir.path().join("cache.redb");
+        let _first = CacheDb::open(&path).unwrap();
+        let err = CacheDb::open(&path).unwrap_err();
+        let message = err.to_string();
+        assert!(
+            message.contains("cache.redb") && message.contains("--data-dir"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn a_file_that_is_not_a_cache_is_refused_and_left_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cache.redb");
+        std::fs::write(&path, b"not a database, but someone's data").unwrap();
+        let err = CacheDb::open(&path).unwrap_err();
+        assert!(matches!(err, CacheError::Open { .. }), "{err}");
+        assert_eq!(
+            std::fs::read(&path).unwrap(),
+            b"not a database, but someone's data"
+        );
+    }
+
+    #[test]
+    fn group_commits_answer_every_writer_with_its_own_result_durably() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cache.redb");
+        const CLUSTERS: usize = 16;
+        const STATUSES: u64 = 20;
+        {
+            let db = CacheDb::open_with(&path, CommitMode::Group).unwrap();
+            std::thread::scope(|s| {
+                for c in 0..CLUSTERS {
+                    let cache = db.cluster(&format!("store-{c}"));
+                    s.spawn(move || {
+                        cache.put_work(&work("a", 1), Some(b"{}")).unwrap();
+                        for n in 1..=STATUSES {
+                            // Seqs count per work even with other clusters' writes in the
+                            // same transactions.
+                            assert_eq!(cache.push_status("a", 1, &json!({ "n": n })).unwrap(), n);
+                        }
+                        assert!(!cache.ack_status("a", STATUSES - 1).unwrap());
+                        assert!(!cache.mark_deleting("missing").unwrap());
+                    });
+                }
+            });
+        }
+        let db = CacheDb::open(&path).unwrap();
+        for c in 0..CLUSTERS {
+            let cache = db.cluster(&format!("store-{c}"));
+            assert_eq!(cache.work("a").unwrap(), Some(work("a", 1)));
+            let pending = cache.pending_statuses().unwrap();
+            assert_eq!(pending.len(), 1, "store-{c}: {pending:?}");
+            assert_eq!(pending[0].seq, STATUSES);
+            assert_eq!(
+                pending[0].status_json,
+                format!(r#"{{"n":{STATUSES}}}"#).as_bytes()
+            );
+        }
+    }
+
+    #[test]
+    fn a_group_write_that_fails_to_decode_leaves_the_others_committed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cache.redb");
+        let db = CacheDb::open_with(&path, CommitMode::Group).unwrap();
+        let cache = db.cluster("c");
+        // A damaged status record: its work's writes fail, naming it; the rest go on.
+        let key = cache.key("bad");
+        db.write(Durability::Immediate, move |t| {
+            t.status
+                .insert(key.as_slice(), b"{not json".as_slice())
+                .map_err(storage)?;
+            Ok(())
+        })
+        .unwrap();
+        let err = cache.push_status("bad", 1, &json!({})).unwrap_err();
+        assert!(err.to_string().contains("status/bad"), "{err}");
+        assert_eq!(cache.push_status("good", 1, &json!({})).unwrap(), 1);
+        cache.put_work(&work("a", 1), None).unwrap();
+        assert_eq!(cache.work("a").unwrap(), Some(work("a", 1)));
+    }
+
+    #[test]
+    fn an_old_sled_cache_is_removed_and_anything_else_left_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        // What sled 0.34 leaves in its directory.
+        let sled = dir.path().join("cache");
+        std::fs::create_dir_all(sled.join("blobs")).unwrap();
+        for file in ["conf", "db", "snap.0000000000001A2B"] {
+            std::fs::write(sled.join(file), b"sled").unwrap();
+        }
+        assert!(retire_sled_cache(&sled));
+        assert!(!sled.exists());
+        assert!(!retire_sled_cache(&sled), "nothing left to retire");
+
+        let other = dir.path().join("identity");
+        std::fs::create_dir_all(&other).unwrap();
+        std::fs::write(other.join("tls.key"), b"key").unwrap();
+        assert!(!retire_sled_cache(&other));
+        assert!(other.join("tls.key").exists());
     }
 
     #[test]
     fn clusters_in_one_database_are_isolated() {
-        let db = SledCacheDb::temporary().unwrap();
+        let db = CacheDb::temporary().unwrap();
         // "store-1" is a byte prefix of "store-10": the NUL separator keeps them apart.
-        let one = db.cluster("store-1").unwrap();
-        let ten = db.cluster("store-10").unwrap();
+        let one = db.cluster("store-1");
+        let ten = db.cluster("store-10");
         one.put_work(&work("a", 1), Some(b"{}")).unwrap();
         ten.put_work(&work("b", 1), Some(b"{}")).unwrap();
         one.set_ledger("a", &[deployment("one")]).unwrap();
@@ -747,8 +1132,8 @@ mod tests {
 
     #[test]
     fn the_outbox_keeps_the_latest_status_per_work_with_increasing_seq() {
-        let db = SledCacheDb::temporary().unwrap();
-        let cache = db.cluster("c").unwrap();
+        let db = CacheDb::temporary().unwrap();
+        let cache = db.cluster("c");
         assert_eq!(cache.push_status("a", 1, &json!({"v": 1})).unwrap(), 1);
         assert_eq!(cache.push_status("a", 2, &json!({"v": 2})).unwrap(), 2);
         assert_eq!(cache.push_status("b", 1, &json!({"v": 9})).unwrap(), 1);
@@ -761,8 +1146,8 @@ mod tests {
 
     #[test]
     fn an_ack_for_an_older_seq_keeps_the_newer_status_pending() {
-        let db = SledCacheDb::temporary().unwrap();
-        let cache = db.cluster("c").unwrap();
+        let db = CacheDb::temporary().unwrap();
+        let cache = db.cluster("c");
         cache.push_status("a", 1, &json!({"v": 1})).unwrap();
         cache.push_status("a", 1, &json!({"v": 2})).unwrap();
         assert!(!cache.ack_status("a", 1).unwrap());
@@ -781,8 +1166,8 @@ mod tests {
 
     #[test]
     fn an_ack_past_our_seq_does_not_hide_later_statuses() {
-        let db = SledCacheDb::temporary().unwrap();
-        let cache = db.cluster("c").unwrap();
+        let db = CacheDb::temporary().unwrap();
+        let cache = db.cluster("c");
         cache.push_status("a", 1, &json!({})).unwrap();
         assert!(cache.ack_status("a", 7).unwrap());
         assert_eq!(cache.push_status("a", 1, &json!({"v": 2})).unwrap(), 2);
@@ -791,8 +1176,8 @@ mod tests {
 
     #[test]
     fn ledgers_list_every_work_of_the_cluster() {
-        let db = SledCacheDb::temporary().unwrap();
-        let cache = db.cluster("c").unwrap();
+        let db = CacheDb::temporary().unwrap();
+        let cache = db.cluster("c");
         cache.set_ledger("a", &[deployment("x")]).unwrap();
         cache.set_ledger("b", &[deployment("y")]).unwrap();
         cache.set_ledger("b", &[]).unwrap();

@@ -17,8 +17,10 @@ pub const DEFAULT_MAX_BACKOFF: &str = "60s";
 /// Where the durable cache lives by default: a path a DaemonSet or Deployment mounts a
 /// persistent volume at. Anything run by hand passes `--data-dir`.
 pub const DEFAULT_DATA_DIR: &str = "/var/lib/flotilla-agent";
-/// The sled cache's directory under `--data-dir`.
-pub const CACHE_SUBDIR: &str = "cache";
+/// The cache's file under `--data-dir`.
+pub const CACHE_FILE: &str = "cache.redb";
+/// Where agents before the redb cache kept theirs (a sled directory) under `--data-dir`.
+pub const SLED_CACHE_SUBDIR: &str = "cache";
 /// The identity's directory under `--data-dir` (unless `--cert-dir` says otherwise).
 pub const IDENTITY_SUBDIR: &str = "identity";
 /// Default of `--resync-interval`; see [`crate::reconcile::DEFAULT_RESYNC_INTERVAL`].
@@ -150,10 +152,14 @@ impl AgentConfig {
         })
     }
 
-    /// Where the sled cache lives: its own directory under `--data-dir`, beside the agent's
-    /// identity.
-    pub fn cache_dir(&self) -> PathBuf {
-        self.data_dir.join(CACHE_SUBDIR)
+    /// Where the cache lives: one file under `--data-dir`, beside the agent's identity.
+    pub fn cache_path(&self) -> PathBuf {
+        self.data_dir.join(CACHE_FILE)
+    }
+
+    /// Where an agent before the redb cache kept its sled cache, retired on start.
+    pub fn sled_cache_dir(&self) -> PathBuf {
+        self.data_dir.join(SLED_CACHE_SUBDIR)
     }
 
     /// Where the identity (key, certificate, CA bundle) lives: `--cert-dir`, or its own

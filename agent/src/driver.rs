@@ -543,8 +543,8 @@ async fn delete_work(spoke: &Spoke, uid: String, namespace: &str, name: &str) {
     }
 }
 
-/// Reports every outbox status not yet reported in this session. The outbox is read from sled
-/// (memory-mapped; a read, not a write).
+/// Reports every outbox status not yet reported in this session. The outbox is read from the
+/// cache (a read transaction, served from its page cache; no write, no fsync).
 pub(crate) fn report_outbox(
     machine: &mut AgentSession,
     spoke: &Spoke,
@@ -592,7 +592,7 @@ mod tests {
 
     use super::*;
     use crate::apply::MemoryCluster;
-    use crate::cache::{SledCacheDb, WorkCache};
+    use crate::cache::{CacheDb, WorkCache};
     use crate::reconcile::{Reconciler, ReconcilerConfig};
     use crate::session::Unobserved;
     use flotilla_proto::api::content_hash;
@@ -824,8 +824,8 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn works_are_stored_before_the_ack_and_statuses_flow_until_acked() {
-        let db = SledCacheDb::temporary().unwrap();
-        let cache: Arc<dyn WorkCache> = Arc::new(db.cluster("store-7").unwrap());
+        let db = CacheDb::temporary().unwrap();
+        let cache: Arc<dyn WorkCache> = Arc::new(db.cluster("store-7"));
         let agent = Agent::start(Arc::clone(&cache));
 
         let mut s = Session::open(&agent);
@@ -907,8 +907,8 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_oversized_work_is_acked_but_refused_with_a_status_naming_the_limit() {
-        let db = SledCacheDb::temporary().unwrap();
-        let cache: Arc<dyn WorkCache> = Arc::new(db.cluster("store-7").unwrap());
+        let db = CacheDb::temporary().unwrap();
+        let cache: Arc<dyn WorkCache> = Arc::new(db.cluster("store-7"));
         let agent = Agent::start(Arc::clone(&cache));
         let mut s = Session::open(&agent);
         s.pump().await;

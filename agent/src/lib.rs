@@ -6,7 +6,7 @@
 //! * [`session`]: the reconnect loop; `driver`: the thin driver of one session's protocol
 //!   machine, on either carrier; [`connect`]: dialling gRPC, QUIC, or QUIC with a fallback;
 //!   [`refusal`]: every way a session fails, in words for the spoke's operator.
-//! * [`cache`]: the durable state behind [`WorkCache`] (sled): works, ledger, status outbox.
+//! * [`cache`]: the durable state behind [`WorkCache`] (redb): works, ledger, status outbox.
 //! * [`reconcile`]: the task that makes the spoke match the cache (start, changes, resync).
 //! * [`apply`]: the apply engine behind [`ApplyTarget`] (kube-rs server-side apply, or an
 //!   in-memory cluster).
@@ -39,7 +39,7 @@ pub mod status;
 pub mod watch;
 
 pub use apply::{ApplyTarget, KubeApplyTarget, MemoryCluster};
-pub use cache::{SledCache, SledCacheDb, WorkCache};
+pub use cache::{CacheDb, ClusterCache, WorkCache};
 pub use config::AgentConfig;
 pub use reconcile::{ReconcileHandle, Reconciler, ReconcilerConfig};
 pub use session::{Observer, Parts, RunError, Unobserved, run, run_with};

@@ -764,17 +764,12 @@ fn now() -> Time {
 mod tests {
     use super::*;
     use crate::apply::MemoryCluster;
-    use crate::cache::SledCacheDb;
+    use crate::cache::CacheDb;
     use flotilla_proto::api::conditions::{WORK_APPLIED, is_condition_true};
     use serde_json::{Value, json};
 
     fn cache() -> Arc<dyn WorkCache> {
-        Arc::new(
-            SledCacheDb::temporary()
-                .unwrap()
-                .cluster("store-7")
-                .unwrap(),
-        )
+        Arc::new(CacheDb::temporary().unwrap().cluster("store-7"))
     }
 
     fn configmap(name: &str) -> Value {

@@ -17,7 +17,7 @@ use tracing::{error, info, warn};
 
 use crate::AgentConfig;
 use crate::apply::{ApplyTarget, KubeApplyTarget};
-use crate::cache::{CacheError, CachedWork, SledCacheDb, WorkCache};
+use crate::cache::{self, CacheDb, CacheError, CachedWork, WorkCache};
 use crate::config::ConfigError;
 use crate::connect::Dialer;
 use crate::driver::{Ended, session_once};
@@ -155,8 +155,9 @@ pub async fn run(
         .with_transport(config.transport);
     let client = kube::Client::try_from(config.spoke_kube_config().await?)
         .map_err(|e| RunError::SpokeClient(e.to_string()))?;
-    let db = SledCacheDb::open(&config.cache_dir())?;
-    let cache: Arc<dyn WorkCache> = Arc::new(db.cluster(&config.cluster_name)?);
+    cache::retire_sled_cache(&config.sled_cache_dir());
+    let db = CacheDb::open(&config.cache_path())?;
+    let cache: Arc<dyn WorkCache> = Arc::new(db.cluster(&config.cluster_name));
     let target: Arc<dyn ApplyTarget> = Arc::new(KubeApplyTarget::new(client.clone()));
     let (version_tx, kubernetes_version) = watch::channel(config.kubernetes_version.clone());
     let version_task = config

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use flotilla_agent::apply::KubeApplyTarget;
-use flotilla_agent::cache::{CachedWork, SledCacheDb, WorkCache};
+use flotilla_agent::cache::{CacheDb, CachedWork, WorkCache};
 use flotilla_agent::reconcile::{Reconciled, Reconciler, ReconcilerConfig, reconcile_work};
 use flotilla_proto::api::conditions::{
     WORK_APPLIED, WORK_AVAILABLE, WORK_DEGRADED, find_condition,
@@ -42,7 +42,7 @@ impl Spoke {
     async fn start() -> anyhow::Result<Spoke> {
         let env = TestEnv::start().await?;
         let client = env.client().await?;
-        let cache: Arc<dyn WorkCache> = Arc::new(SledCacheDb::temporary()?.cluster("cluster1")?);
+        let cache: Arc<dyn WorkCache> = Arc::new(CacheDb::temporary()?.cluster("cluster1"));
         Ok(Spoke {
             target: Arc::new(KubeApplyTarget::new(client.clone())),
             client,

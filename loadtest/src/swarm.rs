@@ -1,8 +1,8 @@
 //! A swarm: many simulated agents in one process. Each is the agent itself,
-//! `flotilla_agent::run_with`: its session loop, durable cache (one sled database shared by the
-//! swarm, a prefix per cluster), reconciler and status logic, its identity on disk, dialling
-//! from a chosen loopback source address, with a [`SimCluster`] where a real agent has its
-//! spoke apiserver. The harness watches each agent through the library's [`Observer`] to count
+//! `flotilla_agent::run_with`: its session loop, durable cache (one redb database shared by the
+//! swarm, a prefix per cluster, its writes group-committed), reconciler and status logic, its
+//! identity on disk, dialling from a chosen loopback source address, with a [`SimCluster`]
+//! where a real agent has its spoke apiserver. The harness watches each agent through the library's [`Observer`] to count
 //! what a load test needs to see: sessions up, frames and bytes, when each work was durably
 //! acked, statuses sent and acknowledged.
 
@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU8, AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
-use flotilla_agent::cache::{CachedWork, SledCacheDb, WorkCache};
+use flotilla_agent::cache::{CacheDb, CachedWork, CommitMode, WorkCache};
 use flotilla_agent::connect::Dialer;
 use flotilla_agent::identity;
 use flotilla_agent::join::{JoinError, JoinParams};
@@ -42,6 +42,8 @@ pub const STOP_TIMEOUT: Duration = Duration::from_secs(30);
 /// The agents' resync interval: the agent's default (5 minutes), so a run's steady state is a
 /// fleet's.
 pub const RESYNC_INTERVAL: Duration = Duration::from_secs(300);
+/// The swarm's cache database, in [`SwarmSpec::cache_dir`].
+pub const CACHE_FILE: &str = "agents.redb";
 
 /// Everything a swarm needs; a worker process reads it from a file.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -66,7 +68,7 @@ pub struct SwarmSpec {
     /// The agents' `--feedback-interval`, in milliseconds.
     #[serde(default = "default_feedback_interval_ms")]
     pub feedback_interval_ms: u64,
-    /// The sled database all the swarm's agents share.
+    /// The directory of the cache database all the swarm's agents share ([`CACHE_FILE`]).
     pub cache_dir: PathBuf,
     /// Where each agent's identity directory (`<dir>/<cluster>/`) is written.
     pub identities_dir: PathBuf,
@@ -446,8 +448,9 @@ impl Swarm {
     /// spec's rate. Fails before any agent starts if a certificate, its directory or the cache
     /// cannot be used.
     pub fn start(spec: &SwarmSpec, identities: &[Identity]) -> anyhow::Result<Swarm> {
-        let db = SledCacheDb::open(&spec.cache_dir)
-            .with_context(|| format!("opening the agents' cache {}", spec.cache_dir.display()))?;
+        let cache_path = spec.cache_dir.join(CACHE_FILE);
+        let db = CacheDb::open_with(&cache_path, CommitMode::Group)
+            .with_context(|| format!("opening the agents' cache {}", cache_path.display()))?;
         let faults = Faults {
             apply_delay: Duration::from_millis(spec.apply_delay_ms),
             failure_rate: spec.apply_failure_rate,
@@ -465,7 +468,7 @@ impl Swarm {
                 name: id.name.clone(),
                 index,
                 identity_dir,
-                cache: Arc::new(db.cluster(&id.name)?),
+                cache: Arc::new(db.cluster(&id.name)),
                 cluster: SimCluster::new(
                     faults,
                     spec.seed ^ (index as u64).wrapping_mul(0x9E37_79B9),
@@ -649,7 +652,7 @@ struct Shared {
     /// dialling from it, as the carrier allows.
     quic: Vec<QuicClient>,
     /// Kept open for as long as any agent runs.
-    _db: SledCacheDb,
+    _db: CacheDb,
 }
 
 /// Writes an identity as the agent keeps it: the hub CA bundle, the certificate, and the key

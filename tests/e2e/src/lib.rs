@@ -80,6 +80,18 @@ macro_rules! on_both_carriers {
     };
 }
 
+/// The random source of a torture test: seeded from `FLOTILLA_TORTURE_SEED` to replay a run,
+/// or at random, and the seed printed so a failure can be replayed.
+pub fn torture_rng() -> (u64, rand::rngs::StdRng) {
+    use rand::SeedableRng;
+    let seed: u64 = std::env::var("FLOTILLA_TORTURE_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random);
+    eprintln!("torture seed {seed} (set FLOTILLA_TORTURE_SEED to replay)");
+    (seed, rand::rngs::StdRng::seed_from_u64(seed))
+}
+
 /// Waits until `check` returns `Some`, polling every 50 ms, failing after `timeout` with the
 /// last observation. This is how tests wait: on the condition, with a deadline.
 pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> anyhow::Result<T>

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use flotilla_agent::apply::MemoryCluster;
-use flotilla_agent::cache::{CachedWork, SledCacheDb};
+use flotilla_agent::cache::{CacheDb, CachedWork};
 use flotilla_agent::connect::{Dialer, Transport};
 use flotilla_agent::{AgentConfig, Observer, Parts};
 use flotilla_e2e::spoke::Spoke;
@@ -128,14 +128,14 @@ async fn a_quic_session_goes_on_when_the_agents_socket_moves_to_a_new_port() -> 
         transport: Transport::Quic,
         feedback_interval: flotilla_agent::reconcile::DEFAULT_FEEDBACK_INTERVAL,
     };
-    let db = SledCacheDb::temporary()?;
+    let db = CacheDb::temporary()?;
     let counts = Arc::new(Counts::default());
     let (_, kubernetes_version) = tokio::sync::watch::channel("v1.36.3".to_string());
     let parts = Parts {
         dialer: Dialer::new(&hub.agents_addr, "localhost", &certs)?
             .with_transport(Transport::Quic)
             .with_quic_client(client.clone()),
-        cache: Arc::new(db.cluster("store-q")?),
+        cache: Arc::new(db.cluster("store-q")),
         target: Arc::new(MemoryCluster::new()),
         kubernetes_version,
         observer: counts.clone(),

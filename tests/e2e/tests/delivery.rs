@@ -485,7 +485,7 @@ on_both_carriers! {
     /// of times; after each kill its cache opens, and in the end the desired state in the cache is
     /// intact (the agent restores the spoke from it with the hub down) and the spoke converges.
     async fn agent_survives_sigkill_at_random_points() -> anyhow::Result<()> {
-        use rand::{Rng, SeedableRng};
+        use rand::Rng;
         const ITERATIONS: usize = 300;
         const TIME_BOUND: Duration = Duration::from_secs(120);
         const CONFIG_MAPS: usize = 20;
@@ -509,12 +509,7 @@ on_both_carriers! {
                 w["spec"]["workload"]["manifests"] = Value::Array(manifests);
             })
         };
-        let seed: u64 = std::env::var("FLOTILLA_TORTURE_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(rand::random);
-        eprintln!("torture seed {seed} (set FLOTILLA_TORTURE_SEED to replay)");
-        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let (seed, mut rng) = flotilla_e2e::torture_rng();
         let resync = ["--resync-interval=1s"];
 
         let started = tokio::time::Instant::now();
