@@ -14,6 +14,9 @@ root=$(pwd)
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/flotilla/target}
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 export CARGO_NET_RETRY=${CARGO_NET_RETRY:-5}
+# Every run builds a fresh clone, whose files are all newer than the cache: incremental state
+# would be rewritten each time for nothing, and it is most of the cache's size.
+export CARGO_INCREMENTAL=${CARGO_INCREMENTAL:-0}
 cache=$HOME/.cache/flotilla
 mkdir -p "$cache"
 

@@ -297,8 +297,8 @@ pub(crate) async fn session_once(
     if let Some(pump) = pump {
         let _ = tokio::time::timeout(FINAL_FLUSH, pump).await;
     }
-    // Durable work that was under way finishes; what was queued is redone on the next
-    // session (the hub resends what was not acked).
+    // Durable work that was under way finishes, and the hub's status acks are recorded; works
+    // still queued are redone on the next session (the hub resends what was not acked).
     cache.finish(spoke).await;
     if shutting_down {
         return Ended::Shutdown;
@@ -407,11 +407,27 @@ impl CacheQueue {
         done
     }
 
-    /// Lets an operation already under way finish (its write is not torn off half-way).
-    async fn finish(&mut self, _spoke: &Spoke) {
-        if let Some(running) = self.running.take() {
-            let _ = tokio::time::timeout(FINAL_FLUSH, running).await;
-        }
+    /// At the session's end: lets an operation already under way finish (its write is not torn
+    /// off half-way), then records the status acks still queued, all within [`FINAL_FLUSH`].
+    /// The hub has stored those statuses; an ack forgotten here would make the agent send them
+    /// again next session. Works and deletes still queued are left: they were not acked, so
+    /// the hub sends them again.
+    async fn finish(&mut self, spoke: &Spoke) {
+        let running = self.running.take();
+        let acks: Vec<CacheOp> = self
+            .waiting
+            .drain(..)
+            .filter(|op| matches!(op, CacheOp::AckStatus { .. }))
+            .collect();
+        let _ = tokio::time::timeout(FINAL_FLUSH, async {
+            if let Some(running) = running {
+                running.await;
+            }
+            for ack in acks {
+                run_cache_op(spoke.clone(), ack).await;
+            }
+        })
+        .await;
     }
 }
 
@@ -903,6 +919,47 @@ mod tests {
         }
         assert!(agent.cluster.objects().await.is_empty());
         assert!(s.statuses().is_empty(), "no status for a deleted work");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn status_acks_still_queued_when_the_session_ends_are_recorded() {
+        let db = CacheDb::temporary().unwrap();
+        let cache: Arc<dyn WorkCache> = Arc::new(db.cluster("store-7"));
+        let agent = Agent::start(Arc::clone(&cache));
+        for uid in ["a", "b"] {
+            cache
+                .push_status(uid, 1, &json!({"conditions": []}))
+                .unwrap();
+        }
+        // The hub acked both statuses, and sent a work, just before the connection went: the
+        // driver's queue holds a store and two acks when the session ends.
+        let mut queue = CacheQueue::default();
+        queue.push(CacheOp::Store(desired("w", 1, &["x"])));
+        queue.push(CacheOp::AckStatus {
+            uid: "a".into(),
+            seq: 1,
+        });
+        queue.push(CacheOp::AckStatus {
+            uid: "b".into(),
+            seq: 1,
+        });
+        assert!(matches!(
+            queue.next(&agent.spoke).await,
+            CacheDone::Stored { .. }
+        ));
+        queue.finish(&agent.spoke).await;
+        // (The stored work's own first status may be pending by now: the reconciler applied it.)
+        let pending: Vec<String> = cache
+            .pending_statuses()
+            .unwrap()
+            .into_iter()
+            .map(|p| p.uid)
+            .filter(|uid| uid != "w")
+            .collect();
+        assert!(
+            pending.is_empty(),
+            "acked statuses are not sent again next session: {pending:?}"
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
