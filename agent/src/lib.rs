@@ -9,6 +9,8 @@
 //! * [`apply`]: the apply engine behind [`ApplyTarget`] (kube-rs server-side apply, or an
 //!   in-memory cluster).
 //! * [`status`]: ManifestWork status as OCM shapes it.
+//! * [`claims`]: what the agent reports about its spoke (OCM's ClusterClaims, version, node
+//!   resources), from watches of Nodes and ClusterClaims, sent when it changes.
 //! * [`join`], [`identity`]: joining with a bootstrap token (key made here, CSR sent, CA pinned)
 //!   and the identity on disk, renewed over the session.
 //! * [`proxy`]: dialling through an HTTP CONNECT forward proxy.
@@ -19,6 +21,7 @@
 
 pub mod apply;
 pub mod cache;
+pub mod claims;
 pub mod config;
 pub mod connect;
 pub mod identity;

@@ -135,6 +135,9 @@ pub struct Parts {
     pub target: Arc<dyn ApplyTarget>,
     /// The spoke's Kubernetes version for the hello; empty until known.
     pub kubernetes_version: watch::Receiver<String>,
+    /// What the agent reports about its spoke (claims, version, resources), kept current by
+    /// `claims::collect`; each change is sent to the hub.
+    pub cluster_info: watch::Receiver<wire::ClusterInfo>,
     /// Told what the session does.
     pub observer: Arc<dyn Observer>,
     /// Seeds the reconnect and resync jitter, for runs that must repeat; `None` draws from
@@ -154,6 +157,8 @@ pub struct Spoke {
     pub outbox_changed: Arc<Notify>,
     /// The spoke's Kubernetes version for the hello; empty until known.
     pub kubernetes_version: watch::Receiver<String>,
+    /// What the agent reports about its spoke; sent after the welcome and on every change.
+    pub cluster_info: watch::Receiver<wire::ClusterInfo>,
     /// Told what the session does.
     pub observer: Arc<dyn Observer>,
 }
@@ -181,12 +186,14 @@ pub async fn run(
     let version_task = config
         .kubernetes_version
         .is_empty()
-        .then(|| tokio::spawn(read_spoke_version(client, version_tx)));
+        .then(|| tokio::spawn(read_spoke_version(client.clone(), version_tx)));
+    let (cluster_info, claims_task) = crate::claims::collect(client, kubernetes_version.clone());
     let parts = Parts {
         dialer,
         cache,
         target,
         kubernetes_version,
+        cluster_info,
         observer: Arc::new(Unobserved),
         seed: None,
     };
@@ -194,6 +201,7 @@ pub async fn run(
     if let Some(task) = version_task {
         task.abort();
     }
+    claims_task.abort();
     result
 }
 
@@ -210,6 +218,7 @@ pub async fn run_with(
         cache,
         target,
         kubernetes_version,
+        cluster_info,
         observer,
         seed,
     } = parts;
@@ -233,6 +242,7 @@ pub async fn run_with(
         reconciler: handle,
         outbox_changed,
         kubernetes_version,
+        cluster_info,
         observer,
     };
     let jitter = RandJitter(rand::rngs::StdRng::seed_from_u64(seeds.random()));
@@ -384,13 +394,15 @@ async fn session_once(
     let mut version = spoke.kubernetes_version.clone();
     let _ = tokio::time::timeout(VERSION_WAIT, version.wait_for(|v| !v.is_empty())).await;
     let kubernetes_version = version.borrow().clone();
+    let mut cluster_info = spoke.cluster_info.clone();
+    let claims = cluster_info.borrow_and_update().claims.clone();
     let mut machine = AgentSession::new(
         Instant::now(),
         SessionConfig {
             cluster_name: config.cluster_name.clone(),
             agent_version: env!("CARGO_PKG_VERSION").to_string(),
             kubernetes_version,
-            claims: Vec::new(),
+            claims,
             welcome_timeout: DEFAULT_WELCOME_TIMEOUT,
         },
         held,
@@ -445,6 +457,7 @@ async fn session_once(
                         info!(session = %session_id, "session established");
                         spoke.observer.session_established();
                         report_outbox(&mut machine, spoke, &mut reported);
+                        report_cluster_info(&mut machine, &mut cluster_info);
                         renew_at = renewal_deadline(&identity);
                     }
                     AgentEvent::CertificateIssued {
@@ -525,6 +538,10 @@ async fn session_once(
             _ = spoke.outbox_changed.notified(), if established => {
                 report_outbox(&mut machine, spoke, &mut reported);
             }
+            // A claim, node or version changed on the spoke.
+            Ok(()) = cluster_info.changed(), if established => {
+                report_cluster_info(&mut machine, &mut cluster_info);
+            }
             _ = stop.changed() => {
                 machine.close("agent shutting down");
                 while let Some(frame) = machine.poll_transmit() {
@@ -539,6 +556,17 @@ async fn session_once(
         None => Ended::Lost {
             reason: last_reason,
         },
+    }
+}
+
+/// Sends what the agent knows about its spoke now, unless it knows nothing yet.
+fn report_cluster_info(
+    machine: &mut AgentSession,
+    cluster_info: &mut watch::Receiver<wire::ClusterInfo>,
+) {
+    let info = cluster_info.borrow_and_update().clone();
+    if info != wire::ClusterInfo::default() {
+        machine.report_cluster_info(info);
     }
 }
 
@@ -785,12 +813,14 @@ mod tests {
                 let _ = stopped.await;
             }));
             let (_, kubernetes_version) = watch::channel("v1.36.3".to_string());
+            let (_, cluster_info) = watch::channel(wire::ClusterInfo::default());
             Agent {
                 spoke: Spoke {
                     cache,
                     reconciler: handle,
                     outbox_changed,
                     kubernetes_version,
+                    cluster_info,
                     observer: Arc::new(Unobserved),
                 },
                 cluster,

@@ -9,7 +9,7 @@
 //! nothing and reads nothing: a hub restarted under every session costs the store no request
 //! for health.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,6 +17,7 @@ use flotilla_proto::api::Kind;
 use flotilla_proto::api::conditions::{
     self, ConditionStatus, MANAGED_CLUSTER_CONDITION_AVAILABLE, MANAGED_CLUSTER_JOINED,
 };
+use flotilla_proto::contract::check_cluster_info;
 use flotilla_proto::wire;
 use flotilla_store::{Store, StoreError};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
@@ -42,6 +43,9 @@ pub struct HealthTracker {
     /// event may not have reached the cache yet when the agent comes back, so a connect always
     /// writes for them.
     marked_unknown: Mutex<HashSet<String>>,
+    /// The last cluster info written per cluster: a report repeated before the watch cache
+    /// has seen the write is not written twice. One entry per cluster that reported.
+    last_info: Mutex<HashMap<String, wire::ClusterInfo>>,
 }
 
 /// A ManagedCluster's health as stored: what a connect would otherwise write again.
@@ -55,6 +59,9 @@ pub struct RecordedHealth {
     pub kubernetes_version: String,
     /// `status.clusterClaims` as (name, value).
     pub claims: Vec<(String, String)>,
+    /// `status.capacity` and `status.allocatable`, quantities as written.
+    pub capacity: BTreeMap<String, String>,
+    pub allocatable: BTreeMap<String, String>,
 }
 
 impl RecordedHealth {
@@ -84,7 +91,23 @@ impl RecordedHealth {
                         .collect()
                 })
                 .unwrap_or_default(),
+            capacity: resource_list(&obj["status"]["capacity"]),
+            allocatable: resource_list(&obj["status"]["allocatable"]),
         }
+    }
+
+    /// Whether storing this report would change nothing.
+    fn shows_info(&self, info: &wire::ClusterInfo) -> bool {
+        let claims: Vec<(String, String)> = info
+            .claims
+            .iter()
+            .map(|c| (c.name.clone(), c.value.clone()))
+            .collect();
+        claims == self.claims
+            && (info.kubernetes_version.is_empty()
+                || info.kubernetes_version == self.kubernetes_version)
+            && info.capacity == self.capacity
+            && info.allocatable == self.allocatable
     }
 
     /// Whether marking the cluster Available for this hello would change nothing.
@@ -120,6 +143,7 @@ impl HealthTracker {
             state: Mutex::new(HashMap::new()),
             admissions,
             marked_unknown: Mutex::new(HashSet::new()),
+            last_info: Mutex::new(HashMap::new()),
         })
     }
 
@@ -153,6 +177,8 @@ impl HealthTracker {
     pub async fn disconnected(self: &Arc<Self>, cluster: &str, session_id: &str) {
         static EPOCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let epoch = EPOCH.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // Kept for live sessions only; the watch cache answers for the next one.
+        self.last_info.lock().await.remove(cluster);
         {
             let mut state = self.state.lock().await;
             match state.get(cluster) {
@@ -179,6 +205,81 @@ impl HealthTracker {
                 }
             }
         });
+    }
+
+    /// The agent reported what it knows about its spoke (claims, version, capacity): written
+    /// into the ManagedCluster's status when it differs from what the store records, so an
+    /// agent that reports the same thing again costs the store nothing. A report beyond the
+    /// bounds of `contract::claims` is refused with a warning naming the problem; the session
+    /// and what is stored stay as they are.
+    pub async fn cluster_info(&self, cluster: &str, info: &wire::ClusterInfo) {
+        if let Err(problem) = check_cluster_info(info) {
+            warn!(cluster, %problem, "cluster info refused; the ManagedCluster keeps what it has");
+            return;
+        }
+        if self.last_info.lock().await.get(cluster) == Some(info) {
+            return;
+        }
+        let recorded = self.admissions.get(cluster).await.map(|a| a.health);
+        if recorded.is_some_and(|h| h.shows_info(info)) {
+            debug!(cluster, "cluster info unchanged: nothing to write");
+            return;
+        }
+        match self.write_cluster_info(cluster, info).await {
+            Ok(()) => {
+                info!(cluster, claims = info.claims.len(), "cluster info updated");
+                self.last_info
+                    .lock()
+                    .await
+                    .insert(cluster.to_string(), info.clone());
+            }
+            Err(e) => warn!(cluster, error = %e, "could not record the cluster's info"),
+        }
+    }
+
+    /// Writes claims, version, capacity and allocatable into the status, from a fresh read and
+    /// with its version as precondition: other writers of the same status (Available, Unknown)
+    /// lose nothing, and a conflict is redone from a new read.
+    async fn write_cluster_info(
+        &self,
+        cluster: &str,
+        info: &wire::ClusterInfo,
+    ) -> Result<(), StoreError> {
+        const ATTEMPTS: usize = 5;
+        for attempt in 1..=ATTEMPTS {
+            let current = self.existing_cluster(cluster).await?;
+            let mut status = current.get("status").cloned().unwrap_or_else(|| json!({}));
+            status["clusterClaims"] = info
+                .claims
+                .iter()
+                .map(|c| json!({ "name": c.name, "value": c.value }))
+                .collect();
+            if !info.kubernetes_version.is_empty() {
+                status["version"] = json!({ "kubernetes": info.kubernetes_version });
+            }
+            // Like OCM's agent: capacity entries others added stay; allocatable is the agent's.
+            let mut capacity = resource_list(&status["capacity"]);
+            capacity.extend(info.capacity.clone());
+            status["capacity"] = json!(capacity);
+            status["allocatable"] = json!(info.allocatable);
+            let expected = flotilla_store::Revision::of(&current);
+            match self
+                .store
+                .update_status(
+                    Kind::ManagedCluster,
+                    None,
+                    cluster,
+                    status,
+                    expected.as_ref(),
+                )
+                .await
+            {
+                Ok(_) => return Ok(()),
+                Err(StoreError::Conflict { .. }) if attempt < ATTEMPTS => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
     }
 
     async fn mark_available(&self, cluster: &str, hello: &wire::Hello) -> Result<(), StoreError> {
@@ -310,6 +411,23 @@ impl HealthTracker {
     }
 }
 
+/// A stored resource list (`status.capacity`), quantities as strings (numbers as written).
+fn resource_list(list: &Value) -> BTreeMap<String, String> {
+    list.as_object()
+        .map(|m| {
+            m.iter()
+                .map(|(k, v)| {
+                    let q = match v {
+                        Value::String(s) => s.clone(),
+                        other => other.to_string(),
+                    };
+                    (k.clone(), q)
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 fn read_conditions(status: &Value) -> Vec<Condition> {
     status
         .get("conditions")
@@ -412,6 +530,75 @@ mod tests {
             .await;
         let health = stored(store.as_ref()).await.1;
         assert!(health.available && !health.unreachable, "{health:?}");
+        let _ = stop_tx.send(true);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn cluster_info_is_written_when_it_changes_and_refused_beyond_its_bounds() {
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(SledStore::open(dir.path()).unwrap());
+        store
+            .create(json!({
+                "apiVersion": "cluster.open-cluster-management.io/v1", "kind": "ManagedCluster",
+                "metadata": {"name": "store-1"}, "spec": {"hubAcceptsClient": true},
+            }))
+            .await
+            .unwrap();
+        let admissions = Admissions::new();
+        let (stop_tx, stop) = watch::channel(false);
+        tokio::spawn(
+            admissions
+                .clone()
+                .run(store.clone(), Arc::new(Registry::default()), stop),
+        );
+        let tracker =
+            HealthTracker::new(store.clone(), Duration::from_secs(60), admissions.clone());
+        let claim = |name: &str, value: &str| wire::ClusterClaim {
+            name: name.into(),
+            value: value.into(),
+        };
+        let info = wire::ClusterInfo {
+            claims: vec![claim("nodecount.flotilla.dev", "3"), claim("region", "eu")],
+            kubernetes_version: "v1.36.3".into(),
+            capacity: [("cpu".to_string(), "12".to_string())].into(),
+            allocatable: [("cpu".to_string(), "11500m".to_string())].into(),
+        };
+        tracker.cluster_info("store-1", &info).await;
+        let (first, health) = stored(store.as_ref()).await;
+        assert_eq!(
+            health.claims,
+            [
+                ("nodecount.flotilla.dev".into(), "3".into()),
+                ("region".into(), "eu".into())
+            ]
+        );
+        assert_eq!(health.allocatable["cpu"], "11500m");
+        assert_eq!(health.kubernetes_version, "v1.36.3");
+
+        // The same report through a new tracker (a restarted hub): nothing written.
+        eventually("the cache sees the claims", || async {
+            admissions
+                .get("store-1")
+                .await
+                .is_some_and(|a| a.health.claims.len() == 2)
+        })
+        .await;
+        let restarted =
+            HealthTracker::new(store.clone(), Duration::from_secs(60), admissions.clone());
+        restarted.cluster_info("store-1", &info).await;
+        assert_eq!(stored(store.as_ref()).await.0, first, "no write");
+
+        // Thousands of claims: refused, what is stored stays.
+        let mut flood = info.clone();
+        flood.claims = (0..1000).map(|i| claim(&format!("c{i}"), "x")).collect();
+        restarted.cluster_info("store-1", &flood).await;
+        assert_eq!(stored(store.as_ref()).await.0, first, "refused");
+
+        // A claim changes on the spoke: written.
+        let mut changed = info.clone();
+        changed.claims[1].value = "us".into();
+        restarted.cluster_info("store-1", &changed).await;
+        assert_eq!(stored(store.as_ref()).await.1.claims[1].1, "us");
         let _ = stop_tx.send(true);
     }
 }

@@ -401,6 +401,9 @@ async fn drive(
                             }
                         }
                     }
+                    HubEvent::ClusterInfoReported { info } => {
+                        shared.health.cluster_info(&cluster, &info).await;
+                    }
                     HubEvent::Closed { reason, by_peer } => {
                         info!(%reason, by_peer, "session closed");
                     }

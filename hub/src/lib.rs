@@ -10,6 +10,7 @@ pub mod ca;
 pub mod cli;
 pub mod client;
 pub mod config;
+pub mod controllers;
 pub mod operator_api;
 pub mod registration;
 pub mod table;

@@ -507,11 +507,14 @@ async fn run_agent(
         }
     };
     let (_, kubernetes_version) = watch::channel(config.kubernetes_version.clone());
+    // A simulated cluster has no nodes or ClusterClaims to report beyond the hello's version.
+    let (_, cluster_info) = watch::channel(wire::ClusterInfo::default());
     let parts = Parts {
         dialer,
         cache: agent.cache.clone(),
         target: agent.cluster.clone(),
         kubernetes_version,
+        cluster_info,
         observer: agent.clone(),
         seed: Some(shared.seed.wrapping_add(agent.index as u64)),
     };

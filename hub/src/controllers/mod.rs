@@ -1,0 +1,101 @@
+//! The hub's controllers: what acts on Placements, ManagedClusterSets and
+//! ManifestWorkReplicaSets. Each is a loop over the store's watches (through [`feed`]) with a
+//! model it owns alone, decides with pure code, and writes only what differs from the store. They
+//! run the same on both store backends, in the hub process, started by [`run`].
+//!
+//! * [`clustersets`]: OCM's `default` and `global` ManagedClusterSets, the default set's label
+//!   on clusters without one, `timeAdded` on taints, and the sets' and bindings' conditions.
+//! * [`scheduling`]: Placement → PlacementDecision (and the Placement's status).
+//! * [`rollout`]: which clusters a rollout strategy lets a new revision reach now (pure).
+//! * [`replicaset`]: ManifestWorkReplicaSet → ManifestWorks per placement decision, rolled out
+//!   by the strategy, status summarised, cleaned up on delete. `flotilla work create
+//!   --placement` creates one.
+//!
+//! Not for: anything agents or gateways do; controllers never talk to spokes.
+
+pub mod clustersets;
+pub mod feed;
+pub mod replicaset;
+pub mod rollout;
+pub mod scheduling;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use flotilla_store::Store;
+use jiff::Timestamp;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+/// Default of [`ControllerConfig::write_concurrency`].
+pub const DEFAULT_WRITE_CONCURRENCY: usize = 16;
+/// Default of [`ControllerConfig::queue_capacity`].
+pub const DEFAULT_QUEUE_CAPACITY: usize = 4096;
+/// Default of [`ControllerConfig::batch`].
+pub const DEFAULT_BATCH: usize = 20_000;
+
+/// Settings of every controller.
+#[derive(Clone, Debug)]
+pub struct ControllerConfig {
+    /// Create OCM's `default` and `global` ManagedClusterSets and put clusters without a set
+    /// label into `default`, as OCM's hub does (its `DefaultClusterSet` feature).
+    pub default_cluster_sets: bool,
+    /// Writes to the store in flight at once per controller.
+    pub write_concurrency: usize,
+    /// Changes waiting between the store's watches and a controller; a full queue holds the
+    /// watches back.
+    pub queue_capacity: usize,
+    /// Most changes a controller takes in before it decides and writes.
+    pub batch: usize,
+}
+
+impl Default for ControllerConfig {
+    fn default() -> Self {
+        ControllerConfig {
+            default_cluster_sets: true,
+            write_concurrency: DEFAULT_WRITE_CONCURRENCY,
+            queue_capacity: DEFAULT_QUEUE_CAPACITY,
+            batch: DEFAULT_BATCH,
+        }
+    }
+}
+
+/// Runs every controller until `stop` turns true (or its sender is dropped), then waits for
+/// them to finish their writes in flight.
+pub async fn run(store: Arc<dyn Store>, config: ControllerConfig, stop: watch::Receiver<bool>) {
+    let mut tasks = JoinSet::new();
+    tasks.spawn(clustersets::run(
+        store.clone(),
+        config.clone(),
+        stop.clone(),
+    ));
+    tasks.spawn(scheduling::run(
+        store.clone(),
+        config.clone(),
+        stop.clone(),
+        None,
+    ));
+    tasks.spawn(replicaset::run(store, config, stop));
+    while let Some(done) = tasks.join_next().await {
+        if let Err(e) = done {
+            tracing::error!(error = %e, "a controller ended abnormally");
+        }
+    }
+}
+
+/// Resolves once `stop` turns true or its sender is gone.
+pub(crate) async fn stopped(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
+/// Sleeps until `at` (wall clock), or forever when `None`.
+pub(crate) async fn delay_until(at: Option<Timestamp>) {
+    match at {
+        Some(at) => {
+            let wait = at.duration_since(Timestamp::now());
+            let wait = Duration::try_from(wait).unwrap_or(Duration::ZERO);
+            tokio::time::sleep(wait).await;
+        }
+        None => std::future::pending().await,
+    }
+}
