@@ -1,5 +1,6 @@
-//! flotilla's control plane: the hub CA, the operator API, and (in single-node mode) the gateway
-//! running in-process on the embedded store. Binaries: `flotilla-hub` (the server) and
+//! flotilla's control plane: the hub CA, the operator API, the controllers (placement
+//! scheduling, cluster sets, ManifestWorkReplicaSet rollouts), and (in single-node mode) the
+//! gateway running in-process on the embedded store. Binaries: `flotilla-hub` (the server) and
 //! `flotilla` (the operator CLI).
 //!
 //! Not for: holding agent sessions itself (that is `flotilla-gateway`), or talking to spokes'
@@ -177,6 +178,11 @@ pub async fn run(
         agent_address: agent_address(&config, listen.agents),
         ca_changed,
     });
+    let controllers_task = tokio::spawn(controllers::run(
+        store.clone(),
+        config.controllers(),
+        stop_rx.clone(),
+    ));
     let api_task = tokio::spawn(operator_api::serve(
         api_conns,
         store,
@@ -220,6 +226,7 @@ pub async fn run(
     let _ = stop_tx.send(true);
     gateway_task.await??;
     api_task.await?;
+    controllers_task.await?;
     Ok(())
 }
 

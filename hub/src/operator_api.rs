@@ -91,6 +91,16 @@ pub fn router_with(store: Arc<dyn Store>, registration: Option<Arc<RegistrationA
                 .put(replace_namespaced)
                 .delete(delete_namespaced),
         )
+        // The status subresource, as on an apiserver: how a score provider publishes an
+        // AddOnPlacementScore, or a tool replaces any object's status.
+        .route(
+            "/apis/{group}/{version}/{plural}/{name}/status",
+            axum::routing::put(replace_status_cluster_scoped),
+        )
+        .route(
+            "/apis/{group}/{version}/namespaces/{ns}/{plural}/{name}/status",
+            axum::routing::put(replace_status_namespaced),
+        )
         // Bodies beyond the store's object limit (plus JSON slack) are refused before parsing.
         .layer(axum::extract::DefaultBodyLimit::max(
             2 * flotilla_store::MAX_OBJECT_BYTES,
@@ -308,6 +318,66 @@ async fn replace_namespaced(
         body,
     )
     .await
+}
+
+async fn replace_status_cluster_scoped(
+    State(s): State<ApiState>,
+    Path((group, version, plural, name)): Path<(String, String, String, String)>,
+    Json(body): Json<Value>,
+) -> Response {
+    replace_status(s, &group, &version, &plural, None, &name, body).await
+}
+
+async fn replace_status_namespaced(
+    State(s): State<ApiState>,
+    Path((group, version, ns, plural, name)): Path<(String, String, String, String, String)>,
+    Json(body): Json<Value>,
+) -> Response {
+    replace_status(s, &group, &version, &plural, Some(&ns), &name, body).await
+}
+
+/// `PUT .../status`: the body is the object; only its `status` is stored, and its
+/// `metadata.resourceVersion`, when given, must be the stored one.
+async fn replace_status(
+    s: ApiState,
+    group: &str,
+    version: &str,
+    plural: &str,
+    ns: Option<&str>,
+    name: &str,
+    body: Value,
+) -> Response {
+    let kind = match kind_of(group, version, plural) {
+        Ok(k) => k,
+        Err(r) => return r.into_response(),
+    };
+    let body_name = body["metadata"]["name"].as_str().unwrap_or(name);
+    if body_name != name {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "{kind}: metadata.name {body_name:?} does not match the request's name {name:?}"
+            ),
+        );
+    }
+    let Some(status) = body.get("status").filter(|v| v.is_object()).cloned() else {
+        return error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            format!(
+                "{kind} {}: the body has no status object to store",
+                qualified(ns, name)
+            ),
+        );
+    };
+    let expected = flotilla_store::Revision::of(&body);
+    match s
+        .store
+        .update_status(kind, ns, name, status, expected.as_ref())
+        .await
+    {
+        Ok(obj) => Json(obj).into_response(),
+        Err(e) => store_error(e),
+    }
 }
 
 async fn delete_cluster_scoped(

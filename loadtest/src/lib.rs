@@ -13,7 +13,8 @@
 //! * [`fleet`]: the hub under test, and enrolling the agents with its CA and operator API.
 //! * [`swarm`]: many agents in one process; [`agents`]: one swarm here, or one per worker
 //!   process (`--processes`).
-//! * [`scenario`]: the scenarios; [`report`] and [`plot`]: what comes out.
+//! * [`scenario`]: the scenarios; [`placement`]: the placement ones (`rollout`, `schedule`);
+//!   [`report`] and [`plot`]: what comes out.
 //! * [`apiserver`] (with [`prometheus`]): with `--store kube`, the hub's real kube-apiserver and
 //!   the load each scenario puts on it; [`klusterlet`] and [`baseline`]: the
 //!   `baseline-klusterlet` scenario, the same clusters as klusterlet-style clients that each
@@ -32,6 +33,7 @@ pub mod fleet;
 pub mod klusterlet;
 pub mod machine;
 pub mod operator;
+pub mod placement;
 pub mod plot;
 pub mod preflight;
 pub mod prometheus;
@@ -137,6 +139,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<(Report, PathBuf)> {
         cache_dir: run_dir.path().join("agent-cache"),
         identities_dir: run_dir.path().join("agent-identities"),
         join,
+        rejects: if args.scenarios.contains(&Scenario::Rollout) {
+            placement::rollout_rejects(&args)
+        } else {
+            Default::default()
+        },
     };
     let mut run = Run::new(
         args.clone(),
@@ -157,6 +164,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<(Report, PathBuf)> {
             Scenario::Storm => run.storm(false).await,
             Scenario::Outage => run.storm(true).await,
             Scenario::BaselineKlusterlet => run.baseline_klusterlet(&scenarios).await,
+            Scenario::Rollout => run.rollout().await,
+            Scenario::Schedule => run.schedule().await,
         };
         if let (Some(before), Some(after)) = (before, apiserver_snapshot(&run.hub).await) {
             let own = run.hub.apiserver().map_or(0, Apiserver::own_watches);

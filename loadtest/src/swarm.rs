@@ -63,6 +63,10 @@ pub struct SwarmSpec {
     /// With `--enroll join`: the agents join with this token before connecting, and the
     /// identities they are given carry names only.
     pub join: Option<JoinSpec>,
+    /// Cluster → names of objects its simulated cluster refuses (the rollout scenario's
+    /// failing clusters).
+    #[serde(default)]
+    pub rejects: BTreeMap<String, Vec<String>>,
 }
 
 /// What joining agents are given: a `flotilla token create` output.
@@ -294,6 +298,7 @@ impl Swarm {
         let faults = Faults {
             apply_delay: Duration::from_millis(spec.apply_delay_ms),
             failure_rate: spec.apply_failure_rate,
+            rejects: Vec::new(),
         };
         let tally = Arc::new(Tally::default());
         let mut agents = Vec::with_capacity(identities.len());
@@ -310,7 +315,10 @@ impl Swarm {
                 identity_dir,
                 cache: Arc::new(db.cluster(&id.name)?),
                 cluster: SimCluster::new(
-                    faults,
+                    Faults {
+                        rejects: spec.rejects.get(&id.name).cloned().unwrap_or_default(),
+                        ..faults.clone()
+                    },
                     spec.seed ^ (index as u64).wrapping_mul(0x9E37_79B9),
                 ),
                 tally: tally.clone(),

@@ -825,3 +825,225 @@ async fn apply_work(
     debug!(replica_set = %key, cluster, "ManifestWork updated to the template");
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flotilla_proto::api::conditions::ConditionStatus;
+    use serde_json::json;
+
+    fn at(secs: i64) -> Timestamp {
+        Timestamp::from_second(1_700_000_000 + secs).unwrap()
+    }
+
+    fn set(strategy: serde_json::Value, finalized: bool) -> ManifestWorkReplicaSet {
+        serde_json::from_value(json!({
+            "apiVersion": "work.open-cluster-management.io/v1alpha1", "kind": "ManifestWorkReplicaSet",
+            "metadata": { "name": "web", "namespace": "default",
+                          "finalizers": if finalized { json!([REPLICA_SET_FINALIZER]) } else { json!([]) } },
+            "spec": {
+                "manifestWorkTemplate": { "workload": { "manifests": [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c", "namespace": "default"}}]}},
+                "placementRefs": [{ "name": "p", "rolloutStrategy": strategy }],
+            },
+        }))
+        .unwrap()
+    }
+
+    fn placement(selected: i32) -> Placement {
+        serde_json::from_value(json!({
+            "apiVersion": "cluster.open-cluster-management.io/v1beta1", "kind": "Placement",
+            "metadata": { "name": "p", "namespace": "default" },
+            "spec": {}, "status": { "numberOfSelectedClusters": selected, "decisionGroups": [{"decisionGroupIndex": 0, "clusterCount": selected}] },
+        }))
+        .unwrap()
+    }
+
+    fn work(set: &ManifestWorkReplicaSet, conditions: &[(&str, &str)]) -> WorkView {
+        WorkView {
+            name: "web".into(),
+            placement: "p".into(),
+            spec: set.spec.manifest_work_template.clone(),
+            generation: 1,
+            conditions: conditions
+                .iter()
+                .map(|(t, s)| Condition {
+                    type_: t.to_string(),
+                    status: s.to_string(),
+                    reason: String::new(),
+                    message: "spoke said no".into(),
+                    observed_generation: Some(1),
+                    last_transition_time: Time(at(0)),
+                })
+                .collect(),
+            deleting: false,
+        }
+    }
+
+    fn plan_for(
+        set: &ManifestWorkReplicaSet,
+        clusters: usize,
+        works: &BTreeMap<String, WorkView>,
+        placement_exists: bool,
+    ) -> Plan {
+        let placements: BTreeMap<String, Placement> = if placement_exists {
+            [("p".to_string(), placement(clusters as i32))].into()
+        } else {
+            BTreeMap::new()
+        };
+        let mut g = ClusterGroups::new();
+        g.insert(
+            GroupKey::default(),
+            (0..clusters).map(|i| format!("c{i:02}")).collect(),
+        );
+        let groups: BTreeMap<String, ClusterGroups> = [("p".to_string(), g)].into();
+        plan(&Inputs {
+            set,
+            placements: &placements,
+            groups: &groups,
+            works,
+            now: at(100),
+        })
+    }
+
+    fn applied(p: &Plan) -> Vec<String> {
+        p.actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::ApplyWork { cluster, .. } => Some(cluster.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn status(p: &Plan) -> ManifestWorkReplicaSetStatus {
+        p.actions
+            .iter()
+            .find_map(|a| match a {
+                Action::Status(s) => Some(s.clone()),
+                _ => None,
+            })
+            .expect("a status")
+    }
+
+    #[test]
+    fn a_new_replica_set_gets_its_finalizer_and_a_work_per_decided_cluster() {
+        let s = set(json!({"type": "All"}), false);
+        let p = plan_for(&s, 3, &BTreeMap::new(), true);
+        assert_eq!(p.actions[0], Action::AddFinalizer);
+        assert_eq!(applied(&p), ["c00", "c01", "c02"]);
+        let st = status(&p);
+        assert_eq!(st.summary.total, 3);
+        assert_eq!(
+            st.placement_summary[0].available_decision_groups,
+            "1 (3 / 3 clusters applied)"
+        );
+    }
+
+    #[test]
+    fn a_failing_cluster_stops_a_progressive_rollout_and_is_named() {
+        let s = set(
+            json!({"type": "Progressive", "progressive": {"maxConcurrency": 2, "maxFailures": 0}}),
+            true,
+        );
+        let works: BTreeMap<String, WorkView> = [
+            (
+                "c00".to_string(),
+                work(&s, &[("Applied", "True"), ("Available", "True")]),
+            ),
+            (
+                "c01".to_string(),
+                work(&s, &[("Applied", "False"), ("Degraded", "True")]),
+            ),
+        ]
+        .into();
+        let p = plan_for(&s, 6, &works, true);
+        assert!(applied(&p).is_empty(), "stopped: {p:?}");
+        let rolled = find_condition(&status(&p).conditions, PLACEMENT_ROLLED_OUT)
+            .cloned()
+            .unwrap();
+        assert_eq!(rolled.status, ConditionStatus::False.as_str());
+        assert_eq!(rolled.reason, REASON_MAX_FAILURES);
+        assert!(rolled.message.contains("c01"), "{}", rolled.message);
+        assert_eq!(status(&p).summary.degraded, 1);
+    }
+
+    #[test]
+    fn a_complete_rollout_says_so() {
+        let s = set(json!({"type": "All"}), true);
+        let works: BTreeMap<String, WorkView> = (0..2)
+            .map(|i| {
+                (
+                    format!("c{i:02}"),
+                    work(&s, &[("Applied", "True"), ("Available", "True")]),
+                )
+            })
+            .collect();
+        let p = plan_for(&s, 2, &works, true);
+        let st = status(&p);
+        assert!(is_condition_true(&st.conditions, PLACEMENT_ROLLED_OUT));
+        assert!(is_condition_true(&st.conditions, MANIFESTWORK_APPLIED));
+        assert!(is_condition_true(&st.conditions, PLACEMENT_VERIFIED));
+    }
+
+    #[test]
+    fn a_missing_placement_is_reported() {
+        let s = set(json!({"type": "All"}), true);
+        let p = plan_for(&s, 2, &BTreeMap::new(), false);
+        let verified = find_condition(&status(&p).conditions, PLACEMENT_VERIFIED)
+            .cloned()
+            .unwrap();
+        assert_eq!(
+            (verified.status.as_str(), verified.reason.as_str()),
+            ("False", "PlacementDecisionNotFound")
+        );
+        assert!(applied(&p).is_empty());
+    }
+
+    #[test]
+    fn deletion_removes_the_works_then_the_finalizer() {
+        let mut s = set(json!({"type": "All"}), true);
+        s.metadata.deletion_timestamp = Some(Time(at(50)));
+        let works: BTreeMap<String, WorkView> = [("c00".to_string(), work(&s, &[]))].into();
+        let p = plan_for(&s, 1, &works, true);
+        assert_eq!(
+            p.actions,
+            [
+                Action::DeleteWork {
+                    cluster: "c00".into(),
+                    name: "web".into()
+                },
+                Action::RemoveFinalizer,
+            ]
+        );
+        // Foreground: the finalizer stays until the works are gone.
+        s.spec.cascade_deletion_policy = Some(CascadeDeletionPolicy::Foreground);
+        let p = plan_for(&s, 1, &works, true);
+        assert_eq!(
+            p.actions,
+            [Action::DeleteWork {
+                cluster: "c00".into(),
+                name: "web".into()
+            }]
+        );
+        let p = plan_for(&s, 1, &BTreeMap::new(), true);
+        assert_eq!(p.actions, [Action::RemoveFinalizer]);
+    }
+
+    #[test]
+    fn a_cluster_the_placement_dropped_loses_its_work() {
+        let s = set(json!({"type": "All"}), true);
+        let works: BTreeMap<String, WorkView> = (0..2)
+            .map(|i| {
+                (
+                    format!("c{i:02}"),
+                    work(&s, &[("Applied", "True"), ("Available", "True")]),
+                )
+            })
+            .collect();
+        let p = plan_for(&s, 1, &works, true);
+        assert!(p.actions.contains(&Action::DeleteWork {
+            cluster: "c01".into(),
+            name: "web".into()
+        }));
+    }
+}

@@ -508,3 +508,237 @@ pub fn work_status(cluster: &str, generation: i64, conditions: &[Condition]) -> 
         _ => status(Status::Progressing, progressing),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn at(secs: i64) -> Timestamp {
+        Timestamp::from_second(1_700_000_000 + secs).unwrap()
+    }
+
+    fn strategy(s: serde_json::Value) -> Strategy {
+        parse(Some(&serde_json::from_value(s).unwrap())).unwrap()
+    }
+
+    /// Clusters c00..c(n-1) in one unnamed group, or split by `groups` sizes.
+    fn groups(sizes: &[(&str, usize)]) -> ClusterGroups {
+        let mut g = ClusterGroups::new();
+        let mut next = 0;
+        for (i, (name, size)) in sizes.iter().enumerate() {
+            g.insert(
+                GroupKey {
+                    index: i as i32,
+                    name: name.to_string(),
+                },
+                (next..next + size).map(|c| format!("c{c:02}")).collect(),
+            );
+            next += size;
+        }
+        g
+    }
+
+    fn st(cluster: &str, status: Status, since: i64) -> ClusterRollout {
+        ClusterRollout::new(cluster, status, Some(at(since)))
+    }
+
+    fn to_apply(r: &RolloutResult) -> Vec<String> {
+        r.to_rollout
+            .iter()
+            .filter(|c| c.status == Status::ToApply)
+            .map(|c| c.cluster.clone())
+            .collect()
+    }
+
+    #[test]
+    fn all_reaches_every_cluster_at_once() {
+        let r = rollout(
+            &strategy(json!({"type": "All"})),
+            &groups(&[("", 4)]),
+            &[],
+            at(0),
+        );
+        assert_eq!(to_apply(&r), ["c00", "c01", "c02", "c03"]);
+    }
+
+    #[test]
+    fn progressive_keeps_a_window_of_max_concurrency() {
+        let s = strategy(json!({"type": "Progressive", "progressive": {"maxConcurrency": "25%"}}));
+        let g = groups(&[("", 20)]);
+        assert_eq!(
+            to_apply(&rollout(&s, &g, &[], at(0))),
+            ["c00", "c01", "c02", "c03", "c04"]
+        );
+        // Two done, three on their way: two more may start.
+        let existing = [
+            st("c00", Status::Succeeded, 0),
+            st("c01", Status::Succeeded, 0),
+            st("c02", Status::Progressing, 0),
+            st("c03", Status::Progressing, 0),
+            st("c04", Status::Progressing, 0),
+        ];
+        let r = rollout(&s, &g, &existing, at(10));
+        assert_eq!(to_apply(&r), ["c05", "c06"]);
+        assert_eq!(r.to_rollout.len(), 5);
+        assert!(!r.max_failure_breach);
+    }
+
+    #[test]
+    fn a_failure_beyond_max_failures_stops_new_clusters() {
+        let s = strategy(
+            json!({"type": "Progressive", "progressive": {"maxConcurrency": 3, "maxFailures": 0}}),
+        );
+        let g = groups(&[("", 10)]);
+        let existing = [
+            st("c00", Status::Succeeded, 0),
+            st("c01", Status::Failed, 5),
+            st("c02", Status::Progressing, 0),
+        ];
+        let r = rollout(&s, &g, &existing, at(10));
+        assert!(r.max_failure_breach);
+        assert!(to_apply(&r).is_empty(), "no new cluster after the failure");
+        // One failure tolerated: the rollout goes on.
+        let s = strategy(
+            json!({"type": "Progressive", "progressive": {"maxConcurrency": 3, "maxFailures": 1}}),
+        );
+        let r = rollout(&s, &g, &existing, at(10));
+        assert!(!r.max_failure_breach);
+        assert_eq!(to_apply(&r), ["c03"]);
+    }
+
+    #[test]
+    fn deadlines_time_out_and_soak_times_hold_the_window() {
+        let s = strategy(json!({"type": "Progressive", "progressive": {
+            "maxConcurrency": 2, "progressDeadline": "10m", "minSuccessTime": "1m", "maxFailures": 0}}));
+        let g = groups(&[("", 5)]);
+        // c00 succeeded 30 s ago (still soaking), c01 progressing for 5 minutes.
+        let existing = [
+            st("c00", Status::Succeeded, 570),
+            st("c01", Status::Progressing, 300),
+        ];
+        let r = rollout(&s, &g, &existing, at(600));
+        assert!(to_apply(&r).is_empty());
+        assert_eq!(r.recheck_at, Some(at(630)), "the soak ends first");
+        // Ten minutes on, c01 has timed out: a failure.
+        let r = rollout(&s, &g, &existing, at(901));
+        assert_eq!(r.timed_out.len(), 1);
+        assert!(r.max_failure_breach);
+    }
+
+    #[test]
+    fn mandatory_groups_go_first_and_per_group_goes_group_by_group() {
+        let g = groups(&[("canary", 2), ("", 3), ("", 3)]);
+        let s = strategy(json!({"type": "Progressive", "progressive": {
+            "mandatoryDecisionGroups": [{"groupName": "canary"}], "maxConcurrency": 4}}));
+        assert_eq!(to_apply(&rollout(&s, &g, &[], at(0))), ["c00", "c01"]);
+        let canary_done = [
+            st("c00", Status::Succeeded, 0),
+            st("c01", Status::Succeeded, 0),
+        ];
+        assert_eq!(
+            to_apply(&rollout(&s, &g, &canary_done, at(0))),
+            ["c02", "c03", "c04", "c05"]
+        );
+        let s = strategy(json!({"type": "ProgressivePerGroup"}));
+        assert_eq!(to_apply(&rollout(&s, &g, &[], at(0))), ["c00", "c01"]);
+        assert_eq!(
+            to_apply(&rollout(&s, &g, &canary_done, at(0))),
+            ["c02", "c03", "c04"]
+        );
+    }
+
+    #[test]
+    fn clusters_no_longer_selected_are_removed() {
+        let r = rollout(
+            &strategy(json!({"type": "All"})),
+            &groups(&[("", 2)]),
+            &[
+                st("c00", Status::Succeeded, 0),
+                st("gone", Status::Succeeded, 0),
+            ],
+            at(0),
+        );
+        assert_eq!(r.removed.len(), 1);
+        assert_eq!(r.removed[0].cluster, "gone");
+    }
+
+    #[test]
+    fn bad_strategies_say_which_field() {
+        for (s, message) in [
+            (
+                json!({"type": "Progressive", "progressive": {"maxConcurrency": "ten"}}),
+                "maxConcurrency",
+            ),
+            (
+                json!({"type": "All", "all": {"progressDeadline": "10 minutes"}}),
+                "progressDeadline",
+            ),
+            (
+                json!({"type": "Progressive", "progressive": {"minSuccessTime": "x"}}),
+                "minSuccessTime",
+            ),
+        ] {
+            let err = parse(Some(&serde_json::from_value(s).unwrap())).unwrap_err();
+            assert!(err.contains(message), "{err}");
+        }
+        assert_eq!(go_duration("1h30m").unwrap(), Duration::from_secs(5400));
+        assert_eq!(threshold(&IntOrString::String("10%".into()), 1000, 0), 100);
+        assert_eq!(threshold(&IntOrString::Int(0), 1000, 0), 0);
+    }
+
+    fn cond(t: &str, status: &str, generation: i64) -> Condition {
+        Condition {
+            type_: t.into(),
+            status: status.into(),
+            reason: String::new(),
+            message: String::new(),
+            observed_generation: Some(generation),
+            last_transition_time: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(at(0)),
+        }
+    }
+
+    #[test]
+    fn work_status_reads_the_agents_conditions() {
+        let check = |conds: Vec<Condition>, expected: Status| {
+            assert_eq!(work_status("c", 2, &conds).status, expected, "{conds:?}");
+        };
+        check(vec![], Status::ToApply);
+        check(
+            vec![
+                cond(WORK_APPLIED, "True", 1),
+                cond(WORK_AVAILABLE, "True", 1),
+            ],
+            Status::ToApply,
+        );
+        check(
+            vec![
+                cond(WORK_APPLIED, "True", 2),
+                cond(WORK_AVAILABLE, "True", 2),
+            ],
+            Status::Succeeded,
+        );
+        check(
+            vec![
+                cond(WORK_APPLIED, "True", 2),
+                cond(WORK_AVAILABLE, "False", 2),
+            ],
+            Status::Progressing,
+        );
+        check(
+            vec![
+                cond(WORK_APPLIED, "False", 2),
+                cond(WORK_DEGRADED, "True", 2),
+            ],
+            Status::Failed,
+        );
+        check(
+            vec![
+                cond(WORK_APPLIED, "True", 2),
+                cond(WORK_PROGRESSING, "False", 2),
+                cond(WORK_DEGRADED, "False", 2),
+            ],
+            Status::Succeeded,
+        );
+    }
+}

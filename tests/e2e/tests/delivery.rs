@@ -4,93 +4,12 @@ use std::path::Path;
 use std::time::Duration;
 
 use flotilla_e2e::spoke::Spoke;
-use flotilla_e2e::{Hub, condition_status, wait_for};
-use flotilla_testenv::{TestEnv, workspace_root};
+use flotilla_e2e::{Fleet, Hub, condition_status, wait_for};
+use flotilla_testenv::workspace_root;
 use nix::sys::signal::Signal;
 use serde_json::Value;
 
 const SEED_WORK: &str = "proto/tests/fixtures/manifestwork_my_first_work.yaml";
-
-/// The hub under test and, for the kube backend, its apiserver.
-struct Fleet {
-    hub: Hub,
-    hub_env: Option<TestEnv>,
-}
-
-impl Fleet {
-    async fn start(dir: &Path, kube: bool) -> anyhow::Result<Fleet> {
-        if !kube {
-            return Ok(Fleet {
-                hub: Hub::start(dir, &[]).await?,
-                hub_env: None,
-            });
-        }
-        let env = TestEnv::start().await?;
-        env.install_crds(&workspace_root().join("deploy/crds"))
-            .await?;
-        let kubeconfig = env.kubeconfig_path().to_str().unwrap().to_string();
-        let hub = Hub::start(dir, &["--store=kube", "--kubeconfig", &kubeconfig]).await?;
-        Ok(Fleet {
-            hub,
-            hub_env: Some(env),
-        })
-    }
-
-    /// Applies OCM YAML the way an operator of this backend would: `kubectl apply` on the
-    /// kube backend, `flotilla apply` on the sled one.
-    fn apply(&self, file: &Path) -> anyhow::Result<()> {
-        let out = match &self.hub_env {
-            Some(env) => env.kubectl().arg("apply").arg("-f").arg(file).output()?,
-            None => self.hub.cli(&["apply", "-f", file.to_str().unwrap()])?,
-        };
-        anyhow::ensure!(
-            out.status.success(),
-            "apply failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Ok(())
-    }
-
-    fn work(&self, cluster: &str, name: &str) -> anyhow::Result<Option<Value>> {
-        let out = self
-            .hub
-            .cli(&["get", "works", "--cluster", cluster, "-o", "json"])?;
-        anyhow::ensure!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let list: Value = serde_json::from_slice(&out.stdout)?;
-        Ok(list["items"].as_array().and_then(|items| {
-            items
-                .iter()
-                .find(|w| w["metadata"]["name"] == name)
-                .cloned()
-        }))
-    }
-
-    /// Waits until the hub shows the work Applied=True at its current generation.
-    async fn wait_applied(&self, cluster: &str, name: &str) -> anyhow::Result<Value> {
-        wait_for(
-            &format!("{cluster}/{name} Applied on the hub"),
-            Duration::from_secs(60),
-            || async {
-                let Some(w) = self.work(cluster, name)? else {
-                    return Ok(None);
-                };
-                let generation = w["metadata"]["generation"].as_i64();
-                let applied = w["status"]["conditions"]
-                    .as_array()
-                    .and_then(|cs| cs.iter().find(|c| c["type"] == "Applied"))
-                    .is_some_and(|c| {
-                        c["status"] == "True" && c["observedGeneration"].as_i64() == generation
-                    });
-                Ok(applied.then_some(w))
-            },
-        )
-        .await
-    }
-}
 
 /// The seed's ManifestWork, retargeted at `cluster` and edited by `edit`, written to a file.
 fn seed_work(
