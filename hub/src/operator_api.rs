@@ -446,6 +446,9 @@ async fn write(
     {
         return error(StatusCode::UNPROCESSABLE_ENTITY, message);
     }
+    if let Err(message) = validate_typed(kind, &body) {
+        return error(StatusCode::UNPROCESSABLE_ENTITY, message);
+    }
     let result = match how {
         Write::Create => s.store.create(body).await,
         Write::Replace => s.store.update_spec(body).await,
@@ -460,6 +463,65 @@ async fn write(
             (status, Json(obj)).into_response()
         }
         Err(e) => store_error(e),
+    }
+}
+
+/// What the kube backend's CRD schema refuses, refused here too: an object of a placement kind
+/// whose fields do not have OCM's types, and a ManifestWorkReplicaSet whose template would make
+/// invalid ManifestWorks. The message names the object and the field.
+fn validate_typed(kind: Kind, body: &Value) -> Result<(), String> {
+    use flotilla_proto::api::{
+        AddOnPlacementScore, ManagedClusterSet, ManagedClusterSetBinding, ManifestWorkReplicaSet,
+        Placement,
+    };
+    let name = || {
+        let name = body["metadata"]["name"].as_str().unwrap_or("<unnamed>");
+        match body["metadata"]["namespace"].as_str() {
+            Some(ns) => format!("{ns}/{name}"),
+            None => name.to_string(),
+        }
+    };
+    let parse = |result: Result<(), serde_json::Error>| {
+        result.map_err(|e| format!("{kind} {}: does not parse: {e}", name()))
+    };
+    match kind {
+        Kind::Placement => parse(serde_json::from_value::<Placement>(body.clone()).map(drop)),
+        Kind::ManagedClusterSet => {
+            parse(serde_json::from_value::<ManagedClusterSet>(body.clone()).map(drop))
+        }
+        Kind::ManagedClusterSetBinding => {
+            parse(serde_json::from_value::<ManagedClusterSetBinding>(body.clone()).map(drop))
+        }
+        Kind::AddOnPlacementScore => {
+            parse(serde_json::from_value::<AddOnPlacementScore>(body.clone()).map(drop))
+        }
+        Kind::ManifestWorkReplicaSet => {
+            let set: ManifestWorkReplicaSet = serde_json::from_value(body.clone())
+                .map_err(|e| format!("{kind} {}: does not parse: {e}", name()))?;
+            if set.spec.placement_refs.is_empty() {
+                return Err(format!(
+                    "{kind} {}: spec.placementRefs needs at least one placement",
+                    name()
+                ));
+            }
+            let mut work = ManifestWork::new(
+                set.metadata.name.as_deref().unwrap_or_default(),
+                set.spec.manifest_work_template.clone(),
+            );
+            work.metadata.namespace = set.metadata.namespace.clone();
+            validate_manifest_work(&work).map_err(|errors| {
+                format!(
+                    "{kind} {}: spec.manifestWorkTemplate: {}",
+                    name(),
+                    errors
+                        .iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                )
+            })
+        }
+        _ => Ok(()),
     }
 }
 

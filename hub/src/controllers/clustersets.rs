@@ -323,7 +323,8 @@ async fn fix_cluster(store: &dyn Store, name: &str) -> Result<(), StoreError> {
         changed = true;
     }
     let now = serde_json::to_value(Time(Timestamp::now())).unwrap_or_default();
-    if let Some(taints) = mc["spec"]["taints"].as_array_mut() {
+    // `pointer_mut`, not indexing: indexing a missing field would write a `null` into it.
+    if let Some(taints) = mc.pointer_mut("/spec/taints").and_then(Value::as_array_mut) {
         for t in taints
             .iter_mut()
             .filter(|t| t.get("timeAdded").is_none_or(Value::is_null))
