@@ -269,7 +269,11 @@ pub fn collect(
                     Some(Ok(e)) => apply_claim(&mut facts.custom, &mut claim_init, e),
                     Some(Err(e)) if !warned_claims => {
                         warned_claims = true;
-                        info!(error = %e, "cannot watch ClusterClaims on the spoke (is the CRD installed?); reporting built-in claims only");
+                        if not_found(&e) {
+                            info!("the spoke serves no ClusterClaims (their CRD is not installed); reporting built-in claims only until it does");
+                        } else {
+                            warn!(error = %e, "cannot watch ClusterClaims on the spoke; reporting built-in claims only (retrying)");
+                        }
                     }
                     Some(Err(_)) => {}
                     None => return,
@@ -313,6 +317,15 @@ pub fn collect(
         }
     });
     (rx, task)
+}
+
+/// Whether the watch failed because the spoke does not serve the resource at all.
+fn not_found(e: &watcher::Error) -> bool {
+    match e {
+        watcher::Error::InitialListFailed(kube::Error::Api(s))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(s)) => s.code == 404,
+        _ => false,
+    }
 }
 
 async fn next<S: Stream + Unpin>(s: &mut S) -> Option<S::Item> {

@@ -215,6 +215,29 @@ async fn scenario_2_the_work_follows_the_placement_from_two_clusters_to_one() ->
         row.contains("placement1") && row.contains("Complete"),
         "{table}"
     );
+
+    // Deleting the replica set takes its works, and their resources, with it.
+    let out = fleet.cli(&[
+        "work",
+        "delete",
+        "my-first-work",
+        "--placement",
+        "default/placement1",
+    ])?;
+    assert!(out.contains("deleted"), "{out}");
+    spokes[0]
+        .wait_deployment_image("nginx-deployment", None)
+        .await?;
+    wait_for(
+        "the replica set and its works gone",
+        Duration::from_secs(60),
+        || async {
+            let gone = fleet.clusters_with_work("my-first-work")?.is_empty()
+                && fleet.list(&["manifestworkreplicasets"])?.is_empty();
+            Ok(gone.then_some(()))
+        },
+    )
+    .await?;
     Ok(())
 }
 
