@@ -39,9 +39,11 @@ async fn rollout(store: &str) {
     assert_eq!(ro.failing_clusters, ["lt-00050"]);
     assert_eq!(ro.reported_failed, ["lt-00050"]);
     assert_eq!(ro.stopped_in_window, Some(6));
-    // Stopped: nothing beyond the window that held the failure was reached.
+    // Stopped near the failure: the failing cluster was reached, and past it only what the
+    // sliding window let through before its failure was reported (OCM's Progressive keeps
+    // `maxConcurrency` clusters in flight, and a cluster that succeeds frees its slot).
     assert!(
-        ro.reached_when_stopped >= 51 && ro.reached_when_stopped <= 60,
+        ro.reached_when_stopped >= 51 && ro.reached_when_stopped <= 50 + 2 * 10,
         "{ro:?}"
     );
     assert!(
