@@ -471,8 +471,15 @@ mod tests {
         (rv, RecordedHealth::from_object(&mc))
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_reconnect_that_changes_nothing_writes_nothing() {
+    /// A store holding accepted cluster `store-1`, and the admissions cache watching it.
+    struct OneCluster {
+        _dir: tempfile::TempDir,
+        store: Arc<dyn Store>,
+        admissions: Arc<Admissions>,
+        _stop: watch::Sender<bool>,
+    }
+
+    async fn one_cluster() -> OneCluster {
         let dir = tempfile::tempdir().unwrap();
         let store: Arc<dyn Store> = Arc::new(SledStore::open(dir.path()).unwrap());
         store
@@ -489,6 +496,19 @@ mod tests {
                 .clone()
                 .run(store.clone(), Arc::new(Registry::default()), stop),
         );
+        OneCluster {
+            _dir: dir,
+            store,
+            admissions,
+            _stop: stop_tx,
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_reconnect_that_changes_nothing_writes_nothing() {
+        // Held to the end: it keeps the database and the watch alive.
+        let fixture = one_cluster().await;
+        let (store, admissions) = (fixture.store.clone(), fixture.admissions.clone());
         let cached_available = || async {
             admissions
                 .get("store-1")
@@ -530,27 +550,13 @@ mod tests {
             .await;
         let health = stored(store.as_ref()).await.1;
         assert!(health.available && !health.unreachable, "{health:?}");
-        let _ = stop_tx.send(true);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn cluster_info_is_written_when_it_changes_and_refused_beyond_its_bounds() {
-        let dir = tempfile::tempdir().unwrap();
-        let store: Arc<dyn Store> = Arc::new(SledStore::open(dir.path()).unwrap());
-        store
-            .create(json!({
-                "apiVersion": "cluster.open-cluster-management.io/v1", "kind": "ManagedCluster",
-                "metadata": {"name": "store-1"}, "spec": {"hubAcceptsClient": true},
-            }))
-            .await
-            .unwrap();
-        let admissions = Admissions::new();
-        let (stop_tx, stop) = watch::channel(false);
-        tokio::spawn(
-            admissions
-                .clone()
-                .run(store.clone(), Arc::new(Registry::default()), stop),
-        );
+        // Held to the end: it keeps the database and the watch alive.
+        let fixture = one_cluster().await;
+        let (store, admissions) = (fixture.store.clone(), fixture.admissions.clone());
         let tracker =
             HealthTracker::new(store.clone(), Duration::from_secs(60), admissions.clone());
         let claim = |name: &str, value: &str| wire::ClusterClaim {
@@ -599,6 +605,5 @@ mod tests {
         changed.claims[1].value = "us".into();
         restarted.cluster_info("store-1", &changed).await;
         assert_eq!(stored(store.as_ref()).await.1.claims[1].1, "us");
-        let _ = stop_tx.send(true);
     }
 }

@@ -76,6 +76,10 @@ pub enum Command {
     Demo(DemoArgs),
     /// Runs scenarios, alone or as a sequence.
     Run(RunArgs),
+    /// The placement scheduler's model alone, in this process (no hub, no store, no writes):
+    /// the CPU and memory of deciding many placements over many clusters and of following
+    /// label changes. The `schedule` scenario measures the same through a real hub.
+    BenchScheduler(crate::bench::BenchArgs),
     /// (internal) One worker process of `--processes`: runs a slice of the agents.
     #[command(hide = true)]
     Worker {

@@ -8,7 +8,8 @@
 //! Not for: proving correctness in the small (the crates' own tests do that), or traffic to
 //! anything but this machine: every address it dials or binds is loopback.
 //!
-//! * [`cli`]: flags, defaults and their validation.
+//! * [`cli`]: flags, defaults and their validation; [`bench`]: the placement scheduler's model
+//!   alone (`bench-scheduler`).
 //! * [`preflight`]: checks that fail before anything starts (file descriptors, ports, the hub).
 //! * [`fleet`]: the hub under test, and enrolling the agents with its CA and operator API.
 //! * [`swarm`]: many agents in one process; [`agents`]: one swarm here, or one per worker
@@ -27,6 +28,7 @@
 pub mod agents;
 pub mod apiserver;
 pub mod baseline;
+pub mod bench;
 pub mod cli;
 pub mod clock;
 pub mod fleet;

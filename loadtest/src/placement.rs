@@ -228,15 +228,22 @@ impl Run {
                 decided_at.len()
             );
             let now = Instant::now();
-            for (placement, clusters) in all_decisions(&api).await? {
-                let Some(k) = placement
+            // The scheduler writes a placement's status after its decisions: a status that
+            // counts the expected clusters means the decisions are stored. (Listing the
+            // Placements is light; listing every decision would load the hub more than the
+            // scheduler does.)
+            for p in api.list(Kind::Placement, Some(NAMESPACE)).await? {
+                let name = p["metadata"]["name"].as_str().unwrap_or_default();
+                let Some(k) = name
                     .strip_prefix("schedule-")
                     .and_then(|k| k.parse::<usize>().ok())
                 else {
                     continue;
                 };
-                if clusters.len() == expected(k % regions) {
-                    decided_at.entry(placement).or_insert(now);
+                if p["status"]["numberOfSelectedClusters"].as_u64()
+                    == Some(expected(k % regions) as u64)
+                {
+                    decided_at.entry(name.to_string()).or_insert(now);
                 }
             }
             bar.set_position(decided_at.len() as u64);

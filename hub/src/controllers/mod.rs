@@ -69,12 +69,7 @@ pub async fn run(store: Arc<dyn Store>, config: ControllerConfig, stop: watch::R
         config.clone(),
         stop.clone(),
     ));
-    tasks.spawn(scheduling::run(
-        store.clone(),
-        config.clone(),
-        stop.clone(),
-        None,
-    ));
+    tasks.spawn(scheduling::run(store.clone(), config.clone(), stop.clone()));
     tasks.spawn(replicaset::run(store, config, stop));
     while let Some(done) = tasks.join_next().await {
         if let Err(e) = done {

@@ -879,6 +879,18 @@ mod tests {
         }
     }
 
+    /// Works of `set` on c00.. that are Applied and Available.
+    fn available_works(set: &ManifestWorkReplicaSet, n: usize) -> BTreeMap<String, WorkView> {
+        (0..n)
+            .map(|i| {
+                (
+                    format!("c{i:02}"),
+                    work(set, &[("Applied", "True"), ("Available", "True")]),
+                )
+            })
+            .collect()
+    }
+
     fn plan_for(
         set: &ManifestWorkReplicaSet,
         clusters: usize,
@@ -970,14 +982,7 @@ mod tests {
     #[test]
     fn a_complete_rollout_says_so() {
         let s = set(json!({"type": "All"}), true);
-        let works: BTreeMap<String, WorkView> = (0..2)
-            .map(|i| {
-                (
-                    format!("c{i:02}"),
-                    work(&s, &[("Applied", "True"), ("Available", "True")]),
-                )
-            })
-            .collect();
+        let works = available_works(&s, 2);
         let p = plan_for(&s, 2, &works, true);
         let st = status(&p);
         assert!(is_condition_true(&st.conditions, PLACEMENT_ROLLED_OUT));
@@ -1032,14 +1037,7 @@ mod tests {
     #[test]
     fn a_cluster_the_placement_dropped_loses_its_work() {
         let s = set(json!({"type": "All"}), true);
-        let works: BTreeMap<String, WorkView> = (0..2)
-            .map(|i| {
-                (
-                    format!("c{i:02}"),
-                    work(&s, &[("Applied", "True"), ("Available", "True")]),
-                )
-            })
-            .collect();
+        let works = available_works(&s, 2);
         let p = plan_for(&s, 1, &works, true);
         assert!(p.actions.contains(&Action::DeleteWork {
             cluster: "c01".into(),

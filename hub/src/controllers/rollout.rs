@@ -700,45 +700,38 @@ mod tests {
 
     #[test]
     fn work_status_reads_the_agents_conditions() {
-        let check = |conds: Vec<Condition>, expected: Status| {
+        use Status::*;
+        // (conditions as (type, status, observed generation), status) for a work at generation 2.
+        let cases: [(&[(&str, &str, i64)], Status); 6] = [
+            (&[], ToApply),
+            (
+                &[(WORK_APPLIED, "True", 1), (WORK_AVAILABLE, "True", 1)],
+                ToApply,
+            ),
+            (
+                &[(WORK_APPLIED, "True", 2), (WORK_AVAILABLE, "True", 2)],
+                Succeeded,
+            ),
+            (
+                &[(WORK_APPLIED, "True", 2), (WORK_AVAILABLE, "False", 2)],
+                Progressing,
+            ),
+            (
+                &[(WORK_APPLIED, "False", 2), (WORK_DEGRADED, "True", 2)],
+                Failed,
+            ),
+            (
+                &[
+                    (WORK_APPLIED, "True", 2),
+                    (WORK_PROGRESSING, "False", 2),
+                    (WORK_DEGRADED, "False", 2),
+                ],
+                Succeeded,
+            ),
+        ];
+        for (conds, expected) in cases {
+            let conds: Vec<Condition> = conds.iter().map(|(t, s, g)| cond(t, s, *g)).collect();
             assert_eq!(work_status("c", 2, &conds).status, expected, "{conds:?}");
-        };
-        check(vec![], Status::ToApply);
-        check(
-            vec![
-                cond(WORK_APPLIED, "True", 1),
-                cond(WORK_AVAILABLE, "True", 1),
-            ],
-            Status::ToApply,
-        );
-        check(
-            vec![
-                cond(WORK_APPLIED, "True", 2),
-                cond(WORK_AVAILABLE, "True", 2),
-            ],
-            Status::Succeeded,
-        );
-        check(
-            vec![
-                cond(WORK_APPLIED, "True", 2),
-                cond(WORK_AVAILABLE, "False", 2),
-            ],
-            Status::Progressing,
-        );
-        check(
-            vec![
-                cond(WORK_APPLIED, "False", 2),
-                cond(WORK_DEGRADED, "True", 2),
-            ],
-            Status::Failed,
-        );
-        check(
-            vec![
-                cond(WORK_APPLIED, "True", 2),
-                cond(WORK_PROGRESSING, "False", 2),
-                cond(WORK_DEGRADED, "False", 2),
-            ],
-            Status::Succeeded,
-        );
+        }
     }
 }

@@ -309,6 +309,24 @@ contexts:
 current-context: none
 ";
 
+/// Every `status.decisions[].clusterName` of some PlacementDecisions, sorted: what Argo CD's
+/// clusterDecisionResource generator reads (`statusListKey: decisions`, `matchKey:
+/// clusterName`).
+pub fn decision_clusters<'a>(decisions: impl IntoIterator<Item = &'a Value>) -> Vec<String> {
+    let mut clusters: Vec<String> = decisions
+        .into_iter()
+        .flat_map(|d| {
+            d["status"]["decisions"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .filter_map(|d| d["clusterName"].as_str().map(str::to_string))
+        .collect();
+    clusters.sort();
+    clusters
+}
+
 /// The hub under test and, for the kube backend, its apiserver: what an operator of either
 /// backend has in hand.
 pub struct Fleet {
@@ -419,19 +437,8 @@ impl Fleet {
 
     /// The clusters placement `namespace/name` decided, from its PlacementDecisions, sorted.
     pub fn decided(&self, namespace: &str, name: &str) -> anyhow::Result<Vec<String>> {
-        let mut clusters: Vec<String> = self
-            .list(&["placementdecisions", "-n", namespace, "--placement", name])?
-            .iter()
-            .flat_map(|d| {
-                d["status"]["decisions"]
-                    .as_array()
-                    .cloned()
-                    .unwrap_or_default()
-            })
-            .filter_map(|d| d["clusterName"].as_str().map(str::to_string))
-            .collect();
-        clusters.sort();
-        Ok(clusters)
+        let decisions = self.list(&["placementdecisions", "-n", namespace, "--placement", name])?;
+        Ok(decision_clusters(&decisions))
     }
 
     /// Waits until placement `namespace/name` decides exactly `expected`.

@@ -5,7 +5,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use flotilla_e2e::spoke::Spoke;
-use flotilla_e2e::{Fleet, Proc, condition_status, wait_for};
+use flotilla_e2e::{Fleet, Proc, condition_status, decision_clusters, wait_for};
 use flotilla_testenv::workspace_root;
 use nix::sys::signal::Signal;
 use serde_json::{Value, json};
@@ -627,18 +627,7 @@ async fn argo_cd_cluster_decision_resource_generator_reads_every_decision() -> a
         Duration::from_secs(60),
         || async {
             let list = api.list(&params).await?;
-            let mut clusters: Vec<String> = list
-                .items
-                .iter()
-                .flat_map(|o| {
-                    o.data["status"]["decisions"]
-                        .as_array()
-                        .cloned()
-                        .unwrap_or_default()
-                })
-                .filter_map(|d| d["clusterName"].as_str().map(str::to_string))
-                .collect();
-            clusters.sort();
+            let clusters = decision_clusters(list.items.iter().map(|o| &o.data));
             Ok((clusters.len() == CLUSTERS).then_some((list.items, clusters)))
         },
     )

@@ -147,13 +147,14 @@ pub struct Fleet {
     bindings: BTreeMap<String, BTreeMap<String, String>>,
     placements: BTreeMap<Key, PlacementState>,
     scores: HashMap<(String, String), AddOnPlacementScoreStatus>,
-    /// Stored PlacementDecisions per placement (from the store, whoever wrote them).
+    /// Stored PlacementDecisions per placement (from the store, whoever wrote them): what a
+    /// placement new to the model starts from as its current decisions.
     stored: BTreeMap<Key, BTreeMap<String, Vec<String>>>,
-    /// How many stored decisions name each cluster (Balance's input), by id.
+    /// How many placements currently select each cluster (Balance's input), by id. Kept from
+    /// the placements' current decisions as they are decided, so the placements of one batch
+    /// see each other's choices as OCM's one-at-a-time scheduler does, not all the same stale
+    /// counts.
     counts: Vec<u32>,
-    /// Counts of names not (or no longer) known as clusters: kept so a cluster that appears
-    /// later starts with the right count.
-    orphan_counts: HashMap<String, u32>,
     dirty: BTreeSet<Key>,
 }
 
@@ -231,9 +232,6 @@ impl Fleet {
         for p in self.placements.values_mut() {
             p.selected.set(id, false);
         }
-        if self.counts[id] > 0 {
-            self.orphan_counts.insert(name.to_string(), self.counts[id]);
-        }
         self.counts[id] = 0;
         self.ids.remove(name);
         self.by_name.remove(name);
@@ -250,15 +248,16 @@ impl Fleet {
                 self.clusters.len() - 1
             }
         };
-        self.counts[id] = self.orphan_counts.remove(&*name).unwrap_or(0);
+        self.counts[id] = 0;
         self.ids.insert(name.clone(), id);
         self.by_name.insert(name.clone(), id);
         // Stored decisions may already name it (decisions listed before clusters).
         for (key, objects) in &self.stored {
             if objects.values().flatten().any(|c| **c == *name)
                 && let Some(p) = self.placements.get_mut(key)
+                && p.selected.set(id, true)
             {
-                p.selected.set(id, true);
+                self.counts[id] += 1;
             }
         }
         id
@@ -494,7 +493,25 @@ impl Fleet {
     /// A Placement was deleted; its decisions are the driver's to remove.
     pub fn delete_placement(&mut self, key: &Key) -> Option<Placement> {
         self.dirty.remove(key);
-        self.placements.remove(key).map(|p| p.placement)
+        let p = self.placements.remove(key)?;
+        for id in p.selected.iter() {
+            self.counts[id] = self.counts[id].saturating_sub(1);
+        }
+        Some(p.placement)
+    }
+
+    /// Makes `selected` the placement's current decisions, keeping Balance's counts.
+    fn set_selected(&mut self, key: &Key, selected: Bits) {
+        let Some(p) = self.placements.get_mut(key) else {
+            return;
+        };
+        for id in p.selected.iter().filter(|id| !selected.get(*id)) {
+            self.counts[id] = self.counts[id].saturating_sub(1);
+        }
+        for id in selected.iter().filter(|id| !p.selected.get(*id)) {
+            self.counts[id] += 1;
+        }
+        p.selected = selected;
     }
 
     /// Re-filters every member of one placement (its spec, sets or bindings changed, or a
@@ -572,41 +589,20 @@ impl Fleet {
 
     // ---- stored decisions ----
 
-    /// A PlacementDecision of placement `key` is stored with these clusters (`None`: deleted).
-    /// Keeps Balance's counts, and seeds a new placement's current decisions (Steady).
+    /// A PlacementDecision of placement `key` is stored with these clusters (`None`: deleted):
+    /// what a placement new to the model (the hub restarted) starts from.
     pub fn set_stored_decision(&mut self, key: &Key, object: &str, clusters: Option<Vec<String>>) {
         let objects = self.stored.entry(key.clone()).or_default();
-        let old = match clusters {
-            Some(c) => objects.insert(object.to_string(), c),
-            None => objects.remove(object),
-        };
+        match clusters {
+            Some(c) => {
+                objects.insert(object.to_string(), c);
+            }
+            None => {
+                objects.remove(object);
+            }
+        }
         if objects.is_empty() {
             self.stored.remove(key);
-        }
-        for c in old.iter().flatten() {
-            self.count(c, -1);
-        }
-        let new: Vec<String> = self
-            .stored
-            .get(key)
-            .and_then(|o| o.get(object))
-            .cloned()
-            .unwrap_or_default();
-        for c in &new {
-            self.count(c, 1);
-        }
-    }
-
-    fn count(&mut self, cluster: &str, delta: i64) {
-        match self.ids.get(cluster) {
-            Some(id) => self.counts[*id] = (i64::from(self.counts[*id]) + delta).max(0) as u32,
-            None => {
-                let c = self.orphan_counts.entry(cluster.to_string()).or_default();
-                *c = (i64::from(*c) + delta).max(0) as u32;
-                if *c == 0 {
-                    self.orphan_counts.remove(cluster);
-                }
-            }
         }
     }
 
@@ -641,9 +637,7 @@ impl Fleet {
             Err(m) => {
                 report.misconfigured = Some(m.clone());
                 let objects = core::decision_objects(&name, &[core::Group::default()]);
-                if let Some(p) = self.placements.get_mut(key) {
-                    p.selected.clear();
-                }
+                self.set_selected(key, Bits::default());
                 return Some(Outcome {
                     objects,
                     report,
@@ -651,9 +645,10 @@ impl Fleet {
                 });
             }
         };
-        // Candidates in name order, with their verdicts.
+        // Candidates in name order, with their verdicts: a few are sorted, more are read off
+        // the name index (walking all of it costs less than sorting a tenth of it).
         let candidates: Vec<(&Cluster, Verdict)> =
-            if p.always.count() + p.if_selected.count() * 2 < self.by_name.len() / 8 {
+            if p.always.count() + p.if_selected.count() * 2 < self.by_name.len() / 64 {
                 let mut ids: Vec<ClusterId> = p.always.iter().chain(p.if_selected.iter()).collect();
                 ids.sort_unstable_by(|a, b| self.name_of(*a).cmp(self.name_of(*b)));
                 ids.into_iter()
@@ -723,9 +718,7 @@ impl Fleet {
             }
         }
         report.selection = selection;
-        if let Some(p) = self.placements.get_mut(key) {
-            p.selected = now_selected;
-        }
+        self.set_selected(key, now_selected);
         Some(Outcome {
             objects,
             report,
@@ -772,7 +765,30 @@ impl Fleet {
             })
             .sum();
         let sets: usize = self.sets.values().map(|s| s.members.heap_bytes()).sum();
-        per_placement + sets + self.counts.capacity() * 4
+        // Strings with a rough allocation overhead each, and ids in three indexes.
+        let text = |s: &str| s.len() + 24;
+        let clusters: usize = self
+            .clusters
+            .iter()
+            .flatten()
+            .map(|(name, c)| {
+                3 * text(name)
+                    + 128
+                    + c.labels
+                        .iter()
+                        .chain(&c.claims)
+                        .map(|(k, v)| text(k) + text(v))
+                        .sum::<usize>()
+            })
+            .sum();
+        let stored: usize = self
+            .stored
+            .values()
+            .flat_map(BTreeMap::values)
+            .flatten()
+            .map(|c| text(c))
+            .sum();
+        per_placement + sets + clusters + stored + self.counts.capacity() * 4
     }
 }
 
@@ -879,6 +895,17 @@ mod tests {
                 .get(name)
                 .map(|o| o.report.selection.clusters.iter().cloned().collect())
                 .unwrap_or_default();
+            // Balance counts the other placements' current decisions.
+            let mut others: BTreeMap<String, u32> = BTreeMap::new();
+            for (other, o) in &self.last {
+                if other != name && self.placements.contains_key(other) {
+                    for c in &o.report.selection.clusters {
+                        if self.clusters.contains_key(c) {
+                            *others.entry(c.clone()).or_default() += 1;
+                        }
+                    }
+                }
+            }
             schedule(
                 &self.placements[name],
                 &World {
@@ -886,12 +913,21 @@ mod tests {
                     sets: &sets,
                     bound: &bound,
                     selected: &selected,
-                    others: &BTreeMap::new(),
+                    others: &others,
                     scores: &BTreeMap::new(),
                     now,
                 },
             )
         }
+    }
+
+    fn ranked_by_balance(p: &Placement) -> bool {
+        core::compile(p).is_ok_and(|c| {
+            c.number_of_clusters.is_some()
+                && c.prioritizers
+                    .iter()
+                    .any(|(p, _)| *p == core::Prioritizer::Balance)
+        })
     }
 
     fn set_spec(selector: serde_json::Value) -> ManagedClusterSetSpec {
@@ -984,7 +1020,9 @@ mod tests {
                         );
                         assert_eq!(model.report, full.report, "seed {seed} step {step} {name}");
                         mirror.last.insert(name, model);
-                    } else {
+                    } else if !ranked_by_balance(&mirror.placements[&name]) {
+                        // (A placement that ranks by Balance may rank differently once others
+                        // decided; like OCM, it is not decided again for that alone.)
                         assert_eq!(
                             mirror.last[&name].objects, full.objects,
                             "seed {seed} step {step}: {name} changed but was not marked dirty"

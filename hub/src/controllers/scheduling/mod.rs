@@ -25,7 +25,7 @@ use flotilla_proto::api::{
     ManagedCluster, ManagedClusterSet, ManagedClusterSetBinding, PLACEMENT_LABEL, Placement,
     PlacementDecision, PlacementStatus,
 };
-use flotilla_store::{Object, Store, StoreError, WatchEvent, name_of, namespace_of};
+use flotilla_store::{Object, Revision, Store, StoreError, WatchEvent, name_of, namespace_of};
 use futures::StreamExt;
 use jiff::Timestamp;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -70,6 +70,10 @@ struct Scheduler {
     readiness: Readiness,
     /// Stored PlacementDecisions by namespace and name.
     decisions: HashMap<(String, String), StoredDecision>,
+    /// Revisions this controller's own writes of each PlacementDecision produced, whose watch
+    /// events are still to come: an echo of our own write is no news (its intermediate states,
+    /// such as a create without status, must not look like someone else's edit).
+    ours: HashMap<(String, String), Vec<Revision>>,
     /// Pending rechecks (a toleration or score runs out), earliest first, one per placement.
     rechecks: BTreeMap<Timestamp, BTreeSet<Key>>,
     recheck_of: HashMap<Key, Timestamp>,
@@ -77,8 +81,8 @@ struct Scheduler {
     failures: HashMap<Key, u32>,
     /// Placements deleted whose decisions are still to be removed.
     orphaned: BTreeSet<Key>,
-    /// Told each placement decided, with when (for the load test's latency figures).
-    decided: Option<mpsc::UnboundedSender<(Key, Timestamp)>>,
+    /// Whether the first pass over every placement (after the first lists) is done.
+    first_pass_done: bool,
 }
 
 /// One placement's writes.
@@ -95,19 +99,15 @@ struct Plan {
 /// What a plan's execution changed, to fold back into the driver's state.
 struct Written {
     key: Key,
-    decisions: Vec<(String, StoredDecision)>,
+    /// Each decision object written, as stored now, with the revisions the writes made.
+    decisions: Vec<(String, StoredDecision, Vec<Revision>)>,
     deleted: Vec<String>,
     placement: Option<Placement>,
     error: Option<StoreError>,
 }
 
 /// Runs the scheduler until `stop` turns true.
-pub async fn run(
-    store: Arc<dyn Store>,
-    config: ControllerConfig,
-    stop: watch::Receiver<bool>,
-    decided: Option<mpsc::UnboundedSender<(Key, Timestamp)>>,
-) {
+pub async fn run(store: Arc<dyn Store>, config: ControllerConfig, stop: watch::Receiver<bool>) {
     let (tx, mut rx) = mpsc::channel(config.queue_capacity);
     let mut feeds = JoinSet::new();
     feed::spawn(store.clone(), &KINDS, None, tx, stop.clone(), &mut feeds);
@@ -118,11 +118,12 @@ pub async fn run(
         known: Known::default(),
         readiness: Readiness::new(&KINDS),
         decisions: HashMap::new(),
+        ours: HashMap::new(),
         rechecks: BTreeMap::new(),
         recheck_of: HashMap::new(),
         failures: HashMap::new(),
         orphaned: BTreeSet::new(),
-        decided,
+        first_pass_done: false,
     };
     let mut stop_wait = stop.clone();
     loop {
@@ -239,6 +240,16 @@ impl Scheduler {
     /// not what this controller wrote.
     fn decision_event(&mut self, ns: &str, name: &str, obj: Object, deleted: bool) {
         let slot = (ns.to_string(), name.to_string());
+        if let (Some(rv), Some(ours)) = (Revision::of(&obj), self.ours.get_mut(&slot))
+            && let Some(at) = ours.iter().position(|r| *r == rv)
+        {
+            // Our own write (or one before it) coming back: already accounted for.
+            ours.drain(..=at);
+            if ours.is_empty() {
+                self.ours.remove(&slot);
+            }
+            return;
+        }
         let before = self.decisions.get(&slot).cloned();
         let now_stored = if deleted {
             self.decisions.remove(&slot);
@@ -338,15 +349,21 @@ impl Scheduler {
             let Some(outcome) = self.fleet.decide(&key, now) else {
                 continue;
             };
-            if let Some(tx) = &self.decided {
-                let _ = tx.send((key.clone(), now));
-            }
             if !self.failures.contains_key(&key) {
                 self.schedule_recheck(&key, outcome.recheck_at);
             }
             if let Some(plan) = self.plan(&key, &outcome, now) {
                 plans.push(plan);
             }
+        }
+        if !self.first_pass_done {
+            self.first_pass_done = true;
+            info!(
+                placements = self.fleet.placement_keys().count(),
+                clusters = self.fleet.cluster_count(),
+                model_kib = self.fleet.approximate_bytes() / 1024,
+                "every placement decided once"
+            );
         }
         if plans.is_empty() {
             return;
@@ -403,15 +420,24 @@ impl Scheduler {
     }
 
     fn written(&mut self, w: Written) {
-        for (name, stored) in w.decisions {
+        /// Echoes remembered per object; older ones are dropped (their events, if any, then
+        /// count as news and cost one more look).
+        const ECHOES: usize = 8;
+        for (name, stored, revisions) in w.decisions {
             self.fleet
                 .set_stored_decision(&w.key, &name, Some(stored.clusters.clone()));
-            self.decisions
-                .insert((w.key.namespace.clone(), name), stored);
+            let slot = (w.key.namespace.clone(), name);
+            let ours = self.ours.entry(slot.clone()).or_default();
+            ours.extend(revisions);
+            let excess = ours.len().saturating_sub(ECHOES);
+            ours.drain(..excess);
+            self.decisions.insert(slot, stored);
         }
         for name in w.deleted {
             self.fleet.set_stored_decision(&w.key, &name, None);
-            self.decisions.remove(&(w.key.namespace.clone(), name));
+            let slot = (w.key.namespace.clone(), name);
+            self.ours.remove(&slot);
+            self.decisions.remove(&slot);
         }
         if let Some(p) = w.placement {
             self.fleet.upsert_placement(&p, Timestamp::now());
@@ -493,13 +519,13 @@ async fn execute(store: Arc<dyn Store>, plan: Plan) -> Written {
     let ns = plan.key.namespace.as_str();
     for (object, stored) in &plan.upserts {
         let desired = desired_stored(&plan.key.name, object);
-        if let Err(e) =
-            write_decision(store.as_ref(), &plan, object, stored.as_ref(), &desired).await
-        {
-            w.error = Some(e);
-            return w;
+        match write_decision(store.as_ref(), &plan, object, stored.as_ref(), &desired).await {
+            Ok(revisions) => w.decisions.push((object.name.clone(), desired, revisions)),
+            Err(e) => {
+                w.error = Some(e);
+                return w;
+            }
         }
-        w.decisions.push((object.name.clone(), desired));
     }
     for name in &plan.deletes {
         match store.delete(Kind::PlacementDecision, Some(ns), name).await {
@@ -534,14 +560,14 @@ async fn execute(store: Arc<dyn Store>, plan: Plan) -> Written {
 }
 
 /// Creates or updates one PlacementDecision: metadata (labels, owner) through the object, the
-/// decisions through its status.
+/// decisions through its status. Returns the revisions its writes made, in order.
 async fn write_decision(
     store: &dyn Store,
     plan: &Plan,
     object: &DecisionObject,
     stored: Option<&StoredDecision>,
     desired: &StoredDecision,
-) -> Result<(), StoreError> {
+) -> Result<Vec<Revision>, StoreError> {
     let ns = plan.key.namespace.as_str();
     let meta = json!({
         "apiVersion": Kind::PlacementDecision.api_version(),
@@ -560,21 +586,19 @@ async fn write_decision(
             }],
         },
     });
-    match stored {
+    let mut revisions = Vec::new();
+    let written = match stored {
         None => match store.create(meta.clone()).await {
-            Ok(_) => {}
-            Err(StoreError::AlreadyExists { .. }) => {
-                store.update_spec(meta).await?;
-            }
+            Ok(o) => Some(o),
+            Err(StoreError::AlreadyExists { .. }) => Some(store.update_spec(meta).await?),
             Err(e) => return Err(e),
         },
-        Some(s) if s.labels != desired.labels => {
-            store.update_spec(meta).await?;
-        }
-        Some(_) => {}
-    }
+        Some(s) if s.labels != desired.labels => Some(store.update_spec(meta).await?),
+        Some(_) => None,
+    };
+    revisions.extend(written.as_ref().and_then(Revision::of));
     if stored.map(|s| &s.clusters) != Some(&desired.clusters) || stored.is_none() {
-        store
+        let o = store
             .update_status(
                 Kind::PlacementDecision,
                 Some(ns),
@@ -583,8 +607,9 @@ async fn write_decision(
                 None,
             )
             .await?;
+        revisions.extend(Revision::of(&o));
     }
-    Ok(())
+    Ok(revisions)
 }
 
 fn typed<K: serde::de::DeserializeOwned>(obj: Object) -> Option<K> {
