@@ -254,9 +254,7 @@ fn check_label_key(key: &str) -> anyhow::Result<()> {
     if let Some(p) = prefix
         && (p.is_empty()
             || p.len() > 253
-            || !p
-                .split('.')
-                .all(|part| flotilla_proto::contract::is_dns1123_label(part)))
+            || !p.split('.').all(flotilla_proto::contract::is_dns1123_label))
     {
         bail!("label key {key:?}: the prefix {p:?} must be a DNS subdomain (lower-case, dots)");
     }

@@ -7,14 +7,13 @@
 //! (as the hub does after its first lists), then moves clusters between regions one at a time
 //! and decides every placement each change marks dirty, as the hub's scheduler does.
 
-use std::time::Instant;
-
 use clap::Args;
 use flotilla_hub::controllers::scheduling::fleet::{Fleet, Key};
 use flotilla_proto::api::{ManagedCluster, Placement};
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
+use tokio::time::Instant;
 
 use crate::machine::ProcStats;
 use crate::report::Percentiles;
@@ -158,15 +157,9 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<BenchReport> {
 
 /// The bench's result for people.
 pub fn table(r: &BenchReport) -> String {
-    let a = r.args.clone().unwrap_or_else(|| BenchArgs {
-        clusters: 0,
-        placements: 0,
-        placement_clusters: 0,
-        regions: 0,
-        label_changes: 0,
-        seed: 0,
-        json: false,
-    });
+    let Some(a) = r.args.clone() else {
+        return String::new();
+    };
     let pct = |p: &Percentiles| {
         format!(
             "p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms (n={})",

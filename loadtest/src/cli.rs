@@ -75,7 +75,7 @@ pub enum Command {
     /// report and plots written.
     Demo(DemoArgs),
     /// Runs scenarios, alone or as a sequence.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// The placement scheduler's model alone, in this process (no hub, no store, no writes):
     /// the CPU and memory of deciding many placements over many clusters and of following
     /// label changes. The `schedule` scenario measures the same through a real hub.

@@ -19,7 +19,7 @@ fn main() -> anyhow::Result<()> {
         Command::Demo(demo) => {
             report(runtime.block_on(flotilla_loadtest::run(RunArgs::demo(&demo))))
         }
-        Command::Run(args) => report(runtime.block_on(flotilla_loadtest::run(args))),
+        Command::Run(args) => report(runtime.block_on(flotilla_loadtest::run(*args))),
         Command::BenchScheduler(args) => {
             let result = flotilla_loadtest::bench::run(&args)?;
             if args.json {

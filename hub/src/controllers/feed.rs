@@ -26,15 +26,18 @@ pub enum Update {
 /// Decides which objects of a kind a controller keeps (the rest never reach its queue).
 pub type Keep = fn(&Object) -> bool;
 
+/// An object's namespace (none for cluster-scoped kinds) and name.
+type ObjectKey = (Option<String>, String);
+
 struct Feed {
     kind: Kind,
     tx: mpsc::Sender<Update>,
     /// With a [`Keep`] filter: the objects kept so far, so that one that stops matching reaches
     /// the controller as deleted.
-    keep: Option<(Keep, Mutex<HashSet<(Option<String>, String)>>)>,
+    keep: Option<(Keep, Mutex<HashSet<ObjectKey>>)>,
 }
 
-fn key(o: &Object) -> (Option<String>, String) {
+fn key(o: &Object) -> ObjectKey {
     (namespace_of(o).map(str::to_string), name_of(o).to_string())
 }
 
@@ -127,7 +130,7 @@ impl Readiness {
 /// The objects of each kind a controller has seen, so a relist can be turned into changes:
 /// an upsert per listed object and a deletion per object that is gone.
 #[derive(Debug, Default)]
-pub struct Known(std::collections::HashMap<Kind, HashSet<(Option<String>, String)>>);
+pub struct Known(std::collections::HashMap<Kind, HashSet<ObjectKey>>);
 
 impl Known {
     /// The changes an update amounts to, in order.

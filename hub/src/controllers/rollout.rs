@@ -701,8 +701,10 @@ mod tests {
     #[test]
     fn work_status_reads_the_agents_conditions() {
         use Status::*;
-        // (conditions as (type, status, observed generation), status) for a work at generation 2.
-        let cases: [(&[(&str, &str, i64)], Status); 6] = [
+        // Conditions as (type, status, observed generation), and the status they mean for a
+        // work at generation 2.
+        type Conds<'a> = &'a [(&'a str, &'a str, i64)];
+        let cases: [(Conds, Status); 6] = [
             (&[], ToApply),
             (
                 &[(WORK_APPLIED, "True", 1), (WORK_AVAILABLE, "True", 1)],
