@@ -202,3 +202,30 @@ pub fn table(r: &BenchReport) -> String {
     }
     t
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bench_decides_every_placement_and_follows_each_change() {
+        let args = BenchArgs {
+            clusters: 300,
+            placements: 30,
+            placement_clusters: 5,
+            regions: 3,
+            label_changes: 10,
+            seed: 7,
+            json: false,
+        };
+        let r = run(&args).unwrap();
+        assert_eq!(r.one_placement.count, 20);
+        assert_eq!(r.label_change.count, 10);
+        // A cluster moving region changes the candidates of both regions' placements.
+        assert!(r.redecided_per_change >= 10.0, "{}", r.redecided_per_change);
+        assert!(r.model_bytes > 0);
+        assert!(table(&r).contains(
+            "30 placements, each 5 of a region's clusters (3 regions), over 300 clusters"
+        ));
+    }
+}

@@ -701,4 +701,39 @@ mod tests {
         check(&["--store", "kube"], Ok(()));
         assert_eq!(RunArgs::parse_defaults().store, HubStore::Sled);
     }
+
+    #[test]
+    fn placement_scenarios_check_their_flags() {
+        check(
+            &["--scenario", "rollout", "--rollout-max-concurrency", "ten"],
+            Err("--rollout-max-concurrency \"ten\" must be a positive count or a percentage"),
+        );
+        check(
+            &[
+                "--scenario",
+                "rollout",
+                "--agents",
+                "10",
+                "--rollout-failures",
+                "10",
+            ],
+            Err("--rollout-failures 10 must be below --agents 10"),
+        );
+        check(
+            &[
+                "--hub",
+                "127.0.0.1:9443",
+                "--data-dir",
+                "x",
+                "--scenario",
+                "schedule",
+            ],
+            Err("runs only on a hub the harness starts"),
+        );
+        check(
+            &["--scenario", "schedule", "--placements", "0"],
+            Err("--placements"),
+        );
+        check(&["--scenario", "connect,rollout,schedule"], Ok(()));
+    }
 }
