@@ -248,12 +248,8 @@ pub fn rollout(
         ),
         RolloutType::Progressive => {
             let max_failures = threshold(&strategy.max_failures, total, 0);
-            let mandatory = pick(groups, &strategy.mandatory, true);
-            if !mandatory.is_empty() {
-                let r = per_group(&mandatory, &IntOrString::Int(0), strategy, &current, now);
-                if !r.to_rollout.is_empty() || !r.timed_out.is_empty() {
-                    return RolloutResult { removed, ..r };
-                }
+            if let Some(r) = mandatory_first(groups, strategy, &current, now) {
+                return RolloutResult { removed, ..r };
             }
             let rest = pick(groups, &strategy.mandatory, false);
             let rest_total: usize = rest.values().map(BTreeSet::len).sum();
@@ -272,12 +268,8 @@ pub fn rollout(
             )
         }
         RolloutType::ProgressivePerGroup => {
-            let mandatory = pick(groups, &strategy.mandatory, true);
-            if !mandatory.is_empty() {
-                let r = per_group(&mandatory, &IntOrString::Int(0), strategy, &current, now);
-                if !r.to_rollout.is_empty() || !r.timed_out.is_empty() {
-                    return RolloutResult { removed, ..r };
-                }
+            if let Some(r) = mandatory_first(groups, strategy, &current, now) {
+                return RolloutResult { removed, ..r };
             }
             let rest = pick(groups, &strategy.mandatory, false);
             per_group(&rest, &strategy.max_failures, strategy, &current, now)
@@ -285,6 +277,22 @@ pub fn rollout(
     };
     result.removed = removed;
     result
+}
+
+/// The mandatory decision groups' rollout, group by group with no failure tolerated, while
+/// they still have clusters to reach or timed out; `None` once they are done (or there are none).
+fn mandatory_first(
+    groups: &ClusterGroups,
+    strategy: &Strategy,
+    current: &[ClusterRollout],
+    now: Timestamp,
+) -> Option<RolloutResult> {
+    let mandatory = pick(groups, &strategy.mandatory, true);
+    if mandatory.is_empty() {
+        return None;
+    }
+    let r = per_group(&mandatory, &IntOrString::Int(0), strategy, current, now);
+    (!r.to_rollout.is_empty() || !r.timed_out.is_empty()).then_some(r)
 }
 
 /// The groups named by `mandatory` (by name first, else by index), or all the others.
