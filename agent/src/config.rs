@@ -5,8 +5,9 @@ use std::time::Duration;
 
 use clap::Args;
 
-use crate::proxy::ProxyUrl;
+use crate::connect::Transport;
 use crate::reconcile::{DEFAULT_APPLY_CONCURRENCY, DEFAULT_RETRY_INITIAL, ReconcilerConfig};
+use flotilla_transport::dial::ProxyUrl;
 
 /// Upper bound of the random delay before the first connection after process start, so a site
 /// that powers on all at once does not reach the hub in the same second.
@@ -22,6 +23,11 @@ pub const CACHE_SUBDIR: &str = "cache";
 pub const IDENTITY_SUBDIR: &str = "identity";
 /// Default of `--resync-interval`; see [`crate::reconcile::DEFAULT_RESYNC_INTERVAL`].
 pub const DEFAULT_RESYNC_INTERVAL: &str = "5m";
+/// Default of `--feedback-interval`; see [`crate::reconcile::DEFAULT_FEEDBACK_INTERVAL`].
+pub const DEFAULT_FEEDBACK_INTERVAL: &str = "5s";
+/// Shortest accepted `--feedback-interval`: below it one flapping resource could fill the
+/// session with statuses.
+pub const MIN_FEEDBACK_INTERVAL: Duration = Duration::from_millis(100);
 /// Shortest accepted `--resync-interval`: below it the agent would spend its time re-applying.
 pub const MIN_RESYNC_INTERVAL: Duration = Duration::from_secs(1);
 /// Most works reconciled at once that `--apply-concurrency` accepts.
@@ -30,46 +36,59 @@ pub const MAX_APPLY_CONCURRENCY: usize = 64;
 #[derive(Clone, Debug, Args)]
 pub struct AgentConfig {
     /// The hub's agent address, host:port (a gateway or the single-node hub).
-    #[arg(long, env = "FLOTILLA_HUB")]
+    #[arg(long, env = "FLOTILLA_AGENT_HUB")]
     pub hub: String,
 
     /// Name the hub's certificate is checked against (default: the host part of --hub).
-    #[arg(long, env = "FLOTILLA_SERVER_NAME")]
+    #[arg(long, env = "FLOTILLA_AGENT_SERVER_NAME")]
     pub server_name: Option<String>,
 
     /// The managed cluster this agent speaks for; must match its certificate.
-    #[arg(long, env = "FLOTILLA_CLUSTER_NAME")]
+    #[arg(long, env = "FLOTILLA_AGENT_CLUSTER_NAME")]
     pub cluster_name: String,
 
     /// Directory with ca.crt (the hub CA bundle), tls.crt and tls.key (this cluster's
     /// identity; the key is made here at join and never leaves the spoke). Default:
     /// <data-dir>/identity, where `flotilla-agent join` stores it.
-    #[arg(long, env = "FLOTILLA_CERT_DIR")]
+    #[arg(long, env = "FLOTILLA_AGENT_CERT_DIR")]
     pub cert_dir: Option<PathBuf>,
 
     /// Reach the hub through this HTTP forward proxy (http://host:port, CONNECT); TLS with the
     /// hub stays end to end through it. Used for joining and for sessions.
-    #[arg(long, env = "FLOTILLA_PROXY_URL")]
+    #[arg(long, env = "FLOTILLA_AGENT_PROXY_URL")]
     pub proxy_url: Option<ProxyUrl>,
+
+    /// The carrier of the session: grpc (HTTP/2 over TLS, TCP), quic (UDP, the same mTLS), or
+    /// auto: QUIC, falling back to gRPC when no QUIC handshake completes within 3 s (UDP
+    /// blocked on the way), remembering that for 10 minutes; always gRPC behind --proxy-url.
+    #[arg(long, env = "FLOTILLA_AGENT_TRANSPORT", value_enum, default_value_t = Transport::Auto)]
+    pub transport: Transport,
 
     /// kubeconfig of the spoke cluster's apiserver, where works are applied. Default: the
     /// KUBECONFIG variable, then ~/.kube/config, then the pod's service account.
-    #[arg(long, env = "FLOTILLA_KUBECONFIG")]
+    #[arg(long, env = "FLOTILLA_AGENT_KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
 
     /// Directory of the agent's durable cache (desired works, what was applied, status not yet
     /// acknowledged). Keep it across restarts: it is how the agent works while the hub is away.
     /// One agent per directory.
-    #[arg(long, env = "FLOTILLA_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
+    #[arg(long, env = "FLOTILLA_AGENT_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
     pub data_dir: PathBuf,
 
     /// How often every work is applied again to repair changes made by hand (±10% jitter).
-    #[arg(long, env = "FLOTILLA_RESYNC_INTERVAL", default_value = DEFAULT_RESYNC_INTERVAL, value_parser = humantime::parse_duration)]
+    #[arg(long, env = "FLOTILLA_AGENT_RESYNC_INTERVAL", default_value = DEFAULT_RESYNC_INTERVAL, value_parser = humantime::parse_duration)]
     pub resync_interval: Duration,
 
     /// How many works are applied at once.
     #[arg(long, default_value_t = DEFAULT_APPLY_CONCURRENCY)]
     pub apply_concurrency: usize,
+
+    /// Shortest time between two statuses of one work that changes on this cluster cause
+    /// (feedback values, condition rules, an applied object deleted). A resource that changes
+    /// faster is reported at this pace, with its latest state each time. Applies and new
+    /// generations are reported at once regardless.
+    #[arg(long, env = "FLOTILLA_FEEDBACK_INTERVAL", default_value = DEFAULT_FEEDBACK_INTERVAL, value_parser = humantime::parse_duration)]
+    pub feedback_interval: Duration,
 
     /// Upper bound of the random delay before the first connection.
     #[arg(long, default_value = DEFAULT_INITIAL_JITTER, value_parser = humantime::parse_duration)]
@@ -81,7 +100,7 @@ pub struct AgentConfig {
 
     /// Kubernetes version reported to the hub. Default: read from the spoke apiserver's
     /// /version at start.
-    #[arg(long, env = "FLOTILLA_KUBERNETES_VERSION", default_value = "")]
+    #[arg(long, env = "FLOTILLA_AGENT_KUBERNETES_VERSION", default_value = "")]
     pub kubernetes_version: String,
 }
 
@@ -96,6 +115,14 @@ pub enum ConfigError {
     /// `--resync-interval` is too short. Not retryable.
     #[error("--resync-interval {got:?} is shorter than {min:?}; use e.g. 5m")]
     ResyncInterval { got: Duration, min: Duration },
+    /// `--transport quic` with `--proxy-url`. Not retryable.
+    #[error(
+        "--transport quic cannot go through --proxy-url (an HTTP CONNECT proxy carries TCP only); use --transport grpc or auto"
+    )]
+    QuicBehindProxy,
+    /// `--feedback-interval` is too short. Not retryable.
+    #[error("--feedback-interval {got:?} is shorter than {min:?}; use e.g. 5s")]
+    FeedbackInterval { got: Duration, min: Duration },
     /// `--apply-concurrency` is out of range. Not retryable.
     #[error("--apply-concurrency {0} is out of range; use 1 to {MAX_APPLY_CONCURRENCY}")]
     ApplyConcurrency(usize),
@@ -143,6 +170,9 @@ impl AgentConfig {
         if !flotilla_proto::contract::is_dns1123_label(name) {
             return Err(ConfigError::ClusterName(name.clone()));
         }
+        if self.transport == Transport::Quic && self.proxy_url.is_some() {
+            return Err(ConfigError::QuicBehindProxy);
+        }
         if self.resync_interval < MIN_RESYNC_INTERVAL {
             return Err(ConfigError::ResyncInterval {
                 got: self.resync_interval,
@@ -151,6 +181,12 @@ impl AgentConfig {
         }
         if !(1..=MAX_APPLY_CONCURRENCY).contains(&self.apply_concurrency) {
             return Err(ConfigError::ApplyConcurrency(self.apply_concurrency));
+        }
+        if self.feedback_interval < MIN_FEEDBACK_INTERVAL {
+            return Err(ConfigError::FeedbackInterval {
+                got: self.feedback_interval,
+                min: MIN_FEEDBACK_INTERVAL,
+            });
         }
         Ok(())
     }
@@ -161,6 +197,7 @@ impl AgentConfig {
             resync_interval: self.resync_interval,
             concurrency: self.apply_concurrency,
             retry_initial: DEFAULT_RETRY_INITIAL,
+            feedback_interval: self.feedback_interval,
         }
     }
 

@@ -1,24 +1,49 @@
-//! Dialling the hub: TCP (directly or through an HTTP CONNECT proxy, from a chosen source
-//! address if asked), then TLS with the agent's client certificate, then HTTP/2 (gRPC).
+//! Dialling the hub on the carrier `--transport` chooses: gRPC (TCP, directly or through an
+//! HTTP CONNECT proxy, from a chosen source address if asked, then TLS with the agent's client
+//! certificate, then HTTP/2), QUIC (UDP, the same mTLS), or `auto`: QUIC first, gRPC when no
+//! QUIC handshake completes within [`QUIC_ATTEMPT_TIMEOUT`] (UDP blocked on the way), with the
+//! choice remembered and QUIC tried again after [`QUIC_RETRY_AFTER`].
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use hyper_util::rt::TokioIo;
+use flotilla_proto::wire::AgentFrame;
+use flotilla_transport::dial::ProxyUrl;
+use flotilla_transport::quic::{QuicClient, QuicSettings};
+use flotilla_transport::{Carrier, Dialed, LinkError};
 use rustls_pki_types::ServerName;
-use tokio_rustls::TlsConnector;
-use tonic::transport::{Channel, Endpoint};
+use tokio::sync::Mutex;
+use tokio::time::Instant;
+use tracing::info;
 
-use crate::proxy::{self, ProxyUrl};
-
-/// How long one dial (TCP, proxy, TLS and HTTP/2 together) may take before it counts as a
-/// failed attempt and the agent backs off: without it a SYN into a black hole waits for the
-/// kernel's retries (minutes).
+/// How long one dial (TCP, proxy, TLS and HTTP/2 together; or the QUIC handshake) may take
+/// before it counts as a failed attempt and the agent backs off: without it a SYN into a black
+/// hole waits for the kernel's retries (minutes).
 pub const DIAL_TIMEOUT: Duration = Duration::from_secs(20);
+/// With `--transport auto`: how long QUIC gets before the agent takes gRPC instead.
+pub const QUIC_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(3);
+/// With `--transport auto`: how long gRPC is used after QUIC failed before QUIC is tried again.
+pub const QUIC_RETRY_AFTER: Duration = Duration::from_secs(600);
+/// Largest frame either side may send on the session (a ManifestWork is at most ~1.5 MiB).
+pub const MAX_FRAME_BYTES: usize = 8 * 1024 * 1024;
 
-/// Everything needed to open a connection to the hub. The identity files are read again for
+/// Which carrier the agent uses (`--transport`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Transport {
+    /// gRPC over HTTP/2 over TLS (TCP). Goes through HTTP CONNECT proxies.
+    Grpc,
+    /// QUIC (UDP) with the same mTLS.
+    Quic,
+    /// QUIC, falling back to gRPC when UDP does not get through (and always gRPC behind a
+    /// proxy).
+    #[default]
+    Auto,
+}
+
+/// Everything needed to open a session with the hub. The identity files are read again for
 /// every connection, so a certificate renewed over the session (or a new CA bundle) is used
 /// from the next connection on without a restart.
 #[derive(Clone)]
@@ -28,12 +53,17 @@ pub struct Dialer {
     cert_dir: PathBuf,
     proxy: Option<ProxyUrl>,
     local_address: Option<IpAddr>,
+    transport: Transport,
+    /// The QUIC endpoint (one UDP socket), made at the first QUIC dial unless given.
+    quic: Arc<Mutex<Option<QuicClient>>>,
+    /// With `auto`: until when gRPC is used without trying QUIC (it failed before).
+    grpc_until: Arc<Mutex<Option<Instant>>>,
 }
 
 impl Dialer {
     /// Checks the identity in `cert_dir` once, so a broken one fails at start.
     pub fn new(hub: &str, server_name: &str, cert_dir: &Path) -> anyhow::Result<Dialer> {
-        tls_connector(cert_dir)?;
+        tls_config(cert_dir)?;
         Ok(Dialer {
             hub: hub.to_string(),
             server_name: ServerName::try_from(server_name.to_string())
@@ -41,6 +71,9 @@ impl Dialer {
             cert_dir: cert_dir.to_path_buf(),
             proxy: None,
             local_address: None,
+            transport: Transport::Grpc,
+            quic: Arc::default(),
+            grpc_until: Arc::default(),
         })
     }
 
@@ -58,42 +91,169 @@ impl Dialer {
         self
     }
 
-    /// Opens one HTTP/2 connection to the hub, within [`DIAL_TIMEOUT`]. Errors carry what
-    /// failed (proxy, TCP or TLS).
-    pub async fn connect(&self) -> anyhow::Result<Channel> {
-        tokio::time::timeout(DIAL_TIMEOUT, self.connect_unbounded())
+    /// Uses `transport` for sessions.
+    pub fn with_transport(mut self, transport: Transport) -> Dialer {
+        self.transport = transport;
+        self
+    }
+
+    /// Uses this QUIC endpoint instead of making one (the load test shares one UDP socket
+    /// among thousands of agents; a test rebinds it under a live session).
+    pub fn with_quic_client(self, client: QuicClient) -> Dialer {
+        *self
+            .quic
+            .try_lock()
+            .expect("a new dialer is not shared yet") = Some(client);
+        self
+    }
+
+    /// The hub's address, as dialled.
+    pub fn hub(&self) -> &str {
+        &self.hub
+    }
+
+    /// Opens a session with the hub, `first` (the hello) being its first frame, within
+    /// [`DIAL_TIMEOUT`].
+    pub async fn connect(&self, first: AgentFrame) -> Result<Dialed, LinkError> {
+        match self.transport {
+            Transport::Grpc => self.grpc(first).await,
+            Transport::Quic => self.quic(first, DIAL_TIMEOUT).await,
+            Transport::Auto => self.auto(first).await,
+        }
+    }
+
+    /// QUIC unless it failed recently or a proxy is in the way; gRPC when QUIC does not get
+    /// through. A TLS or admission refusal over QUIC is returned as is: gRPC would meet the
+    /// same hub and the same answer.
+    async fn auto(&self, first: AgentFrame) -> Result<Dialed, LinkError> {
+        if self.proxy.is_some() {
+            return self.grpc(first).await;
+        }
+        let remembered = *self.grpc_until.lock().await;
+        if remembered.is_some_and(|until| Instant::now() < until) {
+            return self.grpc(first).await;
+        }
+        match self.quic(first.clone(), QUIC_ATTEMPT_TIMEOUT).await {
+            Ok(dialed) => {
+                *self.grpc_until.lock().await = None;
+                Ok(dialed)
+            }
+            Err(e @ LinkError::Tls { .. }) => Err(e),
+            Err(e) => {
+                info!(
+                    hub = %self.hub,
+                    error = %e,
+                    retry_quic_in = ?QUIC_RETRY_AFTER,
+                    "QUIC did not get through (UDP blocked?); using gRPC over TCP"
+                );
+                *self.grpc_until.lock().await = Some(Instant::now() + QUIC_RETRY_AFTER);
+                self.grpc(first).await
+            }
+        }
+    }
+
+    async fn grpc(&self, first: AgentFrame) -> Result<Dialed, LinkError> {
+        let tls = tls_config(&self.cert_dir).map_err(|e| LinkError::Transport(format!("{e:#}")))?;
+        let dial = async {
+            let channel = flotilla_transport::grpc::connect(
+                &self.hub,
+                self.server_name.clone(),
+                tls,
+                self.proxy.as_ref(),
+                self.local_address,
+            )
+            .await?;
+            flotilla_transport::grpc::open_session(channel, MAX_FRAME_BYTES, first).await
+        };
+        tokio::time::timeout(DIAL_TIMEOUT, dial)
             .await
             .map_err(|_| {
-                anyhow::anyhow!(
+                LinkError::TimedOut(format!(
                     "connecting to the hub at {}: no answer within {DIAL_TIMEOUT:?}",
                     self.hub
-                )
+                ))
             })?
     }
 
-    async fn connect_unbounded(&self) -> anyhow::Result<Channel> {
-        let tls = tls_connector(&self.cert_dir)?;
-        let this = self.clone();
-        let connector = tower::service_fn(move |_uri: http::Uri| {
-            let this = this.clone();
-            let tls = tls.clone();
-            async move {
-                let tcp = proxy::dial(&this.hub, this.proxy.as_ref(), this.local_address).await?;
-                let tls = tls.connect(this.server_name.clone(), tcp).await?;
-                Ok::<_, std::io::Error>(TokioIo::new(tls))
-            }
-        });
-        // The URI only names the HTTP/2 authority; the connector above does the dialling (and
-        // the TLS, which is why the scheme says http).
-        let channel = Endpoint::from_shared(format!("http://{}", self.hub))?
-            .connect_with_connector(connector)
+    async fn quic(&self, first: AgentFrame, within: Duration) -> Result<Dialed, LinkError> {
+        if self.proxy.is_some() {
+            return Err(LinkError::Transport(
+                "QUIC cannot go through an HTTP proxy: use --transport grpc (or auto)".into(),
+            ));
+        }
+        let tls = tls_config(&self.cert_dir).map_err(|e| LinkError::Transport(format!("{e:#}")))?;
+        let addr = self.resolve().await?;
+        let client = self.quic_client(addr).await?;
+        let name = server_name_text(&self.server_name);
+        tokio::time::timeout(within, client.open_session(addr, &name, &tls, first))
             .await
-            .with_context(|| format!("connecting to the hub at {}", self.hub))?;
-        Ok(channel)
+            .map_err(|_| {
+                LinkError::TimedOut(format!(
+                    "no QUIC handshake with the hub at {} within {within:?}",
+                    self.hub
+                ))
+            })?
+    }
+
+    async fn quic_client(&self, hub: SocketAddr) -> Result<QuicClient, LinkError> {
+        let mut slot = self.quic.lock().await;
+        if let Some(client) = slot.as_ref() {
+            return Ok(client.clone());
+        }
+        let local = match self.local_address {
+            Some(ip) => SocketAddr::new(ip, 0),
+            None if hub.is_ipv4() => SocketAddr::from(([0, 0, 0, 0], 0)),
+            None => SocketAddr::from(([0u16; 8], 0)),
+        };
+        let client = QuicClient::bind(
+            local,
+            QuicSettings {
+                max_frame_bytes: MAX_FRAME_BYTES,
+                ..QuicSettings::default()
+            },
+        )
+        .map_err(|e| LinkError::Transport(format!("opening a UDP socket for QUIC: {e}")))?;
+        *slot = Some(client.clone());
+        Ok(client)
+    }
+
+    async fn resolve(&self) -> Result<SocketAddr, LinkError> {
+        let mut addrs = tokio::net::lookup_host(&self.hub)
+            .await
+            .map_err(|e| LinkError::Unreachable(format!("resolving {}: {e}", self.hub)))?;
+        addrs
+            .next()
+            .ok_or_else(|| LinkError::Unreachable(format!("{} has no address", self.hub)))
+    }
+
+    /// The carrier the next `auto` dial starts with (for logs and tests).
+    pub async fn preferred(&self) -> Carrier {
+        match self.transport {
+            Transport::Grpc => Carrier::Grpc,
+            Transport::Quic => Carrier::Quic,
+            Transport::Auto => {
+                let grpc = self.proxy.is_some()
+                    || self
+                        .grpc_until
+                        .lock()
+                        .await
+                        .is_some_and(|until| Instant::now() < until);
+                if grpc { Carrier::Grpc } else { Carrier::Quic }
+            }
+        }
     }
 }
 
-fn tls_connector(cert_dir: &Path) -> anyhow::Result<TlsConnector> {
+fn server_name_text(name: &ServerName<'static>) -> String {
+    match name {
+        ServerName::DnsName(d) => d.as_ref().to_string(),
+        ServerName::IpAddress(ip) => IpAddr::from(*ip).to_string(),
+        other => format!("{other:?}"),
+    }
+}
+
+/// The agent's TLS client configuration from its identity directory.
+fn tls_config(cert_dir: &Path) -> anyhow::Result<Arc<rustls::ClientConfig>> {
     let read = |f: &str| {
         let p = cert_dir.join(f);
         std::fs::read(&p).with_context(|| {
@@ -103,12 +263,11 @@ fn tls_connector(cert_dir: &Path) -> anyhow::Result<TlsConnector> {
             )
         })
     };
-    let config = flotilla_transport::tls::client_config(
+    flotilla_transport::tls::client_config(
         &read("ca.crt")?,
         &read("tls.crt")?,
         &read("tls.key")?,
-        &[b"h2"],
+        &[],
     )
-    .with_context(|| format!("the agent's identity in {}", cert_dir.display()))?;
-    Ok(TlsConnector::from(config))
+    .with_context(|| format!("the agent's identity in {}", cert_dir.display()))
 }

@@ -28,7 +28,7 @@ use tracing::{info, warn};
 
 use crate::connect::DIAL_TIMEOUT;
 use crate::identity::{Identity, IdentityError};
-use crate::proxy::{self, ProxyUrl};
+use flotilla_transport::dial::{self as proxy, ProxyUrl};
 
 /// First delay between join attempts after a connection failure; doubles up to
 /// [`JOIN_RETRY_MAX`].

@@ -3,17 +3,20 @@
 //! ManifestWorks it receives to its own cluster, from a durable cache that lets it keep working
 //! while the hub is away.
 //!
-//! * [`session`]: the reconnect loop and the thin driver of the protocol machine.
+//! * [`session`]: the reconnect loop; `driver`: the thin driver of one session's protocol
+//!   machine, on either carrier; [`connect`]: dialling gRPC, QUIC, or QUIC with a fallback;
+//!   [`refusal`]: every way a session fails, in words for the spoke's operator.
 //! * [`cache`]: the durable state behind [`WorkCache`] (sled): works, ledger, status outbox.
 //! * [`reconcile`]: the task that makes the spoke match the cache (start, changes, resync).
 //! * [`apply`]: the apply engine behind [`ApplyTarget`] (kube-rs server-side apply, or an
 //!   in-memory cluster).
-//! * [`status`]: ManifestWork status as OCM shapes it.
+//! * [`status`]: ManifestWork status as OCM shapes it, with [`feedback`] values and
+//!   [`condition_rules`] (CEL through [`cel`]); [`watch`] keeps it current as the applied
+//!   objects change; [`executor`] bounds a work by a ServiceAccount's rights.
 //! * [`claims`]: what the agent reports about its spoke (OCM's ClusterClaims, version, node
 //!   resources), from watches of Nodes and ClusterClaims, sent when it changes.
 //! * [`join`], [`identity`]: joining with a bootstrap token (key made here, CSR sent, CA pinned)
 //!   and the identity on disk, renewed over the session.
-//! * [`proxy`]: dialling through an HTTP CONNECT forward proxy.
 //!
 //! Not for: anything the hub decides, and it links no hub code: what both ends agree on lives in
 //! `flotilla-proto`. The agent opens outbound connections only; it never listens.
@@ -21,15 +24,22 @@
 
 pub mod apply;
 pub mod cache;
+pub mod cel;
 pub mod claims;
+pub mod condition_rules;
 pub mod config;
 pub mod connect;
+mod driver;
+pub mod executor;
+pub mod feedback;
 pub mod identity;
 pub mod join;
-pub mod proxy;
+pub mod jsonpath;
 pub mod reconcile;
+pub mod refusal;
 pub mod session;
 pub mod status;
+pub mod watch;
 
 pub use apply::{ApplyTarget, KubeApplyTarget, MemoryCluster};
 pub use cache::{SledCache, SledCacheDb, WorkCache};

@@ -49,6 +49,7 @@ struct JoinArgs {
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     init_tracing();
+    warn_retired_variables();
     match cli.command {
         Command::Run(config) => {
             let runtime = tokio::runtime::Runtime::new()?;
@@ -109,10 +110,29 @@ fn init_tracing() {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        // Colours for a terminal only: log files and collectors get plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     if std::env::var("FLOTILLA_LOG_FORMAT").as_deref() == Ok("json") {
         builder.json().init();
     } else {
         builder.init();
+    }
+}
+
+/// Variables an earlier release read, and that now mean the hub's settings to `flotilla-hub`:
+/// on a box that runs both, an exported one could have pointed the agent at the hub's
+/// apiserver. They are ignored; say so.
+fn warn_retired_variables() {
+    for (old, new) in [
+        (
+            "FLOTILLA_KUBECONFIG",
+            "FLOTILLA_AGENT_KUBECONFIG (the spoke's kubeconfig)",
+        ),
+        ("FLOTILLA_DATA_DIR", "FLOTILLA_AGENT_DATA_DIR"),
+    ] {
+        if std::env::var_os(old).is_some() {
+            tracing::warn!("{old} is set but no longer read by the agent; use {new}");
+        }
     }
 }

@@ -1,21 +1,27 @@
 //! ManifestWork status as OCM's work agent shapes it, built from what applying a work did.
 //!
-//! `status.conditions` has `Applied`, `Available` and `Degraded` with the generation they were
-//! computed for; `status.resourceStatus.manifests[]` has one entry per manifest (by ordinal)
-//! with its resolved `resourceMeta` and its own `Applied` and `Available` conditions. Building is
+//! `status.conditions` has `Applied`, `Progressing`, `Available` and `Degraded` with the
+//! generation they were computed for, and one condition per type the manifests' condition rules
+//! set (`Complete` among them); `status.resourceStatus.manifests[]` has one entry per manifest
+//! (by ordinal) with its resolved `resourceMeta`, its own `Applied` and `Available` conditions,
+//! its `statusFeedback` values with `StatusFeedbackSynced`, and its rule conditions. Building is
 //! pure: the caller passes `now`, and [`carry_transition_times`] keeps the previous status's
 //! `lastTransitionTime` wherever a condition's status did not change, so that an unchanged
 //! status compares equal and is never sent twice.
 
 use flotilla_proto::api::conditions::{
-    ConditionStatus, WORK_APPLIED, WORK_AVAILABLE, WORK_DEGRADED, set_condition,
+    ConditionStatus, STATUS_FEEDBACK_SYNCED, WORK_APPLIED, WORK_AVAILABLE, WORK_COMPLETE,
+    WORK_DEGRADED, WORK_DELETING, WORK_PROGRESSING, set_condition,
 };
 use flotilla_proto::api::{
     ManifestCondition, ManifestResourceMeta, ManifestResourceStatus, ManifestWorkStatus,
+    StatusFeedbackResult,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
 use crate::apply::{Availability, ManifestOutcome};
+use crate::condition_rules::{self, RULE_REASON_PREFIX};
+use crate::feedback::{self, ObjectKind};
 
 /// Longest condition message, in bytes: metav1 validation refuses longer ones (32 KiB).
 pub const MAX_CONDITION_MESSAGE: usize = 32 * 1024;
@@ -30,7 +36,10 @@ pub fn work_status(
     sorted.sort_by_key(|o| o.meta.ordinal);
     let total = sorted.len();
 
-    let manifests = sorted.iter().map(|o| manifest_condition(o, now)).collect();
+    let manifests: Vec<ManifestCondition> = sorted
+        .iter()
+        .map(|o| manifest_condition(o, generation, now))
+        .collect();
 
     let failures: Vec<String> = sorted
         .iter()
@@ -80,6 +89,33 @@ pub fn work_status(
             &message,
         );
     }
+    // Progressing: still applying or waiting for resources to exist; done (Completed) or
+    // stopped by a failure (Failed) otherwise. OCM's reasons.
+    if !failures.is_empty() {
+        set(
+            WORK_PROGRESSING,
+            ConditionStatus::False,
+            "Failed",
+            &format!("{} of {total} manifests failed to apply", failures.len()),
+        );
+    } else if missing + unknown > 0 {
+        set(
+            WORK_PROGRESSING,
+            ConditionStatus::True,
+            "Applying",
+            &format!(
+                "{} of {total} resources are not available yet",
+                missing + unknown
+            ),
+        );
+    } else {
+        set(
+            WORK_PROGRESSING,
+            ConditionStatus::False,
+            "Completed",
+            "All resources are applied and available",
+        );
+    }
     if missing > 0 {
         let message = format!("{missing} of {total} resources are not available");
         set(
@@ -119,10 +155,85 @@ pub fn work_status(
             &failures.join("; "),
         );
     }
+    for (type_, status, reason, message) in aggregate_rule_conditions(&manifests) {
+        set(&type_, status, reason, &message);
+    }
     ManifestWorkStatus {
         conditions,
         resource_status: ManifestResourceStatus { manifests },
     }
+}
+
+/// Work conditions from the manifests' rule conditions, one per condition type: `True` when
+/// every manifest with a rule for it is `True`, `False` when any is `False`, else `Unknown`.
+/// `Complete` is OCM's: the work is complete when every completable manifest is.
+fn aggregate_rule_conditions(
+    manifests: &[ManifestCondition],
+) -> Vec<(String, ConditionStatus, &'static str, String)> {
+    let mut types: Vec<String> = Vec::new();
+    for m in manifests {
+        for c in &m.conditions {
+            if c.reason.starts_with(RULE_REASON_PREFIX) && !types.contains(&c.type_) {
+                types.push(c.type_.clone());
+            }
+        }
+    }
+    types
+        .into_iter()
+        .map(|type_| {
+            let statuses: Vec<&str> = manifests
+                .iter()
+                .filter_map(|m| {
+                    m.conditions
+                        .iter()
+                        .find(|c| c.type_ == type_ && c.reason.starts_with(RULE_REASON_PREFIX))
+                })
+                .map(|c| c.status.as_str())
+                .collect();
+            let n = statuses.len();
+            let yes = statuses.iter().filter(|s| **s == "True").count();
+            let status = if yes == n {
+                ConditionStatus::True
+            } else if statuses.contains(&"False") {
+                ConditionStatus::False
+            } else {
+                ConditionStatus::Unknown
+            };
+            let complete = type_ == WORK_COMPLETE;
+            let reason = match (complete, status) {
+                (true, ConditionStatus::True) => "ManifestsComplete",
+                (true, _) => "ManifestsNotComplete",
+                (false, _) => "ConditionRulesAggregated",
+            };
+            let message = if complete {
+                format!("{yes} of {n} completable manifests are complete")
+            } else {
+                format!("{yes} of {n} manifests with a {type_} rule are {type_}")
+            };
+            (type_, status, reason, message)
+        })
+        .collect()
+}
+
+/// The status of a deleted work whose resources are still being removed: the last status, with
+/// `Deleting=True` (OCM's reason and message) saying how many remain.
+pub fn deleting_status(
+    previous: Option<ManifestWorkStatus>,
+    generation: i64,
+    remaining: usize,
+    now: &Time,
+) -> ManifestWorkStatus {
+    let mut status = previous.unwrap_or_default();
+    set_condition(
+        &mut status.conditions,
+        WORK_DELETING,
+        ConditionStatus::True,
+        "WorkDeleting",
+        &format!("ManifestWork is being deleted; {remaining} resources are not removed yet"),
+        Some(generation),
+        now.clone(),
+    );
+    status
 }
 
 /// The status of a work the agent would not hold (too large, not a ManifestWork): nothing was
@@ -212,16 +323,20 @@ pub fn manifest_label(meta: &ManifestResourceMeta) -> String {
     }
 }
 
-fn manifest_condition(outcome: &ManifestOutcome, now: &Time) -> ManifestCondition {
+fn manifest_condition(outcome: &ManifestOutcome, generation: i64, now: &Time) -> ManifestCondition {
     let mut conditions = Vec::new();
-    let mut set = |type_: &str, status: ConditionStatus, reason: &str, message: &str| {
+    let mut set = |type_: &str,
+                   status: ConditionStatus,
+                   reason: &str,
+                   message: &str,
+                   observed: Option<i64>| {
         set_condition(
             &mut conditions,
             type_,
             status,
             reason,
             &bounded(message),
-            None,
+            observed,
             now.clone(),
         );
     };
@@ -231,12 +346,14 @@ fn manifest_condition(outcome: &ManifestOutcome, now: &Time) -> ManifestConditio
             ConditionStatus::True,
             "AppliedManifestComplete",
             "Apply manifest complete",
+            None,
         ),
         Err(failure) => set(
             WORK_APPLIED,
             ConditionStatus::False,
-            "AppliedManifestFailed",
+            failure.reason,
             &failure.message,
+            None,
         ),
     }
     match &outcome.available {
@@ -245,23 +362,61 @@ fn manifest_condition(outcome: &ManifestOutcome, now: &Time) -> ManifestConditio
             ConditionStatus::True,
             "ResourceAvailable",
             "Resource is available",
+            None,
         ),
         Availability::Missing => set(
             WORK_AVAILABLE,
             ConditionStatus::False,
             "ResourceNotAvailable",
             "Resource is not available",
+            None,
         ),
         Availability::Unknown(why) => set(
             WORK_AVAILABLE,
             ConditionStatus::Unknown,
             "ResourceStatusUnknown",
             why,
+            None,
         ),
+    }
+    let mut status_feedback = StatusFeedbackResult::default();
+    // Feedback and rules read the object; a missing object has neither (as in OCM).
+    if let (Some(object), Availability::Exists) = (&outcome.object, &outcome.available) {
+        let meta = &outcome.meta;
+        let kind = ObjectKind {
+            group: &meta.group,
+            version: &meta.version,
+            kind: &meta.kind,
+        };
+        if !outcome.rules.feedback.is_empty() {
+            let read = feedback::read(object, kind, &outcome.rules.feedback);
+            if read.problems.is_empty() {
+                set(
+                    STATUS_FEEDBACK_SYNCED,
+                    ConditionStatus::True,
+                    "StatusFeedbackSynced",
+                    "",
+                    None,
+                );
+            } else {
+                set(
+                    STATUS_FEEDBACK_SYNCED,
+                    ConditionStatus::False,
+                    "StatusFeedbackSyncFailed",
+                    &format!("Sync status feedback failed: {}", read.problems.join("; ")),
+                    None,
+                );
+            }
+            status_feedback.values = read.values;
+        }
+        for c in condition_rules::evaluate(object, kind, &outcome.rules.conditions) {
+            // OCM stamps rule conditions with the work generation they were computed for.
+            set(&c.type_, c.status, c.reason, &c.message, Some(generation));
+        }
     }
     ManifestCondition {
         resource_meta: outcome.meta.clone(),
-        status_feedback: Default::default(),
+        status_feedback,
         conditions,
     }
 }
@@ -282,8 +437,10 @@ fn bounded(message: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::apply::ManifestFailure;
+    use crate::apply::{ManifestFailure, StatusRules};
+    use flotilla_proto::api::{ConditionRule, FeedbackRule, FeedbackType};
     use k8s_openapi::jiff::Timestamp;
+    use serde_json::json;
 
     fn at(second: i64) -> Time {
         Time(Timestamp::from_second(second).unwrap())
@@ -316,8 +473,12 @@ mod tests {
             applied: applied.map_err(|m| ManifestFailure {
                 message: m.into(),
                 retryable: false,
+                reason: "AppliedManifestFailed",
             }),
             available,
+            object: None,
+            rules: StatusRules::default(),
+            owned: true,
         }
     }
 
@@ -374,6 +535,7 @@ mod tests {
             ],
             &[
                 "Applied True AppliedManifestWorkComplete: Apply manifest work complete",
+                "Progressing False Completed: All resources are applied and available",
                 "Available True ResourcesAvailable: All resources are available",
                 "Degraded False ManifestsApplied: All manifests are applied",
                 "#0 Applied True AppliedManifestComplete: Apply manifest complete",
@@ -398,6 +560,7 @@ mod tests {
             ],
             &[
                 "Applied False AppliedManifestWorkFailed: Failed to apply manifest work: 1 of 2 manifests failed",
+                "Progressing False Failed: 1 of 2 manifests failed to apply",
                 "Available False ResourcesNotAvailable: 1 of 2 resources are not available",
                 "Degraded True ManifestsFailed: manifest #1 (apps/v1 Deployment default/web): Deployment.apps \"web\" is invalid: spec.replicas: Invalid value: -1",
                 "#0 Applied True AppliedManifestComplete: Apply manifest complete",
@@ -419,6 +582,7 @@ mod tests {
             )],
             &[
                 "Applied False AppliedManifestWorkFailed: Failed to apply manifest work: 1 of 1 manifests failed",
+                "Progressing False Failed: 1 of 1 manifests failed to apply",
                 "Available True ResourcesAvailable: All resources are available",
                 "Degraded True ManifestsFailed: manifest #0 (v1 ConfigMap default/cfg): conflict",
                 "#0 Applied False AppliedManifestFailed: conflict",
@@ -446,6 +610,7 @@ mod tests {
             ],
             &[
                 "Applied False AppliedManifestWorkFailed: Failed to apply manifest work: 2 of 2 manifests failed",
+                "Progressing False Failed: 2 of 2 manifests failed to apply",
                 "Available Unknown ResourcesStatusUnknown: 2 of 2 resources have unknown status",
                 "Degraded True ManifestsFailed: manifest #0 (v1 default/my-sa): manifest has no kind; manifest #1 (example.com/v1 Widget w): the spoke cluster serves no kind Widget in example.com/v1: gone",
                 "#0 Applied False AppliedManifestFailed: manifest has no kind",
@@ -532,6 +697,109 @@ mod tests {
         let mut next_gen = work_status(2, &outcomes, &at(400));
         carry_transition_times(&first, &mut next_gen);
         assert_ne!(first, next_gen);
+    }
+
+    fn job(name: &str, complete: bool) -> ManifestOutcome {
+        let mut o = outcome(
+            0,
+            &format!("batch/v1 Job default/{name}"),
+            Ok(()),
+            Availability::Exists,
+        );
+        o.object = Some(
+            json!({"status": {"succeeded": u8::from(complete), "conditions": [
+                {"type": "Complete", "status": if complete { "True" } else { "False" }}
+            ]}}),
+        );
+        o.rules = StatusRules {
+            feedback: vec![FeedbackRule {
+                type_: FeedbackType::WellKnownStatus,
+                json_paths: Vec::new(),
+            }],
+            conditions: vec![ConditionRule {
+                type_: "WellKnownConditions".into(),
+                ..ConditionRule::default()
+            }],
+        };
+        o
+    }
+
+    #[test]
+    fn feedback_and_rule_conditions_reach_the_manifest_and_complete_the_work() {
+        let mut second = job("b", false);
+        second.meta.ordinal = 1;
+        let status = work_status(4, &[job("a", true), second.clone()], &at(10));
+        let lines = summary(&status);
+        assert!(
+            lines.contains(
+                &"Complete False ManifestsNotComplete: 1 of 2 completable manifests are complete"
+                    .to_string()
+            ),
+            "{lines:#?}"
+        );
+        assert!(lines.contains(&"#0 StatusFeedbackSynced True StatusFeedbackSynced: ".to_string()));
+        assert!(
+            lines.contains(&"#0 Complete True ConditionRuleEvaluated: Job is finished".to_string())
+        );
+        assert!(lines.contains(
+            &"#1 Complete False ConditionRuleEvaluated: Job is not finished".to_string()
+        ));
+        let values = &status.resource_status.manifests[0].status_feedback.values;
+        assert_eq!(values[0].name, "JobComplete");
+        assert_eq!(values[0].field_value.string.as_deref(), Some("True"));
+        assert_eq!(values[1].field_value.integer, Some(1));
+        let rule_condition = status.resource_status.manifests[0]
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Complete")
+            .unwrap();
+        assert_eq!(rule_condition.observed_generation, Some(4));
+
+        second.object = job("b", true).object;
+        let done = work_status(4, &[job("a", true), second], &at(10));
+        assert!(
+            summary(&done).contains(
+                &"Complete True ManifestsComplete: 2 of 2 completable manifests are complete"
+                    .to_string()
+            ),
+        );
+        // A missing object has no feedback and no rule conditions.
+        let mut gone = job("a", true);
+        gone.available = Availability::Missing;
+        let status = work_status(4, &[gone], &at(10));
+        assert!(
+            status.resource_status.manifests[0]
+                .status_feedback
+                .values
+                .is_empty()
+        );
+        assert!(
+            summary(&status)
+                .iter()
+                .all(|l| !l.starts_with("Complete") && !l.starts_with("#0 Complete")),
+            "{:?}",
+            summary(&status)
+        );
+    }
+
+    #[test]
+    fn a_work_being_deleted_says_so() {
+        let applied = work_status(3, &[job("a", true)], &at(10));
+        let deleting = deleting_status(Some(applied), 3, 2, &at(20));
+        let c = deleting
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Deleting")
+            .unwrap();
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str(), c.message.as_str()),
+            (
+                "True",
+                "WorkDeleting",
+                "ManifestWork is being deleted; 2 resources are not removed yet"
+            )
+        );
+        assert!(deleting.conditions.iter().any(|c| c.type_ == "Applied"));
     }
 
     #[test]

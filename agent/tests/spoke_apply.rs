@@ -438,6 +438,7 @@ async fn with_no_hub_the_cache_is_applied_at_start_and_the_resync_repairs_drift(
             resync_interval: Duration::from_secs(2),
             concurrency: 2,
             retry_initial: Duration::from_millis(200),
+            ..ReconcilerConfig::default()
         },
         Arc::clone(&outbox_changed),
         Box::new(NoJitter),
@@ -488,6 +489,534 @@ async fn with_no_hub_the_cache_is_applied_at_start_and_the_resync_repairs_drift(
     })
     .await?;
 
+    let _ = stop.send(());
+    task.await?;
+    drop(spoke.env);
+    Ok(())
+}
+
+/// A work with `manifests` and `manifestConfigs` (and more of its spec, e.g. an executor).
+fn configured_work(manifests: Vec<Value>, configs: Value, extra: Value) -> ManifestWork {
+    let mut spec = json!({"workload": {"manifests": manifests}, "manifestConfigs": configs});
+    if let Value::Object(more) = extra {
+        for (k, v) in more {
+            spec[k] = v;
+        }
+    }
+    serde_json::from_value(json!({
+        "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
+        "metadata": {"name": "configured", "namespace": "cluster1"},
+        "spec": spec,
+    }))
+    .expect("a ManifestWork")
+}
+
+fn config_for(resource: &str, group: &str, name: &str, rest: Value) -> Value {
+    let mut c = json!({"resourceIdentifier": {"group": group, "resource": resource, "namespace": "default", "name": name}});
+    if let Value::Object(more) = rest {
+        for (k, v) in more {
+            c[k] = v;
+        }
+    }
+    c
+}
+
+fn data(cm: &ConfigMap, key: &str) -> Option<String> {
+    cm.data.as_ref()?.get(key).cloned()
+}
+
+fn manifest_status(
+    status: &ManifestWorkStatus,
+    name: &str,
+) -> flotilla_proto::api::ManifestCondition {
+    status
+        .resource_status
+        .manifests
+        .iter()
+        .find(|m| m.resource_meta.name == name)
+        .cloned()
+        .unwrap_or_else(|| panic!("no manifest {name} in {status:?}"))
+}
+
+fn applied_condition(status: &ManifestWorkStatus, name: &str) -> (String, String, String) {
+    let m = manifest_status(status, name);
+    let c = find_condition(&m.conditions, WORK_APPLIED).expect("an Applied condition");
+    (c.status.clone(), c.reason.clone(), c.message.clone())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn update_create_only_and_read_only_do_what_ocm_says() -> anyhow::Result<()> {
+    trace_init();
+    let spoke = Spoke::start().await?;
+    let cms: Api<ConfigMap> = spoke.api();
+    // Made by someone else; the work only observes it.
+    cms.create(
+        &Default::default(),
+        &serde_json::from_value(
+            json!({"metadata": {"name": "observed"}, "data": {"owner": "spoke"}}),
+        )?,
+    )
+    .await?;
+    let cm = |name: &str, value: &str| {
+        json!({"apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": "default", "labels": {"from": "hub"}}, "data": {"v": value}})
+    };
+    let configs = json!([
+        config_for(
+            "configmaps",
+            "",
+            "upd",
+            json!({"updateStrategy": {"type": "Update"}})
+        ),
+        config_for(
+            "configmaps",
+            "",
+            "once",
+            json!({"updateStrategy": {"type": "CreateOnly"}})
+        ),
+        config_for(
+            "configmaps",
+            "",
+            "observed",
+            json!({"updateStrategy": {"type": "ReadOnly"}})
+        ),
+    ]);
+    let at = |v: &str| {
+        configured_work(
+            vec![cm("upd", v), cm("once", v), cm("observed", v)],
+            configs.clone(),
+            Value::Null,
+        )
+    };
+    spoke.put("w", 1, &at("1"))?;
+    spoke.reconcile("w").await?;
+    assert_eq!(data(&cms.get("upd").await?, "v").as_deref(), Some("1"));
+    assert_eq!(data(&cms.get("once").await?, "v").as_deref(), Some("1"));
+    assert_eq!(
+        data(&cms.get("observed").await?, "owner").as_deref(),
+        Some("spoke"),
+        "ReadOnly never writes"
+    );
+    let status = spoke.status("w")?;
+    assert_eq!(condition(&status, WORK_APPLIED).0, "True", "{status:?}");
+
+    // Someone labels the Update object on the spoke; a new generation replaces the data and
+    // keeps their label; CreateOnly keeps what it created.
+    cms.patch(
+        "upd",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"metadata": {"labels": {"team": "ops"}}})),
+    )
+    .await?;
+    spoke.put("w", 2, &at("2"))?;
+    spoke.reconcile("w").await?;
+    let upd = cms.get("upd").await?;
+    assert_eq!(data(&upd, "v").as_deref(), Some("2"));
+    let labels = upd.metadata.labels.unwrap_or_default();
+    assert_eq!(
+        (labels["from"].as_str(), labels["team"].as_str()),
+        ("hub", "ops")
+    );
+    assert!(
+        upd.metadata
+            .managed_fields
+            .unwrap_or_default()
+            .iter()
+            .any(|m| m.operation.as_deref() == Some("Update")),
+        "written with an update call"
+    );
+    assert_eq!(
+        data(&cms.get("once").await?, "v").as_deref(),
+        Some("1"),
+        "CreateOnly never updates"
+    );
+
+    // Deleting the work deletes what it owns, never the ReadOnly object.
+    spoke.cache.mark_deleting("w")?;
+    assert!(spoke.reconcile("w").await?.forgotten);
+    assert!(cms.get_opt("upd").await?.is_none());
+    assert!(cms.get_opt("once").await?.is_none());
+    assert!(
+        cms.get_opt("observed").await?.is_some(),
+        "ReadOnly is never deleted"
+    );
+    drop(spoke.env);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_side_apply_conflicts_name_the_other_manager_and_ignore_fields_keep_spoke_changes()
+-> anyhow::Result<()> {
+    trace_init();
+    let spoke = Spoke::start().await?;
+    let deployments: Api<Deployment> = spoke.api();
+    let mut web = seed_work().spec.workload.manifests[1].0.clone();
+    web["metadata"]["name"] = json!("web");
+    // An HPA-like controller owns the replicas.
+    let mut theirs = web.clone();
+    theirs["spec"] = json!({"replicas": 5, "selector": web["spec"]["selector"], "template": web["spec"]["template"]});
+    deployments
+        .patch(
+            "web",
+            &PatchParams::apply("autoscaler"),
+            &Patch::Apply(&theirs),
+        )
+        .await?;
+    let ssa = |force: bool| {
+        configured_work(
+            vec![web.clone()],
+            json!([config_for(
+                "deployments",
+                "apps",
+                "web",
+                json!({"updateStrategy": {
+                "type": "ServerSideApply", "serverSideApply": {"force": force}}})
+            )]),
+            Value::Null,
+        )
+    };
+    spoke.put("ssa", 1, &ssa(false))?;
+    let r = spoke.reconcile("ssa").await?;
+    assert!(
+        !r.retry,
+        "a conflict is not retried without a change to the work"
+    );
+    let (status, reason, message) = applied_condition(&spoke.status("ssa")?, "web");
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("False", "ApplyConflict")
+    );
+    assert!(
+        message.contains("autoscaler"),
+        "names the other manager: {message}"
+    );
+    assert!(message.contains(".spec.replicas"), "{message}");
+    assert_eq!(
+        deployments.get("web").await?.spec.unwrap().replicas,
+        Some(5)
+    );
+
+    // force takes the field over, as work-agent (OCM's default manager).
+    spoke.put("ssa", 2, &ssa(true))?;
+    spoke.reconcile("ssa").await?;
+    assert_eq!(applied_condition(&spoke.status("ssa")?, "web").0, "True");
+    let d = deployments.get("web").await?;
+    assert_eq!(d.spec.as_ref().unwrap().replicas, Some(3));
+    let managers: Vec<String> = d
+        .metadata
+        .managed_fields
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|m| m.manager)
+        .collect();
+    assert!(managers.contains(&"work-agent".to_string()), "{managers:?}");
+
+    // ignoreFields OnSpokePresent: the spoke's replicas stay, the rest follows the hub.
+    let ignoring = |image: &str| {
+        let mut m = web.clone();
+        m["spec"]["template"]["spec"]["containers"][0]["image"] = json!(image);
+        configured_work(
+            vec![m],
+            json!([config_for(
+                "deployments",
+                "apps",
+                "web",
+                json!({"updateStrategy": {
+                "type": "ServerSideApply", "serverSideApply": {"force": true,
+                    "ignoreFields": [{"condition": "OnSpokePresent", "jsonPaths": [".spec.replicas"]}]}}})
+            )]),
+            Value::Null,
+        )
+    };
+    spoke.put("ssa", 3, &ignoring("nginx:1.14.2"))?;
+    spoke.reconcile("ssa").await?;
+    deployments
+        .patch(
+            "web",
+            &PatchParams::apply("autoscaler").force(),
+            &Patch::Apply(json!({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "web"}, "spec": {"replicas": 7}})),
+        )
+        .await?;
+    spoke.reconcile("ssa").await?;
+    assert_eq!(
+        deployments.get("web").await?.spec.unwrap().replicas,
+        Some(7),
+        "resync keeps the spoke's replicas"
+    );
+    spoke.put("ssa", 4, &ignoring("nginx:1.25.3"))?;
+    spoke.reconcile("ssa").await?;
+    let d = deployments.get("web").await?;
+    assert_eq!(image(&d), "nginx:1.25.3", "the hub's change is applied");
+    assert_eq!(
+        d.spec.unwrap().replicas,
+        Some(7),
+        "the ignored field is not"
+    );
+    assert_eq!(applied_condition(&spoke.status("ssa")?, "web").0, "True");
+    drop(spoke.env);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_executor_lacking_a_permission_is_refused_for_that_manifest_only() -> anyhow::Result<()>
+{
+    use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+    trace_init();
+    let spoke = Spoke::start().await?;
+    let sas: Api<ServiceAccount> = spoke.api();
+    sas.create(
+        &Default::default(),
+        &serde_json::from_value(json!({"metadata": {"name": "deployer"}}))?,
+    )
+    .await?;
+    // ConfigMaps yes, Secrets no.
+    let roles: Api<Role> = spoke.api();
+    roles
+        .create(
+            &Default::default(),
+            &serde_json::from_value(json!({"metadata": {"name": "configmaps"}, "rules": [{
+                "apiGroups": [""], "resources": ["configmaps"],
+                "verbs": ["create", "update", "patch", "get", "delete"]}]}))?,
+        )
+        .await?;
+    let bindings: Api<RoleBinding> = spoke.api();
+    bindings
+        .create(
+            &Default::default(),
+            &serde_json::from_value(json!({"metadata": {"name": "deployer"},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "configmaps"},
+                "subjects": [{"kind": "ServiceAccount", "name": "deployer", "namespace": "default"}]}))?,
+        )
+        .await?;
+    let secret = json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "token", "namespace": "default"}, "stringData": {"k": "v"}});
+    let mw = configured_work(
+        vec![configmap("allowed"), secret],
+        json!([]),
+        json!({"executor": {"subject": {"type": "ServiceAccount", "serviceAccount": {"namespace": "default", "name": "deployer"}}}}),
+    );
+    spoke.put("exec", 1, &mw)?;
+    let r = spoke.reconcile("exec").await?;
+    assert!(
+        r.retry,
+        "a missing right may be granted later: retried with backoff"
+    );
+    let cms: Api<ConfigMap> = spoke.api();
+    assert!(cms.get_opt("allowed").await?.is_some());
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> = spoke.api();
+    assert!(
+        secrets.get_opt("token").await?.is_none(),
+        "nothing written beyond the executor's rights"
+    );
+    let status = spoke.status("exec")?;
+    assert_eq!(applied_condition(&status, "allowed").0, "True");
+    let (applied, reason, message) = applied_condition(&status, "token");
+    assert_eq!(
+        (applied.as_str(), reason.as_str()),
+        ("False", "AppliedManifestFailed")
+    );
+    assert_eq!(
+        message,
+        "executor ServiceAccount default/deployer may not create secrets default/token; grant it create, update, patch, get, delete on secrets in namespace default"
+    );
+    assert_eq!(condition(&status, WORK_APPLIED).0, "False");
+    drop(spoke.env);
+    Ok(())
+}
+
+/// The reconciler task with a short feedback interval, on `spoke`.
+fn start_reconciler(
+    spoke: &Spoke,
+) -> (
+    Arc<Notify>,
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+) {
+    let outbox_changed = Arc::new(Notify::new());
+    let (reconciler, _handle) = Reconciler::new(
+        Arc::clone(&spoke.cache),
+        spoke.target.clone(),
+        ReconcilerConfig {
+            resync_interval: Duration::from_secs(3600),
+            feedback_interval: Duration::from_millis(300),
+            ..ReconcilerConfig::default()
+        },
+        Arc::clone(&outbox_changed),
+        Box::new(NoJitter),
+    );
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(reconciler.run(async {
+        let _ = stopped.await;
+    }));
+    (outbox_changed, stop, task)
+}
+
+fn feedback_value(status: &ManifestWorkStatus, manifest: &str, name: &str) -> Option<Value> {
+    let m = manifest_status(status, manifest);
+    let v = m.status_feedback.values.iter().find(|v| v.name == name)?;
+    serde_json::to_value(&v.field_value).ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn feedback_and_condition_rules_follow_status_written_on_the_spoke() -> anyhow::Result<()> {
+    use k8s_openapi::api::batch::v1::Job;
+    trace_init();
+    let spoke = Spoke::start().await?;
+    let mut web = seed_work().spec.workload.manifests[1].0.clone();
+    web["metadata"]["name"] = json!("web");
+    let job = |label: &str| {
+        json!({"apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"name": "migrate", "namespace": "default", "labels": {"step": label}},
+        "spec": {"template": {"spec": {"restartPolicy": "Never",
+            "containers": [{"name": "m", "image": "busybox"}]}}}})
+    };
+    let configs = json!([
+        config_for(
+            "deployments",
+            "apps",
+            "web",
+            json!({
+                "feedbackRules": [
+                    {"type": "WellKnownStatus"},
+                    {"type": "JSONPaths", "jsonPaths": [{"name": "isAvailable", "path": ".status.conditions[?(@.type==\"Available\")].status"}]},
+                ],
+                "conditionRules": [{"type": "CEL", "condition": "AllReplicasReady",
+                    "celExpressions": ["object.status.readyReplicas == object.spec.replicas"],
+                    "messageExpression": "result ? 'all ' + string(object.status.readyReplicas) + ' ready' : 'waiting'"}],
+            })
+        ),
+        config_for(
+            "jobs",
+            "batch",
+            "migrate",
+            json!({
+                "conditionRules": [{"type": "WellKnownConditions"}],
+                "feedbackRules": [{"type": "WellKnownStatus"}],
+            })
+        ),
+    ]);
+    let work_at =
+        |label: &str| configured_work(vec![web.clone(), job(label)], configs.clone(), Value::Null);
+    spoke.put("fb", 1, &work_at("one"))?;
+    let (outbox, stop, task) = start_reconciler(&spoke);
+    let status_where =
+        |what: &'static str, check: Box<dyn Fn(&ManifestWorkStatus) -> bool + Send + Sync>| {
+            let spoke = &spoke;
+            let outbox = &outbox;
+            async move {
+                let deadline = Instant::now() + Duration::from_secs(30);
+                loop {
+                    if let Ok(s) = spoke.status("fb")
+                        && check(&s)
+                    {
+                        return Ok::<_, anyhow::Error>(s);
+                    }
+                    anyhow::ensure!(Instant::now() < deadline, "timed out waiting for {what}");
+                    let _ =
+                        tokio::time::timeout(Duration::from_millis(500), outbox.notified()).await;
+                }
+            }
+        };
+    let first = status_where(
+        "the first status",
+        Box::new(|s| condition(s, WORK_APPLIED).0 == "True"),
+    )
+    .await?;
+    assert_eq!(
+        manifest_status(&first, "web").status_feedback.values.len(),
+        0,
+        "no status written yet"
+    );
+
+    // A controller reports the Deployment ready, as the kube-controller-manager would.
+    let deployments: Api<Deployment> = spoke.api();
+    deployments
+        .patch_status(
+            "web",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"replicas": 3, "readyReplicas": 3, "availableReplicas": 3,
+                "conditions": [{"type": "Available", "status": "True", "reason": "MinimumReplicasAvailable",
+                    "lastUpdateTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}})),
+        )
+        .await?;
+    let ready = status_where(
+        "feedback from the Deployment",
+        Box::new(|s| feedback_value(s, "web", "ReadyReplicas").is_some()),
+    )
+    .await?;
+    assert_eq!(
+        feedback_value(&ready, "web", "ReadyReplicas"),
+        Some(json!({"type": "Integer", "integer": 3}))
+    );
+    assert_eq!(
+        feedback_value(&ready, "web", "AvailableReplicas"),
+        Some(json!({"type": "Integer", "integer": 3}))
+    );
+    assert_eq!(
+        feedback_value(&ready, "web", "isAvailable"),
+        Some(json!({"type": "String", "string": "True"}))
+    );
+    let web_status = manifest_status(&ready, "web");
+    let rule = find_condition(&web_status.conditions, "AllReplicasReady")
+        .expect("the CEL rule's condition");
+    assert_eq!(
+        (
+            rule.status.as_str(),
+            rule.reason.as_str(),
+            rule.message.as_str()
+        ),
+        ("True", "ConditionRuleEvaluated", "all 3 ready")
+    );
+    assert_eq!(
+        condition(&ready, "AllReplicasReady").0,
+        "True",
+        "aggregated on the work"
+    );
+    assert_eq!(
+        condition(&ready, "Complete").0,
+        "False",
+        "the Job has not finished"
+    );
+
+    // The Job finishes: Complete on the manifest and the work; later updates leave it alone.
+    let jobs: Api<Job> = spoke.api();
+    jobs.patch_status(
+        "migrate",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"status": {"startTime": "2026-01-01T00:00:00Z", "completionTime": "2026-01-01T00:01:00Z",
+            "succeeded": 1, "conditions": [
+                {"type": "SuccessCriteriaMet", "status": "True", "lastProbeTime": "2026-01-01T00:01:00Z", "lastTransitionTime": "2026-01-01T00:01:00Z"},
+                {"type": "Complete", "status": "True", "lastProbeTime": "2026-01-01T00:01:00Z", "lastTransitionTime": "2026-01-01T00:01:00Z"}]}})),
+    )
+    .await?;
+    let complete = status_where(
+        "the work Complete",
+        Box::new(|s| condition(s, "Complete").0 == "True"),
+    )
+    .await?;
+    let (_, reason, message) = condition(&complete, "Complete");
+    assert_eq!(
+        (reason.as_str(), message.as_str()),
+        (
+            "ManifestsComplete",
+            "1 of 1 completable manifests are complete"
+        )
+    );
+    let migrate = manifest_status(&complete, "migrate");
+    let c = find_condition(&migrate.conditions, "Complete").unwrap();
+    assert_eq!(
+        (c.status.as_str(), c.message.as_str()),
+        ("True", "Job is finished")
+    );
+
+    // A new generation, reconciled as the session driver's call would have it.
+    spoke.put("fb", 2, &work_at("two"))?;
+    spoke.reconcile("fb").await?;
+    let j = jobs.get("migrate").await?;
+    assert_eq!(
+        j.metadata.labels.unwrap_or_default()["step"],
+        "one",
+        "a complete Job is not updated any more"
+    );
     let _ = stop.send(());
     task.await?;
     drop(spoke.env);

@@ -102,6 +102,19 @@ pub enum AdmissionRefusal {
     KeyNotRegistered { cluster: String },
 }
 
+impl AdmissionRefusal {
+    /// The kind of refusal, as the agent is told it.
+    pub fn refusal(&self) -> flotilla_proto::wire::Refusal {
+        use flotilla_proto::wire::Refusal;
+        match self {
+            AdmissionRefusal::NotRegistered { .. } => Refusal::ClusterNotRegistered,
+            AdmissionRefusal::Denied { .. } => Refusal::ClusterDenied,
+            AdmissionRefusal::NotAccepted { .. } => Refusal::ClusterNotAccepted,
+            AdmissionRefusal::KeyNotRegistered { .. } => Refusal::KeyNotRegistered,
+        }
+    }
+}
+
 /// The gateway's view of every ManagedCluster's admission, kept current by [`Admissions::run`].
 #[derive(Default)]
 pub struct Admissions {
@@ -249,7 +262,10 @@ async fn enforce(registry: &Registry, cluster: &str, admission: Option<&ClusterA
     };
     if let Err(refusal) = verdict(cluster, admission, &handle.client_key_sha256) {
         info!(cluster, session = %handle.session_id, reason = %refusal, "closing the session of a revoked cluster");
-        handle.mailbox.close(refusal.to_string()).await;
+        handle
+            .mailbox
+            .refuse(refusal.refusal(), refusal.to_string())
+            .await;
     }
 }
 

@@ -20,6 +20,10 @@ use flotilla_store::reflect::{Reflector, reflect};
 #[derive(Default)]
 pub struct DesiredState {
     works: RwLock<HashMap<String, HashMap<String, DesiredWork>>>,
+    /// Works deleted on the hub that a finalizer still holds (`deletionTimestamp` set): their
+    /// agents were told to delete them, and may still report their status (`Deleting`) until
+    /// the finalizer goes. Namespace → uid → name.
+    terminating: RwLock<HashMap<String, HashMap<String, String>>>,
     /// Set once the first list has been loaded: sessions wait for it before syncing, so a
     /// gateway that just started never tells an agent to delete what it simply has not read yet.
     ready: watch::Sender<bool>,
@@ -49,12 +53,48 @@ impl DesiredState {
     /// The (namespace, name) of the work with this uid, if it belongs to `cluster`. A session
     /// may write status only for works in its own cluster's namespace.
     pub async fn owned_by(&self, cluster: &str, uid: &str) -> Option<String> {
-        self.works
+        if let Some(name) = self
+            .works
+            .read()
+            .await
+            .get(cluster)
+            .and_then(|m| m.get(uid))
+            .map(|w| w.name.clone())
+        {
+            return Some(name);
+        }
+        self.terminating
             .read()
             .await
             .get(cluster)?
             .get(uid)
-            .map(|w| w.name.clone())
+            .cloned()
+    }
+
+    /// Records whether a stored work is held by a finalizer after its deletion; `true` when it
+    /// is, and so no longer desired.
+    async fn note_terminating(&self, obj: &serde_json::Value) -> bool {
+        let meta = &obj["metadata"];
+        let (Some(ns), Some(uid), Some(name)) = (
+            meta["namespace"].as_str(),
+            meta["uid"].as_str(),
+            meta["name"].as_str(),
+        ) else {
+            return false;
+        };
+        let mut terminating = self.terminating.write().await;
+        if meta.get("deletionTimestamp").is_some_and(|t| !t.is_null()) {
+            terminating
+                .entry(ns.to_owned())
+                .or_default()
+                .insert(uid.to_owned(), name.to_owned());
+            true
+        } else {
+            if let Some(m) = terminating.get_mut(ns) {
+                m.remove(uid);
+            }
+            false
+        }
     }
 
     /// Keeps the cache in step with the store until `stop` fires (see [`reflect`]). Changes go
@@ -75,7 +115,11 @@ impl DesiredState {
     /// Replaces the cache with a fresh list and tells sessions what changed meanwhile.
     async fn replace(&self, items: Vec<Object>, registry: &Registry) {
         let mut fresh: HashMap<String, HashMap<String, DesiredWork>> = HashMap::new();
+        self.terminating.write().await.clear();
         for obj in items {
+            if self.note_terminating(&obj).await {
+                continue;
+            }
             if let Some(w) = desired_work(obj) {
                 fresh
                     .entry(w.namespace.clone())
@@ -115,6 +159,19 @@ impl DesiredState {
 
     async fn apply(&self, event: WatchEvent, registry: &Registry) {
         match event {
+            WatchEvent::Added(obj) | WatchEvent::Modified(obj)
+                if self.note_terminating(&obj).await =>
+            {
+                // Deleted on the hub, held by a finalizer: the agent removes its resources now.
+                let Some(w) = desired_work(obj) else { return };
+                let removed = {
+                    let mut works = self.works.write().await;
+                    works.get_mut(&w.namespace).and_then(|m| m.remove(&w.uid))
+                };
+                if removed.is_some() {
+                    registry.deliver(&w.namespace.clone(), deletion(&w)).await;
+                }
+            }
             WatchEvent::Added(obj) | WatchEvent::Modified(obj) => {
                 let Some(w) = desired_work(obj) else { return };
                 let changed = {
@@ -133,6 +190,10 @@ impl DesiredState {
                 }
             }
             WatchEvent::Deleted(obj) => {
+                self.note_terminating(&serde_json::json!({"metadata": {
+                    "namespace": obj["metadata"]["namespace"], "uid": obj["metadata"]["uid"],
+                    "name": obj["metadata"]["name"]}}))
+                    .await;
                 let Some(w) = desired_work(obj) else { return };
                 let removed = {
                     let mut works = self.works.write().await;
@@ -195,4 +256,67 @@ pub fn desired_work(mut obj: serde_json::Value) -> Option<DesiredWork> {
         content_hash: content_hash(&work.spec),
         manifest_work_json: serde_json::to_vec(&obj).ok()?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    //! A work held by a finalizer after its deletion is no longer desired, yet its status is
+    //! still the cluster's to report.
+
+    use super::*;
+    use crate::test_support::eventually;
+    use flotilla_store::SledStore;
+    use serde_json::json;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_terminating_work_leaves_the_desired_state_but_keeps_its_owner() {
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(SledStore::open(dir.path()).unwrap());
+        let stored = store
+            .create(json!({
+                "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
+                "metadata": {"name": "held", "namespace": "store-1",
+                             "finalizers": ["cluster.open-cluster-management.io/manifest-work-cleanup"]},
+                "spec": {"workload": {"manifests": [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"}}]}},
+            }))
+            .await
+            .unwrap();
+        let uid = stored["metadata"]["uid"].as_str().unwrap().to_owned();
+        let desired = DesiredState::new();
+        let (stop_tx, stop) = watch::channel(false);
+        tokio::spawn(
+            desired
+                .clone()
+                .run(store.clone(), Arc::new(Registry::default()), stop),
+        );
+        desired.wait_ready().await;
+        assert_eq!(desired.snapshot("store-1").await.len(), 1);
+
+        store
+            .delete(Kind::ManifestWork, Some("store-1"), "held")
+            .await
+            .unwrap();
+        eventually("the work leaves the desired state", || async {
+            desired.snapshot("store-1").await.is_empty()
+        })
+        .await;
+        assert_eq!(
+            desired.owned_by("store-1", &uid).await.as_deref(),
+            Some("held")
+        );
+
+        // The finalizer goes: the work is gone for good.
+        let mut last = store
+            .get(Kind::ManifestWork, Some("store-1"), "held")
+            .await
+            .unwrap()
+            .unwrap();
+        last["metadata"]["finalizers"] = json!([]);
+        store.update_spec(last).await.unwrap();
+        eventually("the owner is forgotten", || async {
+            desired.owned_by("store-1", &uid).await.is_none()
+        })
+        .await;
+        let _ = stop_tx.send(true);
+    }
 }

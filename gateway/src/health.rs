@@ -2,14 +2,20 @@
 //! once the last session of a cluster has been gone for the grace period, Available turns
 //! Unknown and the cluster gets OCM's `unreachable` taint so placements stop choosing it.
 //!
+//! One task per gateway ([`HealthWriter::run`]) owns it. Session drivers tell it about
+//! sessions opening and closing through a bounded channel ([`HealthReports`]) and never wait on
+//! the store for it; the grace period is `flotilla_proto::session::Presence`, a sans-IO
+//! machine; the writes run here, a bounded number at a time.
+//!
 //! Writes happen on transitions only (connect, grace expiry), never per heartbeat: the store (and
 //! behind it, with the kube backend, the hub apiserver) sees O(transitions), not O(clusters ×
 //! heartbeats). A connect that finds the cluster already recorded Available (in the gateway's
 //! watch cache of ManagedClusters, see `admission`) with the same version and claims writes
 //! nothing and reads nothing: a hub restarted under every session costs the store no request
-//! for health.
+//! for health. The agent's reports of its spoke (claims, version, capacity) are written when
+//! they differ from what the store records, so a report repeated costs the store nothing.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,270 +24,283 @@ use flotilla_proto::api::conditions::{
     self, ConditionStatus, MANAGED_CLUSTER_CONDITION_AVAILABLE, MANAGED_CLUSTER_JOINED,
 };
 use flotilla_proto::contract::check_cluster_info;
+use flotilla_proto::session::{Presence, PresenceEvent};
 use flotilla_proto::wire;
 use flotilla_store::{Store, StoreError};
+use futures::StreamExt as _;
+use futures::future::BoxFuture;
+use futures::stream::FuturesUnordered;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use serde_json::{Value, json};
-use tokio::sync::Mutex;
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use crate::admission::Admissions;
 
 pub use flotilla_proto::contract::UNREACHABLE_TAINT;
 
-/// Tracks which clusters hold a session, and writes their health transitions to the store.
-pub struct HealthTracker {
+/// Session reports waiting for the health task: enough for a reconnect storm's burst; a driver
+/// that finds it full waits (off its loop) rather than losing a report.
+pub const REPORT_BUFFER: usize = 4096;
+/// Health writes in flight at once.
+pub const WRITE_CONCURRENCY: usize = 16;
+
+/// What a session driver tells the health task.
+#[derive(Debug)]
+pub enum HealthReport {
+    /// Session `session` of `cluster` is established, with the agent's hello (its version and
+    /// claims belong in the ManagedCluster's status).
+    Connected {
+        cluster: String,
+        session: String,
+        hello: Box<wire::Hello>,
+    },
+    /// Session `session` of `cluster` ended.
+    Disconnected { cluster: String, session: String },
+    /// The agent of `cluster` (the session's certificate's, never a name from the frame)
+    /// reported what it knows about its spoke now, whole.
+    ClusterInfo {
+        cluster: String,
+        info: Box<wire::ClusterInfo>,
+    },
+}
+
+/// The drivers' end of the health task's channel.
+#[derive(Clone)]
+pub struct HealthReports(mpsc::Sender<HealthReport>);
+
+impl HealthReports {
+    /// Hands a report to the health task; waits only while its buffer is full.
+    pub async fn send(&self, report: HealthReport) {
+        // The task ends only at shutdown; a report then has nobody to act on it.
+        let _ = self.0.send(report).await;
+    }
+}
+
+/// Writes cluster health to the store from session reports and the grace period.
+pub struct HealthWriter {
     store: Arc<dyn Store>,
     grace_period: Duration,
-    /// Per cluster: the id of its current session, or the epoch of its disconnection. A
-    /// grace-period timer fires only if the epoch it was armed with is still current, so a
-    /// reconnect in between cancels it without any timer bookkeeping.
-    state: Mutex<HashMap<String, Presence>>,
     /// The gateway's watch cache of ManagedClusters: what the store records now.
     admissions: Arc<Admissions>,
-    /// Clusters this tracker marked Unknown and has not marked Available since. Their watch
-    /// event may not have reached the cache yet when the agent comes back, so a connect always
-    /// writes for them.
-    marked_unknown: Mutex<HashSet<String>>,
-    /// The last cluster info written per cluster: a report repeated before the watch cache
-    /// has seen the write is not written twice. One entry per cluster that reported.
-    last_info: Mutex<HashMap<String, wire::ClusterInfo>>,
+    reports: mpsc::Receiver<HealthReport>,
 }
 
-/// A ManagedCluster's health as stored: what a connect would otherwise write again.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct RecordedHealth {
-    /// Joined and Available are both True.
-    pub available: bool,
-    /// It carries the unreachable taint.
-    pub unreachable: bool,
-    /// `status.version.kubernetes`.
-    pub kubernetes_version: String,
-    /// `status.clusterClaims` as (name, value).
-    pub claims: Vec<(String, String)>,
-    /// `status.capacity` and `status.allocatable`, quantities as written.
-    pub capacity: BTreeMap<String, String>,
-    pub allocatable: BTreeMap<String, String>,
+/// The outcome of one health write, back to the task.
+enum Written {
+    Available { cluster: String, ok: bool },
+    Unknown { cluster: String },
+    ClusterInfo { cluster: String, ok: bool },
 }
 
-impl RecordedHealth {
-    /// Reads a stored ManagedCluster.
-    pub fn from_object(obj: &Value) -> RecordedHealth {
-        let conds = read_conditions(&obj["status"]);
-        let is_true = |t: &str| conditions::is_condition_true(&conds, t);
-        RecordedHealth {
-            available: is_true(MANAGED_CLUSTER_JOINED)
-                && is_true(MANAGED_CLUSTER_CONDITION_AVAILABLE),
-            unreachable: obj["spec"]["taints"]
-                .as_array()
-                .is_some_and(|t| t.iter().any(|t| t["key"] == UNREACHABLE_TAINT)),
-            kubernetes_version: obj["status"]["version"]["kubernetes"]
-                .as_str()
-                .unwrap_or_default()
-                .to_string(),
-            claims: obj["status"]["clusterClaims"]
-                .as_array()
-                .map(|claims| {
-                    claims
-                        .iter()
-                        .map(|c| {
-                            let field = |f: &str| c[f].as_str().unwrap_or_default().to_string();
-                            (field("name"), field("value"))
-                        })
-                        .collect()
-                })
-                .unwrap_or_default(),
-            capacity: resource_list(&obj["status"]["capacity"]),
-            allocatable: resource_list(&obj["status"]["allocatable"]),
+impl Written {
+    fn cluster(&self) -> &str {
+        match self {
+            Written::Available { cluster, .. }
+            | Written::Unknown { cluster }
+            | Written::ClusterInfo { cluster, .. } => cluster,
+        }
+    }
+}
+
+/// Writes waiting for a slot. Writes of one cluster run one at a time, in the order they were
+/// queued: each reads the ManagedCluster and writes its status back, so two at once could
+/// undo each other (Available over Unknown, or claims a connect wrote over a newer report).
+#[derive(Default)]
+struct WriteQueue {
+    /// Per cluster with writes waiting or running: those waiting, in order.
+    waiting: HashMap<String, VecDeque<BoxFuture<'static, Written>>>,
+    /// Clusters whose next write may start now (none of theirs is running), in order.
+    ready: VecDeque<String>,
+}
+
+impl WriteQueue {
+    fn push(&mut self, cluster: String, write: BoxFuture<'static, Written>) {
+        match self.waiting.get_mut(&cluster) {
+            // A write of this cluster is running or waiting; this one follows it.
+            Some(queue) => queue.push_back(write),
+            None => {
+                self.waiting
+                    .insert(cluster.clone(), VecDeque::from([write]));
+                self.ready.push_back(cluster);
+            }
         }
     }
 
-    /// Whether storing this report would change nothing.
-    fn shows_info(&self, info: &wire::ClusterInfo) -> bool {
-        let claims: Vec<(String, String)> = info
-            .claims
-            .iter()
-            .map(|c| (c.name.clone(), c.value.clone()))
-            .collect();
-        claims == self.claims
-            && (info.kubernetes_version.is_empty()
-                || info.kubernetes_version == self.kubernetes_version)
-            && info.capacity == self.capacity
-            && info.allocatable == self.allocatable
+    /// The next write that may start.
+    fn next(&mut self) -> Option<BoxFuture<'static, Written>> {
+        let cluster = self.ready.pop_front()?;
+        self.waiting.get_mut(&cluster)?.pop_front()
     }
 
-    /// Whether marking the cluster Available for this hello would change nothing.
-    fn already_shows(&self, hello: &wire::Hello) -> bool {
-        let claims: Vec<(String, String)> = hello
-            .claims
-            .iter()
-            .map(|c| (c.name.clone(), c.value.clone()))
-            .collect();
-        self.available
-            && !self.unreachable
-            && (hello.kubernetes_version.is_empty()
-                || hello.kubernetes_version == self.kubernetes_version)
-            && (claims.is_empty() || claims == self.claims)
+    /// A write of `cluster` ended: its next one may start.
+    fn done(&mut self, cluster: &str) {
+        match self.waiting.get(cluster) {
+            Some(queue) if queue.is_empty() => {
+                self.waiting.remove(cluster);
+            }
+            Some(_) => self.ready.push_back(cluster.to_string()),
+            None => {}
+        }
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Presence {
-    Connected { session_id: String },
-    Gone { epoch: u64 },
-}
-
-impl HealthTracker {
+impl HealthWriter {
+    /// A writer and the channel drivers report to.
     pub fn new(
         store: Arc<dyn Store>,
         grace_period: Duration,
         admissions: Arc<Admissions>,
-    ) -> Arc<HealthTracker> {
-        Arc::new(HealthTracker {
-            store,
-            grace_period,
-            state: Mutex::new(HashMap::new()),
-            admissions,
-            marked_unknown: Mutex::new(HashSet::new()),
-            last_info: Mutex::new(HashMap::new()),
-        })
-    }
-
-    /// A session for `cluster` was established: mark it Joined and Available now.
-    pub async fn connected(&self, cluster: &str, session_id: &str, hello: &wire::Hello) {
-        self.state.lock().await.insert(
-            cluster.to_string(),
-            Presence::Connected {
-                session_id: session_id.to_string(),
+    ) -> (HealthWriter, HealthReports) {
+        let (tx, reports) = mpsc::channel(REPORT_BUFFER);
+        (
+            HealthWriter {
+                store,
+                grace_period,
+                admissions,
+                reports,
             },
-        );
-        let recorded = self.admissions.get(cluster).await.map(|a| a.health);
-        let unknown_here = self.marked_unknown.lock().await.contains(cluster);
-        if !unknown_here && recorded.is_some_and(|h| h.already_shows(hello)) {
-            debug!(
-                cluster,
-                "cluster already recorded Available: nothing to write"
-            );
-            return;
-        }
-        match self.mark_available(cluster, hello).await {
-            Ok(()) => {
-                self.marked_unknown.lock().await.remove(cluster);
-            }
-            Err(e) => warn!(cluster, error = %e, "could not record the cluster as Available"),
-        }
+            HealthReports(tx),
+        )
     }
 
-    /// The session `session_id` of `cluster` ended. Unless a newer session arrives within the
-    /// grace period, the cluster turns Unknown.
-    pub async fn disconnected(self: &Arc<Self>, cluster: &str, session_id: &str) {
-        static EPOCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let epoch = EPOCH.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        // Kept for live sessions only; the watch cache answers for the next one.
-        self.last_info.lock().await.remove(cluster);
-        {
-            let mut state = self.state.lock().await;
-            match state.get(cluster) {
-                // A newer session already replaced this one: nothing changes.
-                Some(Presence::Connected {
-                    session_id: current,
-                }) if current != session_id => return,
-                _ => {
-                    state.insert(cluster.to_string(), Presence::Gone { epoch });
-                }
-            }
-        }
-        let this = self.clone();
-        let cluster = cluster.to_string();
-        tokio::spawn(async move {
-            tokio::time::sleep(this.grace_period).await;
-            let still_gone =
-                this.state.lock().await.get(&cluster) == Some(&Presence::Gone { epoch });
-            if still_gone {
-                // Noted before the write: a connect racing it then writes Available after.
-                this.marked_unknown.lock().await.insert(cluster.clone());
-                if let Err(e) = this.mark_unknown(&cluster).await {
-                    warn!(cluster, error = %e, "could not record the cluster as Unknown");
-                }
-            }
+    /// Runs until `stop` turns true (or every reporter is gone).
+    pub async fn run(mut self, mut stop: watch::Receiver<bool>) {
+        let mut presence = Presence::new(self.grace_period);
+        // Clusters this task marked Unknown and has not marked Available since. Their watch
+        // event may not have reached the cache yet when the agent comes back, so a connect
+        // always writes for them.
+        let mut marked_unknown: HashSet<String> = HashSet::new();
+        // The last cluster info written or being written per cluster with a live session: a
+        // report repeated before the watch cache has seen the write is not written twice.
+        let mut last_info: HashMap<String, wire::ClusterInfo> = HashMap::new();
+        let mut writes = FuturesUnordered::new();
+        let mut queued = WriteQueue::default();
+        let this = Arc::new(Writes {
+            store: self.store.clone(),
+            grace_period: self.grace_period,
         });
-    }
-
-    /// The agent reported what it knows about its spoke (claims, version, capacity): written
-    /// into the ManagedCluster's status when it differs from what the store records, so an
-    /// agent that reports the same thing again costs the store nothing. A report beyond the
-    /// bounds of `contract::claims` is refused with a warning naming the problem; the session
-    /// and what is stored stay as they are.
-    pub async fn cluster_info(&self, cluster: &str, info: &wire::ClusterInfo) {
-        if let Err(problem) = check_cluster_info(info) {
-            warn!(cluster, %problem, "cluster info refused; the ManagedCluster keeps what it has");
-            return;
-        }
-        if self.last_info.lock().await.get(cluster) == Some(info) {
-            return;
-        }
-        let recorded = self.admissions.get(cluster).await.map(|a| a.health);
-        if recorded.is_some_and(|h| h.shows_info(info)) {
-            debug!(cluster, "cluster info unchanged: nothing to write");
-            return;
-        }
-        match self.write_cluster_info(cluster, info).await {
-            Ok(()) => {
-                info!(cluster, claims = info.claims.len(), "cluster info updated");
-                self.last_info
-                    .lock()
-                    .await
-                    .insert(cluster.to_string(), info.clone());
+        let stopped = async move {
+            let _ = stop.wait_for(|s| *s).await;
+        };
+        tokio::pin!(stopped);
+        loop {
+            while writes.len() < WRITE_CONCURRENCY {
+                let Some(w) = queued.next() else { break };
+                writes.push(w);
             }
-            Err(e) => warn!(cluster, error = %e, "could not record the cluster's info"),
+            let deadline = presence.poll_timeout();
+            tokio::select! {
+                report = self.reports.recv() => {
+                    let Some(report) = report else { return };
+                    match report {
+                        HealthReport::Connected { cluster, session, hello } => {
+                            presence.connected(&cluster, &session);
+                            let recorded = self.admissions.get(&cluster).await.map(|a| a.health);
+                            if !marked_unknown.contains(&cluster)
+                                && recorded.is_some_and(|h| h.already_shows(&hello))
+                            {
+                                debug!(cluster, "cluster already recorded Available: nothing to write");
+                                continue;
+                            }
+                            let w = this.clone();
+                            queued.push(cluster.clone(), Box::pin(async move {
+                                let ok = match w.mark_available(&cluster, &hello).await {
+                                    Ok(()) => true,
+                                    Err(e) => {
+                                        warn!(cluster, error = %e, "could not record the cluster as Available");
+                                        false
+                                    }
+                                };
+                                Written::Available { cluster, ok }
+                            }));
+                        }
+                        HealthReport::Disconnected { cluster, session } => {
+                            // Kept for live sessions only; the watch cache answers for the next.
+                            last_info.remove(&cluster);
+                            presence.disconnected(Instant::now(), &cluster, &session);
+                        }
+                        HealthReport::ClusterInfo { cluster, info } => {
+                            if let Err(problem) = check_cluster_info(&info) {
+                                warn!(cluster, %problem, "cluster info refused; the ManagedCluster keeps what it has");
+                                continue;
+                            }
+                            if last_info.get(&cluster) == Some(&*info) {
+                                continue;
+                            }
+                            let recorded = self.admissions.get(&cluster).await.map(|a| a.health);
+                            if recorded.is_some_and(|h| h.shows_info(&info)) {
+                                debug!(cluster, "cluster info unchanged: nothing to write");
+                                continue;
+                            }
+                            last_info.insert(cluster.clone(), (*info).clone());
+                            let w = this.clone();
+                            queued.push(cluster.clone(), Box::pin(async move {
+                                let ok = match w.write_cluster_info(&cluster, &info).await {
+                                    Ok(()) => {
+                                        info!(cluster, claims = info.claims.len(), "cluster info updated");
+                                        true
+                                    }
+                                    Err(e) => {
+                                        warn!(cluster, error = %e, "could not record the cluster's info");
+                                        false
+                                    }
+                                };
+                                Written::ClusterInfo { cluster, ok }
+                            }));
+                        }
+                    }
+                }
+                _ = sleep_until(deadline) => {
+                    presence.handle_timeout(Instant::now());
+                    while let Some(PresenceEvent::Unreachable { cluster, .. }) = presence.poll_event() {
+                        // Noted before the write: a connect racing it then writes Available after.
+                        marked_unknown.insert(cluster.clone());
+                        let w = this.clone();
+                        queued.push(cluster.clone(), Box::pin(async move {
+                            if let Err(e) = w.mark_unknown(&cluster).await {
+                                warn!(cluster, error = %e, "could not record the cluster as Unknown");
+                            }
+                            Written::Unknown { cluster }
+                        }));
+                    }
+                }
+                Some(written) = writes.next(), if !writes.is_empty() => {
+                    queued.done(written.cluster());
+                    match written {
+                        Written::Available { cluster, ok: true } => {
+                            marked_unknown.remove(&cluster);
+                        }
+                        // Not written: the next report of it is written again.
+                        Written::ClusterInfo { cluster, ok: false } => {
+                            last_info.remove(&cluster);
+                        }
+                        Written::Available { ok: false, .. }
+                        | Written::Unknown { .. }
+                        | Written::ClusterInfo { ok: true, .. } => {}
+                    }
+                }
+                _ = &mut stopped => return,
+            }
         }
     }
+}
 
-    /// Writes claims, version, capacity and allocatable into the status, from a fresh read and
-    /// with its version as precondition: other writers of the same status (Available, Unknown)
-    /// lose nothing, and a conflict is redone from a new read.
-    async fn write_cluster_info(
-        &self,
-        cluster: &str,
-        info: &wire::ClusterInfo,
-    ) -> Result<(), StoreError> {
-        const ATTEMPTS: usize = 5;
-        for attempt in 1..=ATTEMPTS {
-            let current = self.existing_cluster(cluster).await?;
-            let mut status = current.get("status").cloned().unwrap_or_else(|| json!({}));
-            status["clusterClaims"] = info
-                .claims
-                .iter()
-                .map(|c| json!({ "name": c.name, "value": c.value }))
-                .collect();
-            if !info.kubernetes_version.is_empty() {
-                status["version"] = json!({ "kubernetes": info.kubernetes_version });
-            }
-            // Like OCM's agent: capacity entries others added stay; allocatable is the agent's.
-            let mut capacity = resource_list(&status["capacity"]);
-            capacity.extend(info.capacity.clone());
-            status["capacity"] = json!(capacity);
-            status["allocatable"] = json!(info.allocatable);
-            let expected = flotilla_store::Revision::of(&current);
-            match self
-                .store
-                .update_status(
-                    Kind::ManagedCluster,
-                    None,
-                    cluster,
-                    status,
-                    expected.as_ref(),
-                )
-                .await
-            {
-                Ok(_) => return Ok(()),
-                Err(StoreError::Conflict { .. }) if attempt < ATTEMPTS => continue,
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(())
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
     }
+}
 
+/// The store writes of cluster health.
+struct Writes {
+    store: Arc<dyn Store>,
+    grace_period: Duration,
+}
+
+impl Writes {
     async fn mark_available(&self, cluster: &str, hello: &wire::Hello) -> Result<(), StoreError> {
         let current = self.existing_cluster(cluster).await?;
         let mut status = current.get("status").cloned().unwrap_or_else(|| json!({}));
@@ -323,6 +342,51 @@ impl HealthTracker {
         // Remove the unreachable taint the cluster may carry from an earlier outage.
         self.set_unreachable_taint(updated, false).await?;
         info!(cluster, "cluster available");
+        Ok(())
+    }
+
+    /// Writes claims, version, capacity and allocatable into the status, from a fresh read and
+    /// with its version as precondition: other writers of the same status lose nothing, and a
+    /// conflict is redone from a new read.
+    async fn write_cluster_info(
+        &self,
+        cluster: &str,
+        info: &wire::ClusterInfo,
+    ) -> Result<(), StoreError> {
+        const ATTEMPTS: usize = 5;
+        for attempt in 1..=ATTEMPTS {
+            let current = self.existing_cluster(cluster).await?;
+            let mut status = current.get("status").cloned().unwrap_or_else(|| json!({}));
+            status["clusterClaims"] = info
+                .claims
+                .iter()
+                .map(|c| json!({ "name": c.name, "value": c.value }))
+                .collect();
+            if !info.kubernetes_version.is_empty() {
+                status["version"] = json!({ "kubernetes": info.kubernetes_version });
+            }
+            // Like OCM's agent: capacity entries others added stay; allocatable is the agent's.
+            let mut capacity = resource_list(&status["capacity"]);
+            capacity.extend(info.capacity.clone());
+            status["capacity"] = json!(capacity);
+            status["allocatable"] = json!(info.allocatable);
+            let expected = flotilla_store::Revision::of(&current);
+            match self
+                .store
+                .update_status(
+                    Kind::ManagedCluster,
+                    None,
+                    cluster,
+                    status,
+                    expected.as_ref(),
+                )
+                .await
+            {
+                Ok(_) => return Ok(()),
+                Err(StoreError::Conflict { .. }) if attempt < ATTEMPTS => continue,
+                Err(e) => return Err(e),
+            }
+        }
         Ok(())
     }
 
@@ -411,6 +475,83 @@ impl HealthTracker {
     }
 }
 
+/// A ManagedCluster's health as stored: what a connect would otherwise write again.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RecordedHealth {
+    /// Joined and Available are both True.
+    pub available: bool,
+    /// It carries the unreachable taint.
+    pub unreachable: bool,
+    /// `status.version.kubernetes`.
+    pub kubernetes_version: String,
+    /// `status.clusterClaims` as (name, value).
+    pub claims: Vec<(String, String)>,
+    /// `status.capacity` and `status.allocatable`, quantities as written.
+    pub capacity: BTreeMap<String, String>,
+    pub allocatable: BTreeMap<String, String>,
+}
+
+impl RecordedHealth {
+    /// Reads a stored ManagedCluster.
+    pub fn from_object(obj: &Value) -> RecordedHealth {
+        let conds = read_conditions(&obj["status"]);
+        let is_true = |t: &str| conditions::is_condition_true(&conds, t);
+        RecordedHealth {
+            available: is_true(MANAGED_CLUSTER_JOINED)
+                && is_true(MANAGED_CLUSTER_CONDITION_AVAILABLE),
+            unreachable: obj["spec"]["taints"]
+                .as_array()
+                .is_some_and(|t| t.iter().any(|t| t["key"] == UNREACHABLE_TAINT)),
+            kubernetes_version: obj["status"]["version"]["kubernetes"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+            claims: obj["status"]["clusterClaims"]
+                .as_array()
+                .map(|claims| {
+                    claims
+                        .iter()
+                        .map(|c| {
+                            let field = |f: &str| c[f].as_str().unwrap_or_default().to_string();
+                            (field("name"), field("value"))
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
+            capacity: resource_list(&obj["status"]["capacity"]),
+            allocatable: resource_list(&obj["status"]["allocatable"]),
+        }
+    }
+
+    /// Whether storing this report would change nothing.
+    fn shows_info(&self, info: &wire::ClusterInfo) -> bool {
+        let claims: Vec<(String, String)> = info
+            .claims
+            .iter()
+            .map(|c| (c.name.clone(), c.value.clone()))
+            .collect();
+        claims == self.claims
+            && (info.kubernetes_version.is_empty()
+                || info.kubernetes_version == self.kubernetes_version)
+            && info.capacity == self.capacity
+            && info.allocatable == self.allocatable
+    }
+
+    /// Whether marking the cluster Available for this hello would change nothing.
+    fn already_shows(&self, hello: &wire::Hello) -> bool {
+        let claims: Vec<(String, String)> = hello
+            .claims
+            .iter()
+            .map(|c| (c.name.clone(), c.value.clone()))
+            .collect();
+        self.available
+            && !self.unreachable
+            && (hello.kubernetes_version.is_empty()
+                || hello.kubernetes_version == self.kubernetes_version)
+            && (claims.is_empty() || claims == self.claims)
+    }
+}
+
 /// A stored resource list (`status.capacity`), quantities as strings (numbers as written).
 fn resource_list(list: &Value) -> BTreeMap<String, String> {
     list.as_object()
@@ -471,15 +612,40 @@ mod tests {
         (rv, RecordedHealth::from_object(&mc))
     }
 
-    /// A store holding accepted cluster `store-1`, and the admissions cache watching it.
-    struct OneCluster {
-        _dir: tempfile::TempDir,
-        store: Arc<dyn Store>,
-        admissions: Arc<Admissions>,
-        _stop: watch::Sender<bool>,
+    #[tokio::test]
+    async fn one_clusters_writes_run_one_at_a_time_in_order() {
+        let write = |cluster: &str| -> BoxFuture<'static, Written> {
+            let cluster = cluster.to_string();
+            Box::pin(async move { Written::Unknown { cluster } })
+        };
+        let cluster_of = |w: Option<BoxFuture<'static, Written>>| async move {
+            w.expect("a write may start").await.cluster().to_string()
+        };
+        let mut queue = WriteQueue::default();
+        queue.push("a".into(), write("a"));
+        queue.push("a".into(), write("a"));
+        queue.push("b".into(), write("b"));
+        assert_eq!(cluster_of(queue.next()).await, "a");
+        // a's second write waits for its first; b's goes ahead.
+        assert_eq!(cluster_of(queue.next()).await, "b");
+        assert!(queue.next().is_none());
+        queue.done("b");
+        assert!(queue.next().is_none());
+        queue.done("a");
+        assert_eq!(cluster_of(queue.next()).await, "a");
+        queue.done("a");
+        assert!(queue.next().is_none() && queue.waiting.is_empty());
     }
 
-    async fn one_cluster() -> OneCluster {
+    /// A store holding accepted cluster `store-1`, the admissions cache watching it, and the
+    /// switch that stops them.
+    async fn one_cluster() -> (
+        tempfile::TempDir,
+        Arc<dyn Store>,
+        Arc<Admissions>,
+        watch::Sender<bool>,
+        watch::Receiver<bool>,
+    ) {
         let dir = tempfile::tempdir().unwrap();
         let store: Arc<dyn Store> = Arc::new(SledStore::open(dir.path()).unwrap());
         store
@@ -491,24 +657,18 @@ mod tests {
             .unwrap();
         let admissions = Admissions::new();
         let (stop_tx, stop) = watch::channel(false);
-        tokio::spawn(
-            admissions
-                .clone()
-                .run(store.clone(), Arc::new(Registry::default()), stop),
-        );
-        OneCluster {
-            _dir: dir,
-            store,
-            admissions,
-            _stop: stop_tx,
-        }
+        tokio::spawn(admissions.clone().run(
+            store.clone(),
+            Arc::new(Registry::default()),
+            stop.clone(),
+        ));
+        (dir, store, admissions, stop_tx, stop)
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_reconnect_that_changes_nothing_writes_nothing() {
-        // Held to the end: it keeps the database and the watch alive.
-        let fixture = one_cluster().await;
-        let (store, admissions) = (fixture.store.clone(), fixture.admissions.clone());
+        // The directory is held to the end: it keeps the database.
+        let (_dir, store, admissions, stop_tx, stop) = one_cluster().await;
         let cached_available = || async {
             admissions
                 .get("store-1")
@@ -516,52 +676,70 @@ mod tests {
                 .is_some_and(|a| a.health.available)
         };
         let grace = Duration::from_millis(50);
+        let connected = |session: &str, version: &str| HealthReport::Connected {
+            cluster: "store-1".into(),
+            session: session.into(),
+            hello: Box::new(hello(version)),
+        };
+        let rv = |v: &str| v.parse::<u64>().unwrap();
 
-        let tracker = HealthTracker::new(store.clone(), grace, admissions.clone());
-        tracker.connected("store-1", "s1", &hello("v1.36.3")).await;
-        let (first, health) = stored(store.as_ref()).await;
-        assert!(health.available && !health.unreachable, "{health:?}");
+        let (writer, reports) = HealthWriter::new(store.clone(), grace, admissions.clone());
+        let first_run = tokio::spawn(writer.run(stop.clone()));
+        reports.send(connected("s1", "v1.36.3")).await;
+        eventually("Available is written", || async {
+            stored(store.as_ref()).await.1.available
+        })
+        .await;
+        let (first, _) = stored(store.as_ref()).await;
         eventually("the cache sees Available", cached_available).await;
+        first_run.abort();
 
-        // A restarted hub (a new tracker) meeting the same agent again: nothing to write.
-        let restarted = HealthTracker::new(store.clone(), grace, admissions.clone());
-        restarted
-            .connected("store-1", "s2", &hello("v1.36.3"))
-            .await;
-        assert_eq!(stored(store.as_ref()).await.0, first, "no write");
-
-        // The spoke was upgraded: written.
-        restarted
-            .connected("store-1", "s3", &hello("v1.37.0"))
-            .await;
-        let (upgraded, health) = stored(store.as_ref()).await;
-        assert_ne!(upgraded, first);
-        assert_eq!(health.kubernetes_version, "v1.37.0");
+        // A restarted hub (a new writer) meeting the same agent again: nothing to write. Then
+        // the spoke is upgraded: one write, so the version moves by exactly one.
+        let (writer, reports) = HealthWriter::new(store.clone(), grace, admissions.clone());
+        tokio::spawn(writer.run(stop.clone()));
+        reports.send(connected("s2", "v1.36.3")).await;
+        reports.send(connected("s3", "v1.37.0")).await;
+        eventually("the upgrade is written", || async {
+            stored(store.as_ref()).await.1.kubernetes_version == "v1.37.0"
+        })
+        .await;
+        let (upgraded, _) = stored(store.as_ref()).await;
+        assert_eq!(rv(&upgraded), rv(&first) + 1, "the reconnect wrote nothing");
 
         // Gone past the grace period: Unknown and tainted; back at once (before the cache may
         // have seen it): Available again, taint removed.
-        restarted.disconnected("store-1", "s3").await;
+        reports
+            .send(HealthReport::Disconnected {
+                cluster: "store-1".into(),
+                session: "s3".into(),
+            })
+            .await;
         eventually("Unknown after the grace period", || async {
             stored(store.as_ref()).await.1.unreachable
         })
         .await;
-        restarted
-            .connected("store-1", "s4", &hello("v1.37.0"))
-            .await;
-        let health = stored(store.as_ref()).await.1;
-        assert!(health.available && !health.unreachable, "{health:?}");
+        reports.send(connected("s4", "v1.37.0")).await;
+        eventually("Available again, untainted", || async {
+            let health = stored(store.as_ref()).await.1;
+            health.available && !health.unreachable
+        })
+        .await;
+        let _ = stop_tx.send(true);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn cluster_info_is_written_when_it_changes_and_refused_beyond_its_bounds() {
-        // Held to the end: it keeps the database and the watch alive.
-        let fixture = one_cluster().await;
-        let (store, admissions) = (fixture.store.clone(), fixture.admissions.clone());
-        let tracker =
-            HealthTracker::new(store.clone(), Duration::from_secs(60), admissions.clone());
+        // The directory is held to the end: it keeps the database.
+        let (_dir, store, admissions, stop_tx, stop) = one_cluster().await;
+        let grace = Duration::from_secs(60);
         let claim = |name: &str, value: &str| wire::ClusterClaim {
             name: name.into(),
             value: value.into(),
+        };
+        let report = |info: &wire::ClusterInfo| HealthReport::ClusterInfo {
+            cluster: "store-1".into(),
+            info: Box::new(info.clone()),
         };
         let info = wire::ClusterInfo {
             claims: vec![claim("nodecount.flotilla.dev", "3"), claim("region", "eu")],
@@ -569,7 +747,15 @@ mod tests {
             capacity: [("cpu".to_string(), "12".to_string())].into(),
             allocatable: [("cpu".to_string(), "11500m".to_string())].into(),
         };
-        tracker.cluster_info("store-1", &info).await;
+        let rv = |v: &str| v.parse::<u64>().unwrap();
+
+        let (writer, reports) = HealthWriter::new(store.clone(), grace, admissions.clone());
+        let first_run = tokio::spawn(writer.run(stop.clone()));
+        reports.send(report(&info)).await;
+        eventually("the claims are written", || async {
+            stored(store.as_ref()).await.1.claims.len() == 2
+        })
+        .await;
         let (first, health) = stored(store.as_ref()).await;
         assert_eq!(
             health.claims,
@@ -578,10 +764,9 @@ mod tests {
                 ("region".into(), "eu".into())
             ]
         );
+        assert_eq!(health.capacity["cpu"], "12");
         assert_eq!(health.allocatable["cpu"], "11500m");
         assert_eq!(health.kubernetes_version, "v1.36.3");
-
-        // The same report through a new tracker (a restarted hub): nothing written.
         eventually("the cache sees the claims", || async {
             admissions
                 .get("store-1")
@@ -589,21 +774,33 @@ mod tests {
                 .is_some_and(|a| a.health.claims.len() == 2)
         })
         .await;
-        let restarted =
-            HealthTracker::new(store.clone(), Duration::from_secs(60), admissions.clone());
-        restarted.cluster_info("store-1", &info).await;
-        assert_eq!(stored(store.as_ref()).await.0, first, "no write");
+        first_run.abort();
 
-        // Thousands of claims: refused, what is stored stays.
+        // A restarted hub (a new writer) given the same report: nothing written. Thousands of
+        // claims: refused, what is stored stays. Then a claim changes on the spoke: written,
+        // so the version moves by exactly one.
+        let (writer, reports) = HealthWriter::new(store.clone(), grace, admissions.clone());
+        tokio::spawn(writer.run(stop.clone()));
+        reports.send(report(&info)).await;
         let mut flood = info.clone();
         flood.claims = (0..1000).map(|i| claim(&format!("c{i}"), "x")).collect();
-        restarted.cluster_info("store-1", &flood).await;
-        assert_eq!(stored(store.as_ref()).await.0, first, "refused");
-
-        // A claim changes on the spoke: written.
+        reports.send(report(&flood)).await;
         let mut changed = info.clone();
         changed.claims[1].value = "us".into();
-        restarted.cluster_info("store-1", &changed).await;
-        assert_eq!(stored(store.as_ref()).await.1.claims[1].1, "us");
+        reports.send(report(&changed)).await;
+        eventually("the changed claim is written", || async {
+            stored(store.as_ref())
+                .await
+                .1
+                .claims
+                .get(1)
+                .map(|c| c.1.as_str())
+                == Some("us")
+        })
+        .await;
+        let (after, health) = stored(store.as_ref()).await;
+        assert_eq!(rv(&after), rv(&first) + 1, "only the change was written");
+        assert_eq!(health.claims.len(), 2, "the flood was refused");
+        let _ = stop_tx.send(true);
     }
 }

@@ -1,7 +1,10 @@
-//! flotilla's session tier: accepts agent sessions (gRPC over HTTP/2 with mTLS), drives each one
-//! with the shared sans-IO protocol from `flotilla-proto`, keeps cluster health from the
-//! sessions, fans desired state out, admits only accepted clusters with registered keys (and
-//! closes the sessions of revoked ones), and relays certificate renewals to the hub's CA.
+//! flotilla's session tier: accepts agent sessions on either carrier (gRPC over HTTP/2, or
+//! QUIC; both mTLS, both behind `flotilla-transport`'s seam), drives each one with the shared
+//! sans-IO protocol from `flotilla-proto` (`driver`), keeps cluster health from the sessions
+//! (`health`), fans desired state out (`desired`, `mailbox`, `registry`), admits only accepted
+//! clusters with registered keys and closes the sessions of revoked ones (`admission`), relays
+//! certificate renewals to the hub's CA (`certificates`), opens tunnels to agents, and owns
+//! every one of its tasks (`supervise`).
 //!
 //! Not for: deciding anything about the fleet (placement, acceptance, rollouts: the hub), or
 //! talking to spoke apiservers (agents). Gateways hold no state beyond caches: kill one and its
@@ -11,13 +14,15 @@
 pub mod admission;
 pub mod certificates;
 pub mod desired;
+mod driver;
 pub mod health;
 pub mod mailbox;
 pub mod registry;
-mod server;
+mod serve;
 pub mod statuses;
+pub mod supervise;
 
-pub use server::{Gateway, GatewayConfig, GatewayError};
+pub use serve::{Gateway, GatewayConfig, GatewayError, Listeners, TunnelError};
 
 #[cfg(test)]
 mod test_support {

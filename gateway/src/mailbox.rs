@@ -25,9 +25,20 @@ struct Pending {
     works: HashMap<String, WorkChange>,
     /// Highest stored status seq per work uid, to acknowledge to the agent.
     status_acks: HashMap<String, u64>,
-    close: Option<String>,
+    close: Option<Closing>,
     /// A new CA bundle to send the agent (after a CA rotation); the latest wins.
     trust_bundle: Option<String>,
+    /// Tunnel ids the agent is to open (`OpenTunnel`, gRPC carrier), in order.
+    open_tunnels: Vec<String>,
+}
+
+/// Why the rest of the gateway ends a session.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Closing {
+    /// For a reason the agent need not act on (replaced by a newer session, shutting down).
+    Close(String),
+    /// The cluster is no longer admitted: the agent is told what is wrong.
+    Refuse(flotilla_proto::wire::Refusal, String),
 }
 
 /// The drained contents of a mailbox.
@@ -35,8 +46,9 @@ struct Pending {
 pub struct Delivery {
     pub works: Vec<WorkChange>,
     pub status_acks: Vec<(String, u64)>,
-    pub close: Option<String>,
+    pub close: Option<Closing>,
     pub trust_bundle: Option<String>,
+    pub open_tunnels: Vec<String>,
 }
 
 #[derive(Default)]
@@ -64,12 +76,24 @@ impl Mailbox {
     }
 
     pub async fn close(&self, reason: impl Into<String>) {
-        self.pending.lock().await.close = Some(reason.into());
+        self.pending.lock().await.close = Some(Closing::Close(reason.into()));
+        self.notify.notify_one();
+    }
+
+    /// Ends the session because its cluster is no longer admitted.
+    pub async fn refuse(&self, refusal: flotilla_proto::wire::Refusal, reason: impl Into<String>) {
+        self.pending.lock().await.close = Some(Closing::Refuse(refusal, reason.into()));
         self.notify.notify_one();
     }
 
     pub async fn trust_bundle(&self, ca_bundle_pem: String) {
         self.pending.lock().await.trust_bundle = Some(ca_bundle_pem);
+        self.notify.notify_one();
+    }
+
+    /// Asks the agent to open tunnel `id` (`OpenTunnel`).
+    pub async fn open_tunnel(&self, id: impl Into<String>) {
+        self.pending.lock().await.open_tunnels.push(id.into());
         self.notify.notify_one();
     }
 
@@ -85,6 +109,7 @@ impl Mailbox {
             status_acks: pending.status_acks.drain().collect(),
             close: pending.close.take(),
             trust_bundle: pending.trust_bundle.take(),
+            open_tunnels: std::mem::take(&mut pending.open_tunnels),
         }
     }
 }

@@ -16,6 +16,8 @@ pub struct SessionHandle {
     /// cluster's registered keys no longer include it.
     pub client_key_sha256: String,
     pub mailbox: Arc<Mailbox>,
+    /// Opens tunnel streams to this session's agent, on its connection.
+    pub tunnels: flotilla_transport::TunnelOpener,
 }
 
 /// One session per cluster: a newer session of the same cluster replaces the older one (the

@@ -111,7 +111,10 @@ impl Ca {
                     path: dir.into(),
                     source,
                 })?;
-                let (params, key) = ca_params("flotilla hub CA")?;
+                // A name of its own, so a certificate from another hub's CA is refused as
+                // "unknown CA" rather than as a bad signature from a namesake.
+                let suffix: u32 = rand::random();
+                let (params, key) = ca_params(&format!("flotilla hub CA {suffix:08x}"))?;
                 let cert = params.self_signed(&key)?;
                 write(&key_path, &key.serialize_pem(), true)?;
                 write(&cert_path, &cert.pem(), false)?;

@@ -17,6 +17,9 @@ use tokio_rustls::TlsConnector;
 
 /// Idle connections a client keeps for its next requests.
 pub const IDLE_CONNECTIONS: usize = 8;
+/// The longest one request may take, connecting included (a list of 10,000 clusters takes a
+/// few seconds): a hub that stopped answering is an error, never a hang.
+pub const REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// The CLI's config file, written by the hub on first start (`<data-dir>/operator/config.yaml`).
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -134,6 +137,23 @@ impl OperatorClient {
     /// server's message. `Ok` with a 404/409 status never happens: those are errors too, and
     /// callers that care match on [`ApiError`].
     pub async fn request(
+        &self,
+        method: http::Method,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> anyhow::Result<(http::StatusCode, serde_json::Value)> {
+        let what = format!("{method} {path}");
+        tokio::time::timeout(REQUEST_TIMEOUT, self.request_unbounded(method, path, body))
+            .await
+            .map_err(|_| {
+                anyhow!(
+                    "{what}: the hub's operator API at {} did not answer within {REQUEST_TIMEOUT:?}",
+                    self.authority
+                )
+            })?
+    }
+
+    async fn request_unbounded(
         &self,
         method: http::Method,
         path: &str,

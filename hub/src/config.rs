@@ -19,6 +19,12 @@ pub const DEFAULT_GRACE_PERIOD: &str = "40s";
 /// Lifetime of the client certificates the hub signs for agents (renewed over the session
 /// after two thirds of it).
 pub const DEFAULT_CLIENT_CERT_LIFETIME: &str = "720h";
+/// On SIGTERM: the window over which drained agents are told to come back, so that they do not
+/// all return in the same second.
+pub const DEFAULT_DRAIN_WINDOW: &str = "5s";
+/// On SIGTERM: how long sessions may take to end after being drained before the hub closes
+/// what is left and exits. Below Kubernetes' default termination grace period (30 s).
+pub const DEFAULT_DRAIN_TIMEOUT: &str = "20s";
 /// Largest frame an agent may send (a ManifestWork status with many resources fits easily).
 pub const DEFAULT_MAX_FRAME_BYTES: usize = 4 * 1024 * 1024;
 
@@ -33,39 +39,45 @@ pub enum StoreBackend {
 #[derive(Clone, Debug, Args)]
 pub struct HubConfig {
     /// Directory for the CA, the sled store and the operator credentials; created on first start.
-    #[arg(long, env = "FLOTILLA_DATA_DIR", default_value = "flotilla-data")]
+    #[arg(long, env = "FLOTILLA_HUB_DATA_DIR", default_value = "flotilla-data")]
     pub data_dir: PathBuf,
 
-    /// Address agents connect to (gRPC over HTTP/2 with mTLS). Port 0 picks a free port; the
-    /// bound addresses are written to <data-dir>/listen.json.
-    #[arg(long, env = "FLOTILLA_LISTEN", default_value = DEFAULT_AGENT_LISTEN)]
+    /// Address agents connect to: gRPC over HTTP/2 with mTLS on TCP, and QUIC with the same
+    /// mTLS on UDP at the same port (see --quic). Port 0 picks a free port; the bound addresses
+    /// are written to <data-dir>/listen.json.
+    #[arg(long, env = "FLOTILLA_HUB_LISTEN", default_value = DEFAULT_AGENT_LISTEN)]
     pub listen: SocketAddr,
 
+    /// Serve QUIC (UDP) beside gRPC (TCP) on the agents' address and port. Agents with
+    /// `--transport auto` fall back to gRPC when UDP does not get through.
+    #[arg(long, env = "FLOTILLA_HUB_QUIC", default_value_t = true, action = clap::ArgAction::Set)]
+    pub quic: bool,
+
     /// Address of the operator API used by the `flotilla` CLI (HTTPS with client certificates).
-    #[arg(long, env = "FLOTILLA_API_LISTEN", default_value = DEFAULT_API_LISTEN)]
+    #[arg(long, env = "FLOTILLA_HUB_API_LISTEN", default_value = DEFAULT_API_LISTEN)]
     pub api_listen: SocketAddr,
 
     /// DNS names and IP addresses agents use to reach this hub; they go into its serving
     /// certificate. Repeat or separate with commas.
-    #[arg(long = "server-name", env = "FLOTILLA_SERVER_NAMES", value_delimiter = ',', default_values_t = ["localhost".to_string(), "127.0.0.1".to_string()])]
+    #[arg(long = "server-name", env = "FLOTILLA_HUB_SERVER_NAMES", value_delimiter = ',', default_values_t = ["localhost".to_string(), "127.0.0.1".to_string()])]
     pub server_names: Vec<String>,
 
     /// host:port agents dial, as printed in join commands (default: the bound agent address,
     /// or the first --server-name with its port when listening on all interfaces).
-    #[arg(long, env = "FLOTILLA_ADVERTISE_ADDRESS")]
+    #[arg(long, env = "FLOTILLA_HUB_ADVERTISE_ADDRESS")]
     pub advertise_address: Option<String>,
 
     /// Lifetime of agent client certificates; agents renew over their session after two
     /// thirds of it. Short lifetimes bound how long a stolen key is useful.
-    #[arg(long, env = "FLOTILLA_CLIENT_CERT_LIFETIME", default_value = DEFAULT_CLIENT_CERT_LIFETIME, value_parser = humantime::parse_duration)]
+    #[arg(long, env = "FLOTILLA_HUB_CLIENT_CERT_LIFETIME", default_value = DEFAULT_CLIENT_CERT_LIFETIME, value_parser = humantime::parse_duration)]
     pub client_cert_lifetime: Duration,
 
     /// Where the fleet's objects live.
-    #[arg(long, env = "FLOTILLA_STORE", value_enum, default_value_t = StoreBackend::Sled)]
+    #[arg(long, env = "FLOTILLA_HUB_STORE", value_enum, default_value_t = StoreBackend::Sled)]
     pub store: StoreBackend,
 
     /// Kubeconfig of the hub apiserver, with --store kube (default: KUBECONFIG / in-cluster).
-    #[arg(long, env = "FLOTILLA_KUBECONFIG")]
+    #[arg(long, env = "FLOTILLA_HUB_KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
 
     /// How often agents send a heartbeat (told to them in the session's Welcome).
@@ -83,6 +95,16 @@ pub struct HubConfig {
     /// Largest frame accepted from an agent; a larger one closes that session only.
     #[arg(long, default_value_t = DEFAULT_MAX_FRAME_BYTES)]
     pub max_frame_bytes: usize,
+
+    /// On SIGTERM every session is drained, each agent told to come back after a delay spread
+    /// over this window.
+    #[arg(long, default_value = DEFAULT_DRAIN_WINDOW, value_parser = humantime::parse_duration)]
+    pub drain_window: Duration,
+
+    /// On SIGTERM, how long drained sessions may take to end before the hub closes the rest
+    /// and exits. Keep it under the pod's termination grace period.
+    #[arg(long, default_value = DEFAULT_DRAIN_TIMEOUT, value_parser = humantime::parse_duration)]
+    pub drain_timeout: Duration,
 
     /// Create OCM's `default` and `global` ManagedClusterSets and put every cluster without a
     /// `cluster.open-cluster-management.io/clusterset` label into `default`, as OCM's hub does.
@@ -120,6 +142,10 @@ impl HubConfig {
             self.max_frame_bytes >= 64 * 1024,
             "--max-frame-bytes {} is below 64 KiB; a single ManifestWork status would not fit",
             self.max_frame_bytes
+        );
+        anyhow::ensure!(
+            !self.drain_timeout.is_zero(),
+            "--drain-timeout must be positive (e.g. 20s): it bounds how long a stopping hub waits"
         );
         anyhow::ensure!(
             !self.server_names.is_empty(),

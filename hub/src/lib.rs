@@ -22,8 +22,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use flotilla_gateway::{Gateway, GatewayConfig};
+use flotilla_gateway::supervise::Tasks;
+use flotilla_gateway::{Gateway, GatewayConfig, Listeners};
 use flotilla_store::Store;
+use flotilla_transport::listen::AgentSockets;
+use flotilla_transport::quic::{QuicListener, QuicTlsUpdater};
+use futures::{FutureExt as _, TryFutureExt as _};
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
 use tracing::info;
@@ -42,8 +46,12 @@ pub const OPERATOR_CERT_LIFETIME: Duration = Duration::from_secs(365 * 24 * 3600
 /// What the hub bound, written to `<data-dir>/listen.json` once it serves (port 0 resolved).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct ListenInfo {
+    /// The agents' address: TCP (gRPC), and UDP (QUIC) on the same port unless `quic` is off.
     pub agents: std::net::SocketAddr,
     pub api: std::net::SocketAddr,
+    /// Whether QUIC is served on the agents' address.
+    #[serde(default)]
+    pub quic: bool,
 }
 
 impl ListenInfo {
@@ -96,7 +104,7 @@ pub async fn run(
     let tokens = Arc::new(BootstrapTokens::open(&config.data_dir)?);
     let store = open_store(&config).await?;
 
-    let agents = TcpListener::bind(config.listen)
+    let agents = AgentSockets::bind(config.listen, config.quic)
         .await
         .with_context(|| format!("cannot listen for agents on {} (--listen)", config.listen))?;
     let api = TcpListener::bind(config.api_listen)
@@ -110,6 +118,7 @@ pub async fn run(
     let listen = ListenInfo {
         agents: agents.local_addr()?,
         api: api.local_addr()?,
+        quic: agents.udp.is_some(),
     };
 
     let ca = authority.current();
@@ -121,8 +130,8 @@ pub async fn run(
         ca.serving_chain_pem(&serving.cert_pem).as_bytes(),
         serving.key_pem.as_bytes(),
     )?;
-    let (agent_tls_tx, agent_tls) =
-        TlsSource::updatable(agent_tls_config(&ca, &config.server_names)?);
+    let agent_tls_now = agent_tls_config(&ca, &config.server_names)?;
+    let (agent_tls_tx, agent_tls) = TlsSource::updatable(agent_tls_now.clone());
     write_operator_config(&ca, &config, listen.api)?;
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -132,13 +141,7 @@ pub async fn run(
 
     let gateway = Gateway::with_certificates(
         store.clone(),
-        GatewayConfig {
-            heartbeat_interval: config.heartbeat_interval,
-            heartbeat_timeout: config.heartbeat_timeout,
-            grace_period: config.grace_period,
-            max_frame_bytes: config.max_frame_bytes,
-            ..GatewayConfig::default()
-        },
+        gateway_config(&config),
         HubCertificates::new(
             store.clone(),
             authority.clone(),
@@ -152,67 +155,83 @@ pub async fn run(
         gateway.admissions(),
         config.client_cert_lifetime,
     );
-    let agent_conns = flotilla_transport::tls::accept_authenticated(
-        agents,
+    // Every long-lived task of the hub, with one owner: one that ends while the hub serves
+    // makes it exit non-zero (see `supervise`).
+    let mut tasks = Tasks::new();
+    let gateway_config = gateway_config(&config);
+    let quic = match agents.udp {
+        Some(udp) => Some(
+            QuicListener::bind(udp, &agent_tls_now, gateway_config.quic())
+                .context("serving QUIC on the agents' address (turn it off with --quic=false)")?,
+        ),
+        None => None,
+    };
+    let quic_tls = quic.as_ref().map(QuicListener::tls_updater);
+    let (agent_conns, agent_accept) = flotilla_transport::tls::accept_authenticated(
+        agents.tcp,
         agent_tls,
         Default::default(),
         "agents",
     );
+    tasks.spawn("the agents' listener", agent_accept.err_into());
     // Joining agents dial the same address they will hold their session on.
-    let routes = tonic::service::Routes::new(join.into_server());
-    let gateway_task = tokio::spawn(gateway.clone().serve_with(
-        agent_conns,
-        Some(routes),
-        stopped(stop_rx.clone()),
-    ));
-    let api_conns = flotilla_transport::tls::accept_authenticated(
+    let mut routes = tonic::service::RoutesBuilder::default();
+    routes.add_service(join.into_server());
+    tasks.spawn(
+        "the agents' gateway",
+        gateway
+            .clone()
+            .serve(
+                Listeners {
+                    tcp: agent_conns,
+                    quic,
+                },
+                Some(routes),
+                stopped(stop_rx.clone()),
+            )
+            .err_into(),
+    );
+    let (api_conns, api_accept) = flotilla_transport::tls::accept_authenticated(
         api,
         api_tls,
         Default::default(),
         "operator-api",
     );
-    let (ca_changed, mut ca_changes) = tokio::sync::watch::channel(0u64);
+    tasks.spawn("the operator API's listener", api_accept.err_into());
+    let (ca_changed, ca_changes) = tokio::sync::watch::channel(0u64);
     let registration = Arc::new(RegistrationApi {
         tokens,
         authority: authority.clone(),
         agent_address: agent_address(&config, listen.agents),
         ca_changed,
     });
-    let controllers_task = tokio::spawn(controllers::run(
-        store.clone(),
-        config.controllers(),
-        stop_rx.clone(),
-    ));
-    let api_task = tokio::spawn(operator_api::serve(
-        api_conns,
-        store,
-        Some(registration),
-        stopped(stop_rx.clone()),
-    ));
-    // After a CA rotation: new handshakes get a serving chain from the new CA and trust both
-    // CAs' client certificates; live sessions get the new bundle.
-    let server_names = config.server_names.clone();
-    let mut rotation_stop = stop_rx.clone();
-    tokio::spawn(async move {
-        loop {
-            tokio::select! {
-                changed = ca_changes.changed() => if changed.is_err() { return },
-                _ = rotation_stop.wait_for(|s| *s) => return,
-            }
-            match agent_tls_config(&authority.current(), &server_names) {
-                Ok(tls) => {
-                    agent_tls_tx.send_replace(tls);
-                    gateway.push_trust_bundle().await;
-                    info!(
-                        "agents' listener now serves from the new CA; sessions told the new bundle"
-                    );
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, "cannot build the agents' TLS configuration after a CA change")
-                }
-            }
-        }
-    });
+    // Placement, rollout and work TTL act on the store beside the gateway.
+    tasks.spawn(
+        "the hub's controllers",
+        controllers::run(store.clone(), config.controllers(), stop_rx.clone()).err_into(),
+    );
+    tasks.spawn(
+        "the operator API",
+        operator_api::serve(
+            api_conns,
+            store,
+            Some(registration),
+            stopped(stop_rx.clone()),
+        )
+        .err_into(),
+    );
+    tasks.spawn(
+        "CA rotation",
+        follow_ca_rotation(
+            authority,
+            config.server_names.clone(),
+            (agent_tls_tx, quic_tls),
+            gateway,
+            ca_changes,
+            stop_rx,
+        )
+        .map(Ok),
+    );
 
     ca::write(
         &ListenInfo::path(&config.data_dir),
@@ -221,13 +240,81 @@ pub async fn run(
     )?;
     info!(agents = %listen.agents, api = %listen.api, store = ?config.store, "hub serving");
 
-    shutdown.await;
-    info!("shutting down");
+    tokio::select! {
+        _ = shutdown => info!("shutting down"),
+        ended = tasks.first_end() => {
+            tracing::error!(error = %ended, "a serving task ended; the hub cannot serve without it and exits");
+            let _ = stop_tx.send(true);
+            tasks.stop_within(STOP_AFTER_FAULT).await;
+            return Err(anyhow::Error::new(ended).context(
+                "flotilla-hub stopped serving; exiting non-zero so that its supervisor restarts it",
+            ));
+        }
+    }
     let _ = stop_tx.send(true);
-    gateway_task.await??;
-    api_task.await?;
-    controllers_task.await?;
+    // The gateway drains within --drain-timeout; the rest stop at once.
+    let aborted = tasks
+        .stop_within(config.drain_timeout + STOP_AFTER_FAULT)
+        .await;
+    if aborted > 0 {
+        tracing::warn!(
+            aborted,
+            "tasks still running after the drain deadline were aborted"
+        );
+    }
     Ok(())
+}
+
+/// The session tier's settings from the hub's flags.
+fn gateway_config(config: &HubConfig) -> GatewayConfig {
+    GatewayConfig {
+        heartbeat_interval: config.heartbeat_interval,
+        heartbeat_timeout: config.heartbeat_timeout,
+        grace_period: config.grace_period,
+        max_frame_bytes: config.max_frame_bytes,
+        drain_window: config.drain_window,
+        drain_timeout: config.drain_timeout,
+        ..GatewayConfig::default()
+    }
+}
+
+/// How long the hub's tasks may take to stop once told, beyond the gateway's drain.
+const STOP_AFTER_FAULT: Duration = Duration::from_secs(5);
+
+/// After a CA rotation: new handshakes get a serving chain from the new CA and trust both CAs'
+/// client certificates; live sessions get the new bundle. Until `stop`.
+async fn follow_ca_rotation(
+    authority: Arc<Authority>,
+    server_names: Vec<String>,
+    (agent_tls, quic_tls): (
+        tokio::sync::watch::Sender<Arc<rustls::ServerConfig>>,
+        Option<QuicTlsUpdater>,
+    ),
+    gateway: Gateway,
+    mut changes: tokio::sync::watch::Receiver<u64>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            changed = changes.changed() => if changed.is_err() { return },
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        match agent_tls_config(&authority.current(), &server_names) {
+            Ok(tls) => {
+                if let Some(quic) = &quic_tls
+                    && let Err(e) = quic.update(&tls)
+                {
+                    tracing::error!(error = %e, "cannot give QUIC the new CA's TLS configuration");
+                }
+                agent_tls.send_replace(tls);
+                gateway.push_trust_bundle().await;
+                info!("agents' listener now serves from the new CA; sessions told the new bundle");
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot build the agents' TLS configuration after a CA change")
+            }
+        }
+    }
 }
 
 /// The agents' listener configuration for CA `ca`: a fresh serving certificate from it, the
@@ -310,7 +397,9 @@ pub fn init_tracing() {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        // Colours for a terminal only: log files and collectors get plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     if std::env::var("FLOTILLA_LOG_FORMAT").as_deref() == Ok("json") {
         builder.json().init();
     } else {

@@ -19,6 +19,7 @@ use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, watch};
+use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
 use crate::registration::{self, Authority, ClusterOpError};
@@ -114,21 +115,28 @@ pub fn router_with(store: Arc<dyn Store>, registration: Option<Arc<RegistrationA
 
 /// Serves the API on authenticated connections until the channel closes or `shutdown` fires.
 pub async fn serve(
-    mut conns: mpsc::Receiver<std::io::Result<AuthenticatedConn>>,
+    mut conns: mpsc::Receiver<AuthenticatedConn>,
     store: Arc<dyn Store>,
     registration: Option<Arc<RegistrationApi>>,
     shutdown: impl Future<Output = ()>,
-) {
+) -> Result<(), ServeError> {
     let app = router_with(store, registration);
+    // Every connection is owned here: on shutdown, requests in flight get a moment to finish
+    // and the rest are cut, so the hub's exit never waits on an idle keep-alive connection.
+    let mut connections = JoinSet::new();
     tokio::pin!(shutdown);
-    loop {
+    let outcome = loop {
         let conn = tokio::select! {
-            c = conns.recv() => match c { Some(Ok(c)) => c, Some(Err(_)) => continue, None => return },
-            _ = &mut shutdown => return,
+            c = conns.recv() => match c {
+                Some(c) => c,
+                None => break Err(ServeError::ListenerClosed),
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+            _ = &mut shutdown => break Ok(()),
         };
         let info = conn.info().clone();
         let svc = TowerToHyperService::new(app.clone().layer(Extension(info)));
-        tokio::spawn(async move {
+        connections.spawn(async move {
             if let Err(e) = auto::Builder::new(TokioExecutor::new())
                 .serve_connection(TokioIo::new(conn), svc)
                 .await
@@ -136,7 +144,23 @@ pub async fn serve(
                 debug!(error = %e, "operator API connection ended");
             }
         });
+    };
+    let finish = async { while connections.join_next().await.is_some() {} };
+    if tokio::time::timeout(SHUTDOWN_GRACE, finish).await.is_err() {
+        connections.shutdown().await;
     }
+    outcome
+}
+
+/// How long requests in flight may take to finish when the API stops.
+const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Why the operator API stopped serving; retryable only by restarting the hub.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The stream of accepted connections ended although nobody asked the API to stop.
+    #[error("the stream of operator connections ended: the listener is gone")]
+    ListenerClosed,
 }
 
 async fn require_operator(
@@ -660,9 +684,11 @@ async fn create_token(State(s): State<ApiState>, Json(body): Json<TokenRequest>)
             view["token"] = Value::String(created.token.clone());
             view["caFingerprint"] = Value::String(fingerprint.clone());
             view["hub"] = Value::String(api.agent_address.clone());
+            // The secret goes in the environment, not the command line: arguments are
+            // visible to every user of the spoke (`ps`) and land in process listings.
             view["joinCommand"] = Value::String(format!(
-                "flotilla-agent join --hub {} --token {} --cluster-name <cluster-name> --ca-fingerprint {}",
-                api.agent_address, created.token, fingerprint
+                "FLOTILLA_BOOTSTRAP_TOKEN={} flotilla-agent join --hub {} --cluster-name <cluster-name> --ca-fingerprint {}",
+                created.token, api.agent_address, fingerprint
             ));
             (StatusCode::CREATED, Json(view)).into_response()
         }

@@ -35,6 +35,8 @@ enum WorkerLine {
     Sample(Sample),
     Records(Vec<AgentRecord>),
     Failed(String),
+    /// `flap` finished after this many steps.
+    Flapped(u64),
 }
 
 /// Runs as a worker: the swarm of the spec, until stdin says `stop` or closes.
@@ -77,6 +79,27 @@ pub async fn run_worker(spec: &Path) -> anyhow::Result<()> {
         match line.trim() {
             "records" => print(WorkerLine::Records(swarm.records().await)).await,
             "stop" => break,
+            flap if flap.starts_with("flap ") => {
+                // `flap <duration ms> <every ms>`: the feedback scenario's status changes, run
+                // beside the sampler so the coordinator keeps seeing counters.
+                let ms: Vec<u64> = flap
+                    .split_whitespace()
+                    .skip(1)
+                    .filter_map(|v| v.parse().ok())
+                    .collect();
+                let (swarm, print) = (swarm.clone(), print.clone());
+                if let [duration, every] = ms[..] {
+                    tokio::spawn(async move {
+                        let steps = swarm
+                            .flap(
+                                Duration::from_millis(duration),
+                                Duration::from_millis(every),
+                            )
+                            .await;
+                        print(WorkerLine::Flapped(steps)).await;
+                    });
+                }
+            }
             other => tracing::warn!(command = other, "unknown worker command"),
         }
     }
@@ -93,6 +116,7 @@ pub struct Worker {
     stdin: ChildStdin,
     sample: watch::Receiver<Sample>,
     records: mpsc::Receiver<Result<Vec<AgentRecord>, String>>,
+    flapped: mpsc::Receiver<u64>,
 }
 
 /// Where the agents run.
@@ -148,6 +172,7 @@ impl Agents {
             let stdout = child.stdout.take().expect("piped stdout");
             let (sample_tx, sample) = watch::channel(Sample::default());
             let (records_tx, records) = mpsc::channel(1);
+            let (flapped_tx, flapped) = mpsc::channel(1);
             tokio::spawn(async move {
                 let mut lines = BufReader::new(stdout).lines();
                 while let Ok(Some(line)) = lines.next_line().await {
@@ -161,6 +186,9 @@ impl Agents {
                         Ok(WorkerLine::Failed(e)) => {
                             let _ = records_tx.send(Err(e)).await;
                         }
+                        Ok(WorkerLine::Flapped(steps)) => {
+                            let _ = flapped_tx.send(steps).await;
+                        }
                         Err(e) => tracing::warn!(error = %e, "unreadable worker line"),
                     }
                 }
@@ -170,6 +198,7 @@ impl Agents {
                 stdin,
                 sample,
                 records,
+                flapped,
             });
         }
         Ok(Agents::Workers(workers))
@@ -206,6 +235,30 @@ impl Agents {
                     }
                 }
                 Ok(all)
+            }
+        }
+    }
+
+    /// The feedback scenario's status changes on every simulated cluster (see
+    /// [`Swarm::flap`]); returns the steps made.
+    pub async fn flap(&mut self, duration: Duration, every: Duration) -> anyhow::Result<u64> {
+        match self {
+            Agents::Local(s) => Ok(s.flap(duration, every).await),
+            Agents::Workers(ws) => {
+                let command = format!("flap {} {}\n", duration.as_millis(), every.as_millis());
+                for w in ws.iter_mut() {
+                    w.stdin.write_all(command.as_bytes()).await?;
+                    w.stdin.flush().await?;
+                }
+                let mut steps = 0;
+                for (i, w) in ws.iter_mut().enumerate() {
+                    match tokio::time::timeout(duration + RECORDS_TIMEOUT, w.flapped.recv()).await {
+                        Ok(Some(s)) => steps = s,
+                        Ok(None) => bail!("worker {i} exited (see worker-{i}.log)"),
+                        Err(_) => bail!("worker {i} did not finish changing statuses"),
+                    }
+                }
+                Ok(steps)
             }
         }
     }

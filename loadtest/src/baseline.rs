@@ -31,7 +31,7 @@ use crate::klusterlet::{
     prepare_hub,
 };
 use crate::report::{ApiserverLoad, BaselineReport, Outcome, ScenarioReport};
-use crate::scenario::{Clock, Run, SAMPLE_EVERY, finish};
+use crate::scenario::{Clock, Run, SAMPLE_EVERY, bounded, finish};
 
 /// The load an earlier scenario `name` of the run measured, if it completed.
 fn earlier_load(earlier: &[ScenarioReport], name: &str) -> Option<ApiserverLoad> {
@@ -84,7 +84,7 @@ impl Run {
         };
         b.flotilla.connect = earlier_load(earlier, "connect");
         b.flotilla.fanout = earlier_load(earlier, "fanout");
-        let result = self.baseline_inner(&clock, &mut r, &mut b).await;
+        let result = bounded(&clock, self.baseline_inner(&clock, &mut r, &mut b)).await;
         b.compare();
         r.baseline = Some(b);
         finish(&mut r, &clock, result);

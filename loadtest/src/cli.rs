@@ -13,6 +13,23 @@ pub const DEFAULT_AGENTS: usize = 200;
 pub const DEFAULT_DEMO_AGENTS: usize = 1000;
 /// Default of `--scenario`: every scenario, in this order.
 pub const DEFAULT_SCENARIOS: &str = "connect,fanout,storm,outage";
+/// Default of `--feedback-duration`: a minute of changes.
+pub const DEFAULT_FEEDBACK_DURATION: &str = "60s";
+/// Default of `--feedback-every`: every Deployment's status changes once a second.
+pub const DEFAULT_FEEDBACK_EVERY: &str = "1s";
+
+fn default_feedback_duration() -> Duration {
+    Duration::from_secs(60)
+}
+
+fn default_feedback_every() -> Duration {
+    Duration::from_secs(1)
+}
+
+fn default_feedback_interval() -> Duration {
+    flotilla_agent::reconcile::DEFAULT_FEEDBACK_INTERVAL
+}
+
 /// Default of `--connect-rate`: new agents started per second during the ramp.
 pub const DEFAULT_CONNECT_RATE: f64 = 500.0;
 /// Default of `--timeout`: the longest any one scenario may run before it stops itself.
@@ -87,6 +104,9 @@ pub enum Command {
         #[arg(long)]
         spec: PathBuf,
     },
+    /// (internal) The bare carrier server of baseline-bare.
+    #[command(hide = true)]
+    BareServer(crate::bare::BareArgs),
     /// (internal) The hub as a child process of the harness: `flotilla_hub::run` with the
     /// hub's own flags.
     #[command(hide = true)]
@@ -121,6 +141,16 @@ pub enum Scenario {
     /// enrolled cluster; time to decisions, label changes followed into the decisions they
     /// affect, the hub's memory.
     Schedule,
+    /// The floor: the same agents against a bare carrier server (tonic with default settings,
+    /// or quinn with default settings) with the same certificates and TLS, holding sessions and
+    /// nothing else; its memory per session and setup rate beside flotilla's from `connect`
+    /// in the same run, as ratios. Runs last: it stops the run's agents first.
+    BaselineBare,
+    /// Every cluster's Deployment changes its status every --feedback-every for
+    /// --feedback-duration; its work reports the Deployment's well-known status as feedback:
+    /// session bytes per cluster per second, statuses per cluster per second against the
+    /// agents' bound, the hub's store writes per second, the latest value on the hub at the end.
+    Feedback,
     // `proxy` (kubectl requests through the agents' tunnels) takes its place here once tunnels
     // exist; it is absent rather than faked.
 }
@@ -168,6 +198,30 @@ pub enum Enrollment {
     /// making its key and sending a CSR as `flotilla-agent join` does, then connects; the
     /// connect scenario's figures include the join.
     Join,
+}
+
+/// The carrier the agents' sessions ride (`--transport`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AgentTransport {
+    /// gRPC over HTTP/2 over TLS (TCP): one socket per agent.
+    #[default]
+    Grpc,
+    /// QUIC (UDP): the swarm's agents share one UDP socket per source address.
+    Quic,
+    /// QUIC, falling back to gRPC per agent when UDP does not get through.
+    Auto,
+}
+
+impl AgentTransport {
+    /// The agent's own setting.
+    pub fn agent(self) -> flotilla_agent::connect::Transport {
+        match self {
+            AgentTransport::Grpc => flotilla_agent::connect::Transport::Grpc,
+            AgentTransport::Quic => flotilla_agent::connect::Transport::Quic,
+            AgentTransport::Auto => flotilla_agent::connect::Transport::Auto,
+        }
+    }
 }
 
 /// Signal sent to the hub in `storm`.
@@ -234,6 +288,17 @@ pub struct RunArgs {
     #[arg(long)]
     pub hub_binary: Option<PathBuf>,
 
+    /// The carrier of the agents' sessions: grpc (TCP), quic (UDP), or auto (QUIC with a
+    /// fallback to gRPC).
+    #[arg(long, value_enum, default_value_t = AgentTransport::Grpc)]
+    #[serde(default)]
+    pub transport: AgentTransport,
+
+    /// An extra flag for the child hub, e.g. `--hub-arg=--drain-window=2s`; repeat for more.
+    #[arg(long = "hub-arg", allow_hyphen_values = true)]
+    #[serde(default)]
+    pub hub_args: Vec<String>,
+
     /// Agent address of the hub the harness starts (loopback; port 0 picks a free port).
     #[arg(long, default_value = DEFAULT_HUB_LISTEN)]
     pub hub_listen: SocketAddr,
@@ -273,6 +338,22 @@ pub struct RunArgs {
     /// Signal the storm scenario sends to the hub.
     #[arg(long, value_enum, default_value_t = StormSignal::Kill)]
     pub storm_signal: StormSignal,
+
+    /// How long the feedback scenario changes the Deployments' statuses.
+    #[arg(long, default_value = DEFAULT_FEEDBACK_DURATION, value_parser = humantime::parse_duration)]
+    #[serde(with = "humantime_serde_compat", default = "default_feedback_duration")]
+    pub feedback_duration: Duration,
+
+    /// How often each Deployment's status changes in the feedback scenario.
+    #[arg(long, default_value = DEFAULT_FEEDBACK_EVERY, value_parser = humantime::parse_duration)]
+    #[serde(with = "humantime_serde_compat", default = "default_feedback_every")]
+    pub feedback_every: Duration,
+
+    /// The agents' --feedback-interval: the shortest time between two statuses of one work
+    /// that changes on its cluster cause.
+    #[arg(long, default_value = flotilla_agent::config::DEFAULT_FEEDBACK_INTERVAL, value_parser = humantime::parse_duration)]
+    #[serde(with = "humantime_serde_compat", default = "default_feedback_interval")]
+    pub feedback_interval: Duration,
 
     /// How long the hub stays down in the outage scenario.
     #[arg(long, default_value = DEFAULT_OUTAGE, value_parser = humantime::parse_duration)]

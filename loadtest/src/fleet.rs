@@ -38,6 +38,10 @@ pub const SERVER_NAME: &str = "localhost";
 pub const HUB_START_TIMEOUT: Duration = Duration::from_secs(60);
 /// Lifetime of the agents' certificates: longer than any run, so no renewal happens mid-test.
 pub const AGENT_CERT_LIFETIME: Duration = Duration::from_secs(7 * 24 * 3600);
+/// How long a signalled hub may take to exit: its drain deadline (`flotilla-hub
+/// --drain-timeout`, 20 s by default) and a margin. A hub still running after this is a hang:
+/// the harness says so, kills it and fails the scenario.
+pub const HUB_STOP_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// One agent's identity: its cluster name, certificate and key.
 #[derive(Clone, Serialize, Deserialize)]
@@ -127,7 +131,12 @@ impl Hub {
         };
         match args.hub_mode {
             HubMode::InProcess => {
-                let mut config = hub_config(&data_dir, args.hub_listen, args.hub_api_listen);
+                let mut config = hub_config(
+                    &data_dir,
+                    args.hub_listen,
+                    args.hub_api_listen,
+                    &args.hub_args,
+                )?;
                 if let Some(a) = &apiserver {
                     config.store = StoreBackend::Kube;
                     config.kubeconfig = Some(a.kubeconfig_path().to_path_buf());
@@ -163,6 +172,7 @@ impl Hub {
                         format!("--kubeconfig={}", a.kubeconfig_path().display()),
                     ]);
                 }
+                program.1.extend(args.hub_args.iter().cloned());
                 let mut hub = Hub {
                     mode: "child",
                     data_dir,
@@ -203,7 +213,9 @@ impl Hub {
         matches!(self.running, Running::Child(_))
     }
 
-    /// Sends `signal` to the child hub and waits until it has exited.
+    /// Sends `signal` to the child hub and waits until it has exited, at most
+    /// [`HUB_STOP_TIMEOUT`]. A hub that is still there by then is killed (with everything it
+    /// started) and the error says so, with the end of its log.
     pub async fn stop_with(&mut self, signal: Signal) -> anyhow::Result<()> {
         let Running::Child(child) = &mut self.running else {
             bail!("only a child hub can be stopped by the harness");
@@ -211,12 +223,44 @@ impl Hub {
         let Some(mut c) = child.take() else {
             return Ok(());
         };
-        if let Some(pid) = c.id() {
+        let pid = c.id();
+        if let Some(pid) = pid {
             kill(Pid::from_raw(pid as i32), signal)?;
         }
-        let status = c.wait().await?;
-        info!(?signal, %status, "hub stopped");
-        Ok(())
+        match tokio::time::timeout(HUB_STOP_TIMEOUT, c.wait()).await {
+            Ok(status) => {
+                let status = status?;
+                info!(?signal, %status, "hub stopped");
+                Ok(())
+            }
+            Err(_) => {
+                kill_group(pid);
+                let _ = c.wait().await;
+                let log = self.log_dir.join(format!("hub-{}.log", self.starts));
+                bail!(
+                    "the hub (pid {}) did not exit within {HUB_STOP_TIMEOUT:?} of {}; killed it. \
+                     Its log {}:\n{}",
+                    pid.unwrap_or_default(),
+                    signal.as_str(),
+                    log.display(),
+                    tail(&std::fs::read_to_string(&log).unwrap_or_default(), 20)
+                )
+            }
+        }
+    }
+
+    /// Whether the child hub has exited on its own (crashed, or exited with an error), with its
+    /// exit status; `None` while it runs or for other modes.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        match &mut self.running {
+            Running::Child(Some(c)) => c.try_wait().ok().flatten(),
+            _ => None,
+        }
+    }
+
+    /// The log of the hub's current (or last) start, for error messages.
+    pub fn log(&self) -> PathBuf {
+        self.log_dir.join(format!("hub-{}.log", self.starts))
     }
 
     /// (Re)starts the child hub on the same data dir and, after the first start, the same
@@ -242,6 +286,9 @@ impl Hub {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(file)
+            // Its own process group, so that a hub that will not stop is killed with whatever
+            // it started (see `kill_group`).
+            .process_group(0)
             .kill_on_drop(true);
         let mut child = cmd
             .spawn()
@@ -267,11 +314,19 @@ impl Hub {
     /// (also when stopping the hub failed).
     pub async fn shutdown(mut self) -> anyhow::Result<()> {
         let stopped = match std::mem::replace(&mut self.running, Running::External) {
-            Running::InProcess { mut stop, task } => {
+            Running::InProcess { mut stop, mut task } => {
                 if let Some(s) = stop.take() {
                     let _ = s.send(());
                 }
-                task.await.map_err(anyhow::Error::from).and_then(|r| r)
+                match tokio::time::timeout(HUB_STOP_TIMEOUT, &mut task).await {
+                    Ok(joined) => joined.map_err(anyhow::Error::from).and_then(|r| r),
+                    Err(_) => {
+                        task.abort();
+                        Err(anyhow::anyhow!(
+                            "the in-process hub did not stop within {HUB_STOP_TIMEOUT:?}; aborted it"
+                        ))
+                    }
+                }
             }
             running @ Running::Child(_) => {
                 self.running = running;
@@ -288,6 +343,19 @@ impl Hub {
     /// The operator API of this hub.
     pub fn operator(&self) -> anyhow::Result<Arc<OperatorApi>> {
         OperatorApi::from_data_dir(&self.data_dir)
+    }
+
+    /// A serving identity from the hub's CA for `names`: (CA bundle, certificate chain, key),
+    /// PEM; for the bare carrier server of `baseline-bare`.
+    pub fn serving_identity(&self, names: &[&str]) -> anyhow::Result<(String, String, String)> {
+        let ca = self.ca()?;
+        let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+        let issued = ca.issue_server(&names)?;
+        Ok((
+            ca.bundle_pem(),
+            ca.serving_chain_pem(&issued.cert_pem),
+            issued.key_pem,
+        ))
     }
 
     /// The CA bundle agents trust.
@@ -353,18 +421,22 @@ fn hub_config(
     data_dir: &Path,
     listen: SocketAddr,
     api: SocketAddr,
-) -> flotilla_hub::config::HubConfig {
+    extra: &[String],
+) -> anyhow::Result<flotilla_hub::config::HubConfig> {
     use clap::Parser;
     #[derive(Parser)]
     struct Only {
         #[command(flatten)]
         config: flotilla_hub::config::HubConfig,
     }
-    let mut config = Only::parse_from(["hub"]).config;
+    let argv = std::iter::once("hub".to_string()).chain(extra.iter().cloned());
+    let mut config = Only::try_parse_from(argv)
+        .context("--hub-arg: not a flag of flotilla-hub")?
+        .config;
     config.data_dir = data_dir.to_path_buf();
     config.listen = listen;
     config.api_listen = api;
-    config
+    Ok(config)
 }
 
 /// Waits for the hub's listen.json, failing early if `exited` says the hub is gone.
@@ -394,7 +466,23 @@ async fn wait_listen(
     }
 }
 
-fn tail(text: &str, lines: usize) -> String {
+/// SIGKILLs the process group `pid` leads (a child hub started with `process_group(0)`).
+fn kill_group(pid: Option<u32>) {
+    if let Some(pid) = pid {
+        let _ = nix::sys::signal::killpg(Pid::from_raw(pid as i32), Signal::SIGKILL);
+    }
+}
+
+impl Drop for Hub {
+    /// A hub still running when the harness gives up (an error path) goes with its group.
+    fn drop(&mut self) {
+        if let Running::Child(Some(c)) = &self.running {
+            kill_group(c.id());
+        }
+    }
+}
+
+pub(crate) fn tail(text: &str, lines: usize) -> String {
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
 }

@@ -34,7 +34,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use flotilla_agent::MemoryCluster;
-use flotilla_agent::apply::{apply_planned, plan_manifests};
+use flotilla_agent::apply::{ApplyContext, apply_planned, plan_manifests};
 use flotilla_agent::status::work_status;
 use flotilla_proto::api::conditions::{
     ConditionStatus, MANAGED_CLUSTER_CONDITION_AVAILABLE, MANAGED_CLUSTER_JOINED, WORK_APPLIED,
@@ -413,8 +413,8 @@ async fn write_work_status(
     work: &ManifestWork,
 ) -> anyhow::Result<()> {
     let name = work.metadata.name.as_deref().unwrap_or_default();
-    let planned = plan_manifests(spoke, &work.spec.workload.manifests).await;
-    let outcomes = apply_planned(spoke, &planned).await;
+    let planned = plan_manifests(spoke, &work.spec).await;
+    let outcomes = apply_planned(spoke, &planned, &ApplyContext::default()).await;
     let status = work_status(
         work.metadata.generation.unwrap_or(0),
         &outcomes,
@@ -689,8 +689,8 @@ mod tests {
             serde_json::from_value(crate::scenario::work_json("lt-00001", "fanout-1")).unwrap();
         w.metadata.generation = Some(1);
         let spoke = MemoryCluster::new();
-        let planned = plan_manifests(&spoke, &w.spec.workload.manifests).await;
-        let outcomes = apply_planned(&spoke, &planned).await;
+        let planned = plan_manifests(&spoke, &w.spec).await;
+        let outcomes = apply_planned(&spoke, &planned, &ApplyContext::default()).await;
         w.status = Some(work_status(1, &outcomes, &Time(Timestamp::now())));
         assert!(!needs_status(&w), "{:?}", w.status);
         let manifests = &w.status.as_ref().unwrap().resource_status.manifests;

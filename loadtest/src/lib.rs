@@ -1,8 +1,8 @@
 //! flotilla's load-test harness: thousands of agents, each the real agent library (its session
 //! loop over real TLS and HTTP/2, cache, reconciler and status logic) over an in-memory
 //! cluster, against a real hub that the harness starts (a child process or in-process) or finds
-//! on loopback. It drives scenarios (connect, fanout, storm, outage, and with `--store kube`
-//! baseline-klusterlet), shows progress, and writes a versioned JSON report, a table and SVG
+//! on loopback. It drives scenarios (connect, fanout, storm, outage, feedback, and with
+//! `--store kube` baseline-klusterlet), shows progress, and writes a versioned JSON report, a table and SVG
 //! plots.
 //!
 //! Not for: proving correctness in the small (the crates' own tests do that), or traffic to
@@ -27,10 +27,12 @@
 
 pub mod agents;
 pub mod apiserver;
+pub mod bare;
 pub mod baseline;
 pub mod bench;
 pub mod cli;
 pub mod clock;
+pub mod feedback;
 pub mod fleet;
 pub mod klusterlet;
 pub mod machine;
@@ -51,7 +53,7 @@ use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::apiserver::{Apiserver, ApiserverSnapshot};
 use crate::cli::{Enrollment, RunArgs, Scenario};
-use crate::fleet::{Hub, Identity, SERVER_NAME};
+use crate::fleet::{Hub, Identity};
 use crate::machine::Machine;
 use crate::report::{HubInfo, Report, SCHEMA};
 use crate::scenario::Run;
@@ -127,26 +129,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<(Report, PathBuf)> {
             (identities, Some(join))
         }
     };
-    let spec = SwarmSpec {
-        hub: hub.agents,
-        server_name: SERVER_NAME.to_string(),
-        ca_bundle: hub.ca_bundle()?,
-        first_index: 0,
-        connect_rate: args.connect_rate,
-        source_addresses: args.source_addresses,
-        seed: args.seed,
-        max_backoff_ms: args.max_backoff.as_millis() as u64,
-        apply_delay_ms: args.apply_delay.as_millis() as u64,
-        apply_failure_rate: args.apply_failure_rate,
-        cache_dir: run_dir.path().join("agent-cache"),
-        identities_dir: run_dir.path().join("agent-identities"),
-        join,
-        rejects: if args.scenarios.contains(&Scenario::Rollout) {
-            placement::rollout_rejects(&args)
-        } else {
-            Default::default()
-        },
-    };
+    let spec = SwarmSpec::for_run(&args, &hub, run_dir.path(), join)?;
     let mut run = Run::new(
         args.clone(),
         hub,
@@ -168,6 +151,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<(Report, PathBuf)> {
             Scenario::BaselineKlusterlet => run.baseline_klusterlet(&scenarios).await,
             Scenario::Rollout => run.rollout().await,
             Scenario::Schedule => run.schedule().await,
+            Scenario::BaselineBare => run.baseline_bare(&scenarios).await,
+            Scenario::Feedback => run.feedback().await,
         };
         if let (Some(before), Some(after)) = (before, apiserver_snapshot(&run.hub).await) {
             let own = run.hub.apiserver().map_or(0, Apiserver::own_watches);

@@ -15,6 +15,7 @@ fn main() -> anyhow::Result<()> {
             flotilla_loadtest::machine::raise_open_files_limit();
             runtime.block_on(flotilla_hub::run(config, flotilla_hub::shutdown_signal()))
         }
+        Command::BareServer(args) => runtime.block_on(flotilla_loadtest::bare::serve(args)),
         Command::Worker { spec } => runtime.block_on(flotilla_loadtest::agents::run_worker(&spec)),
         Command::Demo(demo) => {
             report(runtime.block_on(flotilla_loadtest::run(RunArgs::demo(&demo))))
@@ -62,5 +63,7 @@ fn init_tracing() {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // Colours for a terminal only: log files and collectors get plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
 }

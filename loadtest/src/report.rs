@@ -206,6 +206,37 @@ pub struct ScenarioReport {
     /// `baseline-klusterlet`: flotilla against klusterlet-style clients on apiserver load.
     #[serde(default)]
     pub baseline: Option<BaselineReport>,
+    /// `baseline-bare`: the bare carrier beside flotilla.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bare: Option<BareReport>,
+
+    // feedback
+    /// How long the simulated Deployments' statuses changed, and how many changes were made.
+    #[serde(default)]
+    pub feedback_window_s: Option<f64>,
+    #[serde(default)]
+    pub feedback_changes: Option<u64>,
+    /// Session bytes per cluster per second over the window, agent → hub and hub → agent.
+    #[serde(default)]
+    pub session_bytes_out_per_cluster_s: Option<f64>,
+    #[serde(default)]
+    pub session_bytes_in_per_cluster_s: Option<f64>,
+    /// Statuses the agents sent per cluster per second over the window, and the agents' bound
+    /// on it (one per work per feedback interval, plus one the window may start with).
+    #[serde(default)]
+    pub statuses_per_cluster_s: Option<f64>,
+    #[serde(default)]
+    pub statuses_bound_per_cluster_s: Option<f64>,
+    /// Statuses the hub acknowledged per second over the window: its store writes, since a
+    /// status is acknowledged once stored.
+    #[serde(default)]
+    pub store_writes_per_s: Option<f64>,
+    /// Works whose status on the hub shows the last value set, and how long after the window
+    /// the last of them got there.
+    #[serde(default)]
+    pub feedback_converged: Option<u64>,
+    #[serde(default)]
+    pub feedback_converge_s: Option<f64>,
     /// `rollout`: a Progressive rollout that must stop at a failing cluster, then complete.
     #[serde(default)]
     pub rollout: Option<RolloutReport>,
@@ -270,6 +301,26 @@ pub struct ScheduleReport {
 }
 
 /// What one kube-apiserver served over a window, from its own `/metrics`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct BareReport {
+    /// The carrier both sides used.
+    pub carrier: String,
+    /// Sessions the bare server held.
+    pub sessions: u64,
+    /// The bare server's RSS growth per session.
+    pub bare_rss_per_session_bytes: Option<f64>,
+    /// The hub's, from `connect` in the same run.
+    pub flotilla_rss_per_session_bytes: Option<f64>,
+    /// flotilla / bare (target: at most 1.0).
+    pub memory_ratio: Option<f64>,
+    /// Sessions set up per second from the first dial to the last welcome.
+    pub bare_setup_per_s: Option<f64>,
+    /// The hub's, from `connect` in the same run.
+    pub flotilla_setup_per_s: Option<f64>,
+    /// flotilla / bare (target: at least 0.9).
+    pub setup_ratio: Option<f64>,
+}
+
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct ApiserverLoad {
     pub window_s: f64,
@@ -606,6 +657,45 @@ pub fn table(report: &Report) -> String {
                         },
                     );
                 }
+            }
+            "feedback" => {
+                let f1 = |v: Option<f64>| v.map_or_else(|| "-".into(), |v| format!("{v:.1}"));
+                row(
+                    "status changes on the spokes",
+                    format!(
+                        "{} in {}",
+                        opt(s.feedback_changes),
+                        secs(s.feedback_window_s)
+                    ),
+                );
+                row(
+                    "session bytes/cluster/s out, in",
+                    format!(
+                        "{}, {}",
+                        f1(s.session_bytes_out_per_cluster_s),
+                        f1(s.session_bytes_in_per_cluster_s)
+                    ),
+                );
+                row(
+                    "statuses/cluster/s (bound)",
+                    format!(
+                        "{} ({})",
+                        s.statuses_per_cluster_s
+                            .map_or_else(|| "-".into(), |v| format!("{v:.3}")),
+                        s.statuses_bound_per_cluster_s
+                            .map_or_else(|| "-".into(), |v| format!("{v:.3}"))
+                    ),
+                );
+                row("hub store writes/s", f1(s.store_writes_per_s));
+                row(
+                    "latest status on the hub",
+                    format!(
+                        "{} / {} after {}",
+                        opt(s.feedback_converged),
+                        s.agents,
+                        secs(s.feedback_converge_s)
+                    ),
+                );
             }
             _ => {
                 row("hub stopped with", opt(s.signal.clone()));

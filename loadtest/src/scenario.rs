@@ -28,6 +28,10 @@ pub const SAMPLE_EVERY: Duration = Duration::from_millis(100);
 const RATE_WINDOW: Duration = Duration::from_secs(1);
 /// Mismatches quoted in a status audit.
 const AUDIT_EXAMPLES: usize = 5;
+/// How long a scenario may run past its `--timeout` (its accounting, a hub stop or start that
+/// is itself bounded) before the harness stops it and says what it found wrong: no scenario
+/// outlives `--timeout` plus this.
+pub const OVERRUN: Duration = Duration::from_secs(120);
 
 /// Everything the scenarios share.
 pub struct Run {
@@ -163,8 +167,8 @@ impl Run {
     pub async fn connect(&mut self) -> ScenarioReport {
         let mut r = ScenarioReport::new("connect", self.identities.len());
         let clock = Clock::new(self.args.timeout);
-        let result = self.connect_inner(&clock, &mut r).await;
-        finish(&mut r, &clock, result);
+        let result = bounded(&clock, self.connect_inner(&clock, &mut r)).await;
+        self.conclude(&mut r, &clock, result).await;
         r
     }
 
@@ -269,13 +273,22 @@ impl Run {
     /// Creates ManifestWork `name` in every cluster's namespace; returns when each create was
     /// sent (clock stamps) per cluster.
     async fn create_everywhere(&self, name: &str) -> anyhow::Result<HashMap<String, Stamp>> {
+        self.create_everywhere_as(name, work_json).await
+    }
+
+    /// [`Self::create_everywhere`] with the work `make(cluster, name)`.
+    pub(crate) async fn create_everywhere_as(
+        &self,
+        name: &str,
+        make: fn(&str, &str) -> Value,
+    ) -> anyhow::Result<HashMap<String, Stamp>> {
         let bar = self.bar("create", self.n());
         let api = self.api.clone();
         let results: Vec<anyhow::Result<(String, Stamp)>> =
             futures::stream::iter(self.identities.iter().map(|i| i.name.clone()))
                 .map(|cluster| {
                     let api = api.clone();
-                    let work = work_json(&cluster, name);
+                    let work = make(&cluster, name);
                     async move {
                         let sent = clock::now();
                         api.create_work(&work)
@@ -293,7 +306,7 @@ impl Run {
     }
 
     /// Clusters whose work `name` the hub shows Applied=True.
-    async fn applied_on_hub(&self, name: &str) -> anyhow::Result<Vec<String>> {
+    pub(crate) async fn applied_on_hub(&self, name: &str) -> anyhow::Result<Vec<String>> {
         Ok(self
             .api
             .works()
@@ -308,8 +321,8 @@ impl Run {
     pub async fn fanout(&mut self) -> ScenarioReport {
         let mut r = ScenarioReport::new("fanout", self.identities.len());
         let clock = Clock::new(self.args.timeout);
-        let result = self.fanout_inner(&clock, &mut r).await;
-        finish(&mut r, &clock, result);
+        let result = bounded(&clock, self.fanout_inner(&clock, &mut r)).await;
+        self.conclude(&mut r, &clock, result).await;
         r
     }
 
@@ -451,8 +464,8 @@ impl Run {
             self.identities.len(),
         );
         let clock = Clock::new(self.args.timeout);
-        let result = self.storm_inner(&clock, &mut r, outage).await;
-        finish(&mut r, &clock, result);
+        let result = bounded(&clock, self.storm_inner(&clock, &mut r, outage)).await;
+        self.conclude(&mut r, &clock, result).await;
         r
     }
 
@@ -569,6 +582,92 @@ async fn available_among(api: &OperatorApi, ours: &HashSet<String>) -> anyhow::R
                 && condition(c, MANAGED_CLUSTER_CONDITION_AVAILABLE) == Some("True")
         })
         .count() as u64)
+}
+
+/// Runs a scenario's body with the whole-scenario deadline: `--timeout` plus [`OVERRUN`].
+pub(crate) async fn bounded(
+    clock: &Clock,
+    body: impl Future<Output = anyhow::Result<bool>>,
+) -> anyhow::Result<bool> {
+    match tokio::time::timeout_at(clock.deadline + OVERRUN, body).await {
+        Ok(result) => result,
+        Err(_) => Err(anyhow::anyhow!(
+            "still running {OVERRUN:?} after its deadline: stopped"
+        )),
+    }
+}
+
+impl Run {
+    /// Sets the scenario's outcome and, unless it completed, adds what the harness can see is
+    /// wrong with the hub and the agents (see [`Run::diagnose`]).
+    pub(crate) async fn conclude(
+        &mut self,
+        r: &mut ScenarioReport,
+        clock: &Clock,
+        result: anyhow::Result<bool>,
+    ) {
+        finish(r, clock, result);
+        if r.outcome == Some(Outcome::Completed) {
+            return;
+        }
+        let found = self.diagnose().await;
+        if found.is_empty() {
+            return;
+        }
+        let found = found.join("; ");
+        r.error = Some(match r.error.take() {
+            Some(e) => format!("{e}: {found}"),
+            None => format!("did not finish within --timeout: {found}"),
+        });
+    }
+
+    /// What is visibly wrong: the hub exited, or stopped listening, or does not answer; and
+    /// how many agents cannot connect, by why.
+    pub(crate) async fn diagnose(&mut self) -> Vec<String> {
+        let mut found = Vec::new();
+        let address = self.hub.agents;
+        if let Some(status) = self.hub.exited() {
+            found.push(format!(
+                "the hub exited ({status}); see {}",
+                self.hub.log().display()
+            ));
+        } else {
+            let probe = tokio::time::timeout(
+                Duration::from_secs(2),
+                tokio::net::TcpStream::connect(address),
+            )
+            .await;
+            match probe {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                    found.push(format!("the hub stopped listening on {address}"))
+                }
+                Ok(Err(e)) => found.push(format!("the hub at {address} cannot be reached: {e}")),
+                Err(_) => found.push(format!(
+                    "the hub at {address} does not accept connections (no answer within 2s)"
+                )),
+            }
+        }
+        let s = self.sample();
+        let missing = self.n().saturating_sub(s.connected);
+        if self.agents.is_some() && missing > 0 {
+            let why: Vec<String> = s
+                .failing
+                .kinds()
+                .iter()
+                .map(|(kind, n)| format!("{n} {}", kind.describe()))
+                .collect();
+            if why.is_empty() {
+                found.push(format!("{missing} agents have no session"));
+            } else {
+                found.push(format!(
+                    "{missing} agents could not connect: {}",
+                    why.join(", ")
+                ));
+            }
+        }
+        found
+    }
 }
 
 pub(crate) fn finish(r: &mut ScenarioReport, clock: &Clock, result: anyhow::Result<bool>) {

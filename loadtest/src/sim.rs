@@ -7,8 +7,11 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use flotilla_agent::MemoryCluster;
-use flotilla_agent::apply::{ApplyError, ApplyTarget, Deletion, ResourceKind};
+use flotilla_agent::apply::{
+    AccessCheck, ApplyError, ApplyTarget, Deletion, ObjectEvent, ResourceKind,
+};
 use flotilla_agent::cache::AppliedResource;
+use futures::stream::BoxStream;
 use rand::{Rng, SeedableRng};
 use serde_json::Value;
 use tokio::sync::Mutex;
@@ -60,15 +63,14 @@ impl SimCluster {
     pub async fn objects(&self) -> usize {
         self.inner.objects().await.len()
     }
-}
 
-#[async_trait]
-impl ApplyTarget for SimCluster {
-    async fn resolve(&self, api_version: &str, kind: &str) -> Result<ResourceKind, ApplyError> {
-        self.inner.resolve(api_version, kind).await
+    /// Writes an object's status as the spoke's controllers would; `false` when it is absent.
+    pub async fn set_status(&self, resource: &AppliedResource, status: Value) -> bool {
+        self.inner.set_status(resource, status).await
     }
 
-    async fn apply(&self, resource: &AppliedResource, manifest: &Value) -> Result<(), ApplyError> {
+    /// The delay and injected failures every write goes through.
+    async fn faulty_write(&self) -> Result<(), ApplyError> {
         if !self.faults.apply_delay.is_zero() {
             tokio::time::sleep(self.faults.apply_delay).await;
         }
@@ -80,9 +82,56 @@ impl ApplyTarget for SimCluster {
                 "injected failure (loadtest)".into(),
             ));
         }
-        self.inner.apply(resource, manifest).await?;
-        self.applied.fetch_add(1, Ordering::Relaxed);
         Ok(())
+    }
+}
+
+#[async_trait]
+impl ApplyTarget for SimCluster {
+    async fn resolve(&self, api_version: &str, kind: &str) -> Result<ResourceKind, ApplyError> {
+        self.inner.resolve(api_version, kind).await
+    }
+
+    async fn apply(
+        &self,
+        resource: &AppliedResource,
+        manifest: &Value,
+        field_manager: &str,
+        force: bool,
+    ) -> Result<Value, ApplyError> {
+        self.faulty_write().await?;
+        let stored = self
+            .inner
+            .apply(resource, manifest, field_manager, force)
+            .await?;
+        self.applied.fetch_add(1, Ordering::Relaxed);
+        Ok(stored)
+    }
+
+    async fn create(
+        &self,
+        resource: &AppliedResource,
+        object: &Value,
+    ) -> Result<Value, ApplyError> {
+        self.faulty_write().await?;
+        let stored = self.inner.create(resource, object).await?;
+        self.applied.fetch_add(1, Ordering::Relaxed);
+        Ok(stored)
+    }
+
+    async fn replace(
+        &self,
+        resource: &AppliedResource,
+        object: &Value,
+    ) -> Result<Value, ApplyError> {
+        self.faulty_write().await?;
+        let stored = self.inner.replace(resource, object).await?;
+        self.applied.fetch_add(1, Ordering::Relaxed);
+        Ok(stored)
+    }
+
+    async fn get(&self, resource: &AppliedResource) -> Result<Option<Value>, ApplyError> {
+        ApplyTarget::get(&self.inner, resource).await
     }
 
     async fn exists(&self, resource: &AppliedResource) -> Result<bool, ApplyError> {
@@ -91,5 +140,13 @@ impl ApplyTarget for SimCluster {
 
     async fn delete(&self, resource: &AppliedResource) -> Result<Deletion, ApplyError> {
         self.inner.delete(resource).await
+    }
+
+    async fn review_access(&self, check: &AccessCheck) -> Result<bool, ApplyError> {
+        self.inner.review_access(check).await
+    }
+
+    fn watch(&self, kind: &ResourceKind) -> BoxStream<'static, ObjectEvent> {
+        self.inner.watch(kind)
     }
 }

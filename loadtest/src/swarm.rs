@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU8, AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -18,10 +18,12 @@ use flotilla_agent::cache::{CachedWork, SledCacheDb, WorkCache};
 use flotilla_agent::connect::Dialer;
 use flotilla_agent::identity;
 use flotilla_agent::join::{JoinError, JoinParams};
-use flotilla_agent::reconcile::DEFAULT_APPLY_CONCURRENCY;
+use flotilla_agent::reconcile::{DEFAULT_APPLY_CONCURRENCY, DEFAULT_FEEDBACK_INTERVAL};
+use flotilla_agent::refusal::{Refusal, RefusalKind};
 use flotilla_agent::{AgentConfig, Observer, Parts};
 use flotilla_proto::api::ManifestWorkStatus;
 use flotilla_proto::wire;
+use flotilla_transport::quic::{QuicClient, QuicSettings};
 use prost::Message as _;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
@@ -35,6 +37,8 @@ use crate::sim::{Faults, SimCluster};
 
 /// Kubernetes version the simulated clusters report.
 pub const SIM_KUBERNETES_VERSION: &str = "v1.36.0-flotilla-loadtest";
+/// How long stopped agents may take to say goodbye and end.
+pub const STOP_TIMEOUT: Duration = Duration::from_secs(30);
 /// The agents' resync interval: the agent's default (5 minutes), so a run's steady state is a
 /// fleet's.
 pub const RESYNC_INTERVAL: Duration = Duration::from_secs(300);
@@ -52,10 +56,16 @@ pub struct SwarmSpec {
     /// Agents started per second by this swarm.
     pub connect_rate: f64,
     pub source_addresses: u32,
+    /// The carrier of the sessions.
+    #[serde(default)]
+    pub transport: crate::cli::AgentTransport,
     pub seed: u64,
     pub max_backoff_ms: u64,
     pub apply_delay_ms: u64,
     pub apply_failure_rate: f64,
+    /// The agents' `--feedback-interval`, in milliseconds.
+    #[serde(default = "default_feedback_interval_ms")]
+    pub feedback_interval_ms: u64,
     /// The sled database all the swarm's agents share.
     pub cache_dir: PathBuf,
     /// Where each agent's identity directory (`<dir>/<cluster>/`) is written.
@@ -67,6 +77,44 @@ pub struct SwarmSpec {
     /// failing clusters).
     #[serde(default)]
     pub rejects: BTreeMap<String, Vec<String>>,
+}
+
+impl SwarmSpec {
+    /// The swarm of a run: its agents dial `hub` with the run's settings and keep their cache
+    /// and identities under `run_dir`; with `join`, they join with its token first.
+    pub fn for_run(
+        args: &crate::cli::RunArgs,
+        hub: &crate::fleet::Hub,
+        run_dir: &Path,
+        join: Option<JoinSpec>,
+    ) -> anyhow::Result<SwarmSpec> {
+        Ok(SwarmSpec {
+            hub: hub.agents,
+            server_name: crate::fleet::SERVER_NAME.to_string(),
+            ca_bundle: hub.ca_bundle()?,
+            first_index: 0,
+            connect_rate: args.connect_rate,
+            source_addresses: args.source_addresses,
+            transport: args.transport,
+            seed: args.seed,
+            max_backoff_ms: args.max_backoff.as_millis() as u64,
+            apply_delay_ms: args.apply_delay.as_millis() as u64,
+            apply_failure_rate: args.apply_failure_rate,
+            feedback_interval_ms: args.feedback_interval.as_millis() as u64,
+            cache_dir: run_dir.join("agent-cache"),
+            identities_dir: run_dir.join("agent-identities"),
+            join,
+            rejects: if args.scenarios.contains(&crate::cli::Scenario::Rollout) {
+                crate::placement::rollout_rejects(args)
+            } else {
+                Default::default()
+            },
+        })
+    }
+}
+
+fn default_feedback_interval_ms() -> u64 {
+    DEFAULT_FEEDBACK_INTERVAL.as_millis() as u64
 }
 
 /// What joining agents are given: a `flotilla token create` output.
@@ -115,6 +163,94 @@ pub struct Sample {
     /// Successful applies to the simulated clusters, and failures injected on purpose.
     pub applies: u64,
     pub injected_failures: u64,
+    /// Agents without a session whose last attempt failed, by why.
+    #[serde(default)]
+    pub failing: Failing,
+    /// Statuses the simulated clusters' "controllers" changed (the feedback scenario).
+    #[serde(default)]
+    pub status_changes: u64,
+}
+
+/// Agents whose last attempt to reach the hub failed, by the kind of failure: what a run that
+/// cannot connect reports ("180 agents could not connect: connection refused").
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Failing {
+    /// Nothing listens at the hub's address.
+    pub refused: u64,
+    /// No answer in time (dial or handshake timeout).
+    pub timed_out: u64,
+    /// TLS failed (a certificate refused by either side).
+    pub tls: u64,
+    /// The hub answered and refused the session (admission, draining).
+    pub refused_by_hub: u64,
+    /// Anything else.
+    pub other: u64,
+}
+
+/// The kinds of [`Failing`], as an agent remembers its last one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum FailureKind {
+    Refused = 1,
+    TimedOut = 2,
+    Tls = 3,
+    RefusedByHub = 4,
+    Other = 5,
+}
+
+impl FailureKind {
+    /// The kind of an agent's refusal.
+    pub fn of(refusal: &Refusal) -> FailureKind {
+        match refusal.kind {
+            RefusalKind::HubUnreachable | RefusalKind::ProxyUnreachable => FailureKind::Refused,
+            RefusalKind::HubTimedOut => FailureKind::TimedOut,
+            RefusalKind::CertificateNotTrusted
+            | RefusalKind::CertificateExpired
+            | RefusalKind::HubNotTrusted => FailureKind::Tls,
+            RefusalKind::ClusterNotRegistered
+            | RefusalKind::ClusterDenied
+            | RefusalKind::ClusterNotAccepted
+            | RefusalKind::KeyNotRegistered
+            | RefusalKind::NotAnAgent
+            | RefusalKind::ProxyRefused => FailureKind::RefusedByHub,
+            RefusalKind::SessionLost | RefusalKind::Other => FailureKind::Other,
+        }
+    }
+
+    /// How a report names agents failing this way.
+    pub fn describe(self) -> &'static str {
+        match self {
+            FailureKind::Refused => "connection refused",
+            FailureKind::TimedOut => "no answer in time",
+            FailureKind::Tls => "TLS refused",
+            FailureKind::RefusedByHub => "refused by the hub",
+            FailureKind::Other => "other errors",
+        }
+    }
+}
+
+impl Failing {
+    pub fn add(&mut self, o: &Failing) {
+        self.refused += o.refused;
+        self.timed_out += o.timed_out;
+        self.tls += o.tls;
+        self.refused_by_hub += o.refused_by_hub;
+        self.other += o.other;
+    }
+
+    /// Kinds with at least one agent, most common first.
+    pub fn kinds(&self) -> Vec<(FailureKind, u64)> {
+        let mut all = vec![
+            (FailureKind::Refused, self.refused),
+            (FailureKind::TimedOut, self.timed_out),
+            (FailureKind::Tls, self.tls),
+            (FailureKind::RefusedByHub, self.refused_by_hub),
+            (FailureKind::Other, self.other),
+        ];
+        all.retain(|(_, n)| *n > 0);
+        all.sort_by_key(|(_, n)| std::cmp::Reverse(*n));
+        all
+    }
 }
 
 impl Sample {
@@ -135,6 +271,8 @@ impl Sample {
         self.duplicate_status_acks += o.duplicate_status_acks;
         self.applies += o.applies;
         self.injected_failures += o.injected_failures;
+        self.failing.add(&o.failing);
+        self.status_changes += o.status_changes;
     }
 }
 
@@ -154,6 +292,9 @@ struct Tally {
     statuses_sent: AtomicU64,
     statuses_acked: AtomicU64,
     duplicate_status_acks: AtomicU64,
+    /// Agents whose last attempt failed, indexed by `FailureKind as usize`.
+    failing: [AtomicU64; 6],
+    status_changes: Arc<AtomicU64>,
 }
 
 /// What one agent holds at the end, for the coordinator's accounting.
@@ -206,6 +347,9 @@ struct SimAgent {
     tally: Arc<Tally>,
     connected: AtomicBool,
     sessions: AtomicU64,
+    /// The kind of this agent's last failed attempt (`FailureKind as u8`), 0 once it has a
+    /// session: what the swarm's `failing` counters count.
+    last_failure: AtomicU8,
     /// Work name → when its first generation was durably stored and acked.
     acks: SyncMutex<BTreeMap<String, Stamp>>,
     /// Highest status seq the hub acked per work uid, to notice a status acked twice.
@@ -219,6 +363,7 @@ type SyncMutex<T> = std::sync::Mutex<T>;
 
 impl Observer for SimAgent {
     fn session_established(&self) {
+        self.set_failure(None);
         self.connected.store(true, Ordering::Relaxed);
         self.sessions.fetch_add(1, Ordering::Relaxed);
         self.tally.connected.fetch_add(1, Ordering::Relaxed);
@@ -231,9 +376,10 @@ impl Observer for SimAgent {
         self.tally.connected.fetch_sub(1, Ordering::Relaxed);
     }
 
-    fn connection_failed(&self, reason: &str) {
-        debug!(agent = %self.name, %reason, "connection failed");
+    fn connection_failed(&self, refusal: &Refusal) {
+        debug!(agent = %self.name, %refusal, "connection failed");
         self.tally.failed_attempts.fetch_add(1, Ordering::Relaxed);
+        self.set_failure(Some(FailureKind::of(refusal)));
     }
 
     fn frame_received(&self, frame: &wire::HubFrame) {
@@ -271,6 +417,22 @@ impl Observer for SimAgent {
                 .fetch_add(1, Ordering::Relaxed);
         }
         *previous = (*previous).max(seq);
+    }
+}
+
+impl SimAgent {
+    /// Records the kind of the agent's last failure (`None`: it has a session now).
+    fn set_failure(&self, kind: Option<FailureKind>) {
+        let new = kind.map_or(0, |k| k as u8);
+        let old = self.last_failure.swap(new, Ordering::Relaxed);
+        if old != new {
+            if old != 0 {
+                self.tally.failing[old as usize].fetch_sub(1, Ordering::Relaxed);
+            }
+            if new != 0 {
+                self.tally.failing[new as usize].fetch_add(1, Ordering::Relaxed);
+            }
+        }
     }
 }
 
@@ -324,6 +486,7 @@ impl Swarm {
                 tally: tally.clone(),
                 connected: AtomicBool::new(false),
                 sessions: AtomicU64::new(0),
+                last_failure: AtomicU8::new(0),
                 acks: SyncMutex::new(BTreeMap::new()),
                 acked: SyncMutex::new(HashMap::new()),
             }));
@@ -336,8 +499,25 @@ impl Swarm {
             server_name: spec.server_name.clone(),
             source_addresses: spec.source_addresses,
             max_backoff: Duration::from_millis(spec.max_backoff_ms),
+            feedback_interval: Duration::from_millis(spec.feedback_interval_ms),
             seed: spec.seed,
             join: spec.join.clone(),
+            transport: spec.transport,
+            quic: match spec.transport {
+                crate::cli::AgentTransport::Grpc => Vec::new(),
+                _ => (0..spec.source_addresses.max(1))
+                    .map(|i| {
+                        QuicClient::bind(
+                            std::net::SocketAddr::new(source_address(i), 0),
+                            QuicSettings {
+                                max_frame_bytes: flotilla_agent::connect::MAX_FRAME_BYTES,
+                                ..QuicSettings::default()
+                            },
+                        )
+                        .with_context(|| format!("a UDP socket on {}", source_address(i)))
+                    })
+                    .collect::<anyhow::Result<_>>()?,
+            },
             _db: db,
         });
         for (k, agent) in agents.iter().enumerate() {
@@ -391,7 +571,32 @@ impl Swarm {
             duplicate_status_acks: t.duplicate_status_acks.load(Ordering::Relaxed),
             applies,
             injected_failures,
+            failing: {
+                let count = |k: FailureKind| t.failing[k as usize].load(Ordering::Relaxed);
+                Failing {
+                    refused: count(FailureKind::Refused),
+                    timed_out: count(FailureKind::TimedOut),
+                    tls: count(FailureKind::Tls),
+                    refused_by_hub: count(FailureKind::RefusedByHub),
+                    other: count(FailureKind::Other),
+                }
+            },
+            status_changes: t.status_changes.load(Ordering::Relaxed),
         }
+    }
+
+    /// Changes every agent's simulated Deployment status every `every` for `duration` (the
+    /// feedback scenario); returns the steps each made.
+    pub async fn flap(&self, duration: Duration, every: Duration) -> u64 {
+        let clusters: Vec<Arc<SimCluster>> =
+            self.agents.iter().map(|a| a.cluster.clone()).collect();
+        crate::feedback::flap_clusters(
+            &clusters,
+            duration,
+            every,
+            self.tally.status_changes.clone(),
+        )
+        .await
     }
 
     /// Each agent's state, for the accounting at the end of a scenario.
@@ -428,7 +633,19 @@ impl Swarm {
     /// Stops every agent (each says goodbye if connected) and waits for them.
     pub async fn stop(mut self) {
         let _ = self.stop.send(true);
-        while self.tasks.join_next().await.is_some() {}
+        // Each agent says goodbye and its loop ends; one that does not within the bound is
+        // aborted rather than waited for.
+        let drained = tokio::time::timeout(STOP_TIMEOUT, async {
+            while self.tasks.join_next().await.is_some() {}
+        })
+        .await;
+        if drained.is_err() {
+            warn!(
+                left = self.tasks.len(),
+                "agents still running {STOP_TIMEOUT:?} after stop; aborting them"
+            );
+            self.tasks.shutdown().await;
+        }
     }
 }
 
@@ -437,8 +654,13 @@ struct Shared {
     server_name: String,
     source_addresses: u32,
     max_backoff: Duration,
+    feedback_interval: Duration,
     seed: u64,
     join: Option<JoinSpec>,
+    transport: crate::cli::AgentTransport,
+    /// With QUIC: one endpoint (one UDP socket) per source address, shared by the agents
+    /// dialling from it, as the carrier allows.
+    quic: Vec<QuicClient>,
     /// Kept open for as long as any agent runs.
     _db: SledCacheDb,
 }
@@ -502,13 +724,24 @@ async fn run_agent(
         data_dir: agent.identity_dir.clone(),
         resync_interval: RESYNC_INTERVAL,
         apply_concurrency: DEFAULT_APPLY_CONCURRENCY,
+        feedback_interval: shared.feedback_interval,
         // The ramp spaces the agents out already.
         initial_jitter: Duration::ZERO,
         max_backoff: shared.max_backoff,
         kubernetes_version: SIM_KUBERNETES_VERSION.into(),
+        transport: shared.transport.agent(),
     };
     let dialer = match Dialer::new(&config.hub, &shared.server_name, &agent.identity_dir) {
-        Ok(d) => d.with_local_address(Some(source)),
+        Ok(d) => {
+            let d = d
+                .with_local_address(Some(source))
+                .with_transport(config.transport);
+            let slot = agent.index % shared.quic.len().max(1);
+            match shared.quic.get(slot) {
+                Some(client) => d.with_quic_client(client.clone()),
+                None => d,
+            }
+        }
         Err(e) => {
             warn!(agent = %agent.name, error = %format!("{e:#}"), "cannot start the agent");
             return;

@@ -305,3 +305,62 @@ async fn bad_input_fails_before_anything_starts() {
     )
     .await;
 }
+
+/// The feedback scenario at CI size, agents in two worker processes: every cluster's status
+/// changes four times a second, yet each work sends at most one status per feedback interval,
+/// and the hub ends with every cluster's latest value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn feedback_statuses_stay_within_the_agents_bound_and_the_latest_value_wins() {
+    trace_init();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let agents = 50u64;
+    let run = args(
+        &out,
+        &[
+            "--agents",
+            &agents.to_string(),
+            "--processes",
+            "2",
+            "--scenario",
+            "feedback",
+            "--feedback-duration",
+            "6s",
+            "--feedback-every",
+            "250ms",
+            "--feedback-interval",
+            "2s",
+            "--timeout",
+            "90s",
+        ],
+    );
+    let (report, _) = flotilla_loadtest::run(run).await.expect("the run starts");
+    eprintln!("{}", flotilla_loadtest::report::table(&report));
+    let f = &report.scenarios[0];
+    assert_eq!(f.outcome, Some(Outcome::Completed), "{:?}", f.error);
+    let window = f.feedback_window_s.unwrap();
+    assert!(window >= 5.5, "{window}");
+    assert_eq!(
+        f.feedback_changes,
+        Some(agents * 24),
+        "24 changes per cluster"
+    );
+    let sent = f.statuses_per_cluster_s.unwrap();
+    let bound = f.statuses_bound_per_cluster_s.unwrap();
+    // Four changes a second against a bound of about half a status a second.
+    assert!(sent > 0.0, "statuses flow while the Deployments change");
+    assert!(
+        sent <= bound,
+        "{sent:.3} statuses/cluster/s exceeds the bound {bound:.3}"
+    );
+    assert!(
+        f.store_writes_per_s.unwrap() <= bound * agents as f64,
+        "store writes follow the statuses"
+    );
+    assert!(f.session_bytes_out_per_cluster_s.unwrap() > 0.0);
+    assert_eq!(
+        f.feedback_converged,
+        Some(agents),
+        "every cluster's latest value on the hub"
+    );
+}

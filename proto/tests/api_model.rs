@@ -295,6 +295,40 @@ fn check_messages(w: &ManifestWork, expected: &[&str]) {
 }
 
 #[test]
+fn manifest_configs_executor_and_ttl_are_checked_as_ocm_does() {
+    let mut w = work(
+        Some("store-7"),
+        vec![json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "shop"}})],
+    );
+    w.spec = serde_json::from_value(json!({
+        "workload": {"manifests": [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "shop"}}]},
+        "manifestConfigs": [
+            {"resourceIdentifier": {"resource": "namespaces", "name": "shop"},
+             "updateStrategy": {"type": "ServerSideApply", "serverSideApply": {"fieldManager": "mine",
+                "ignoreFields": [{"condition": "Always", "jsonPaths": []}]}}},
+            {"resourceIdentifier": {"resource": "namespaces", "name": "shop"},
+             "conditionRules": [{"type": "CEL", "celExpressions": ["true"]}, {"type": "Magic", "condition": "X"},
+                                {"type": "WellKnownConditions"}]},
+        ],
+        "executor": {"subject": {"type": "User"}},
+        "deleteOption": {"propagationPolicy": "Foreground", "ttlSecondsAfterFinished": -1},
+    }))
+    .unwrap();
+    check_messages(
+        &w,
+        &[
+            "ManifestWork store-7/baseline: spec.manifestConfigs[0]: updateStrategy.serverSideApply.fieldManager \"mine\" must start with \"work-agent\"",
+            "ManifestWork store-7/baseline: spec.manifestConfigs[0]: ignoreFields condition \"Always\" must be OnSpokePresent or OnSpokeChange",
+            "ManifestWork store-7/baseline: spec.manifestConfigs[0]: ignoreFields entries need at least one jsonPath",
+            "ManifestWork store-7/baseline: spec.manifestConfigs[1]: condition is required for CEL rules",
+            "ManifestWork store-7/baseline: spec.manifestConfigs[1]: conditionRules type \"Magic\" must be WellKnownConditions or CEL",
+            "ManifestWork store-7/baseline: spec.executor: subject type \"User\" is not supported; use ServiceAccount",
+            "ManifestWork store-7/baseline: spec.deleteOption.ttlSecondsAfterFinished: -1 is negative; use 0 or more seconds",
+        ],
+    );
+}
+
+#[test]
 fn valid_work_passes() {
     let w = work(
         Some("store-7"),

@@ -1162,3 +1162,186 @@ fn cluster_info_after_close_is_not_sent() {
     sim.settle();
     assert!(reported_infos(&sim).is_empty());
 }
+
+fn renewals_due(sim: &Sim) -> usize {
+    sim.agent_events
+        .iter()
+        .filter(|e| matches!(e, AgentEvent::RenewalDue))
+        .count()
+}
+
+#[test]
+fn the_session_asks_for_renewal_two_thirds_in_and_retries_a_refusal_on_its_own() {
+    use std::time::SystemTime;
+    let mut sim = Sim::synced(vec![], vec![]);
+    sim.clear_logs();
+    // A certificate issued now, valid for 120 s: due at 80 s.
+    let wall = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+    sim.agent
+        .set_certificate_validity(sim.now, wall, wall, wall + Duration::from_secs(120));
+    sim.run_for(Duration::from_secs(79));
+    assert_eq!(renewals_due(&sim), 0, "not before two thirds");
+    sim.run_for(Duration::from_secs(2));
+    assert_eq!(renewals_due(&sim), 1);
+    sim.run_for(Duration::from_secs(10));
+    assert_eq!(renewals_due(&sim), 1, "once, until the driver answers");
+
+    // The driver made its request; the hub refuses.
+    assert!(sim.agent.renew_certificate("CSR-1"));
+    sim.settle();
+    sim.hub.refuse_renewal("the hub's CA is rotating");
+    sim.settle();
+    let refused_at = sim.now;
+    // About 28 s of life left: the next try a quarter of that later, not sooner.
+    sim.run_for(Duration::from_secs(6));
+    assert_eq!(renewals_due(&sim), 1);
+    sim.run_for(Duration::from_secs(2));
+    assert_eq!(
+        renewals_due(&sim),
+        2,
+        "retried {:?} after the refusal",
+        sim.now - refused_at
+    );
+
+    // Issued and stored: the next renewal follows the new certificate's lifetime.
+    assert!(sim.agent.renew_certificate("CSR-2"));
+    sim.settle();
+    sim.hub.issue_certificate("CERT-2", "BUNDLE");
+    sim.settle();
+    let issued_wall = wall + (sim.now - refused_at) + Duration::from_secs(92);
+    sim.agent.set_certificate_validity(
+        sim.now,
+        issued_wall,
+        issued_wall,
+        issued_wall + Duration::from_secs(300),
+    );
+    sim.run_for(Duration::from_secs(199));
+    assert_eq!(renewals_due(&sim), 2);
+    sim.run_for(Duration::from_secs(2));
+    assert_eq!(renewals_due(&sim), 3);
+    assert!(sim.agent.is_established() && sim.hub.is_established());
+}
+
+#[test]
+fn a_driver_that_cannot_make_the_request_is_asked_again_later() {
+    use std::time::SystemTime;
+    let mut sim = Sim::synced(vec![], vec![]);
+    let wall = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+    // Already past two thirds (an agent that was down): due at once, but never back to back.
+    sim.agent.set_certificate_validity(
+        sim.now,
+        wall,
+        wall - Duration::from_secs(90),
+        wall + Duration::from_secs(30),
+    );
+    sim.run_for(Duration::from_millis(999));
+    assert_eq!(renewals_due(&sim), 0, "not within the minimum interval");
+    sim.run_for(Duration::from_millis(2));
+    assert_eq!(renewals_due(&sim), 1);
+    sim.agent.renewal_failed(sim.now);
+    // 29 s left: retried after a quarter of it.
+    sim.run_for(Duration::from_secs(7));
+    assert_eq!(renewals_due(&sim), 1);
+    sim.run_for(Duration::from_secs(1));
+    assert_eq!(renewals_due(&sim), 2);
+}
+
+#[test]
+fn renewal_waits_for_the_welcome() {
+    use std::time::SystemTime;
+    let mut sim = Sim::new(CLUSTER, CLUSTER, vec![], vec![]);
+    sim.to_agent.dropping = true;
+    let wall = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+    sim.agent
+        .set_certificate_validity(sim.now, wall, wall - Duration::from_secs(100), wall);
+    sim.run_for(WELCOME_TIMEOUT - Duration::from_secs(1));
+    assert_eq!(
+        renewals_due(&sim),
+        0,
+        "nothing to ask before the session is up"
+    );
+}
+
+// ---- admission refusals ----
+
+#[test]
+fn an_admission_refusal_reaches_the_agent_with_its_kind() {
+    for (refusal, reason) in [
+        (
+            wire::Refusal::ClusterDenied,
+            "cluster store-0042 was denied by the hub: stolen",
+        ),
+        (
+            wire::Refusal::ClusterNotRegistered,
+            "cluster store-0042 is not registered",
+        ),
+        (
+            wire::Refusal::KeyNotRegistered,
+            "the certificate's key is not registered",
+        ),
+    ] {
+        let mut sim = Sim::new(CLUSTER, CLUSTER, vec![], vec![]);
+        // Refused as the stream opens, before the hello is even read.
+        sim.hub.refuse(refusal, reason);
+        sim.settle();
+        let (closed, by_peer) = sim.agent_closed().expect("the agent's session closed");
+        assert!(by_peer);
+        assert_eq!(
+            closed,
+            &CloseReason::Refused {
+                refusal,
+                reason: reason.to_string()
+            }
+        );
+        assert!(!sim.agent.is_established());
+        assert!(matches!(
+            sim.hub_closed(),
+            Some((CloseReason::Refused { .. }, false))
+        ));
+    }
+}
+
+// ---- health: the grace period ----
+
+#[test]
+fn a_cluster_that_goes_silent_is_unreachable_after_timeout_and_grace_unless_it_returns() {
+    use flotilla_proto::session::{Presence, PresenceEvent};
+    const GRACE: Duration = Duration::from_secs(40);
+    let mut presence = Presence::new(GRACE);
+    let mut sim = Sim::synced(vec![], vec![]);
+    presence.connected(CLUSTER, "session-1");
+
+    // The agent's link dies silently: the hub closes at the heartbeat timeout.
+    sim.to_hub.dropping = true;
+    sim.to_agent.dropping = true;
+    sim.run_for(TIMEOUT + Duration::from_secs(1));
+    assert!(matches!(
+        sim.hub_closed(),
+        Some((CloseReason::HeartbeatTimeout { .. }, false))
+    ));
+    let closed_at = sim.now;
+    presence.disconnected(closed_at, CLUSTER, "session-1");
+    presence.handle_timeout(closed_at + GRACE - Duration::from_secs(1));
+    assert_eq!(presence.poll_event(), None, "still within the grace period");
+
+    // Back within the grace period: nothing to mark.
+    let mut again = Sim::synced(vec![], vec![]);
+    presence.connected(CLUSTER, "session-2");
+    presence.handle_timeout(closed_at + GRACE * 2);
+    assert_eq!(presence.poll_event(), None);
+
+    // Gone again, for good this time.
+    again.to_hub.dropping = true;
+    again.to_agent.dropping = true;
+    again.run_for(TIMEOUT + Duration::from_secs(1));
+    let gone_at = closed_at + GRACE * 2;
+    presence.disconnected(gone_at, CLUSTER, "session-2");
+    presence.handle_timeout(gone_at + GRACE);
+    assert_eq!(
+        presence.poll_event(),
+        Some(PresenceEvent::Unreachable {
+            cluster: CLUSTER.to_string(),
+            since: gone_at
+        })
+    );
+}

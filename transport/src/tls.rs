@@ -14,6 +14,7 @@ use rustls_pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, mpsc, watch};
+use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
 use tracing::{debug, warn};
@@ -179,6 +180,16 @@ pub struct ConnInfo {
     pub client_key_sha256: Option<String>,
 }
 
+impl ConnInfo {
+    /// The cluster an agent certificate speaks for; `None` for operators and anonymous peers.
+    pub fn cluster(&self) -> Option<&str> {
+        match &self.peer {
+            Peer::Cluster(name) => Some(name),
+            _ => None,
+        }
+    }
+}
+
 impl AuthenticatedConn {
     pub fn info(&self) -> &ConnInfo {
         &self.info
@@ -247,47 +258,94 @@ impl Default for AcceptLimits {
     }
 }
 
+/// A listener that can no longer accept: the socket itself failed (closed, shut down, not a
+/// socket any more). Not retryable in this process: the listener has to be opened again, which
+/// is a restart's job.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot accept on {address} any more ({what}): {source}")]
+pub struct ListenerFailed {
+    pub what: &'static str,
+    pub address: String,
+    #[source]
+    pub source: io::Error,
+}
+
+/// Whether an `accept` error concerns only the connection being accepted, or resources that may
+/// come back (file descriptors, memory): the loop goes on. Anything else means the listening
+/// socket itself is broken.
+fn accept_error_is_transient(e: &io::Error) -> bool {
+    match e.raw_os_error() {
+        Some(code) => ![
+            libc::EINVAL,
+            libc::EBADF,
+            libc::ENOTSOCK,
+            libc::EOPNOTSUPP,
+            libc::EFAULT,
+        ]
+        .contains(&code),
+        None => true,
+    }
+}
+
 /// Accepts TCP connections, performs TLS handshakes concurrently (bounded), and yields the
-/// connections whose client certificate names a flotilla identity. Refusals are logged here, once,
-/// with the peer address and the reason. The returned channel closes when `listener` fails.
+/// connections whose client certificate names a flotilla identity on the returned channel.
+/// Refusals are logged here, once, with the peer address and the reason.
+///
+/// The accept loop is the returned future, for the caller to own (run it under its
+/// supervisor): it owns the handshakes in flight, ends with `Ok` when the receiver is dropped,
+/// and with [`ListenerFailed`] when the listening socket fails for good. Errors that concern one
+/// connection or a resource that may come back (EMFILE) are logged and the loop goes on.
 pub fn accept_authenticated(
     listener: TcpListener,
     config: impl Into<TlsSource>,
     limits: AcceptLimits,
     what: &'static str,
-) -> mpsc::Receiver<io::Result<AuthenticatedConn>> {
+) -> (
+    mpsc::Receiver<AuthenticatedConn>,
+    impl Future<Output = Result<(), ListenerFailed>> + Send + 'static,
+) {
     let (tx, rx) = mpsc::channel(64);
     let source = config.into();
     let permits = Arc::new(Semaphore::new(limits.max_handshakes));
-    tokio::spawn(async move {
+    let address = listener
+        .local_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_else(|_| "?".to_string());
+    let accept_loop = async move {
+        let mut handshakes = JoinSet::new();
         loop {
+            // Reap finished handshakes so the set holds only those in flight.
+            while handshakes.try_join_next().is_some() {}
             let Ok(permit) = permits.clone().acquire_owned().await else {
-                return;
+                return Ok(());
             };
             let (tcp, remote) = tokio::select! {
                 accepted = listener.accept() => match accepted {
                     Ok(a) => a,
-                    Err(e) => {
+                    Err(e) if accept_error_is_transient(&e) => {
                         // EMFILE and friends: say so and keep serving the sessions we have.
                         warn!(listener = what, error = %e, "accept failed");
                         drop(permit);
                         tokio::time::sleep(Duration::from_millis(50)).await;
                         continue;
                     }
+                    Err(source) => {
+                        return Err(ListenerFailed { what, address, source });
+                    }
                 },
-                _ = tx.closed() => return,
+                _ = tx.closed() => return Ok(()),
             };
             let _ = tcp.set_nodelay(true);
             let acceptor = TlsAcceptor::from(source.current());
             let tx = tx.clone();
             let timeout = limits.handshake_timeout;
-            tokio::spawn(async move {
+            handshakes.spawn(async move {
                 let _permit = permit;
                 let stream = match tokio::time::timeout(timeout, acceptor.accept(tcp)).await {
                     Ok(Ok(s)) => s,
                     Ok(Err(e)) => {
                         warn!(listener = what, peer = %remote, error = %e,
-                            "TLS handshake refused: {}", handshake_hint(&e));
+                            "TLS handshake refused: {}", handshake_hint(&e.to_string()));
                         return;
                     }
                     Err(_) => {
@@ -310,7 +368,7 @@ pub fn accept_authenticated(
                         remote,
                         client_key_sha256: None,
                     };
-                    let _ = tx.send(Ok(AuthenticatedConn { stream, info })).await;
+                    let _ = tx.send(AuthenticatedConn { stream, info }).await;
                     return;
                 };
                 match Peer::from_der(&cert).and_then(|peer| Ok((peer, public_key_sha256(&cert)?))) {
@@ -321,7 +379,7 @@ pub fn accept_authenticated(
                             remote,
                             client_key_sha256: Some(key),
                         };
-                        let _ = tx.send(Ok(AuthenticatedConn { stream, info })).await;
+                        let _ = tx.send(AuthenticatedConn { stream, info }).await;
                     }
                     Err(e) => {
                         warn!(listener = what, peer = %remote, error = %e, "TLS connection refused")
@@ -329,13 +387,12 @@ pub fn accept_authenticated(
                 }
             });
         }
-    });
-    rx
+    };
+    (rx, accept_loop)
 }
 
-/// One sentence for the operator reading the hub's log.
-fn handshake_hint(e: &io::Error) -> &'static str {
-    let text = e.to_string();
+/// One sentence for the operator reading the hub's log, from a handshake error's text.
+pub(crate) fn handshake_hint(text: &str) -> &'static str {
     if text.contains("UnknownIssuer") || text.contains("BadSignature") {
         "client certificate is not signed by the hub CA"
     } else if text.contains("Expired") {

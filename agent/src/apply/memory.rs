@@ -1,20 +1,34 @@
 //! An in-memory [`ApplyTarget`]: a map of objects and a table of kinds. Unit tests use it, and
 //! the load-test puts one behind each simulated agent. It is not an apiserver: apply replaces
-//! the object whole, and nothing is validated except what a test asks to reject.
+//! the object whole (keeping its status, which only [`MemoryCluster::set_status`] writes),
+//! nothing is validated except what a test asks to reject, and every access review is allowed
+//! unless a test denies it. Watches see every change, as on an apiserver.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use async_trait::async_trait;
+use futures::stream::{self, BoxStream, StreamExt as _};
 use serde_json::Value;
-use tokio::sync::Mutex;
+use tokio::sync::{Mutex, broadcast};
 
-use super::{ApplyError, ApplyTarget, Deletion, ResourceKind};
+use super::{AccessCheck, ApplyError, ApplyTarget, Deletion, ObjectEvent, ResourceKind};
 use crate::cache::AppliedResource;
 
+/// Changes buffered per watcher; one that falls further behind is sent the whole kind again.
+const WATCH_BUFFER: usize = 64;
+
 /// A simulated spoke cluster.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct MemoryCluster {
     state: Mutex<State>,
+    /// Every change, for watches.
+    changes: broadcast::Sender<(AppliedResource, ObjectEvent)>,
+}
+
+impl Default for MemoryCluster {
+    fn default() -> Self {
+        MemoryCluster::new()
+    }
 }
 
 #[derive(Debug, Default)]
@@ -26,6 +40,8 @@ struct State {
     rejects: HashMap<String, (u16, String)>,
     /// Whether every call fails as if the apiserver were down.
     down: bool,
+    /// (user, verb) pairs access reviews refuse.
+    denied: HashSet<(String, String)>,
 }
 
 /// Kinds every cluster serves: (apiVersion, kind, resource, namespaced).
@@ -38,6 +54,8 @@ const BUILT_IN: &[(&str, &str, &str, bool)] = &[
     ("apps/v1", "Deployment", "deployments", true),
     ("apps/v1", "DaemonSet", "daemonsets", true),
     ("apps/v1", "StatefulSet", "statefulsets", true),
+    ("batch/v1", "Job", "jobs", true),
+    ("v1", "Pod", "pods", true),
     (
         "rbac.authorization.k8s.io/v1",
         "ClusterRole",
@@ -62,6 +80,7 @@ impl MemoryCluster {
         }
         Self {
             state: Mutex::new(state),
+            changes: broadcast::channel(WATCH_BUFFER).0,
         }
     }
 
@@ -101,6 +120,34 @@ impl MemoryCluster {
     /// Makes every call fail as if the apiserver were unreachable, or stop doing so.
     pub async fn set_down(&self, down: bool) {
         self.state.lock().await.down = down;
+    }
+
+    /// Makes access reviews of `user` doing `verb` answer no.
+    pub async fn deny(&self, user: &str, verb: &str) {
+        self.state
+            .lock()
+            .await
+            .denied
+            .insert((user.to_owned(), verb.to_owned()));
+    }
+
+    /// Writes the object's status, as a controller on the spoke would; `false` when there is
+    /// no such object.
+    pub async fn set_status(&self, resource: &AppliedResource, status: Value) -> bool {
+        let mut state = self.state.lock().await;
+        let Some(object) = state.objects.get_mut(resource) else {
+            return false;
+        };
+        object["status"] = status;
+        let event = ObjectEvent::Changed(object.clone());
+        drop(state);
+        let _ = self.changes.send((resource.clone(), event));
+        true
+    }
+
+    fn changed(&self, resource: &AppliedResource, event: ObjectEvent) {
+        // No receiver is fine: nobody watches.
+        let _ = self.changes.send((resource.clone(), event));
     }
 }
 
@@ -176,21 +223,36 @@ impl ApplyTarget for MemoryCluster {
             .ok_or_else(|| unknown("no such kind"))
     }
 
-    async fn apply(&self, resource: &AppliedResource, manifest: &Value) -> Result<(), ApplyError> {
-        let mut state = self.state.lock().await;
+    async fn apply(
+        &self,
+        resource: &AppliedResource,
+        manifest: &Value,
+        _field_manager: &str,
+        _force: bool,
+    ) -> Result<Value, ApplyError> {
+        self.write(resource, manifest, Write::Apply).await
+    }
+
+    async fn create(
+        &self,
+        resource: &AppliedResource,
+        object: &Value,
+    ) -> Result<Value, ApplyError> {
+        self.write(resource, object, Write::Create).await
+    }
+
+    async fn replace(
+        &self,
+        resource: &AppliedResource,
+        object: &Value,
+    ) -> Result<Value, ApplyError> {
+        self.write(resource, object, Write::Replace).await
+    }
+
+    async fn get(&self, resource: &AppliedResource) -> Result<Option<Value>, ApplyError> {
+        let state = self.state.lock().await;
         state.check_up()?;
-        if let Some((code, message)) = state.rejects.get(&resource.name) {
-            return Err(ApplyError::Rejected {
-                code: *code,
-                reason: "Invalid".into(),
-                message: message.clone(),
-            });
-        }
-        if resource.kind == "CustomResourceDefinition" {
-            state.serve_crd(manifest);
-        }
-        state.objects.insert(resource.clone(), manifest.clone());
-        Ok(())
+        Ok(state.objects.get(resource).cloned())
     }
 
     async fn exists(&self, resource: &AppliedResource) -> Result<bool, ApplyError> {
@@ -202,7 +264,116 @@ impl ApplyTarget for MemoryCluster {
     async fn delete(&self, resource: &AppliedResource) -> Result<Deletion, ApplyError> {
         let mut state = self.state.lock().await;
         state.check_up()?;
-        state.objects.remove(resource);
+        if state.objects.remove(resource).is_some() {
+            drop(state);
+            self.changed(
+                resource,
+                ObjectEvent::Deleted {
+                    namespace: resource.namespace.clone(),
+                    name: resource.name.clone(),
+                },
+            );
+        }
         Ok(Deletion::Gone)
+    }
+
+    async fn review_access(&self, check: &AccessCheck) -> Result<bool, ApplyError> {
+        let state = self.state.lock().await;
+        state.check_up()?;
+        Ok(!state
+            .denied
+            .contains(&(check.user.clone(), check.verb.clone())))
+    }
+
+    fn watch(&self, kind: &ResourceKind) -> BoxStream<'static, ObjectEvent> {
+        let kind = kind.clone();
+        let matches = move |r: &AppliedResource| {
+            r.group == kind.group && r.version == kind.version && r.resource == kind.resource
+        };
+        let receiver = self.changes.subscribe();
+        // The objects there now, then every change; one that lags re-lists.
+        let listed: Vec<ObjectEvent> = match self.state.try_lock() {
+            Ok(state) => state
+                .objects
+                .iter()
+                .filter(|(r, _)| matches(r))
+                .map(|(_, o)| ObjectEvent::Changed(o.clone()))
+                .collect(),
+            // Busy right now: the changes that follow carry what matters.
+            Err(_) => Vec::new(),
+        };
+        let live = stream::unfold(receiver, move |mut receiver| {
+            let matches = matches.clone();
+            async move {
+                loop {
+                    match receiver.recv().await {
+                        Ok((r, event)) if matches(&r) => return Some((event, receiver)),
+                        Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                        Err(broadcast::error::RecvError::Closed) => return None,
+                    }
+                }
+            }
+        });
+        stream::iter(listed).chain(live).boxed()
+    }
+}
+
+/// Which write [`MemoryCluster::write`] makes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Write {
+    Apply,
+    Create,
+    Replace,
+}
+
+impl MemoryCluster {
+    async fn write(
+        &self,
+        resource: &AppliedResource,
+        manifest: &Value,
+        how: Write,
+    ) -> Result<Value, ApplyError> {
+        let mut state = self.state.lock().await;
+        state.check_up()?;
+        if let Some((code, message)) = state.rejects.get(&resource.name) {
+            return Err(ApplyError::Rejected {
+                code: *code,
+                reason: "Invalid".into(),
+                message: message.clone(),
+            });
+        }
+        let existing = state.objects.get(resource).cloned();
+        match (how, &existing) {
+            (Write::Create, Some(_)) => {
+                return Err(ApplyError::Rejected {
+                    code: 409,
+                    reason: "AlreadyExists".into(),
+                    message: format!("{resource} already exists"),
+                });
+            }
+            (Write::Replace, None) => {
+                return Err(ApplyError::Rejected {
+                    code: 404,
+                    reason: "NotFound".into(),
+                    message: format!("{resource} not found"),
+                });
+            }
+            _ => {}
+        }
+        if resource.kind == "CustomResourceDefinition" {
+            state.serve_crd(manifest);
+        }
+        let mut object = manifest.clone();
+        // Status is the spoke's: a write of the spec keeps it.
+        if let Some(status) = existing.as_ref().and_then(|e| e.get("status")).cloned() {
+            object["status"] = status;
+        }
+        let unchanged = existing.as_ref() == Some(&object);
+        state.objects.insert(resource.clone(), object.clone());
+        drop(state);
+        if !unchanged {
+            self.changed(resource, ObjectEvent::Changed(object.clone()));
+        }
+        Ok(object)
     }
 }

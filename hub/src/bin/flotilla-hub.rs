@@ -31,7 +31,7 @@ enum Command {
     /// certificate's key: without that, the hub refuses the certificate.
     DevCert {
         /// Data directory of the hub whose CA signs.
-        #[arg(long, env = "FLOTILLA_DATA_DIR", default_value = "flotilla-data")]
+        #[arg(long, env = "FLOTILLA_HUB_DATA_DIR", default_value = "flotilla-data")]
         data_dir: PathBuf,
         /// The managed cluster the certificate speaks for.
         #[arg(long)]
@@ -48,6 +48,7 @@ enum Command {
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     flotilla_hub::init_tracing();
+    warn_retired_variables();
     match cli.command {
         Some(Command::DevCert {
             data_dir,
@@ -112,6 +113,21 @@ fn main() -> anyhow::Result<()> {
             }
             let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
             runtime.block_on(flotilla_hub::run(config, flotilla_hub::shutdown_signal()))
+        }
+    }
+}
+
+/// Variables an earlier release read under names the agent used too; they are ignored now.
+fn warn_retired_variables() {
+    for (old, new) in [
+        (
+            "FLOTILLA_KUBECONFIG",
+            "FLOTILLA_HUB_KUBECONFIG (the hub's store apiserver)",
+        ),
+        ("FLOTILLA_DATA_DIR", "FLOTILLA_HUB_DATA_DIR"),
+    ] {
+        if std::env::var_os(old).is_some() {
+            tracing::warn!("{old} is set but no longer read by flotilla-hub; use {new}");
         }
     }
 }

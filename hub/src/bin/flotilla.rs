@@ -367,9 +367,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             for cluster in &clusters {
                 let work = manifest_work(&name, cluster, &manifests);
-                let verb = upsert(&client, Kind::ManifestWork, work, overwrite)
-                    .await
-                    .with_context(|| format!("ManifestWork {cluster}/{name}"))?;
+                // upsert's errors name the work already.
+                let verb = upsert(&client, Kind::ManifestWork, work, overwrite).await?;
                 println!("manifestwork {cluster}/{name} {verb}");
             }
         }
@@ -649,7 +648,9 @@ async fn upsert(
                 "{}; pass --overwrite to replace it",
                 api.message
             )),
-            _ => Err(e),
+            // The hub's messages name the object; a failure to reach it does not.
+            Some(_) => Err(e),
+            None => Err(e.context(format!("{kind} {}", qualified(&doc)))),
         },
     }
 }

@@ -1,7 +1,9 @@
-//! The hub's controllers: what acts on Placements, ManagedClusterSets and
-//! ManifestWorkReplicaSets. Each is a loop over the store's watches (through [`feed`]) with a
-//! model it owns alone, decides with pure code, and writes only what differs from the store. They
-//! run the same on both store backends, in the hub process, started by [`run`].
+//! The hub's controllers: what acts on Placements, ManagedClusterSets,
+//! ManifestWorkReplicaSets and finished ManifestWorks. Each keeps a watch cache of the store
+//! with the one list-then-watch loop (`flotilla_store::reflect`, through [`feed`] where it
+//! reads several kinds) as a model it owns alone, decides with pure code, and writes back
+//! through the `Store` trait only what differs. They run the same on both store backends, in
+//! the hub process, started by [`run`].
 //!
 //! * [`clustersets`]: OCM's `default` and `global` ManagedClusterSets, the default set's label
 //!   on clusters without one, `timeAdded` on taints, and the sets' and bindings' conditions.
@@ -10,6 +12,8 @@
 //! * [`replicaset`]: ManifestWorkReplicaSet → ManifestWorks per placement decision, rolled out
 //!   by the strategy, status summarised, cleaned up on delete. `flotilla work create
 //!   --placement` creates one.
+//! * [`work_ttl`]: deletes ManifestWorks whose `deleteOption.ttlSecondsAfterFinished` has
+//!   passed since they turned Complete.
 //!
 //! Not for: anything agents or gateways do; controllers never talk to spokes.
 
@@ -18,6 +22,7 @@ pub mod feed;
 pub mod replicaset;
 pub mod rollout;
 pub mod scheduling;
+pub mod work_ttl;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -60,22 +65,70 @@ impl Default for ControllerConfig {
     }
 }
 
+/// A controller ended while the hub was serving: the hub cannot place or roll out without it,
+/// so it exits and its supervisor restarts it. Not retryable in-process.
+#[derive(Debug, thiserror::Error)]
+pub enum ControllerEnded {
+    /// It returned without being told to stop.
+    #[error("the {controller} controller stopped on its own")]
+    Stopped { controller: &'static str },
+    /// It panicked (a bug; the message says where).
+    #[error("the {controller} controller crashed: {cause}")]
+    Crashed {
+        controller: &'static str,
+        cause: String,
+    },
+}
+
 /// Runs every controller until `stop` turns true (or its sender is dropped), then waits for
-/// them to finish their writes in flight.
-pub async fn run(store: Arc<dyn Store>, config: ControllerConfig, stop: watch::Receiver<bool>) {
-    let mut tasks = JoinSet::new();
-    tasks.spawn(clustersets::run(
-        store.clone(),
-        config.clone(),
-        stop.clone(),
-    ));
-    tasks.spawn(scheduling::run(store.clone(), config.clone(), stop.clone()));
-    tasks.spawn(replicaset::run(store, config, stop));
-    while let Some(done) = tasks.join_next().await {
-        if let Err(e) = done {
-            tracing::error!(error = %e, "a controller ended abnormally");
+/// them to finish their writes in flight. One that ends before that is an error naming it.
+pub async fn run(
+    store: Arc<dyn Store>,
+    config: ControllerConfig,
+    stop: watch::Receiver<bool>,
+) -> Result<(), ControllerEnded> {
+    let mut tasks: JoinSet<()> = JoinSet::new();
+    let mut names = std::collections::HashMap::new();
+    let mut spawn = |name: &'static str, task: futures::future::BoxFuture<'static, ()>| {
+        names.insert(tasks.spawn(task).id(), name);
+    };
+    spawn(
+        "cluster sets",
+        Box::pin(clustersets::run(
+            store.clone(),
+            config.clone(),
+            stop.clone(),
+        )),
+    );
+    spawn(
+        "placement scheduling",
+        Box::pin(scheduling::run(store.clone(), config.clone(), stop.clone())),
+    );
+    spawn(
+        "ManifestWorkReplicaSet",
+        Box::pin(replicaset::run(store.clone(), config, stop.clone())),
+    );
+    spawn("work TTL", Box::pin(work_ttl::run(store, stop.clone())));
+    while let Some(done) = tasks.join_next_with_id().await {
+        let stopping = *stop.borrow() || stop.has_changed().is_err();
+        let id = match &done {
+            Ok((id, ())) => *id,
+            Err(e) => e.id(),
+        };
+        let controller = names.get(&id).copied().unwrap_or("unnamed");
+        match done {
+            Err(e) if e.is_panic() || !stopping => {
+                return Err(ControllerEnded::Crashed {
+                    controller,
+                    cause: e.to_string(),
+                });
+            }
+            Ok(_) if !stopping => return Err(ControllerEnded::Stopped { controller }),
+            // Told to stop: it finished its writes in flight.
+            Ok(_) | Err(_) => {}
         }
     }
+    Ok(())
 }
 
 /// Resolves once `stop` turns true or its sender is gone.

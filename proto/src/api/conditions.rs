@@ -29,6 +29,13 @@ pub const WORK_AVAILABLE: &str = "Available";
 pub const WORK_DEGRADED: &str = "Degraded";
 /// ManifestWork / manifest: the agent is applying the spec.
 pub const WORK_PROGRESSING: &str = "Progressing";
+/// ManifestWork / manifest: the resource finished (per its condition rules) and is no longer
+/// updated; on the work, every manifest with a `Complete` rule is complete.
+pub const WORK_COMPLETE: &str = "Complete";
+/// ManifestWork: the agent is removing the work's resources after the work was deleted.
+pub const WORK_DELETING: &str = "Deleting";
+/// Manifest: the values asked for by the feedback rules were read (or why not).
+pub const STATUS_FEEDBACK_SYNCED: &str = "StatusFeedbackSynced";
 
 // Placement (cluster.open-cluster-management.io/v1beta1)
 

@@ -3,7 +3,7 @@
 
 use kube::ResourceExt;
 
-use super::work::{Manifest, ManifestWork};
+use super::work::{Manifest, ManifestConfigOption, ManifestWork};
 
 /// Largest total size of a work's manifests, in bytes of compact JSON. The stores hold objects up
 /// to 1.5 MiB (etcd's request limit); 1 MiB of manifests leaves room within it for metadata and
@@ -42,6 +42,21 @@ pub enum ManifestError {
     /// agent must find the object again to update, report on and delete it). Not retryable.
     #[error("ManifestWork {work}: manifest #{ordinal} has no metadata.name")]
     MissingName { work: String, ordinal: usize },
+    /// An entry of `spec.manifestConfigs` asks for something OCM does not define (the rules
+    /// OCM's CRD and webhook enforce). Not retryable.
+    #[error("ManifestWork {work}: spec.manifestConfigs[{index}]: {problem}")]
+    Config {
+        work: String,
+        index: usize,
+        problem: String,
+    },
+    /// `spec.executor` or `spec.deleteOption` is not usable. Not retryable.
+    #[error("ManifestWork {work}: {field}: {problem}")]
+    Spec {
+        work: String,
+        field: &'static str,
+        problem: String,
+    },
 }
 
 /// Checks every manifest of `work`; returns all the problems found, not just the first.
@@ -63,11 +78,101 @@ pub fn validate_manifest_work(work: &ManifestWork) -> Result<(), Vec<ManifestErr
     for (ordinal, manifest) in manifests.iter().enumerate() {
         check_manifest(&name, ordinal, manifest, &mut errors);
     }
+    for (index, config) in work.spec.manifest_configs.iter().enumerate() {
+        for problem in config_problems(config) {
+            errors.push(ManifestError::Config {
+                work: name.clone(),
+                index,
+                problem,
+            });
+        }
+    }
+    if let Some(executor) = &work.spec.executor {
+        let subject = &executor.subject;
+        let problem = if subject.type_ != "ServiceAccount" {
+            Some(format!(
+                "subject type {:?} is not supported; use ServiceAccount",
+                subject.type_
+            ))
+        } else if subject
+            .service_account
+            .as_ref()
+            .is_none_or(|sa| sa.namespace.is_empty() || sa.name.is_empty())
+        {
+            Some("a ServiceAccount subject needs serviceAccount.namespace and .name".to_owned())
+        } else {
+            None
+        };
+        if let Some(problem) = problem {
+            errors.push(ManifestError::Spec {
+                work: name.clone(),
+                field: "spec.executor",
+                problem,
+            });
+        }
+    }
+    if let Some(ttl) = work
+        .spec
+        .delete_option
+        .as_ref()
+        .and_then(|o| o.ttl_seconds_after_finished)
+        .filter(|ttl| *ttl < 0)
+    {
+        errors.push(ManifestError::Spec {
+            work: name.clone(),
+            field: "spec.deleteOption.ttlSecondsAfterFinished",
+            problem: format!("{ttl} is negative; use 0 or more seconds"),
+        });
+    }
     if errors.is_empty() {
         Ok(())
     } else {
         Err(errors)
     }
+}
+
+/// What is wrong with one `manifestConfigs` entry, as OCM's CRD validation would say it.
+fn config_problems(config: &ManifestConfigOption) -> Vec<String> {
+    let mut problems = Vec::new();
+    if let Some(ssa) = config
+        .update_strategy
+        .as_ref()
+        .and_then(|u| u.server_side_apply.as_ref())
+    {
+        if !ssa.field_manager.is_empty() && !ssa.field_manager.starts_with("work-agent") {
+            problems.push(format!(
+                "updateStrategy.serverSideApply.fieldManager {:?} must start with \"work-agent\"",
+                ssa.field_manager
+            ));
+        }
+        for field in &ssa.ignore_fields {
+            if !matches!(field.condition.as_str(), "OnSpokePresent" | "OnSpokeChange") {
+                problems.push(format!(
+                    "ignoreFields condition {:?} must be OnSpokePresent or OnSpokeChange",
+                    field.condition
+                ));
+            }
+            if field.json_paths.is_empty() {
+                problems.push("ignoreFields entries need at least one jsonPath".to_owned());
+            }
+        }
+    }
+    for rule in &config.condition_rules {
+        match rule.type_.as_str() {
+            "CEL" if rule.condition.is_empty() => {
+                problems.push("condition is required for CEL rules".to_owned())
+            }
+            "CEL" if rule.cel_expressions.is_empty() => problems.push(format!(
+                "CEL rule {:?} has no celExpressions",
+                rule.condition
+            )),
+            "CEL" | "WellKnownConditions" | "WellKnownCompletions" => {}
+            other => problems.push(format!(
+                "conditionRules type {other:?} must be WellKnownConditions or CEL"
+            )),
+        }
+    }
+    problems
 }
 
 fn check_manifest(

@@ -292,10 +292,12 @@ pub struct IgnoreField {
 #[derive(Serialize, Deserialize, Clone, Debug, JsonSchema, PartialEq, Eq, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct ConditionRule {
-    /// Condition type to set; `Complete` for `WellKnownCompletions` when empty.
+    /// Condition type to set; `Complete` for `WellKnownConditions` when empty. A `Complete`
+    /// condition that turns true stops further updates of the manifest.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub condition: String,
-    /// `WellKnownCompletions` or `CEL`.
+    /// `WellKnownConditions` (OCM's earlier spelling `WellKnownCompletions` is accepted too)
+    /// or `CEL`.
     #[serde(rename = "type")]
     pub type_: String,
     /// CEL expressions, ANDed, when `type` is `CEL`.

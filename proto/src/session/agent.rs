@@ -1,7 +1,7 @@
 //! The agent's side of its one session.
 
 use std::collections::VecDeque;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
 
@@ -75,17 +75,25 @@ pub enum AgentEvent {
         /// The highest status seq stored.
         seq: u64,
     },
+    /// Time to renew the client certificate (see [`AgentSession::set_certificate_validity`]):
+    /// the driver makes a new key and a signing request for it, off its loop, and passes the
+    /// request to [`AgentSession::renew_certificate`] (or reports
+    /// [`AgentSession::renewal_failed`]). Emitted once per due time, only while established.
+    RenewalDue,
     /// The hub signed the certificate asked for with [`AgentSession::renew_certificate`]. The
     /// driver stores it (with the key it made for the request) durably and uses it from the
-    /// next connection on; the current session carries on with the current certificate.
+    /// next connection on, then tells the session the new validity
+    /// ([`AgentSession::set_certificate_validity`]), or [`AgentSession::renewal_failed`] if it
+    /// could not store it. The current session carries on with the current certificate.
     CertificateIssued {
         /// PEM client certificate for the key of the request.
         certificate_pem: String,
         /// PEM CA certificates to trust for the hub from now on.
         ca_bundle_pem: String,
     },
-    /// The hub refused the renewal; the current certificate stays. The driver tries again
-    /// later (with a fresh request), and well before expiry says so loudly.
+    /// The hub refused the renewal; the current certificate stays. The session schedules the
+    /// next attempt itself (a quarter of the remaining lifetime, between
+    /// [`RENEWAL_RETRY_MIN`] and [`RENEWAL_RETRY_MAX`]); the driver logs the reason.
     RenewalRefused {
         /// Why, in the hub's words.
         reason: String,
@@ -163,9 +171,50 @@ pub struct AgentSession {
     /// Work acks and statuses, coalesced per work (the latest generation / seq wins).
     data: CoalescingQueue<Key, agent_frame::Frame>,
     events: VecDeque<AgentEvent>,
-    /// A `RenewCertificate` was sent and neither `CertificateIssued` nor `RenewalRefused` has
-    /// answered it: at most one request is outstanding per session.
-    renewing: bool,
+    /// Where certificate renewal stands; see [`Renewal`].
+    renewal: Renewal,
+}
+
+/// Shortest time between two renewals: however short-lived a certificate, never back to back.
+pub const RENEWAL_MIN_INTERVAL: Duration = Duration::from_secs(1);
+/// Shortest wait before asking again after a refused or failed renewal.
+pub const RENEWAL_RETRY_MIN: Duration = Duration::from_secs(1);
+/// Longest wait before asking again after a refused or failed renewal.
+pub const RENEWAL_RETRY_MAX: Duration = Duration::from_secs(30);
+
+/// Certificate renewal, in monotonic time: the driver gives the certificate's validity in wall
+/// time once ([`AgentSession::set_certificate_validity`]), the session turns it into instants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Renewal {
+    /// No validity given (a development certificate without one never renews).
+    Unscheduled,
+    /// [`AgentEvent::RenewalDue`] at `due`; the certificate expires at `expires`.
+    Scheduled { due: Instant, expires: Instant },
+    /// `RenewalDue` was emitted; the driver is making the request.
+    Preparing { expires: Instant },
+    /// `RenewCertificate` was sent and neither `CertificateIssued` nor `RenewalRefused` has
+    /// answered it: at most one request is outstanding per session. `expires` is unknown for
+    /// a request made without a schedule (a driver renewing on demand).
+    Requested { expires: Option<Instant> },
+    /// A certificate arrived; the driver is storing it and will give its validity.
+    Storing { expires: Option<Instant> },
+}
+
+impl Renewal {
+    fn expires(&self) -> Option<Instant> {
+        match *self {
+            Renewal::Unscheduled => None,
+            Renewal::Scheduled { expires, .. } | Renewal::Preparing { expires } => Some(expires),
+            Renewal::Requested { expires } | Renewal::Storing { expires } => expires,
+        }
+    }
+}
+
+/// How long to wait before asking again: a quarter of what is left of the certificate's life,
+/// so a short-lived certificate still gets several tries before it expires, bounded.
+fn renewal_retry(now: Instant, expires: Option<Instant>) -> Duration {
+    let left = expires.map_or(RENEWAL_RETRY_MAX, |e| e.saturating_duration_since(now));
+    (left / 4).clamp(RENEWAL_RETRY_MIN, RENEWAL_RETRY_MAX)
 }
 
 impl AgentSession {
@@ -192,7 +241,41 @@ impl AgentSession {
             control: VecDeque::from([agent(agent_frame::Frame::Hello(hello))]),
             data: CoalescingQueue::default(),
             events: VecDeque::new(),
-            renewing: false,
+            renewal: Renewal::Unscheduled,
+        }
+    }
+
+    /// Tells the session the validity of the certificate the agent holds (at start, and after
+    /// storing a renewed one): it emits [`AgentEvent::RenewalDue`] at [`renew_at`] of it, never
+    /// sooner than [`RENEWAL_MIN_INTERVAL`] from `now`. `wall_now` is the wall clock at `now`;
+    /// only the differences of wall times are used, so the session itself reads no clock.
+    ///
+    /// [`renew_at`]: super::renew_at
+    pub fn set_certificate_validity(
+        &mut self,
+        now: Instant,
+        wall_now: SystemTime,
+        not_before: SystemTime,
+        not_after: SystemTime,
+    ) {
+        let until = |at: SystemTime| at.duration_since(wall_now).unwrap_or(Duration::ZERO);
+        let due = now + until(super::renew_at(not_before, not_after));
+        let due = due.max(now + RENEWAL_MIN_INTERVAL);
+        self.renewal = Renewal::Scheduled {
+            due,
+            expires: now + until(not_after),
+        };
+    }
+
+    /// The driver could not make a renewal request, or could not store the certificate the hub
+    /// issued: try again after the usual retry delay.
+    pub fn renewal_failed(&mut self, now: Instant) {
+        let expires = self.renewal.expires();
+        if let Some(expires) = expires {
+            self.renewal = Renewal::Scheduled {
+                due: now + renewal_retry(now, Some(expires)),
+                expires,
+            };
         }
     }
 
@@ -215,10 +298,12 @@ impl AgentSession {
     /// nothing) unless the session is established and no other request is outstanding; the
     /// answer arrives as [`AgentEvent::CertificateIssued`] or [`AgentEvent::RenewalRefused`].
     pub fn renew_certificate(&mut self, csr_pem: impl Into<String>) -> bool {
-        if !self.is_established() || self.renewing {
+        if !self.is_established() || self.is_renewing() {
             return false;
         }
-        self.renewing = true;
+        self.renewal = Renewal::Requested {
+            expires: self.renewal.expires(),
+        };
         self.control
             .push_back(agent(agent_frame::Frame::RenewCertificate(
                 wire::RenewCertificate {
@@ -230,7 +315,7 @@ impl AgentSession {
 
     /// Whether a renewal request is waiting for the hub's answer.
     pub fn is_renewing(&self) -> bool {
-        self.renewing
+        matches!(self.renewal, Renewal::Requested { .. })
     }
 
     /// Whether the welcome has arrived and the session is not closed.
@@ -279,7 +364,14 @@ impl AgentSession {
                 Ok(())
             }
             hub_frame::Frame::Goodbye(goodbye) => {
-                self.close_with(CloseReason::PeerGoodbye(goodbye.reason), true);
+                let reason = match goodbye.refusal() {
+                    wire::Refusal::Unspecified => CloseReason::PeerGoodbye(goodbye.reason),
+                    refusal => CloseReason::Refused {
+                        refusal,
+                        reason: goodbye.reason,
+                    },
+                };
+                self.close_with(reason, true);
                 Ok(())
             }
             other if !established => self.fail(ProtocolError::UnexpectedFrame {
@@ -320,14 +412,16 @@ impl AgentSession {
                     .push_back(AgentEvent::TunnelRequested { id: open.id });
                 Ok(())
             }
-            hub_frame::Frame::CertificateIssued(_) if !self.renewing => {
+            hub_frame::Frame::CertificateIssued(_) if !self.is_renewing() => {
                 self.fail(ProtocolError::UnexpectedFrame {
                     frame: "CertificateIssued",
                     state: "no renewal requested",
                 })
             }
             hub_frame::Frame::CertificateIssued(issued) => {
-                self.renewing = false;
+                self.renewal = Renewal::Storing {
+                    expires: self.renewal.expires(),
+                };
                 if issued.certificate_pem.is_empty() {
                     return self.fail(ProtocolError::InvalidFrame {
                         frame: "CertificateIssued",
@@ -341,7 +435,16 @@ impl AgentSession {
                 Ok(())
             }
             hub_frame::Frame::RenewalRefused(refused) => {
-                self.renewing = false;
+                if self.is_renewing() {
+                    let expires = self.renewal.expires();
+                    self.renewal = match expires {
+                        Some(expires) => Renewal::Scheduled {
+                            due: now + renewal_retry(now, Some(expires)),
+                            expires,
+                        },
+                        None => Renewal::Unscheduled,
+                    };
+                }
                 self.events.push_back(AgentEvent::RenewalRefused {
                     reason: refused.reason,
                 });
@@ -360,6 +463,13 @@ impl AgentSession {
     /// when one is due, closes if the welcome or the hub is overdue. Calling it early does
     /// nothing.
     pub fn handle_timeout(&mut self, now: Instant) {
+        if let Renewal::Scheduled { due, expires } = self.renewal
+            && now >= due
+            && self.is_established()
+        {
+            self.renewal = Renewal::Preparing { expires };
+            self.events.push_back(AgentEvent::RenewalDue);
+        }
         match self.phase {
             Phase::AwaitingWelcome { deadline } if now >= deadline => {
                 let waited = self.welcome_timeout;
@@ -405,7 +515,13 @@ impl AgentSession {
                 timeout,
                 next_heartbeat,
                 ..
-            } => Some(next_heartbeat.min(self.last_heard + timeout)),
+            } => {
+                let next = next_heartbeat.min(self.last_heard + timeout);
+                Some(match self.renewal {
+                    Renewal::Scheduled { due, .. } => next.min(due),
+                    _ => next,
+                })
+            }
             Phase::Closed => None,
         }
     }
@@ -559,6 +675,7 @@ impl AgentSession {
             self.control
                 .push_back(agent(agent_frame::Frame::Goodbye(wire::Goodbye {
                     reason: reason.to_string(),
+                    refusal: wire::Refusal::Unspecified.into(),
                 })));
         }
         self.events

@@ -114,6 +114,14 @@ pub enum CloseReason {
         /// Why the hub drained, as it said.
         reason: String,
     },
+    /// The hub refused the session at admission (agent side: as the hub's goodbye said; hub
+    /// side: as this hub decided).
+    Refused {
+        /// What is wrong, for the agent to act on.
+        refusal: crate::wire::Refusal,
+        /// The hub's words, with what to do.
+        reason: String,
+    },
     /// The peer said goodbye with this reason.
     PeerGoodbye(String),
     /// The local driver closed the session with this reason.
@@ -180,6 +188,7 @@ impl fmt::Display for CloseReason {
                 "drained by the hub ({reason}); reconnect after {}",
                 human(*retry_after)
             ),
+            CloseReason::Refused { reason, .. } => write!(f, "refused by the hub: {reason}"),
             CloseReason::PeerGoodbye(reason) => write!(f, "peer closed the session: {reason}"),
             CloseReason::Local(reason) => write!(f, "closed locally: {reason}"),
         }

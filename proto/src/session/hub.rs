@@ -631,6 +631,19 @@ impl HubSession {
         self.close_with(CloseReason::Local(reason.into()), false);
     }
 
+    /// Refuses the session at admission (before or after the hello): queues a `Goodbye` that
+    /// carries `refusal`, so the agent can tell its operator what to do, and `reason` in words,
+    /// and emits [`HubEvent::Closed`]. Also for a cluster revoked while its session runs.
+    pub fn refuse(&mut self, refusal: wire::Refusal, reason: impl Into<String>) {
+        self.close_with(
+            CloseReason::Refused {
+                refusal,
+                reason: reason.into(),
+            },
+            false,
+        );
+    }
+
     fn on_hello(&mut self, hello: wire::Hello) -> Result<(), ProtocolError> {
         if hello.protocol_version != PROTOCOL_VERSION {
             return self.fail(ProtocolError::ProtocolVersion {
@@ -728,9 +741,15 @@ impl HubSession {
         self.status_acks.clear();
         self.works.clear();
         if !by_peer {
+            let (reason_text, refusal) = match &reason {
+                // The agent words it for its operator; it gets the hub's sentence as is.
+                CloseReason::Refused { refusal, reason } => (reason.clone(), *refusal),
+                other => (other.to_string(), wire::Refusal::Unspecified),
+            };
             self.control
                 .push_back(hub(hub_frame::Frame::Goodbye(wire::Goodbye {
-                    reason: reason.to_string(),
+                    reason: reason_text,
+                    refusal: refusal.into(),
                 })));
         }
         self.events.push_back(HubEvent::Closed { reason, by_peer });

@@ -23,22 +23,34 @@
 //! hub echoes, and either side closes after hearing nothing for the heartbeat timeout. A
 //! draining gateway sends `Drain` with a retry-after, which [`Backoff`] honours.
 //!
-//! Certificates rotate over the live session: before [`renew_at`] the agent sends
-//! `RenewCertificate` with a request for a key it made, the hub answers `CertificateIssued`
-//! (or `RenewalRefused`), and the agent uses the new certificate from its next connection on,
-//! so the cluster never loses its session for a rotation. After a CA rotation the hub sends
-//! `TrustBundle` to agents whose hello shows an older bundle.
+//! Certificates rotate over the live session: told the certificate's validity, the agent's
+//! session emits `RenewalDue` at [`renew_at`] (and schedules retries after a refusal itself),
+//! the agent sends `RenewCertificate` with a request for a key it made, the hub answers
+//! `CertificateIssued` (or `RenewalRefused`), and the agent uses the new certificate from its
+//! next connection on, so the cluster never loses its session for a rotation. After a CA
+//! rotation the hub sends `TrustBundle` to agents whose hello shows an older bundle.
+//!
+//! A hub refuses a session at admission with a `Goodbye` that carries a [`wire::Refusal`]
+//! (not registered, denied, not accepted, key not registered), so the agent can say what to
+//! do. Cluster health is [`Presence`]: a cluster whose last session ended more than the grace
+//! period ago is marked Unknown.
+//!
+//! [`wire::Refusal`]: crate::wire::Refusal
 
 mod agent;
 mod backoff;
 mod error;
 mod hub;
+mod presence;
 mod queue;
 mod renewal;
 
 use std::time::Duration;
 
-pub use agent::{AgentConfig, AgentEvent, AgentSession, DEFAULT_WELCOME_TIMEOUT};
+pub use agent::{
+    AgentConfig, AgentEvent, AgentSession, DEFAULT_WELCOME_TIMEOUT, RENEWAL_MIN_INTERVAL,
+    RENEWAL_RETRY_MAX, RENEWAL_RETRY_MIN,
+};
 pub use backoff::{
     Backoff, BackoffConfig, DEFAULT_BACKOFF_INITIAL, DEFAULT_BACKOFF_MAX, DEFAULT_MAX_RETRY_AFTER,
     DEFAULT_STABLE_AFTER, DEFAULT_STARTUP_JITTER, Jitter,
@@ -48,6 +60,7 @@ pub use hub::{
     DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_HELLO_TIMEOUT,
     DEFAULT_MAX_PENDING_WORKS, HubConfig, HubEvent, HubSession, MAX_CSR_BYTES,
 };
+pub use presence::{Presence, PresenceEvent};
 pub use renewal::{RENEW_AT_FRACTION, renew_at};
 
 /// The desired state of one ManifestWork for the cluster, as the gateway hands it to

@@ -5,13 +5,17 @@
 //! --bins`, which the README's test command does).
 #![forbid(unsafe_code)]
 
+pub mod faults;
 pub mod spoke;
+
+pub use flotilla_transport::Carrier;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
+use flotilla_proto::wire::{AgentFrame, HubFrame};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde_json::Value;
@@ -31,6 +35,49 @@ pub fn bin(name: &str) -> PathBuf {
         path.display()
     );
     path
+}
+
+tokio::task_local! {
+    /// The carrier the current end-to-end test runs on (set by [`on_both_carriers!`]); a hub
+    /// started in it records it and its agents use it.
+    pub static CARRIER: Carrier;
+}
+
+/// The carrier of the running test: gRPC unless [`on_both_carriers!`] set another.
+pub fn current_carrier() -> Carrier {
+    CARRIER.try_with(|c| *c).unwrap_or(Carrier::Grpc)
+}
+
+/// Defines an end-to-end test that runs once per carrier, from the same code: a module named
+/// after the test with `grpc` and `quic` tests in it.
+///
+/// ```text
+/// on_both_carriers! {
+///     /// What it checks.
+///     async fn delivery_survives_a_restart() -> anyhow::Result<()> { ... }
+/// }
+/// ```
+#[macro_export]
+macro_rules! on_both_carriers {
+    ($(#[$meta:meta])* async fn $name:ident() -> $ret:ty $body:block) => {
+        $(#[$meta])*
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+
+            async fn body() -> $ret $body
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn grpc() -> $ret {
+                $crate::CARRIER.scope($crate::Carrier::Grpc, body()).await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn quic() -> $ret {
+                $crate::CARRIER.scope($crate::Carrier::Quic, body()).await
+            }
+        }
+    };
 }
 
 /// Waits until `check` returns `Some`, polling every 50 ms, failing after `timeout` with the
@@ -93,6 +140,23 @@ impl Proc {
         &self.log
     }
 
+    /// Waits for the process to exit on its own, at most `timeout`; its exit status, or `None`
+    /// if it is still running.
+    pub async fn exited_within(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let child = self.child.as_mut()?;
+            if let Ok(Some(status)) = child.try_wait() {
+                self.child = None;
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// Whether the process is still running.
     pub fn alive(&mut self) -> bool {
         self.child
@@ -125,6 +189,8 @@ pub struct Hub {
     pub data_dir: PathBuf,
     pub agents_addr: String,
     pub api_addr: String,
+    /// The carrier its agents use (the test's, see [`on_both_carriers!`]).
+    pub carrier: Carrier,
 }
 
 impl Hub {
@@ -189,16 +255,22 @@ impl Hub {
             data_dir,
             agents_addr: listen["agents"].as_str().unwrap_or_default().to_string(),
             api_addr: listen["api"].as_str().unwrap_or_default().to_string(),
+            carrier: current_carrier(),
         })
     }
 
     /// Issues an agent certificate for `cluster` into `out` with `flotilla-hub dev-cert`.
     pub fn dev_cert(&self, cluster: &str, out: &Path) -> anyhow::Result<()> {
+        self.dev_cert_for(cluster, out, "720h")
+    }
+
+    /// [`dev_cert`](Self::dev_cert) with a certificate valid for `lifetime` (`6s`, `1h`).
+    pub fn dev_cert_for(&self, cluster: &str, out: &Path, lifetime: &str) -> anyhow::Result<()> {
         let output = Command::new(bin("flotilla-hub"))
             .arg("dev-cert")
             .arg("--data-dir")
             .arg(&self.data_dir)
-            .args(["--cluster", cluster])
+            .args(["--cluster", cluster, "--lifetime", lifetime])
             .arg("--out")
             .arg(out)
             .output()?;
@@ -247,6 +319,47 @@ impl Hub {
     }
 }
 
+impl Hub {
+    /// ManifestWork `cluster`/`name` as `flotilla get works` shows it.
+    pub fn work(&self, cluster: &str, name: &str) -> anyhow::Result<Option<Value>> {
+        let out = self.cli(&["get", "works", "--cluster", cluster, "-o", "json"])?;
+        anyhow::ensure!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let list: Value = serde_json::from_slice(&out.stdout)?;
+        Ok(list["items"].as_array().and_then(|items| {
+            items
+                .iter()
+                .find(|w| w["metadata"]["name"] == name)
+                .cloned()
+        }))
+    }
+
+    /// Waits until the hub shows the work Applied=True at its current generation.
+    pub async fn wait_work_applied(&self, cluster: &str, name: &str) -> anyhow::Result<Value> {
+        wait_for(
+            &format!("{cluster}/{name} Applied on the hub"),
+            Duration::from_secs(60),
+            || async {
+                let Some(w) = self.work(cluster, name)? else {
+                    return Ok(None);
+                };
+                let generation = w["metadata"]["generation"].as_i64();
+                let applied = w["status"]["conditions"]
+                    .as_array()
+                    .and_then(|cs| cs.iter().find(|c| c["type"] == "Applied"))
+                    .is_some_and(|c| {
+                        c["status"] == "True" && c["observedGeneration"].as_i64() == generation
+                    });
+                Ok(applied.then_some(w))
+            },
+        )
+        .await
+    }
+}
+
 /// Status string of condition `t` in an object's status.conditions.
 pub fn condition_status(obj: &Value, t: &str) -> Option<String> {
     obj["status"]["conditions"]
@@ -283,6 +396,7 @@ pub fn start_agent(dir: &Path, hub: &Hub, cluster: &str, cert_dir: &Path) -> any
             "--max-backoff=1s",
             "--kubernetes-version=v1.36.3",
         ])
+        .arg(format!("--transport={}", hub.carrier))
         .env("RUST_LOG", "info");
     Proc::spawn(
         "flotilla-agent",
@@ -308,6 +422,76 @@ contexts:
     user: none
 current-context: none
 ";
+
+/// A session with frames by hand, for tests that play a misbehaving agent: the real dialer
+/// on the hub's carrier, with the identity in `cert_dir`, `first` as the first frame.
+pub struct RawSession {
+    pub inbound: flotilla_transport::FrameStream<HubFrame>,
+    pub outbound: tokio::sync::mpsc::Sender<AgentFrame>,
+    _pump: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl RawSession {
+    pub async fn open(hub: &Hub, cert_dir: &Path, first: AgentFrame) -> anyhow::Result<RawSession> {
+        let transport = match hub.carrier {
+            Carrier::Grpc => flotilla_agent::connect::Transport::Grpc,
+            Carrier::Quic => flotilla_agent::connect::Transport::Quic,
+        };
+        let dialer = flotilla_agent::connect::Dialer::new(&hub.agents_addr, "localhost", cert_dir)?
+            .with_transport(transport);
+        let dialed = dialer.connect(first).await?;
+        Ok(RawSession {
+            inbound: dialed.link.inbound,
+            outbound: dialed.link.outbound,
+            _pump: dialed.pump.map(tokio::spawn),
+        })
+    }
+
+    /// The next frame from the hub; `None` once the stream ended.
+    pub async fn next(&mut self) -> Option<HubFrame> {
+        use futures::StreamExt as _;
+        match self.inbound.next().await? {
+            Ok(frame) => Some(frame),
+            Err(e) => {
+                tracing::debug!(error = %e, "raw session stream ended with an error");
+                None
+            }
+        }
+    }
+}
+
+/// Debian's tinyproxy on loopback, allowing CONNECT to `connect_port` only (anything else gets
+/// 403), logging to `<dir>/tinyproxy.log`. Returns the process and its port.
+pub async fn start_tinyproxy(dir: &Path, connect_port: u16) -> anyhow::Result<(Proc, u16)> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let conf = dir.join("tinyproxy.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "Port {port}\nListen 127.0.0.1\nTimeout 600\nAllow 127.0.0.1\nConnectPort {connect_port}\n\
+             LogFile \"{}\"\nLogLevel Info\nPidFile \"{}\"\n",
+            dir.join("tinyproxy.log").display(),
+            dir.join("tinyproxy.pid").display()
+        ),
+    )?;
+    let mut cmd = Command::new("tinyproxy");
+    cmd.arg("-d").arg("-c").arg(&conf);
+    let proxy = Proc::spawn("tinyproxy", cmd, dir.join("tinyproxy.stderr")).map_err(|e| {
+        anyhow::anyhow!(
+            "{e:#}: install it with `apt-get install -y tinyproxy` (scripts/test.sh does)"
+        )
+    })?;
+    wait_for("tinyproxy to listen", Duration::from_secs(30), || async {
+        Ok(tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .ok()
+            .map(|_| ()))
+    })
+    .await?;
+    Ok((proxy, port))
+}
 
 /// Every `status.decisions[].clusterName` of some PlacementDecisions, sorted: what Argo CD's
 /// clusterDecisionResource generator reads (`statusListKey: decisions`, `matchKey:
@@ -417,10 +601,7 @@ impl Fleet {
 
     /// The work `name` in `cluster`'s namespace, if the hub has it.
     pub fn work(&self, cluster: &str, name: &str) -> anyhow::Result<Option<Value>> {
-        Ok(self
-            .list(&["works", "--cluster", cluster])?
-            .into_iter()
-            .find(|w| w["metadata"]["name"] == name))
+        self.hub.work(cluster, name)
     }
 
     /// The clusters whose namespace holds a work called `name`, sorted.
@@ -461,23 +642,6 @@ impl Fleet {
 
     /// Waits until the hub shows the work Applied=True at its current generation.
     pub async fn wait_applied(&self, cluster: &str, name: &str) -> anyhow::Result<Value> {
-        wait_for(
-            &format!("{cluster}/{name} Applied on the hub"),
-            Duration::from_secs(60),
-            || async {
-                let Some(w) = self.work(cluster, name)? else {
-                    return Ok(None);
-                };
-                let generation = w["metadata"]["generation"].as_i64();
-                let applied = w["status"]["conditions"]
-                    .as_array()
-                    .and_then(|cs| cs.iter().find(|c| c["type"] == "Applied"))
-                    .is_some_and(|c| {
-                        c["status"] == "True" && c["observedGeneration"].as_i64() == generation
-                    });
-                Ok(applied.then_some(w))
-            },
-        )
-        .await
+        self.hub.wait_work_applied(cluster, name).await
     }
 }

@@ -47,6 +47,11 @@ impl Spoke {
             .arg("--kubeconfig")
             .arg(self.env.kubeconfig_path())
             .args(["--initial-jitter=0s", "--max-backoff=1s"])
+            .args(
+                // The test's carrier, unless `extra` chooses one.
+                (!extra.iter().any(|e| e.starts_with("--transport")))
+                    .then(|| format!("--transport={}", hub.carrier)),
+            )
             .args(extra)
             .env("RUST_LOG", "info,flotilla_agent=debug");
         let log = (1..)

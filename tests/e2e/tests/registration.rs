@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use flotilla_e2e::{Hub, Proc, bin, condition_status, wait_for};
+use flotilla_e2e::on_both_carriers;
+use flotilla_e2e::{Hub, Proc, bin, condition_status, start_tinyproxy, wait_for};
 use nix::sys::signal::Signal;
 use serde_json::Value;
 use tokio::time::Instant;
@@ -124,6 +125,12 @@ fn start_join_in(
             "--max-backoff=1s",
             "--kubernetes-version=v1.36.3",
         ])
+        // Behind a forward proxy the agent's automatic choice is gRPC (a proxy carries TCP).
+        .arg(if extra.iter().any(|e| e.contains("--proxy-url")) {
+            "--transport=auto".to_string()
+        } else {
+            format!("--transport={}", flotilla_e2e::current_carrier())
+        })
         .args(extra)
         .env("RUST_LOG", "info");
     let log = (1..)
@@ -214,10 +221,14 @@ async fn join_pending_accept_available(kube: bool) -> anyhow::Result<()> {
     let secret = token["token"].as_str().unwrap().to_string();
     let join_command = token["joinCommand"].as_str().unwrap();
     assert!(
-        join_command.starts_with("flotilla-agent join --hub ")
-            && join_command.contains("--ca-fingerprint ")
-            && join_command.contains(&secret),
+        join_command.starts_with(&format!(
+            "FLOTILLA_BOOTSTRAP_TOKEN={secret} flotilla-agent join --hub "
+        )) && join_command.contains("--ca-fingerprint "),
         "{join_command}"
+    );
+    assert!(
+        !join_command.contains("--token"),
+        "the secret is not an argument: {join_command}"
     );
     let (mut agent, data) = start_join(dir.path(), &token, "store-0001", &[])?;
 
@@ -286,344 +297,331 @@ async fn join_pending_accept_available(kube: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn token_join_pending_accept_available_on_sled() -> anyhow::Result<()> {
-    join_pending_accept_available(false).await
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn token_join_pending_accept_available_on_kube() -> anyhow::Result<()> {
-    join_pending_accept_available(true).await
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bad_joins_are_refused_with_reasons_while_others_are_served() -> anyhow::Result<()> {
-    let dir = tempfile::tempdir()?;
-    let hub = Hub::start(dir.path(), &[]).await?;
-
-    // A cluster that joins with an auto-accepting token and keeps its session throughout.
-    let auto = create_token(&hub, &["--auto-accept-labels", "env=test"])?;
-    let (_good, _) = start_join(dir.path(), &auto, "store-good", &[])?;
-    wait_available(&hub, "store-good").await?;
-    let mc = cluster(&hub, "store-good")?.unwrap();
-    assert_eq!(mc["metadata"]["labels"]["env"], "test", "{mc}");
-
-    // Expired.
-    let expired = create_token(&hub, &["--ttl", "1s"])?;
-    wait_for("the token to expire", LONG, || async {
-        let list: Value = serde_json::from_str(&cli_ok(&hub, &["token", "list", "-o", "json"])?)?;
-        Ok(list["items"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .any(|t| t["id"] == expired["id"] && t["state"] == "expired")
-            .then_some(()))
-    })
-    .await?;
-    let (mut agent, _) = start_join(dir.path(), &expired, "store-expired", &[])?;
-    expect_refused(&hub, &mut agent, "expired at").await?;
-
-    // Revoked.
-    let revoked = create_token(&hub, &[])?;
-    cli_ok(&hub, &["token", "revoke", revoked["id"].as_str().unwrap()])?;
-    let (mut agent, _) = start_join(dir.path(), &revoked, "store-revoked", &[])?;
-    expect_refused(&hub, &mut agent, "was revoked").await?;
-
-    // Single use, used twice: the first join is recorded, the second refused.
-    let once = create_token(&hub, &["--uses", "1"])?;
-    let (_first, _) = start_join(dir.path(), &once, "store-once-a", &[])?;
-    wait_for("the first use to be recorded", LONG, || async {
-        Ok(cluster(&hub, "store-once-a")?.map(|_| ()))
-    })
-    .await?;
-    let (mut agent, _) = start_join(dir.path(), &once, "store-once-b", &[])?;
-    expect_refused(&hub, &mut agent, "is used up (1 of 1 uses)").await?;
-
-    // Wrong CA pin: the agent refuses the hub before sending anything.
-    let mut wrong = create_token(&hub, &[])?;
-    wrong["caFingerprint"] = Value::String("ab".repeat(32));
-    let (mut agent, _) = start_join(dir.path(), &wrong, "store-pin", &[])?;
-    wait_for("the agent with a wrong pin to exit", LONG, || {
-        let alive = agent.alive();
-        async move { Ok((!alive).then_some(())) }
-    })
-    .await?;
-    assert!(
-        agent
-            .log()
-            .contains("presented no CA with fingerprint ababab"),
-        "{}",
-        agent.log()
-    );
-    wait_log(
-        "the hub to log the rejected chain",
-        || plain(hub.proc.log()),
-        "the client rejected the hub's certificate chain",
-    )
-    .await?;
-    assert!(cluster(&hub, "store-pin")?.is_none());
-
-    // A name already taken by another key (store-good's), with a valid token.
-    let fresh = create_token(&hub, &[])?;
-    let (mut agent, _) = start_join(dir.path(), &fresh, "store-good", &[])?;
-    expect_refused(&hub, &mut agent, "already registered with a different key").await?;
-
-    // All the while, store-good kept its one session.
-    assert_eq!(
-        hub.cluster_condition("store-good", AVAILABLE)?.as_deref(),
-        Some("True")
-    );
-    assert_eq!(sessions_established(&hub, "store-good"), 1);
-    Ok(())
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn denied_or_deleted_clusters_lose_their_session_at_once_and_stay_out() -> anyhow::Result<()>
-{
-    let dir = tempfile::tempdir()?;
-    let hub = Hub::start(dir.path(), &[]).await?;
-    let token = create_token(&hub, &["--auto-accept"])?;
-    let (_bystander, _) = start_join(dir.path(), &token, "store-bystander", &[])?;
-    let (denied, _) = start_join(dir.path(), &token, "store-denied", &[])?;
-    let (deleted, _) = start_join(dir.path(), &token, "store-deleted", &[])?;
-    for c in ["store-bystander", "store-denied", "store-deleted"] {
-        wait_available(&hub, c).await?;
+on_both_carriers! {
+    async fn token_join_pending_accept_available_on_sled() -> anyhow::Result<()> {
+        join_pending_accept_available(false).await
     }
+}
 
-    for (name, agent, args, reason) in [
-        (
-            "store-denied",
-            &denied,
-            vec![
-                "cluster",
-                "deny",
-                "store-denied",
-                "--reason",
-                "stolen laptop",
-            ],
-            "denied by the hub: stolen laptop",
-        ),
-        (
-            "store-deleted",
-            &deleted,
-            vec!["cluster", "delete", "store-deleted"],
-            "not registered with this hub",
-        ),
-    ] {
-        cli_ok(&hub, &args)?;
-        let revoked_at = Instant::now();
-        // Closed within a second of the operator's command returning.
-        wait_for(
-            &format!("{name}'s session to close"),
-            Duration::from_secs(1),
-            || async {
-                Ok(plain(hub.proc.log())
-                    .lines()
-                    .any(|l| {
-                        l.contains("closing the session of a revoked cluster") && l.contains(name)
-                    })
-                    .then_some(()))
-            },
-        )
+on_both_carriers! {
+    async fn token_join_pending_accept_available_on_kube() -> anyhow::Result<()> {
+        join_pending_accept_available(true).await
+    }
+}
+
+on_both_carriers! {
+    async fn bad_joins_are_refused_with_reasons_while_others_are_served() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let hub = Hub::start(dir.path(), &[]).await?;
+
+        // A cluster that joins with an auto-accepting token and keeps its session throughout.
+        let auto = create_token(&hub, &["--auto-accept-labels", "env=test"])?;
+        let (_good, _) = start_join(dir.path(), &auto, "store-good", &[])?;
+        wait_available(&hub, "store-good").await?;
+        let mc = cluster(&hub, "store-good")?.unwrap();
+        assert_eq!(mc["metadata"]["labels"]["env"], "test", "{mc}");
+
+        // Expired.
+        let expired = create_token(&hub, &["--ttl", "1s"])?;
+        wait_for("the token to expire", LONG, || async {
+            let list: Value = serde_json::from_str(&cli_ok(&hub, &["token", "list", "-o", "json"])?)?;
+            Ok(list["items"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|t| t["id"] == expired["id"] && t["state"] == "expired")
+                .then_some(()))
+        })
         .await?;
-        eprintln!(
-            "{name}: session closed {:?} after the command",
-            revoked_at.elapsed()
+        let (mut agent, _) = start_join(dir.path(), &expired, "store-expired", &[])?;
+        expect_refused(&hub, &mut agent, "expired at").await?;
+
+        // Revoked.
+        let revoked = create_token(&hub, &[])?;
+        cli_ok(&hub, &["token", "revoke", revoked["id"].as_str().unwrap()])?;
+        let (mut agent, _) = start_join(dir.path(), &revoked, "store-revoked", &[])?;
+        expect_refused(&hub, &mut agent, "was revoked").await?;
+
+        // Single use, used twice: the first join is recorded, the second refused.
+        let once = create_token(&hub, &["--uses", "1"])?;
+        let (_first, _) = start_join(dir.path(), &once, "store-once-a", &[])?;
+        wait_for("the first use to be recorded", LONG, || async {
+            Ok(cluster(&hub, "store-once-a")?.map(|_| ()))
+        })
+        .await?;
+        let (mut agent, _) = start_join(dir.path(), &once, "store-once-b", &[])?;
+        expect_refused(&hub, &mut agent, "is used up (1 of 1 uses)").await?;
+
+        // Wrong CA pin: the agent refuses the hub before sending anything.
+        let mut wrong = create_token(&hub, &[])?;
+        wrong["caFingerprint"] = Value::String("ab".repeat(32));
+        let (mut agent, _) = start_join(dir.path(), &wrong, "store-pin", &[])?;
+        wait_for("the agent with a wrong pin to exit", LONG, || {
+            let alive = agent.alive();
+            async move { Ok((!alive).then_some(())) }
+        })
+        .await?;
+        assert!(
+            agent
+                .log()
+                .contains("presented no CA with fingerprint ababab"),
+            "{}",
+            agent.log()
         );
-        // The agent comes back with the same certificate and is refused, with the reason.
-        wait_for(
-            &format!("{name}'s reconnect to be refused"),
-            LONG,
-            || async {
-                Ok(plain(hub.proc.log())
-                    .lines()
-                    .any(|l| {
-                        l.contains("session refused") && l.contains(name) && l.contains(reason)
-                    })
-                    .then_some(()))
-            },
-        )
-        .await?;
         wait_log(
-            &format!("{name}'s agent to learn why"),
-            || plain(agent.log()),
-            reason,
+            "the hub to log the rejected chain",
+            || plain(hub.proc.log()),
+            "the client rejected the hub's certificate chain",
         )
         .await?;
-    }
-    assert_eq!(
-        hub.cluster_condition("store-bystander", AVAILABLE)?
-            .as_deref(),
-        Some("True")
-    );
-    assert_eq!(sessions_established(&hub, "store-bystander"), 1);
-    Ok(())
-}
+        assert!(cluster(&hub, "store-pin")?.is_none());
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn certificate_renews_over_the_live_session_without_a_gap() -> anyhow::Result<()> {
-    let dir = tempfile::tempdir()?;
-    let hub = Hub::start(dir.path(), &["--client-cert-lifetime=6s"]).await?;
-    let token = create_token(&hub, &["--auto-accept"])?;
-    let (mut agent, data) = start_join(dir.path(), &token, "store-renew", &[])?;
-    wait_available(&hub, "store-renew").await?;
-    let first_cert = std::fs::read_to_string(data.join("identity/tls.crt"))?;
-    let since = |mc: &Value| {
-        mc["status"]["conditions"]
-            .as_array()
-            .and_then(|cs| cs.iter().find(|c| c["type"] == AVAILABLE))
-            .map(|c| c["lastTransitionTime"].clone())
-    };
-    let available_since = since(&cluster(&hub, "store-renew")?.unwrap());
+        // A name already taken by another key (store-good's), with a valid token.
+        let fresh = create_token(&hub, &[])?;
+        let (mut agent, _) = start_join(dir.path(), &fresh, "store-good", &[])?;
+        expect_refused(&hub, &mut agent, "already registered with a different key").await?;
 
-    // Two renewals, each before two thirds of a 6 s lifetime; Available stays True all along.
-    wait_for("two renewals", LONG, || async {
-        let mc = cluster(&hub, "store-renew")?.unwrap();
-        anyhow::ensure!(
-            condition_status(&mc, AVAILABLE).as_deref() == Some("True")
-                && since(&mc) == available_since,
-            "Available changed during renewal: {mc}"
+        // All the while, store-good kept its one session.
+        assert_eq!(
+            hub.cluster_condition("store-good", AVAILABLE)?.as_deref(),
+            Some("True")
         );
-        Ok((agent.log().matches("client certificate renewed").count() >= 2).then_some(()))
-    })
-    .await?;
-    assert_eq!(
-        sessions_established(&hub, "store-renew"),
-        1,
-        "renewal must not reconnect"
-    );
-    let renewed = std::fs::read_to_string(data.join("identity/tls.crt"))?;
-    assert_ne!(renewed, first_cert);
-    assert_eq!(
-        hub.proc
-            .log()
-            .matches("client certificate renewed over the session")
-            .count(),
-        agent.log().matches("client certificate renewed").count()
-    );
-
-    // The next connection uses the renewed certificate: after two renewals the first key is
-    // no longer registered (the hub keeps the newest two), so only the renewed one gets in.
-    agent.signal_and_wait(Signal::SIGKILL);
-    let (_again, _) = start_join_in(dir.path(), &token, "store-renew", &data, &[])?;
-    wait_for("a second session", LONG, || async {
-        Ok((sessions_established(&hub, "store-renew") == 2).then_some(()))
-    })
-    .await?;
-    Ok(())
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_session_cannot_write_another_clusters_status() -> anyhow::Result<()> {
-    use flotilla_agent::connect::Dialer;
-    use flotilla_proto::wire::fleet_client::FleetClient;
-    use flotilla_proto::wire::{AgentFrame, Hello, WorkStatus, agent_frame::Frame, hub_frame};
-    use tokio::sync::mpsc;
-    use tokio_stream::wrappers::ReceiverStream;
-
-    let dir = tempfile::tempdir()?;
-    let hub = Hub::start(dir.path(), &[]).await?;
-    for c in ["store-a", "store-b"] {
-        hub.dev_cert(c, &dir.path().join(c))?;
+        assert_eq!(sessions_established(&hub, "store-good"), 1);
+        Ok(())
     }
-    let manifest = dir.path().join("cm.yaml");
-    std::fs::write(
-        &manifest,
-        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: settings, namespace: default}\ndata: {k: v}\n",
-    )?;
-    cli_ok(
-        &hub,
-        &[
-            "work",
-            "create",
-            "web",
-            "-f",
-            manifest.to_str().unwrap(),
-            "--clusters",
-            "store-b",
-        ],
-    )?;
-    let works: Value = serde_json::from_str(&cli_ok(
-        &hub,
-        &["get", "works", "--cluster", "store-b", "-o", "json"],
-    )?)?;
-    let uid = works["items"][0]["metadata"]["uid"]
-        .as_str()
-        .expect("store-b's work has a uid")
-        .to_string();
-
-    let hello = |cluster: &str| AgentFrame {
-        frame: Some(Frame::Hello(Hello {
-            protocol_version: flotilla_proto::PROTOCOL_VERSION,
-            cluster_name: cluster.into(),
-            agent_version: "test".into(),
-            ..Default::default()
-        })),
-    };
-    let dialer = Dialer::new(&hub.agents_addr, "localhost", &dir.path().join("store-a"))?;
-
-    // store-a's certificate cannot say hello as store-b.
-    let (tx, rx) = mpsc::channel(4);
-    tx.send(hello("store-b")).await?;
-    let mut inbound = FleetClient::new(dialer.connect().await?)
-        .session(ReceiverStream::new(rx))
-        .await?
-        .into_inner();
-    let goodbye = inbound.message().await?.and_then(|f| f.frame);
-    assert!(
-        matches!(&goodbye, Some(hub_frame::Frame::Goodbye(g)) if g.reason.contains("certificate identity store-a does not match hello cluster store-b")),
-        "{goodbye:?}"
-    );
-
-    // Hello as itself, then a status for store-b's work: ignored, logged, nothing stored.
-    let (tx, rx) = mpsc::channel(4);
-    tx.send(hello("store-a")).await?;
-    let mut inbound = FleetClient::new(dialer.connect().await?)
-        .session(ReceiverStream::new(rx))
-        .await?
-        .into_inner();
-    let welcome = inbound.message().await?.and_then(|f| f.frame);
-    assert!(
-        matches!(welcome, Some(hub_frame::Frame::Welcome(_))),
-        "{welcome:?}"
-    );
-    let forged = serde_json::json!({"conditions": [{"type": "Applied", "status": "True",
-        "reason": "Forged", "message": "written by store-a", "lastTransitionTime": "2026-01-01T00:00:00Z"}]});
-    tx.send(AgentFrame {
-        frame: Some(Frame::WorkStatus(WorkStatus {
-            uid: uid.clone(),
-            generation: 1,
-            seq: 1,
-            status_json: serde_json::to_vec(&forged)?,
-        })),
-    })
-    .await?;
-    let line = wait_log(
-        "the hub to refuse the foreign status",
-        || plain(hub.proc.log()),
-        "status for a work that is not this cluster's",
-    )
-    .await?;
-    assert!(
-        line.contains("cluster=store-a") && line.contains(&uid),
-        "{line}"
-    );
-    let works: Value = serde_json::from_str(&cli_ok(
-        &hub,
-        &["get", "works", "--cluster", "store-b", "-o", "json"],
-    )?)?;
-    assert!(
-        !works.to_string().contains("Forged"),
-        "store-b's work must not carry store-a's status: {works}"
-    );
-    Ok(())
 }
 
-/// A free loopback port (bound and released; the proxy binds it right after).
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+on_both_carriers! {
+    async fn denied_or_deleted_clusters_lose_their_session_at_once_and_stay_out() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let hub = Hub::start(dir.path(), &[]).await?;
+        let token = create_token(&hub, &["--auto-accept"])?;
+        let (_bystander, _) = start_join(dir.path(), &token, "store-bystander", &[])?;
+        let (denied, _) = start_join(dir.path(), &token, "store-denied", &[])?;
+        let (deleted, _) = start_join(dir.path(), &token, "store-deleted", &[])?;
+        for c in ["store-bystander", "store-denied", "store-deleted"] {
+            wait_available(&hub, c).await?;
+        }
+
+        for (name, agent, args, reason) in [
+            (
+                "store-denied",
+                &denied,
+                vec![
+                    "cluster",
+                    "deny",
+                    "store-denied",
+                    "--reason",
+                    "stolen laptop",
+                ],
+                "denied by the hub: stolen laptop",
+            ),
+            (
+                "store-deleted",
+                &deleted,
+                vec!["cluster", "delete", "store-deleted"],
+                "not registered with this hub",
+            ),
+        ] {
+            cli_ok(&hub, &args)?;
+            let revoked_at = Instant::now();
+            // Closed within a second of the operator's command returning.
+            wait_for(
+                &format!("{name}'s session to close"),
+                Duration::from_secs(1),
+                || async {
+                    Ok(plain(hub.proc.log())
+                        .lines()
+                        .any(|l| {
+                            l.contains("closing the session of a revoked cluster") && l.contains(name)
+                        })
+                        .then_some(()))
+                },
+            )
+            .await?;
+            eprintln!(
+                "{name}: session closed {:?} after the command",
+                revoked_at.elapsed()
+            );
+            // The agent comes back with the same certificate and is refused, with the reason.
+            wait_for(
+                &format!("{name}'s reconnect to be refused"),
+                LONG,
+                || async {
+                    Ok(plain(hub.proc.log())
+                        .lines()
+                        .any(|l| {
+                            l.contains("session refused") && l.contains(name) && l.contains(reason)
+                        })
+                        .then_some(()))
+                },
+            )
+            .await?;
+            wait_log(
+                &format!("{name}'s agent to learn why"),
+                || plain(agent.log()),
+                reason,
+            )
+            .await?;
+        }
+        assert_eq!(
+            hub.cluster_condition("store-bystander", AVAILABLE)?
+                .as_deref(),
+            Some("True")
+        );
+        assert_eq!(sessions_established(&hub, "store-bystander"), 1);
+        Ok(())
+    }
+}
+
+on_both_carriers! {
+    async fn certificate_renews_over_the_live_session_without_a_gap() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let hub = Hub::start(dir.path(), &["--client-cert-lifetime=6s"]).await?;
+        let token = create_token(&hub, &["--auto-accept"])?;
+        let (mut agent, data) = start_join(dir.path(), &token, "store-renew", &[])?;
+        wait_available(&hub, "store-renew").await?;
+        let first_cert = std::fs::read_to_string(data.join("identity/tls.crt"))?;
+        let since = |mc: &Value| {
+            mc["status"]["conditions"]
+                .as_array()
+                .and_then(|cs| cs.iter().find(|c| c["type"] == AVAILABLE))
+                .map(|c| c["lastTransitionTime"].clone())
+        };
+        let available_since = since(&cluster(&hub, "store-renew")?.unwrap());
+
+        // Two renewals, each before two thirds of a 6 s lifetime; Available stays True all along.
+        wait_for("two renewals", LONG, || async {
+            let mc = cluster(&hub, "store-renew")?.unwrap();
+            anyhow::ensure!(
+                condition_status(&mc, AVAILABLE).as_deref() == Some("True")
+                    && since(&mc) == available_since,
+                "Available changed during renewal: {mc}"
+            );
+            Ok((agent.log().matches("client certificate renewed").count() >= 2).then_some(()))
+        })
+        .await?;
+        assert_eq!(
+            sessions_established(&hub, "store-renew"),
+            1,
+            "renewal must not reconnect"
+        );
+        let renewed = std::fs::read_to_string(data.join("identity/tls.crt"))?;
+        assert_ne!(renewed, first_cert);
+        assert_eq!(
+            hub.proc
+                .log()
+                .matches("client certificate renewed over the session")
+                .count(),
+            agent.log().matches("client certificate renewed").count()
+        );
+
+        // The next connection uses the renewed certificate: after two renewals the first key is
+        // no longer registered (the hub keeps the newest two), so only the renewed one gets in.
+        agent.signal_and_wait(Signal::SIGKILL);
+        let (_again, _) = start_join_in(dir.path(), &token, "store-renew", &data, &[])?;
+        wait_for("a second session", LONG, || async {
+            Ok((sessions_established(&hub, "store-renew") == 2).then_some(()))
+        })
+        .await?;
+        Ok(())
+    }
+}
+
+on_both_carriers! {
+    async fn a_session_cannot_write_another_clusters_status() -> anyhow::Result<()> {
+        use flotilla_e2e::RawSession;
+        use flotilla_proto::wire::{AgentFrame, Hello, WorkStatus, agent_frame::Frame, hub_frame};
+
+        let dir = tempfile::tempdir()?;
+        let hub = Hub::start(dir.path(), &[]).await?;
+        for c in ["store-a", "store-b"] {
+            hub.dev_cert(c, &dir.path().join(c))?;
+        }
+        let manifest = dir.path().join("cm.yaml");
+        std::fs::write(
+            &manifest,
+            "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: settings, namespace: default}\ndata: {k: v}\n",
+        )?;
+        cli_ok(
+            &hub,
+            &[
+                "work",
+                "create",
+                "web",
+                "-f",
+                manifest.to_str().unwrap(),
+                "--clusters",
+                "store-b",
+            ],
+        )?;
+        let works: Value = serde_json::from_str(&cli_ok(
+            &hub,
+            &["get", "works", "--cluster", "store-b", "-o", "json"],
+        )?)?;
+        let uid = works["items"][0]["metadata"]["uid"]
+            .as_str()
+            .expect("store-b's work has a uid")
+            .to_string();
+
+        let hello = |cluster: &str| AgentFrame {
+            frame: Some(Frame::Hello(Hello {
+                protocol_version: flotilla_proto::PROTOCOL_VERSION,
+                cluster_name: cluster.into(),
+                agent_version: "test".into(),
+                ..Default::default()
+            })),
+        };
+        let certs = dir.path().join("store-a");
+
+        // store-a's certificate cannot say hello as store-b.
+        let mut forged = RawSession::open(&hub, &certs, hello("store-b")).await?;
+        let goodbye = forged.next().await.and_then(|f| f.frame);
+        assert!(
+            matches!(&goodbye, Some(hub_frame::Frame::Goodbye(g)) if g.reason.contains("certificate identity store-a does not match hello cluster store-b")),
+            "{goodbye:?}"
+        );
+
+        // Hello as itself, then a status for store-b's work: ignored, logged, nothing stored.
+        let mut session = RawSession::open(&hub, &certs, hello("store-a")).await?;
+        let welcome = session.next().await.and_then(|f| f.frame);
+        assert!(
+            matches!(welcome, Some(hub_frame::Frame::Welcome(_))),
+            "{welcome:?}"
+        );
+        let forged = serde_json::json!({"conditions": [{"type": "Applied", "status": "True",
+            "reason": "Forged", "message": "written by store-a", "lastTransitionTime": "2026-01-01T00:00:00Z"}]});
+        session
+            .outbound
+            .send(AgentFrame {
+                frame: Some(Frame::WorkStatus(WorkStatus {
+                    uid: uid.clone(),
+                    generation: 1,
+                    seq: 1,
+                    status_json: serde_json::to_vec(&forged)?,
+                })),
+            })
+            .await?;
+        let line = wait_log(
+            "the hub to refuse the foreign status",
+            || plain(hub.proc.log()),
+            "status for a work that is not this cluster's",
+        )
+        .await?;
+        assert!(
+            line.contains("cluster=store-a") && line.contains(&uid),
+            "{line}"
+        );
+        let works: Value = serde_json::from_str(&cli_ok(
+            &hub,
+            &["get", "works", "--cluster", "store-b", "-o", "json"],
+        )?)?;
+        assert!(
+            !works.to_string().contains("Forged"),
+            "store-b's work must not carry store-a's status: {works}"
+        );
+        Ok(())
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -634,34 +632,8 @@ async fn join_and_session_go_through_a_forward_proxy() -> anyhow::Result<()> {
     let hub_port = hub.agents_addr.rsplit_once(':').unwrap().1.to_string();
 
     // Debian's tinyproxy, on loopback, allowing CONNECT to the hub's port only.
-    let port = free_port()?;
+    let (_proxy, port) = start_tinyproxy(dir.path(), hub_port.parse()?).await?;
     let proxy_log = dir.path().join("tinyproxy.log");
-    let conf = dir.path().join("tinyproxy.conf");
-    std::fs::write(
-        &conf,
-        format!(
-            "Port {port}\nListen 127.0.0.1\nTimeout 600\nAllow 127.0.0.1\nConnectPort {hub_port}\n\
-             LogFile \"{}\"\nLogLevel Info\nPidFile \"{}\"\n",
-            proxy_log.display(),
-            dir.path().join("tinyproxy.pid").display()
-        ),
-    )?;
-    let mut cmd = Command::new("tinyproxy");
-    cmd.arg("-d").arg("-c").arg(&conf);
-    let _proxy =
-        Proc::spawn("tinyproxy", cmd, dir.path().join("tinyproxy.stderr")).map_err(|e| {
-            anyhow::anyhow!(
-                "{e:#}: install it with `apt-get install -y tinyproxy` (scripts/test.sh does)"
-            )
-        })?;
-    wait_for("tinyproxy to listen", LONG, || async {
-        Ok(tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .ok()
-            .map(|_| ()))
-    })
-    .await?;
-
     let proxy_url = format!("http://127.0.0.1:{port}");
     let (agent, _) = start_join(
         dir.path(),
@@ -685,41 +657,41 @@ async fn join_and_session_go_through_a_forward_proxy() -> anyhow::Result<()> {
     Ok(())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ca_rotation_reaches_live_agents_and_old_and_new_identities_keep_working()
--> anyhow::Result<()> {
-    let dir = tempfile::tempdir()?;
-    let hub = Hub::start(dir.path(), &[]).await?;
-    let before = create_token(&hub, &["--auto-accept"])?;
-    let (mut agent, data) = start_join(dir.path(), &before, "store-old", &[])?;
-    wait_available(&hub, "store-old").await?;
+on_both_carriers! {
+    async fn ca_rotation_reaches_live_agents_and_old_and_new_identities_keep_working() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let hub = Hub::start(dir.path(), &[]).await?;
+        let before = create_token(&hub, &["--auto-accept"])?;
+        let (mut agent, data) = start_join(dir.path(), &before, "store-old", &[])?;
+        wait_available(&hub, "store-old").await?;
 
-    let shown = cli_ok(&hub, &["ca", "rotate"])?;
-    assert!(shown.contains("in progress"), "{shown}");
-    // The live session hears the new bundle (old + new CA) and keeps going.
-    wait_log(
-        "the agent to store the new bundle",
-        || plain(agent.log()),
-        "the hub's CA bundle changed",
-    )
-    .await?;
-    let bundle = std::fs::read_to_string(data.join("identity/ca.crt"))?;
-    assert_eq!(bundle.matches("BEGIN CERTIFICATE").count(), 2);
-    assert_eq!(sessions_established(&hub, "store-old"), 1);
+        let shown = cli_ok(&hub, &["ca", "rotate"])?;
+        assert!(shown.contains("in progress"), "{shown}");
+        // The live session hears the new bundle (old + new CA) and keeps going.
+        wait_log(
+            "the agent to store the new bundle",
+            || plain(agent.log()),
+            "the hub's CA bundle changed",
+        )
+        .await?;
+        let bundle = std::fs::read_to_string(data.join("identity/ca.crt"))?;
+        assert_eq!(bundle.matches("BEGIN CERTIFICATE").count(), 2);
+        assert_eq!(sessions_established(&hub, "store-old"), 1);
 
-    // Restarted, the agent (client certificate from the old CA) meets a serving chain from the
-    // new CA, and both sides accept the other.
-    agent.signal_and_wait(Signal::SIGKILL);
-    let (_agent, _) = start_join_in(dir.path(), &before, "store-old", &data, &[])?;
-    wait_for("a second session for store-old", LONG, || async {
-        Ok((sessions_established(&hub, "store-old") == 2).then_some(()))
-    })
-    .await?;
+        // Restarted, the agent (client certificate from the old CA) meets a serving chain from the
+        // new CA, and both sides accept the other.
+        agent.signal_and_wait(Signal::SIGKILL);
+        let (_agent, _) = start_join_in(dir.path(), &before, "store-old", &data, &[])?;
+        wait_for("a second session for store-old", LONG, || async {
+            Ok((sessions_established(&hub, "store-old") == 2).then_some(()))
+        })
+        .await?;
 
-    // New joins pin the new CA's fingerprint.
-    let after = create_token(&hub, &["--auto-accept"])?;
-    assert_ne!(after["caFingerprint"], before["caFingerprint"]);
-    let (_new, _) = start_join(dir.path(), &after, "store-new", &[])?;
-    wait_available(&hub, "store-new").await?;
-    Ok(())
+        // New joins pin the new CA's fingerprint.
+        let after = create_token(&hub, &["--auto-accept"])?;
+        assert_ne!(after["caFingerprint"], before["caFingerprint"]);
+        let (_new, _) = start_join(dir.path(), &after, "store-new", &[])?;
+        wait_available(&hub, "store-new").await?;
+        Ok(())
+    }
 }

@@ -1,6 +1,6 @@
-//! Reaching the hub through an HTTP forward proxy: `CONNECT host:port`, then the agent's own
-//! TLS (and mTLS) end to end inside the tunnel, so the proxy sees only ciphertext and the
-//! hub still authenticates the agent's certificate.
+//! TCP to the hub: directly, from a chosen source address if asked, or through an HTTP forward
+//! proxy (`CONNECT host:port`, then the agent's own TLS and mTLS end to end inside the tunnel,
+//! so the proxy sees only ciphertext and the hub still authenticates the agent's certificate).
 
 use std::fmt;
 use std::io;
@@ -67,6 +67,29 @@ impl std::str::FromStr for ProxyUrl {
     }
 }
 
+/// A forward proxy in the way, carried inside the `io::Error` of [`dial`] (find it with
+/// `get_ref()` and `downcast_ref`), so that callers can say it was the proxy.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    /// The proxy itself cannot be reached. Retryable.
+    #[error("cannot reach the proxy {proxy}: {source}")]
+    Unreachable {
+        proxy: String,
+        #[source]
+        source: io::Error,
+    },
+    /// The proxy answered CONNECT with something other than 200. Not retryable until the
+    /// proxy's rules change.
+    #[error(
+        "proxy {proxy} refused CONNECT {target}: {status_line:?} (does it allow this client and this port?)"
+    )]
+    Refused {
+        proxy: String,
+        target: String,
+        status_line: String,
+    },
+}
+
 /// Opens a TCP stream to `target` (host:port): directly, or through `proxy` with HTTP CONNECT;
 /// from `local` (any port) when given. Errors say which hop failed.
 pub async fn dial(
@@ -77,9 +100,15 @@ pub async fn dial(
     let Some(proxy) = proxy else {
         return connect(target, local).await;
     };
-    let mut tcp = connect(&proxy.authority, local)
-        .await
-        .map_err(|e| io::Error::new(e.kind(), format!("cannot reach the proxy {proxy}: {e}")))?;
+    let mut tcp = connect(&proxy.authority, local).await.map_err(|source| {
+        io::Error::new(
+            source.kind(),
+            ProxyError::Unreachable {
+                proxy: proxy.to_string(),
+                source,
+            },
+        )
+    })?;
     let request = format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n");
     tcp.write_all(request.as_bytes()).await?;
     // Byte by byte up to the blank line: after a 200 the proxy sends nothing until the client
@@ -107,10 +136,11 @@ pub async fn dial(
     if code != "200" {
         return Err(io::Error::new(
             io::ErrorKind::ConnectionRefused,
-            format!(
-                "proxy {proxy} refused CONNECT {target}: {status_line:?} (does it allow this \
-                 client and this port?)"
-            ),
+            ProxyError::Refused {
+                proxy: proxy.to_string(),
+                target: target.to_string(),
+                status_line,
+            },
         ));
     }
     Ok(tcp)

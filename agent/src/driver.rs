@@ -1,0 +1,964 @@
+//! One session of the agent, from dial to end, on whichever carrier the dialer chose: read a
+//! frame, feed the protocol machine, write what it emits when the link has room, arm the timer
+//! it asks for. Work on the disk (the durable cache, the identity files) runs beside the loop
+//! and comes back as events, in order where order matters: desired works go into the cache one
+//! at a time, and only once durable are they acked and handed to the reconciler; statuses come
+//! out of the cache's outbox and stay there until the hub acks them.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, SystemTime};
+
+use flotilla_proto::api::ManifestWork;
+use flotilla_proto::session::{
+    AgentConfig as SessionConfig, AgentEvent, AgentSession, DEFAULT_WELCOME_TIMEOUT,
+};
+use flotilla_proto::wire::{self, AgentFrame};
+use flotilla_transport::{Dialed, Link};
+use futures::StreamExt as _;
+use futures::future::BoxFuture;
+use futures::stream::FuturesUnordered;
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+use crate::cache::{CachedWork, MAX_MANIFEST_WORK_BYTES, durably};
+use crate::config::AgentConfig;
+use crate::connect::Dialer;
+use crate::identity::Identity;
+use crate::refusal::Refusal;
+use crate::session::Spoke;
+
+/// How long a session waits for the spoke's version before saying hello without it.
+const VERSION_WAIT: Duration = Duration::from_secs(2);
+/// How long a closing session may take to hand its goodbye to a hub that stopped reading.
+const FINAL_FLUSH: Duration = Duration::from_secs(2);
+
+/// How one session ended, which decides the next delay.
+pub(crate) enum Ended {
+    /// The hub asked us to come back later (it is draining).
+    Drained { retry_after: Duration },
+    /// The dial failed, the hub refused, or the session closed; back off.
+    Lost {
+        refusal: Refusal,
+        /// Whether the session got as far as Welcome.
+        established: bool,
+    },
+    /// Our own shutdown.
+    Shutdown,
+}
+
+/// One session from dial to end. `established_at` is set when the hub welcomes it.
+pub(crate) async fn session_once(
+    dialer: &Dialer,
+    config: &AgentConfig,
+    spoke: &Spoke,
+    mut stop: watch::Receiver<bool>,
+    established_at: &mut Option<Instant>,
+) -> Ended {
+    // Tell the hub what we hold so it sends only what differs. If the cache cannot say, an
+    // empty list is safe: the hub then sends everything, and storing is idempotent.
+    let held = durably(&spoke.cache, |c| c.held())
+        .await
+        .unwrap_or_else(|e| {
+            warn!(error = %e, "cannot list the cached works; asking the hub for all of them");
+            Vec::new()
+        });
+    let identity = Identity::new(config.identity_dir());
+    let mut version = spoke.kubernetes_version.clone();
+    let _ = tokio::time::timeout(VERSION_WAIT, version.wait_for(|v| !v.is_empty())).await;
+    let kubernetes_version = version.borrow().clone();
+    let mut cluster_info = spoke.cluster_info.clone();
+    let claims = cluster_info.borrow_and_update().claims.clone();
+    let mut machine = AgentSession::new(
+        Instant::now(),
+        SessionConfig {
+            cluster_name: config.cluster_name.clone(),
+            agent_version: env!("CARGO_PKG_VERSION").to_string(),
+            kubernetes_version,
+            claims,
+            welcome_timeout: DEFAULT_WELCOME_TIMEOUT,
+        },
+        held,
+    )
+    .with_ca_bundle_sha256(identity.ca_bundle_sha256());
+    match identity.validity() {
+        Ok((not_before, not_after)) => machine.set_certificate_validity(
+            Instant::now(),
+            SystemTime::now(),
+            not_before,
+            not_after,
+        ),
+        Err(e) => warn!(error = %e, "cannot read the certificate's validity; not renewing"),
+    }
+    let hello = machine
+        .poll_transmit()
+        .expect("a new session starts with its hello");
+    spoke.observer.frame_sent(&hello);
+    let dialed = tokio::select! {
+        dialed = dialer.connect(hello) => dialed,
+        _ = stop.wait_for(|s| *s) => return Ended::Shutdown,
+    };
+    let Dialed {
+        link,
+        pump,
+        tunnels,
+    } = match dialed {
+        Ok(d) => d,
+        Err(e) => {
+            return Ended::Lost {
+                refusal: Refusal::from_link(dialer.hub(), &e),
+                established: false,
+            };
+        }
+    };
+    let Link {
+        mut inbound,
+        outbound,
+        carrier,
+    } = link;
+    let mut pump = pump;
+    let mut cache = CacheQueue::default();
+    let mut work: FuturesUnordered<BoxFuture<'static, Done>> = FuturesUnordered::new();
+    let mut reported: HashMap<String, u64> = HashMap::new();
+    let mut next: Option<AgentFrame> = None;
+    let mut drained = None;
+    let mut last_close = None;
+    let mut closed_at: Option<Instant> = None;
+    let mut shutting_down = false;
+
+    loop {
+        while let Some(event) = machine.poll_event() {
+            match event {
+                AgentEvent::Established { session_id, .. } => {
+                    *established_at = Some(Instant::now());
+                    info!(session = %session_id, %carrier, "session established");
+                    spoke.observer.session_established();
+                    report_outbox(&mut machine, spoke, &mut reported);
+                    report_cluster_info(&mut machine, &mut cluster_info);
+                }
+                AgentEvent::WorkReceived { work } => cache.push(CacheOp::Store(work)),
+                AgentEvent::WorkDeleted {
+                    uid,
+                    namespace,
+                    name,
+                } => cache.push(CacheOp::Delete {
+                    uid,
+                    namespace,
+                    name,
+                }),
+                AgentEvent::StatusAcked { uid, seq } => {
+                    spoke.observer.status_acked(&uid, seq);
+                    cache.push(CacheOp::AckStatus { uid, seq });
+                }
+                AgentEvent::RenewalDue => {
+                    let (identity, cluster) = (identity.clone(), config.cluster_name.clone());
+                    work.push(Box::pin(async move {
+                        let made =
+                            tokio::task::spawn_blocking(move || identity.renewal_request(&cluster))
+                                .await;
+                        Done::Request(match made {
+                            Ok(Ok(csr)) => Ok(csr),
+                            Ok(Err(e)) => Err(e.to_string()),
+                            Err(e) => Err(e.to_string()),
+                        })
+                    }));
+                }
+                AgentEvent::CertificateIssued {
+                    certificate_pem,
+                    ca_bundle_pem,
+                } => {
+                    let identity = identity.clone();
+                    work.push(Box::pin(async move {
+                        let stored = tokio::task::spawn_blocking(move || {
+                            identity.complete_renewal(&certificate_pem, &ca_bundle_pem)?;
+                            identity.validity()
+                        })
+                        .await;
+                        Done::Stored(match stored {
+                            Ok(Ok(validity)) => Ok(validity),
+                            Ok(Err(e)) => Err(e.to_string()),
+                            Err(e) => Err(e.to_string()),
+                        })
+                    }));
+                }
+                AgentEvent::RenewalRefused { reason } => {
+                    warn!(%reason, "the hub refused to renew the certificate; asking again later");
+                }
+                AgentEvent::TrustBundleUpdated { ca_bundle_pem } => {
+                    let identity = identity.clone();
+                    work.push(Box::pin(async move {
+                        let stored = tokio::task::spawn_blocking(move || {
+                            identity.update_ca_bundle(&ca_bundle_pem)
+                        })
+                        .await;
+                        match stored {
+                            Ok(Ok(())) => info!(
+                                "the hub's CA bundle changed (CA rotation); stored for the next connection"
+                            ),
+                            Ok(Err(e)) => warn!(error = %e, "cannot store the hub's new CA bundle"),
+                            Err(e) => warn!(error = %e, "cannot store the hub's new CA bundle"),
+                        }
+                        Done::Nothing
+                    }));
+                }
+                AgentEvent::TunnelRequested { id } => {
+                    // Served by the tunnel end once it lands; until then refused by not
+                    // opening it (the gateway's wait for it times out).
+                    debug!(tunnel = %id, "tunnel requested; this agent serves no tunnels");
+                    let _ = &tunnels;
+                }
+                AgentEvent::Synced { sent } => info!(sent, "in sync with the hub"),
+                AgentEvent::Drained { retry_after, .. } => drained = Some(retry_after),
+                AgentEvent::Closed { reason, .. } => {
+                    closed_at = Some(Instant::now());
+                    last_close = Some(reason);
+                }
+            }
+        }
+        if next.is_none() {
+            next = machine.poll_transmit();
+            if let Some(frame) = &next {
+                spoke.observer.frame_sent(frame);
+            }
+        }
+        if machine.is_closed() {
+            let gave_up = closed_at.is_some_and(|t| t.elapsed() >= FINAL_FLUSH);
+            if next.is_none() || gave_up {
+                break;
+            }
+        }
+        let deadline = match closed_at {
+            Some(t) => Some(t + FINAL_FLUSH),
+            None => machine.poll_timeout(),
+        };
+        let established = machine.is_established();
+        tokio::select! {
+            permit = outbound.reserve(), if next.is_some() => match permit {
+                Ok(permit) => permit.send(next.take().expect("checked above")),
+                Err(_) => {
+                    next = None;
+                    machine.close("the hub's stream is gone");
+                }
+            },
+            frame = inbound.next(), if !machine.is_closed() => match frame {
+                Some(Ok(frame)) => {
+                    spoke.observer.frame_received(&frame);
+                    // An error has already closed the session; the log says why.
+                    if let Err(e) = machine.handle_frame(Instant::now(), frame) {
+                        warn!(error = %e, "protocol error from the hub");
+                    }
+                }
+                Some(Err(e)) => machine.close(format!("the connection to the hub failed: {e}")),
+                None => machine.close("the hub ended the stream without a goodbye"),
+            },
+            _ = sleep_until(deadline) => machine.handle_timeout(Instant::now()),
+            done = cache.next(spoke), if cache.is_busy() => {
+                if let Some(ack) = done.ack(spoke) {
+                    machine.ack_work(ack.0, ack.1);
+                }
+                if let CacheDone::StatusAcked { uid, acked: true } = done {
+                    reported.remove(&uid);
+                }
+            }
+            Some(done) = work.next(), if !work.is_empty() => match done {
+                Done::Request(Ok(csr)) => {
+                    if machine.renew_certificate(csr) {
+                        info!("asking the hub for a new client certificate over the session");
+                    }
+                }
+                Done::Request(Err(e)) => {
+                    warn!(error = %e, "cannot make a renewal request; trying again later");
+                    machine.renewal_failed(Instant::now());
+                }
+                Done::Stored(Ok((not_before, not_after))) => {
+                    info!("client certificate renewed; the next connection uses it, this session carries on");
+                    machine.set_certificate_validity(Instant::now(), SystemTime::now(), not_before, not_after);
+                }
+                Done::Stored(Err(e)) => {
+                    warn!(error = %e, "cannot store the renewed certificate; asking again later");
+                    machine.renewal_failed(Instant::now());
+                }
+                Done::Nothing => {}
+            },
+            // Only once established: until then a status has nowhere to go, and the wake-up
+            // stays stored for later.
+            _ = spoke.outbox_changed.notified(), if established => {
+                report_outbox(&mut machine, spoke, &mut reported);
+            }
+            // A claim, node or version changed on the spoke.
+            Ok(()) = cluster_info.changed(), if established => {
+                report_cluster_info(&mut machine, &mut cluster_info);
+            }
+            _ = async { pump.as_mut().expect("checked").await }, if pump.is_some() => {
+                // The carrier's writer ended: the connection is gone.
+                pump = None;
+                machine.close("the connection to the hub ended");
+            }
+            _ = stop.wait_for(|s| *s), if !shutting_down => {
+                shutting_down = true;
+                machine.close("agent shutting down");
+            }
+        }
+    }
+    drop(outbound);
+    if let Some(pump) = pump {
+        let _ = tokio::time::timeout(FINAL_FLUSH, pump).await;
+    }
+    // Durable work that was under way finishes; what was queued is redone on the next
+    // session (the hub resends what was not acked).
+    cache.finish(spoke).await;
+    if shutting_down {
+        return Ended::Shutdown;
+    }
+    match drained {
+        Some(retry_after) => Ended::Drained { retry_after },
+        None => Ended::Lost {
+            refusal: match &last_close {
+                Some(reason) => Refusal::from_close(dialer.hub(), reason),
+                None => Refusal::from_close(
+                    dialer.hub(),
+                    &flotilla_proto::session::CloseReason::Local("session ended".into()),
+                ),
+            },
+            established: established_at.is_some(),
+        },
+    }
+}
+
+/// Sends what the agent knows about its spoke now, unless it knows nothing yet.
+fn report_cluster_info(
+    machine: &mut AgentSession,
+    cluster_info: &mut watch::Receiver<wire::ClusterInfo>,
+) {
+    let info = cluster_info.borrow_and_update().clone();
+    if info != wire::ClusterInfo::default() {
+        machine.report_cluster_info(info);
+    }
+}
+
+/// The result of work done beside the loop.
+enum Done {
+    /// A signing request for a new key, or why none could be made.
+    Request(Result<String, String>),
+    /// A renewed certificate is stored: its validity, or why it could not be.
+    Stored(Result<(SystemTime, SystemTime), String>),
+    Nothing,
+}
+
+/// Work on the durable cache, in order.
+#[derive(Debug)]
+pub(crate) enum CacheOp {
+    Store(wire::WorkUpdate),
+    Delete {
+        uid: String,
+        namespace: String,
+        name: String,
+    },
+    AckStatus {
+        uid: String,
+        seq: u64,
+    },
+}
+
+/// What a cache operation did.
+#[derive(Debug)]
+pub(crate) enum CacheDone {
+    /// The work is durable at this generation (ack it); `changed` when the reconciler must look.
+    Stored {
+        uid: String,
+        generation: i64,
+        stored: Option<CachedWork>,
+    },
+    /// Not stored (the error is logged): not acked, so the hub sends it again.
+    NotStored,
+    Deleted,
+    StatusAcked {
+        uid: String,
+        acked: bool,
+    },
+}
+
+impl CacheDone {
+    /// The ack the machine sends for it, if any; tells the observer.
+    fn ack(&self, spoke: &Spoke) -> Option<(String, i64)> {
+        match self {
+            CacheDone::Stored {
+                uid,
+                generation,
+                stored,
+            } => {
+                if let Some(work) = stored {
+                    spoke.observer.work_stored(work);
+                }
+                Some((uid.clone(), *generation))
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Cache operations run one at a time, in the order the hub's frames asked for them, off the
+/// driver's loop.
+#[derive(Default)]
+struct CacheQueue {
+    waiting: VecDeque<CacheOp>,
+    running: Option<BoxFuture<'static, CacheDone>>,
+}
+
+impl CacheQueue {
+    fn push(&mut self, op: CacheOp) {
+        self.waiting.push_back(op);
+    }
+
+    fn is_busy(&self) -> bool {
+        self.running.is_some() || !self.waiting.is_empty()
+    }
+
+    /// The next operation's result (starting it if none runs).
+    async fn next(&mut self, spoke: &Spoke) -> CacheDone {
+        if self.running.is_none() {
+            let op = self.waiting.pop_front().expect("called only when busy");
+            self.running = Some(Box::pin(run_cache_op(spoke.clone(), op)));
+        }
+        let done = self.running.as_mut().expect("set above").await;
+        self.running = None;
+        done
+    }
+
+    /// Lets an operation already under way finish (its write is not torn off half-way).
+    async fn finish(&mut self, _spoke: &Spoke) {
+        if let Some(running) = self.running.take() {
+            let _ = tokio::time::timeout(FINAL_FLUSH, running).await;
+        }
+    }
+}
+
+/// Runs one cache operation.
+pub(crate) async fn run_cache_op(spoke: Spoke, op: CacheOp) -> CacheDone {
+    match op {
+        CacheOp::Store(work) => store_work(&spoke, work).await,
+        CacheOp::Delete {
+            uid,
+            namespace,
+            name,
+        } => {
+            delete_work(&spoke, uid, &namespace, &name).await;
+            CacheDone::Deleted
+        }
+        CacheOp::AckStatus { uid, seq } => {
+            let key = uid.clone();
+            match durably(&spoke.cache, move |c| c.ack_status(&key, seq)).await {
+                Ok(acked) => CacheDone::StatusAcked { uid, acked },
+                // The status stays pending and is re-sent next session; the hub drops it by seq.
+                Err(e) => {
+                    warn!(uid = %uid, seq, error = %e, "cannot record the hub's status ack");
+                    CacheDone::StatusAcked { uid, acked: false }
+                }
+            }
+        }
+    }
+}
+
+/// Stores a work from the hub durably and hands it to the reconciler; the caller acks it. An
+/// acked generation must survive a crash.
+async fn store_work(spoke: &Spoke, work: wire::WorkUpdate) -> CacheDone {
+    let wire::WorkUpdate {
+        uid,
+        namespace,
+        name,
+        generation,
+        content_hash,
+        manifest_work_json,
+    } = work;
+    if uid.is_empty() {
+        warn!(work = %format!("{namespace}/{name}"), "the hub sent a work without a uid; ignored");
+        return CacheDone::NotStored;
+    }
+    let size = manifest_work_json.len();
+    let refused = if size > MAX_MANIFEST_WORK_BYTES {
+        Some(format!(
+            "the ManifestWork is {size} bytes, more than the agent's limit of {MAX_MANIFEST_WORK_BYTES} bytes; \
+             split its manifests over several ManifestWorks"
+        ))
+    } else {
+        serde_json::from_slice::<ManifestWork>(&manifest_work_json)
+            .err()
+            .map(|e| format!("the hub sent a ManifestWork the agent cannot read: {e}"))
+    };
+    // Neither a refused nor a held-already body is kept in memory past this point.
+    let content = refused.is_none().then_some(manifest_work_json);
+    let cached = CachedWork {
+        uid: uid.clone(),
+        namespace,
+        name,
+        generation,
+        content_hash,
+        refused,
+        deleting: false,
+    };
+    let key = uid.clone();
+    match durably(&spoke.cache, move |c| c.work(&key)).await {
+        Ok(Some(held)) if held == cached => {
+            // A resume after a lost ack: already durable, nothing to apply.
+            return CacheDone::Stored {
+                uid,
+                generation,
+                stored: None,
+            };
+        }
+        Ok(_) => {}
+        Err(e) => warn!(uid = %uid, error = %e, "cannot read the cached work; storing it again"),
+    }
+    if let Some(reason) = &cached.refused {
+        warn!(work = %cached.display_name(), uid = %uid, %reason, "work refused");
+    }
+    let work_name = cached.display_name();
+    let stored = cached.clone();
+    match durably(&spoke.cache, move |c| {
+        c.put_work(&cached, content.as_deref())
+    })
+    .await
+    {
+        Ok(()) => {
+            debug!(work = %work_name, uid = %uid, generation, "work stored");
+            spoke.reconciler.work_changed(&uid).await;
+            CacheDone::Stored {
+                uid,
+                generation,
+                stored: Some(stored),
+            }
+        }
+        // Not acked: the next session's hello does not hold it, so the hub sends it again.
+        Err(e) => {
+            warn!(work = %work_name, uid = %uid, error = %e, "cannot store a work from the hub");
+            CacheDone::NotStored
+        }
+    }
+}
+
+/// Marks a work deleted by the hub as a tombstone and hands it to the reconciler, which
+/// removes or orphans its resources and then forgets it.
+async fn delete_work(spoke: &Spoke, uid: String, namespace: &str, name: &str) {
+    // A delete found during the hello sync carries only the uid: the name is in the cache.
+    let work = if name.is_empty() {
+        let key = uid.clone();
+        match durably(&spoke.cache, move |c| c.work(&key)).await {
+            Ok(Some(cached)) => cached.display_name(),
+            _ => format!("uid {uid}"),
+        }
+    } else {
+        format!("{namespace}/{name}")
+    };
+    let key = uid.clone();
+    match durably(&spoke.cache, move |c| c.mark_deleting(&key)).await {
+        Ok(true) => {
+            info!(uid = %uid, %work, "work deleted on the hub");
+            spoke.reconciler.work_changed(&uid).await;
+        }
+        Ok(false) => debug!(uid = %uid, "the hub deleted a work this agent does not hold"),
+        // Still held: the hub repeats the delete on the next session, where the hello lists it.
+        Err(e) => warn!(uid = %uid, error = %e, "cannot record a work deletion"),
+    }
+}
+
+/// Reports every outbox status not yet reported in this session. The outbox is read from sled
+/// (memory-mapped; a read, not a write).
+pub(crate) fn report_outbox(
+    machine: &mut AgentSession,
+    spoke: &Spoke,
+    reported: &mut HashMap<String, u64>,
+) {
+    let pending = match spoke.cache.pending_statuses() {
+        Ok(p) => p,
+        Err(e) => {
+            warn!(error = %e, "cannot read the status outbox");
+            return;
+        }
+    };
+    for status in pending {
+        if reported
+            .get(&status.uid)
+            .is_some_and(|seq| *seq >= status.seq)
+        {
+            continue;
+        }
+        debug!(uid = %status.uid, seq = status.seq, "reporting status");
+        reported.insert(status.uid.clone(), status.seq);
+        spoke.observer.status_reported(&status.uid, status.seq);
+        machine.report_status(
+            status.uid,
+            status.generation,
+            status.seq,
+            status.status_json,
+        );
+    }
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The driver's delivery half against the hub's real protocol machine, frames passed in
+    //! memory: what is acked is durable, statuses flow and are acked, a resume re-sends nothing.
+
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::apply::MemoryCluster;
+    use crate::cache::{SledCacheDb, WorkCache};
+    use crate::reconcile::{Reconciler, ReconcilerConfig};
+    use crate::session::Unobserved;
+    use flotilla_proto::api::content_hash;
+    use flotilla_proto::session::Jitter;
+    use flotilla_proto::session::{HubConfig, HubEvent, HubSession};
+    use serde_json::json;
+    use tokio::sync::Notify;
+
+    struct NoJitter;
+    impl Jitter for NoJitter {
+        fn uniform(&mut self, _max: Duration) -> Duration {
+            Duration::ZERO
+        }
+    }
+
+    /// One agent (cache, simulated cluster, reconciler task) and helpers to run sessions.
+    struct Agent {
+        spoke: Spoke,
+        cluster: Arc<MemoryCluster>,
+        _stop: tokio::sync::oneshot::Sender<()>,
+    }
+
+    impl Agent {
+        fn start(cache: Arc<dyn WorkCache>) -> Agent {
+            let cluster = Arc::new(MemoryCluster::new());
+            let outbox_changed = Arc::new(Notify::new());
+            let (reconciler, handle) = Reconciler::new(
+                Arc::clone(&cache),
+                cluster.clone(),
+                // No retries or resyncs within a test: each status here comes from a step.
+                ReconcilerConfig {
+                    retry_initial: Duration::from_secs(3600),
+                    resync_interval: Duration::from_secs(3600),
+                    ..ReconcilerConfig::default()
+                },
+                Arc::clone(&outbox_changed),
+                Box::new(NoJitter),
+            );
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            tokio::spawn(reconciler.run(async {
+                let _ = stopped.await;
+            }));
+            let (_, kubernetes_version) = watch::channel("v1.36.3".to_string());
+            let (_, cluster_info) = watch::channel(wire::ClusterInfo::default());
+            Agent {
+                spoke: Spoke {
+                    cache,
+                    reconciler: handle,
+                    outbox_changed,
+                    kubernetes_version,
+                    cluster_info,
+                    observer: Arc::new(Unobserved),
+                },
+                cluster,
+                _stop: stop,
+            }
+        }
+    }
+
+    /// One session between the agent's machine and the hub's, connected in memory.
+    struct Session<'a> {
+        agent: &'a Agent,
+        machine: AgentSession,
+        hub: HubSession,
+        reported: HashMap<String, u64>,
+        /// Events the hub side saw, in order.
+        hub_events: Vec<HubEvent>,
+        /// Works the agent received.
+        received: Vec<String>,
+    }
+
+    impl<'a> Session<'a> {
+        fn open(agent: &'a Agent) -> Session<'a> {
+            let now = Instant::now();
+            let held = agent.spoke.cache.held().unwrap();
+            let machine = AgentSession::new(
+                now,
+                SessionConfig {
+                    cluster_name: "store-7".into(),
+                    agent_version: "test".into(),
+                    kubernetes_version: "v1.36.3".into(),
+                    claims: Vec::new(),
+                    welcome_timeout: DEFAULT_WELCOME_TIMEOUT,
+                },
+                held,
+            );
+            Session {
+                agent,
+                machine,
+                hub: HubSession::new(now, HubConfig::default(), "store-7", "s1"),
+                reported: HashMap::new(),
+                hub_events: Vec::new(),
+                received: Vec::new(),
+            }
+        }
+
+        /// Moves frames both ways and handles events until both sides are quiet.
+        async fn pump(&mut self) {
+            loop {
+                let mut moved = false;
+                while let Some(frame) = self.machine.poll_transmit() {
+                    self.hub.handle_frame(Instant::now(), frame).unwrap();
+                    moved = true;
+                }
+                while let Some(event) = self.hub.poll_event() {
+                    if let HubEvent::WorkAcked {
+                        uid, generation, ..
+                    } = &event
+                    {
+                        // The point of the ordering: whatever the hub sees acked is durable.
+                        let held = self
+                            .agent
+                            .spoke
+                            .cache
+                            .work(uid)
+                            .unwrap()
+                            .expect("acked but not cached");
+                        assert_eq!(held.generation, *generation);
+                    }
+                    self.hub_events.push(event);
+                    moved = true;
+                }
+                while let Some(frame) = self.hub.poll_transmit() {
+                    self.machine.handle_frame(Instant::now(), frame).unwrap();
+                    moved = true;
+                }
+                while let Some(event) = self.machine.poll_event() {
+                    moved = true;
+                    let spoke = &self.agent.spoke;
+                    // What the driver does with each event, its cache work awaited in place.
+                    let op = match event {
+                        AgentEvent::WorkReceived { work } => {
+                            self.received.push(work.uid.clone());
+                            Some(CacheOp::Store(work))
+                        }
+                        AgentEvent::WorkDeleted {
+                            uid,
+                            namespace,
+                            name,
+                        } => Some(CacheOp::Delete {
+                            uid,
+                            namespace,
+                            name,
+                        }),
+                        AgentEvent::StatusAcked { uid, seq } => {
+                            Some(CacheOp::AckStatus { uid, seq })
+                        }
+                        AgentEvent::Established { .. } => {
+                            report_outbox(&mut self.machine, spoke, &mut self.reported);
+                            None
+                        }
+                        _ => None,
+                    };
+                    if let Some(op) = op {
+                        let done = run_cache_op(spoke.clone(), op).await;
+                        if let Some((uid, generation)) = done.ack(spoke) {
+                            self.machine.ack_work(uid, generation);
+                        }
+                        if let CacheDone::StatusAcked { uid, acked: true } = done {
+                            self.reported.remove(&uid);
+                        }
+                    }
+                }
+                if !moved {
+                    return;
+                }
+            }
+        }
+
+        /// Waits for the reconciler's next status and sends the outbox, as the driver does.
+        async fn next_status(&mut self) {
+            tokio::time::timeout(
+                Duration::from_secs(10),
+                self.agent.spoke.outbox_changed.notified(),
+            )
+            .await
+            .expect("no status from the reconciler");
+            report_outbox(&mut self.machine, &self.agent.spoke, &mut self.reported);
+            self.pump().await;
+        }
+
+        fn hello_held(&self) -> Vec<wire::HeldWork> {
+            self.hub_events
+                .iter()
+                .find_map(|e| match e {
+                    HubEvent::Established { hello } => Some(hello.held.clone()),
+                    _ => None,
+                })
+                .expect("established")
+        }
+
+        /// Statuses the hub received as (uid, seq); the hub acks each.
+        fn statuses(&mut self) -> Vec<(String, u64)> {
+            let got: Vec<(String, u64)> = self
+                .hub_events
+                .iter()
+                .filter_map(|e| match e {
+                    HubEvent::StatusReported { uid, seq, .. } => Some((uid.clone(), *seq)),
+                    _ => None,
+                })
+                .collect();
+            self.hub_events
+                .retain(|e| !matches!(e, HubEvent::StatusReported { .. }));
+            for (uid, seq) in &got {
+                self.hub.ack_status(uid.clone(), *seq);
+            }
+            got
+        }
+    }
+
+    fn desired(uid: &str, generation: i64, configmaps: &[&str]) -> wire::WorkUpdate {
+        let manifests: Vec<_> = configmaps
+            .iter()
+            .map(|n| json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": n, "namespace": "default"}}))
+            .collect();
+        let mw: ManifestWork = serde_json::from_value(json!({
+            "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
+            "metadata": {"name": "w", "namespace": "store-7", "uid": uid, "generation": generation},
+            "spec": {"workload": {"manifests": manifests}},
+        }))
+        .unwrap();
+        wire::WorkUpdate {
+            uid: uid.into(),
+            namespace: "store-7".into(),
+            name: "w".into(),
+            generation,
+            content_hash: content_hash(&mw.spec),
+            manifest_work_json: serde_json::to_vec(&mw).unwrap(),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn works_are_stored_before_the_ack_and_statuses_flow_until_acked() {
+        let db = SledCacheDb::temporary().unwrap();
+        let cache: Arc<dyn WorkCache> = Arc::new(db.cluster("store-7").unwrap());
+        let agent = Agent::start(Arc::clone(&cache));
+
+        let mut s = Session::open(&agent);
+        s.pump().await;
+        assert!(s.hello_held().is_empty());
+        s.hub.begin_sync([desired("a", 1, &["x"])]);
+        s.pump().await;
+        assert!(
+            s.hub_events
+                .iter()
+                .any(|e| matches!(e, HubEvent::WorkAcked { uid, generation: 1, .. } if uid == "a"))
+        );
+        s.next_status().await;
+        assert_eq!(s.statuses(), [("a".to_string(), 1)]);
+        s.pump().await;
+        assert!(
+            cache.pending_statuses().unwrap().is_empty(),
+            "the hub's ack empties the outbox"
+        );
+        assert_eq!(agent.cluster.objects().await.len(), 1);
+
+        // A live update: stored, acked, applied, reported with the next seq.
+        s.hub.upsert_work(desired("a", 2, &["x", "y"]));
+        s.pump().await;
+        s.next_status().await;
+        assert_eq!(s.statuses(), [("a".to_string(), 2)]);
+        s.pump().await;
+        assert_eq!(agent.cluster.objects().await.len(), 2);
+
+        // The hub goes away; a drift repair during the outage leaves a status in the outbox.
+        drop(s);
+        agent.cluster.set_down(true).await;
+        agent.spoke.reconciler.resync_all().await;
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            agent.spoke.outbox_changed.notified(),
+        )
+        .await
+        .expect("a status while the hub is away");
+        assert_eq!(cache.pending_statuses().unwrap().len(), 1);
+        agent.cluster.set_down(false).await;
+
+        // Resume: the hello holds generation 2, the hub sends nothing, the outbox is delivered.
+        let mut s = Session::open(&agent);
+        s.pump().await;
+        let held = s.hello_held();
+        assert_eq!((held.len(), held[0].generation), (1, 2));
+        s.hub.begin_sync([desired("a", 2, &["x", "y"])]);
+        s.pump().await;
+        assert!(s.received.is_empty());
+        assert!(
+            !s.hub_events
+                .iter()
+                .any(|e| matches!(e, HubEvent::WorkAcked { .. })),
+            "nothing re-sent"
+        );
+        assert_eq!(
+            s.statuses(),
+            [("a".to_string(), 3)],
+            "the outage's status, once"
+        );
+        s.pump().await;
+        assert!(cache.pending_statuses().unwrap().is_empty());
+
+        // Deleted on the hub: a tombstone, then the resources and the work are gone.
+        s.hub.delete_work("a", "store-7", "w");
+        s.pump().await;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while cache.work("a").unwrap().is_some() {
+            assert!(
+                Instant::now() < deadline,
+                "the tombstone was not cleaned up"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(agent.cluster.objects().await.is_empty());
+        assert!(s.statuses().is_empty(), "no status for a deleted work");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_oversized_work_is_acked_but_refused_with_a_status_naming_the_limit() {
+        let db = SledCacheDb::temporary().unwrap();
+        let cache: Arc<dyn WorkCache> = Arc::new(db.cluster("store-7").unwrap());
+        let agent = Agent::start(Arc::clone(&cache));
+        let mut s = Session::open(&agent);
+        s.pump().await;
+        let mut big = desired("big", 1, &["x"]);
+        big.manifest_work_json = vec![b' '; MAX_MANIFEST_WORK_BYTES + 1];
+        s.hub.begin_sync([big]);
+        s.pump().await;
+        assert!(
+            cache.manifest_work("big").unwrap().is_none(),
+            "the content is not kept"
+        );
+        assert!(cache.work("big").unwrap().unwrap().refused.is_some());
+        s.next_status().await;
+        let status = cache.last_status("big").unwrap().unwrap().status;
+        let degraded = status["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["type"] == "Degraded")
+            .unwrap();
+        assert_eq!(degraded["status"], "True");
+        let message = degraded["message"].as_str().unwrap();
+        assert!(
+            message.contains(&format!("{} bytes", MAX_MANIFEST_WORK_BYTES + 1)),
+            "{message}"
+        );
+        assert!(
+            message.contains(&format!("limit of {MAX_MANIFEST_WORK_BYTES} bytes")),
+            "{message}"
+        );
+        assert!(agent.cluster.objects().await.is_empty());
+    }
+}

@@ -1,0 +1,337 @@
+//! One session's driver, whatever carries it: read a frame, feed the protocol machine, write
+//! what it emits when the link has room, arm the timer it asks for. Work that touches the store
+//! or the CA (admission and sync, status, renewal, health) runs as futures beside the loop
+//! whose results come back as events; the loop itself never waits on them, so a slow store
+//! costs no session its heartbeats.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use flotilla_proto::contract::ca_bundle_sha256;
+use flotilla_proto::session::{DesiredWork, HubConfig, HubEvent, HubSession};
+use flotilla_proto::wire::{self, HubFrame};
+use flotilla_transport::identity::Peer;
+use flotilla_transport::{Incoming, Link, LinkError};
+use futures::StreamExt as _;
+use futures::future::BoxFuture;
+use futures::stream::FuturesUnordered;
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+use crate::admission::AdmissionRefusal;
+use crate::certificates::RenewalError;
+use crate::health::HealthReport;
+use crate::mailbox::{Closing, Mailbox, WorkChange};
+use crate::registry::SessionHandle;
+use crate::serve::Shared;
+
+/// How long a closed session may take to hand its last frames (the goodbye) to a peer that
+/// stopped reading, before the driver gives up on it.
+const FINAL_FLUSH: Duration = Duration::from_secs(2);
+
+/// The result of work done beside the loop.
+enum Done {
+    /// Admitted and registered; the cluster's desired state to sync.
+    Synced(Vec<DesiredWork>),
+    /// Not (or no longer) admitted.
+    Refused(AdmissionRefusal),
+    /// A renewal was signed, or refused.
+    Renewed(Result<crate::certificates::RenewedCertificate, RenewalError>),
+    /// Nothing for the machine (a status queued, a report sent).
+    Nothing,
+}
+
+/// Drives one session from its first frame to its end.
+pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: String) {
+    let Incoming {
+        peer,
+        link,
+        tunnels,
+    } = incoming;
+    let Link {
+        mut inbound,
+        outbound,
+        carrier,
+    } = link;
+    let config = &shared.config;
+    let identity = match &peer.peer {
+        Peer::Cluster(name) => name.clone(),
+        Peer::Operator { user, .. } => format!("operator {user}"),
+        Peer::Anonymous => "anonymous".to_string(),
+    };
+    let mut machine = HubSession::new(
+        Instant::now(),
+        HubConfig {
+            heartbeat_interval: config.heartbeat_interval,
+            heartbeat_timeout: config.heartbeat_timeout,
+            hello_timeout: config.hello_timeout,
+            max_pending_works: config.session_queue_bound,
+        },
+        identity.clone(),
+        session_id.clone(),
+    );
+    let cluster = match &peer.peer {
+        Peer::Cluster(name) => Some(name.clone()),
+        _ => None,
+    };
+    if cluster.is_none() {
+        warn!(%carrier, "session refused: not an agent certificate");
+        machine.refuse(
+            wire::Refusal::NotAnAgent,
+            match &peer.peer {
+                Peer::Anonymous => {
+                    "no client certificate: an agent joins first (`flotilla-agent join` with a \
+                     bootstrap token) and opens its session with the certificate it receives"
+                }
+                _ => "only agent certificates (group flotilla:clusters) may open a session",
+            },
+        );
+    }
+    let cluster = cluster.unwrap_or_default();
+    let key = peer.client_key_sha256.clone().unwrap_or_default();
+    let mailbox = Arc::new(Mailbox::default());
+    let mut work: FuturesUnordered<BoxFuture<'static, Done>> = FuturesUnordered::new();
+    // The next frame for the agent, taken from the machine once the link has room for it.
+    let mut next: Option<HubFrame> = None;
+    let mut established = false;
+    let mut draining = shared.draining.subscribe();
+    let mut drained = false;
+    let mut closed_at: Option<Instant> = None;
+    let spread = spread_over(config.drain_window, &session_id);
+
+    loop {
+        while let Some(event) = machine.poll_event() {
+            match event {
+                HubEvent::Established { hello } => {
+                    established = true;
+                    info!(%carrier, agent_version = %hello.agent_version, held = hello.held.len(), "session established");
+                    if let Some(certs) = &shared.certificates {
+                        let bundle = certs.ca_bundle();
+                        if ca_bundle_sha256(&bundle) != hello.ca_bundle_sha256 {
+                            debug!("agent trusts an older CA bundle; sending the current one");
+                            machine.send_trust_bundle(bundle);
+                        }
+                    }
+                    let handle = SessionHandle {
+                        cluster: cluster.clone(),
+                        session_id: session_id.clone(),
+                        client_key_sha256: key.clone(),
+                        mailbox: mailbox.clone(),
+                        tunnels: tunnels.clone(),
+                    };
+                    work.push(Box::pin(open_session(shared.clone(), handle, hello)));
+                }
+                HubEvent::StatusReported {
+                    uid,
+                    generation,
+                    seq,
+                    status_json,
+                } => {
+                    let shared = shared.clone();
+                    let cluster = cluster.clone();
+                    work.push(Box::pin(async move {
+                        let Some(name) = shared.desired.owned_by(&cluster, &uid).await else {
+                            warn!(work_uid = %uid, "status for a work that is not this cluster's; ignored");
+                            return Done::Nothing;
+                        };
+                        debug!(work = %name, generation, seq, "status reported");
+                        if let Err(e) = shared
+                            .statuses
+                            .submit(&cluster, &name, &uid, seq, &status_json)
+                            .await
+                        {
+                            warn!(error = %e, "status refused");
+                        }
+                        Done::Nothing
+                    }));
+                }
+                HubEvent::WorkAcked {
+                    uid,
+                    generation,
+                    current,
+                } => debug!(work_uid = %uid, generation, current, "work durable on the agent"),
+                HubEvent::RenewalRequested { csr_pem } => match &shared.certificates {
+                    None => machine.refuse_renewal(
+                        "this gateway cannot issue certificates; renew through the hub",
+                    ),
+                    Some(certs) => {
+                        let (certs, cluster, key) = (certs.clone(), cluster.clone(), key.clone());
+                        work.push(Box::pin(async move {
+                            Done::Renewed(certs.renew(&cluster, &key, &csr_pem).await)
+                        }));
+                    }
+                },
+                HubEvent::ClusterInfoReported { info } => {
+                    // Off the loop: the health task's buffer may be full in a storm.
+                    let (shared, cluster) = (shared.clone(), cluster.clone());
+                    work.push(Box::pin(async move {
+                        shared
+                            .health
+                            .send(HealthReport::ClusterInfo {
+                                cluster,
+                                info: Box::new(info),
+                            })
+                            .await;
+                        Done::Nothing
+                    }));
+                }
+                HubEvent::Closed { reason, by_peer } => {
+                    info!(%reason, by_peer, "session closed");
+                    closed_at = Some(Instant::now());
+                }
+                HubEvent::Alive { .. } => {}
+            }
+        }
+        if next.is_none() {
+            next = machine.poll_transmit();
+        }
+        if machine.is_closed() {
+            let gave_up = closed_at.is_some_and(|t| t.elapsed() >= FINAL_FLUSH);
+            if next.is_none() || gave_up {
+                break;
+            }
+        }
+        if *draining.borrow_and_update() && !drained {
+            drained = true;
+            machine.drain(spread, "gateway shutting down");
+            continue;
+        }
+        let deadline = match closed_at {
+            Some(t) => Some(t + FINAL_FLUSH),
+            None => machine.poll_timeout(),
+        };
+        tokio::select! {
+            permit = outbound.reserve(), if next.is_some() => match permit {
+                Ok(permit) => permit.send(next.take().expect("checked above")),
+                Err(_) => {
+                    next = None;
+                    machine.close("the agent's stream is gone");
+                }
+            },
+            frame = inbound.next(), if !machine.is_closed() => match frame {
+                Some(Ok(frame)) => {
+                    // An error has already closed the session (Goodbye queued, Closed emitted).
+                    if let Err(e) = machine.handle_frame(Instant::now(), frame) {
+                        warn!(error = %e, "protocol error");
+                    }
+                }
+                Some(Err(e)) => {
+                    warn!(error = %e, "closing session");
+                    machine.close(describe(&e));
+                }
+                None => machine.close("agent closed the stream"),
+            },
+            _ = sleep_until(deadline) => machine.handle_timeout(Instant::now()),
+            Some(done) = work.next(), if !work.is_empty() => match done {
+                Done::Synced(snapshot) => machine.begin_sync(snapshot),
+                Done::Refused(refusal) => {
+                    warn!(reason = %refusal, "session refused");
+                    machine.refuse(refusal.refusal(), refusal.to_string());
+                }
+                Done::Renewed(Ok(renewed)) => {
+                    info!("client certificate renewed over the session");
+                    machine.issue_certificate(renewed.certificate_pem, renewed.ca_bundle_pem);
+                }
+                Done::Renewed(Err(e)) => {
+                    warn!(error = %e, "certificate renewal refused");
+                    machine.refuse_renewal(e.to_string());
+                }
+                Done::Nothing => {}
+            },
+            _ = mailbox.ready() => {
+                let delivery = mailbox.take().await;
+                for change in delivery.works {
+                    match change {
+                        WorkChange::Upsert(work) => machine.upsert_work(work),
+                        WorkChange::Delete { uid, namespace, name } => machine.delete_work(uid, namespace, name),
+                    }
+                }
+                for (uid, seq) in delivery.status_acks {
+                    machine.ack_status(uid, seq);
+                }
+                for id in delivery.open_tunnels {
+                    machine.open_tunnel(id);
+                }
+                if let Some(bundle) = delivery.trust_bundle {
+                    machine.send_trust_bundle(bundle);
+                }
+                match delivery.close {
+                    Some(Closing::Close(reason)) => machine.close(reason),
+                    Some(Closing::Refuse(refusal, reason)) => machine.refuse(refusal, reason),
+                    None => {}
+                }
+            }
+            _ = draining.changed(), if !drained => {}
+        }
+    }
+    drop(outbound);
+    if established {
+        shared.registry.unregister(&cluster, &session_id).await;
+        shared
+            .health
+            .send(HealthReport::Disconnected {
+                cluster,
+                session: session_id,
+            })
+            .await;
+    }
+}
+
+/// Admission, registration and the sync snapshot, off the driver's loop: the snapshot is taken
+/// after registering, so a change that lands in between reaches the mailbox, and the machine
+/// treats it as newer than the snapshot.
+async fn open_session(shared: Arc<Shared>, handle: SessionHandle, hello: wire::Hello) -> Done {
+    let cluster = handle.cluster.clone();
+    if let Err(refusal) = shared
+        .admissions
+        .check(&cluster, &handle.client_key_sha256)
+        .await
+    {
+        return Done::Refused(refusal);
+    }
+    let (session, key) = (handle.session_id.clone(), handle.client_key_sha256.clone());
+    if let Some(older) = shared.registry.register(&cluster, handle).await {
+        info!(older = %older.session_id, "replacing the cluster's older session");
+        older
+            .mailbox
+            .close("replaced by a newer session of the same cluster")
+            .await;
+    }
+    // A revocation between the check above and the registration found no session to close:
+    // look again now that it is registered.
+    if let Err(refusal) = shared.admissions.check(&cluster, &key).await {
+        return Done::Refused(refusal);
+    }
+    shared
+        .health
+        .send(HealthReport::Connected {
+            cluster: cluster.clone(),
+            session,
+            hello: Box::new(hello),
+        })
+        .await;
+    shared.desired.wait_ready().await;
+    Done::Synced(shared.desired.snapshot(&cluster).await)
+}
+
+/// A link failure as the session's close reason.
+fn describe(e: &LinkError) -> String {
+    e.to_string()
+}
+
+/// This session's share of the drain window: spread by its id, so agents drained together
+/// come back apart.
+fn spread_over(window: Duration, session_id: &str) -> Duration {
+    use std::hash::{Hash as _, Hasher as _};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    session_id.hash(&mut h);
+    let window_ms = window.as_millis().max(1) as u64;
+    Duration::from_millis(h.finish() % window_ms)
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}

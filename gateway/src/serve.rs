@@ -1,0 +1,384 @@
+//! The session tier as one process part: both carriers' listeners, a driver task per session,
+//! the watch caches, the status and health writers, every one with an owner, and the drain.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use flotilla_store::Store;
+use flotilla_transport::grpc::{FleetService, GrpcSettings};
+use flotilla_transport::quic::{QuicListener, QuicSettings};
+use flotilla_transport::tls::AuthenticatedConn;
+use flotilla_transport::{Incoming, LinkError, TunnelStream};
+use futures::FutureExt as _;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tracing::{Instrument as _, info, info_span, warn};
+
+use crate::admission::Admissions;
+use crate::certificates::ClusterCertificates;
+use crate::desired::DesiredState;
+use crate::driver::drive;
+use crate::health::{HealthReports, HealthWriter};
+use crate::registry::Registry;
+use crate::statuses::StatusWriter;
+use crate::supervise::{TaskEnded, Tasks};
+
+/// Knobs of the session tier; every queue and size has a bound.
+#[derive(Clone, Debug)]
+pub struct GatewayConfig {
+    pub heartbeat_interval: Duration,
+    pub heartbeat_timeout: Duration,
+    /// A connection that has not said Hello by then is closed.
+    pub hello_timeout: Duration,
+    /// Time without a session before a cluster turns Unknown.
+    pub grace_period: Duration,
+    /// Largest frame accepted from an agent; a larger one closes that session only.
+    pub max_frame_bytes: usize,
+    /// Distinct works that may wait in one session's outbound queue before it is reset.
+    pub session_queue_bound: usize,
+    /// Budget of work-status writes to the store, per second, for the whole gateway.
+    pub status_writes_per_second: u32,
+    /// On shutdown each session is drained with a retry-after spread over this window.
+    pub drain_window: Duration,
+    /// On shutdown, how long drained sessions may take to end before the rest are closed.
+    pub drain_timeout: Duration,
+    /// QUIC handshakes in progress at once; the excess is refused before any crypto.
+    pub max_quic_handshakes: usize,
+    /// How long the gateway waits for an agent to open a tunnel it asked for.
+    pub tunnel_open_timeout: Duration,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        GatewayConfig {
+            heartbeat_interval: Duration::from_secs(10),
+            heartbeat_timeout: Duration::from_secs(30),
+            hello_timeout: Duration::from_secs(10),
+            grace_period: Duration::from_secs(40),
+            max_frame_bytes: 4 * 1024 * 1024,
+            session_queue_bound: 4096,
+            status_writes_per_second: 500,
+            drain_window: Duration::from_secs(5),
+            drain_timeout: Duration::from_secs(20),
+            max_quic_handshakes: 256,
+            tunnel_open_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl GatewayConfig {
+    /// The gRPC carrier's settings for these knobs.
+    pub fn grpc(&self) -> GrpcSettings {
+        GrpcSettings {
+            max_frame_bytes: self.max_frame_bytes,
+            // HTTP/2 pings find dead TCP connections even when the protocol is idle.
+            keepalive_interval: self.heartbeat_interval * 3,
+            ..GrpcSettings::default()
+        }
+    }
+
+    /// The QUIC carrier's settings for these knobs.
+    pub fn quic(&self) -> QuicSettings {
+        QuicSettings {
+            max_frame_bytes: self.max_frame_bytes,
+            // Never shorter than the protocol's own silence bound.
+            idle_timeout: (self.heartbeat_timeout * 2).max(QuicSettings::default().idle_timeout),
+            ..QuicSettings::default()
+        }
+    }
+}
+
+/// Errors that stop the whole gateway; sessions' own failures never surface here. Each is
+/// retryable by restarting the process (its supervisor does), none in-process.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    /// One of the gateway's own tasks (a carrier, the watch caches, a writer) ended while
+    /// serving.
+    #[error(transparent)]
+    TaskEnded(#[from] TaskEnded),
+}
+
+/// Why a tunnel could not be opened to a cluster.
+#[derive(Debug, thiserror::Error)]
+pub enum TunnelError {
+    /// The cluster has no session on this gateway. Retryable once it reconnects.
+    #[error("cluster {0} has no session on this gateway")]
+    NoSession(String),
+    /// The agent did not open the stream. Retryable.
+    #[error("cluster {cluster}: {source}")]
+    Link {
+        cluster: String,
+        #[source]
+        source: LinkError,
+    },
+}
+
+/// Where agents reach this gateway: authenticated TLS connections for the gRPC carrier, and a
+/// QUIC listener (usually on the same port, over UDP) unless QUIC is off.
+pub struct Listeners {
+    pub tcp: mpsc::Receiver<AuthenticatedConn>,
+    pub quic: Option<QuicListener>,
+}
+
+/// Sessions handed from the carriers to the gateway; a burst beyond it waits in the carriers.
+const INCOMING_BUFFER: usize = 1024;
+/// How long the gateway's own tasks may take to stop once told.
+const STOP_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A session tier over one store.
+#[derive(Clone)]
+pub struct Gateway {
+    shared: Arc<Shared>,
+}
+
+/// What every session driver shares.
+pub(crate) struct Shared {
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) config: GatewayConfig,
+    pub(crate) health: HealthReports,
+    pub(crate) registry: Arc<Registry>,
+    pub(crate) desired: Arc<DesiredState>,
+    pub(crate) statuses: Arc<StatusWriter>,
+    pub(crate) admissions: Arc<Admissions>,
+    /// The hub's CA, for renewals over the session; `None` on a gateway that cannot sign.
+    pub(crate) certificates: Option<Arc<dyn ClusterCertificates>>,
+    next_session: AtomicU64,
+    /// Turns true when the gateway starts draining: every session, whenever it opens, is
+    /// drained from then on.
+    pub(crate) draining: watch::Sender<bool>,
+    /// The health task, until `serve` takes it to run.
+    health_writer: tokio::sync::Mutex<Option<HealthWriter>>,
+}
+
+impl Gateway {
+    /// A gateway that refuses certificate renewals (it has no CA to ask).
+    pub fn new(store: Arc<dyn Store>, config: GatewayConfig) -> Gateway {
+        Self::build(store, config, None)
+    }
+
+    /// A gateway that answers renewals with the hub's CA (the hub's in-process gateway).
+    pub fn with_certificates(
+        store: Arc<dyn Store>,
+        config: GatewayConfig,
+        certificates: Arc<dyn ClusterCertificates>,
+    ) -> Gateway {
+        Self::build(store, config, Some(certificates))
+    }
+
+    fn build(
+        store: Arc<dyn Store>,
+        config: GatewayConfig,
+        certificates: Option<Arc<dyn ClusterCertificates>>,
+    ) -> Gateway {
+        let admissions = Admissions::new();
+        let (health_writer, health) =
+            HealthWriter::new(store.clone(), config.grace_period, admissions.clone());
+        let statuses = StatusWriter::new(config.status_writes_per_second);
+        Gateway {
+            shared: Arc::new(Shared {
+                store,
+                config,
+                health,
+                registry: Arc::new(Registry::default()),
+                desired: DesiredState::new(),
+                statuses,
+                admissions,
+                certificates,
+                next_session: AtomicU64::new(1),
+                draining: watch::Sender::new(false),
+                health_writer: tokio::sync::Mutex::new(Some(health_writer)),
+            }),
+        }
+    }
+
+    /// The gateway's cache of cluster admissions (the hub's join flow waits on it).
+    pub fn admissions(&self) -> Arc<Admissions> {
+        self.shared.admissions.clone()
+    }
+
+    /// Sends the hub's current CA bundle to every live session (after a CA rotation).
+    pub async fn push_trust_bundle(&self) {
+        let Some(certs) = &self.shared.certificates else {
+            return;
+        };
+        let bundle = certs.ca_bundle();
+        for h in self.shared.registry.all().await {
+            h.mailbox.trust_bundle(bundle.clone()).await;
+        }
+    }
+
+    /// Number of live sessions.
+    pub async fn session_count(&self) -> usize {
+        self.shared.registry.len().await
+    }
+
+    /// Opens tunnel stream `id` to `cluster`'s agent over its session's connection (a QUIC
+    /// stream, or a `Fleet.Tunnel` call the session asks the agent to open).
+    pub async fn open_tunnel(&self, cluster: &str, id: &str) -> Result<TunnelStream, TunnelError> {
+        let handle = self
+            .shared
+            .registry
+            .get(cluster)
+            .await
+            .ok_or_else(|| TunnelError::NoSession(cluster.to_string()))?;
+        let within = self.shared.config.tunnel_open_timeout;
+        let opening = handle.tunnels.open(id, within);
+        if handle.tunnels.needs_open_tunnel_frame() {
+            let ask = handle.mailbox.open_tunnel(id);
+            let (opened, ()) = tokio::join!(opening, ask);
+            opened
+        } else {
+            opening.await
+        }
+        .map_err(|source| TunnelError::Link {
+            cluster: cluster.to_string(),
+            source,
+        })
+    }
+
+    /// Serves sessions from `listeners` until `shutdown` completes, then drains: stops
+    /// accepting, drains every session that exists at any point of the drain (each told to
+    /// come back after its share of the drain window), and at the drain deadline closes
+    /// what is left. `extra` adds gRPC services on the same listener (the hub's
+    /// `Registration`, so a joining agent dials the address it will hold its session on).
+    pub async fn serve(
+        self,
+        listeners: Listeners,
+        extra: Option<tonic::service::RoutesBuilder>,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), GatewayError> {
+        let shared = self.shared.clone();
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let config = &shared.config;
+        // The caches and writers run until told to stop; one that ends before is a fault the
+        // gateway cannot serve through (sessions would be synced from a dead cache).
+        let mut tasks = Tasks::new();
+        tasks.spawn(
+            "the ManagedCluster watch cache",
+            shared
+                .admissions
+                .clone()
+                .run(
+                    shared.store.clone(),
+                    shared.registry.clone(),
+                    stop_rx.clone(),
+                )
+                .map(Ok),
+        );
+        tasks.spawn(
+            "the ManifestWork watch cache",
+            shared
+                .desired
+                .clone()
+                .run(
+                    shared.store.clone(),
+                    shared.registry.clone(),
+                    stop_rx.clone(),
+                )
+                .map(Ok),
+        );
+        tasks.spawn(
+            "the status writer",
+            shared
+                .statuses
+                .clone()
+                .run(
+                    shared.store.clone(),
+                    shared.registry.clone(),
+                    shared.desired.clone(),
+                    stop_rx.clone(),
+                )
+                .map(Ok),
+        );
+        let health = shared.health_writer.lock().await.take();
+        if let Some(health) = health {
+            tasks.spawn("the health writer", health.run(stop_rx.clone()).map(Ok));
+        }
+
+        // The carriers stop accepting when the drain starts, and end when their last
+        // connection does: during a drain their end is expected.
+        let (incoming_tx, mut incoming) = mpsc::channel::<Incoming>(INCOMING_BUFFER);
+        let mut routes = extra.unwrap_or_default();
+        routes.add_service(
+            FleetService::new(incoming_tx.clone()).into_server(config.max_frame_bytes),
+        );
+        let routes = routes.routes();
+        let mut carriers = Tasks::new();
+        carriers.spawn(
+            "the gRPC carrier",
+            flotilla_transport::grpc::serve(
+                listeners.tcp,
+                routes,
+                config.grpc(),
+                shared.draining.subscribe(),
+            )
+            .map(|r| r.map_err(Into::into)),
+        );
+        if let Some(quic) = listeners.quic {
+            let drain = shared.draining.subscribe();
+            carriers.spawn(
+                "the QUIC carrier",
+                quic.serve(incoming_tx.clone(), config.max_quic_handshakes, drain)
+                    .map(Ok),
+            );
+        }
+        drop(incoming_tx);
+
+        let mut drivers = JoinSet::new();
+        tokio::pin!(shutdown);
+        let ended = loop {
+            tokio::select! {
+                Some(session) = incoming.recv() => self.spawn_driver(&mut drivers, session),
+                Some(_) = drivers.join_next(), if !drivers.is_empty() => {}
+                ended = tasks.first_end() => break Some(ended),
+                ended = carriers.first_end() => break Some(ended),
+                _ = &mut shutdown => break None,
+            }
+        };
+        if let Some(ended) = ended {
+            let _ = stop_tx.send(true);
+            drivers.shutdown().await;
+            carriers.stop_within(Duration::ZERO).await;
+            tasks.stop_within(STOP_TIMEOUT).await;
+            return Err(ended.into());
+        }
+
+        let sessions = drivers.len();
+        info!(sessions, "draining sessions");
+        shared.draining.send_replace(true);
+        let deadline = Instant::now() + config.drain_timeout;
+        // Sessions still arriving (handshakes that were in flight) are drained as they open.
+        let mut carriers_done = false;
+        loop {
+            if carriers_done && drivers.is_empty() {
+                break;
+            }
+            tokio::select! {
+                Some(session) = incoming.recv() => self.spawn_driver(&mut drivers, session),
+                Some(_) = drivers.join_next(), if !drivers.is_empty() => {}
+                _ = carriers.first_end(), if !carriers.is_empty() => {}
+                _ = std::future::ready(()), if carriers.is_empty() && !carriers_done => carriers_done = true,
+                _ = tokio::time::sleep_until(deadline) => {
+                    warn!(left = drivers.len(), drain_timeout = ?config.drain_timeout, "drain deadline reached; closing the sessions left");
+                    break;
+                }
+            }
+        }
+        drivers.shutdown().await;
+        carriers.stop_within(Duration::ZERO).await;
+        let _ = stop_tx.send(true);
+        tasks.stop_within(STOP_TIMEOUT).await;
+        Ok(())
+    }
+
+    fn spawn_driver(&self, drivers: &mut JoinSet<()>, session: Incoming) {
+        let n = self.shared.next_session.fetch_add(1, Ordering::Relaxed);
+        let who = session.peer.cluster().unwrap_or("-").to_string();
+        let session_id = format!("{who}-{n}");
+        let span =
+            info_span!("session", cluster = %who, id = %session_id, peer = %session.peer.remote);
+        drivers.spawn(drive(self.shared.clone(), session, session_id).instrument(span));
+    }
+}

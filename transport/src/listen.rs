@@ -1,0 +1,71 @@
+//! The agents' listening sockets: TCP for the gRPC carrier and UDP for QUIC, on the same
+//! address and port, so one name and one port (and one load-balancer rule per protocol) reach
+//! a gateway whichever carrier an agent uses.
+
+use std::net::SocketAddr;
+
+use tokio::net::TcpListener;
+
+/// Tries when port 0 is asked for and the TCP port the kernel picked is taken for UDP.
+const BIND_ATTEMPTS: usize = 16;
+
+/// The agents' sockets on one address and port.
+#[derive(Debug)]
+pub struct AgentSockets {
+    pub tcp: TcpListener,
+    /// `None` when QUIC is off.
+    pub udp: Option<std::net::UdpSocket>,
+}
+
+impl AgentSockets {
+    /// Binds TCP on `addr` and, with `quic`, UDP on the same address and port. With port 0 the
+    /// kernel picks a TCP port, and the UDP socket takes the same one (tried again with
+    /// another port if that one is taken for UDP).
+    pub async fn bind(addr: SocketAddr, quic: bool) -> std::io::Result<AgentSockets> {
+        let mut last = None;
+        for _ in 0..BIND_ATTEMPTS {
+            let tcp = TcpListener::bind(addr).await?;
+            if !quic {
+                return Ok(AgentSockets { tcp, udp: None });
+            }
+            let bound = tcp.local_addr()?;
+            match std::net::UdpSocket::bind(bound) {
+                Ok(udp) => {
+                    return Ok(AgentSockets {
+                        tcp,
+                        udp: Some(udp),
+                    });
+                }
+                // Port 0: another port may be free for both.
+                Err(e) if addr.port() == 0 => last = Some(e),
+                Err(e) => {
+                    return Err(std::io::Error::new(
+                        e.kind(),
+                        format!("UDP port {bound} for QUIC: {e} (or turn QUIC off)"),
+                    ));
+                }
+            }
+        }
+        Err(last.unwrap_or_else(|| std::io::Error::other("no port free for both TCP and UDP")))
+    }
+
+    /// The bound address (TCP and UDP alike).
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.tcp.local_addr()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn tcp_and_udp_share_the_port() {
+        let sockets = AgentSockets::bind("127.0.0.1:0".parse().unwrap(), true)
+            .await
+            .unwrap();
+        let tcp = sockets.tcp.local_addr().unwrap();
+        assert_ne!(tcp.port(), 0);
+        assert_eq!(sockets.udp.unwrap().local_addr().unwrap(), tcp);
+    }
+}

@@ -1,0 +1,509 @@
+//! The QUIC carrier: a session is the first bidirectional stream of a QUIC connection (the
+//! agent opens it), carrying the same frames as the gRPC carrier, length-prefixed
+//! ([`FrameCodec`]), with the same size bound; a tunnel is a further bidirectional stream the
+//! gateway opens itself, whose first frame names it. TLS is the same mTLS as over TCP (the
+//! same verifier, the same certificates) with flotilla's own ALPN.
+//!
+//! Sized for tens of thousands of mostly idle sessions on one UDP socket: small flow-control
+//! windows and buffers per connection, keep-alives below common NAT binding timeouts, an idle
+//! timeout, and connection migration on (an agent whose address or port changes keeps its
+//! session).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use flotilla_proto::wire::{AgentFrame, HubFrame};
+use futures::{SinkExt as _, StreamExt as _};
+use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+use quinn::{Connection, Endpoint, VarInt};
+use rustls_pki_types::CertificateDer;
+use tokio::sync::{Semaphore, mpsc, watch};
+use tokio::task::JoinSet;
+use tokio_util::codec::{FramedRead, FramedWrite};
+use tracing::{debug, warn};
+
+use crate::Dialed;
+use crate::codec::FrameCodec;
+use crate::identity::{Peer, public_key_sha256};
+use crate::link::{Carrier, LINK_BUFFER, Link, LinkError, Pump, TunnelStream};
+use crate::tls::ConnInfo;
+use crate::{Incoming, TunnelOpener};
+
+/// The ALPN protocol of flotilla's sessions over QUIC.
+pub const ALPN: &[u8] = b"flotilla/1";
+
+/// QUIC application error code of a connection closed because its session ended.
+const CLOSE_SESSION_ENDED: u32 = 0;
+/// QUIC application error code of a connection the gateway refused (no control stream).
+const CLOSE_REFUSED: u32 = 1;
+
+/// Settings of the QUIC carrier, both ends.
+#[derive(Clone, Debug)]
+pub struct QuicSettings {
+    /// Largest session frame either side may send; a larger one closes that session only.
+    pub max_frame_bytes: usize,
+    /// Keep-alive interval: below the 30 s UDP binding timeout of common NATs, so an idle
+    /// session keeps its path open.
+    pub keepalive_interval: Duration,
+    /// A connection silent this long is gone (both ends close it).
+    pub idle_timeout: Duration,
+    /// Flow-control window of one stream.
+    pub stream_window: u32,
+    /// Flow-control window of the whole connection, receive side.
+    pub connection_window: u32,
+    /// Bytes in flight a connection may send before the peer acknowledges.
+    pub send_window: u64,
+    /// Streams the peer may open at once (the session, and tunnels the gateway opens).
+    pub max_streams: u32,
+    /// How long the TLS handshake and the first stream may take.
+    pub handshake_timeout: Duration,
+}
+
+impl Default for QuicSettings {
+    fn default() -> Self {
+        QuicSettings {
+            max_frame_bytes: 4 * 1024 * 1024,
+            keepalive_interval: Duration::from_secs(15),
+            idle_timeout: Duration::from_secs(60),
+            stream_window: 64 * 1024,
+            connection_window: 1024 * 1024,
+            send_window: 1024 * 1024,
+            max_streams: 128,
+            handshake_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl QuicSettings {
+    fn transport(&self) -> Arc<quinn::TransportConfig> {
+        let mut t = quinn::TransportConfig::default();
+        t.max_concurrent_bidi_streams(VarInt::from_u32(self.max_streams))
+            .max_concurrent_uni_streams(VarInt::from_u32(0))
+            .stream_receive_window(VarInt::from_u32(self.stream_window))
+            .receive_window(VarInt::from_u32(self.connection_window))
+            .send_window(self.send_window)
+            .keep_alive_interval(Some(self.keepalive_interval))
+            .max_idle_timeout(Some(
+                VarInt::from_u64(self.idle_timeout.as_millis() as u64)
+                    .unwrap_or(VarInt::from_u32(60_000))
+                    .into(),
+            ))
+            // No datagrams: sessions are streams.
+            .datagram_receive_buffer_size(None)
+            .datagram_send_buffer_size(0)
+            .crypto_buffer_size(8 * 1024);
+        Arc::new(t)
+    }
+}
+
+/// Why a QUIC endpoint cannot be set up; not retryable without a change.
+#[derive(Debug, thiserror::Error)]
+pub enum QuicSetupError {
+    /// The TLS configuration cannot do QUIC (it needs TLS 1.3).
+    #[error("TLS configuration unusable for QUIC: {0}")]
+    Tls(String),
+    /// The UDP socket cannot be used.
+    #[error("UDP socket: {0}")]
+    Socket(#[from] std::io::Error),
+}
+
+/// The server TLS configuration for QUIC: `tls` (the agents' listener configuration) with
+/// flotilla's ALPN instead of HTTP/2's.
+fn server_crypto(tls: &Arc<rustls::ServerConfig>) -> Result<Arc<QuicServerConfig>, QuicSetupError> {
+    let mut tls = (**tls).clone();
+    tls.alpn_protocols = vec![ALPN.to_vec()];
+    tls.max_early_data_size = 0;
+    Ok(Arc::new(
+        QuicServerConfig::try_from(tls).map_err(|e| QuicSetupError::Tls(e.to_string()))?,
+    ))
+}
+
+fn server_config(
+    tls: &Arc<rustls::ServerConfig>,
+    settings: &QuicSettings,
+) -> Result<quinn::ServerConfig, QuicSetupError> {
+    let mut config = quinn::ServerConfig::with_crypto(server_crypto(tls)?);
+    config
+        .transport_config(settings.transport())
+        .migration(true);
+    Ok(config)
+}
+
+/// The gateway's QUIC listener on `socket`.
+pub struct QuicListener {
+    endpoint: Endpoint,
+    settings: QuicSettings,
+}
+
+impl QuicListener {
+    /// Listens on `socket` (bound already, usually to the TCP listener's address and port).
+    pub fn bind(
+        socket: std::net::UdpSocket,
+        tls: &Arc<rustls::ServerConfig>,
+        settings: QuicSettings,
+    ) -> Result<QuicListener, QuicSetupError> {
+        let endpoint = Endpoint::new(
+            quinn::EndpointConfig::default(),
+            Some(server_config(tls, &settings)?),
+            socket,
+            Arc::new(quinn::TokioRuntime),
+        )?;
+        Ok(QuicListener { endpoint, settings })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.endpoint.local_addr()
+    }
+
+    /// Handshakes from now on use `tls` (after a CA rotation); live connections keep theirs.
+    pub fn update_tls(&self, tls: &Arc<rustls::ServerConfig>) -> Result<(), QuicSetupError> {
+        self.endpoint
+            .set_server_config(Some(server_config(tls, &self.settings)?));
+        Ok(())
+    }
+
+    /// A handle for updating the TLS configuration while [`serve`](Self::serve) runs.
+    pub fn tls_updater(&self) -> QuicTlsUpdater {
+        QuicTlsUpdater {
+            endpoint: self.endpoint.clone(),
+            settings: self.settings.clone(),
+        }
+    }
+
+    /// Accepts connections until `drain` turns true, each handshake bounded (`max_handshakes`
+    /// at once) and each connection in its own task owned here; every connection whose first
+    /// stream opens becomes an [`Incoming`] on `sessions`. On drain it stops accepting and
+    /// waits for its connections, which end as their sessions do; the caller bounds the wait
+    /// (dropping this future aborts every connection).
+    pub async fn serve(
+        self,
+        sessions: mpsc::Sender<Incoming>,
+        max_handshakes: usize,
+        mut drain: watch::Receiver<bool>,
+    ) {
+        let permits = Arc::new(Semaphore::new(max_handshakes.max(1)));
+        let mut connections = JoinSet::new();
+        loop {
+            tokio::select! {
+                incoming = self.endpoint.accept() => {
+                    let Some(incoming) = incoming else { break };
+                    let Ok(permit) = permits.clone().try_acquire_owned() else {
+                        // Too many handshakes at once: refuse cheaply, before any crypto.
+                        debug!(peer = %incoming.remote_address(), "QUIC handshake refused: too many in progress");
+                        incoming.refuse();
+                        continue;
+                    };
+                    connections.spawn(accept(incoming, sessions.clone(), self.settings.clone(), permit));
+                }
+                Some(_) = connections.join_next(), if !connections.is_empty() => {}
+                _ = drain.wait_for(|d| *d) => break,
+            }
+        }
+        // No new connections from here on; live ones end with their sessions.
+        self.endpoint.set_server_config(None);
+        while connections.join_next().await.is_some() {}
+        self.endpoint
+            .close(VarInt::from_u32(CLOSE_SESSION_ENDED), b"gateway stopped");
+    }
+}
+
+/// Replaces the QUIC listener's TLS configuration (see [`QuicListener::update_tls`]).
+#[derive(Clone)]
+pub struct QuicTlsUpdater {
+    endpoint: Endpoint,
+    settings: QuicSettings,
+}
+
+impl QuicTlsUpdater {
+    pub fn update(&self, tls: &Arc<rustls::ServerConfig>) -> Result<(), QuicSetupError> {
+        self.endpoint
+            .set_server_config(Some(server_config(tls, &self.settings)?));
+        Ok(())
+    }
+}
+
+/// One connection: handshake, identity, the control stream, then its writes until the
+/// session is over.
+async fn accept(
+    incoming: quinn::Incoming,
+    sessions: mpsc::Sender<Incoming>,
+    settings: QuicSettings,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) {
+    let remote = incoming.remote_address();
+    let handshake = async {
+        let conn = incoming.accept()?.await?;
+        Ok::<_, quinn::ConnectionError>(conn)
+    };
+    let conn = match tokio::time::timeout(settings.handshake_timeout, handshake).await {
+        Ok(Ok(conn)) => conn,
+        Ok(Err(e)) => {
+            warn!(listener = "agents (QUIC)", peer = %remote, error = %e, "QUIC handshake refused: {}", crate::tls::handshake_hint(&e.to_string()));
+            return;
+        }
+        Err(_) => {
+            warn!(listener = "agents (QUIC)", peer = %remote, "QUIC handshake timed out after {:?}", settings.handshake_timeout);
+            return;
+        }
+    };
+    let peer = match conn_info(&conn) {
+        Ok(info) => info,
+        Err(e) => {
+            warn!(listener = "agents (QUIC)", peer = %remote, error = %e, "QUIC connection refused");
+            conn.close(VarInt::from_u32(CLOSE_REFUSED), e.as_bytes());
+            return;
+        }
+    };
+    let control = tokio::time::timeout(settings.handshake_timeout, conn.accept_bi()).await;
+    // The handshake slot is free once the session stream is open (or given up on).
+    drop(permit);
+    let (send, recv) = match control {
+        Ok(Ok(streams)) => streams,
+        Ok(Err(e)) => {
+            debug!(peer = %remote, error = %e, "QUIC connection ended before its session stream");
+            return;
+        }
+        Err(_) => {
+            conn.close(VarInt::from_u32(CLOSE_REFUSED), b"no session stream");
+            return;
+        }
+    };
+    let (link, pump) = link::<AgentFrame, HubFrame>(send, recv, settings.max_frame_bytes);
+    let incoming = Incoming {
+        peer,
+        link,
+        tunnels: TunnelOpener::Quic(QuicTunnels { conn: conn.clone() }),
+    };
+    if sessions.send(incoming).await.is_err() {
+        conn.close(VarInt::from_u32(CLOSE_REFUSED), b"gateway shutting down");
+        return;
+    }
+    pump.await;
+    conn.close(VarInt::from_u32(CLOSE_SESSION_ENDED), b"session ended");
+}
+
+/// The peer's identity, read from the certificate rustls verified in the handshake.
+fn conn_info(conn: &Connection) -> Result<ConnInfo, String> {
+    let remote = conn.remote_address();
+    let cert = conn
+        .peer_identity()
+        .and_then(|id| id.downcast::<Vec<CertificateDer<'static>>>().ok())
+        .and_then(|certs| certs.first().cloned());
+    let Some(cert) = cert else {
+        return Ok(ConnInfo {
+            peer: Peer::Anonymous,
+            remote,
+            client_key_sha256: None,
+        });
+    };
+    let peer = Peer::from_der(&cert).map_err(|e| e.to_string())?;
+    let key = public_key_sha256(&cert).map_err(|e| e.to_string())?;
+    Ok(ConnInfo {
+        peer,
+        remote,
+        client_key_sha256: Some(key),
+    })
+}
+
+/// A session's frames over one QUIC stream: inbound decoded as they arrive; outbound through a
+/// bounded channel that the returned pump writes to the stream, finishing it once the sender
+/// is dropped and everything is written.
+fn link<In, Out>(
+    send: quinn::SendStream,
+    recv: quinn::RecvStream,
+    max_frame_bytes: usize,
+) -> (Link<In, Out>, Pump)
+where
+    In: prost::Message + Default + Send + 'static,
+    Out: prost::Message + Send + 'static,
+{
+    let inbound = FramedRead::new(recv, FrameCodec::<In>::new(max_frame_bytes)).boxed();
+    let (tx, mut rx) = mpsc::channel::<Out>(LINK_BUFFER);
+    let pump = async move {
+        let mut sink = FramedWrite::new(send, FrameCodec::<Out>::new(max_frame_bytes));
+        while let Some(frame) = rx.recv().await {
+            // Feed what is queued, flush once: a burst costs one write.
+            if sink.feed(frame).await.is_err() {
+                return;
+            }
+            while let Ok(frame) = rx.try_recv() {
+                if sink.feed(frame).await.is_err() {
+                    return;
+                }
+            }
+            if sink.flush().await.is_err() {
+                return;
+            }
+        }
+        let mut send = sink.into_inner();
+        let _ = send.finish();
+        // Until the peer has what was sent (the goodbye), bounded: closing the connection
+        // before would discard it.
+        let _ = tokio::time::timeout(Duration::from_secs(2), send.stopped()).await;
+    };
+    (
+        Link {
+            inbound,
+            outbound: tx,
+            carrier: Carrier::Quic,
+        },
+        Box::pin(pump),
+    )
+}
+
+/// Opens tunnels to one agent over QUIC: the gateway opens the stream itself.
+#[derive(Clone)]
+pub struct QuicTunnels {
+    conn: Connection,
+}
+
+impl QuicTunnels {
+    /// Opens tunnel `id`: a new stream whose first frame is the id.
+    pub async fn open(&self, id: &str) -> Result<TunnelStream, LinkError> {
+        let (mut send, recv) = self
+            .conn
+            .open_bi()
+            .await
+            .map_err(|e| LinkError::Transport(e.to_string()))?;
+        let header = tunnel_header(id);
+        send.write_all(&header)
+            .await
+            .map_err(|e| LinkError::Transport(e.to_string()))?;
+        Ok(TunnelStream::new(id, tokio::io::join(recv, send)))
+    }
+}
+
+/// A tunnel stream's first bytes: the id's length (u16, big-endian) and the id.
+fn tunnel_header(id: &str) -> Bytes {
+    let mut header = Vec::with_capacity(2 + id.len());
+    header.extend_from_slice(&(id.len() as u16).to_be_bytes());
+    header.extend_from_slice(id.as_bytes());
+    header.into()
+}
+
+/// The agent's QUIC endpoint: one UDP socket for however many connections (the load test
+/// runs thousands of agents on one). Rebinding it moves every connection to the new socket
+/// without a new handshake (connection migration).
+#[derive(Clone, Debug)]
+pub struct QuicClient {
+    endpoint: Endpoint,
+    settings: QuicSettings,
+}
+
+impl QuicClient {
+    /// An endpoint on `bind` (port 0: any).
+    pub fn bind(bind: SocketAddr, settings: QuicSettings) -> Result<QuicClient, QuicSetupError> {
+        let socket = std::net::UdpSocket::bind(bind)?;
+        let endpoint = Endpoint::new(
+            quinn::EndpointConfig::default(),
+            None,
+            socket,
+            Arc::new(quinn::TokioRuntime),
+        )?;
+        Ok(QuicClient { endpoint, settings })
+    }
+
+    /// The local address of the socket in use.
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.endpoint.local_addr()
+    }
+
+    /// Moves every connection of this endpoint to a new UDP socket on `bind`, as when a
+    /// device's address or NAT mapping changes; sessions go on without a reconnect.
+    pub fn rebind(&self, bind: SocketAddr) -> std::io::Result<SocketAddr> {
+        let socket = std::net::UdpSocket::bind(bind)?;
+        let addr = socket.local_addr()?;
+        self.endpoint.rebind(socket)?;
+        Ok(addr)
+    }
+
+    /// Connects to the hub at `addr` (TLS name `server_name`) with the agent's `tls`
+    /// configuration and opens the session stream with `first` (the hello) on it.
+    pub async fn open_session(
+        &self,
+        addr: SocketAddr,
+        server_name: &str,
+        tls: &Arc<rustls::ClientConfig>,
+        first: AgentFrame,
+    ) -> Result<Dialed, LinkError> {
+        let mut tls = (**tls).clone();
+        tls.alpn_protocols = vec![ALPN.to_vec()];
+        tls.enable_early_data = false;
+        let crypto =
+            QuicClientConfig::try_from(tls).map_err(|e| LinkError::Transport(e.to_string()))?;
+        let mut config = quinn::ClientConfig::new(Arc::new(crypto));
+        config.transport_config(self.settings.transport());
+        let conn = self
+            .endpoint
+            .connect_with(config, addr, server_name)
+            .map_err(|e| LinkError::Transport(e.to_string()))?
+            .await
+            .map_err(connection_error)?;
+        let (send, recv) = conn.open_bi().await.map_err(connection_error)?;
+        let (link, pump) = link::<HubFrame, AgentFrame>(send, recv, self.settings.max_frame_bytes);
+        link.outbound
+            .try_send(first)
+            .map_err(|_| LinkError::Transport("the session's first frame did not fit".into()))?;
+        let closer = conn.clone();
+        let pump: Pump = Box::pin(async move {
+            pump.await;
+            closer.close(VarInt::from_u32(CLOSE_SESSION_ENDED), b"session ended");
+        });
+        Ok(Dialed {
+            link,
+            pump: Some(pump),
+            tunnels: crate::AgentTunnels::Quic(AgentTunnels { conn }),
+        })
+    }
+}
+
+/// A QUIC connection failure; a failed TLS handshake keeps its alert and who sent it.
+fn connection_error(e: quinn::ConnectionError) -> LinkError {
+    let (code, by_peer) = match &e {
+        quinn::ConnectionError::ConnectionClosed(close) => (Some(close.error_code), true),
+        quinn::ConnectionError::TransportError(t) => (Some(t.code), false),
+        quinn::ConnectionError::TimedOut => {
+            return LinkError::TimedOut(format!("no QUIC answer: {e}"));
+        }
+        _ => (None, false),
+    };
+    // Crypto errors are 0x100 plus the TLS alert (RFC 9001, 4.8).
+    match code.map(u64::from) {
+        Some(code @ 0x100..=0x1ff) => LinkError::Tls {
+            alert: (code - 0x100) as u8,
+            by_peer,
+            detail: e.to_string(),
+        },
+        _ => LinkError::Transport(e.to_string()),
+    }
+}
+
+/// The agent's side of tunnels over QUIC: streams the gateway opens on the connection.
+#[derive(Clone)]
+pub struct AgentTunnels {
+    conn: Connection,
+}
+
+impl AgentTunnels {
+    /// The next tunnel the gateway opens; `None` once the connection is gone.
+    pub async fn accept(&self) -> Option<TunnelStream> {
+        loop {
+            let (send, mut recv) = self.conn.accept_bi().await.ok()?;
+            let mut len = [0u8; 2];
+            if recv.read_exact(&mut len).await.is_err() {
+                continue;
+            }
+            let mut id = vec![0u8; u16::from_be_bytes(len) as usize];
+            if recv.read_exact(&mut id).await.is_err() {
+                continue;
+            }
+            let Ok(id) = String::from_utf8(id) else {
+                continue;
+            };
+            return Some(TunnelStream::new(id, tokio::io::join(recv, send)));
+        }
+    }
+}

@@ -1,0 +1,352 @@
+//! Both carriers through the seam, on loopback with real TLS: the gateway's side receives the
+//! agent's session with its identity from the certificate, frames flow both ways, an
+//! oversized frame ends only that session, a tunnel carries bytes both ways, and the agent's
+//! QUIC socket can move to a new port under a live session.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use flotilla_proto::wire::{self, agent_frame, hub_frame};
+use flotilla_transport::grpc::{FleetService, GrpcSettings};
+use flotilla_transport::identity::Peer;
+use flotilla_transport::quic::{QuicClient, QuicListener, QuicSettings};
+use flotilla_transport::{Carrier, Dialed, Incoming, LinkError, tls};
+use futures::StreamExt as _;
+use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+use rustls_pki_types::ServerName;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::sync::{mpsc, watch};
+
+const MAX_FRAME: usize = 64 * 1024;
+
+/// A CA, the gateway's serving certificate, and one agent's client certificate, as PEM.
+struct Pki {
+    ca: String,
+    server: (String, String),
+    agent: (String, String),
+}
+
+fn pki() -> Pki {
+    pki_named("test CA")
+}
+
+fn pki_named(ca_name: &str) -> Pki {
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca = CertificateParams::default();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name.push(DnType::CommonName, ca_name);
+    let ca_cert = ca.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca, ca_key);
+    let server_key = KeyPair::generate().unwrap();
+    let server = CertificateParams::new(vec!["localhost".to_string()])
+        .unwrap()
+        .signed_by(&server_key, &issuer)
+        .unwrap();
+    let agent_key = KeyPair::generate().unwrap();
+    let mut agent = CertificateParams::default();
+    agent.distinguished_name.push(DnType::CommonName, "store-1");
+    agent
+        .distinguished_name
+        .push(DnType::OrganizationName, "flotilla:clusters");
+    let agent = agent.signed_by(&agent_key, &issuer).unwrap();
+    Pki {
+        ca: ca_cert.pem(),
+        server: (server.pem(), server_key.serialize_pem()),
+        agent: (agent.pem(), agent_key.serialize_pem()),
+    }
+}
+
+fn hello() -> wire::AgentFrame {
+    wire::AgentFrame {
+        frame: Some(agent_frame::Frame::Hello(wire::Hello {
+            cluster_name: "store-1".into(),
+            ..Default::default()
+        })),
+    }
+}
+
+fn heartbeat(seq: u64) -> wire::HubFrame {
+    wire::HubFrame {
+        frame: Some(hub_frame::Frame::Heartbeat(wire::Heartbeat { seq })),
+    }
+}
+
+/// A gateway side on loopback for `carrier`; returns where it listens, the sessions it
+/// accepts, and the switch that drains it.
+async fn gateway(
+    pki: &Pki,
+    carrier: Carrier,
+) -> (SocketAddr, mpsc::Receiver<Incoming>, watch::Sender<bool>) {
+    let server_tls = tls::agent_server_config(
+        pki.ca.as_bytes(),
+        pki.server.0.as_bytes(),
+        pki.server.1.as_bytes(),
+    )
+    .unwrap();
+    let (sessions_tx, sessions) = mpsc::channel(16);
+    let (drain_tx, drain) = watch::channel(false);
+    let addr = match carrier {
+        Carrier::Grpc => {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let (conns, accept) =
+                tls::accept_authenticated(listener, server_tls, Default::default(), "agents");
+            tokio::spawn(accept);
+            let routes =
+                tonic::service::Routes::new(FleetService::new(sessions_tx).into_server(MAX_FRAME));
+            tokio::spawn(flotilla_transport::grpc::serve(
+                conns,
+                routes,
+                GrpcSettings {
+                    max_frame_bytes: MAX_FRAME,
+                    ..Default::default()
+                },
+                drain,
+            ));
+            addr
+        }
+        Carrier::Quic => {
+            let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+            let listener = QuicListener::bind(socket, &server_tls, quic_settings()).unwrap();
+            let addr = listener.local_addr().unwrap();
+            tokio::spawn(listener.serve(sessions_tx, 16, drain));
+            addr
+        }
+    };
+    (addr, sessions, drain_tx)
+}
+
+fn quic_settings() -> QuicSettings {
+    QuicSettings {
+        max_frame_bytes: MAX_FRAME,
+        ..Default::default()
+    }
+}
+
+/// The agent's side of `carrier` to `addr`, saying hello. Its own frame bound is four times
+/// the gateway's, so a test can send what the gateway must refuse.
+async fn dial(pki: &Pki, carrier: Carrier, addr: SocketAddr) -> (Dialed, Option<QuicClient>) {
+    let client_tls = tls::client_config(
+        pki.ca.as_bytes(),
+        pki.agent.0.as_bytes(),
+        pki.agent.1.as_bytes(),
+        &[],
+    )
+    .unwrap();
+    match carrier {
+        Carrier::Grpc => {
+            let channel = flotilla_transport::grpc::connect(
+                &addr.to_string(),
+                ServerName::try_from("localhost").unwrap(),
+                client_tls,
+                None,
+                None,
+            )
+            .await
+            .unwrap();
+            (
+                flotilla_transport::grpc::open_session(channel, 4 * MAX_FRAME, hello())
+                    .await
+                    .unwrap(),
+                None,
+            )
+        }
+        Carrier::Quic => {
+            let settings = QuicSettings {
+                max_frame_bytes: 4 * MAX_FRAME,
+                ..Default::default()
+            };
+            let client = QuicClient::bind("127.0.0.1:0".parse().unwrap(), settings).unwrap();
+            let dialed = client
+                .open_session(addr, "localhost", &client_tls, hello())
+                .await
+                .unwrap();
+            (dialed, Some(client))
+        }
+    }
+}
+
+async fn session_and_tunnel(carrier: Carrier) {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let pki = pki();
+    let (addr, mut sessions, _drain) = gateway(&pki, carrier).await;
+    let (mut agent, _client) = dial(&pki, carrier, addr).await;
+    let mut pump = agent.pump.take();
+    if let Some(p) = pump.take() {
+        tokio::spawn(p);
+    }
+    let mut hub = tokio::time::timeout(Duration::from_secs(10), sessions.recv())
+        .await
+        .expect("the gateway got the session")
+        .unwrap();
+    assert_eq!(hub.peer.peer, Peer::Cluster("store-1".into()), "{carrier}");
+    assert_eq!(hub.link.carrier, carrier);
+    let first = hub.link.inbound.next().await.unwrap().unwrap();
+    assert_eq!(first, hello());
+
+    // Frames the other way.
+    hub.link.outbound.send(heartbeat(7)).await.unwrap();
+    assert_eq!(
+        agent.link.inbound.next().await.unwrap().unwrap(),
+        heartbeat(7)
+    );
+
+    // A tunnel: the gateway opens it (over gRPC the session asks the agent to).
+    let agent_tunnels = agent.tunnels.clone();
+    let echo = tokio::spawn(async move {
+        let mut stream = match agent_tunnels.open_requested("t-1").await {
+            Some(opened) => opened.unwrap(),
+            None => agent_tunnels.accept().await.unwrap(),
+        };
+        assert_eq!(stream.id, "t-1");
+        let mut buf = Vec::new();
+        stream.read_to_end(&mut buf).await.unwrap();
+        stream.write_all(&buf).await.unwrap();
+        stream.shutdown().await.unwrap();
+    });
+    let opener = hub.tunnels.clone();
+    let opening = tokio::spawn(async move { opener.open("t-1", Duration::from_secs(10)).await });
+    if hub.tunnels.needs_open_tunnel_frame() {
+        // What the session machine sends; this test plays its part.
+        let open = wire::HubFrame {
+            frame: Some(hub_frame::Frame::OpenTunnel(wire::OpenTunnel {
+                id: "t-1".into(),
+            })),
+        };
+        hub.link.outbound.send(open).await.unwrap();
+        let got = agent.link.inbound.next().await.unwrap().unwrap();
+        assert!(matches!(got.frame, Some(hub_frame::Frame::OpenTunnel(_))));
+    }
+    let mut tunnel = opening.await.unwrap().unwrap();
+    let payload: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+    tunnel.write_all(&payload).await.unwrap();
+    tunnel.shutdown().await.unwrap();
+    let mut back = Vec::new();
+    tunnel.read_to_end(&mut back).await.unwrap();
+    assert_eq!(back.len(), payload.len(), "{carrier}");
+    assert!(back == payload, "{carrier}: bytes came back intact");
+    echo.await.unwrap();
+
+    // The session still works after the tunnel, and an oversized frame ends it.
+    let big = wire::AgentFrame {
+        frame: Some(agent_frame::Frame::Goodbye(wire::Goodbye {
+            reason: "x".repeat(MAX_FRAME + 1),
+            refusal: 0,
+        })),
+    };
+    let _ = agent.link.outbound.send(big).await;
+    match hub.link.inbound.next().await {
+        Some(Err(LinkError::TooLarge { size, max })) => {
+            assert_eq!(max, MAX_FRAME, "{carrier}");
+            assert!(size > MAX_FRAME, "{carrier}: {size}");
+        }
+        other => panic!("{carrier}: expected the frame bound, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_carries_a_session_and_a_tunnel() {
+    session_and_tunnel(Carrier::Grpc).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quic_carries_a_session_and_a_tunnel() {
+    session_and_tunnel(Carrier::Quic).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quic_session_survives_the_agent_moving_to_a_new_port() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let pki = pki();
+    let (addr, mut sessions, _drain) = gateway(&pki, Carrier::Quic).await;
+    let (mut agent, client) = dial(&pki, Carrier::Quic, addr).await;
+    let client = client.unwrap();
+    tokio::spawn(agent.pump.take().unwrap());
+    let mut hub = sessions.recv().await.unwrap();
+    assert_eq!(hub.link.inbound.next().await.unwrap().unwrap(), hello());
+    let before = client.local_addr().unwrap();
+    let after = client.rebind("127.0.0.1:0".parse().unwrap()).unwrap();
+    assert_ne!(before.port(), after.port());
+    for seq in 1..=20 {
+        // Both directions after the move, on the same session.
+        hub.link.outbound.send(heartbeat(seq)).await.unwrap();
+        assert_eq!(
+            agent.link.inbound.next().await.unwrap().unwrap(),
+            heartbeat(seq)
+        );
+        let up = wire::AgentFrame {
+            frame: Some(agent_frame::Frame::Heartbeat(wire::Heartbeat { seq })),
+        };
+        agent.link.outbound.send(up.clone()).await.unwrap();
+        assert_eq!(hub.link.inbound.next().await.unwrap().unwrap(), up);
+    }
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), sessions.recv())
+            .await
+            .is_err(),
+        "no second session: the first one went on"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_of_another_ca_is_refused_by_both_carriers() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let hub_pki = pki();
+    let mut stranger = pki_named("another CA");
+    // The stranger trusts the hub's CA but its certificate is from its own.
+    stranger.ca = hub_pki.ca.clone();
+    for carrier in [Carrier::Grpc, Carrier::Quic] {
+        let (addr, mut sessions, _drain) = gateway(&hub_pki, carrier).await;
+        let client_tls = tls::client_config(
+            stranger.ca.as_bytes(),
+            stranger.agent.0.as_bytes(),
+            stranger.agent.1.as_bytes(),
+            &[],
+        )
+        .unwrap();
+        let refused: LinkError = match carrier {
+            Carrier::Grpc => {
+                match flotilla_transport::grpc::connect(
+                    &addr.to_string(),
+                    ServerName::try_from("localhost").unwrap(),
+                    client_tls,
+                    None,
+                    None,
+                )
+                .await
+                {
+                    Err(e) => e,
+                    Ok(_) => panic!("grpc: a foreign certificate got a connection"),
+                }
+            }
+            Carrier::Quic => {
+                let client =
+                    QuicClient::bind("127.0.0.1:0".parse().unwrap(), quic_settings()).unwrap();
+                match client
+                    .open_session(addr, "localhost", &client_tls, hello())
+                    .await
+                {
+                    Err(e) => e,
+                    Ok(_) => panic!("quic: a foreign certificate got a session"),
+                }
+            }
+        };
+        // The hub's TLS alert 48, "unknown CA": the agent can say its certificate is not the
+        // hub's, on either carrier.
+        assert!(
+            matches!(
+                refused,
+                LinkError::Tls {
+                    alert: 48,
+                    by_peer: true,
+                    ..
+                }
+            ),
+            "{carrier}: {refused:?}"
+        );
+        assert!(
+            sessions.try_recv().is_err(),
+            "{carrier}: no session reached the gateway"
+        );
+    }
+}
