@@ -52,7 +52,13 @@ impl DesiredState {
 
     /// The (namespace, name) of the work with this uid, if it belongs to `cluster`. A session
     /// may write status only for works in its own cluster's namespace.
+    ///
+    /// Waits for the first list: a gateway that just started has not read any work yet, and an
+    /// agent reconnecting to it re-sends its unacknowledged statuses at once. "Not read yet" is
+    /// not "not yours"; answering `None` then would drop those statuses until the agent's next
+    /// session.
     pub async fn owned_by(&self, cluster: &str, uid: &str) -> Option<String> {
+        self.wait_ready().await;
         if let Some(name) = self
             .works
             .read()
@@ -267,6 +273,36 @@ mod tests {
     use crate::test_support::eventually;
     use flotilla_store::SledStore;
     use serde_json::json;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_work_asked_about_before_the_first_list_is_found_once_it_is_loaded() {
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(SledStore::open(dir.path()).unwrap());
+        let stored = store
+            .create(json!({
+                "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
+                "metadata": {"name": "early", "namespace": "store-1"},
+                "spec": {"workload": {"manifests": [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"}}]}},
+            }))
+            .await
+            .unwrap();
+        let uid = stored["metadata"]["uid"].as_str().unwrap().to_owned();
+        let desired = DesiredState::new();
+        // Asked first (an agent's status arriving at a gateway that just started), loaded after.
+        let asked = tokio::spawn({
+            let (desired, uid) = (desired.clone(), uid.clone());
+            async move { desired.owned_by("store-1", &uid).await }
+        });
+        let (stop_tx, stop) = watch::channel(false);
+        tokio::spawn(
+            desired
+                .clone()
+                .run(store.clone(), Arc::new(Registry::default()), stop),
+        );
+        assert_eq!(asked.await.unwrap().as_deref(), Some("early"));
+        assert_eq!(desired.owned_by("store-2", &uid).await, None, "not another cluster's");
+        let _ = stop_tx.send(true);
+    }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_terminating_work_leaves_the_desired_state_but_keeps_its_owner() {

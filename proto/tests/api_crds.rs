@@ -12,13 +12,22 @@
 //! refuse: non-structural schemas, and YAML that does not read back as the CRD.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 
 use flotilla_proto::api::{self, Kind};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use serde_json::Value;
 
-const CRD_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/crds");
+/// Where the package is: read when the test runs (cargo sets it), not when it was compiled, so
+/// a test binary built in another checkout still reads this one.
+fn manifest_dir() -> std::path::PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .expect("run by cargo test, which sets CARGO_MANIFEST_DIR")
+        .into()
+}
+
+fn crd_dir() -> std::path::PathBuf {
+    manifest_dir().join("../deploy/crds")
+}
 const UPDATE_ENV: &str = "FLOTILLA_UPDATE_CRDS";
 
 fn generated() -> BTreeMap<String, String> {
@@ -31,7 +40,7 @@ fn generated() -> BTreeMap<String, String> {
 /// The `.yaml` files now in deploy/crds, by name.
 fn committed() -> BTreeMap<String, String> {
     let mut files = BTreeMap::new();
-    let Ok(dir) = std::fs::read_dir(CRD_DIR) else {
+    let Ok(dir) = std::fs::read_dir(crd_dir()) else {
         return files;
     };
     for entry in dir {
@@ -53,12 +62,12 @@ fn committed() -> BTreeMap<String, String> {
 fn crds_match_generated() {
     let want = generated();
     if std::env::var(UPDATE_ENV).is_ok_and(|v| v == "1") {
-        std::fs::create_dir_all(CRD_DIR).expect("create deploy/crds");
+        std::fs::create_dir_all(crd_dir()).expect("create deploy/crds");
         for stale in committed().keys().filter(|name| !want.contains_key(*name)) {
-            std::fs::remove_file(Path::new(CRD_DIR).join(stale)).expect("remove a stale CRD file");
+            std::fs::remove_file(crd_dir().join(stale)).expect("remove a stale CRD file");
         }
         for (name, text) in &want {
-            std::fs::write(Path::new(CRD_DIR).join(name), text).expect("write a CRD file");
+            std::fs::write(crd_dir().join(name), text).expect("write a CRD file");
         }
         return;
     }

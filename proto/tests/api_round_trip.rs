@@ -1,7 +1,6 @@
 //! OCM's YAML examples (tests/fixtures, copied from OCM's docs) parse into flotilla's types and
 //! serialize back to exactly what was written: no field added, dropped or renamed.
 
-use std::path::Path;
 
 use flotilla_proto::api::{
     self, AddOnPlacementScore, ClusterClaim, Kind, ManagedCluster, ManagedClusterSet,
@@ -12,10 +11,20 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures");
+/// Where the package is: read when the test runs (cargo sets it), not when it was compiled, so
+/// a test binary built in another checkout still reads this one.
+fn manifest_dir() -> std::path::PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .expect("run by cargo test, which sets CARGO_MANIFEST_DIR")
+        .into()
+}
+
+fn fixtures() -> std::path::PathBuf {
+    manifest_dir().join("tests/fixtures")
+}
 
 fn read(path: &str) -> String {
-    let full = Path::new(FIXTURES).join(path);
+    let full = fixtures().join(path);
     std::fs::read_to_string(&full).unwrap_or_else(|e| panic!("read {}: {e}", full.display()))
 }
 
@@ -66,7 +75,7 @@ fn check_round_trip(path: &str) {
 
 #[test]
 fn every_fixture_round_trips() {
-    let mut paths: Vec<String> = std::fs::read_dir(FIXTURES)
+    let mut paths: Vec<String> = std::fs::read_dir(fixtures())
         .expect("fixtures dir")
         .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
         .filter(|name| name.ends_with(".yaml"))

@@ -448,15 +448,59 @@ impl QuicClient {
             .try_send(first)
             .map_err(|_| LinkError::Transport("the session's first frame did not fit".into()))?;
         let closer = conn.clone();
-        let pump: Pump = Box::pin(async move {
+        let mut pump: Pump = Box::pin(async move {
             pump.await;
             closer.close(VarInt::from_u32(CLOSE_SESSION_ENDED), b"session ended");
         });
+        let link = first_answer(link, &mut pump, &conn).await?;
         Ok(Dialed {
             link,
             pump: Some(pump),
             tunnels: crate::AgentTunnels::Quic(AgentTunnels { conn }),
         })
+    }
+}
+
+/// Waits for the hub's answer to the first frame, sending it meanwhile. In TLS 1.3 the client's
+/// handshake completes before the server has checked the client's certificate; a hub that
+/// refuses it closes the connection with the TLS alert, and waiting here makes that alert this
+/// dial's error (`unknown CA`, `certificate expired`) instead of a stream reset later. The hub
+/// answers a hello at once (welcome or goodbye), so this costs one round trip the session
+/// would wait for anyway.
+async fn first_answer(
+    link: Link<HubFrame, AgentFrame>,
+    pump: &mut Pump,
+    conn: &Connection,
+) -> Result<Link<HubFrame, AgentFrame>, LinkError> {
+    let Link {
+        mut inbound,
+        outbound,
+        carrier,
+    } = link;
+    let answer = tokio::select! {
+        answer = inbound.next() => answer,
+        () = &mut *pump => None,
+    };
+    match answer {
+        Some(Ok(frame)) => Ok(Link {
+            inbound: futures::stream::once(std::future::ready(Ok(frame)))
+                .chain(inbound)
+                .boxed(),
+            outbound,
+            carrier,
+        }),
+        other => {
+            // The connection's own reason (the TLS alert) says more than the stream's.
+            if let Some(reason) = conn.close_reason() {
+                return Err(connection_error(reason));
+            }
+            Err(match other {
+                Some(Err(e)) => e,
+                _ => LinkError::Transport(
+                    "the hub ended the session before answering its first frame".into(),
+                ),
+            })
+        }
     }
 }
 

@@ -186,12 +186,40 @@ impl Drop for TestEnv {
 }
 
 /// The repository root, e.g. for `workspace_root().join("deploy/crds")`.
+///
+/// Found when first asked, from where this process runs: the package cargo runs it for
+/// (`CARGO_MANIFEST_DIR` at run time, set by `cargo test` and `cargo run`), else the current
+/// directory, else the checkout this crate was compiled in. Run time first because one target
+/// directory serves several checkouts (a CI clone, a worktree): a path fixed at compile time
+/// can name a checkout that has since gone, and cargo does not rebuild a crate that moved.
 pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .ancestors()
-        .nth(2)
-        .expect("deploy/testenv sits two levels below the repository root")
-        .to_path_buf()
+    static ROOT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    ROOT.get_or_init(|| {
+        let compiled_in = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .ancestors()
+            .nth(2)
+            .expect("deploy/testenv sits two levels below the repository root")
+            .to_path_buf();
+        [
+            std::env::var_os("CARGO_MANIFEST_DIR").map(PathBuf::from),
+            std::env::current_dir().ok(),
+        ]
+        .into_iter()
+        .flatten()
+        .find_map(|start| {
+            start
+                .ancestors()
+                .find(|dir| is_checkout(dir))
+                .map(Path::to_path_buf)
+        })
+        .unwrap_or(compiled_in)
+    })
+    .clone()
+}
+
+/// Whether `dir` is the root of a flotilla checkout.
+fn is_checkout(dir: &Path) -> bool {
+    dir.join("Cargo.toml").is_file() && dir.join("deploy/testenv/build.sh").is_file()
 }
 
 /// The directory holding `etcd` and `kube-apiserver`, built on first use. `build.sh` runs at most

@@ -17,7 +17,8 @@ use tokio::time::Instant;
 /// until the generated OCM CRDs land; then this becomes
 /// `flotilla_testenv::workspace_root().join("deploy/crds")`.
 fn crd_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/crds")
+    PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("run by cargo test"))
+        .join("tests/fixtures/crds")
 }
 
 fn trace_init() {
