@@ -300,7 +300,11 @@ mod tests {
                 .run(store.clone(), Arc::new(Registry::default()), stop),
         );
         assert_eq!(asked.await.unwrap().as_deref(), Some("early"));
-        assert_eq!(desired.owned_by("store-2", &uid).await, None, "not another cluster's");
+        assert_eq!(
+            desired.owned_by("store-2", &uid).await,
+            None,
+            "not another cluster's"
+        );
         let _ = stop_tx.send(true);
     }
 

@@ -1,7 +1,6 @@
 //! OCM's YAML examples (tests/fixtures, copied from OCM's docs) parse into flotilla's types and
 //! serialize back to exactly what was written: no field added, dropped or renamed.
 
-
 use flotilla_proto::api::{
     self, AddOnPlacementScore, ClusterClaim, Kind, ManagedCluster, ManagedClusterSet,
     ManagedClusterSetBinding, ManifestWork, ManifestWorkReplicaSet, Placement, PlacementDecision,
