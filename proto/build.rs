@@ -11,6 +11,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // A join request carries the bootstrap token: its Debug is written by hand (in lib.rs) so
     // the secret cannot reach a log through `{:?}`.
     config.skip_debug(["flotilla.v1.JoinRequest"]);
+    // Resource lists compare and serialise in name order, so an unchanged report is equal.
+    config.btree_map([".flotilla.v1.ClusterInfo"]);
     tonic_prost_build::configure()
         .build_server(true)
         .build_client(true)

@@ -67,13 +67,15 @@ pub(crate) async fn session_once(
     let mut version = spoke.kubernetes_version.clone();
     let _ = tokio::time::timeout(VERSION_WAIT, version.wait_for(|v| !v.is_empty())).await;
     let kubernetes_version = version.borrow().clone();
+    let mut cluster_info = spoke.cluster_info.clone();
+    let claims = cluster_info.borrow_and_update().claims.clone();
     let mut machine = AgentSession::new(
         Instant::now(),
         SessionConfig {
             cluster_name: config.cluster_name.clone(),
             agent_version: env!("CARGO_PKG_VERSION").to_string(),
             kubernetes_version,
-            claims: Vec::new(),
+            claims,
             welcome_timeout: DEFAULT_WELCOME_TIMEOUT,
         },
         held,
@@ -132,6 +134,7 @@ pub(crate) async fn session_once(
                     info!(session = %session_id, %carrier, "session established");
                     spoke.observer.session_established();
                     report_outbox(&mut machine, spoke, &mut reported);
+                    report_cluster_info(&mut machine, &mut cluster_info);
                 }
                 AgentEvent::WorkReceived { work } => cache.push(CacheOp::Store(work)),
                 AgentEvent::WorkDeleted {
@@ -282,6 +285,10 @@ pub(crate) async fn session_once(
             _ = spoke.outbox_changed.notified(), if established => {
                 report_outbox(&mut machine, spoke, &mut reported);
             }
+            // A claim, node or version changed on the spoke.
+            Ok(()) = cluster_info.changed(), if established => {
+                report_cluster_info(&mut machine, &mut cluster_info);
+            }
             _ = async { pump.as_mut().expect("checked").await }, if pump.is_some() => {
                 // The carrier's writer ended: the connection is gone.
                 pump = None;
@@ -315,6 +322,17 @@ pub(crate) async fn session_once(
             },
             established: established_at.is_some(),
         },
+    }
+}
+
+/// Sends what the agent knows about its spoke now, unless it knows nothing yet.
+fn report_cluster_info(
+    machine: &mut AgentSession,
+    cluster_info: &mut watch::Receiver<wire::ClusterInfo>,
+) {
+    let info = cluster_info.borrow_and_update().clone();
+    if info != wire::ClusterInfo::default() {
+        machine.report_cluster_info(info);
     }
 }
 
@@ -652,12 +670,14 @@ mod tests {
                 let _ = stopped.await;
             }));
             let (_, kubernetes_version) = watch::channel("v1.36.3".to_string());
+            let (_, cluster_info) = watch::channel(wire::ClusterInfo::default());
             Agent {
                 spoke: Spoke {
                     cache,
                     reconciler: handle,
                     outbox_changed,
                     kubernetes_version,
+                    cluster_info,
                     observer: Arc::new(Unobserved),
                 },
                 cluster,

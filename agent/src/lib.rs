@@ -13,6 +13,8 @@
 //! * [`status`]: ManifestWork status as OCM shapes it, with [`feedback`] values and
 //!   [`condition_rules`] (CEL through [`cel`]); [`watch`] keeps it current as the applied
 //!   objects change; [`executor`] bounds a work by a ServiceAccount's rights.
+//! * [`claims`]: what the agent reports about its spoke (OCM's ClusterClaims, version, node
+//!   resources), from watches of Nodes and ClusterClaims, sent when it changes.
 //! * [`join`], [`identity`]: joining with a bootstrap token (key made here, CSR sent, CA pinned)
 //!   and the identity on disk, renewed over the session.
 //!
@@ -23,6 +25,7 @@
 pub mod apply;
 pub mod cache;
 pub mod cel;
+pub mod claims;
 pub mod condition_rules;
 pub mod config;
 pub mod connect;

@@ -115,6 +115,9 @@ pub struct Parts {
     pub target: Arc<dyn ApplyTarget>,
     /// The spoke's Kubernetes version for the hello; empty until known.
     pub kubernetes_version: watch::Receiver<String>,
+    /// What the agent reports about its spoke (claims, version, resources), kept current by
+    /// `claims::collect`; each change is sent to the hub.
+    pub cluster_info: watch::Receiver<wire::ClusterInfo>,
     /// Told what the session does.
     pub observer: Arc<dyn Observer>,
     /// Seeds the reconnect and resync jitter, for runs that must repeat; `None` draws from
@@ -134,6 +137,8 @@ pub struct Spoke {
     pub outbox_changed: Arc<Notify>,
     /// The spoke's Kubernetes version for the hello; empty until known.
     pub kubernetes_version: watch::Receiver<String>,
+    /// What the agent reports about its spoke; sent after the welcome and on every change.
+    pub cluster_info: watch::Receiver<wire::ClusterInfo>,
     /// Told what the session does.
     pub observer: Arc<dyn Observer>,
 }
@@ -163,12 +168,14 @@ pub async fn run(
     let version_task = config
         .kubernetes_version
         .is_empty()
-        .then(|| tokio::spawn(read_spoke_version(client, version_tx)));
+        .then(|| tokio::spawn(read_spoke_version(client.clone(), version_tx)));
+    let (cluster_info, claims_task) = crate::claims::collect(client, kubernetes_version.clone());
     let parts = Parts {
         dialer,
         cache,
         target,
         kubernetes_version,
+        cluster_info,
         observer: Arc::new(Unobserved),
         seed: None,
     };
@@ -176,6 +183,7 @@ pub async fn run(
     if let Some(task) = version_task {
         task.abort();
     }
+    claims_task.abort();
     result
 }
 
@@ -192,6 +200,7 @@ pub async fn run_with(
         cache,
         target,
         kubernetes_version,
+        cluster_info,
         observer,
         seed,
     } = parts;
@@ -215,6 +224,7 @@ pub async fn run_with(
         reconciler: handle,
         outbox_changed,
         kubernetes_version,
+        cluster_info,
         observer,
     };
     let jitter = RandJitter(rand::rngs::StdRng::seed_from_u64(seeds.random()));

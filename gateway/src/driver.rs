@@ -161,6 +161,20 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
                         }));
                     }
                 },
+                HubEvent::ClusterInfoReported { info } => {
+                    // Off the loop: the health task's buffer may be full in a storm.
+                    let (shared, cluster) = (shared.clone(), cluster.clone());
+                    work.push(Box::pin(async move {
+                        shared
+                            .health
+                            .send(HealthReport::ClusterInfo {
+                                cluster,
+                                info: Box::new(info),
+                            })
+                            .await;
+                        Done::Nothing
+                    }));
+                }
                 HubEvent::Closed { reason, by_peer } => {
                     info!(%reason, by_peer, "session closed");
                     closed_at = Some(Instant::now());

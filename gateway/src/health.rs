@@ -12,9 +12,10 @@
 //! heartbeats). A connect that finds the cluster already recorded Available (in the gateway's
 //! watch cache of ManagedClusters, see `admission`) with the same version and claims writes
 //! nothing and reads nothing: a hub restarted under every session costs the store no request
-//! for health.
+//! for health. The agent's reports of its spoke (claims, version, capacity) are written when
+//! they differ from what the store records, so a report repeated costs the store nothing.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,10 +23,12 @@ use flotilla_proto::api::Kind;
 use flotilla_proto::api::conditions::{
     self, ConditionStatus, MANAGED_CLUSTER_CONDITION_AVAILABLE, MANAGED_CLUSTER_JOINED,
 };
+use flotilla_proto::contract::check_cluster_info;
 use flotilla_proto::session::{Presence, PresenceEvent};
 use flotilla_proto::wire;
 use flotilla_store::{Store, StoreError};
 use futures::StreamExt as _;
+use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use serde_json::{Value, json};
@@ -55,6 +58,12 @@ pub enum HealthReport {
     },
     /// Session `session` of `cluster` ended.
     Disconnected { cluster: String, session: String },
+    /// The agent of `cluster` (the session's certificate's, never a name from the frame)
+    /// reported what it knows about its spoke now, whole.
+    ClusterInfo {
+        cluster: String,
+        info: Box<wire::ClusterInfo>,
+    },
 }
 
 /// The drivers' end of the health task's channel.
@@ -81,7 +90,60 @@ pub struct HealthWriter {
 /// The outcome of one health write, back to the task.
 enum Written {
     Available { cluster: String, ok: bool },
-    Unknown,
+    Unknown { cluster: String },
+    ClusterInfo { cluster: String, ok: bool },
+}
+
+impl Written {
+    fn cluster(&self) -> &str {
+        match self {
+            Written::Available { cluster, .. }
+            | Written::Unknown { cluster }
+            | Written::ClusterInfo { cluster, .. } => cluster,
+        }
+    }
+}
+
+/// Writes waiting for a slot. Writes of one cluster run one at a time, in the order they were
+/// queued: each reads the ManagedCluster and writes its status back, so two at once could
+/// undo each other (Available over Unknown, or claims a connect wrote over a newer report).
+#[derive(Default)]
+struct WriteQueue {
+    /// Per cluster with writes waiting or running: those waiting, in order.
+    waiting: HashMap<String, VecDeque<BoxFuture<'static, Written>>>,
+    /// Clusters whose next write may start now (none of theirs is running), in order.
+    ready: VecDeque<String>,
+}
+
+impl WriteQueue {
+    fn push(&mut self, cluster: String, write: BoxFuture<'static, Written>) {
+        match self.waiting.get_mut(&cluster) {
+            // A write of this cluster is running or waiting; this one follows it.
+            Some(queue) => queue.push_back(write),
+            None => {
+                self.waiting
+                    .insert(cluster.clone(), VecDeque::from([write]));
+                self.ready.push_back(cluster);
+            }
+        }
+    }
+
+    /// The next write that may start.
+    fn next(&mut self) -> Option<BoxFuture<'static, Written>> {
+        let cluster = self.ready.pop_front()?;
+        self.waiting.get_mut(&cluster)?.pop_front()
+    }
+
+    /// A write of `cluster` ended: its next one may start.
+    fn done(&mut self, cluster: &str) {
+        match self.waiting.get(cluster) {
+            Some(queue) if queue.is_empty() => {
+                self.waiting.remove(cluster);
+            }
+            Some(_) => self.ready.push_back(cluster.to_string()),
+            None => {}
+        }
+    }
 }
 
 impl HealthWriter {
@@ -110,10 +172,11 @@ impl HealthWriter {
         // event may not have reached the cache yet when the agent comes back, so a connect
         // always writes for them.
         let mut marked_unknown: HashSet<String> = HashSet::new();
+        // The last cluster info written or being written per cluster with a live session: a
+        // report repeated before the watch cache has seen the write is not written twice.
+        let mut last_info: HashMap<String, wire::ClusterInfo> = HashMap::new();
         let mut writes = FuturesUnordered::new();
-        // Writes waiting for a slot, in order.
-        let mut queued: std::collections::VecDeque<futures::future::BoxFuture<'static, Written>> =
-            std::collections::VecDeque::new();
+        let mut queued = WriteQueue::default();
         let this = Arc::new(Writes {
             store: self.store.clone(),
             grace_period: self.grace_period,
@@ -124,7 +187,7 @@ impl HealthWriter {
         tokio::pin!(stopped);
         loop {
             while writes.len() < WRITE_CONCURRENCY {
-                let Some(w) = queued.pop_front() else { break };
+                let Some(w) = queued.next() else { break };
                 writes.push(w);
             }
             let deadline = presence.poll_timeout();
@@ -142,7 +205,7 @@ impl HealthWriter {
                                 continue;
                             }
                             let w = this.clone();
-                            queued.push_back(Box::pin(async move {
+                            queued.push(cluster.clone(), Box::pin(async move {
                                 let ok = match w.mark_available(&cluster, &hello).await {
                                     Ok(()) => true,
                                     Err(e) => {
@@ -154,7 +217,38 @@ impl HealthWriter {
                             }));
                         }
                         HealthReport::Disconnected { cluster, session } => {
+                            // Kept for live sessions only; the watch cache answers for the next.
+                            last_info.remove(&cluster);
                             presence.disconnected(Instant::now(), &cluster, &session);
+                        }
+                        HealthReport::ClusterInfo { cluster, info } => {
+                            if let Err(problem) = check_cluster_info(&info) {
+                                warn!(cluster, %problem, "cluster info refused; the ManagedCluster keeps what it has");
+                                continue;
+                            }
+                            if last_info.get(&cluster) == Some(&*info) {
+                                continue;
+                            }
+                            let recorded = self.admissions.get(&cluster).await.map(|a| a.health);
+                            if recorded.is_some_and(|h| h.shows_info(&info)) {
+                                debug!(cluster, "cluster info unchanged: nothing to write");
+                                continue;
+                            }
+                            last_info.insert(cluster.clone(), (*info).clone());
+                            let w = this.clone();
+                            queued.push(cluster.clone(), Box::pin(async move {
+                                let ok = match w.write_cluster_info(&cluster, &info).await {
+                                    Ok(()) => {
+                                        info!(cluster, claims = info.claims.len(), "cluster info updated");
+                                        true
+                                    }
+                                    Err(e) => {
+                                        warn!(cluster, error = %e, "could not record the cluster's info");
+                                        false
+                                    }
+                                };
+                                Written::ClusterInfo { cluster, ok }
+                            }));
                         }
                     }
                 }
@@ -164,20 +258,29 @@ impl HealthWriter {
                         // Noted before the write: a connect racing it then writes Available after.
                         marked_unknown.insert(cluster.clone());
                         let w = this.clone();
-                        queued.push_back(Box::pin(async move {
+                        queued.push(cluster.clone(), Box::pin(async move {
                             if let Err(e) = w.mark_unknown(&cluster).await {
                                 warn!(cluster, error = %e, "could not record the cluster as Unknown");
                             }
-                            Written::Unknown
+                            Written::Unknown { cluster }
                         }));
                     }
                 }
-                Some(written) = writes.next(), if !writes.is_empty() => match written {
-                    Written::Available { cluster, ok: true } => {
-                        marked_unknown.remove(&cluster);
+                Some(written) = writes.next(), if !writes.is_empty() => {
+                    queued.done(written.cluster());
+                    match written {
+                        Written::Available { cluster, ok: true } => {
+                            marked_unknown.remove(&cluster);
+                        }
+                        // Not written: the next report of it is written again.
+                        Written::ClusterInfo { cluster, ok: false } => {
+                            last_info.remove(&cluster);
+                        }
+                        Written::Available { ok: false, .. }
+                        | Written::Unknown { .. }
+                        | Written::ClusterInfo { ok: true, .. } => {}
                     }
-                    Written::Available { ok: false, .. } | Written::Unknown => {}
-                },
+                }
                 _ = &mut stopped => return,
             }
         }
@@ -239,6 +342,51 @@ impl Writes {
         // Remove the unreachable taint the cluster may carry from an earlier outage.
         self.set_unreachable_taint(updated, false).await?;
         info!(cluster, "cluster available");
+        Ok(())
+    }
+
+    /// Writes claims, version, capacity and allocatable into the status, from a fresh read and
+    /// with its version as precondition: other writers of the same status lose nothing, and a
+    /// conflict is redone from a new read.
+    async fn write_cluster_info(
+        &self,
+        cluster: &str,
+        info: &wire::ClusterInfo,
+    ) -> Result<(), StoreError> {
+        const ATTEMPTS: usize = 5;
+        for attempt in 1..=ATTEMPTS {
+            let current = self.existing_cluster(cluster).await?;
+            let mut status = current.get("status").cloned().unwrap_or_else(|| json!({}));
+            status["clusterClaims"] = info
+                .claims
+                .iter()
+                .map(|c| json!({ "name": c.name, "value": c.value }))
+                .collect();
+            if !info.kubernetes_version.is_empty() {
+                status["version"] = json!({ "kubernetes": info.kubernetes_version });
+            }
+            // Like OCM's agent: capacity entries others added stay; allocatable is the agent's.
+            let mut capacity = resource_list(&status["capacity"]);
+            capacity.extend(info.capacity.clone());
+            status["capacity"] = json!(capacity);
+            status["allocatable"] = json!(info.allocatable);
+            let expected = flotilla_store::Revision::of(&current);
+            match self
+                .store
+                .update_status(
+                    Kind::ManagedCluster,
+                    None,
+                    cluster,
+                    status,
+                    expected.as_ref(),
+                )
+                .await
+            {
+                Ok(_) => return Ok(()),
+                Err(StoreError::Conflict { .. }) if attempt < ATTEMPTS => continue,
+                Err(e) => return Err(e),
+            }
+        }
         Ok(())
     }
 
@@ -338,6 +486,9 @@ pub struct RecordedHealth {
     pub kubernetes_version: String,
     /// `status.clusterClaims` as (name, value).
     pub claims: Vec<(String, String)>,
+    /// `status.capacity` and `status.allocatable`, quantities as written.
+    pub capacity: BTreeMap<String, String>,
+    pub allocatable: BTreeMap<String, String>,
 }
 
 impl RecordedHealth {
@@ -367,7 +518,23 @@ impl RecordedHealth {
                         .collect()
                 })
                 .unwrap_or_default(),
+            capacity: resource_list(&obj["status"]["capacity"]),
+            allocatable: resource_list(&obj["status"]["allocatable"]),
         }
+    }
+
+    /// Whether storing this report would change nothing.
+    fn shows_info(&self, info: &wire::ClusterInfo) -> bool {
+        let claims: Vec<(String, String)> = info
+            .claims
+            .iter()
+            .map(|c| (c.name.clone(), c.value.clone()))
+            .collect();
+        claims == self.claims
+            && (info.kubernetes_version.is_empty()
+                || info.kubernetes_version == self.kubernetes_version)
+            && info.capacity == self.capacity
+            && info.allocatable == self.allocatable
     }
 
     /// Whether marking the cluster Available for this hello would change nothing.
@@ -383,6 +550,23 @@ impl RecordedHealth {
                 || hello.kubernetes_version == self.kubernetes_version)
             && (claims.is_empty() || claims == self.claims)
     }
+}
+
+/// A stored resource list (`status.capacity`), quantities as strings (numbers as written).
+fn resource_list(list: &Value) -> BTreeMap<String, String> {
+    list.as_object()
+        .map(|m| {
+            m.iter()
+                .map(|(k, v)| {
+                    let q = match v {
+                        Value::String(s) => s.clone(),
+                        other => other.to_string(),
+                    };
+                    (k.clone(), q)
+                })
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 fn read_conditions(status: &Value) -> Vec<Condition> {
@@ -428,8 +612,40 @@ mod tests {
         (rv, RecordedHealth::from_object(&mc))
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_reconnect_that_changes_nothing_writes_nothing() {
+    #[tokio::test]
+    async fn one_clusters_writes_run_one_at_a_time_in_order() {
+        let write = |cluster: &str| -> BoxFuture<'static, Written> {
+            let cluster = cluster.to_string();
+            Box::pin(async move { Written::Unknown { cluster } })
+        };
+        let cluster_of = |w: Option<BoxFuture<'static, Written>>| async move {
+            w.expect("a write may start").await.cluster().to_string()
+        };
+        let mut queue = WriteQueue::default();
+        queue.push("a".into(), write("a"));
+        queue.push("a".into(), write("a"));
+        queue.push("b".into(), write("b"));
+        assert_eq!(cluster_of(queue.next()).await, "a");
+        // a's second write waits for its first; b's goes ahead.
+        assert_eq!(cluster_of(queue.next()).await, "b");
+        assert!(queue.next().is_none());
+        queue.done("b");
+        assert!(queue.next().is_none());
+        queue.done("a");
+        assert_eq!(cluster_of(queue.next()).await, "a");
+        queue.done("a");
+        assert!(queue.next().is_none() && queue.waiting.is_empty());
+    }
+
+    /// A store holding accepted cluster `store-1`, the admissions cache watching it, and the
+    /// switch that stops them.
+    async fn one_cluster() -> (
+        tempfile::TempDir,
+        Arc<dyn Store>,
+        Arc<Admissions>,
+        watch::Sender<bool>,
+        watch::Receiver<bool>,
+    ) {
         let dir = tempfile::tempdir().unwrap();
         let store: Arc<dyn Store> = Arc::new(SledStore::open(dir.path()).unwrap());
         store
@@ -446,6 +662,13 @@ mod tests {
             Arc::new(Registry::default()),
             stop.clone(),
         ));
+        (dir, store, admissions, stop_tx, stop)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_reconnect_that_changes_nothing_writes_nothing() {
+        // The directory is held to the end: it keeps the database.
+        let (_dir, store, admissions, stop_tx, stop) = one_cluster().await;
         let cached_available = || async {
             admissions
                 .get("store-1")
@@ -502,6 +725,82 @@ mod tests {
             health.available && !health.unreachable
         })
         .await;
+        let _ = stop_tx.send(true);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn cluster_info_is_written_when_it_changes_and_refused_beyond_its_bounds() {
+        // The directory is held to the end: it keeps the database.
+        let (_dir, store, admissions, stop_tx, stop) = one_cluster().await;
+        let grace = Duration::from_secs(60);
+        let claim = |name: &str, value: &str| wire::ClusterClaim {
+            name: name.into(),
+            value: value.into(),
+        };
+        let report = |info: &wire::ClusterInfo| HealthReport::ClusterInfo {
+            cluster: "store-1".into(),
+            info: Box::new(info.clone()),
+        };
+        let info = wire::ClusterInfo {
+            claims: vec![claim("nodecount.flotilla.dev", "3"), claim("region", "eu")],
+            kubernetes_version: "v1.36.3".into(),
+            capacity: [("cpu".to_string(), "12".to_string())].into(),
+            allocatable: [("cpu".to_string(), "11500m".to_string())].into(),
+        };
+        let rv = |v: &str| v.parse::<u64>().unwrap();
+
+        let (writer, reports) = HealthWriter::new(store.clone(), grace, admissions.clone());
+        let first_run = tokio::spawn(writer.run(stop.clone()));
+        reports.send(report(&info)).await;
+        eventually("the claims are written", || async {
+            stored(store.as_ref()).await.1.claims.len() == 2
+        })
+        .await;
+        let (first, health) = stored(store.as_ref()).await;
+        assert_eq!(
+            health.claims,
+            [
+                ("nodecount.flotilla.dev".into(), "3".into()),
+                ("region".into(), "eu".into())
+            ]
+        );
+        assert_eq!(health.capacity["cpu"], "12");
+        assert_eq!(health.allocatable["cpu"], "11500m");
+        assert_eq!(health.kubernetes_version, "v1.36.3");
+        eventually("the cache sees the claims", || async {
+            admissions
+                .get("store-1")
+                .await
+                .is_some_and(|a| a.health.claims.len() == 2)
+        })
+        .await;
+        first_run.abort();
+
+        // A restarted hub (a new writer) given the same report: nothing written. Thousands of
+        // claims: refused, what is stored stays. Then a claim changes on the spoke: written,
+        // so the version moves by exactly one.
+        let (writer, reports) = HealthWriter::new(store.clone(), grace, admissions.clone());
+        tokio::spawn(writer.run(stop.clone()));
+        reports.send(report(&info)).await;
+        let mut flood = info.clone();
+        flood.claims = (0..1000).map(|i| claim(&format!("c{i}"), "x")).collect();
+        reports.send(report(&flood)).await;
+        let mut changed = info.clone();
+        changed.claims[1].value = "us".into();
+        reports.send(report(&changed)).await;
+        eventually("the changed claim is written", || async {
+            stored(store.as_ref())
+                .await
+                .1
+                .claims
+                .get(1)
+                .map(|c| c.1.as_str())
+                == Some("us")
+        })
+        .await;
+        let (after, health) = stored(store.as_ref()).await;
+        assert_eq!(rv(&after), rv(&first) + 1, "only the change was written");
+        assert_eq!(health.claims.len(), 2, "the flood was refused");
         let _ = stop_tx.send(true);
     }
 }

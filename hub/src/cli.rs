@@ -151,3 +151,330 @@ mod tests {
         assert!(err.contains("work.open-cluster-management.io/v1 ManifestWork"));
     }
 }
+
+/// A ManifestWorkReplicaSet named `name` in `namespace` that delivers `manifests` to the
+/// clusters of placement `placement`, all at once: what `flotilla work create NAME -f FILE
+/// --placement NS/PLACEMENT` creates, so that the work follows the placement's decisions.
+pub fn replica_set(name: &str, namespace: &str, placement: &str, manifests: &[Value]) -> Value {
+    json!({
+        "apiVersion": Kind::ManifestWorkReplicaSet.api_version(),
+        "kind": "ManifestWorkReplicaSet",
+        "metadata": { "name": name, "namespace": namespace },
+        "spec": {
+            "manifestWorkTemplate": { "workload": { "manifests": manifests } },
+            "placementRefs": [{ "name": placement, "rolloutStrategy": { "type": "All" } }],
+        },
+    })
+}
+
+/// `NS/NAME` as (namespace, name); the error says what is expected.
+pub fn namespaced_name(s: &str, what: &str) -> anyhow::Result<(String, String)> {
+    match s.split_once('/') {
+        Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => {
+            Ok((ns.to_string(), name.to_string()))
+        }
+        _ => bail!("{what} {s:?} must be NAMESPACE/NAME, e.g. default/placement1"),
+    }
+}
+
+/// One change of `flotilla cluster label`: `key=value` sets, `key-` removes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LabelChange {
+    Set(String, String),
+    Remove(String),
+}
+
+/// Parses `key=value` and `key-` arguments as `kubectl label` does, checking Kubernetes' rules
+/// for label keys and values.
+pub fn parse_label_changes(args: &[String]) -> anyhow::Result<Vec<LabelChange>> {
+    args.iter()
+        .map(|a| {
+            if let Some(key) = a.strip_suffix('-')
+                && !a.contains('=')
+            {
+                check_label_key(key)?;
+                return Ok(LabelChange::Remove(key.to_string()));
+            }
+            let (key, value) = a.split_once('=').with_context(|| {
+                format!("{a:?} is neither key=value (set a label) nor key- (remove it)")
+            })?;
+            check_label_key(key)?;
+            check_label_value(key, value)?;
+            Ok(LabelChange::Set(key.to_string(), value.to_string()))
+        })
+        .collect()
+}
+
+/// Applies label changes to `metadata.labels` of `obj`. Changing a label that has another
+/// value needs `overwrite`, as with `kubectl label`; says whether anything changed.
+pub fn apply_label_changes(
+    obj: &mut Value,
+    changes: &[LabelChange],
+    overwrite: bool,
+) -> anyhow::Result<bool> {
+    let name = obj["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let labels = obj["metadata"]
+        .as_object_mut()
+        .context("the object has no metadata")?
+        .entry("labels")
+        .or_insert_with(|| json!({}));
+    if labels.is_null() {
+        *labels = json!({});
+    }
+    let labels = labels
+        .as_object_mut()
+        .context("metadata.labels is not a map")?;
+    let mut changed = false;
+    for c in changes {
+        match c {
+            LabelChange::Set(k, v) => match labels.get(k).and_then(Value::as_str) {
+                Some(old) if old == v => {}
+                Some(old) if !overwrite => bail!(
+                    "cluster {name} already has label {k}={old}; pass --overwrite to change it to {v}"
+                ),
+                _ => {
+                    labels.insert(k.clone(), Value::String(v.clone()));
+                    changed = true;
+                }
+            },
+            LabelChange::Remove(k) => changed |= labels.remove(k).is_some(),
+        }
+    }
+    Ok(changed)
+}
+
+fn check_label_key(key: &str) -> anyhow::Result<()> {
+    let (prefix, name) = match key.rsplit_once('/') {
+        Some((p, n)) => (Some(p), n),
+        None => (None, key),
+    };
+    if let Some(p) = prefix
+        && (p.is_empty()
+            || p.len() > 253
+            || !p.split('.').all(flotilla_proto::contract::is_dns1123_label))
+    {
+        bail!("label key {key:?}: the prefix {p:?} must be a DNS subdomain (lower-case, dots)");
+    }
+    if !valid_label_name(name) || name.is_empty() {
+        bail!(
+            "label key {key:?}: the name must be 1-63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
+        );
+    }
+    Ok(())
+}
+
+fn check_label_value(key: &str, value: &str) -> anyhow::Result<()> {
+    if !value.is_empty() && !valid_label_name(value) {
+        bail!(
+            "label {key}: value {value:?} must be at most 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
+        );
+    }
+    Ok(())
+}
+
+fn valid_label_name(s: &str) -> bool {
+    let b = s.as_bytes();
+    let edge = |c: u8| c.is_ascii_alphanumeric();
+    s.len() <= 63
+        && (b.is_empty()
+            || (edge(b[0])
+                && edge(b[b.len() - 1])
+                && b.iter()
+                    .all(|&c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))))
+}
+
+/// One change of `flotilla cluster taint`: `key[=value]:Effect` adds, `key-` or
+/// `key:Effect-` removes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TaintChange {
+    Add {
+        key: String,
+        value: String,
+        effect: String,
+    },
+    Remove {
+        key: String,
+        effect: Option<String>,
+    },
+}
+
+const TAINT_EFFECTS: [&str; 3] = ["NoSelect", "PreferNoSelect", "NoSelectIfNew"];
+
+/// Parses taint arguments as `kubectl taint` does, with OCM's effects.
+pub fn parse_taint_changes(args: &[String]) -> anyhow::Result<Vec<TaintChange>> {
+    let effect = |e: &str| -> anyhow::Result<String> {
+        anyhow::ensure!(
+            TAINT_EFFECTS.contains(&e),
+            "taint effect {e:?} is not one of {}",
+            TAINT_EFFECTS.join(", ")
+        );
+        Ok(e.to_string())
+    };
+    args.iter()
+        .map(|a| {
+            if let Some(rest) = a.strip_suffix('-') {
+                let (key, e) = match rest.split_once(':') {
+                    Some((k, e)) => (k, Some(effect(e)?)),
+                    None => (rest, None),
+                };
+                check_label_key(key)?;
+                return Ok(TaintChange::Remove {
+                    key: key.to_string(),
+                    effect: e,
+                });
+            }
+            let (kv, e) = a.rsplit_once(':').with_context(|| {
+                format!("{a:?} is neither key[=value]:Effect (add a taint) nor key- (remove it)")
+            })?;
+            let (key, value) = kv.split_once('=').unwrap_or((kv, ""));
+            check_label_key(key)?;
+            check_label_value(key, value)?;
+            Ok(TaintChange::Add {
+                key: key.to_string(),
+                value: value.to_string(),
+                effect: effect(e)?,
+            })
+        })
+        .collect()
+}
+
+/// Applies taint changes to `spec.taints` of a ManagedCluster; added taints get `timeAdded`
+/// `now`. Says whether anything changed.
+pub fn apply_taint_changes(
+    obj: &mut Value,
+    changes: &[TaintChange],
+    now: &str,
+) -> anyhow::Result<bool> {
+    let spec = obj
+        .as_object_mut()
+        .context("the object is not a map")?
+        .entry("spec")
+        .or_insert_with(|| json!({}));
+    let taints = spec
+        .as_object_mut()
+        .context("spec is not a map")?
+        .entry("taints")
+        .or_insert_with(|| json!([]));
+    if taints.is_null() {
+        *taints = json!([]);
+    }
+    let taints = taints.as_array_mut().context("spec.taints is not a list")?;
+    let mut changed = false;
+    for c in changes {
+        match c {
+            TaintChange::Add { key, value, effect } => {
+                let same = |t: &Value| t["key"] == key.as_str() && t["effect"] == effect.as_str();
+                if let Some(t) = taints.iter_mut().find(|t| same(t)) {
+                    if t["value"].as_str().unwrap_or("") != value {
+                        t["value"] = value.clone().into();
+                        changed = true;
+                    }
+                } else {
+                    let mut t = json!({ "key": key, "effect": effect, "timeAdded": now });
+                    if !value.is_empty() {
+                        t["value"] = value.clone().into();
+                    }
+                    taints.push(t);
+                    changed = true;
+                }
+            }
+            TaintChange::Remove { key, effect } => {
+                let before = taints.len();
+                taints.retain(|t| {
+                    !(t["key"] == key.as_str()
+                        && effect.as_ref().is_none_or(|e| t["effect"] == e.as_str()))
+                });
+                anyhow::ensure!(taints.len() != before, "the cluster has no taint {key}");
+                changed = true;
+            }
+        }
+    }
+    Ok(changed)
+}
+
+#[cfg(test)]
+mod change_tests {
+    use super::*;
+
+    fn args(a: &[&str]) -> Vec<String> {
+        a.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn labels_change_like_kubectl_label() {
+        let mut mc = json!({"metadata": {"name": "cluster1", "labels": {"region": "eu"}}});
+        let changes = parse_label_changes(&args(&["tier=gold", "region-"])).unwrap();
+        assert!(apply_label_changes(&mut mc, &changes, false).unwrap());
+        assert_eq!(mc["metadata"]["labels"], json!({"tier": "gold"}));
+        let err = apply_label_changes(
+            &mut mc,
+            &parse_label_changes(&args(&["tier=silver"])).unwrap(),
+            false,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("already has label tier=gold; pass --overwrite"),
+            "{err}"
+        );
+        assert!(
+            !apply_label_changes(
+                &mut mc,
+                &parse_label_changes(&args(&["tier=gold"])).unwrap(),
+                false
+            )
+            .unwrap()
+        );
+        for (bad, msg) in [
+            ("tier", "neither key=value"),
+            ("Bad_Prefix.io/x=1", "must be a DNS subdomain"),
+            ("x=a b", "value \"a b\""),
+            ("-=1", "label key \"-\""),
+        ] {
+            let err = parse_label_changes(&args(&[bad])).unwrap_err().to_string();
+            assert!(err.contains(msg), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn taints_change_like_kubectl_taint() {
+        let mut mc = json!({"metadata": {"name": "cluster2"}, "spec": {}});
+        let now = "2026-01-01T00:00:00Z";
+        let add = parse_taint_changes(&args(&["maintenance:NoSelect", "gpu=busy:PreferNoSelect"]))
+            .unwrap();
+        assert!(apply_taint_changes(&mut mc, &add, now).unwrap());
+        assert_eq!(
+            mc["spec"]["taints"],
+            json!([
+                {"key": "maintenance", "effect": "NoSelect", "timeAdded": now},
+                {"key": "gpu", "value": "busy", "effect": "PreferNoSelect", "timeAdded": now},
+            ])
+        );
+        let remove = parse_taint_changes(&args(&["maintenance-"])).unwrap();
+        assert!(apply_taint_changes(&mut mc, &remove, now).unwrap());
+        assert_eq!(mc["spec"]["taints"].as_array().unwrap().len(), 1);
+        let err = apply_taint_changes(&mut mc, &remove, now)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no taint maintenance"), "{err}");
+        let err = parse_taint_changes(&args(&["x:NoSchedule"]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("not one of NoSelect"), "{err}");
+    }
+
+    #[test]
+    fn placement_references_are_namespaced() {
+        assert_eq!(
+            namespaced_name("default/placement1", "--placement").unwrap(),
+            ("default".to_string(), "placement1".to_string())
+        );
+        let err = namespaced_name("placement1", "--placement")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("must be NAMESPACE/NAME"), "{err}");
+    }
+}

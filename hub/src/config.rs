@@ -106,12 +106,26 @@ pub struct HubConfig {
     #[arg(long, default_value = DEFAULT_DRAIN_TIMEOUT, value_parser = humantime::parse_duration)]
     pub drain_timeout: Duration,
 
+    /// Create OCM's `default` and `global` ManagedClusterSets and put every cluster without a
+    /// `cluster.open-cluster-management.io/clusterset` label into `default`, as OCM's hub does.
+    /// `--default-cluster-sets=false` leaves sets and labels to the operator.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub default_cluster_sets: bool,
+
     /// Validate the configuration, print it, and exit without starting.
     #[arg(long)]
     pub check_config: bool,
 }
 
 impl HubConfig {
+    /// The controllers' settings.
+    pub fn controllers(&self) -> crate::controllers::ControllerConfig {
+        crate::controllers::ControllerConfig {
+            default_cluster_sets: self.default_cluster_sets,
+            ..Default::default()
+        }
+    }
+
     /// Checks what clap cannot; errors say how to fix the flag.
     pub fn validate(&self) -> anyhow::Result<()> {
         anyhow::ensure!(

@@ -1,5 +1,6 @@
-//! flotilla's control plane: the hub CA, the operator API, and (in single-node mode) the gateway
-//! running in-process on the embedded store. Binaries: `flotilla-hub` (the server) and
+//! flotilla's control plane: the hub CA, the operator API, the controllers (placement
+//! scheduling, cluster sets, ManifestWorkReplicaSet rollouts), and (in single-node mode) the
+//! gateway running in-process on the embedded store. Binaries: `flotilla-hub` (the server) and
 //! `flotilla` (the operator CLI).
 //!
 //! Not for: holding agent sessions itself (that is `flotilla-gateway`), or talking to spokes'
@@ -207,7 +208,7 @@ pub async fn run(
     // Placement, rollout and work TTL act on the store beside the gateway.
     tasks.spawn(
         "the hub's controllers",
-        controllers::run(store.clone(), stop_rx.clone()).map(Ok),
+        controllers::run(store.clone(), config.controllers(), stop_rx.clone()).err_into(),
     );
     tasks.spawn(
         "the operator API",

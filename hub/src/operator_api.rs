@@ -92,6 +92,16 @@ pub fn router_with(store: Arc<dyn Store>, registration: Option<Arc<RegistrationA
                 .put(replace_namespaced)
                 .delete(delete_namespaced),
         )
+        // The status subresource, as on an apiserver: how a score provider publishes an
+        // AddOnPlacementScore, or a tool replaces any object's status.
+        .route(
+            "/apis/{group}/{version}/{plural}/{name}/status",
+            axum::routing::put(replace_status_cluster_scoped),
+        )
+        .route(
+            "/apis/{group}/{version}/namespaces/{ns}/{plural}/{name}/status",
+            axum::routing::put(replace_status_namespaced),
+        )
         // Bodies beyond the store's object limit (plus JSON slack) are refused before parsing.
         .layer(axum::extract::DefaultBodyLimit::max(
             2 * flotilla_store::MAX_OBJECT_BYTES,
@@ -334,6 +344,66 @@ async fn replace_namespaced(
     .await
 }
 
+async fn replace_status_cluster_scoped(
+    State(s): State<ApiState>,
+    Path((group, version, plural, name)): Path<(String, String, String, String)>,
+    Json(body): Json<Value>,
+) -> Response {
+    replace_status(s, &group, &version, &plural, None, &name, body).await
+}
+
+async fn replace_status_namespaced(
+    State(s): State<ApiState>,
+    Path((group, version, ns, plural, name)): Path<(String, String, String, String, String)>,
+    Json(body): Json<Value>,
+) -> Response {
+    replace_status(s, &group, &version, &plural, Some(&ns), &name, body).await
+}
+
+/// `PUT .../status`: the body is the object; only its `status` is stored, and its
+/// `metadata.resourceVersion`, when given, must be the stored one.
+async fn replace_status(
+    s: ApiState,
+    group: &str,
+    version: &str,
+    plural: &str,
+    ns: Option<&str>,
+    name: &str,
+    body: Value,
+) -> Response {
+    let kind = match kind_of(group, version, plural) {
+        Ok(k) => k,
+        Err(r) => return r.into_response(),
+    };
+    let body_name = body["metadata"]["name"].as_str().unwrap_or(name);
+    if body_name != name {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "{kind}: metadata.name {body_name:?} does not match the request's name {name:?}"
+            ),
+        );
+    }
+    let Some(status) = body.get("status").filter(|v| v.is_object()).cloned() else {
+        return error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            format!(
+                "{kind} {}: the body has no status object to store",
+                qualified(ns, name)
+            ),
+        );
+    };
+    let expected = flotilla_store::Revision::of(&body);
+    match s
+        .store
+        .update_status(kind, ns, name, status, expected.as_ref())
+        .await
+    {
+        Ok(obj) => Json(obj).into_response(),
+        Err(e) => store_error(e),
+    }
+}
+
 async fn delete_cluster_scoped(
     State(s): State<ApiState>,
     Path((group, version, plural, name)): Path<(String, String, String, String)>,
@@ -400,6 +470,9 @@ async fn write(
     {
         return error(StatusCode::UNPROCESSABLE_ENTITY, message);
     }
+    if let Err(message) = validate_typed(kind, &body) {
+        return error(StatusCode::UNPROCESSABLE_ENTITY, message);
+    }
     let result = match how {
         Write::Create => s.store.create(body).await,
         Write::Replace => s.store.update_spec(body).await,
@@ -414,6 +487,65 @@ async fn write(
             (status, Json(obj)).into_response()
         }
         Err(e) => store_error(e),
+    }
+}
+
+/// What the kube backend's CRD schema refuses, refused here too: an object of a placement kind
+/// whose fields do not have OCM's types, and a ManifestWorkReplicaSet whose template would make
+/// invalid ManifestWorks. The message names the object and the field.
+fn validate_typed(kind: Kind, body: &Value) -> Result<(), String> {
+    use flotilla_proto::api::{
+        AddOnPlacementScore, ManagedClusterSet, ManagedClusterSetBinding, ManifestWorkReplicaSet,
+        Placement,
+    };
+    let name = || {
+        let name = body["metadata"]["name"].as_str().unwrap_or("<unnamed>");
+        match body["metadata"]["namespace"].as_str() {
+            Some(ns) => format!("{ns}/{name}"),
+            None => name.to_string(),
+        }
+    };
+    let parse = |result: Result<(), serde_json::Error>| {
+        result.map_err(|e| format!("{kind} {}: does not parse: {e}", name()))
+    };
+    match kind {
+        Kind::Placement => parse(serde_json::from_value::<Placement>(body.clone()).map(drop)),
+        Kind::ManagedClusterSet => {
+            parse(serde_json::from_value::<ManagedClusterSet>(body.clone()).map(drop))
+        }
+        Kind::ManagedClusterSetBinding => {
+            parse(serde_json::from_value::<ManagedClusterSetBinding>(body.clone()).map(drop))
+        }
+        Kind::AddOnPlacementScore => {
+            parse(serde_json::from_value::<AddOnPlacementScore>(body.clone()).map(drop))
+        }
+        Kind::ManifestWorkReplicaSet => {
+            let set: ManifestWorkReplicaSet = serde_json::from_value(body.clone())
+                .map_err(|e| format!("{kind} {}: does not parse: {e}", name()))?;
+            if set.spec.placement_refs.is_empty() {
+                return Err(format!(
+                    "{kind} {}: spec.placementRefs needs at least one placement",
+                    name()
+                ));
+            }
+            let mut work = ManifestWork::new(
+                set.metadata.name.as_deref().unwrap_or_default(),
+                set.spec.manifest_work_template.clone(),
+            );
+            work.metadata.namespace = set.metadata.namespace.clone();
+            validate_manifest_work(&work).map_err(|errors| {
+                format!(
+                    "{kind} {}: spec.manifestWorkTemplate: {}",
+                    name(),
+                    errors
+                        .iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                )
+            })
+        }
+        _ => Ok(()),
     }
 }
 

@@ -1,6 +1,7 @@
 //! Tables the CLI prints, in kubectl's manner: upper-case headers, columns padded by three
 //! spaces, `<none>` for missing values, ages like `5m`.
 
+use flotilla_proto::api::{DECISION_GROUP_INDEX_LABEL, DECISION_GROUP_NAME_LABEL, PLACEMENT_LABEL};
 use jiff::Timestamp;
 use serde_json::Value;
 
@@ -70,6 +71,182 @@ pub fn works(items: &[Value], now: Timestamp) -> String {
         ]);
     }
     render(&rows)
+}
+
+/// `flotilla get placements`: each Placement's state (OCM's `PlacementSatisfied` condition),
+/// how many clusters it selected and which (from its PlacementDecisions).
+pub fn placements(items: &[Value], decisions: &[Value], now: Timestamp) -> String {
+    let mut rows = vec![vec![
+        "NAMESPACE".to_string(),
+        "NAME".into(),
+        "SUCCEEDED".into(),
+        "REASON".into(),
+        "SELECTED".into(),
+        "CLUSTERS".into(),
+        "AGE".into(),
+    ]];
+    for p in items {
+        let ns = p["metadata"]["namespace"].as_str().unwrap_or("<none>");
+        let name = p["metadata"]["name"].as_str().unwrap_or("<none>");
+        let satisfied = p["status"]["conditions"]
+            .as_array()
+            .and_then(|cs| cs.iter().find(|c| c["type"] == "PlacementSatisfied"));
+        let clusters: Vec<&str> = decisions
+            .iter()
+            .filter(|d| {
+                d["metadata"]["namespace"].as_str() == Some(ns)
+                    && d["metadata"]["labels"][PLACEMENT_LABEL].as_str() == Some(name)
+            })
+            .flat_map(|d| d["status"]["decisions"].as_array().into_iter().flatten())
+            .filter_map(|c| c["clusterName"].as_str())
+            .collect();
+        rows.push(vec![
+            ns.to_string(),
+            name.to_string(),
+            satisfied
+                .and_then(|c| c["status"].as_str())
+                .unwrap_or("")
+                .to_string(),
+            satisfied
+                .and_then(|c| c["reason"].as_str())
+                .unwrap_or("")
+                .to_string(),
+            p["status"]["numberOfSelectedClusters"]
+                .as_i64()
+                .unwrap_or(0)
+                .to_string(),
+            some_names(&clusters),
+            age(p["metadata"]["creationTimestamp"].as_str(), now),
+        ]);
+    }
+    render(&rows)
+}
+
+/// `flotilla get placementdecisions`: each object's placement, decision group and clusters.
+pub fn placement_decisions(items: &[Value], now: Timestamp) -> String {
+    let mut rows = vec![vec![
+        "NAMESPACE".to_string(),
+        "NAME".into(),
+        "PLACEMENT".into(),
+        "GROUP".into(),
+        "DECISIONS".into(),
+        "CLUSTERS".into(),
+        "AGE".into(),
+    ]];
+    for d in items {
+        let labels = &d["metadata"]["labels"];
+        let clusters: Vec<&str> = d["status"]["decisions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|c| c["clusterName"].as_str())
+            .collect();
+        let group = match (
+            labels[DECISION_GROUP_INDEX_LABEL].as_str(),
+            labels[DECISION_GROUP_NAME_LABEL]
+                .as_str()
+                .filter(|n| !n.is_empty()),
+        ) {
+            (Some(i), Some(n)) => format!("{i} ({n})"),
+            (Some(i), None) => i.to_string(),
+            _ => "<none>".to_string(),
+        };
+        rows.push(vec![
+            d["metadata"]["namespace"]
+                .as_str()
+                .unwrap_or("<none>")
+                .to_string(),
+            d["metadata"]["name"]
+                .as_str()
+                .unwrap_or("<none>")
+                .to_string(),
+            labels[PLACEMENT_LABEL]
+                .as_str()
+                .unwrap_or("<none>")
+                .to_string(),
+            group,
+            clusters.len().to_string(),
+            some_names(&clusters),
+            age(d["metadata"]["creationTimestamp"].as_str(), now),
+        ]);
+    }
+    render(&rows)
+}
+
+/// `flotilla get manifestworkreplicasets`: what each rollout reached and where it stands
+/// (`PlacementRolledOut`'s reason: Complete, Progressing, MaxFailuresExceeded).
+pub fn replica_sets(items: &[Value], now: Timestamp) -> String {
+    let mut rows = vec![vec![
+        "NAMESPACE".to_string(),
+        "NAME".into(),
+        "PLACEMENTS".into(),
+        "SELECTED".into(),
+        "APPLIED".into(),
+        "AVAILABLE".into(),
+        "FAILED".into(),
+        "ROLLOUT".into(),
+        "AGE".into(),
+    ]];
+    for r in items {
+        let summary = &r["status"]["summary"];
+        let count = |f: &str| summary[f].as_i64().unwrap_or(0).to_string();
+        let placements: Vec<&str> = r["spec"]["placementRefs"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|p| p["name"].as_str())
+            .collect();
+        let rollout = r["status"]["conditions"]
+            .as_array()
+            .and_then(|cs| cs.iter().find(|c| c["type"] == "PlacementRolledOut"))
+            .and_then(|c| c["reason"].as_str())
+            .unwrap_or("");
+        let deleting = r["metadata"]["deletionTimestamp"].is_string();
+        rows.push(vec![
+            r["metadata"]["namespace"]
+                .as_str()
+                .unwrap_or("<none>")
+                .to_string(),
+            r["metadata"]["name"]
+                .as_str()
+                .unwrap_or("<none>")
+                .to_string(),
+            placements.join(","),
+            summary["desiredTotal"]
+                .as_i64()
+                .or_else(|| summary["total"].as_i64())
+                .unwrap_or(0)
+                .to_string(),
+            count("applied"),
+            count("available"),
+            count("degraded"),
+            if deleting {
+                "Deleting".to_string()
+            } else {
+                rollout.to_string()
+            },
+            age(r["metadata"]["creationTimestamp"].as_str(), now),
+        ]);
+    }
+    render(&rows)
+}
+
+/// Up to three names, then how many more.
+fn some_names(names: &[&str]) -> String {
+    const SHOWN: usize = 3;
+    if names.is_empty() {
+        return "<none>".to_string();
+    }
+    let mut s = names
+        .iter()
+        .take(SHOWN)
+        .copied()
+        .collect::<Vec<_>>()
+        .join(",");
+    if names.len() > SHOWN {
+        s.push_str(&format!(" +{} more", names.len() - SHOWN));
+    }
+    s
 }
 
 /// `flotilla token list`: bootstrap tokens by id (the secrets are never shown after creation).
@@ -185,6 +362,45 @@ mod tests {
         assert_eq!(
             lines[2],
             "s2           false                                            <unknown>"
+        );
+    }
+
+    #[test]
+    fn placement_tables_show_what_an_operator_acts_on() {
+        let now: Timestamp = "2026-01-01T01:00:00Z".parse().unwrap();
+        let placement = json!({"metadata": {"namespace": "default", "name": "placement1", "creationTimestamp": "2026-01-01T00:59:00Z"},
+            "status": {"numberOfSelectedClusters": 4, "conditions": [
+                {"type": "PlacementSatisfied", "status": "True", "reason": "AllDecisionsScheduled"}]}});
+        let decision = json!({"metadata": {"namespace": "default", "name": "placement1-decision-1",
+                "labels": {PLACEMENT_LABEL: "placement1", DECISION_GROUP_INDEX_LABEL: "0", DECISION_GROUP_NAME_LABEL: ""}},
+            "status": {"decisions": [{"clusterName": "c1"}, {"clusterName": "c2"}, {"clusterName": "c3"}, {"clusterName": "c4"}]}});
+        let table = placements(&[placement], std::slice::from_ref(&decision), now);
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(
+            lines[0],
+            "NAMESPACE   NAME         SUCCEEDED   REASON                  SELECTED   CLUSTERS           AGE"
+        );
+        assert_eq!(
+            lines[1],
+            "default     placement1   True        AllDecisionsScheduled   4          c1,c2,c3 +1 more   60s"
+        );
+        let table = placement_decisions(&[decision], now);
+        assert!(
+            table
+                .lines()
+                .nth(1)
+                .unwrap()
+                .starts_with("default     placement1-decision-1   placement1   0       4"),
+            "{table}"
+        );
+        let mwrs = json!({"metadata": {"namespace": "default", "name": "web"},
+            "spec": {"placementRefs": [{"name": "placement1"}]},
+            "status": {"summary": {"total": 2, "desiredTotal": 4, "applied": 2, "available": 1, "degraded": 1},
+                "conditions": [{"type": "PlacementRolledOut", "status": "False", "reason": "MaxFailuresExceeded"}]}});
+        let table = replica_sets(&[mwrs], now);
+        assert_eq!(
+            table.lines().nth(1).unwrap(),
+            "default     web    placement1   4          2         1           1        MaxFailuresExceeded   <unknown>"
         );
     }
 }

@@ -55,6 +55,16 @@ pub const DEFAULT_BASELINE_WINDOW: &str = "30s";
 /// Default of `--lease-interval`: OCM's default `ManagedCluster.spec.leaseDurationSeconds`, the
 /// period at which its registration agent renews the cluster's Lease on the hub.
 pub const DEFAULT_LEASE_INTERVAL: &str = "60s";
+/// Default of `--rollout-max-concurrency`.
+pub const DEFAULT_ROLLOUT_MAX_CONCURRENCY: &str = "10%";
+/// Default of `--placements`: a CI-sized scheduler run.
+pub const DEFAULT_PLACEMENTS: usize = 100;
+/// Default of `--placement-clusters`.
+pub const DEFAULT_PLACEMENT_CLUSTERS: usize = 10;
+/// Default of `--regions`.
+pub const DEFAULT_REGIONS: usize = 10;
+/// Default of `--label-changes`.
+pub const DEFAULT_LABEL_CHANGES: usize = 10;
 /// Sessions one harness process may hold per file descriptor budget: each needs one socket,
 /// plus headroom for the runtime, the cache and the hub's own sockets when in-process.
 pub const FD_HEADROOM: u64 = 256;
@@ -83,6 +93,10 @@ pub enum Command {
     Demo(DemoArgs),
     /// Runs scenarios, alone or as a sequence.
     Run(Box<RunArgs>),
+    /// The placement scheduler's model alone, in this process (no hub, no store, no writes):
+    /// the CPU and memory of deciding many placements over many clusters and of following
+    /// label changes. The `schedule` scenario measures the same through a real hub.
+    BenchScheduler(crate::bench::BenchArgs),
     /// (internal) One worker process of `--processes`: runs a slice of the agents.
     #[command(hide = true)]
     Worker {
@@ -118,6 +132,15 @@ pub enum Scenario {
     /// listing and watching a second, fresh apiserver itself, against the hub apiserver's load
     /// under flotilla's agents; requests per phase, watches and apiserver memory side by side.
     BaselineKlusterlet,
+    /// A ManifestWorkReplicaSet rolled out Progressive (--rollout-max-concurrency,
+    /// maxFailures 0) through a placement to every agent, with --rollout-failures simulated
+    /// clusters refusing it: it must stop at the first one and name it, then a fixed revision
+    /// must reach every cluster.
+    Rollout,
+    /// The placement scheduler at scale, no agents started: --placements placements over every
+    /// enrolled cluster; time to decisions, label changes followed into the decisions they
+    /// affect, the hub's memory.
+    Schedule,
     /// The floor: the same agents against a bare carrier server (tonic with default settings,
     /// or quinn with default settings) with the same certificates and TLS, holding sessions and
     /// nothing else; its memory per session and setup rate beside flotilla's from `connect`
@@ -383,6 +406,38 @@ pub struct RunArgs {
     /// completed (they are always kept when one did not).
     #[arg(long)]
     pub keep_logs: bool,
+
+    /// rollout: clusters in flight at once, a count or a percentage of the agents.
+    #[arg(long, default_value = DEFAULT_ROLLOUT_MAX_CONCURRENCY)]
+    #[serde(default = "default_rollout_max_concurrency")]
+    pub rollout_max_concurrency: String,
+
+    /// rollout: simulated clusters that refuse the first revision (spread evenly, the first at
+    /// the middle of the fleet by name).
+    #[arg(long, default_value_t = 1)]
+    #[serde(default)]
+    pub rollout_failures: usize,
+
+    /// schedule: placements to create.
+    #[arg(long, default_value_t = DEFAULT_PLACEMENTS)]
+    #[serde(default)]
+    pub placements: usize,
+
+    /// schedule: each placement's numberOfClusters.
+    #[arg(long, default_value_t = DEFAULT_PLACEMENT_CLUSTERS)]
+    #[serde(default)]
+    pub placement_clusters: usize,
+
+    /// schedule: regions the clusters are labelled into; each placement selects one.
+    #[arg(long, default_value_t = DEFAULT_REGIONS)]
+    #[serde(default)]
+    pub regions: usize,
+
+    /// schedule: clusters relabelled into another region, one after the other, each followed
+    /// into every decision it affects.
+    #[arg(long, default_value_t = DEFAULT_LABEL_CHANGES)]
+    #[serde(default)]
+    pub label_changes: usize,
 }
 
 impl RunArgs {
@@ -453,6 +508,35 @@ impl RunArgs {
             "--cluster-prefix {:?} does not make valid cluster names: use lower-case letters, digits and '-'",
             self.cluster_prefix
         );
+        for s in &self.scenarios {
+            anyhow::ensure!(
+                self.hub.is_none() || !matches!(s, Scenario::Rollout | Scenario::Schedule),
+                "scenario {s:?} places on every cluster of the hub, so it runs only on a hub the harness starts; leave out --hub"
+            );
+        }
+        if self.scenarios.contains(&Scenario::Rollout) {
+            let c = &self.rollout_max_concurrency;
+            let ok = match c.strip_suffix('%') {
+                Some(p) => p.parse::<f64>().is_ok_and(|p| p > 0.0 && p <= 100.0),
+                None => c.parse::<usize>().is_ok_and(|n| n > 0),
+            };
+            anyhow::ensure!(
+                ok,
+                "--rollout-max-concurrency {c:?} must be a positive count or a percentage such as 10%"
+            );
+            anyhow::ensure!(
+                self.rollout_failures < self.agents,
+                "--rollout-failures {} must be below --agents {}",
+                self.rollout_failures,
+                self.agents
+            );
+        }
+        if self.scenarios.contains(&Scenario::Schedule) {
+            anyhow::ensure!(
+                self.placements >= 1 && self.placement_clusters >= 1 && self.regions >= 1,
+                "--placements, --placement-clusters and --regions must be at least 1"
+            );
+        }
         if let Some(hub) = self.hub {
             anyhow::ensure!(
                 hub.ip().is_loopback(),
@@ -535,6 +619,10 @@ impl RunArgs {
 /// Cluster name of agent `i` with `prefix`.
 pub fn cluster_name(prefix: &str, i: usize) -> String {
     format!("{prefix}-{i:05}")
+}
+
+fn default_rollout_max_concurrency() -> String {
+    DEFAULT_ROLLOUT_MAX_CONCURRENCY.to_string()
 }
 
 fn default_baseline_window() -> Duration {
@@ -693,5 +781,40 @@ mod tests {
         );
         check(&["--store", "kube"], Ok(()));
         assert_eq!(RunArgs::parse_defaults().store, HubStore::Sled);
+    }
+
+    #[test]
+    fn placement_scenarios_check_their_flags() {
+        check(
+            &["--scenario", "rollout", "--rollout-max-concurrency", "ten"],
+            Err("--rollout-max-concurrency \"ten\" must be a positive count or a percentage"),
+        );
+        check(
+            &[
+                "--scenario",
+                "rollout",
+                "--agents",
+                "10",
+                "--rollout-failures",
+                "10",
+            ],
+            Err("--rollout-failures 10 must be below --agents 10"),
+        );
+        check(
+            &[
+                "--hub",
+                "127.0.0.1:9443",
+                "--data-dir",
+                "x",
+                "--scenario",
+                "schedule",
+            ],
+            Err("runs only on a hub the harness starts"),
+        );
+        check(
+            &["--scenario", "schedule", "--placements", "0"],
+            Err("--placements"),
+        );
+        check(&["--scenario", "connect,rollout,schedule"], Ok(()));
     }
 }

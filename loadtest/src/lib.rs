@@ -8,12 +8,14 @@
 //! Not for: proving correctness in the small (the crates' own tests do that), or traffic to
 //! anything but this machine: every address it dials or binds is loopback.
 //!
-//! * [`cli`]: flags, defaults and their validation.
+//! * [`cli`]: flags, defaults and their validation; [`bench`]: the placement scheduler's model
+//!   alone (`bench-scheduler`).
 //! * [`preflight`]: checks that fail before anything starts (file descriptors, ports, the hub).
 //! * [`fleet`]: the hub under test, and enrolling the agents with its CA and operator API.
 //! * [`swarm`]: many agents in one process; [`agents`]: one swarm here, or one per worker
 //!   process (`--processes`).
-//! * [`scenario`]: the scenarios; [`report`] and [`plot`]: what comes out.
+//! * [`scenario`]: the scenarios; [`placement`]: the placement ones (`rollout`, `schedule`);
+//!   [`report`] and [`plot`]: what comes out.
 //! * [`apiserver`] (with [`prometheus`]): with `--store kube`, the hub's real kube-apiserver and
 //!   the load each scenario puts on it; [`klusterlet`] and [`baseline`]: the
 //!   `baseline-klusterlet` scenario, the same clusters as klusterlet-style clients that each
@@ -27,6 +29,7 @@ pub mod agents;
 pub mod apiserver;
 pub mod bare;
 pub mod baseline;
+pub mod bench;
 pub mod cli;
 pub mod clock;
 pub mod feedback;
@@ -34,6 +37,7 @@ pub mod fleet;
 pub mod klusterlet;
 pub mod machine;
 pub mod operator;
+pub mod placement;
 pub mod plot;
 pub mod preflight;
 pub mod prometheus;
@@ -145,6 +149,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<(Report, PathBuf)> {
             Scenario::Storm => run.storm(false).await,
             Scenario::Outage => run.storm(true).await,
             Scenario::BaselineKlusterlet => run.baseline_klusterlet(&scenarios).await,
+            Scenario::Rollout => run.rollout().await,
+            Scenario::Schedule => run.schedule().await,
             Scenario::BaselineBare => run.baseline_bare(&scenarios).await,
             Scenario::Feedback => run.feedback().await,
         };

@@ -21,6 +21,15 @@ fn main() -> anyhow::Result<()> {
             report(runtime.block_on(flotilla_loadtest::run(RunArgs::demo(&demo))))
         }
         Command::Run(args) => report(runtime.block_on(flotilla_loadtest::run(*args))),
+        Command::BenchScheduler(args) => {
+            let result = flotilla_loadtest::bench::run(&args)?;
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&result)?);
+            } else {
+                print!("{}", flotilla_loadtest::bench::table(&result));
+            }
+            Ok(())
+        }
     }
 }
 

@@ -6,7 +6,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{Context, anyhow};
-use flotilla_hub::client::{OperatorClient, OperatorConfig};
+use flotilla_hub::cli::{collection_path, object_path};
+use flotilla_hub::client::{ApiError, OperatorClient, OperatorConfig};
+use flotilla_proto::api::Kind;
 use serde_json::Value;
 
 /// Requests the harness keeps in flight against the operator API: as many as the client keeps
@@ -128,6 +130,72 @@ impl OperatorApi {
             Some(work),
         )
         .await
+    }
+}
+
+impl OperatorApi {
+    /// Every object of `kind` in `namespace` (or all namespaces).
+    pub async fn list(&self, kind: Kind, namespace: Option<&str>) -> anyhow::Result<Vec<Value>> {
+        Ok(items(
+            self.request(http::Method::GET, &collection_path(kind, namespace), None)
+                .await?,
+        ))
+    }
+
+    /// One object, or `None` when there is none.
+    pub async fn get(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        name: &str,
+    ) -> anyhow::Result<Option<Value>> {
+        match self
+            .client
+            .request(http::Method::GET, &object_path(kind, namespace, name), None)
+            .await
+        {
+            Ok((_, v)) => Ok(Some(v)),
+            Err(e)
+                if e.downcast_ref::<ApiError>()
+                    .is_some_and(|a| a.status == http::StatusCode::NOT_FOUND) =>
+            {
+                Ok(None)
+            }
+            Err(e) => Err(e.context(format!("GET {kind} {name}"))),
+        }
+    }
+
+    /// Creates the object; one that exists already is replaced (`kubectl apply`'s outcome).
+    pub async fn apply(&self, obj: &Value) -> anyhow::Result<Value> {
+        let kind = Kind::from_name(obj["kind"].as_str().unwrap_or_default())
+            .ok_or_else(|| anyhow!("not a hub kind: {}", obj["kind"]))?;
+        let ns = obj["metadata"]["namespace"].as_str();
+        let name = obj["metadata"]["name"].as_str().unwrap_or_default();
+        match self
+            .client
+            .request(http::Method::POST, &collection_path(kind, ns), Some(obj))
+            .await
+        {
+            Ok((_, v)) => Ok(v),
+            Err(e)
+                if e.downcast_ref::<ApiError>()
+                    .is_some_and(|a| a.status == http::StatusCode::CONFLICT) =>
+            {
+                self.request(http::Method::PUT, &object_path(kind, ns, name), Some(obj))
+                    .await
+            }
+            Err(e) => Err(e.context(format!("creating {kind} {name}"))),
+        }
+    }
+
+    /// Replaces an object (its `metadata.resourceVersion`, if set, must still be current).
+    pub async fn replace(&self, obj: &Value) -> anyhow::Result<Value> {
+        let kind = Kind::from_name(obj["kind"].as_str().unwrap_or_default())
+            .ok_or_else(|| anyhow!("not a hub kind: {}", obj["kind"]))?;
+        let ns = obj["metadata"]["namespace"].as_str();
+        let name = obj["metadata"]["name"].as_str().unwrap_or_default();
+        self.request(http::Method::PUT, &object_path(kind, ns, name), Some(obj))
+            .await
     }
 }
 

@@ -9,7 +9,7 @@
 //! Durations are seconds (`_s`) or milliseconds (`_ms`), sizes bytes (`_bytes`). Fields are only
 //! ever added within v1.
 //!
-//! Added within v1: `parameters.store`, `parameters.baseline_window`,
+//! Added within v1: per scenario `rollout` and `schedule`; `parameters.store`, `parameters.baseline_window`,
 //! `parameters.lease_interval`; `hub.store`, `hub.apiserver_url`, `hub.apiserver_pid`; per
 //! scenario `apiserver` (the hub apiserver's load during the scenario, `--store kube` only) and
 //! `baseline` (the `baseline-klusterlet` scenario's comparison).
@@ -237,6 +237,67 @@ pub struct ScenarioReport {
     pub feedback_converged: Option<u64>,
     #[serde(default)]
     pub feedback_converge_s: Option<f64>,
+    /// `rollout`: a Progressive rollout that must stop at a failing cluster, then complete.
+    #[serde(default)]
+    pub rollout: Option<RolloutReport>,
+    /// `schedule`: the placement scheduler at scale.
+    #[serde(default)]
+    pub schedule: Option<ScheduleReport>,
+}
+
+/// `rollout`: what the Progressive rollout did with a failing cluster, and after the fix.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct RolloutReport {
+    /// `maxConcurrency` as given, and the clusters it allows in flight.
+    pub max_concurrency: String,
+    pub window: u64,
+    /// The clusters made to refuse revision 1.
+    pub failing_clusters: Vec<String>,
+    /// The clusters the replica set's `PlacementRolledOut` condition named when it stopped.
+    pub reported_failed: Vec<String>,
+    /// Seconds from the replica set's create to its stop.
+    pub stopped_after_s: Option<f64>,
+    /// Which window of `window` clusters (in name order, from 1) held the first failing one.
+    pub stopped_in_window: Option<u64>,
+    /// Clusters revision 1 had reached when the rollout stopped.
+    pub reached_when_stopped: u64,
+    /// The most clusters of each revision in flight (reached, not yet Available) at once.
+    pub max_in_flight_v1: u64,
+    pub max_in_flight_v2: u64,
+    /// Seconds from the fixed revision to every cluster Available with it.
+    pub complete_after_fix_s: Option<f64>,
+    pub reached_v2: u64,
+}
+
+/// `schedule`: placements over every enrolled cluster.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct ScheduleReport {
+    pub clusters: u64,
+    pub placements: u64,
+    pub regions: u64,
+    /// `numberOfClusters` of each placement.
+    pub clusters_per_placement: u64,
+    /// Labelling every cluster with its region and binding the global set.
+    pub setup_s: Option<f64>,
+    /// Creating the placements through the operator API.
+    pub create_s: Option<f64>,
+    /// From the first create to every placement decided.
+    pub time_to_all_decided_s: Option<f64>,
+    /// Each placement, from its create to its decision being stored.
+    pub decision_latency: Option<Percentiles>,
+    /// One more placement created on the settled hub, to its decision.
+    pub single_placement_s: Option<f64>,
+    pub label_changes: u64,
+    /// Decisions that held a relabelled cluster (summed over the changes).
+    pub affected_decisions: u64,
+    /// Each label change, to every affected decision reflecting it.
+    pub label_change_all_affected: Option<Percentiles>,
+    /// Each affected decision, from the label change to its update.
+    pub label_change_per_decision: Option<Percentiles>,
+    /// The hub's resident memory with the clusters loaded, before and after the placements.
+    pub hub_rss_before_bytes: Option<u64>,
+    pub hub_rss_after_bytes: Option<u64>,
+    pub poll_interval_ms: f64,
 }
 
 /// What one kube-apiserver served over a window, from its own `/metrics`.
@@ -511,6 +572,90 @@ pub fn table(report: &Report) -> String {
             "baseline-klusterlet" => {
                 if let Some(b) = &s.baseline {
                     baseline_rows(b, &mut row);
+                }
+            }
+            "rollout" => {
+                if let Some(ro) = &s.rollout {
+                    row(
+                        "maxConcurrency",
+                        format!(
+                            "{} ({} clusters in flight at most)",
+                            ro.max_concurrency, ro.window
+                        ),
+                    );
+                    row(
+                        "failing clusters (injected)",
+                        ro.failing_clusters.join(", "),
+                    );
+                    row(
+                        "stopped, naming",
+                        format!(
+                            "{} after {} (window {}, {} clusters reached)",
+                            if ro.reported_failed.is_empty() {
+                                "-".to_string()
+                            } else {
+                                ro.reported_failed.join(", ")
+                            },
+                            secs(ro.stopped_after_s),
+                            opt(ro.stopped_in_window),
+                            ro.reached_when_stopped
+                        ),
+                    );
+                    row(
+                        "fixed revision complete",
+                        format!(
+                            "{} ({} / {} clusters)",
+                            secs(ro.complete_after_fix_s),
+                            ro.reached_v2,
+                            s.agents
+                        ),
+                    );
+                    row(
+                        "most in flight (v1, v2)",
+                        format!("{}, {}", ro.max_in_flight_v1, ro.max_in_flight_v2),
+                    );
+                }
+            }
+            "schedule" => {
+                if let Some(sc) = &s.schedule {
+                    row(
+                        "placements x clusters",
+                        format!(
+                            "{} placements, each {} of a region's clusters ({} regions), over {} clusters",
+                            sc.placements, sc.clusters_per_placement, sc.regions, sc.clusters
+                        ),
+                    );
+                    row("created in", secs(sc.create_s));
+                    row("time to all decided", secs(sc.time_to_all_decided_s));
+                    if let Some(p) = &sc.decision_latency {
+                        row(
+                            &format!("create → decision (±{:.0} ms)", sc.poll_interval_ms),
+                            pct(p),
+                        );
+                    }
+                    row(
+                        "one placement on a settled hub",
+                        secs(sc.single_placement_s),
+                    );
+                    if let Some(p) = &sc.label_change_per_decision {
+                        row(
+                            &format!(
+                                "label change → decision ({} of {} changes)",
+                                sc.affected_decisions, sc.label_changes
+                            ),
+                            pct(p),
+                        );
+                    }
+                    if let Some(p) = &sc.label_change_all_affected {
+                        row("label change → all affected", pct(p));
+                    }
+                    row(
+                        "hub RSS clusters → + placements",
+                        match (sc.hub_rss_before_bytes, sc.hub_rss_after_bytes) {
+                            (Some(b), Some(a)) => format!("{:.1} → {:.1} MiB", mib(b), mib(a)),
+                            _ => "- (hub not a child process)".into(),
+                        },
+                    );
                 }
             }
             "feedback" => {

@@ -17,12 +17,15 @@ use serde_json::Value;
 use tokio::sync::Mutex;
 
 /// How a simulated cluster misbehaves.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct Faults {
     /// Time every apply takes.
     pub apply_delay: Duration,
     /// Fraction of applies that fail as if the apiserver were unreachable.
     pub failure_rate: f64,
+    /// Names of objects this cluster refuses, as an apiserver's admission would: the agent
+    /// reports the work Degraded, which is how the rollout scenario makes a cluster fail.
+    pub rejects: Vec<String>,
 }
 
 /// A simulated spoke cluster.
@@ -39,8 +42,16 @@ pub struct SimCluster {
 
 impl SimCluster {
     pub fn new(faults: Faults, seed: u64) -> Arc<SimCluster> {
+        let inner = MemoryCluster::new();
+        for name in &faults.rejects {
+            inner.reject_now(
+                name,
+                422,
+                "denied by the cluster's admission policy (loadtest)",
+            );
+        }
         Arc::new(SimCluster {
-            inner: MemoryCluster::new(),
+            inner,
             faults,
             rng: Mutex::new(rand::rngs::StdRng::seed_from_u64(seed)),
             applied: AtomicU64::new(0),

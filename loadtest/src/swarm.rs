@@ -75,6 +75,10 @@ pub struct SwarmSpec {
     /// With `--enroll join`: the agents join with this token before connecting, and the
     /// identities they are given carry names only.
     pub join: Option<JoinSpec>,
+    /// Cluster → names of objects its simulated cluster refuses (the rollout scenario's
+    /// failing clusters).
+    #[serde(default)]
+    pub rejects: BTreeMap<String, Vec<String>>,
 }
 
 impl SwarmSpec {
@@ -102,6 +106,11 @@ impl SwarmSpec {
             cache_dir: run_dir.join("agent-cache"),
             identities_dir: run_dir.join("agent-identities"),
             join,
+            rejects: if args.scenarios.contains(&crate::cli::Scenario::Rollout) {
+                crate::placement::rollout_rejects(args)
+            } else {
+                Default::default()
+            },
         })
     }
 }
@@ -454,6 +463,7 @@ impl Swarm {
         let faults = Faults {
             apply_delay: Duration::from_millis(spec.apply_delay_ms),
             failure_rate: spec.apply_failure_rate,
+            rejects: Vec::new(),
         };
         let tally = Arc::new(Tally::default());
         let mut agents = Vec::with_capacity(identities.len());
@@ -470,7 +480,10 @@ impl Swarm {
                 identity_dir,
                 cache: Arc::new(db.cluster(&id.name)),
                 cluster: SimCluster::new(
-                    faults,
+                    Faults {
+                        rejects: spec.rejects.get(&id.name).cloned().unwrap_or_default(),
+                        ..faults.clone()
+                    },
                     spec.seed ^ (index as u64).wrapping_mul(0x9E37_79B9),
                 ),
                 tally: tally.clone(),
@@ -738,11 +751,14 @@ async fn run_agent(
         }
     };
     let (_, kubernetes_version) = watch::channel(config.kubernetes_version.clone());
+    // A simulated cluster has no nodes or ClusterClaims to report beyond the hello's version.
+    let (_, cluster_info) = watch::channel(wire::ClusterInfo::default());
     let parts = Parts {
         dialer,
         cache: agent.cache.clone(),
         target: agent.cluster.clone(),
         kubernetes_version,
+        cluster_info,
         observer: agent.clone(),
         seed: Some(shared.seed.wrapping_add(agent.index as u64)),
     };

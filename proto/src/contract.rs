@@ -26,6 +26,92 @@ pub const REQUESTED_AT_ANNOTATION: &str = "registration.flotilla.dev/join-reques
 /// OCM's taint for clusters whose agent stopped reporting (Available=Unknown).
 pub const UNREACHABLE_TAINT: &str = "cluster.open-cluster-management.io/unreachable";
 
+/// ClusterClaims the agent makes itself, named as OCM's registration agent names them (its
+/// reserved claims), plus the spoke's node count. Custom claims come from the spoke's
+/// ClusterClaim objects.
+pub mod claims {
+    /// The cluster's unique id: the uid of its `kube-system` namespace.
+    pub const ID: &str = "id.k8s.io";
+    /// The spoke apiserver's version (gitVersion), e.g. `v1.36.3`.
+    pub const KUBE_VERSION: &str = "kubeversion.open-cluster-management.io";
+    /// Where the cluster runs: `AWS`, `GCP`, `Azure`, `IBM`, `VSphere`, `OpenStack`, ... or
+    /// `Other`, read from the nodes' provider ids.
+    pub const PLATFORM: &str = "platform.open-cluster-management.io";
+    /// Which Kubernetes distribution: `OpenShift`, `EKS`, `GKE`, `AKS`, `K3s`, ... or `Other`.
+    pub const PRODUCT: &str = "product.open-cluster-management.io";
+    /// How many nodes the spoke has. OCM reports no such claim; flotilla's name for it.
+    pub const NODE_COUNT: &str = "nodecount.flotilla.dev";
+    /// The claims above: reported first, and never displaced by custom claims.
+    pub const RESERVED: [&str; 5] = [ID, KUBE_VERSION, PLATFORM, PRODUCT, NODE_COUNT];
+    /// A ClusterClaim object with this label stays on the spoke (OCM's `spoke-only`).
+    pub const SPOKE_ONLY_LABEL: &str = "open-cluster-management.io/spoke-only";
+    /// Custom claims reported at most, by name order (OCM's `--max-custom-cluster-claims`
+    /// default); the rest stay on the spoke, and the agent says so.
+    pub const MAX_CUSTOM: usize = 20;
+    /// Longest claim value (the ClusterClaim CRD's bound).
+    pub const MAX_VALUE_BYTES: usize = 1024;
+    /// Longest claim name (a Kubernetes object name).
+    pub const MAX_NAME_BYTES: usize = 253;
+    /// Most entries in a reported resource list (`cpu`, `memory`, `pods`, hugepages, ...).
+    pub const MAX_RESOURCES: usize = 64;
+}
+
+/// Checks a cluster's report about itself before the hub stores it: the bounds of
+/// [`claims`], so one agent cannot grow its ManagedCluster without limit. The message names
+/// the offending claim or resource.
+pub fn check_cluster_info(info: &crate::wire::ClusterInfo) -> Result<(), String> {
+    let most = claims::RESERVED.len() + claims::MAX_CUSTOM;
+    if info.claims.len() > most {
+        return Err(format!(
+            "{} cluster claims reported; at most {most} are kept ({} built-in, {} custom)",
+            info.claims.len(),
+            claims::RESERVED.len(),
+            claims::MAX_CUSTOM
+        ));
+    }
+    for c in &info.claims {
+        if c.name.is_empty() || c.name.len() > claims::MAX_NAME_BYTES {
+            return Err(format!(
+                "cluster claim name {:?} must have 1 to {} characters",
+                c.name,
+                claims::MAX_NAME_BYTES
+            ));
+        }
+        if c.value.len() > claims::MAX_VALUE_BYTES {
+            return Err(format!(
+                "cluster claim {}: value of {} bytes exceeds {}",
+                c.name,
+                c.value.len(),
+                claims::MAX_VALUE_BYTES
+            ));
+        }
+    }
+    for (what, list) in [
+        ("capacity", &info.capacity),
+        ("allocatable", &info.allocatable),
+    ] {
+        if list.len() > claims::MAX_RESOURCES {
+            return Err(format!(
+                "{what}: {} resources reported, at most {}",
+                list.len(),
+                claims::MAX_RESOURCES
+            ));
+        }
+        if let Some((name, q)) = list
+            .iter()
+            .find(|(n, q)| n.is_empty() || n.len() > 253 || q.is_empty() || q.len() > 64)
+        {
+            return Err(format!(
+                "{what}: resource {name:?} has an invalid quantity {q:?}"
+            ));
+        }
+    }
+    if info.kubernetes_version.len() > 256 {
+        return Err("kubernetes version longer than 256 characters".to_string());
+    }
+    Ok(())
+}
+
 /// Kubernetes' DNS-1123 label: lower-case alphanumerics and '-', 1 to 63 characters, starting
 /// and ending alphanumeric. Cluster names must be one, because each becomes a namespace.
 pub fn is_dns1123_label(s: &str) -> bool {

@@ -1101,6 +1101,68 @@ fn renewal_is_due_two_thirds_into_the_lifetime() {
     assert_eq!(renew_at(t0, t0 - Duration::from_secs(5)), t0);
 }
 
+fn cluster_info(nodes: &str, claim: &str) -> wire::ClusterInfo {
+    wire::ClusterInfo {
+        claims: vec![
+            wire::ClusterClaim {
+                name: "nodecount.flotilla.dev".to_string(),
+                value: nodes.to_string(),
+            },
+            wire::ClusterClaim {
+                name: "region.example.com".to_string(),
+                value: claim.to_string(),
+            },
+        ],
+        kubernetes_version: "v1.36.0".to_string(),
+        capacity: [("cpu".to_string(), nodes.to_string())].into(),
+        allocatable: [("cpu".to_string(), nodes.to_string())].into(),
+    }
+}
+
+fn reported_infos(sim: &Sim) -> Vec<wire::ClusterInfo> {
+    sim.hub_events
+        .iter()
+        .filter_map(|e| match e {
+            HubEvent::ClusterInfoReported { info } => Some(info.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn cluster_info_reaches_the_hub_and_only_the_latest_of_a_backlog_is_sent() {
+    let mut sim = Sim::synced(vec![], vec![]);
+    sim.clear_logs();
+
+    // A claim changes on the spoke: the hub hears the whole new report.
+    sim.agent.report_cluster_info(cluster_info("3", "eu-west"));
+    sim.settle();
+    assert_eq!(reported_infos(&sim), vec![cluster_info("3", "eu-west")]);
+
+    // While the link is stalled the spoke changes three times; only the last report goes.
+    sim.clear_logs();
+    sim.to_hub.stalled = true;
+    for nodes in ["4", "5", "6"] {
+        sim.agent
+            .report_cluster_info(cluster_info(nodes, "eu-north"));
+    }
+    sim.settle();
+    assert!(reported_infos(&sim).is_empty());
+    sim.to_hub.stalled = false;
+    sim.settle();
+    assert_eq!(reported_infos(&sim), vec![cluster_info("6", "eu-north")]);
+    assert!(sim.hub.is_established() && sim.agent.is_established());
+}
+
+#[test]
+fn cluster_info_after_close_is_not_sent() {
+    let mut sim = Sim::synced(vec![], vec![]);
+    sim.agent.close("shutting down");
+    sim.agent.report_cluster_info(cluster_info("3", "eu-west"));
+    sim.settle();
+    assert!(reported_infos(&sim).is_empty());
+}
+
 fn renewals_due(sim: &Sim) -> usize {
     sim.agent_events
         .iter()

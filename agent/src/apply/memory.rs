@@ -108,6 +108,15 @@ impl MemoryCluster {
             .insert(name.to_owned(), (code, message.to_owned()));
     }
 
+    /// [`MemoryCluster::reject`] for a cluster no task uses yet (while it is being built).
+    pub fn reject_now(&self, name: &str, code: u16, message: &str) {
+        if let Ok(mut state) = self.state.try_lock() {
+            state
+                .rejects
+                .insert(name.to_owned(), (code, message.to_owned()));
+        }
+    }
+
     /// Makes every call fail as if the apiserver were unreachable, or stop doing so.
     pub async fn set_down(&self, down: bool) {
         self.state.lock().await.down = down;

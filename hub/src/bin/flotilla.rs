@@ -6,7 +6,9 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use flotilla_hub::cli::{
-    collection_path, kind_of_document, manifest_work, object_path, read_documents,
+    apply_label_changes, apply_taint_changes, collection_path, kind_of_document, manifest_work,
+    namespaced_name, object_path, parse_label_changes, parse_taint_changes, read_documents,
+    replica_set,
 };
 use flotilla_hub::client::{ApiError, OperatorClient, OperatorConfig};
 use flotilla_hub::table;
@@ -127,6 +129,26 @@ enum ClusterAction {
         #[arg(required = true)]
         names: Vec<String>,
     },
+    /// Set or remove labels on a cluster, as `kubectl label managedcluster` does: `key=value`
+    /// sets, `key-` removes. Placements select by these labels; they are the hub's to set
+    /// (agents report facts as ClusterClaims instead).
+    Label {
+        name: String,
+        /// `key=value` or `key-`, one or more.
+        #[arg(required = true)]
+        changes: Vec<String>,
+        /// Change labels that already have another value.
+        #[arg(long)]
+        overwrite: bool,
+    },
+    /// Add or remove taints on a cluster, as `kubectl taint` does: `key[=value]:Effect` adds
+    /// (effects NoSelect, PreferNoSelect, NoSelectIfNew), `key-` or `key:Effect-` removes.
+    /// Placements that do not tolerate a NoSelect taint drop the cluster.
+    Taint {
+        name: String,
+        #[arg(required = true)]
+        changes: Vec<String>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -157,29 +179,69 @@ enum GetWhat {
         #[arg(short, long, value_enum, default_value_t = Output::Table)]
         output: Output,
     },
+    /// Placements: whether they are satisfied, and the clusters they selected.
+    Placements {
+        /// Only this namespace's (default: every namespace's).
+        #[arg(short, long)]
+        namespace: Option<String>,
+        #[arg(short, long, value_enum, default_value_t = Output::Table)]
+        output: Output,
+    },
+    /// PlacementDecisions: the clusters each placement selected, by decision group.
+    Placementdecisions {
+        #[arg(short, long)]
+        namespace: Option<String>,
+        /// Only this placement's (its `cluster.open-cluster-management.io/placement` label).
+        #[arg(long)]
+        placement: Option<String>,
+        #[arg(short, long, value_enum, default_value_t = Output::Table)]
+        output: Output,
+    },
+    /// ManifestWorkReplicaSets: how far each rollout got (selected, applied, failed) and its
+    /// phase (Complete, Progressing, MaxFailuresExceeded).
+    #[command(alias = "mwrs")]
+    Manifestworkreplicasets {
+        #[arg(short, long)]
+        namespace: Option<String>,
+        #[arg(short, long, value_enum, default_value_t = Output::Table)]
+        output: Output,
+    },
 }
 
 #[derive(Subcommand)]
 enum WorkAction {
-    /// Wrap the Kubernetes manifests of FILE_OR_DIR in a ManifestWork named NAME for each cluster.
+    /// Wrap the Kubernetes manifests of FILE_OR_DIR in a ManifestWork named NAME for each cluster
+    /// (`--clusters`), or for the clusters a placement selects (`--placement NS/NAME`, like
+    /// `clusteradm create work --placement`): then a ManifestWorkReplicaSet NS/NAME keeps one
+    /// ManifestWork NAME in each selected cluster's namespace, and the work follows the
+    /// placement's decisions as they change.
+    #[command(group(clap::ArgGroup::new("target").required(true).args(["clusters", "placement"])))]
     Create {
         name: String,
         /// Manifests: a YAML/JSON file (several documents allowed) or a directory of them.
         #[arg(short, long)]
         filename: PathBuf,
         /// Clusters to deliver to, comma-separated.
-        #[arg(long, value_delimiter = ',', required = true)]
+        #[arg(long, value_delimiter = ',')]
         clusters: Vec<String>,
+        /// The placement (NAMESPACE/NAME) whose selected clusters get the work.
+        #[arg(long)]
+        placement: Option<String>,
         /// Replace the work's manifests if it exists already.
         #[arg(long)]
         overwrite: bool,
     },
-    /// Delete the work NAME from each cluster; its resources are deleted or orphaned as its
-    /// deleteOption says.
+    /// Delete the work NAME from each cluster (`--clusters`), or the ManifestWorkReplicaSet of
+    /// `--placement NS/NAME` with all its ManifestWorks; resources are deleted or orphaned as
+    /// the work's deleteOption says.
+    #[command(group(clap::ArgGroup::new("target").required(true).args(["clusters", "placement"])))]
     Delete {
         name: String,
-        #[arg(long, value_delimiter = ',', required = true)]
+        #[arg(long, value_delimiter = ',')]
         clusters: Vec<String>,
+        /// The placement the work was created for (its namespace is the replica set's).
+        #[arg(long)]
+        placement: Option<String>,
     },
 }
 
@@ -217,6 +279,55 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 .await?;
             print_list(&list, output, table::works)?;
         }
+        Command::Get {
+            what: GetWhat::Placements { namespace, output },
+        } => {
+            let list = client
+                .get_json(&collection_path(Kind::Placement, namespace.as_deref()))
+                .await?;
+            let decisions = client
+                .get_json(&collection_path(
+                    Kind::PlacementDecision,
+                    namespace.as_deref(),
+                ))
+                .await?;
+            let decisions = decisions["items"].as_array().cloned().unwrap_or_default();
+            let render = |items: &[Value], now| table::placements(items, &decisions, now);
+            print_list_with(&list, output, render)?;
+        }
+        Command::Get {
+            what:
+                GetWhat::Placementdecisions {
+                    namespace,
+                    placement,
+                    output,
+                },
+        } => {
+            let mut list = client
+                .get_json(&collection_path(
+                    Kind::PlacementDecision,
+                    namespace.as_deref(),
+                ))
+                .await?;
+            if let (Some(p), Some(items)) = (placement, list["items"].as_array_mut()) {
+                items.retain(|d| {
+                    d["metadata"]["labels"][flotilla_proto::api::PLACEMENT_LABEL].as_str()
+                        == Some(p.as_str())
+                });
+            }
+            print_list(&list, output, table::placement_decisions)?;
+        }
+        Command::Get {
+            what: GetWhat::Manifestworkreplicasets { namespace, output },
+        } => {
+            let list = client
+                .get_json(&collection_path(
+                    Kind::ManifestWorkReplicaSet,
+                    namespace.as_deref(),
+                ))
+                .await?;
+            print_list(&list, output, table::replica_sets)?;
+        }
         Command::Apply { filename } => {
             for doc in read_documents(&filename)? {
                 let kind = kind_of_document(&doc)?;
@@ -230,6 +341,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     name,
                     filename,
                     clusters,
+                    placement,
                     overwrite,
                 },
         } => {
@@ -239,6 +351,20 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 "{} holds no manifests",
                 filename.display()
             );
+            if let Some(placement) = placement {
+                let (ns, placement) = namespaced_name(&placement, "--placement")?;
+                client
+                    .get_json(&object_path(Kind::Placement, Some(&ns), &placement))
+                    .await
+                    .with_context(|| format!("--placement {ns}/{placement}"))?;
+                let set = replica_set(&name, &ns, &placement, &manifests);
+                let verb = upsert(&client, Kind::ManifestWorkReplicaSet, set, overwrite)
+                    .await
+                    .with_context(|| format!("ManifestWorkReplicaSet {ns}/{name}"))?;
+                println!(
+                    "manifestworkreplicaset {ns}/{name} {verb}: ManifestWork {name} follows placement {ns}/{placement}"
+                );
+            }
             for cluster in &clusters {
                 let work = manifest_work(&name, cluster, &manifests);
                 // upsert's errors name the work already.
@@ -266,8 +392,26 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             );
         }
         Command::Work {
-            action: WorkAction::Delete { name, clusters },
+            action:
+                WorkAction::Delete {
+                    name,
+                    clusters,
+                    placement,
+                },
         } => {
+            if let Some(placement) = placement {
+                let (ns, _) = namespaced_name(&placement, "--placement")?;
+                client
+                    .request(
+                        Method::DELETE,
+                        &object_path(Kind::ManifestWorkReplicaSet, Some(&ns), &name),
+                        None,
+                    )
+                    .await?;
+                println!(
+                    "manifestworkreplicaset {ns}/{name} deleted (its ManifestWorks go with it)"
+                );
+            }
             for cluster in &clusters {
                 client
                     .request(
@@ -381,6 +525,42 @@ async fn cluster(client: &OperatorClient, action: ClusterAction) -> anyhow::Resu
                 println!("cluster {name} denied");
             }
         }
+        ClusterAction::Label {
+            name,
+            changes,
+            overwrite,
+        } => {
+            let changes = parse_label_changes(&changes)?;
+            let changed = read_modify_write(client, &name, |mc| {
+                apply_label_changes(mc, &changes, overwrite)
+            })
+            .await?;
+            println!(
+                "cluster {name} {}",
+                if changed {
+                    "labeled"
+                } else {
+                    "not labeled (no change)"
+                }
+            );
+        }
+        ClusterAction::Taint { name, changes } => {
+            let changes = parse_taint_changes(&changes)?;
+            let now = jiff::Timestamp::now()
+                .strftime("%Y-%m-%dT%H:%M:%SZ")
+                .to_string();
+            let changed =
+                read_modify_write(client, &name, |mc| apply_taint_changes(mc, &changes, &now))
+                    .await?;
+            println!(
+                "cluster {name} {}",
+                if changed {
+                    "tainted"
+                } else {
+                    "not tainted (no change)"
+                }
+            );
+        }
         ClusterAction::Delete { names } => {
             for name in names {
                 client
@@ -396,6 +576,35 @@ async fn cluster(client: &OperatorClient, action: ClusterAction) -> anyhow::Resu
         }
     }
     Ok(())
+}
+
+/// Changes ManagedCluster `name` with `change` on a fresh read and writes it back with the
+/// version read, again from a fresh read if someone else wrote in between.
+async fn read_modify_write(
+    client: &OperatorClient,
+    name: &str,
+    change: impl Fn(&mut Value) -> anyhow::Result<bool>,
+) -> anyhow::Result<bool> {
+    const ATTEMPTS: usize = 5;
+    let path = object_path(Kind::ManagedCluster, None, name);
+    for attempt in 1..=ATTEMPTS {
+        let mut mc = client
+            .get_json(&path)
+            .await
+            .with_context(|| format!("cluster {name}"))?;
+        if !change(&mut mc)? {
+            return Ok(false);
+        }
+        match client.request(Method::PUT, &path, Some(&mc)).await {
+            Ok(_) => return Ok(true),
+            Err(e)
+                if attempt < ATTEMPTS
+                    && e.downcast_ref::<ApiError>()
+                        .is_some_and(|a| a.status == StatusCode::CONFLICT) => {}
+            Err(e) => return Err(e.context(format!("writing cluster {name}"))),
+        }
+    }
+    Ok(false)
 }
 
 /// Creates the object, or (when `replace`) replaces an existing one. Returns what happened.
@@ -458,6 +667,14 @@ fn print_list(
     list: &Value,
     output: Output,
     render: fn(&[Value], jiff::Timestamp) -> String,
+) -> anyhow::Result<()> {
+    print_list_with(list, output, render)
+}
+
+fn print_list_with(
+    list: &Value,
+    output: Output,
+    render: impl Fn(&[Value], jiff::Timestamp) -> String,
 ) -> anyhow::Result<()> {
     match output {
         Output::Json => println!("{}", serde_json::to_string_pretty(list)?),

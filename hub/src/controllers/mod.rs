@@ -1,18 +1,149 @@
-//! The hub's controllers: each keeps a watch cache of the store with the one list-then-watch
-//! loop (`flotilla_store::reflect`) and writes back through the `Store` trait, so it runs the
-//! same on both backends.
+//! The hub's controllers: what acts on Placements, ManagedClusterSets,
+//! ManifestWorkReplicaSets and finished ManifestWorks. Each keeps a watch cache of the store
+//! with the one list-then-watch loop (`flotilla_store::reflect`, through [`feed`] where it
+//! reads several kinds) as a model it owns alone, decides with pure code, and writes back
+//! through the `Store` trait only what differs. They run the same on both store backends, in
+//! the hub process, started by [`run`].
 //!
+//! * [`clustersets`]: OCM's `default` and `global` ManagedClusterSets, the default set's label
+//!   on clusters without one, `timeAdded` on taints, and the sets' and bindings' conditions.
+//! * [`scheduling`]: Placement → PlacementDecision (and the Placement's status).
+//! * [`rollout`]: which clusters a rollout strategy lets a new revision reach now (pure).
+//! * [`replicaset`]: ManifestWorkReplicaSet → ManifestWorks per placement decision, rolled out
+//!   by the strategy, status summarised, cleaned up on delete. `flotilla work create
+//!   --placement` creates one.
 //! * [`work_ttl`]: deletes ManifestWorks whose `deleteOption.ttlSecondsAfterFinished` has
 //!   passed since they turned Complete.
+//!
+//! Not for: anything agents or gateways do; controllers never talk to spokes.
 
+pub mod clustersets;
+pub mod feed;
+pub mod replicaset;
+pub mod rollout;
+pub mod scheduling;
 pub mod work_ttl;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use flotilla_store::Store;
+use jiff::Timestamp;
 use tokio::sync::watch;
+use tokio::task::JoinSet;
 
-/// Runs every controller until `stop` turns true (or its sender is dropped).
-pub async fn run(store: Arc<dyn Store>, stop: watch::Receiver<bool>) {
-    work_ttl::run(store, stop).await;
+/// Default of [`ControllerConfig::write_concurrency`].
+pub const DEFAULT_WRITE_CONCURRENCY: usize = 16;
+/// Default of [`ControllerConfig::queue_capacity`].
+pub const DEFAULT_QUEUE_CAPACITY: usize = 4096;
+/// Default of [`ControllerConfig::batch`].
+pub const DEFAULT_BATCH: usize = 20_000;
+
+/// Settings of every controller.
+#[derive(Clone, Debug)]
+pub struct ControllerConfig {
+    /// Create OCM's `default` and `global` ManagedClusterSets and put clusters without a set
+    /// label into `default`, as OCM's hub does (its `DefaultClusterSet` feature).
+    pub default_cluster_sets: bool,
+    /// Writes to the store in flight at once per controller.
+    pub write_concurrency: usize,
+    /// Changes waiting between the store's watches and a controller; a full queue holds the
+    /// watches back.
+    pub queue_capacity: usize,
+    /// Most changes a controller takes in before it decides and writes.
+    pub batch: usize,
+}
+
+impl Default for ControllerConfig {
+    fn default() -> Self {
+        ControllerConfig {
+            default_cluster_sets: true,
+            write_concurrency: DEFAULT_WRITE_CONCURRENCY,
+            queue_capacity: DEFAULT_QUEUE_CAPACITY,
+            batch: DEFAULT_BATCH,
+        }
+    }
+}
+
+/// A controller ended while the hub was serving: the hub cannot place or roll out without it,
+/// so it exits and its supervisor restarts it. Not retryable in-process.
+#[derive(Debug, thiserror::Error)]
+pub enum ControllerEnded {
+    /// It returned without being told to stop.
+    #[error("the {controller} controller stopped on its own")]
+    Stopped { controller: &'static str },
+    /// It panicked (a bug; the message says where).
+    #[error("the {controller} controller crashed: {cause}")]
+    Crashed {
+        controller: &'static str,
+        cause: String,
+    },
+}
+
+/// Runs every controller until `stop` turns true (or its sender is dropped), then waits for
+/// them to finish their writes in flight. One that ends before that is an error naming it.
+pub async fn run(
+    store: Arc<dyn Store>,
+    config: ControllerConfig,
+    stop: watch::Receiver<bool>,
+) -> Result<(), ControllerEnded> {
+    let mut tasks: JoinSet<()> = JoinSet::new();
+    let mut names = std::collections::HashMap::new();
+    let mut spawn = |name: &'static str, task: futures::future::BoxFuture<'static, ()>| {
+        names.insert(tasks.spawn(task).id(), name);
+    };
+    spawn(
+        "cluster sets",
+        Box::pin(clustersets::run(
+            store.clone(),
+            config.clone(),
+            stop.clone(),
+        )),
+    );
+    spawn(
+        "placement scheduling",
+        Box::pin(scheduling::run(store.clone(), config.clone(), stop.clone())),
+    );
+    spawn(
+        "ManifestWorkReplicaSet",
+        Box::pin(replicaset::run(store.clone(), config, stop.clone())),
+    );
+    spawn("work TTL", Box::pin(work_ttl::run(store, stop.clone())));
+    while let Some(done) = tasks.join_next_with_id().await {
+        let stopping = *stop.borrow() || stop.has_changed().is_err();
+        let id = match &done {
+            Ok((id, ())) => *id,
+            Err(e) => e.id(),
+        };
+        let controller = names.get(&id).copied().unwrap_or("unnamed");
+        match done {
+            Err(e) if e.is_panic() || !stopping => {
+                return Err(ControllerEnded::Crashed {
+                    controller,
+                    cause: e.to_string(),
+                });
+            }
+            Ok(_) if !stopping => return Err(ControllerEnded::Stopped { controller }),
+            // Told to stop: it finished its writes in flight.
+            Ok(_) | Err(_) => {}
+        }
+    }
+    Ok(())
+}
+
+/// Resolves once `stop` turns true or its sender is gone.
+pub(crate) async fn stopped(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
+/// Sleeps until `at` (wall clock), or forever when `None`.
+pub(crate) async fn delay_until(at: Option<Timestamp>) {
+    match at {
+        Some(at) => {
+            let wait = at.duration_since(Timestamp::now());
+            let wait = Duration::try_from(wait).unwrap_or(Duration::ZERO);
+            tokio::time::sleep(wait).await;
+        }
+        None => std::future::pending().await,
+    }
 }

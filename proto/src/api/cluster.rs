@@ -62,7 +62,11 @@ pub struct ManagedClusterSpec {
     pub lease_duration_seconds: Option<i32>,
 
     /// Taints repel placements that do not tolerate them.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(
+        default,
+        deserialize_with = "null_as_default",
+        skip_serializing_if = "Vec::is_empty"
+    )]
     pub taints: Vec<Taint>,
 }
 

@@ -18,6 +18,7 @@ mod crd;
 mod hash;
 mod kind;
 mod placement;
+pub mod quantity;
 mod serde_util;
 mod validate;
 mod work;

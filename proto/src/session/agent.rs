@@ -146,6 +146,8 @@ enum Phase {
 enum Key {
     Ack(String),
     Status(String),
+    /// What the agent knows about its spoke: only the latest report matters.
+    ClusterInfo,
 }
 
 /// The agent's side of its session: a sans-IO state machine.
@@ -586,6 +588,18 @@ impl AgentSession {
             status_json,
         };
         self.data.put(key, agent_frame::Frame::WorkStatus(status));
+    }
+
+    /// Reports what the agent knows about its spoke now (claims, version, capacity), whole: call
+    /// it once the session is established and again whenever that changes. Coalesced (only
+    /// the latest report is sent); the hub writes it into the ManagedCluster's status when it
+    /// differs from what is stored. Ignored after close.
+    pub fn report_cluster_info(&mut self, info: wire::ClusterInfo) {
+        if self.is_closed() {
+            return;
+        }
+        self.data
+            .put(Key::ClusterInfo, agent_frame::Frame::ClusterInfo(info));
     }
 
     /// Ends the session for a local reason (the agent is shutting down): queues a `Goodbye`

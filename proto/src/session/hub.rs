@@ -94,6 +94,14 @@ pub enum HubEvent {
         /// ManifestWork status (conditions, resourceStatus) as JSON.
         status_json: Vec<u8>,
     },
+    /// The agent reported what it knows about its spoke now (claims, Kubernetes version,
+    /// capacity and allocatable resources), whole. The driver hands it to whoever writes the
+    /// ManagedCluster's status, which writes only what changed. Only the cluster of this
+    /// session's certificate is meant: the frame names none.
+    ClusterInfoReported {
+        /// The report, as received.
+        info: wire::ClusterInfo,
+    },
     /// The agent asks for a certificate for a new key (rotation). The driver checks that the
     /// cluster is still accepted, signs the request for the session's own identity (never a
     /// name from the request), and answers with [`HubSession::issue_certificate`] or
@@ -319,6 +327,11 @@ impl HubSession {
                     seq: status.seq,
                     status_json: status.status_json,
                 });
+                Ok(())
+            }
+            (Phase::Established, agent_frame::Frame::ClusterInfo(info)) => {
+                self.events
+                    .push_back(HubEvent::ClusterInfoReported { info });
                 Ok(())
             }
             (Phase::Established, agent_frame::Frame::RenewCertificate(renew)) => {
@@ -755,5 +768,6 @@ fn agent_frame_name(frame: &agent_frame::Frame) -> &'static str {
         agent_frame::Frame::WorkStatus(_) => "WorkStatus",
         agent_frame::Frame::Goodbye(_) => "Goodbye",
         agent_frame::Frame::RenewCertificate(_) => "RenewCertificate",
+        agent_frame::Frame::ClusterInfo(_) => "ClusterInfo",
     }
 }

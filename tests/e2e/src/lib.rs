@@ -504,3 +504,156 @@ pub async fn start_tinyproxy(dir: &Path, connect_port: u16) -> anyhow::Result<(P
     .await?;
     Ok((proxy, port))
 }
+
+/// Every `status.decisions[].clusterName` of some PlacementDecisions, sorted: what Argo CD's
+/// clusterDecisionResource generator reads (`statusListKey: decisions`, `matchKey:
+/// clusterName`).
+pub fn decision_clusters<'a>(decisions: impl IntoIterator<Item = &'a Value>) -> Vec<String> {
+    let mut clusters: Vec<String> = decisions
+        .into_iter()
+        .flat_map(|d| {
+            d["status"]["decisions"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .filter_map(|d| d["clusterName"].as_str().map(str::to_string))
+        .collect();
+    clusters.sort();
+    clusters
+}
+
+/// The hub under test and, for the kube backend, its apiserver: what an operator of either
+/// backend has in hand.
+pub struct Fleet {
+    pub hub: Hub,
+    pub hub_env: Option<flotilla_testenv::TestEnv>,
+}
+
+impl Fleet {
+    /// A hub on the sled store, or (`kube`) on a fresh real apiserver with OCM's CRDs.
+    pub async fn start(dir: &Path, kube: bool) -> anyhow::Result<Fleet> {
+        Fleet::start_with(dir, kube, &[]).await
+    }
+
+    /// [`Fleet::start`] with more hub flags.
+    pub async fn start_with(dir: &Path, kube: bool, extra: &[&str]) -> anyhow::Result<Fleet> {
+        if !kube {
+            return Ok(Fleet {
+                hub: Hub::start(dir, extra).await?,
+                hub_env: None,
+            });
+        }
+        let env = flotilla_testenv::TestEnv::start().await?;
+        env.install_crds(&flotilla_testenv::workspace_root().join("deploy/crds"))
+            .await?;
+        let kubeconfig = env
+            .kubeconfig_path()
+            .to_str()
+            .unwrap_or_default()
+            .to_string();
+        let mut flags = vec!["--store=kube", "--kubeconfig", &kubeconfig];
+        flags.extend_from_slice(extra);
+        let hub = Hub::start(dir, &flags).await?;
+        Ok(Fleet {
+            hub,
+            hub_env: Some(env),
+        })
+    }
+
+    /// Applies OCM YAML the way an operator of this backend would: `kubectl apply` on the
+    /// kube backend, `flotilla apply` on the sled one.
+    pub fn apply(&self, file: &Path) -> anyhow::Result<()> {
+        let out = match &self.hub_env {
+            Some(env) => env.kubectl().arg("apply").arg("-f").arg(file).output()?,
+            None => self
+                .hub
+                .cli(&["apply", "-f", file.to_str().unwrap_or_default()])?,
+        };
+        anyhow::ensure!(
+            out.status.success(),
+            "apply failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(())
+    }
+
+    /// Writes `doc` to a file in `dir` and applies it.
+    pub fn apply_value(&self, dir: &Path, doc: &Value) -> anyhow::Result<()> {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static N: AtomicU64 = AtomicU64::new(0);
+        let path = dir.join(format!(
+            "applied-{}.json",
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::write(&path, serde_json::to_vec_pretty(doc)?)?;
+        self.apply(&path)
+    }
+
+    /// Runs the `flotilla` CLI and returns its stdout, failing with its stderr.
+    pub fn cli(&self, args: &[&str]) -> anyhow::Result<String> {
+        let out = self.hub.cli(args)?;
+        anyhow::ensure!(
+            out.status.success(),
+            "flotilla {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// `flotilla get <what> -o json`'s items.
+    pub fn list(&self, args: &[&str]) -> anyhow::Result<Vec<Value>> {
+        let mut all = vec!["get"];
+        all.extend_from_slice(args);
+        all.extend_from_slice(&["-o", "json"]);
+        let list: Value = serde_json::from_str(&self.cli(&all)?)?;
+        Ok(list["items"].as_array().cloned().unwrap_or_default())
+    }
+
+    /// The work `name` in `cluster`'s namespace, if the hub has it.
+    pub fn work(&self, cluster: &str, name: &str) -> anyhow::Result<Option<Value>> {
+        self.hub.work(cluster, name)
+    }
+
+    /// The clusters whose namespace holds a work called `name`, sorted.
+    pub fn clusters_with_work(&self, name: &str) -> anyhow::Result<Vec<String>> {
+        let mut clusters: Vec<String> = self
+            .list(&["works"])?
+            .iter()
+            .filter(|w| w["metadata"]["name"] == name)
+            .filter_map(|w| w["metadata"]["namespace"].as_str().map(str::to_string))
+            .collect();
+        clusters.sort();
+        Ok(clusters)
+    }
+
+    /// The clusters placement `namespace/name` decided, from its PlacementDecisions, sorted.
+    pub fn decided(&self, namespace: &str, name: &str) -> anyhow::Result<Vec<String>> {
+        let decisions = self.list(&["placementdecisions", "-n", namespace, "--placement", name])?;
+        Ok(decision_clusters(&decisions))
+    }
+
+    /// Waits until placement `namespace/name` decides exactly `expected`.
+    pub async fn wait_decided(
+        &self,
+        namespace: &str,
+        name: &str,
+        expected: &[&str],
+    ) -> anyhow::Result<()> {
+        wait_for(
+            &format!("placement {namespace}/{name} to decide {expected:?}"),
+            Duration::from_secs(60),
+            || async {
+                let got = self.decided(namespace, name)?;
+                Ok((got == expected).then_some(()))
+            },
+        )
+        .await
+    }
+
+    /// Waits until the hub shows the work Applied=True at its current generation.
+    pub async fn wait_applied(&self, cluster: &str, name: &str) -> anyhow::Result<Value> {
+        self.hub.wait_work_applied(cluster, name).await
+    }
+}

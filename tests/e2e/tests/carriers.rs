@@ -131,6 +131,7 @@ async fn a_quic_session_goes_on_when_the_agents_socket_moves_to_a_new_port() -> 
     let db = CacheDb::temporary()?;
     let counts = Arc::new(Counts::default());
     let (_, kubernetes_version) = tokio::sync::watch::channel("v1.36.3".to_string());
+    let (_, cluster_info) = tokio::sync::watch::channel(Default::default());
     let parts = Parts {
         dialer: Dialer::new(&hub.agents_addr, "localhost", &certs)?
             .with_transport(Transport::Quic)
@@ -138,6 +139,7 @@ async fn a_quic_session_goes_on_when_the_agents_socket_moves_to_a_new_port() -> 
         cache: Arc::new(db.cluster("store-q")),
         target: Arc::new(MemoryCluster::new()),
         kubernetes_version,
+        cluster_info,
         observer: counts.clone(),
         seed: Some(7),
     };

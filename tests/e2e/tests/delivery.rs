@@ -5,62 +5,12 @@ use std::time::Duration;
 
 use flotilla_e2e::on_both_carriers;
 use flotilla_e2e::spoke::Spoke;
-use flotilla_e2e::{Hub, condition_status, wait_for};
-use flotilla_testenv::{TestEnv, workspace_root};
+use flotilla_e2e::{Fleet, Hub, condition_status, wait_for};
+use flotilla_testenv::workspace_root;
 use nix::sys::signal::Signal;
 use serde_json::Value;
 
 const SEED_WORK: &str = "proto/tests/fixtures/manifestwork_my_first_work.yaml";
-
-/// The hub under test and, for the kube backend, its apiserver.
-struct Fleet {
-    hub: Hub,
-    hub_env: Option<TestEnv>,
-}
-
-impl Fleet {
-    async fn start(dir: &Path, kube: bool) -> anyhow::Result<Fleet> {
-        if !kube {
-            return Ok(Fleet {
-                hub: Hub::start(dir, &[]).await?,
-                hub_env: None,
-            });
-        }
-        let env = TestEnv::start().await?;
-        env.install_crds(&workspace_root().join("deploy/crds"))
-            .await?;
-        let kubeconfig = env.kubeconfig_path().to_str().unwrap().to_string();
-        let hub = Hub::start(dir, &["--store=kube", "--kubeconfig", &kubeconfig]).await?;
-        Ok(Fleet {
-            hub,
-            hub_env: Some(env),
-        })
-    }
-
-    /// Applies OCM YAML the way an operator of this backend would: `kubectl apply` on the
-    /// kube backend, `flotilla apply` on the sled one.
-    fn apply(&self, file: &Path) -> anyhow::Result<()> {
-        let out = match &self.hub_env {
-            Some(env) => env.kubectl().arg("apply").arg("-f").arg(file).output()?,
-            None => self.hub.cli(&["apply", "-f", file.to_str().unwrap()])?,
-        };
-        anyhow::ensure!(
-            out.status.success(),
-            "apply failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Ok(())
-    }
-
-    fn work(&self, cluster: &str, name: &str) -> anyhow::Result<Option<Value>> {
-        self.hub.work(cluster, name)
-    }
-
-    /// Waits until the hub shows the work Applied=True at its current generation.
-    async fn wait_applied(&self, cluster: &str, name: &str) -> anyhow::Result<Value> {
-        self.hub.wait_work_applied(cluster, name).await
-    }
-}
 
 /// The seed's ManifestWork, retargeted at `cluster` and edited by `edit`, written to a file.
 fn seed_work(

@@ -1,0 +1,1047 @@
+//! ManifestWorkReplicaSet: one ManifestWork template fanned out to the clusters its placements
+//! selected, in each cluster's namespace, as fast as each placement's rollout strategy allows;
+//! its status summarised; its works removed when it goes. OCM's semantics: works are named
+//! after the replica set and labelled `work.open-cluster-management.io/manifestworkreplicaset:
+//! <namespace>.<name>` and `work.open-cluster-management.io/placementname: <placement>`; a work
+//! follows its placement's decisions (a cluster dropped by the placement loses the work); the
+//! finalizer `work.open-cluster-management.io/manifest-work-cleanup` keeps the replica set until
+//! its works are deleted (`Background`: deleted, `Foreground`: gone).
+//!
+//! [`plan`] decides for one replica set with no IO (tested here); the driver feeds it from the
+//! store's watches, writes what it says, and comes back when a soak time or deadline ends.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use flotilla_proto::api::conditions::{
+    ConditionStatus, MANIFESTWORK_APPLIED, PLACEMENT_ROLLED_OUT, PLACEMENT_VERIFIED, WORK_APPLIED,
+    WORK_AVAILABLE, WORK_DEGRADED, WORK_PROGRESSING, find_condition, is_condition_true,
+    set_condition,
+};
+use flotilla_proto::api::{
+    CascadeDeletionPolicy, DECISION_GROUP_INDEX_LABEL, DECISION_GROUP_NAME_LABEL, Kind,
+    ManifestWork, ManifestWorkReplicaSet, ManifestWorkReplicaSetStatus,
+    ManifestWorkReplicaSetSummary, ManifestWorkSpec, PLACEMENT_LABEL, Placement, PlacementDecision,
+    PlacementSummary,
+};
+use flotilla_store::{Object, Revision, Store, StoreError, WatchEvent, name_of, namespace_of};
+use futures::StreamExt;
+use jiff::Timestamp;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use serde_json::{Value, json};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinSet;
+use tracing::{debug, info, warn};
+
+use super::feed::{self, Known, Readiness};
+use super::rollout::{self, ClusterGroups, GroupKey, Status};
+use super::scheduling::fleet::Key;
+use super::{ControllerConfig, delay_until, stopped};
+
+/// Label on a ManifestWork naming its replica set as `<namespace>.<name>`.
+pub const REPLICA_SET_LABEL: &str = "work.open-cluster-management.io/manifestworkreplicaset";
+/// Label on a ManifestWork naming the placement that put it there.
+pub const PLACEMENT_NAME_LABEL: &str = "work.open-cluster-management.io/placementname";
+/// Finalizer on a ManifestWorkReplicaSet until its ManifestWorks are deleted.
+pub const REPLICA_SET_FINALIZER: &str = "work.open-cluster-management.io/manifest-work-cleanup";
+/// `PlacementRolledOut` reason when failures stopped the rollout (OCM has no word for it).
+pub const REASON_MAX_FAILURES: &str = "MaxFailuresExceeded";
+/// Failed clusters named at most in a condition message.
+const FAILED_NAMED: usize = 10;
+
+const KINDS: [Kind; 4] = [
+    Kind::ManifestWorkReplicaSet,
+    Kind::Placement,
+    Kind::PlacementDecision,
+    Kind::ManifestWork,
+];
+
+/// A ManifestWork of a replica set, as the controller needs it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WorkView {
+    pub name: String,
+    pub placement: String,
+    pub spec: ManifestWorkSpec,
+    pub generation: i64,
+    pub conditions: Vec<Condition>,
+    pub deleting: bool,
+}
+
+impl WorkView {
+    fn from_work(work: &ManifestWork) -> WorkView {
+        WorkView {
+            name: work.metadata.name.clone().unwrap_or_default(),
+            placement: work
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(PLACEMENT_NAME_LABEL))
+                .cloned()
+                .unwrap_or_default(),
+            spec: work.spec.clone(),
+            generation: work.metadata.generation.unwrap_or(1),
+            conditions: work.status.clone().unwrap_or_default().conditions,
+            deleting: work.metadata.deletion_timestamp.is_some(),
+        }
+    }
+}
+
+/// What the store holds that one replica set's plan reads.
+pub struct Inputs<'a> {
+    pub set: &'a ManifestWorkReplicaSet,
+    /// Placements of the replica set's namespace by name.
+    pub placements: &'a BTreeMap<String, Placement>,
+    /// Each placement's selected clusters by decision group.
+    pub groups: &'a BTreeMap<String, ClusterGroups>,
+    /// The replica set's works by cluster.
+    pub works: &'a BTreeMap<String, WorkView>,
+    pub now: Timestamp,
+}
+
+/// One write a plan asks for.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Action {
+    AddFinalizer,
+    RemoveFinalizer,
+    /// Create or update the work in `cluster`'s namespace for `placement`.
+    ApplyWork {
+        cluster: String,
+        placement: String,
+    },
+    DeleteWork {
+        cluster: String,
+        name: String,
+    },
+    Status(ManifestWorkReplicaSetStatus),
+}
+
+/// What to do for one replica set now, and when to look again.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Plan {
+    pub actions: Vec<Action>,
+    pub recheck_at: Option<Timestamp>,
+}
+
+/// Decides for one replica set.
+pub fn plan(inputs: &Inputs<'_>) -> Plan {
+    let set = inputs.set;
+    let mut plan = Plan::default();
+    let finalizers = set.metadata.finalizers.clone().unwrap_or_default();
+    let has_finalizer = finalizers.iter().any(|f| f == REPLICA_SET_FINALIZER);
+    if set.metadata.deletion_timestamp.is_some() {
+        for (cluster, w) in inputs.works {
+            if !w.deleting {
+                plan.actions.push(Action::DeleteWork {
+                    cluster: cluster.clone(),
+                    name: w.name.clone(),
+                });
+            }
+        }
+        let foreground =
+            set.spec.cascade_deletion_policy == Some(CascadeDeletionPolicy::Foreground);
+        if has_finalizer && (!foreground || inputs.works.is_empty()) {
+            plan.actions.push(Action::RemoveFinalizer);
+        }
+        return plan;
+    }
+    if !has_finalizer {
+        plan.actions.push(Action::AddFinalizer);
+    }
+    let now = inputs.now;
+    let mut status = set.status.clone().unwrap_or_default();
+    let template = &set.spec.manifest_work_template;
+    let refs: BTreeSet<&str> = set
+        .spec
+        .placement_refs
+        .iter()
+        .map(|r| r.name.as_str())
+        .collect();
+    // Works of placements no longer referenced go.
+    for (cluster, w) in inputs.works {
+        if !refs.contains(w.placement.as_str()) && !w.deleting {
+            plan.actions.push(Action::DeleteWork {
+                cluster: cluster.clone(),
+                name: w.name.clone(),
+            });
+        }
+    }
+    let mut summaries = Vec::new();
+    let mut selected_total = 0usize;
+    let mut existing_total = 0usize;
+    let mut succeeded_total = 0usize;
+    let mut stopped: Vec<(String, Vec<String>)> = Vec::new();
+    let mut verified: Option<(&str, String)> = None;
+    for r in &set.spec.placement_refs {
+        let Some(placement) = inputs.placements.get(&r.name) else {
+            set_verified(
+                &mut status,
+                "PlacementDecisionNotFound",
+                format!("Placement {} not found", r.name),
+                now,
+            );
+            plan.actions.push(Action::Status(status));
+            return plan;
+        };
+        let strategy = match rollout::parse(r.rollout_strategy.as_ref()) {
+            Ok(s) => s,
+            Err(e) => {
+                verified = Some((
+                    "NotAsExpected",
+                    format!("placement {}: rolloutStrategy {e}", r.name),
+                ));
+                continue;
+            }
+        };
+        let empty = ClusterGroups::new();
+        let groups = inputs.groups.get(&r.name).unwrap_or(&empty);
+        let mut existing = BTreeSet::new();
+        let mut statuses = Vec::new();
+        let mut succeeded = 0;
+        for (cluster, w) in inputs.works.iter().filter(|(_, w)| w.placement == r.name) {
+            // A work of an older revision has not been reached by this one yet.
+            if w.spec != *template || w.deleting {
+                continue;
+            }
+            existing.insert(cluster.clone());
+            let s = rollout::work_status(cluster, w.generation, &w.conditions);
+            if s.status == Status::Succeeded {
+                succeeded += 1;
+            }
+            statuses.push(s);
+        }
+        let result = rollout::rollout(&strategy, groups, &statuses, now);
+        plan.recheck_at = [plan.recheck_at, result.recheck_at]
+            .into_iter()
+            .flatten()
+            .min();
+        for c in result
+            .to_rollout
+            .iter()
+            .filter(|c| c.status == Status::ToApply)
+        {
+            // A cluster another placement of this set already serves keeps that work.
+            if inputs
+                .works
+                .get(&c.cluster)
+                .is_some_and(|w| w.placement != r.name && refs.contains(w.placement.as_str()))
+            {
+                continue;
+            }
+            plan.actions.push(Action::ApplyWork {
+                cluster: c.cluster.clone(),
+                placement: r.name.clone(),
+            });
+            existing.insert(c.cluster.clone());
+        }
+        for c in &result.removed {
+            if let Some(w) = inputs.works.get(&c.cluster).filter(|w| !w.deleting) {
+                plan.actions.push(Action::DeleteWork {
+                    cluster: c.cluster.clone(),
+                    name: w.name.clone(),
+                });
+                existing.remove(&c.cluster);
+            }
+        }
+        if result.max_failure_breach {
+            let failed: Vec<String> = statuses
+                .iter()
+                .chain(&result.timed_out)
+                .filter(|c| matches!(c.status, Status::Failed | Status::TimeOut))
+                .map(|c| c.cluster.clone())
+                .collect::<BTreeSet<_>>()
+                .into_iter()
+                .collect();
+            stopped.push((r.name.clone(), failed));
+        }
+        let selected = placement
+            .status
+            .as_ref()
+            .map_or(0, |s| s.number_of_selected_clusters.max(0) as usize);
+        let group_count = placement
+            .status
+            .as_ref()
+            .map_or(0, |s| s.decision_groups.len());
+        summaries.push(PlacementSummary {
+            name: r.name.clone(),
+            available_decision_groups: format!(
+                "{group_count} ({} / {selected} clusters applied)",
+                existing.len()
+            ),
+            summary: ManifestWorkReplicaSetSummary {
+                total: existing.len() as i32,
+                ..Default::default()
+            },
+        });
+        selected_total += selected;
+        existing_total += existing.len();
+        succeeded_total += succeeded;
+    }
+    status.placement_summary = summaries;
+    status.summary = summary(
+        inputs.works,
+        existing_total,
+        selected_total,
+        succeeded_total,
+    );
+    match verified {
+        Some((reason, message)) => set_verified(&mut status, reason, message, now),
+        None if existing_total == 0 => {
+            set_verified(&mut status, "PlacementDecisionEmpty", String::new(), now)
+        }
+        None => set_verified(&mut status, "AsExpected", String::new(), now),
+    }
+    let (rolled, reason, message) = if !stopped.is_empty() {
+        let message = stopped
+            .iter()
+            .map(|(p, failed)| {
+                let named: Vec<&str> = failed.iter().take(FAILED_NAMED).map(String::as_str).collect();
+                let more = failed.len().saturating_sub(FAILED_NAMED);
+                format!(
+                    "rollout to placement {p} stopped: {} cluster(s) failed, more than maxFailures allows: {}{}",
+                    failed.len(),
+                    named.join(", "),
+                    if more > 0 { format!(" and {more} more") } else { String::new() }
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("; ");
+        (false, REASON_MAX_FAILURES, message)
+    } else if selected_total == succeeded_total {
+        (true, "Complete", String::new())
+    } else {
+        (
+            false,
+            "Progressing",
+            format!("{succeeded_total} of {selected_total} clusters succeeded"),
+        )
+    };
+    set_condition(
+        &mut status.conditions,
+        PLACEMENT_ROLLED_OUT,
+        ConditionStatus::from(rolled),
+        reason,
+        &message,
+        None,
+        Time(now),
+    );
+    let s = &status.summary;
+    let (applied_status, applied_reason) = if s.total == 0 {
+        let empty = find_condition(&status.conditions, PLACEMENT_VERIFIED)
+            .is_some_and(|c| c.reason == "PlacementDecisionEmpty");
+        (
+            false,
+            if empty {
+                "PlacementDecisionEmpty"
+            } else {
+                "NotAsExpected"
+            },
+        )
+    } else if s.available == s.total && s.progressing == 0 && s.degraded == 0 {
+        (true, "AsExpected")
+    } else if s.progressing > 0 && s.degraded == 0 {
+        (false, "Processing")
+    } else {
+        (false, "NotAsExpected")
+    };
+    set_condition(
+        &mut status.conditions,
+        MANIFESTWORK_APPLIED,
+        ConditionStatus::from(applied_status),
+        applied_reason,
+        "",
+        None,
+        Time(now),
+    );
+    if set.status.as_ref() != Some(&status) {
+        plan.actions.push(Action::Status(status));
+    }
+    plan
+}
+
+fn set_verified(
+    status: &mut ManifestWorkReplicaSetStatus,
+    reason: &str,
+    message: String,
+    now: Timestamp,
+) {
+    set_condition(
+        &mut status.conditions,
+        PLACEMENT_VERIFIED,
+        ConditionStatus::from(reason == "AsExpected"),
+        reason,
+        &message,
+        None,
+        Time(now),
+    );
+}
+
+/// Counts over the replica set's works (any revision, not being deleted), as OCM's summary.
+fn summary(
+    works: &BTreeMap<String, WorkView>,
+    total: usize,
+    selected: usize,
+    succeeded: usize,
+) -> ManifestWorkReplicaSetSummary {
+    let mut s = ManifestWorkReplicaSetSummary {
+        total: total as i32,
+        desired_total: selected as i32,
+        updated: succeeded as i32,
+        ..Default::default()
+    };
+    for w in works.values().filter(|w| !w.deleting) {
+        let count = |t: &str| i32::from(is_condition_true(&w.conditions, t));
+        s.applied += count(WORK_APPLIED);
+        s.available += count(WORK_AVAILABLE);
+        s.degraded += count(WORK_DEGRADED);
+        s.progressing += count(WORK_PROGRESSING);
+    }
+    s
+}
+
+// ---- the driver ----
+
+#[derive(Default)]
+struct Model {
+    sets: BTreeMap<Key, ManifestWorkReplicaSet>,
+    placements: BTreeMap<String, BTreeMap<String, Placement>>,
+    /// Placement → decision object → (group, clusters).
+    decisions: BTreeMap<Key, BTreeMap<String, (GroupKey, Vec<String>)>>,
+    works: BTreeMap<Key, BTreeMap<String, WorkView>>,
+    dirty: BTreeSet<Key>,
+    rechecks: BTreeMap<Timestamp, BTreeSet<Key>>,
+}
+
+fn is_replica_set_work(o: &Object) -> bool {
+    o.pointer(&format!(
+        "/metadata/labels/{}",
+        REPLICA_SET_LABEL.replace('/', "~1")
+    ))
+    .is_some()
+}
+
+pub async fn run(store: Arc<dyn Store>, config: ControllerConfig, stop: watch::Receiver<bool>) {
+    let (tx, mut rx) = mpsc::channel(config.queue_capacity);
+    let mut feeds = JoinSet::new();
+    feed::spawn(
+        store.clone(),
+        &KINDS,
+        Some((Kind::ManifestWork, is_replica_set_work as feed::Keep)),
+        tx,
+        stop.clone(),
+        &mut feeds,
+    );
+    let mut model = Model::default();
+    let mut known = Known::default();
+    let mut readiness = Readiness::new(&KINDS);
+    let mut stop_wait = stop.clone();
+    loop {
+        let next = model.rechecks.keys().next().copied();
+        tokio::select! {
+            u = rx.recv() => match u {
+                Some(u) => {
+                    readiness.note(&u);
+                    for (kind, event) in known.changes(u) {
+                        model.apply(kind, event);
+                    }
+                }
+                None => break,
+            },
+            _ = delay_until(next) => {
+                let now = Timestamp::now();
+                while let Some((&at, _)) = model.rechecks.iter().next() {
+                    if at > now {
+                        break;
+                    }
+                    let keys = model.rechecks.remove(&at).unwrap_or_default();
+                    model.dirty.extend(keys);
+                }
+            }
+            _ = stopped(&mut stop_wait) => break,
+        }
+        for _ in 0..config.batch {
+            match rx.try_recv() {
+                Ok(u) => {
+                    readiness.note(&u);
+                    for (kind, event) in known.changes(u) {
+                        model.apply(kind, event);
+                    }
+                }
+                Err(_) => break,
+            }
+        }
+        if !readiness.ready() {
+            continue;
+        }
+        let now = Timestamp::now();
+        let mut jobs = Vec::new();
+        for key in std::mem::take(&mut model.dirty) {
+            let Some(set) = model.sets.get(&key) else {
+                continue;
+            };
+            let no_placements = BTreeMap::new();
+            let no_works = BTreeMap::new();
+            let groups: BTreeMap<String, ClusterGroups> = set
+                .spec
+                .placement_refs
+                .iter()
+                .map(|r| {
+                    (
+                        r.name.clone(),
+                        model.groups(&Key::new(&key.namespace, &r.name)),
+                    )
+                })
+                .collect();
+            let p = plan(&Inputs {
+                set,
+                placements: model
+                    .placements
+                    .get(&key.namespace)
+                    .unwrap_or(&no_placements),
+                groups: &groups,
+                works: model.works.get(&key).unwrap_or(&no_works),
+                now,
+            });
+            if let Some(at) = p.recheck_at {
+                model.rechecks.entry(at).or_default().insert(key.clone());
+            }
+            if !p.actions.is_empty() {
+                jobs.push((key, set.clone(), p.actions));
+            }
+        }
+        let results: Vec<(Key, Option<ManifestWorkReplicaSet>)> = futures::stream::iter(jobs)
+            .map(|(key, set, actions)| {
+                let store = store.clone();
+                async move {
+                    let written = execute(store.as_ref(), &key, set, actions).await;
+                    (key, written)
+                }
+            })
+            .buffer_unordered(config.write_concurrency)
+            .collect()
+            .await;
+        for (key, written) in results {
+            match written {
+                // The status written is the replica set as stored now.
+                Some(set) => {
+                    model.sets.insert(key, set);
+                }
+                None => {
+                    // Something failed: look again shortly (the error is logged).
+                    let at = now + jiff::SignedDuration::from_secs(2);
+                    model.rechecks.entry(at).or_default().insert(key);
+                }
+            }
+        }
+    }
+    feeds.shutdown().await;
+}
+
+impl Model {
+    fn groups(&self, placement: &Key) -> ClusterGroups {
+        let mut groups = ClusterGroups::new();
+        for (group, clusters) in self
+            .decisions
+            .get(placement)
+            .into_iter()
+            .flat_map(BTreeMap::values)
+        {
+            groups
+                .entry(group.clone())
+                .or_default()
+                .extend(clusters.iter().cloned());
+        }
+        groups
+    }
+
+    /// Replica sets in `namespace` that reference `placement`.
+    fn dirty_for_placement(&mut self, namespace: &str, placement: &str) {
+        let keys: Vec<Key> = self
+            .sets
+            .iter()
+            .filter(|(k, s)| {
+                k.namespace == namespace
+                    && s.spec.placement_refs.iter().any(|r| r.name == placement)
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
+        self.dirty.extend(keys);
+    }
+
+    fn apply(&mut self, kind: Kind, event: WatchEvent) {
+        let deleted = matches!(event, WatchEvent::Deleted(_));
+        let obj = event.into_object();
+        let ns = namespace_of(&obj).unwrap_or_default().to_string();
+        let name = name_of(&obj).to_string();
+        match kind {
+            Kind::ManifestWorkReplicaSet => {
+                let key = Key::new(&ns, &name);
+                if deleted {
+                    self.sets.remove(&key);
+                } else if let Ok(set) = serde_json::from_value::<ManifestWorkReplicaSet>(obj) {
+                    self.sets.insert(key.clone(), set);
+                    self.dirty.insert(key);
+                } else {
+                    warn!(replica_set = %key, "stored ManifestWorkReplicaSet does not parse; left alone");
+                }
+            }
+            Kind::Placement => {
+                let placements = self.placements.entry(ns.clone()).or_default();
+                if deleted {
+                    placements.remove(&name);
+                } else if let Ok(p) = serde_json::from_value::<Placement>(obj) {
+                    placements.insert(name.clone(), p);
+                }
+                self.dirty_for_placement(&ns, &name);
+            }
+            Kind::PlacementDecision => {
+                let labels = obj["metadata"]["labels"].clone();
+                let Some(placement) = labels[PLACEMENT_LABEL].as_str().map(str::to_string) else {
+                    return;
+                };
+                let key = Key::new(&ns, &placement);
+                if deleted {
+                    if let Some(d) = self.decisions.get_mut(&key) {
+                        d.remove(&name);
+                    }
+                } else if let Ok(d) = serde_json::from_value::<PlacementDecision>(obj) {
+                    let group = GroupKey {
+                        index: labels[DECISION_GROUP_INDEX_LABEL]
+                            .as_str()
+                            .and_then(|i| i.parse().ok())
+                            .unwrap_or(0),
+                        name: labels[DECISION_GROUP_NAME_LABEL]
+                            .as_str()
+                            .unwrap_or_default()
+                            .to_string(),
+                    };
+                    let clusters = d
+                        .status
+                        .unwrap_or_default()
+                        .decisions
+                        .into_iter()
+                        .map(|c| c.cluster_name)
+                        .collect();
+                    self.decisions
+                        .entry(key)
+                        .or_default()
+                        .insert(name, (group, clusters));
+                }
+                self.dirty_for_placement(&ns, &placement);
+            }
+            Kind::ManifestWork => {
+                let Some(owner) = obj
+                    .pointer(&format!(
+                        "/metadata/labels/{}",
+                        REPLICA_SET_LABEL.replace('/', "~1")
+                    ))
+                    .and_then(Value::as_str)
+                    .and_then(|v| v.split_once('.'))
+                    .map(|(n, s)| Key::new(n, s))
+                else {
+                    // A work that lost its label: forget it wherever it was.
+                    for works in self.works.values_mut() {
+                        if works.get(&ns).is_some_and(|w| w.name == name) {
+                            works.remove(&ns);
+                        }
+                    }
+                    return;
+                };
+                let works = self.works.entry(owner.clone()).or_default();
+                if deleted {
+                    works.remove(&ns);
+                } else if let Ok(w) = serde_json::from_value::<ManifestWork>(obj) {
+                    works.insert(ns, WorkView::from_work(&w));
+                }
+                self.dirty.insert(owner);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Carries out one replica set's actions; the replica set as stored after them, or `None` if
+/// one failed.
+async fn execute(
+    store: &dyn Store,
+    key: &Key,
+    mut set: ManifestWorkReplicaSet,
+    actions: Vec<Action>,
+) -> Option<ManifestWorkReplicaSet> {
+    let mut ok = true;
+    for action in actions {
+        let result = match &action {
+            Action::AddFinalizer | Action::RemoveFinalizer => {
+                let add = action == Action::AddFinalizer;
+                match set_finalizer(store, key, add).await {
+                    Ok(Some(updated)) => {
+                        set = updated;
+                        Ok(())
+                    }
+                    Ok(None) => return None,
+                    Err(e) => Err(e),
+                }
+            }
+            Action::ApplyWork { cluster, placement } => {
+                apply_work(store, key, &set, cluster, placement).await
+            }
+            Action::DeleteWork { cluster, name } => {
+                match store.delete(Kind::ManifestWork, Some(cluster), name).await {
+                    Ok(()) | Err(StoreError::NotFound { .. }) => Ok(()),
+                    Err(e) => Err(e),
+                }
+            }
+            Action::Status(status) => {
+                match store
+                    .update_status(
+                        Kind::ManifestWorkReplicaSet,
+                        Some(&key.namespace),
+                        &key.name,
+                        serde_json::to_value(status).unwrap_or(Value::Null),
+                        None,
+                    )
+                    .await
+                {
+                    Ok(obj) => {
+                        if let Ok(s) = serde_json::from_value(obj) {
+                            set = s;
+                        }
+                        Ok(())
+                    }
+                    Err(e) => Err(e),
+                }
+            }
+        };
+        if let Err(e) = result {
+            if !matches!(e, StoreError::NotFound { .. }) {
+                warn!(replica_set = %key, ?action, error = %e, "write failed; retrying shortly");
+            }
+            ok = false;
+        }
+    }
+    ok.then_some(set)
+}
+
+/// Adds or removes the replica set's finalizer on a fresh read, with its version as
+/// precondition. `Ok(None)`: the replica set is gone.
+async fn set_finalizer(
+    store: &dyn Store,
+    key: &Key,
+    add: bool,
+) -> Result<Option<ManifestWorkReplicaSet>, StoreError> {
+    let Some(mut obj) = store
+        .get(
+            Kind::ManifestWorkReplicaSet,
+            Some(&key.namespace),
+            &key.name,
+        )
+        .await?
+    else {
+        return Ok(None);
+    };
+    let rv = Revision::of(&obj);
+    let mut finalizers: Vec<String> = obj["metadata"]["finalizers"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|f| f.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    finalizers.retain(|f| f != REPLICA_SET_FINALIZER);
+    if add {
+        finalizers.push(REPLICA_SET_FINALIZER.to_string());
+    }
+    obj["metadata"]["finalizers"] = json!(finalizers);
+    if let Some(rv) = rv {
+        obj["metadata"]["resourceVersion"] = rv.as_str().into();
+    }
+    match store.update_spec(obj).await {
+        Ok(updated) => {
+            if !add {
+                info!(replica_set = %key, "ManifestWorks deleted; finalizer removed");
+            }
+            Ok(serde_json::from_value(updated).ok())
+        }
+        // Deleted once the last finalizer went.
+        Err(StoreError::NotFound { .. }) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Creates the replica set's work in `cluster`, or brings an existing one of this replica set
+/// to the template. A work of that name that this replica set does not own is left alone.
+async fn apply_work(
+    store: &dyn Store,
+    key: &Key,
+    set: &ManifestWorkReplicaSet,
+    cluster: &str,
+    placement: &str,
+) -> Result<(), StoreError> {
+    let owner = format!("{}.{}", key.namespace, key.name);
+    let labels: BTreeMap<&str, &str> = [
+        (REPLICA_SET_LABEL, owner.as_str()),
+        (PLACEMENT_NAME_LABEL, placement),
+    ]
+    .into();
+    let spec = serde_json::to_value(&set.spec.manifest_work_template).unwrap_or(Value::Null);
+    let work = json!({
+        "apiVersion": Kind::ManifestWork.api_version(),
+        "kind": Kind::ManifestWork.name(),
+        "metadata": { "name": key.name, "namespace": cluster, "labels": labels },
+        "spec": spec,
+    });
+    match store.create(work).await {
+        Ok(_) => {
+            debug!(replica_set = %key, cluster, "ManifestWork created");
+            return Ok(());
+        }
+        Err(StoreError::AlreadyExists { .. }) => {}
+        Err(e) => return Err(e),
+    }
+    let Some(mut existing) = store
+        .get(Kind::ManifestWork, Some(cluster), &key.name)
+        .await?
+    else {
+        return Ok(());
+    };
+    if existing
+        .pointer(&format!(
+            "/metadata/labels/{}",
+            REPLICA_SET_LABEL.replace('/', "~1")
+        ))
+        .and_then(Value::as_str)
+        != Some(owner.as_str())
+    {
+        warn!(
+            replica_set = %key,
+            work = %format!("{cluster}/{}", key.name),
+            "a ManifestWork of this name exists and belongs to no ManifestWorkReplicaSet of this name; left alone"
+        );
+        return Ok(());
+    }
+    existing["spec"] = spec;
+    existing["metadata"]["labels"][PLACEMENT_NAME_LABEL] = placement.into();
+    store.update_spec(existing).await?;
+    debug!(replica_set = %key, cluster, "ManifestWork updated to the template");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flotilla_proto::api::conditions::ConditionStatus;
+    use serde_json::json;
+
+    fn at(secs: i64) -> Timestamp {
+        Timestamp::from_second(1_700_000_000 + secs).unwrap()
+    }
+
+    fn set(strategy: serde_json::Value, finalized: bool) -> ManifestWorkReplicaSet {
+        serde_json::from_value(json!({
+            "apiVersion": "work.open-cluster-management.io/v1alpha1", "kind": "ManifestWorkReplicaSet",
+            "metadata": { "name": "web", "namespace": "default",
+                          "finalizers": if finalized { json!([REPLICA_SET_FINALIZER]) } else { json!([]) } },
+            "spec": {
+                "manifestWorkTemplate": { "workload": { "manifests": [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c", "namespace": "default"}}]}},
+                "placementRefs": [{ "name": "p", "rolloutStrategy": strategy }],
+            },
+        }))
+        .unwrap()
+    }
+
+    fn placement(selected: i32) -> Placement {
+        serde_json::from_value(json!({
+            "apiVersion": "cluster.open-cluster-management.io/v1beta1", "kind": "Placement",
+            "metadata": { "name": "p", "namespace": "default" },
+            "spec": {}, "status": { "numberOfSelectedClusters": selected, "decisionGroups": [{"decisionGroupIndex": 0, "clusterCount": selected}] },
+        }))
+        .unwrap()
+    }
+
+    fn work(set: &ManifestWorkReplicaSet, conditions: &[(&str, &str)]) -> WorkView {
+        WorkView {
+            name: "web".into(),
+            placement: "p".into(),
+            spec: set.spec.manifest_work_template.clone(),
+            generation: 1,
+            conditions: conditions
+                .iter()
+                .map(|(t, s)| Condition {
+                    type_: t.to_string(),
+                    status: s.to_string(),
+                    reason: String::new(),
+                    message: "spoke said no".into(),
+                    observed_generation: Some(1),
+                    last_transition_time: Time(at(0)),
+                })
+                .collect(),
+            deleting: false,
+        }
+    }
+
+    /// Works of `set` on c00.. that are Applied and Available.
+    fn available_works(set: &ManifestWorkReplicaSet, n: usize) -> BTreeMap<String, WorkView> {
+        (0..n)
+            .map(|i| {
+                (
+                    format!("c{i:02}"),
+                    work(set, &[("Applied", "True"), ("Available", "True")]),
+                )
+            })
+            .collect()
+    }
+
+    fn plan_for(
+        set: &ManifestWorkReplicaSet,
+        clusters: usize,
+        works: &BTreeMap<String, WorkView>,
+        placement_exists: bool,
+    ) -> Plan {
+        let placements: BTreeMap<String, Placement> = if placement_exists {
+            [("p".to_string(), placement(clusters as i32))].into()
+        } else {
+            BTreeMap::new()
+        };
+        let mut g = ClusterGroups::new();
+        g.insert(
+            GroupKey::default(),
+            (0..clusters).map(|i| format!("c{i:02}")).collect(),
+        );
+        let groups: BTreeMap<String, ClusterGroups> = [("p".to_string(), g)].into();
+        plan(&Inputs {
+            set,
+            placements: &placements,
+            groups: &groups,
+            works,
+            now: at(100),
+        })
+    }
+
+    fn applied(p: &Plan) -> Vec<String> {
+        p.actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::ApplyWork { cluster, .. } => Some(cluster.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn status(p: &Plan) -> ManifestWorkReplicaSetStatus {
+        p.actions
+            .iter()
+            .find_map(|a| match a {
+                Action::Status(s) => Some(s.clone()),
+                _ => None,
+            })
+            .expect("a status")
+    }
+
+    #[test]
+    fn a_new_replica_set_gets_its_finalizer_and_a_work_per_decided_cluster() {
+        let s = set(json!({"type": "All"}), false);
+        let p = plan_for(&s, 3, &BTreeMap::new(), true);
+        assert_eq!(p.actions[0], Action::AddFinalizer);
+        assert_eq!(applied(&p), ["c00", "c01", "c02"]);
+        let st = status(&p);
+        assert_eq!(st.summary.total, 3);
+        assert_eq!(
+            st.placement_summary[0].available_decision_groups,
+            "1 (3 / 3 clusters applied)"
+        );
+    }
+
+    #[test]
+    fn a_failing_cluster_stops_a_progressive_rollout_and_is_named() {
+        let s = set(
+            json!({"type": "Progressive", "progressive": {"maxConcurrency": 2, "maxFailures": 0}}),
+            true,
+        );
+        let works: BTreeMap<String, WorkView> = [
+            (
+                "c00".to_string(),
+                work(&s, &[("Applied", "True"), ("Available", "True")]),
+            ),
+            (
+                "c01".to_string(),
+                work(&s, &[("Applied", "False"), ("Degraded", "True")]),
+            ),
+        ]
+        .into();
+        let p = plan_for(&s, 6, &works, true);
+        assert!(applied(&p).is_empty(), "stopped: {p:?}");
+        let rolled = find_condition(&status(&p).conditions, PLACEMENT_ROLLED_OUT)
+            .cloned()
+            .unwrap();
+        assert_eq!(rolled.status, ConditionStatus::False.as_str());
+        assert_eq!(rolled.reason, REASON_MAX_FAILURES);
+        assert!(rolled.message.contains("c01"), "{}", rolled.message);
+        assert_eq!(status(&p).summary.degraded, 1);
+    }
+
+    #[test]
+    fn a_complete_rollout_says_so() {
+        let s = set(json!({"type": "All"}), true);
+        let works = available_works(&s, 2);
+        let p = plan_for(&s, 2, &works, true);
+        let st = status(&p);
+        assert!(is_condition_true(&st.conditions, PLACEMENT_ROLLED_OUT));
+        assert!(is_condition_true(&st.conditions, MANIFESTWORK_APPLIED));
+        assert!(is_condition_true(&st.conditions, PLACEMENT_VERIFIED));
+    }
+
+    #[test]
+    fn a_missing_placement_is_reported() {
+        let s = set(json!({"type": "All"}), true);
+        let p = plan_for(&s, 2, &BTreeMap::new(), false);
+        let verified = find_condition(&status(&p).conditions, PLACEMENT_VERIFIED)
+            .cloned()
+            .unwrap();
+        assert_eq!(
+            (verified.status.as_str(), verified.reason.as_str()),
+            ("False", "PlacementDecisionNotFound")
+        );
+        assert!(applied(&p).is_empty());
+    }
+
+    #[test]
+    fn deletion_removes_the_works_then_the_finalizer() {
+        let mut s = set(json!({"type": "All"}), true);
+        s.metadata.deletion_timestamp = Some(Time(at(50)));
+        let works: BTreeMap<String, WorkView> = [("c00".to_string(), work(&s, &[]))].into();
+        let p = plan_for(&s, 1, &works, true);
+        assert_eq!(
+            p.actions,
+            [
+                Action::DeleteWork {
+                    cluster: "c00".into(),
+                    name: "web".into()
+                },
+                Action::RemoveFinalizer,
+            ]
+        );
+        // Foreground: the finalizer stays until the works are gone.
+        s.spec.cascade_deletion_policy = Some(CascadeDeletionPolicy::Foreground);
+        let p = plan_for(&s, 1, &works, true);
+        assert_eq!(
+            p.actions,
+            [Action::DeleteWork {
+                cluster: "c00".into(),
+                name: "web".into()
+            }]
+        );
+        let p = plan_for(&s, 1, &BTreeMap::new(), true);
+        assert_eq!(p.actions, [Action::RemoveFinalizer]);
+    }
+
+    #[test]
+    fn a_cluster_the_placement_dropped_loses_its_work() {
+        let s = set(json!({"type": "All"}), true);
+        let works = available_works(&s, 2);
+        let p = plan_for(&s, 1, &works, true);
+        assert!(p.actions.contains(&Action::DeleteWork {
+            cluster: "c01".into(),
+            name: "web".into()
+        }));
+    }
+}
