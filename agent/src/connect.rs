@@ -107,6 +107,15 @@ impl Dialer {
         self
     }
 
+    /// The same dialer aimed at `address` (a gateway's redirect): same identity, server name,
+    /// carrier and QUIC endpoint.
+    pub fn redirected(&self, address: &str) -> Dialer {
+        Dialer {
+            hub: address.to_string(),
+            ..self.clone()
+        }
+    }
+
     /// The hub's address, as dialled.
     pub fn hub(&self) -> &str {
         &self.hub

@@ -19,6 +19,7 @@ pub mod health;
 pub mod mailbox;
 pub mod registry;
 mod serve;
+pub mod shards;
 pub mod statuses;
 pub mod supervise;
 

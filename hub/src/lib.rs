@@ -72,17 +72,7 @@ pub async fn open_store(config: &HubConfig) -> anyhow::Result<Arc<dyn Store>> {
             })?)
         }
         StoreBackend::Kube => {
-            let kube_config = match &config.kubeconfig {
-                Some(path) => {
-                    let kc = kube::config::Kubeconfig::read_from(path)
-                        .with_context(|| format!("reading kubeconfig {}", path.display()))?;
-                    kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?
-                }
-                None => kube::Config::infer()
-                    .await
-                    .context("no --kubeconfig given and none could be inferred")?,
-            };
-            let client = kube::Client::try_from(kube_config)?;
+            let client = flotilla_store::connect(config.kubeconfig.as_deref()).await?;
             Arc::new(flotilla_store::KubeStore::new(client))
         }
     })
