@@ -17,6 +17,7 @@ pub mod desired;
 mod driver;
 pub mod health;
 pub mod mailbox;
+pub mod process;
 pub mod registry;
 mod serve;
 pub mod shards;
