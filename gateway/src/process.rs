@@ -255,15 +255,35 @@ pub async fn run(
         "the agents' listener",
         accept.map(|r| r.map_err(Into::into)),
     );
-    let serving = gateway.serve(Listeners { tcp: conns, quic }, None, shutdown);
-    tokio::select! {
-        served = serving => {
-            tasks.stop_within(Duration::ZERO).await;
-            served.context("flotilla-gateway stopped serving; exiting non-zero so that its supervisor restarts it")
+    // The listener ends when the drain stops accepting: expected after `shutdown`, a fault
+    // before it.
+    let (stopping, mut stop) = tokio::sync::watch::channel(false);
+    let serving = gateway.serve(Listeners { tcp: conns, quic }, None, async move {
+        let _ = stop.wait_for(|s| *s).await;
+    });
+    tokio::pin!(serving, shutdown);
+    let mut listening = true;
+    loop {
+        tokio::select! {
+            served = &mut serving => {
+                tasks.stop_within(Duration::ZERO).await;
+                return served.context(
+                    "flotilla-gateway stopped serving; exiting non-zero so that its supervisor restarts it",
+                );
+            }
+            _ = &mut shutdown, if !*stopping.borrow() => {
+                info!("shutting down: draining sessions, then releasing shards");
+                stopping.send_replace(true);
+            }
+            ended = tasks.first_end(), if listening => {
+                if !*stopping.borrow() {
+                    return Err(anyhow::Error::new(ended).context(
+                        "flotilla-gateway's listener ended; exiting non-zero so that its supervisor restarts it",
+                    ));
+                }
+                listening = false;
+            }
         }
-        ended = tasks.first_end() => Err(anyhow::Error::new(ended).context(
-            "flotilla-gateway's listener ended; exiting non-zero so that its supervisor restarts it",
-        )),
     }
 }
 

@@ -94,7 +94,10 @@ impl ShardLeasing {
         // Shutdown: the gateway has drained its sessions; give the shards up for the others.
         let releases = owner.release_all();
         if !releases.is_empty() {
-            let n = releases.len();
+            let n = releases
+                .iter()
+                .filter(|w| matches!(w.intent, Intent::Release(_)))
+                .count();
             let released =
                 tokio::time::timeout(RELEASE_TIMEOUT, write_all(&leases, &mut owner, releases))
                     .await;

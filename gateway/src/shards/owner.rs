@@ -55,6 +55,8 @@ pub enum Intent {
     Renew(u32),
     /// Give a shard up for another gateway to take (after draining its sessions).
     Release(u32),
+    /// Clear the gateway's own lease (shutdown): it no longer counts as live.
+    Withdraw,
 }
 
 /// One lease write the driver is to make, then report with [`ShardOwner::written`].
@@ -248,10 +250,19 @@ impl ShardOwner {
     }
 
     /// Gives up every held shard (shutdown): they stop being held now; the writes release
-    /// them.
+    /// them, and withdraw this gateway's own lease so the others count it gone at once (and
+    /// take its shards into their fair shares).
     pub fn release_all(&mut self) -> Vec<LeaseWrite> {
+        let mut withdraw = self.next_record(
+            &gateway_lease_name(&self.config.name),
+            LEASE_ROLE_GATEWAY,
+            false,
+            Some(self.config.address.clone()),
+        );
+        withdraw.holder = None;
         let held: Vec<u32> = std::mem::take(&mut self.held).into_keys().collect();
-        held.into_iter()
+        let releases: Vec<LeaseWrite> = held
+            .into_iter()
             .map(|shard| {
                 self.releasing.insert(shard);
                 let mut record =
@@ -262,7 +273,15 @@ impl ShardOwner {
                     record,
                 }
             })
-            .collect()
+            .collect();
+        let mut writes = releases;
+        if self.config.claims {
+            writes.push(LeaseWrite {
+                intent: Intent::Withdraw,
+                record: withdraw,
+            });
+        }
+        writes
     }
 
     /// The record to write for lease `name`: held by this gateway, on the observed

@@ -3,7 +3,8 @@
 //! dial the hub's address (standing in for a load balancer) and are redirected to their
 //! shards' owners. One gateway is SIGKILLed: its shards move once their leases expire, its
 //! agents are served by the new owners, no shard ever has two owners in the leases, no work
-//! or status is lost, and no cluster is marked Unknown while its agent is around.
+//! or status is lost, and no cluster is marked Unknown while its agent is around. Another is
+//! stopped with SIGTERM: it drains its agents and releases its shards to the last one.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -32,6 +33,7 @@ const LEASE_FLAGS: &[&str] = &[
     "--lease-duration=3s",
     "--renew-period=1s",
     "--grace-period=6s",
+    "--drain-window=1s",
 ];
 
 /// (holder, epoch) of every held shard lease.
@@ -300,6 +302,34 @@ on_both_carriers! {
         }
         wait_statuses(&hub, &clusters, "after").await?;
         wait_statuses(&hub, &clusters, "before").await?;
+
+        // A gateway stopped with SIGTERM hands over cleanly: it drains its agents with a
+        // retry-after and releases its shards on the way out, so the last gateway takes them
+        // without waiting for expiry, and again nobody turns Unknown.
+        let mut stopping = gateways.remove(0);
+        let drained_clusters = stopping.sessions();
+        stopping.proc.signal_and_wait(Signal::SIGTERM);
+        let log = stopping.proc.log();
+        assert!(log.contains("shards released on shutdown"), "{log}");
+        wait_for("every agent on the last gateway", Duration::from_secs(60), || {
+            seen_unavailable.extend(unavailable(&hub).unwrap_or_default());
+            on_owners(&leases, &gateways, &clusters, &hub)
+        })
+        .await?;
+        assert!(seen_unavailable.is_empty(), "{seen_unavailable:?}");
+        assert_eq!(owners(&leases).await?.len(), SHARDS as usize);
+        for (cluster, agent) in clusters.iter().zip(&agents) {
+            if drained_clusters.contains(cluster) {
+                assert!(
+                    agent.log().contains("draining this session"),
+                    "{cluster} was drained, not dropped"
+                );
+            }
+        }
+        for cluster in &clusters {
+            apply_work(&env, dir, cluster, "last", "3")?;
+        }
+        wait_statuses(&hub, &clusters, "last").await?;
 
         stop.store(true, Ordering::Relaxed);
         let samples = sampler.await?;
