@@ -23,6 +23,10 @@ use tracing::info;
 /// before it counts as a failed attempt and the agent backs off: without it a SYN into a black
 /// hole waits for the kernel's retries (minutes).
 pub const DIAL_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long a dial to a redirect target (a gateway named by another as its shard's owner) may
+/// take: one that does not answer quickly may have just died, and the agent is better off back
+/// at its configured address, where the directory will have caught up.
+pub const REDIRECT_DIAL_TIMEOUT: Duration = Duration::from_secs(3);
 /// With `--transport auto`: how long QUIC gets before the agent takes gRPC instead.
 pub const QUIC_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(3);
 /// With `--transport auto`: how long gRPC is used after QUIC failed before QUIC is tried again.
@@ -54,6 +58,9 @@ pub struct Dialer {
     proxy: Option<ProxyUrl>,
     local_address: Option<IpAddr>,
     transport: Transport,
+    /// How long one dial may take ([`DIAL_TIMEOUT`], or [`REDIRECT_DIAL_TIMEOUT`] to a
+    /// redirect target).
+    dial_timeout: Duration,
     /// The QUIC endpoint (one UDP socket), made at the first QUIC dial unless given.
     quic: Arc<Mutex<Option<QuicClient>>>,
     /// With `auto`: until when gRPC is used without trying QUIC (it failed before).
@@ -72,6 +79,7 @@ impl Dialer {
             proxy: None,
             local_address: None,
             transport: Transport::Grpc,
+            dial_timeout: DIAL_TIMEOUT,
             quic: Arc::default(),
             grpc_until: Arc::default(),
         })
@@ -107,17 +115,27 @@ impl Dialer {
         self
     }
 
+    /// The same dialer aimed at `address` (a gateway's redirect): same identity, server name,
+    /// carrier and QUIC endpoint.
+    pub fn redirected(&self, address: &str) -> Dialer {
+        Dialer {
+            hub: address.to_string(),
+            dial_timeout: REDIRECT_DIAL_TIMEOUT,
+            ..self.clone()
+        }
+    }
+
     /// The hub's address, as dialled.
     pub fn hub(&self) -> &str {
         &self.hub
     }
 
     /// Opens a session with the hub, `first` (the hello) being its first frame, within
-    /// [`DIAL_TIMEOUT`].
+    /// [`DIAL_TIMEOUT`] ([`REDIRECT_DIAL_TIMEOUT`] for a redirect target).
     pub async fn connect(&self, first: AgentFrame) -> Result<Dialed, LinkError> {
         match self.transport {
             Transport::Grpc => self.grpc(first).await,
-            Transport::Quic => self.quic(first, DIAL_TIMEOUT).await,
+            Transport::Quic => self.quic(first, self.dial_timeout).await,
             Transport::Auto => self.auto(first).await,
         }
     }
@@ -133,7 +151,10 @@ impl Dialer {
         if remembered.is_some_and(|until| Instant::now() < until) {
             return self.grpc(first).await;
         }
-        match self.quic(first.clone(), QUIC_ATTEMPT_TIMEOUT).await {
+        match self
+            .quic(first.clone(), QUIC_ATTEMPT_TIMEOUT.min(self.dial_timeout))
+            .await
+        {
             Ok(dialed) => {
                 *self.grpc_until.lock().await = None;
                 Ok(dialed)
@@ -165,14 +186,13 @@ impl Dialer {
             .await?;
             flotilla_transport::grpc::open_session(channel, MAX_FRAME_BYTES, first).await
         };
-        tokio::time::timeout(DIAL_TIMEOUT, dial)
-            .await
-            .map_err(|_| {
-                LinkError::TimedOut(format!(
-                    "connecting to the hub at {}: no answer within {DIAL_TIMEOUT:?}",
-                    self.hub
-                ))
-            })?
+        let within = self.dial_timeout;
+        tokio::time::timeout(within, dial).await.map_err(|_| {
+            LinkError::TimedOut(format!(
+                "connecting to the hub at {}: no answer within {within:?}",
+                self.hub
+            ))
+        })?
     }
 
     async fn quic(&self, first: AgentFrame, within: Duration) -> Result<Dialed, LinkError> {

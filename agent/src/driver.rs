@@ -35,8 +35,12 @@ const FINAL_FLUSH: Duration = Duration::from_secs(2);
 
 /// How one session ended, which decides the next delay.
 pub(crate) enum Ended {
-    /// The hub asked us to come back later (it is draining).
-    Drained { retry_after: Duration },
+    /// The hub asked us to come back later (it is draining), at `redirect` if it named the
+    /// gateway that owns this cluster's shard.
+    Drained {
+        retry_after: Duration,
+        redirect: Option<String>,
+    },
     /// The dial failed, the hub refused, or the session closed; back off.
     Lost {
         refusal: Refusal,
@@ -208,7 +212,11 @@ pub(crate) async fn session_once(
                     let _ = &tunnels;
                 }
                 AgentEvent::Synced { sent } => info!(sent, "in sync with the hub"),
-                AgentEvent::Drained { retry_after, .. } => drained = Some(retry_after),
+                AgentEvent::Drained {
+                    retry_after,
+                    redirect,
+                    ..
+                } => drained = Some((retry_after, redirect)),
                 AgentEvent::Closed { reason, .. } => {
                     closed_at = Some(Instant::now());
                     last_close = Some(reason);
@@ -311,7 +319,10 @@ pub(crate) async fn session_once(
         return Ended::Shutdown;
     }
     match drained {
-        Some(retry_after) => Ended::Drained { retry_after },
+        Some((retry_after, redirect)) => Ended::Drained {
+            retry_after,
+            redirect,
+        },
         None => Ended::Lost {
             refusal: match &last_close {
                 Some(reason) => Refusal::from_close(dialer.hub(), reason),

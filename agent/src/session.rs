@@ -49,14 +49,23 @@ pub enum RunError {
     SpokeClient(String),
 }
 
+/// Redirects followed in a row without a session established: past it the agent goes back
+/// to its configured address (two gateways that disagree on ownership must not bounce it
+/// between them forever).
+pub const MAX_REDIRECTS: u32 = 3;
+
 /// Where the connection to the hub stands. Each transition is logged once.
 #[derive(Debug)]
 enum Link {
     /// Waiting before the next attempt; the delay comes from the backoff policy or the hub's
     /// retry-after.
     Disconnected { delay: Duration },
-    /// Dialling and saying hello.
-    Connecting,
+    /// Dialling and saying hello: the configured address, or `redirect`, the gateway that owns
+    /// this cluster's shard as the last one named it (`redirects` in a row so far).
+    Connecting {
+        redirect: Option<String>,
+        redirects: u32,
+    },
 }
 
 /// `rand` behind the protocol's jitter interface.
@@ -283,20 +292,29 @@ async fn hold_session(
     let mut link = Link::Disconnected {
         delay: backoff.startup_delay(&mut jitter),
     };
+    // A redirect and the delay before it, to go to once that delay has passed.
+    let mut redirect: Option<(String, u32)> = None;
     tokio::pin!(shutdown);
     loop {
         match link {
             Link::Disconnected { delay } => {
                 tokio::select! {
-                    _ = tokio::time::sleep(delay) => link = Link::Connecting,
+                    _ = tokio::time::sleep(delay) => link = match redirect.take() {
+                        Some((to, redirects)) => Link::Connecting { redirect: Some(to), redirects },
+                        None => Link::Connecting { redirect: None, redirects: 0 },
+                    },
                     _ = &mut shutdown => return,
                 }
             }
-            Link::Connecting => {
+            Link::Connecting {
+                redirect: target,
+                redirects,
+            } => {
                 let mut established_at = None;
+                let redirected = target.as_deref().map(|to| dialer.redirected(to));
                 let ended = {
                     let mut session = std::pin::pin!(session_once(
-                        dialer,
+                        redirected.as_ref().unwrap_or(dialer),
                         config,
                         spoke,
                         stop_rx.clone(),
@@ -322,9 +340,27 @@ async fn hold_session(
                 } else if let Ended::Lost { refusal, .. } = &ended {
                     spoke.observer.connection_failed(refusal);
                 }
+                // Redirects count in a row until a session establishes.
+                let redirects = if established_at.is_some() {
+                    0
+                } else {
+                    redirects
+                };
                 link = match ended {
                     Ended::Shutdown => return,
-                    Ended::Drained { retry_after } => {
+                    // The gateway reached does not own this cluster's shard and named the one
+                    // that does: go there after its (short) delay, no backoff, unless this has
+                    // happened too often in a row. A failure there brings the agent back to its
+                    // configured address (below: no redirect is kept).
+                    Ended::Drained {
+                        retry_after,
+                        redirect: Some(to),
+                    } if redirects < MAX_REDIRECTS => {
+                        info!(gateway = %to, ?retry_after, "redirected to the gateway that owns this cluster's shard");
+                        redirect = Some((to, redirects + 1));
+                        Link::Disconnected { delay: retry_after }
+                    }
+                    Ended::Drained { retry_after, .. } => {
                         let delay =
                             backoff.next_delay(Instant::now(), Some(retry_after), &mut jitter);
                         info!(

@@ -145,6 +145,21 @@ impl Admissions {
         self.clusters.read().await.get(cluster).cloned()
     }
 
+    /// The clusters recorded Available (Joined and Available True, untainted) that `pick`
+    /// selects by name.
+    /// Waits for the first list, as [`check`](Self::check) does.
+    pub async fn available_where(&self, pick: impl Fn(&str) -> bool) -> Vec<String> {
+        let mut ready = self.ready.subscribe();
+        let _ = ready.wait_for(|r| *r).await;
+        self.clusters
+            .read()
+            .await
+            .iter()
+            .filter(|(name, a)| a.health.available && !a.health.unreachable && pick(name))
+            .map(|(name, _)| name.clone())
+            .collect()
+    }
+
     /// A receiver that changes whenever any cluster's admission may have changed.
     pub fn changes(&self) -> watch::Receiver<u64> {
         self.changes.subscribe()

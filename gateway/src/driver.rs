@@ -24,6 +24,7 @@ use crate::health::HealthReport;
 use crate::mailbox::{Closing, Mailbox, WorkChange};
 use crate::registry::SessionHandle;
 use crate::serve::Shared;
+use crate::shards::Route;
 
 /// How long a closed session may take to hand its last frames (the goodbye) to a peer that
 /// stopped reading, before the driver gives up on it.
@@ -35,6 +36,13 @@ enum Done {
     Synced(Vec<DesiredWork>),
     /// Not (or no longer) admitted.
     Refused(AdmissionRefusal),
+    /// This gateway does not act for the cluster's shard: come back after `retry_after`, at
+    /// `redirect` (the owner) when known.
+    Redirected {
+        retry_after: Duration,
+        redirect: Option<String>,
+        reason: String,
+    },
     /// A renewal was signed, or refused.
     Renewed(Result<crate::certificates::RenewedCertificate, RenewalError>),
     /// Nothing for the machine (a status queued, a report sent).
@@ -228,6 +236,10 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
                     warn!(reason = %refusal, "session refused");
                     machine.refuse(refusal.refusal(), refusal.to_string());
                 }
+                Done::Redirected { retry_after, redirect, reason } => {
+                    info!(?retry_after, redirect = ?redirect, %reason, "session redirected");
+                    machine.redirect(retry_after, redirect, reason);
+                }
                 Done::Renewed(Ok(renewed)) => {
                     info!("client certificate renewed over the session");
                     machine.issue_certificate(renewed.certificate_pem, renewed.ca_bundle_pem);
@@ -258,6 +270,10 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
                 match delivery.close {
                     Some(Closing::Close(reason)) => machine.close(reason),
                     Some(Closing::Refuse(refusal, reason)) => machine.refuse(refusal, reason),
+                    Some(Closing::Drain { retry_after, redirect, reason }) => {
+                        info!(?retry_after, redirect = ?redirect, %reason, "draining the session: its shard is not this gateway's");
+                        machine.redirect(retry_after, redirect, reason);
+                    }
                     None => {}
                 }
             }
@@ -282,6 +298,9 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
 /// treats it as newer than the snapshot.
 async fn open_session(shared: Arc<Shared>, handle: SessionHandle, hello: wire::Hello) -> Done {
     let cluster = handle.cluster.clone();
+    if let Some(elsewhere) = not_here(&shared, &cluster, &handle.session_id) {
+        return elsewhere;
+    }
     if let Err(refusal) = shared
         .admissions
         .check(&cluster, &handle.client_key_sha256)
@@ -297,10 +316,14 @@ async fn open_session(shared: Arc<Shared>, handle: SessionHandle, hello: wire::H
             .close("replaced by a newer session of the same cluster")
             .await;
     }
-    // A revocation between the check above and the registration found no session to close:
-    // look again now that it is registered.
+    // A revocation (or the shard moving away) between the checks above and the registration
+    // found no session to close: look again now that it is registered.
     if let Err(refusal) = shared.admissions.check(&cluster, &key).await {
         return Done::Refused(refusal);
+    }
+    if let Some(elsewhere) = not_here(&shared, &cluster, &session) {
+        shared.registry.unregister(&cluster, &session).await;
+        return elsewhere;
     }
     shared
         .health
@@ -314,6 +337,32 @@ async fn open_session(shared: Arc<Shared>, handle: SessionHandle, hello: wire::H
     Done::Synced(shared.desired.snapshot(&cluster).await)
 }
 
+/// Where to send a session whose cluster's shard this gateway does not act for: to the owner
+/// at once, or (no owner reachable: a handover or takeover under way) back after a spread
+/// delay. `None` when the shard is this gateway's.
+fn not_here(shared: &Shared, cluster: &str, session_id: &str) -> Option<Done> {
+    let route = shared.shards.borrow().route(cluster, Instant::now());
+    match route {
+        Route::Here { .. } => None,
+        Route::Elsewhere {
+            shard,
+            owner,
+            address,
+        } => Some(Done::Redirected {
+            retry_after: Duration::ZERO,
+            redirect: Some(address),
+            reason: format!("shard {shard} of cluster {cluster} is held by gateway {owner}"),
+        }),
+        Route::Unowned { shard } => Some(Done::Redirected {
+            retry_after: spread_over(shared.config.drain_window, session_id),
+            redirect: None,
+            reason: format!(
+                "shard {shard} of cluster {cluster} has no gateway yet (handover under way)"
+            ),
+        }),
+    }
+}
+
 /// A link failure as the session's close reason.
 fn describe(e: &LinkError) -> String {
     e.to_string()
@@ -321,7 +370,7 @@ fn describe(e: &LinkError) -> String {
 
 /// This session's share of the drain window: spread by its id, so agents drained together
 /// come back apart.
-fn spread_over(window: Duration, session_id: &str) -> Duration {
+pub(crate) fn spread_over(window: Duration, session_id: &str) -> Duration {
     use std::hash::{Hash as _, Hasher as _};
     let mut h = std::collections::hash_map::DefaultHasher::new();
     session_id.hash(&mut h);

@@ -37,6 +37,7 @@ use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use crate::admission::Admissions;
+use crate::shards::ShardViews;
 
 pub use flotilla_proto::contract::UNREACHABLE_TAINT;
 
@@ -85,6 +86,9 @@ pub struct HealthWriter {
     /// The gateway's watch cache of ManagedClusters: what the store records now.
     admissions: Arc<Admissions>,
     reports: mpsc::Receiver<HealthReport>,
+    /// The shards this gateway acts for: a write for a cluster of any other shard is not
+    /// made, and a shard newly taken starts its clusters' grace periods.
+    shards: ShardViews,
 }
 
 /// The outcome of one health write, back to the task.
@@ -152,6 +156,7 @@ impl HealthWriter {
         store: Arc<dyn Store>,
         grace_period: Duration,
         admissions: Arc<Admissions>,
+        shards: ShardViews,
     ) -> (HealthWriter, HealthReports) {
         let (tx, reports) = mpsc::channel(REPORT_BUFFER);
         (
@@ -160,6 +165,7 @@ impl HealthWriter {
                 grace_period,
                 admissions,
                 reports,
+                shards,
             },
             HealthReports(tx),
         )
@@ -180,7 +186,12 @@ impl HealthWriter {
         let this = Arc::new(Writes {
             store: self.store.clone(),
             grace_period: self.grace_period,
+            shards: self.shards.clone(),
         });
+        // Shards held at the last look: a shard that appears here was just taken over.
+        let mut held: HashSet<u32> = HashSet::new();
+        self.shards.mark_changed();
+        let mut watching_shards = true;
         let stopped = async move {
             let _ = stop.wait_for(|s| *s).await;
         };
@@ -281,6 +292,33 @@ impl HealthWriter {
                         | Written::ClusterInfo { ok: true, .. } => {}
                     }
                 }
+                changed = self.shards.changed(), if watching_shards => {
+                    if changed.is_err() {
+                        // Nobody publishes views any more: the last one stays.
+                        watching_shards = false;
+                        continue;
+                    }
+                    let view = self.shards.borrow_and_update().clone();
+                    let now = Instant::now();
+                    let now_held: HashSet<u32> = view.held(now).into_iter().collect();
+                    let taken: HashSet<u32> = now_held.difference(&held).copied().collect();
+                    held = now_held;
+                    // Without leases (single node) the gateway owns every shard from the
+                    // start, and nothing is taken over from anyone.
+                    if taken.is_empty() || !view.is_leased() {
+                        continue;
+                    }
+                    // A new owner starts from what the store says: clusters recorded
+                    // Available with no session here get their grace period from now.
+                    let absent = self
+                        .admissions
+                        .available_where(|cluster| taken.contains(&view.shard_of(cluster)))
+                        .await;
+                    debug!(shards = taken.len(), clusters = absent.len(), "shards taken over: their clusters' grace periods start");
+                    for cluster in absent {
+                        presence.absent(now, &cluster);
+                    }
+                }
                 _ = &mut stopped => return,
             }
         }
@@ -298,10 +336,27 @@ async fn sleep_until(deadline: Option<Instant>) {
 struct Writes {
     store: Arc<dyn Store>,
     grace_period: Duration,
+    shards: ShardViews,
 }
 
 impl Writes {
+    /// Whether this gateway may write `cluster`'s health now: it acts for the cluster's shard
+    /// (its lease is held and valid). Asked right before each write.
+    fn fenced(&self, cluster: &str) -> bool {
+        let allowed = self.shards.borrow().holds_cluster(cluster, Instant::now());
+        if !allowed {
+            debug!(
+                cluster,
+                "not this gateway's shard (any more): health not written"
+            );
+        }
+        !allowed
+    }
+
     async fn mark_available(&self, cluster: &str, hello: &wire::Hello) -> Result<(), StoreError> {
+        if self.fenced(cluster) {
+            return Ok(());
+        }
         let current = self.existing_cluster(cluster).await?;
         let mut status = current.get("status").cloned().unwrap_or_else(|| json!({}));
         let now = now();
@@ -391,6 +446,9 @@ impl Writes {
     }
 
     async fn mark_unknown(&self, cluster: &str) -> Result<(), StoreError> {
+        if self.fenced(cluster) {
+            return Ok(());
+        }
         let Some(current) = self.store.get(Kind::ManagedCluster, None, cluster).await? else {
             return Ok(()); // deleted meanwhile: nothing to mark
         };
@@ -409,6 +467,9 @@ impl Writes {
             now(),
         );
         status["conditions"] = serde_json::to_value(&conds).unwrap_or_default();
+        if self.fenced(cluster) {
+            return Ok(());
+        }
         let updated = self
             .store
             .update_status(Kind::ManagedCluster, None, cluster, status, None)
@@ -592,6 +653,10 @@ mod tests {
     use flotilla_store::SledStore;
     use tokio::sync::watch;
 
+    fn all_shards() -> ShardViews {
+        watch::channel(Arc::new(crate::shards::ShardView::all(64))).1
+    }
+
     fn hello(version: &str) -> wire::Hello {
         wire::Hello {
             kubernetes_version: version.into(),
@@ -683,7 +748,8 @@ mod tests {
         };
         let rv = |v: &str| v.parse::<u64>().unwrap();
 
-        let (writer, reports) = HealthWriter::new(store.clone(), grace, admissions.clone());
+        let (writer, reports) =
+            HealthWriter::new(store.clone(), grace, admissions.clone(), all_shards());
         let first_run = tokio::spawn(writer.run(stop.clone()));
         reports.send(connected("s1", "v1.36.3")).await;
         eventually("Available is written", || async {
@@ -696,7 +762,8 @@ mod tests {
 
         // A restarted hub (a new writer) meeting the same agent again: nothing to write. Then
         // the spoke is upgraded: one write, so the version moves by exactly one.
-        let (writer, reports) = HealthWriter::new(store.clone(), grace, admissions.clone());
+        let (writer, reports) =
+            HealthWriter::new(store.clone(), grace, admissions.clone(), all_shards());
         tokio::spawn(writer.run(stop.clone()));
         reports.send(connected("s2", "v1.36.3")).await;
         reports.send(connected("s3", "v1.37.0")).await;
@@ -749,7 +816,8 @@ mod tests {
         };
         let rv = |v: &str| v.parse::<u64>().unwrap();
 
-        let (writer, reports) = HealthWriter::new(store.clone(), grace, admissions.clone());
+        let (writer, reports) =
+            HealthWriter::new(store.clone(), grace, admissions.clone(), all_shards());
         let first_run = tokio::spawn(writer.run(stop.clone()));
         reports.send(report(&info)).await;
         eventually("the claims are written", || async {
@@ -779,7 +847,8 @@ mod tests {
         // A restarted hub (a new writer) given the same report: nothing written. Thousands of
         // claims: refused, what is stored stays. Then a claim changes on the spoke: written,
         // so the version moves by exactly one.
-        let (writer, reports) = HealthWriter::new(store.clone(), grace, admissions.clone());
+        let (writer, reports) =
+            HealthWriter::new(store.clone(), grace, admissions.clone(), all_shards());
         tokio::spawn(writer.run(stop.clone()));
         reports.send(report(&info)).await;
         let mut flood = info.clone();

@@ -17,8 +17,10 @@ pub mod desired;
 mod driver;
 pub mod health;
 pub mod mailbox;
+pub mod process;
 pub mod registry;
 mod serve;
+pub mod shards;
 pub mod statuses;
 pub mod supervise;
 

@@ -39,6 +39,13 @@ pub enum Closing {
     Close(String),
     /// The cluster is no longer admitted: the agent is told what is wrong.
     Refuse(flotilla_proto::wire::Refusal, String),
+    /// This gateway no longer acts for the cluster's shard: come back after `retry_after`, at
+    /// `redirect` (the owner) when known.
+    Drain {
+        retry_after: std::time::Duration,
+        redirect: Option<String>,
+        reason: String,
+    },
 }
 
 /// The drained contents of a mailbox.
@@ -83,6 +90,21 @@ impl Mailbox {
     /// Ends the session because its cluster is no longer admitted.
     pub async fn refuse(&self, refusal: flotilla_proto::wire::Refusal, reason: impl Into<String>) {
         self.pending.lock().await.close = Some(Closing::Refuse(refusal, reason.into()));
+        self.notify.notify_one();
+    }
+
+    /// Ends the session because this gateway no longer acts for its shard (see [`Closing::Drain`]).
+    pub async fn drain(
+        &self,
+        retry_after: std::time::Duration,
+        redirect: Option<String>,
+        reason: impl Into<String>,
+    ) {
+        self.pending.lock().await.close = Some(Closing::Drain {
+            retry_after,
+            redirect,
+            reason: reason.into(),
+        });
         self.notify.notify_one();
     }
 

@@ -22,6 +22,7 @@ use crate::desired::DesiredState;
 use crate::driver::drive;
 use crate::health::{HealthReports, HealthWriter};
 use crate::registry::Registry;
+use crate::shards::{ShardLeasing, ShardView};
 use crate::statuses::StatusWriter;
 use crate::supervise::{TaskEnded, Tasks};
 
@@ -150,6 +151,11 @@ pub(crate) struct Shared {
     pub(crate) draining: watch::Sender<bool>,
     /// The health task, until `serve` takes it to run.
     health_writer: tokio::sync::Mutex<Option<HealthWriter>>,
+    /// The shards this gateway acts for and who holds the others: every shard (single node)
+    /// unless [`Gateway::lease_shards`] put it on leases.
+    pub(crate) shards: watch::Sender<Arc<ShardView>>,
+    /// The lease driver, until `serve` takes it to run.
+    leasing: tokio::sync::Mutex<Option<ShardLeasing>>,
 }
 
 impl Gateway {
@@ -173,9 +179,16 @@ impl Gateway {
         certificates: Option<Arc<dyn ClusterCertificates>>,
     ) -> Gateway {
         let admissions = Admissions::new();
-        let (health_writer, health) =
-            HealthWriter::new(store.clone(), config.grace_period, admissions.clone());
-        let statuses = StatusWriter::new(config.status_writes_per_second);
+        let shards = watch::Sender::new(Arc::new(ShardView::all(
+            flotilla_proto::contract::DEFAULT_SHARDS,
+        )));
+        let (health_writer, health) = HealthWriter::new(
+            store.clone(),
+            config.grace_period,
+            admissions.clone(),
+            shards.subscribe(),
+        );
+        let statuses = StatusWriter::new(config.status_writes_per_second, shards.subscribe());
         Gateway {
             shared: Arc::new(Shared {
                 store,
@@ -189,8 +202,25 @@ impl Gateway {
                 next_session: AtomicU64::new(1),
                 draining: watch::Sender::new(false),
                 health_writer: tokio::sync::Mutex::new(Some(health_writer)),
+                shards,
+                leasing: tokio::sync::Mutex::new(None),
             }),
         }
+    }
+
+    /// Puts shard ownership on leases (scale-out mode): from now until the first lease round
+    /// the gateway acts for no shard; then for those it holds, redirecting sessions of the
+    /// others to their owners. Call before [`serve`](Self::serve), which runs the leasing.
+    pub async fn lease_shards(&self, leasing: ShardLeasing) {
+        self.shared
+            .shards
+            .send_replace(Arc::new(leasing.initial_view()));
+        *self.shared.leasing.lock().await = Some(leasing);
+    }
+
+    /// The shards this gateway acts for and the directory of the rest, as it changes.
+    pub fn shard_views(&self) -> crate::shards::ShardViews {
+        self.shared.shards.subscribe()
     }
 
     /// The gateway's cache of cluster admissions (the hub's join flow waits on it).
@@ -292,6 +322,19 @@ impl Gateway {
                 )
                 .map(Ok),
         );
+        if let Some(leasing) = shared.leasing.lock().await.take() {
+            tasks.spawn(
+                "the shard leases",
+                leasing
+                    .run(
+                        shared.shards.clone(),
+                        shared.registry.clone(),
+                        config.drain_window,
+                        stop_rx.clone(),
+                    )
+                    .map(Ok),
+            );
+        }
         let health = shared.health_writer.lock().await.take();
         if let Some(health) = health {
             tasks.spawn("the health writer", health.run(stop_rx.clone()).map(Ok));

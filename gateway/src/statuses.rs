@@ -13,6 +13,7 @@ use tracing::{debug, warn};
 
 use crate::desired::DesiredState;
 use crate::registry::Registry;
+use crate::shards::ShardViews;
 
 /// How often the record of stored seqs forgets works that no longer exist, so it holds the
 /// live works (and those deleted within this period), not every work ever seen.
@@ -43,6 +44,9 @@ pub struct StatusWriter {
     notify: Notify,
     writes_per_second: u32,
     prune_every: Duration,
+    /// The shards this gateway acts for: a status of any other shard's cluster is not written
+    /// nor acknowledged, so the agent keeps it and reports it to the shard's owner.
+    shards: ShardViews,
 }
 
 /// Why a reported status was refused; none is retryable with the same frame.
@@ -57,13 +61,14 @@ pub enum StatusError {
 }
 
 impl StatusWriter {
-    pub fn new(writes_per_second: u32) -> Arc<StatusWriter> {
+    pub fn new(writes_per_second: u32, shards: ShardViews) -> Arc<StatusWriter> {
         Arc::new(StatusWriter {
             pending: Mutex::new(HashMap::new()),
             written: Mutex::new(HashMap::new()),
             notify: Notify::new(),
             writes_per_second: writes_per_second.max(1),
             prune_every: PRUNE_EVERY,
+            shards,
         })
     }
 
@@ -135,6 +140,15 @@ impl StatusWriter {
             let Some(p) = self.pending.lock().await.remove(&uid) else {
                 continue;
             };
+            // Fenced: checked right before the write, never acknowledged if not ours.
+            if !self
+                .shards
+                .borrow()
+                .holds_cluster(&p.cluster, tokio::time::Instant::now())
+            {
+                debug!(cluster = %p.cluster, work = %p.name, "not this gateway's shard (any more): status left to its owner");
+                continue;
+            }
             if self
                 .written
                 .lock()
@@ -264,7 +278,11 @@ mod tests {
         desired.wait_ready().await;
         let writer = Arc::new(StatusWriter {
             prune_every: Duration::ZERO,
-            ..Arc::into_inner(StatusWriter::new(1000)).unwrap()
+            ..Arc::into_inner(StatusWriter::new(
+                1000,
+                tokio::sync::watch::channel(Arc::new(crate::shards::ShardView::all(64))).1,
+            ))
+            .unwrap()
         });
         tokio::spawn(
             writer

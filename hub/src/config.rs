@@ -36,6 +36,17 @@ pub enum StoreBackend {
     Kube,
 }
 
+/// Where agent sessions are held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum GatewayMode {
+    /// In this process, for every shard (single node; any store).
+    InProcess,
+    /// In `flotilla-gateway` replicas that divide the shards through Leases (scale-out; needs
+    /// --store kube). The hub still serves joins on its agents' address and redirects any
+    /// session that arrives there to its shard's gateway.
+    External,
+}
+
 #[derive(Clone, Debug, Args)]
 pub struct HubConfig {
     /// Directory for the CA, the sled store and the operator credentials; created on first start.
@@ -79,6 +90,13 @@ pub struct HubConfig {
     /// Kubeconfig of the hub apiserver, with --store kube (default: KUBECONFIG / in-cluster).
     #[arg(long, env = "FLOTILLA_HUB_KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
+
+    /// Where agent sessions are held: here, or in `flotilla-gateway` replicas (scale-out).
+    #[arg(long, env = "FLOTILLA_HUB_GATEWAYS", value_enum, default_value_t = GatewayMode::InProcess)]
+    pub gateways: GatewayMode,
+
+    #[command(flatten)]
+    pub shards: flotilla_gateway::process::ShardFlags,
 
     /// How often agents send a heartbeat (told to them in the session's Welcome).
     #[arg(long, default_value = DEFAULT_HEARTBEAT_INTERVAL, value_parser = humantime::parse_duration)]
@@ -156,6 +174,13 @@ impl HubConfig {
             "--client-cert-lifetime {:?} is too short for an agent to renew in time; use at least 3s (tests) and days in production",
             self.client_cert_lifetime
         );
+        if self.gateways == GatewayMode::External {
+            anyhow::ensure!(
+                self.store == StoreBackend::Kube,
+                "--gateways external needs --store kube: the gateways share the hub's apiserver"
+            );
+            self.shards.validate()?;
+        }
         if self.store == StoreBackend::Sled {
             anyhow::ensure!(
                 self.kubeconfig.is_none(),

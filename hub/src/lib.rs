@@ -34,7 +34,7 @@ use tracing::info;
 
 use crate::ca::Ca;
 use crate::client::OperatorConfig;
-use crate::config::{HubConfig, StoreBackend};
+use crate::config::{GatewayMode, HubConfig, StoreBackend};
 use crate::operator_api::RegistrationApi;
 use crate::registration::{Authority, HubCertificates, JoinService};
 use crate::tokens::BootstrapTokens;
@@ -73,17 +73,7 @@ pub async fn open_store(config: &HubConfig) -> anyhow::Result<Arc<dyn Store>> {
             })?)
         }
         StoreBackend::Kube => {
-            let kube_config = match &config.kubeconfig {
-                Some(path) => {
-                    let kc = kube::config::Kubeconfig::read_from(path)
-                        .with_context(|| format!("reading kubeconfig {}", path.display()))?;
-                    kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?
-                }
-                None => kube::Config::infer()
-                    .await
-                    .context("no --kubeconfig given and none could be inferred")?,
-            };
-            let client = kube::Client::try_from(kube_config)?;
+            let client = flotilla_store::connect(config.kubeconfig.as_deref()).await?;
             Arc::new(flotilla_store::KubeStore::new(client))
         }
     })
@@ -148,6 +138,14 @@ pub async fn run(
             config.client_cert_lifetime,
         ),
     );
+    if config.gateways == GatewayMode::External {
+        // Sessions are the gateways'; this one holds no shard and redirects by the directory.
+        let client = flotilla_store::connect(config.kubeconfig.as_deref()).await?;
+        let address = agent_address(&config, listen.agents);
+        gateway
+            .lease_shards(config.shards.leasing(client, "hub", &address, false))
+            .await;
+    }
     let join = JoinService::new(
         store.clone(),
         tokens.clone(),
@@ -381,28 +379,4 @@ fn write_operator_config(
     Ok(())
 }
 
-/// Completes on SIGTERM or Ctrl-C: the one shutdown trigger of every flotilla binary.
-pub async fn shutdown_signal() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .expect("installing a SIGTERM handler");
-    tokio::select! {
-        _ = term.recv() => {},
-        _ = tokio::signal::ctrl_c() => {},
-    }
-}
-
-/// Logs to stderr; `RUST_LOG` filters (default info), `FLOTILLA_LOG_FORMAT=json` for JSON lines.
-pub fn init_tracing() {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        // Colours for a terminal only: log files and collectors get plain text.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
-    if std::env::var("FLOTILLA_LOG_FORMAT").as_deref() == Ok("json") {
-        builder.json().init();
-    } else {
-        builder.init();
-    }
-}
+pub use flotilla_gateway::process::{init_tracing, shutdown_signal};

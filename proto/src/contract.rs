@@ -112,6 +112,55 @@ pub fn check_cluster_info(info: &crate::wire::ClusterInfo) -> Result<(), String>
     Ok(())
 }
 
+/// Label on every ManifestWork and ManagedCluster the hub writes: the cluster's shard
+/// ([`shard_label_value`]). Gateways list and watch with a selector on it, so each one caches
+/// only its own shards' objects.
+pub const SHARD_LABEL: &str = "flotilla.io/shard";
+/// Label on flotilla's coordination.k8s.io Leases: [`LEASE_ROLE_SHARD`] or
+/// [`LEASE_ROLE_GATEWAY`], so one list with a selector reads them all and nothing else.
+pub const LEASE_ROLE_LABEL: &str = "flotilla.io/lease";
+/// [`LEASE_ROLE_LABEL`] of a shard's lease (`flotilla-shard-NN`).
+pub const LEASE_ROLE_SHARD: &str = "shard";
+/// [`LEASE_ROLE_LABEL`] of a gateway's own lease (`flotilla-gateway-NAME`), its announcement.
+pub const LEASE_ROLE_GATEWAY: &str = "gateway";
+/// Annotation on a gateway's lease: the host:port agents dial to reach it (redirects use it).
+pub const ADVERTISE_ADDRESS_ANNOTATION: &str = "flotilla.io/advertise-address";
+/// Virtual shards of a fleet unless configured otherwise. Every hub and gateway of one fleet
+/// must use the same number: it decides which shard, and so which gateway, a cluster belongs to.
+pub const DEFAULT_SHARDS: u32 = 64;
+
+/// The shard of `cluster` among `shards` (at least 1): FNV-1a (64-bit) of the name's UTF-8
+/// bytes, modulo `shards`. Stable across processes, builds and versions (never Rust's
+/// randomly seeded hasher): every hub and gateway computes the same shard for a cluster.
+pub fn shard_of(cluster: &str, shards: u32) -> u32 {
+    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    let hash = cluster
+        .bytes()
+        .fold(OFFSET, |h, b| (h ^ u64::from(b)).wrapping_mul(PRIME));
+    (hash % u64::from(shards.max(1))) as u32
+}
+
+/// The value of [`SHARD_LABEL`] for `shard`: decimal, at least two digits (`"07"`).
+pub fn shard_label_value(shard: u32) -> String {
+    format!("{shard:02}")
+}
+
+/// The name of `shard`'s Lease: `flotilla-shard-NN`.
+pub fn shard_lease_name(shard: u32) -> String {
+    format!("flotilla-shard-{shard:02}")
+}
+
+/// The shard a lease name is for, if it is a shard lease.
+pub fn shard_of_lease(name: &str) -> Option<u32> {
+    name.strip_prefix("flotilla-shard-")?.parse().ok()
+}
+
+/// The name of gateway `gateway`'s own Lease: `flotilla-gateway-NAME`.
+pub fn gateway_lease_name(gateway: &str) -> String {
+    format!("flotilla-gateway-{gateway}")
+}
+
 /// Kubernetes' DNS-1123 label: lower-case alphanumerics and '-', 1 to 63 characters, starting
 /// and ending alphanumeric. Cluster names must be one, because each becomes a namespace.
 pub fn is_dns1123_label(s: &str) -> bool {
@@ -146,6 +195,39 @@ pub fn ca_bundle_sha256(ca_bundle_pem: impl AsRef<[u8]>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shards_are_fnv1a_of_the_name() {
+        // Published FNV-1a 64 vectors: "a" = 0xaf63dc4c8601ec8c, "foobar" = 0x85944171f73967e8.
+        // A change here moves every cluster to another gateway: it must never happen silently.
+        assert_eq!(shard_of("a", 64), 0x8c % 64);
+        assert_eq!(shard_of("foobar", 64), 0xe8 % 64);
+        assert_eq!(
+            shard_of("foobar", 1000),
+            (0x8594_4171_f739_67e8_u64 % 1000) as u32
+        );
+        assert_eq!(shard_of("store-0042", 64), 39);
+        assert_eq!(shard_of("anything", 0), 0, "zero shards is treated as one");
+        // Names spread evenly: every shard within a third of the mean for 6,400 clusters.
+        let mut counts = [0u32; 64];
+        for n in 0..6400 {
+            counts[shard_of(&format!("store-{n:05}"), 64) as usize] += 1;
+        }
+        assert!(
+            counts.iter().all(|&c| (67..=133).contains(&c)),
+            "{counts:?}"
+        );
+    }
+
+    #[test]
+    fn shard_names_round_trip() {
+        assert_eq!(shard_label_value(7), "07");
+        assert_eq!(shard_label_value(123), "123");
+        assert_eq!(shard_lease_name(7), "flotilla-shard-07");
+        assert_eq!(shard_of_lease(&shard_lease_name(63)), Some(63));
+        assert_eq!(shard_of_lease("flotilla-gateway-a"), None);
+        assert_eq!(gateway_lease_name("gw-1"), "flotilla-gateway-gw-1");
+    }
 
     #[test]
     fn cluster_names_are_dns1123_labels() {

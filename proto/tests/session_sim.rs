@@ -801,6 +801,7 @@ fn drain_tells_the_agent_when_to_come_back() {
     assert!(sim.agent_events.contains(&AgentEvent::Drained {
         retry_after,
         reason: "gateway shutting down".to_string(),
+        redirect: None,
     }));
     assert_eq!(sim.agent_closed(), Some((&drained, true)));
     assert_eq!(
@@ -810,6 +811,35 @@ fn drain_tells_the_agent_when_to_come_back() {
     // Nothing more is asked of either side.
     assert_eq!(sim.hub.poll_timeout(), None);
     assert_eq!(sim.agent.poll_timeout(), None);
+}
+
+#[test]
+fn a_redirect_names_the_owner_before_the_hello_and_after_it() {
+    // Before the hello (admission: this gateway does not own the shard) and on a live session
+    // (the shard moved away), the agent learns where to go and when.
+    for established in [false, true] {
+        let mut sim = if established {
+            Sim::synced(vec![], vec![])
+        } else {
+            Sim::new(CLUSTER, CLUSTER, vec![], vec![])
+        };
+        sim.hub.redirect(
+            Duration::ZERO,
+            Some("10.0.0.7:9443".to_string()),
+            "shard 12 is owned by gateway gw-2",
+        );
+        sim.settle();
+        assert!(
+            sim.agent_events.contains(&AgentEvent::Drained {
+                retry_after: Duration::ZERO,
+                reason: "shard 12 is owned by gateway gw-2".to_string(),
+                redirect: Some("10.0.0.7:9443".to_string()),
+            }),
+            "established {established}: {:?}",
+            sim.agent_events
+        );
+        assert!(sim.agent.is_closed() && sim.hub.is_closed());
+    }
 }
 
 #[test]

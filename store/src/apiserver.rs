@@ -104,6 +104,41 @@ impl KubeStore {
     }
 }
 
+/// Why no client for the hub apiserver could be built. Not retryable: fix the kubeconfig.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error("cannot read kubeconfig {path}: {source}")]
+    Kubeconfig {
+        path: String,
+        #[source]
+        source: kube::config::KubeconfigError,
+    },
+    #[error(
+        "no --kubeconfig given and none could be inferred (KUBECONFIG, ~/.kube/config, in-cluster): {0}"
+    )]
+    Infer(#[source] kube::config::InferConfigError),
+    #[error("cannot build a client for the hub apiserver: {0}")]
+    Client(#[source] kube::Error),
+}
+
+/// A client for the hub apiserver from `kubeconfig`, or inferred (KUBECONFIG, in-cluster).
+pub async fn connect(kubeconfig: Option<&std::path::Path>) -> Result<Client, ConnectError> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let failed = |source| ConnectError::Kubeconfig {
+                path: path.display().to_string(),
+                source,
+            };
+            let kc = kube::config::Kubeconfig::read_from(path).map_err(failed)?;
+            kube::Config::from_custom_kubeconfig(kc, &Default::default())
+                .await
+                .map_err(failed)?
+        }
+        None => kube::Config::infer().await.map_err(ConnectError::Infer)?,
+    };
+    Client::try_from(config).map_err(ConnectError::Client)
+}
+
 fn api_resource(kind: Kind) -> ApiResource {
     ApiResource {
         group: kind.group().to_owned(),

@@ -11,8 +11,11 @@
 //! * [`KubeStore`] — the OCM CRDs on a real kube-apiserver, for hubs that scale out.
 //!
 //! For: controllers, gateways and the operator API reading and writing hub state, one code path
-//! for both modes, and the one list-then-watch loop ([`reflect`]) every watch cache runs on. Not for: the agent's local cache (it never links hub code), leases and shard
-//! ownership (later, beside this trait), or business rules (validating a ManifestWork's
+//! for both modes, and the one list-then-watch loop ([`reflect`]) every watch cache runs on. Also, beside the trait, the
+//! coordination Leases shard ownership is decided on (`leases`: their IO only) and
+//! [`connect`], the hub apiserver client every scale-out process builds from a kubeconfig.
+//! Not for: the agent's local cache (it never links hub code), deciding shard ownership (the
+//! gateway's), or business rules (validating a ManifestWork's
 //! manifests is proto's and the hub's job; the store checks only what any object needs).
 //! Callers work on JSON objects, or on `flotilla_proto::api` types through [`StoreExt`].
 
@@ -21,6 +24,7 @@
 mod apiserver;
 mod embedded;
 mod error;
+pub mod leases;
 mod object;
 pub mod reflect;
 mod typed;
@@ -32,7 +36,7 @@ use async_trait::async_trait;
 use flotilla_proto::api::Kind;
 use futures::stream::BoxStream;
 
-pub use apiserver::{DEFAULT_WATCH_TIMEOUT_SECS, KubeStore};
+pub use apiserver::{ConnectError, DEFAULT_WATCH_TIMEOUT_SECS, KubeStore, connect};
 pub use embedded::{DEFAULT_EVENT_BUFFER, DEFAULT_LIVE_BUFFER, SledOptions, SledStore};
 pub use error::StoreError;
 pub use object::{

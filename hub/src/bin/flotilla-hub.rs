@@ -25,6 +25,22 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Issue a flotilla-gateway's serving certificate from the hub CA (scale-out mode): writes
+    /// ca.crt (the CA bundle agents' certificates are checked against), tls.crt (the serving
+    /// chain) and tls.key into --out, the directory `flotilla-gateway --cert-dir` reads. The
+    /// names must include what agents dial (the load balancer's name and each gateway's
+    /// advertised host).
+    GatewayCert {
+        /// Data directory of the hub whose CA signs.
+        #[arg(long, env = "FLOTILLA_HUB_DATA_DIR", default_value = "flotilla-data")]
+        data_dir: PathBuf,
+        /// DNS names and IP addresses for the certificate. Repeat or separate with commas.
+        #[arg(long = "server-name", value_delimiter = ',', required = true)]
+        server_names: Vec<String>,
+        /// Where to write ca.crt, tls.crt and tls.key.
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Issue an agent client certificate from the hub CA without the join flow (development
     /// only; reads the CA from the data dir). If the hub of that data dir is running, the
     /// cluster is also registered through its operator API as accepted, with this
@@ -50,6 +66,25 @@ fn main() -> anyhow::Result<()> {
     flotilla_hub::init_tracing();
     warn_retired_variables();
     match cli.command {
+        Some(Command::GatewayCert {
+            data_dir,
+            server_names,
+            out,
+        }) => {
+            let ca = Ca::load_or_create(&data_dir.join("ca"))?;
+            let issued = ca.issue_server(&server_names)?;
+            let chain = ca::IssuedCert {
+                cert_pem: ca.serving_chain_pem(&issued.cert_pem),
+                key_pem: issued.key_pem,
+            };
+            ca::write_bundle(&out, &ca.bundle_pem(), &chain)?;
+            println!(
+                "gateway certificate for {} written to {}",
+                server_names.join(", "),
+                out.display()
+            );
+            Ok(())
+        }
         Some(Command::DevCert {
             data_dir,
             cluster,

@@ -117,6 +117,9 @@ pub enum AgentEvent {
         retry_after: Duration,
         /// Why the hub drained.
         reason: String,
+        /// The address of the gateway that owns this cluster's shard, when the one reached
+        /// does not: dial it next instead of the configured address.
+        redirect: Option<String>,
     },
     /// The session is over. The driver sends what [`AgentSession::poll_transmit`] still yields
     /// (a `Goodbye` if this side closed), ends the stream and reconnects after its backoff.
@@ -355,6 +358,7 @@ impl AgentSession {
                 self.events.push_back(AgentEvent::Drained {
                     retry_after,
                     reason: drain.reason.clone(),
+                    redirect: Some(drain.redirect).filter(|a| !a.is_empty()),
                 });
                 let reason = CloseReason::Drained {
                     retry_after,

@@ -607,6 +607,27 @@ impl HubSession {
     /// [`CloseReason::Drained`]. Usable before the hello too, to refuse an agent during
     /// admission.
     pub fn drain(&mut self, retry_after: Duration, reason: impl Into<String>) {
+        self.drain_to(retry_after, None, reason);
+    }
+
+    /// [`drain`](Self::drain), naming where the agent should go next: the advertised address
+    /// of the gateway that owns its shard (this one does not). `None` is a plain drain (the
+    /// owner is not known yet, as during a handover).
+    pub fn redirect(
+        &mut self,
+        retry_after: Duration,
+        address: Option<String>,
+        reason: impl Into<String>,
+    ) {
+        self.drain_to(retry_after, address, reason);
+    }
+
+    fn drain_to(
+        &mut self,
+        retry_after: Duration,
+        redirect: Option<String>,
+        reason: impl Into<String>,
+    ) {
         if self.is_closed() {
             return;
         }
@@ -622,6 +643,7 @@ impl HubSession {
             .push_front(hub(hub_frame::Frame::Drain(wire::Drain {
                 retry_after_ms: duration_ms(retry_after),
                 reason,
+                redirect: redirect.unwrap_or_default(),
             })));
     }
 

@@ -82,6 +82,23 @@ impl Presence {
             .insert((now + self.grace, cluster.to_string()));
     }
 
+    /// `cluster` is recorded Available but has no session here: this gateway has just taken
+    /// over its shard, and starts from what the store says. Its grace period starts at `now`
+    /// unless a session is up or a grace period already runs; an agent that reconnects within
+    /// it is never marked.
+    pub fn absent(&mut self, now: Instant, cluster: &str) {
+        if matches!(
+            self.clusters.get(cluster),
+            Some(State::Connected { .. } | State::Gone { .. })
+        ) {
+            return;
+        }
+        self.clusters
+            .insert(cluster.to_string(), State::Gone { since: now });
+        self.expiring
+            .insert((now + self.grace, cluster.to_string()));
+    }
+
     /// Forgets a cluster (deleted from the hub, or no longer this gateway's to judge): no mark
     /// will be made for it.
     pub fn forget(&mut self, cluster: &str) {
@@ -160,6 +177,20 @@ mod tests {
         p.handle_timeout(t0 + GRACE * 3);
         assert!(marks(&mut p).is_empty(), "once");
         assert_eq!(p.poll_timeout(), None);
+    }
+
+    #[test]
+    fn a_taken_over_cluster_is_marked_only_if_its_agent_never_comes() {
+        let t0 = Instant::now();
+        let mut p = Presence::new(GRACE);
+        p.connected("here", "s1");
+        for c in ["here", "back", "never"] {
+            p.absent(t0, c);
+        }
+        p.connected("back", "s2");
+        p.absent(t0 + GRACE / 2, "never"); // a second takeover does not restart the clock
+        p.handle_timeout(t0 + GRACE);
+        assert_eq!(marks(&mut p), ["never"]);
     }
 
     #[test]

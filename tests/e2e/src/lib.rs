@@ -195,6 +195,15 @@ pub const FAST_HEALTH: &[&str] = &[
     "--grace-period=2s",
 ];
 
+/// [`FAST_HEALTH`] without the flags `extra` gives: a flag given there replaces the fast
+/// default of the same name.
+fn fast_health_unless<'a>(extra: &'a [&str]) -> impl Iterator<Item = &'static str> + 'a {
+    FAST_HEALTH.iter().copied().filter(move |f| {
+        let name = f.split('=').next().unwrap_or(f);
+        !extra.iter().any(|e| e.split('=').next() == Some(name))
+    })
+}
+
 /// A `flotilla-hub` process with its own data dir and ephemeral ports.
 pub struct Hub {
     pub proc: Proc,
@@ -233,11 +242,7 @@ impl Hub {
             .arg(&data_dir)
             .arg(format!("--listen={agents}"))
             .arg(format!("--api-listen={api}"))
-            // A flag given in `extra` replaces the fast default of the same name.
-            .args(FAST_HEALTH.iter().filter(|f| {
-                let name = f.split('=').next().unwrap_or(f);
-                !extra.iter().any(|e| e.split('=').next() == Some(name))
-            }))
+            .args(fast_health_unless(extra))
             .args(extra)
             .env("RUST_LOG", "info,flotilla_gateway=debug");
         let _ = std::fs::remove_file(data_dir.join("listen.json"));
@@ -380,6 +385,78 @@ pub fn condition_status(obj: &Value, t: &str) -> Option<String> {
         .find(|c| c["type"] == t)?["status"]
         .as_str()
         .map(str::to_string)
+}
+
+/// A `flotilla-gateway` replica (scale-out mode) serving for the hub of `hub`'s data dir.
+pub struct GatewayProc {
+    pub proc: Proc,
+    pub name: String,
+    /// Where agents reach it (TCP and UDP), as it advertises.
+    pub address: String,
+}
+
+impl GatewayProc {
+    /// Starts gateway `name` on a free loopback port, on the hub apiserver of `kubeconfig`,
+    /// with the TLS material in `cert_dir` (`flotilla-hub gateway-cert`); `extra` adds flags.
+    pub fn start(
+        dir: &Path,
+        name: &str,
+        kubeconfig: &Path,
+        cert_dir: &Path,
+        extra: &[&str],
+    ) -> anyhow::Result<GatewayProc> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let address = format!("127.0.0.1:{port}");
+        let mut cmd = Command::new(bin("flotilla-gateway"));
+        cmd.args(["--name", name])
+            .arg(format!("--listen={address}"))
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
+            .arg("--cert-dir")
+            .arg(cert_dir)
+            .args(fast_health_unless(extra))
+            .args(extra)
+            .env("RUST_LOG", "info,flotilla_gateway=debug");
+        let proc = Proc::spawn(name, cmd, dir.join(format!("{name}.log")))?;
+        Ok(GatewayProc {
+            proc,
+            name: name.to_string(),
+            address,
+        })
+    }
+
+    /// Clusters whose sessions are established on this gateway now, from its log.
+    pub fn sessions(&self) -> std::collections::BTreeSet<String> {
+        sessions_in_log(&self.proc.log())
+    }
+}
+
+/// Clusters with a session open (established and not closed since) in a gateway's log.
+pub fn sessions_in_log(log: &str) -> std::collections::BTreeSet<String> {
+    let mut open = std::collections::BTreeMap::<String, i64>::new();
+    for line in log.lines() {
+        let delta = if line.contains("session established") {
+            1
+        } else if line.contains("session closed") && line.contains("cluster=") {
+            -1
+        } else {
+            continue;
+        };
+        let Some(cluster) = line
+            .split("cluster=")
+            .nth(1)
+            .and_then(|rest| rest.split([' ', '}', ':']).next())
+        else {
+            continue;
+        };
+        *open.entry(cluster.to_string()).or_default() += delta;
+    }
+    open.into_iter()
+        .filter(|(_, n)| *n > 0)
+        .map(|(c, _)| c)
+        .collect()
 }
 
 /// Starts `flotilla-agent run` for `cluster` with the certificates in `cert_dir`, for tests about

@@ -1,0 +1,314 @@
+//! `flotilla-gateway` as a process: its flags, parsed and checked once, and [`run`], which
+//! serves agents on TCP (gRPC) and UDP (QUIC) with the hub CA's certificate, on the hub's
+//! kube-apiserver as store, holding the shards its leases give it. Also what every flotilla
+//! binary shares for running as a process: [`init_tracing`] and [`shutdown_signal`].
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::Args;
+use flotilla_proto::contract::DEFAULT_SHARDS;
+use flotilla_store::KubeStore;
+use flotilla_store::leases::KubeLeases;
+use flotilla_transport::listen::AgentSockets;
+use flotilla_transport::quic::QuicListener;
+use futures::FutureExt as _;
+use tracing::info;
+
+use crate::shards::{OwnerConfig, ShardLeasing};
+use crate::{Gateway, GatewayConfig, Listeners};
+
+/// Namespace of the shard and gateway Leases on the hub apiserver unless configured.
+pub const DEFAULT_LEASE_NAMESPACE: &str = "flotilla-system";
+/// How long a shard lease stays valid without renewal: how long a dead gateway's shards wait
+/// before another gateway takes them.
+pub const DEFAULT_LEASE_DURATION: &str = "15s";
+/// How often leases are read and renewed (at most a third of the lease duration).
+pub const DEFAULT_RENEW_PERIOD: &str = "5s";
+
+/// Shard ownership flags, the same on the hub (in scale-out mode) and on every gateway.
+#[derive(Clone, Debug, Args)]
+pub struct ShardFlags {
+    /// Virtual shards clusters are spread over (a stable hash of the name). Every hub and
+    /// gateway of one fleet must use the same number.
+    #[arg(long, env = "FLOTILLA_SHARDS", default_value_t = DEFAULT_SHARDS)]
+    pub shards: u32,
+
+    /// Namespace on the hub apiserver holding the Leases `flotilla-shard-NN` (one per shard)
+    /// and `flotilla-gateway-NAME` (one per gateway, with its advertised address); created if
+    /// missing.
+    #[arg(long, env = "FLOTILLA_LEASE_NAMESPACE", default_value = DEFAULT_LEASE_NAMESPACE)]
+    pub lease_namespace: String,
+
+    /// How long a shard lease is valid without renewal: a killed gateway's shards move after
+    /// at most this long.
+    #[arg(long, env = "FLOTILLA_LEASE_DURATION", default_value = DEFAULT_LEASE_DURATION, value_parser = humantime::parse_duration)]
+    pub lease_duration: Duration,
+
+    /// How often leases are read (one list) and renewed; at most a third of --lease-duration.
+    #[arg(long, env = "FLOTILLA_RENEW_PERIOD", default_value = DEFAULT_RENEW_PERIOD, value_parser = humantime::parse_duration)]
+    pub renew_period: Duration,
+}
+
+impl ShardFlags {
+    /// Checks what clap cannot; errors say how to fix the flag.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            (1..=10_000).contains(&self.shards),
+            "--shards {} must be between 1 and 10000",
+            self.shards
+        );
+        anyhow::ensure!(
+            self.lease_duration >= Duration::from_secs(1),
+            "--lease-duration {:?} is below the Lease API's one-second resolution",
+            self.lease_duration
+        );
+        anyhow::ensure!(
+            !self.renew_period.is_zero() && self.renew_period * 3 <= self.lease_duration,
+            "--renew-period ({:?}) must be positive and at most a third of --lease-duration ({:?}), \
+             so one failed renewal does not lose the shards",
+            self.renew_period,
+            self.lease_duration
+        );
+        Ok(())
+    }
+
+    /// Leasing for a gateway named `name` reachable at `address` (`claims: false`: a reader
+    /// that only routes, such as the hub).
+    pub fn leasing(
+        &self,
+        client: kube::Client,
+        name: &str,
+        address: &str,
+        claims: bool,
+    ) -> ShardLeasing {
+        ShardLeasing {
+            leases: KubeLeases::new(client, self.lease_namespace.clone()),
+            owner: OwnerConfig {
+                name: name.to_string(),
+                address: address.to_string(),
+                shards: self.shards,
+                lease_duration: self.lease_duration,
+                renew_period: self.renew_period,
+                claims,
+            },
+        }
+    }
+}
+
+/// `flotilla-gateway`'s configuration.
+#[derive(Clone, Debug, Args)]
+pub struct GatewayProcessConfig {
+    /// This gateway's name, unique in the fleet: the holder identity in its shard leases and
+    /// the name of its own lease (a pod name is a good choice).
+    #[arg(long, env = "FLOTILLA_GATEWAY_NAME")]
+    pub name: String,
+
+    /// Address agents connect to: gRPC over HTTP/2 with mTLS on TCP, and QUIC on UDP at the
+    /// same port (see --quic).
+    #[arg(long, env = "FLOTILLA_GATEWAY_LISTEN", default_value = "0.0.0.0:9443")]
+    pub listen: SocketAddr,
+
+    /// host:port other gateways and the hub redirect this gateway's agents to. Required when
+    /// --listen is on all interfaces or on port 0.
+    #[arg(long, env = "FLOTILLA_GATEWAY_ADVERTISE_ADDRESS")]
+    pub advertise_address: Option<String>,
+
+    /// Serve QUIC (UDP) beside gRPC (TCP) on the agents' address and port.
+    #[arg(long, env = "FLOTILLA_GATEWAY_QUIC", default_value_t = true, action = clap::ArgAction::Set)]
+    pub quic: bool,
+
+    /// Kubeconfig of the hub apiserver (default: KUBECONFIG / in-cluster). The gateway reads
+    /// ManagedClusters and ManifestWorks, writes their status, and reads and writes Leases.
+    #[arg(long, env = "FLOTILLA_GATEWAY_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// Directory with the gateway's TLS material from the hub CA: `tls.crt` (serving chain),
+    /// `tls.key`, and `ca.crt` (the hub CA bundle agents' client certificates are checked
+    /// against). `flotilla-hub gateway-cert` writes it.
+    #[arg(long, env = "FLOTILLA_GATEWAY_CERT_DIR")]
+    pub cert_dir: PathBuf,
+
+    #[command(flatten)]
+    pub shards: ShardFlags,
+
+    /// How often agents send a heartbeat (told to them in the Welcome).
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    pub heartbeat_interval: Duration,
+
+    /// Silence after which a session is closed.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    pub heartbeat_timeout: Duration,
+
+    /// Time without a session before a cluster of this gateway's shards turns Unknown.
+    #[arg(long, default_value = "40s", value_parser = humantime::parse_duration)]
+    pub grace_period: Duration,
+
+    /// On SIGTERM (and when a shard is handed over) sessions are drained, each agent told to
+    /// come back after a delay spread over this window.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    pub drain_window: Duration,
+
+    /// On SIGTERM, how long drained sessions may take to end before the rest are closed.
+    #[arg(long, default_value = "20s", value_parser = humantime::parse_duration)]
+    pub drain_timeout: Duration,
+
+    /// Validate the configuration, print it, and exit without starting.
+    #[arg(long)]
+    pub check_config: bool,
+}
+
+impl GatewayProcessConfig {
+    /// Checks what clap cannot; errors say how to fix the flag.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        self.shards.validate()?;
+        anyhow::ensure!(
+            flotilla_proto::contract::is_dns1123_label(&self.name),
+            "--name {:?} must be a DNS-1123 label (lower-case letters, digits, '-'): it names a Lease",
+            self.name
+        );
+        anyhow::ensure!(
+            self.heartbeat_timeout >= 2 * self.heartbeat_interval,
+            "--heartbeat-timeout ({:?}) must be at least twice --heartbeat-interval ({:?})",
+            self.heartbeat_timeout,
+            self.heartbeat_interval
+        );
+        anyhow::ensure!(
+            self.advertise_address.is_some()
+                || !(self.listen.ip().is_unspecified() || self.listen.port() == 0),
+            "--advertise-address is required when --listen ({}) is on all interfaces or port 0: \
+             it is where other gateways send this gateway's agents",
+            self.listen
+        );
+        Ok(())
+    }
+
+    fn gateway_config(&self) -> GatewayConfig {
+        GatewayConfig {
+            heartbeat_interval: self.heartbeat_interval,
+            heartbeat_timeout: self.heartbeat_timeout,
+            grace_period: self.grace_period,
+            drain_window: self.drain_window,
+            drain_timeout: self.drain_timeout,
+            ..GatewayConfig::default()
+        }
+    }
+}
+
+/// Runs a gateway until `shutdown` completes, then drains its sessions and releases its
+/// shards.
+pub async fn run(
+    config: GatewayProcessConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    config.validate()?;
+    let read = |file: &str| {
+        let path = config.cert_dir.join(file);
+        std::fs::read(&path).with_context(|| {
+            format!(
+                "reading {} (--cert-dir: write it with `flotilla-hub gateway-cert`)",
+                path.display()
+            )
+        })
+    };
+    let tls = flotilla_transport::tls::agent_server_config(
+        &read("ca.crt")?,
+        &read("tls.crt")?,
+        &read("tls.key")?,
+    )
+    .context("the TLS material in --cert-dir")?;
+    let client = flotilla_store::connect(config.kubeconfig.as_deref()).await?;
+    let store = Arc::new(KubeStore::new(client.clone()));
+
+    let sockets = AgentSockets::bind(config.listen, config.quic)
+        .await
+        .with_context(|| format!("cannot listen for agents on {} (--listen)", config.listen))?;
+    let bound = sockets.local_addr()?;
+    let address = config
+        .advertise_address
+        .clone()
+        .unwrap_or_else(|| bound.to_string());
+    let gateway_config = config.gateway_config();
+    let quic = match sockets.udp {
+        Some(udp) => Some(
+            QuicListener::bind(udp, &tls, gateway_config.quic())
+                .context("serving QUIC on the agents' address (turn it off with --quic=false)")?,
+        ),
+        None => None,
+    };
+    let (conns, accept) = flotilla_transport::tls::accept_authenticated(
+        sockets.tcp,
+        tls,
+        Default::default(),
+        "agents",
+    );
+    let gateway = Gateway::new(store, gateway_config);
+    gateway
+        .lease_shards(config.shards.leasing(client, &config.name, &address, true))
+        .await;
+    info!(gateway = %config.name, listen = %bound, advertise = %address, "gateway serving");
+    let mut tasks = crate::supervise::Tasks::new();
+    tasks.spawn(
+        "the agents' listener",
+        accept.map(|r| r.map_err(Into::into)),
+    );
+    // The listener ends when the drain stops accepting: expected after `shutdown`, a fault
+    // before it.
+    let (stopping, mut stop) = tokio::sync::watch::channel(false);
+    let serving = gateway.serve(Listeners { tcp: conns, quic }, None, async move {
+        let _ = stop.wait_for(|s| *s).await;
+    });
+    tokio::pin!(serving, shutdown);
+    let mut listening = true;
+    loop {
+        tokio::select! {
+            served = &mut serving => {
+                tasks.stop_within(Duration::ZERO).await;
+                return served.context(
+                    "flotilla-gateway stopped serving; exiting non-zero so that its supervisor restarts it",
+                );
+            }
+            _ = &mut shutdown, if !*stopping.borrow() => {
+                info!("shutting down: draining sessions, then releasing shards");
+                stopping.send_replace(true);
+            }
+            ended = tasks.first_end(), if listening => {
+                if !*stopping.borrow() {
+                    return Err(anyhow::Error::new(ended).context(
+                        "flotilla-gateway's listener ended; exiting non-zero so that its supervisor restarts it",
+                    ));
+                }
+                listening = false;
+            }
+        }
+    }
+}
+
+/// Completes on SIGTERM or Ctrl-C: the one shutdown trigger of every flotilla server binary.
+pub async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("installing a SIGTERM handler");
+    tokio::select! {
+        _ = term.recv() => {},
+        _ = tokio::signal::ctrl_c() => {},
+    }
+}
+
+/// Logs to stderr; `RUST_LOG` filters (default info), `FLOTILLA_LOG_FORMAT=json` for JSON lines.
+pub fn init_tracing() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        // Colours for a terminal only: log files and collectors get plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+    if std::env::var("FLOTILLA_LOG_FORMAT").as_deref() == Ok("json") {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}

@@ -1,0 +1,218 @@
+//! What the rest of the gateway reads about shards: [`ShardView`], published by the lease
+//! driver on every change (a `watch`), with the shards this gateway may act for (each with
+//! its [`Fence`]) and the [`ShardDirectory`] of who owns the others.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use flotilla_proto::contract::shard_of;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+/// This gateway's right to act for one shard: the lease's epoch when it was claimed, and the
+/// local instant until which it may act without a renewal.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fence {
+    /// `leaseTransitions` of the shard's lease as this gateway claimed it.
+    pub epoch: u32,
+    /// Past this instant the gateway stops acting for the shard, renewed or not (see `owner`).
+    pub valid_until: Instant,
+}
+
+/// One shard's owner as the leases say.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DirectoryEntry {
+    /// The owning gateway's name.
+    pub owner: String,
+    /// Its advertised host:port, if its own lease is current.
+    pub address: Option<String>,
+    /// The lease's epoch.
+    pub epoch: u32,
+}
+
+/// Which gateway holds which shard, derived from the shard and gateway leases: readable by
+/// the hub and by every gateway without asking any of them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ShardDirectory {
+    shards: u32,
+    entries: BTreeMap<u32, DirectoryEntry>,
+}
+
+impl ShardDirectory {
+    pub fn new(shards: u32, entries: BTreeMap<u32, DirectoryEntry>) -> ShardDirectory {
+        ShardDirectory { shards, entries }
+    }
+
+    /// The owner of `shard`, if a live gateway holds it.
+    pub fn owner(&self, shard: u32) -> Option<&DirectoryEntry> {
+        self.entries.get(&shard)
+    }
+
+    /// The gateway holding `cluster`'s session, if any holds its shard.
+    pub fn route(&self, cluster: &str) -> Option<&DirectoryEntry> {
+        self.owner(shard_of(cluster, self.shards))
+    }
+
+    /// Every owned shard with its owner.
+    pub fn entries(&self) -> impl Iterator<Item = (u32, &DirectoryEntry)> {
+        self.entries.iter().map(|(s, e)| (*s, e))
+    }
+}
+
+/// Where a session for a cluster belongs, seen from this gateway.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Route {
+    /// This gateway holds the shard (at this epoch).
+    Here { shard: u32, epoch: u32 },
+    /// Another gateway holds it and can be reached at `address`.
+    Elsewhere {
+        shard: u32,
+        owner: String,
+        address: String,
+    },
+    /// Nobody (reachable) holds it now: a handover or a takeover is under way.
+    Unowned { shard: u32 },
+}
+
+/// This gateway's shards and the directory, as of the last lease round.
+#[derive(Clone, Debug)]
+pub struct ShardView {
+    /// Virtual shards of the fleet.
+    pub shards: u32,
+    /// The shards this gateway may act for; `None`: all of them, unleased (the single-node
+    /// hub's in-process gateway, alone on its store).
+    fences: Option<BTreeMap<u32, Fence>>,
+    /// Who holds the others.
+    pub directory: ShardDirectory,
+}
+
+/// The shard view as gateway parts receive it.
+pub type ShardViews = watch::Receiver<Arc<ShardView>>;
+
+impl ShardView {
+    /// A gateway that owns every shard without leases (single node).
+    pub fn all(shards: u32) -> ShardView {
+        ShardView {
+            shards,
+            fences: None,
+            directory: ShardDirectory::default(),
+        }
+    }
+
+    /// A gateway holding `fences`, with the directory of the rest.
+    pub fn leased(
+        shards: u32,
+        fences: BTreeMap<u32, Fence>,
+        directory: ShardDirectory,
+    ) -> ShardView {
+        ShardView {
+            shards,
+            fences: Some(fences),
+            directory,
+        }
+    }
+
+    /// Whether ownership is on leases (scale-out), rather than every shard held (single node).
+    pub fn is_leased(&self) -> bool {
+        self.fences.is_some()
+    }
+
+    /// `cluster`'s shard.
+    pub fn shard_of(&self, cluster: &str) -> u32 {
+        shard_of(cluster, self.shards)
+    }
+
+    /// The epoch this gateway holds `shard` at, if it may act for it at `now`. Every store
+    /// write a gateway makes for a cluster (health, status) asks this first.
+    pub fn holds(&self, shard: u32, now: Instant) -> Option<u32> {
+        match &self.fences {
+            None => Some(0),
+            Some(fences) => fences
+                .get(&shard)
+                .filter(|f| now < f.valid_until)
+                .map(|f| f.epoch),
+        }
+    }
+
+    /// Whether this gateway may act for `cluster` at `now`.
+    pub fn holds_cluster(&self, cluster: &str, now: Instant) -> bool {
+        self.holds(self.shard_of(cluster), now).is_some()
+    }
+
+    /// Where `cluster`'s session belongs at `now`.
+    pub fn route(&self, cluster: &str, now: Instant) -> Route {
+        let shard = self.shard_of(cluster);
+        if let Some(epoch) = self.holds(shard, now) {
+            return Route::Here { shard, epoch };
+        }
+        match self.directory.owner(shard) {
+            Some(DirectoryEntry {
+                owner,
+                address: Some(address),
+                ..
+            }) => Route::Elsewhere {
+                shard,
+                owner: owner.clone(),
+                address: address.clone(),
+            },
+            _ => Route::Unowned { shard },
+        }
+    }
+
+    /// The shards held at `now` (every shard without leases).
+    pub fn held(&self, now: Instant) -> Vec<u32> {
+        (0..self.shards)
+            .filter(|s| self.holds(*s, now).is_some())
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[tokio::test(start_paused = true)]
+    async fn routes_follow_fences_and_the_directory() {
+        let now = Instant::now();
+        let cluster = "store-0042";
+        let shard = shard_of(cluster, 64);
+        let fence = Fence {
+            epoch: 3,
+            valid_until: now + Duration::from_secs(10),
+        };
+        let here = ShardView::leased(64, [(shard, fence)].into(), ShardDirectory::default());
+        assert_eq!(here.route(cluster, now), Route::Here { shard, epoch: 3 });
+        assert_eq!(
+            here.route(cluster, now + Duration::from_secs(10)),
+            Route::Unowned { shard },
+            "a fence that ran out is no right to act"
+        );
+        let owner = |address: Option<&str>| {
+            ShardDirectory::new(
+                64,
+                [(
+                    shard,
+                    DirectoryEntry {
+                        owner: "gw-2".into(),
+                        address: address.map(str::to_string),
+                        epoch: 4,
+                    },
+                )]
+                .into(),
+            )
+        };
+        let elsewhere = ShardView::leased(64, BTreeMap::new(), owner(Some("10.0.0.2:9443")));
+        assert_eq!(
+            elsewhere.route(cluster, now),
+            Route::Elsewhere {
+                shard,
+                owner: "gw-2".into(),
+                address: "10.0.0.2:9443".into()
+            }
+        );
+        let unreachable = ShardView::leased(64, BTreeMap::new(), owner(None));
+        assert_eq!(unreachable.route(cluster, now), Route::Unowned { shard });
+        assert_eq!(ShardView::all(64).held(now).len(), 64);
+    }
+}

@@ -1,0 +1,341 @@
+//! Scale-out mode end to end: a hub on a real kube-apiserver with `--gateways external`, three
+//! `flotilla-gateway` processes dividing the shards through Leases, and real agents that all
+//! dial the hub's address (standing in for a load balancer) and are redirected to their
+//! shards' owners. One gateway is SIGKILLed: its shards move once their leases expire, its
+//! agents are served by the new owners, no shard ever has two owners in the leases, no work
+//! or status is lost, and no cluster is marked Unknown while its agent is around. Another is
+//! stopped with SIGTERM: it drains its agents and releases its shards to the last one.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use anyhow::Context as _;
+
+use flotilla_e2e::{
+    GatewayProc, Hub, bin, condition_status, on_both_carriers, start_agent, wait_for,
+};
+use flotilla_proto::contract::{shard_of, shard_of_lease};
+use flotilla_testenv::{TestEnv, workspace_root};
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::api::{Api, ListParams};
+use nix::sys::signal::Signal;
+use serde_json::json;
+use tokio::sync::Mutex;
+
+const SHARDS: u32 = 16;
+const CLUSTERS: usize = 6;
+const LEASE_FLAGS: &[&str] = &[
+    "--shards=16",
+    "--lease-duration=3s",
+    "--renew-period=1s",
+    "--grace-period=6s",
+    "--drain-window=1s",
+];
+
+/// (holder, epoch) of every held shard lease.
+async fn owners(leases: &Api<Lease>) -> anyhow::Result<BTreeMap<u32, (String, u32)>> {
+    let list = leases
+        .list(&ListParams::default().labels("flotilla.io/lease=shard"))
+        .await?;
+    Ok(list
+        .items
+        .into_iter()
+        .filter_map(|l| {
+            let shard = shard_of_lease(l.metadata.name.as_deref()?)?;
+            let spec = l.spec?;
+            let holder = spec.holder_identity.filter(|h| !h.is_empty())?;
+            Some((shard, (holder, spec.lease_transitions.unwrap_or(0) as u32)))
+        })
+        .collect())
+}
+
+/// Samples the shard leases until `stop`: every epoch has one holder, and epochs only grow.
+async fn sample_ownership(
+    leases: Api<Lease>,
+    stop: Arc<AtomicBool>,
+    violations: Arc<Mutex<Vec<String>>>,
+) -> usize {
+    let mut seen: BTreeMap<(u32, u32), String> = BTreeMap::new();
+    let mut latest: BTreeMap<u32, u32> = BTreeMap::new();
+    let mut samples = 0;
+    while !stop.load(Ordering::Relaxed) {
+        if let Ok(now) = owners(&leases).await {
+            samples += 1;
+            for (shard, (holder, epoch)) in now {
+                if let Some(other) = seen.insert((shard, epoch), holder.clone())
+                    && other != holder
+                {
+                    violations.lock().await.push(format!(
+                        "shard {shard} epoch {epoch} held by {other} and by {holder}"
+                    ));
+                }
+                let last = latest.entry(shard).or_insert(epoch);
+                if epoch < *last {
+                    violations.lock().await.push(format!(
+                        "shard {shard}: epoch went back from {last} to {epoch}"
+                    ));
+                }
+                *last = epoch.max(*last);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    samples
+}
+
+/// Clusters whose ManagedCluster shows Available=Unknown (or False) now.
+fn unavailable(hub: &Hub) -> anyhow::Result<Vec<String>> {
+    Ok(hub
+        .clusters()?
+        .iter()
+        .filter(|c| {
+            condition_status(c, "ManagedClusterConditionAvailable").as_deref() != Some("True")
+        })
+        .filter_map(|c| c["metadata"]["name"].as_str().map(str::to_string))
+        .collect())
+}
+
+/// A ManifestWork with one ConfigMap for `cluster`, applied with kubectl.
+fn apply_work(
+    env: &TestEnv,
+    dir: &Path,
+    cluster: &str,
+    name: &str,
+    value: &str,
+) -> anyhow::Result<()> {
+    let work = json!({
+        "apiVersion": "work.open-cluster-management.io/v1",
+        "kind": "ManifestWork",
+        "metadata": { "name": name, "namespace": cluster },
+        "spec": { "workload": { "manifests": [{
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": { "name": name, "namespace": "default" },
+            "data": { "value": value },
+        }]}},
+    });
+    let path = dir.join(format!("{cluster}-{name}-{value}.json"));
+    std::fs::write(&path, serde_json::to_vec(&work)?)?;
+    let out = env.kubectl().arg("apply").arg("-f").arg(&path).output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "kubectl apply: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
+
+/// Waits until every cluster's work `name` carries a status reported for its current
+/// generation (the agents have no spoke apiserver, so the status says the apply failed: what
+/// matters is that it arrives and is stored).
+async fn wait_statuses(hub: &Hub, clusters: &[String], name: &str) -> anyhow::Result<()> {
+    wait_for(
+        &format!("status of work {name} on every cluster"),
+        Duration::from_secs(60),
+        || async {
+            for cluster in clusters {
+                let Some(work) = hub.work(cluster, name)? else {
+                    return Ok(None);
+                };
+                let generation = work["metadata"]["generation"].as_i64();
+                let reported = work["status"]["conditions"].as_array().is_some_and(|cs| {
+                    cs.iter().any(|c| {
+                        c["type"] == "Applied" && c["observedGeneration"].as_i64() == generation
+                    })
+                });
+                if !reported {
+                    return Ok(None);
+                }
+            }
+            Ok(Some(()))
+        },
+    )
+    .await
+}
+
+/// Every gateway's log, for a failure's context.
+fn logs(gateways: &[GatewayProc]) -> String {
+    gateways
+        .iter()
+        .map(|g| format!("--- {} ---\n{}", g.name, g.proc.log()))
+        .collect()
+}
+
+/// Whether every cluster's session is on its shard's owner (and on no other gateway), and
+/// every cluster is Available.
+async fn on_owners(
+    leases: &Api<Lease>,
+    gateways: &[GatewayProc],
+    clusters: &[String],
+    hub: &Hub,
+) -> anyhow::Result<Option<()>> {
+    let now = owners(leases).await?;
+    for cluster in clusters {
+        let Some((owner, _)) = now.get(&shard_of(cluster, SHARDS)) else {
+            return Ok(None);
+        };
+        let holding: Vec<&str> = gateways
+            .iter()
+            .filter(|g| g.sessions().contains(cluster))
+            .map(|g| g.name.as_str())
+            .collect();
+        if holding != [owner.as_str()] {
+            return Ok(None);
+        }
+    }
+    Ok(unavailable(hub)?.is_empty().then_some(()))
+}
+
+on_both_carriers! {
+    /// The acceptance scenario of sharded gateways, with real processes on a real apiserver.
+    async fn sharded_gateways_take_over_a_killed_ones_agents() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let dir = dir.path();
+        let env = TestEnv::start().await?;
+        env.install_crds(&workspace_root().join("deploy/crds")).await?;
+        let kubeconfig = env.kubeconfig_path().to_path_buf();
+        let kc = kubeconfig.to_str().unwrap();
+        let mut hub_flags = vec!["--store=kube", "--kubeconfig", kc, "--gateways=external"];
+        hub_flags.extend(LEASE_FLAGS);
+        let hub = Hub::start(dir, &hub_flags).await?;
+
+        let certs = dir.join("gateway-cert");
+        let out = Command::new(bin("flotilla-hub"))
+            .arg("gateway-cert")
+            .arg("--data-dir")
+            .arg(&hub.data_dir)
+            .args(["--server-name", "localhost,127.0.0.1", "--out"])
+            .arg(&certs)
+            .output()?;
+        anyhow::ensure!(out.status.success(), "gateway-cert: {}", String::from_utf8_lossy(&out.stderr));
+        let mut gateways: Vec<GatewayProc> = (1..=3)
+            .map(|n| GatewayProc::start(dir, &format!("gw-{n}"), &kubeconfig, &certs, LEASE_FLAGS))
+            .collect::<anyhow::Result<_>>()?;
+
+        let leases: Api<Lease> = Api::namespaced(env.client().await?, "flotilla-system");
+        let stop = Arc::new(AtomicBool::new(false));
+        let violations = Arc::new(Mutex::new(Vec::new()));
+        let sampler = tokio::spawn(sample_ownership(leases.clone(), stop.clone(), violations.clone()));
+
+        // Every shard owned, no gateway above its fair share.
+        wait_for("the shards divided among three gateways", Duration::from_secs(60), || async {
+            let now = owners(&leases).await?;
+            let mut per: BTreeMap<String, usize> = BTreeMap::new();
+            for (holder, _) in now.values() {
+                *per.entry(holder.clone()).or_default() += 1;
+            }
+            Ok((now.len() == SHARDS as usize && per.len() == 3 && per.values().all(|&n| n <= 6)).then_some(()))
+        })
+        .await
+        .with_context(|| logs(&gateways))?;
+
+        let clusters: Vec<String> = (0..CLUSTERS).map(|i| format!("store-{i:02}")).collect();
+        let mut agents = Vec::new();
+        for cluster in &clusters {
+            let cert_dir = dir.join(format!("cert-{cluster}"));
+            hub.dev_cert(cluster, &cert_dir)?;
+            agents.push(start_agent(dir, &hub, cluster, &cert_dir)?);
+        }
+
+        // Every agent ends on its shard's owner, every cluster Available.
+        wait_for("every agent on its shard's owner, every cluster Available", Duration::from_secs(60), || {
+            on_owners(&leases, &gateways, &clusters, &hub)
+        })
+        .await?;
+        // The hub redirected them: they all dialled its address first.
+        let redirected = agents.iter().filter(|a| a.log().contains("redirected to the gateway")).count();
+        assert_eq!(redirected, CLUSTERS, "every agent was redirected from the hub's address");
+
+        for cluster in &clusters {
+            apply_work(&env, dir, cluster, "before", "1")?;
+        }
+        wait_statuses(&hub, &clusters, "before").await?;
+
+        // Kill the gateway holding the most of our clusters' sessions.
+        let victim = (0..gateways.len())
+            .max_by_key(|&i| gateways[i].sessions().len())
+            .expect("three gateways");
+        let victim_name = gateways[victim].name.clone();
+        let its_shards: BTreeSet<u32> = owners(&leases)
+            .await?
+            .into_iter()
+            .filter(|(_, (h, _))| *h == victim_name)
+            .map(|(s, _)| s)
+            .collect();
+        let its_clusters = gateways[victim].sessions();
+        assert!(!its_clusters.is_empty(), "the victim serves someone");
+        gateways[victim].proc.signal_and_wait(Signal::SIGKILL);
+        let killed = gateways.remove(victim);
+
+        // From now on availability is sampled: nobody may turn Unknown, their agents are around.
+        let mut seen_unavailable = BTreeSet::new();
+        wait_for("the killed gateway's shards taken over", Duration::from_secs(30), || {
+            seen_unavailable.extend(unavailable(&hub).unwrap_or_default());
+            let (leases, its_shards, victim_name) = (&leases, &its_shards, &victim_name);
+            async move {
+            let now = owners(leases).await?;
+            Ok(its_shards
+                .iter()
+                .all(|s| now.get(s).is_some_and(|(h, _)| h != victim_name))
+                .then_some(()))
+            }
+        })
+        .await?;
+        wait_for("every agent on its shard's new owner", Duration::from_secs(60), || {
+            let bad = unavailable(&hub).unwrap_or_default();
+            seen_unavailable.extend(bad);
+            on_owners(&leases, &gateways, &clusters, &hub)
+        })
+        .await?;
+        assert!(
+            seen_unavailable.is_empty(),
+            "clusters marked unavailable while their agents reconnected: {seen_unavailable:?}\nkilled gateway log:\n{}",
+            killed.proc.log()
+        );
+
+        // Work after the takeover reaches every agent, and every status comes back.
+        for cluster in &clusters {
+            apply_work(&env, dir, cluster, "after", "2")?;
+        }
+        wait_statuses(&hub, &clusters, "after").await?;
+        wait_statuses(&hub, &clusters, "before").await?;
+
+        // A gateway stopped with SIGTERM hands over cleanly: it drains its agents with a
+        // retry-after and releases its shards on the way out, so the last gateway takes them
+        // without waiting for expiry, and again nobody turns Unknown.
+        let mut stopping = gateways.remove(0);
+        let drained_clusters = stopping.sessions();
+        stopping.proc.signal_and_wait(Signal::SIGTERM);
+        let log = stopping.proc.log();
+        assert!(log.contains("shards released on shutdown"), "{log}");
+        wait_for("every agent on the last gateway", Duration::from_secs(60), || {
+            seen_unavailable.extend(unavailable(&hub).unwrap_or_default());
+            on_owners(&leases, &gateways, &clusters, &hub)
+        })
+        .await?;
+        assert!(seen_unavailable.is_empty(), "{seen_unavailable:?}");
+        assert_eq!(owners(&leases).await?.len(), SHARDS as usize);
+        for (cluster, agent) in clusters.iter().zip(&agents) {
+            if drained_clusters.contains(cluster) {
+                assert!(
+                    agent.log().contains("draining this session"),
+                    "{cluster} was drained, not dropped"
+                );
+            }
+        }
+        for cluster in &clusters {
+            apply_work(&env, dir, cluster, "last", "3")?;
+        }
+        wait_statuses(&hub, &clusters, "last").await?;
+
+        stop.store(true, Ordering::Relaxed);
+        let samples = sampler.await?;
+        assert!(samples > 10, "ownership sampled throughout ({samples} samples)");
+        let violations = violations.lock().await;
+        assert!(violations.is_empty(), "{violations:?}");
+        Ok(())
+    }
+}
