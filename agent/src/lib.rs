@@ -13,6 +13,9 @@
 //! * [`status`]: ManifestWork status as OCM shapes it, with [`feedback`] values and
 //!   [`condition_rules`] (CEL through [`cel`]); [`watch`] keeps it current as the applied
 //!   objects change; [`executor`] bounds a work by a ServiceAccount's rights.
+//! * [`tunnel`]: the tunnel end: kubectl requests from the hub's proxy front, forwarded to the
+//!   spoke's apiserver ([`spoke_api`]) with the hub user's impersonation, responses streamed
+//!   back, upgrades relayed.
 //! * [`join`], [`identity`]: joining with a bootstrap token (key made here, CSR sent, CA pinned)
 //!   and the identity on disk, renewed over the session.
 //!
@@ -35,7 +38,9 @@ pub mod jsonpath;
 pub mod reconcile;
 pub mod refusal;
 pub mod session;
+pub mod spoke_api;
 pub mod status;
+pub mod tunnel;
 pub mod watch;
 
 pub use apply::{ApplyTarget, KubeApplyTarget, MemoryCluster};
@@ -43,3 +48,4 @@ pub use cache::{SledCache, SledCacheDb, WorkCache};
 pub use config::AgentConfig;
 pub use reconcile::{ReconcileHandle, Reconciler, ReconcilerConfig};
 pub use session::{Observer, Parts, RunError, Unobserved, run, run_with};
+pub use spoke_api::{KubeSpoke, SimulatedApi, SpokeApi};

@@ -24,6 +24,8 @@ use crate::driver::{Ended, session_once};
 use crate::identity::Identity;
 use crate::reconcile::{ReconcileHandle, Reconciler};
 use crate::refusal::Refusal;
+use crate::spoke_api::{KubeSpoke, SpokeApi};
+use crate::tunnel::{TunnelHandle, TunnelServer};
 
 pub use crate::connect::MAX_FRAME_BYTES;
 /// How long one read of the spoke's `/version` may take.
@@ -113,6 +115,8 @@ pub struct Parts {
     pub cache: Arc<dyn WorkCache>,
     /// Where works are applied.
     pub target: Arc<dyn ApplyTarget>,
+    /// Where kubectl requests from the hub's proxy front go (the spoke apiserver).
+    pub spoke_api: Arc<dyn SpokeApi>,
     /// The spoke's Kubernetes version for the hello; empty until known.
     pub kubernetes_version: watch::Receiver<String>,
     /// Told what the session does.
@@ -136,6 +140,8 @@ pub struct Spoke {
     pub kubernetes_version: watch::Receiver<String>,
     /// Told what the session does.
     pub observer: Arc<dyn Observer>,
+    /// Hands the session's tunnels to the tunnel server, never waiting on it.
+    pub tunnels: TunnelHandle,
 }
 
 /// Runs the agent until `shutdown` completes: opens the cache, starts the reconciler on the
@@ -158,6 +164,10 @@ pub async fn run(
     let db = SledCacheDb::open(&config.cache_dir())?;
     let cache: Arc<dyn WorkCache> = Arc::new(db.cluster(&config.cluster_name)?);
     let target: Arc<dyn ApplyTarget> = Arc::new(KubeApplyTarget::new(client.clone()));
+    let spoke_api: Arc<dyn SpokeApi> = Arc::new(
+        KubeSpoke::new(&config.spoke_kube_config().await?)
+            .map_err(|e| RunError::SpokeClient(e.to_string()))?,
+    );
     let (version_tx, kubernetes_version) = watch::channel(config.kubernetes_version.clone());
     let version_task = config
         .kubernetes_version
@@ -167,6 +177,7 @@ pub async fn run(
         dialer,
         cache,
         target,
+        spoke_api,
         kubernetes_version,
         observer: Arc::new(Unobserved),
         seed: None,
@@ -190,6 +201,7 @@ pub async fn run_with(
         dialer,
         cache,
         target,
+        spoke_api,
         kubernetes_version,
         observer,
         seed,
@@ -209,18 +221,25 @@ pub async fn run_with(
         Box::new(RandJitter(reconciler_rng)),
     );
     let reconciler = tokio::spawn(reconciler.run(stopped(stop_rx.clone())));
+    // Tunnels run beside the session, never in its loop; they end with the agent.
+    let (tunnel_server, tunnels) = TunnelServer::new(config.tunnels(), spoke_api);
+    let tunnel_server = tokio::spawn(tunnel_server.run(stop_rx.clone()));
     let spoke = Spoke {
         cache,
         reconciler: handle,
         outbox_changed,
         kubernetes_version,
         observer,
+        tunnels,
     };
     let jitter = RandJitter(rand::rngs::StdRng::seed_from_u64(seeds.random()));
     hold_session(config, &dialer, &spoke, jitter, &stop_tx, stop_rx, shutdown).await;
     let _ = stop_tx.send(true);
     if let Err(e) = reconciler.await {
         warn!(error = %e, "the reconciler ended abnormally");
+    }
+    if let Err(e) = tunnel_server.await {
+        warn!(error = %e, "the tunnel server ended abnormally");
     }
     Ok(())
 }

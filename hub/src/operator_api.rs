@@ -167,6 +167,13 @@ async fn require_operator(
             StatusCode::FORBIDDEN,
             format!("cluster {name} may not use the operator API; use an operator certificate"),
         ),
+        Peer::User { user, .. } => error(
+            StatusCode::FORBIDDEN,
+            format!(
+                "user {user} is a kubectl user of the proxy front, not an operator; the operator \
+                 API needs an operator certificate"
+            ),
+        ),
         Peer::Anonymous => error(
             StatusCode::UNAUTHORIZED,
             "the operator API needs an operator certificate (operator/config.yaml in the hub's data dir)".into(),
