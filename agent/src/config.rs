@@ -301,8 +301,14 @@ mod tests {
     fn bad_values_name_the_flag_and_the_fix() {
         check(&["--resync-interval", "100ms"], Err("--resync-interval"));
         check(&["--apply-concurrency", "0"], Err("use 1 to 64"));
-        check(&["--max-tunnels", "500"], Err("--max-tunnels 500 is out of range"));
-        check(&["--tunnel-idle-timeout", "0s"], Err("--tunnel-idle-timeout"));
+        check(
+            &["--max-tunnels", "500"],
+            Err("--max-tunnels 500 is out of range"),
+        );
+        check(
+            &["--tunnel-idle-timeout", "0s"],
+            Err("--tunnel-idle-timeout"),
+        );
         check(
             &["--cluster-name", "Store_7"],
             Err("--cluster-name \"Store_7\""),

@@ -75,11 +75,10 @@ impl KubeSpoke {
         let connector = config
             .rustls_https_connector_with_connector(http)
             .map_err(|e| fail(e.to_string()))?;
-        let client = hyper_util::client::legacy::Client::builder(
-            hyper_util::rt::TokioExecutor::new(),
-        )
-        .pool_max_idle_per_host(IDLE_CONNECTIONS)
-        .build::<_, TunnelBody>(connector);
+        let client =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .pool_max_idle_per_host(IDLE_CONNECTIONS)
+                .build::<_, TunnelBody>(connector);
         let auth = config.auth_layer().map_err(|e| fail(e.to_string()))?;
         let service = tower::ServiceBuilder::new()
             .layer(config.base_uri_layer())
@@ -103,9 +102,9 @@ impl SpokeApi for KubeSpoke {
         let sending: futures::future::BoxFuture<'static, _> =
             Box::pin(self.service.clone().oneshot(request));
         let response = sending.await.map_err(|e| SpokeError {
-                server: self.server.clone(),
-                detail: chain(&*e),
-            })?;
+            server: self.server.clone(),
+            detail: chain(&*e),
+        })?;
         Ok(response.map(|body| body.map_err(BoxError::from).boxed()))
     }
 }

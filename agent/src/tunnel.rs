@@ -267,8 +267,11 @@ fn http1_server() -> hyper::server::conn::http1::Builder {
         .timer(hyper_util::rt::TokioTimer::new())
         .header_read_timeout(HEAD_TIMEOUT)
         .max_buf_size(MAX_HEADER_BYTES)
-        // One request per tunnel stream.
-        .keep_alive(false);
+        // The hub sends one request per stream and closes its side once it has read the whole
+        // response; keeping the connection until then holds the stream open while the
+        // response's last bytes are in flight (a gRPC tunnel dropped early is cancelled, and
+        // what it had not yet sent is lost). The head timeout bounds the wait.
+        .keep_alive(true);
     builder
 }
 
@@ -335,8 +338,12 @@ async fn forward(
         let relay = async move {
             match tokio::try_join!(downstream, upstream) {
                 Ok((down, up)) => {
-                    let (sent, received) =
-                        flotilla_transport::relay::relay_bytes(TokioIo::new(down), TokioIo::new(up), idle).await;
+                    let (sent, received) = flotilla_transport::relay::relay_bytes(
+                        TokioIo::new(down),
+                        TokioIo::new(up),
+                        idle,
+                    )
+                    .await;
                     debug!(sent, received, "upgraded stream closed");
                 }
                 Err(e) => warn!(error = %e, "the upgrade did not complete"),
@@ -364,9 +371,10 @@ fn failure(status: StatusCode, reason: &str, message: &str) -> Response<TunnelBo
         http::HeaderValue::from_static("application/json"),
     );
     if status == StatusCode::TOO_MANY_REQUESTS {
-        response
-            .headers_mut()
-            .insert(http::header::RETRY_AFTER, http::HeaderValue::from_static("1"));
+        response.headers_mut().insert(
+            http::header::RETRY_AFTER,
+            http::HeaderValue::from_static("1"),
+        );
     }
     response
 }

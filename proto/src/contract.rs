@@ -11,7 +11,7 @@ pub const CLUSTER_GROUP: &str = "flotilla:clusters";
 pub const OPERATOR_GROUP: &str = "flotilla:operators";
 
 /// Organization (O) of every kubectl user certificate of the hub's proxy front: `CN=<user>,
-/// O=flotilla:users` (plus the user's groups as further O values). A user is not an operator:
+/// O=flotilla:users, OU=<the user's groups, comma-separated>`. A user is not an operator:
 /// the operator API refuses these certificates, and only the proxy front accepts them.
 pub const USER_GROUP: &str = "flotilla:users";
 
@@ -26,9 +26,7 @@ pub const RESERVED_IDENTITY_PREFIX: &str = "system:";
 /// flags), at most 253 characters, and not a Kubernetes-reserved `system:` identity.
 pub fn check_user_identity(what: &str, name: &str) -> Result<(), String> {
     if name.is_empty() || name.len() > 253 {
-        return Err(format!(
-            "{what} {name:?} must be 1 to 253 characters long"
-        ));
+        return Err(format!("{what} {name:?} must be 1 to 253 characters long"));
     }
     if !name.bytes().all(|b| b.is_ascii_graphic() && b != b',') {
         return Err(format!(

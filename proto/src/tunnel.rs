@@ -47,7 +47,8 @@ pub fn strip_credentials(headers: &mut HeaderMap) {
 /// is not a valid header value is an error naming it.
 pub fn set_identity(headers: &mut HeaderMap, user: &str, groups: &[String]) -> Result<(), String> {
     let value = |what: &str, v: &str| {
-        HeaderValue::from_str(v).map_err(|_| format!("{what} {v:?} cannot travel in an HTTP header"))
+        HeaderValue::from_str(v)
+            .map_err(|_| format!("{what} {v:?} cannot travel in an HTTP header"))
     };
     headers.insert(IMPERSONATE_USER, value("user", user)?);
     for group in groups {
@@ -80,7 +81,11 @@ pub fn identity(headers: &HeaderMap) -> Result<(String, Vec<String>), IdentityRe
             .map(str::to_string)
             .map_err(|_| IdentityRefusal::NotText)
     };
-    let user = text(headers.get(IMPERSONATE_USER).ok_or(IdentityRefusal::Missing)?)?;
+    let user = text(
+        headers
+            .get(IMPERSONATE_USER)
+            .ok_or(IdentityRefusal::Missing)?,
+    )?;
     let groups = headers
         .get_all(IMPERSONATE_GROUP)
         .iter()
@@ -190,7 +195,10 @@ mod tests {
         assert!(h.get("impersonate-uid").is_none());
         assert_eq!(
             identity(&h).unwrap(),
-            ("alice".to_string(), vec!["ops".to_string(), "dev".to_string()])
+            (
+                "alice".to_string(),
+                vec!["ops".to_string(), "dev".to_string()]
+            )
         );
         assert_eq!(h.get("accept").unwrap(), "application/json");
     }
@@ -209,7 +217,10 @@ mod tests {
             Err(IdentityRefusal::Reserved("system:masters".into()))
         );
         assert_eq!(
-            identity(&headers(&[("impersonate-user", "system:kube-controller-manager")])),
+            identity(&headers(&[(
+                "impersonate-user",
+                "system:kube-controller-manager"
+            )])),
             Err(IdentityRefusal::Reserved(
                 "system:kube-controller-manager".into()
             ))

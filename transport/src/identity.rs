@@ -2,8 +2,8 @@
 //!
 //! The hub CA issues three kinds of client certificates: agents get `CN=<cluster name>,
 //! O=flotilla:clusters`, operators get `CN=<user>, O=flotilla:operators` (plus any extra groups
-//! as further O values), and kubectl users of the proxy front get `CN=<user>, O=flotilla:users`
-//! plus their groups. The certificate is the only source of "which cluster is this".
+//! as further O values), and kubectl users of the proxy front get `CN=<user>, O=flotilla:users,
+//! OU=<groups, comma-separated>`. The certificate is the only source of "which cluster is this".
 //!
 //! A connection without a client certificate is [`Peer::Anonymous`]: the agents' listener lets
 //! it through the handshake only so that a joining agent (which has no certificate yet) can
@@ -21,8 +21,8 @@ pub enum Peer {
     Cluster(String),
     /// A person or tool using the operator API.
     Operator { user: String, groups: Vec<String> },
-    /// A kubectl user of the proxy front (not an operator). `groups` are the certificate's
-    /// other O values, without `flotilla:users` itself.
+    /// A kubectl user of the proxy front (not an operator). `groups` are the certificate's OU,
+    /// comma-separated.
     User { user: String, groups: Vec<String> },
     /// No client certificate (a joining agent); allowed to call `Registration.Join` only.
     Anonymous,
@@ -74,7 +74,13 @@ impl Peer {
         } else if groups.iter().any(|g| g == OPERATOR_GROUP) {
             Ok(Peer::Operator { user: cn, groups })
         } else if groups.iter().any(|g| g == USER_GROUP) {
-            let groups = groups.into_iter().filter(|g| g != USER_GROUP).collect();
+            let groups = subject
+                .iter_organizational_unit()
+                .filter_map(|a| a.as_str().ok())
+                .flat_map(|ou| ou.split(','))
+                .filter(|g| !g.is_empty())
+                .map(str::to_string)
+                .collect();
             Ok(Peer::User { user: cn, groups })
         } else {
             Err(IdentityError::UnknownGroup { cn })
