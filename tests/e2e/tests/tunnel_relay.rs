@@ -24,7 +24,7 @@ const RULES: &str = r#"
 rules:
   - name: ops
     groups: [ops]
-    clusters: {names: [echo-1]}
+    clusters: {names: [echo-1, store-9]}
     access: full
 "#;
 
@@ -195,7 +195,12 @@ async fn round_trip<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
 }
 
 async fn start(dir: &Path) -> anyhow::Result<(Hub, UpgradeEcho, Proc)> {
-    let hub = hub_with_proxy(dir, RULES, "", &[]).await?;
+    start_with(dir, &[]).await
+}
+
+/// [`start`] with more hub flags.
+async fn start_with(dir: &Path, hub_flags: &[&str]) -> anyhow::Result<(Hub, UpgradeEcho, Proc)> {
+    let hub = hub_with_proxy(dir, RULES, "", hub_flags).await?;
     let echo = UpgradeEcho::start().await?;
     let certs = dir.join("echo-certs");
     hub.dev_cert(CLUSTER, &certs)?;
@@ -331,6 +336,78 @@ on_both_carriers! {
         writer.await??;
         assert_eq!(back.len(), TOTAL);
         assert!(back == data, "bytes changed on the stalled stream");
+        Ok(())
+    }
+}
+
+/// Sends a plain GET of `path` (cluster-relative) with `extra` header lines and returns the
+/// response head and body.
+async fn plain_get(hub: &Hub, cluster: &str, path: &str, extra: &str) -> anyhow::Result<String> {
+    let mut conn = connect_as(hub, "alice").await?;
+    conn.write_all(
+        format!("GET /clusters/{cluster}{path} HTTP/1.1\r\nHost: proxy\r\nConnection: close\r\n{extra}\r\n")
+            .as_bytes(),
+    )
+    .await?;
+    let mut response = Vec::new();
+    // The hub may close without close_notify after an error; what arrived is the answer.
+    let _ = conn.read_to_end(&mut response).await;
+    Ok(String::from_utf8_lossy(&response).to_string())
+}
+
+on_both_carriers! {
+    /// The hub's own answers: 503 naming a cluster without a session and since when, 429 with
+    /// Retry-After beyond the per-cluster limit, 431 for an oversized head, and an idle
+    /// upgraded stream closed after --proxy-idle-timeout.
+    async fn the_hub_bounds_tunnels_and_says_what_is_away() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let (hub, _echo, mut agent) = start_with(
+            dir.path(),
+            &["--proxy-max-per-cluster=2", "--proxy-idle-timeout=2s", "--proxy-max-header-bytes=16384"],
+        )
+        .await?;
+
+        // A cluster that never had a session here.
+        let never = plain_get(&hub, "store-9", "/version", "").await?;
+        assert!(never.starts_with("HTTP/1.1 503"), "{never}");
+        assert!(never.to_ascii_lowercase().contains("retry-after: 5"), "{never}");
+        assert!(never.contains("cluster store-9 has no session (no session since the gateway started at"), "{never}");
+
+        // Two upgraded streams held open fill echo-1's slots: the third request gets 429.
+        let first = upgrade(connect_as(&hub, "alice").await?, "websocket").await?;
+        let second = upgrade(connect_as(&hub, "alice").await?, "websocket").await?;
+        let over = plain_get(&hub, CLUSTER, "/version", "").await?;
+        assert!(over.starts_with("HTTP/1.1 429"), "{over}");
+        assert!(over.to_ascii_lowercase().contains("retry-after: 1"), "{over}");
+        assert!(over.contains("cluster echo-1 has 2 requests in flight through the hub already (--proxy-max-per-cluster)"), "{over}");
+
+        // Left idle, both are closed after the idle timeout; the slots come back.
+        for mut idle in [first, second] {
+            let mut rest = Vec::new();
+            // Closed: an end of stream, or a reset without TLS close_notify.
+            let _closed = tokio::time::timeout(Duration::from_secs(30), idle.read_to_end(&mut rest))
+                .await
+                .context("an idle upgraded stream stayed open")?;
+        }
+        wait_for("echo-1's slots back", Duration::from_secs(30), || async {
+            let again = plain_get(&hub, CLUSTER, "/version", "").await?;
+            Ok(again.starts_with("HTTP/1.1 200").then_some(()))
+        })
+        .await?;
+
+        // An oversized head never reaches the agent.
+        let big = format!("X-Padding: {}\r\n", "a".repeat(32 * 1024));
+        let refused = plain_get(&hub, CLUSTER, "/version", &big).await?;
+        assert!(refused.starts_with("HTTP/1.1 431"), "{refused}");
+
+        // The agent goes away: the cluster is named with since when.
+        agent.signal_and_wait(nix::sys::signal::Signal::SIGKILL);
+        let away = wait_for("echo-1 without a session", Duration::from_secs(30), || async {
+            let r = plain_get(&hub, CLUSTER, "/version", "").await?;
+            Ok(r.starts_with("HTTP/1.1 503").then_some(r))
+        })
+        .await?;
+        assert!(away.contains("cluster echo-1 has no session (away since "), "{away}");
         Ok(())
     }
 }
