@@ -7,6 +7,19 @@
 //! sharding work implements the trait for that remote owner). The proxy front sees only this
 //! trait, so authentication, access rules, limits and audit stay the same in both modes.
 //!
+//! What a remote implementation (a gateway that does not hold the cluster) has to provide:
+//! find the gateway holding `cluster`'s session (the session directory that follows from shard
+//! ownership), open one byte stream to it per call (for example a bidirectional call between
+//! gateways, authenticated by their certificates, carrying `cluster` and `id`), and have the
+//! owner answer it with its own `Gateway::open_tunnel(cluster, id)` spliced onto that stream
+//! (`flotilla_transport::relay::relay_bytes`). The result is wrapped with
+//! [`TunnelStream::new`]; it must keep per-stream flow control (one slow reader never stalls
+//! another tunnel) and half-close (a shutdown ends one direction, data in flight still
+//! arrives). The open is bounded like the in-process one; the owner's refusals map onto
+//! [`TunnelError`] (`NoSession` with the owner's [`Away`], `Link` otherwise). Nothing else
+//! moves: authentication, access rules, limits and the audit stay in the proxy front, and
+//! the bytes are the same HTTP/1.1 whichever gateway relays them.
+//!
 //! Not for: deciding whether a request may go (the proxy front does), or what travels inside
 //! the stream (HTTP/1.1 between the proxy front and the agent's tunnel end).
 

@@ -96,7 +96,7 @@ pub enum Command {
     /// (internal) The hub as a child process of the harness: `flotilla_hub::run` with the
     /// hub's own flags.
     #[command(hide = true)]
-    Hub(flotilla_hub::config::HubConfig),
+    Hub(Box<flotilla_hub::config::HubConfig>),
 }
 
 /// The scenarios. Each one stops itself after `--timeout`.

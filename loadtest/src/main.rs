@@ -13,7 +13,7 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Hub(config) => {
             flotilla_loadtest::machine::raise_open_files_limit();
-            runtime.block_on(flotilla_hub::run(config, flotilla_hub::shutdown_signal()))
+            runtime.block_on(flotilla_hub::run(*config, flotilla_hub::shutdown_signal()))
         }
         Command::BareServer(args) => runtime.block_on(flotilla_loadtest::bare::serve(args)),
         Command::Worker { spec } => runtime.block_on(flotilla_loadtest::agents::run_worker(&spec)),
