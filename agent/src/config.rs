@@ -32,6 +32,11 @@ pub const DEFAULT_FEEDBACK_INTERVAL: &str = "5s";
 pub const MIN_FEEDBACK_INTERVAL: Duration = Duration::from_millis(100);
 /// Shortest accepted `--resync-interval`: below it the agent would spend its time re-applying.
 pub const MIN_RESYNC_INTERVAL: Duration = Duration::from_secs(1);
+/// Default of `--tunnel-idle-timeout`; see [`crate::tunnel::DEFAULT_TUNNEL_IDLE_TIMEOUT`].
+pub const DEFAULT_TUNNEL_IDLE_TIMEOUT: &str = "30m";
+/// Most tunnels at once that `--max-tunnels` accepts: the carriers allow 128 streams per
+/// connection, the session among them.
+pub const MAX_TUNNELS: usize = 120;
 /// Most works reconciled at once that `--apply-concurrency` accepts.
 pub const MAX_APPLY_CONCURRENCY: usize = 64;
 
@@ -100,6 +105,16 @@ pub struct AgentConfig {
     #[arg(long, default_value = DEFAULT_MAX_BACKOFF, value_parser = humantime::parse_duration)]
     pub max_backoff: Duration,
 
+    /// kubectl requests the hub's proxy front sends through this agent at once (each its own
+    /// tunnel stream to the spoke apiserver); more get 429 with Retry-After.
+    #[arg(long, env = "FLOTILLA_AGENT_MAX_TUNNELS", default_value_t = crate::tunnel::DEFAULT_MAX_TUNNELS)]
+    pub max_tunnels: usize,
+
+    /// An upgraded tunnel (kubectl exec, attach, port-forward) with no byte either way for this
+    /// long is closed.
+    #[arg(long, env = "FLOTILLA_AGENT_TUNNEL_IDLE_TIMEOUT", default_value = DEFAULT_TUNNEL_IDLE_TIMEOUT, value_parser = humantime::parse_duration)]
+    pub tunnel_idle_timeout: Duration,
+
     /// Kubernetes version reported to the hub. Default: read from the spoke apiserver's
     /// /version at start.
     #[arg(long, env = "FLOTILLA_AGENT_KUBERNETES_VERSION", default_value = "")]
@@ -125,6 +140,12 @@ pub enum ConfigError {
     /// `--feedback-interval` is too short. Not retryable.
     #[error("--feedback-interval {got:?} is shorter than {min:?}; use e.g. 5s")]
     FeedbackInterval { got: Duration, min: Duration },
+    /// `--max-tunnels` is out of range. Not retryable.
+    #[error("--max-tunnels {0} is out of range; use 1 to {MAX_TUNNELS}")]
+    MaxTunnels(usize),
+    /// `--tunnel-idle-timeout` is zero. Not retryable.
+    #[error("--tunnel-idle-timeout must be positive, e.g. 30m")]
+    TunnelIdleTimeout,
     /// `--apply-concurrency` is out of range. Not retryable.
     #[error("--apply-concurrency {0} is out of range; use 1 to {MAX_APPLY_CONCURRENCY}")]
     ApplyConcurrency(usize),
@@ -188,6 +209,12 @@ impl AgentConfig {
         if !(1..=MAX_APPLY_CONCURRENCY).contains(&self.apply_concurrency) {
             return Err(ConfigError::ApplyConcurrency(self.apply_concurrency));
         }
+        if !(1..=MAX_TUNNELS).contains(&self.max_tunnels) {
+            return Err(ConfigError::MaxTunnels(self.max_tunnels));
+        }
+        if self.tunnel_idle_timeout.is_zero() {
+            return Err(ConfigError::TunnelIdleTimeout);
+        }
         if self.feedback_interval < MIN_FEEDBACK_INTERVAL {
             return Err(ConfigError::FeedbackInterval {
                 got: self.feedback_interval,
@@ -204,6 +231,15 @@ impl AgentConfig {
             concurrency: self.apply_concurrency,
             retry_initial: DEFAULT_RETRY_INITIAL,
             feedback_interval: self.feedback_interval,
+        }
+    }
+
+    /// The tunnel end's settings from the flags.
+    pub fn tunnels(&self) -> crate::tunnel::TunnelConfig {
+        crate::tunnel::TunnelConfig {
+            cluster: self.cluster_name.clone(),
+            max_tunnels: self.max_tunnels,
+            idle_timeout: self.tunnel_idle_timeout,
         }
     }
 
@@ -271,6 +307,14 @@ mod tests {
     fn bad_values_name_the_flag_and_the_fix() {
         check(&["--resync-interval", "100ms"], Err("--resync-interval"));
         check(&["--apply-concurrency", "0"], Err("use 1 to 64"));
+        check(
+            &["--max-tunnels", "500"],
+            Err("--max-tunnels 500 is out of range"),
+        );
+        check(
+            &["--tunnel-idle-timeout", "0s"],
+            Err("--tunnel-idle-timeout"),
+        );
         check(
             &["--cluster-name", "Store_7"],
             Err("--cluster-name \"Store_7\""),

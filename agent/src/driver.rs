@@ -121,6 +121,8 @@ pub(crate) async fn session_once(
         carrier,
     } = link;
     let mut pump = pump;
+    // Over QUIC the gateway opens tunnel streams on this connection itself.
+    spoke.tunnels.session(&tunnels);
     let mut cache = CacheQueue::default();
     let mut work: FuturesUnordered<BoxFuture<'static, Done>> = FuturesUnordered::new();
     let mut reported: HashMap<String, u64> = HashMap::new();
@@ -206,10 +208,8 @@ pub(crate) async fn session_once(
                     }));
                 }
                 AgentEvent::TunnelRequested { id } => {
-                    // Served by the tunnel end once it lands; until then refused by not
-                    // opening it (the gateway's wait for it times out).
-                    debug!(tunnel = %id, "tunnel requested; this agent serves no tunnels");
-                    let _ = &tunnels;
+                    debug!(tunnel = %id, "tunnel requested");
+                    spoke.tunnels.requested(&tunnels, id);
                 }
                 AgentEvent::Synced { sent } => info!(sent, "in sync with the hub"),
                 AgentEvent::Drained {
@@ -690,6 +690,7 @@ mod tests {
                     kubernetes_version,
                     cluster_info,
                     observer: Arc::new(Unobserved),
+                    tunnels: crate::tunnel::TunnelHandle::unconnected(),
                 },
                 cluster,
                 _stop: stop,

@@ -15,6 +15,9 @@
 //!   objects change; [`executor`] bounds a work by a ServiceAccount's rights.
 //! * [`claims`]: what the agent reports about its spoke (OCM's ClusterClaims, version, node
 //!   resources), from watches of Nodes and ClusterClaims, sent when it changes.
+//! * [`tunnel`]: the tunnel end: kubectl requests from the hub's proxy front, forwarded to the
+//!   spoke's apiserver ([`spoke_api`]) with the hub user's impersonation, responses streamed
+//!   back, upgrades relayed.
 //! * [`join`], [`identity`]: joining with a bootstrap token (key made here, CSR sent, CA pinned)
 //!   and the identity on disk, renewed over the session.
 //!
@@ -38,7 +41,9 @@ pub mod jsonpath;
 pub mod reconcile;
 pub mod refusal;
 pub mod session;
+pub mod spoke_api;
 pub mod status;
+pub mod tunnel;
 pub mod watch;
 
 pub use apply::{ApplyTarget, KubeApplyTarget, MemoryCluster};
@@ -46,3 +51,4 @@ pub use cache::{CacheDb, ClusterCache, WorkCache};
 pub use config::AgentConfig;
 pub use reconcile::{ReconcileHandle, Reconciler, ReconcilerConfig};
 pub use session::{Observer, Parts, RunError, Unobserved, run, run_with};
+pub use spoke_api::{KubeSpoke, SimulatedApi, SpokeApi};

@@ -24,6 +24,8 @@ use crate::driver::{Ended, session_once};
 use crate::identity::Identity;
 use crate::reconcile::{ReconcileHandle, Reconciler};
 use crate::refusal::Refusal;
+use crate::spoke_api::{KubeSpoke, SpokeApi};
+use crate::tunnel::{TunnelHandle, TunnelServer};
 
 pub use crate::connect::MAX_FRAME_BYTES;
 /// How long one read of the spoke's `/version` may take.
@@ -122,6 +124,8 @@ pub struct Parts {
     pub cache: Arc<dyn WorkCache>,
     /// Where works are applied.
     pub target: Arc<dyn ApplyTarget>,
+    /// Where kubectl requests from the hub's proxy front go (the spoke apiserver).
+    pub spoke_api: Arc<dyn SpokeApi>,
     /// The spoke's Kubernetes version for the hello; empty until known.
     pub kubernetes_version: watch::Receiver<String>,
     /// What the agent reports about its spoke (claims, version, resources), kept current by
@@ -150,6 +154,8 @@ pub struct Spoke {
     pub cluster_info: watch::Receiver<wire::ClusterInfo>,
     /// Told what the session does.
     pub observer: Arc<dyn Observer>,
+    /// Hands the session's tunnels to the tunnel server, never waiting on it.
+    pub tunnels: TunnelHandle,
 }
 
 /// Runs the agent until `shutdown` completes: opens the cache, starts the reconciler on the
@@ -173,6 +179,10 @@ pub async fn run(
     let db = CacheDb::open(&config.cache_path())?;
     let cache: Arc<dyn WorkCache> = Arc::new(db.cluster(&config.cluster_name));
     let target: Arc<dyn ApplyTarget> = Arc::new(KubeApplyTarget::new(client.clone()));
+    let spoke_api: Arc<dyn SpokeApi> = Arc::new(
+        KubeSpoke::new(&config.spoke_kube_config().await?)
+            .map_err(|e| RunError::SpokeClient(e.to_string()))?,
+    );
     let (version_tx, kubernetes_version) = watch::channel(config.kubernetes_version.clone());
     let version_task = config
         .kubernetes_version
@@ -183,6 +193,7 @@ pub async fn run(
         dialer,
         cache,
         target,
+        spoke_api,
         kubernetes_version,
         cluster_info,
         observer: Arc::new(Unobserved),
@@ -208,6 +219,7 @@ pub async fn run_with(
         dialer,
         cache,
         target,
+        spoke_api,
         kubernetes_version,
         cluster_info,
         observer,
@@ -228,6 +240,9 @@ pub async fn run_with(
         Box::new(RandJitter(reconciler_rng)),
     );
     let reconciler = tokio::spawn(reconciler.run(stopped(stop_rx.clone())));
+    // Tunnels run beside the session, never in its loop; they end with the agent.
+    let (tunnel_server, tunnels) = TunnelServer::new(config.tunnels(), spoke_api);
+    let tunnel_server = tokio::spawn(tunnel_server.run(stop_rx.clone()));
     let spoke = Spoke {
         cache,
         reconciler: handle,
@@ -235,12 +250,16 @@ pub async fn run_with(
         kubernetes_version,
         cluster_info,
         observer,
+        tunnels,
     };
     let jitter = RandJitter(rand::rngs::StdRng::seed_from_u64(seeds.random()));
     hold_session(config, &dialer, &spoke, jitter, &stop_tx, stop_rx, shutdown).await;
     let _ = stop_tx.send(true);
     if let Err(e) = reconciler.await {
         warn!(error = %e, "the reconciler ended abnormally");
+    }
+    if let Err(e) = tunnel_server.await {
+        warn!(error = %e, "the tunnel server ended abnormally");
     }
     Ok(())
 }

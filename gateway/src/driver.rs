@@ -65,6 +65,7 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
     let identity = match &peer.peer {
         Peer::Cluster(name) => name.clone(),
         Peer::Operator { user, .. } => format!("operator {user}"),
+        Peer::User { user, .. } => format!("proxy user {user}"),
         Peer::Anonymous => "anonymous".to_string(),
     };
     let mut machine = HubSession::new(

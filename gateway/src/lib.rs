@@ -3,8 +3,9 @@
 //! sans-IO protocol from `flotilla-proto` (`driver`), keeps cluster health from the sessions
 //! (`health`), fans desired state out (`desired`, `mailbox`, `registry`), admits only accepted
 //! clusters with registered keys and closes the sessions of revoked ones (`admission`), relays
-//! certificate renewals to the hub's CA (`certificates`), opens tunnels to agents, and owns
-//! every one of its tasks (`supervise`).
+//! certificate renewals to the hub's CA (`certificates`), opens tunnels to agents for the hub's
+//! proxy front (`route`: the one seam the front reaches clusters through), and owns every one
+//! of its tasks (`supervise`).
 //!
 //! Not for: deciding anything about the fleet (placement, acceptance, rollouts: the hub), or
 //! talking to spoke apiservers (agents). Gateways hold no state beyond caches: kill one and its
@@ -19,12 +20,14 @@ pub mod health;
 pub mod mailbox;
 pub mod process;
 pub mod registry;
+pub mod route;
 mod serve;
 pub mod shards;
 pub mod statuses;
 pub mod supervise;
 
-pub use serve::{Gateway, GatewayConfig, GatewayError, Listeners, TunnelError};
+pub use route::{Away, TunnelError, TunnelRoute};
+pub use serve::{Gateway, GatewayConfig, GatewayError, Listeners};
 
 #[cfg(test)]
 mod test_support {

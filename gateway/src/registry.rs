@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::SystemTime;
 
 use tokio::sync::RwLock;
 
@@ -25,11 +26,21 @@ pub struct SessionHandle {
 #[derive(Default)]
 pub struct Registry {
     sessions: RwLock<HashMap<String, SessionHandle>>,
+    /// When each cluster's last session on this gateway ended, for as long as it has none: a
+    /// kubectl request to it is told since when the cluster has been away. Wall time, because
+    /// it is shown to people. One entry per cluster that ever held a session here and has not
+    /// come back, at most [`MAX_DEPARTURES`].
+    departed: RwLock<HashMap<String, SystemTime>>,
 }
+
+/// Departures remembered at most; beyond it a departure is not recorded (the proxy front
+/// then says the cluster has had no session since this gateway started).
+pub const MAX_DEPARTURES: usize = 1_000_000;
 
 impl Registry {
     /// Registers a session and returns the one it replaces, if any.
     pub async fn register(&self, cluster: &str, handle: SessionHandle) -> Option<SessionHandle> {
+        self.departed.write().await.remove(cluster);
         self.sessions
             .write()
             .await
@@ -44,7 +55,17 @@ impl Registry {
             .is_some_and(|h| h.session_id == session_id)
         {
             sessions.remove(cluster);
+            let mut departed = self.departed.write().await;
+            if departed.len() < MAX_DEPARTURES {
+                departed.insert(cluster.to_string(), SystemTime::now());
+            }
         }
+    }
+
+    /// When `cluster`'s last session here ended, if it has none now and had one since this
+    /// gateway started.
+    pub async fn departed(&self, cluster: &str) -> Option<SystemTime> {
+        self.departed.read().await.get(cluster).copied()
     }
 
     pub async fn get(&self, cluster: &str) -> Option<SessionHandle> {

@@ -9,7 +9,7 @@ use flotilla_store::Store;
 use flotilla_transport::grpc::{FleetService, GrpcSettings};
 use flotilla_transport::quic::{QuicListener, QuicSettings};
 use flotilla_transport::tls::AuthenticatedConn;
-use flotilla_transport::{Incoming, LinkError, TunnelStream};
+use flotilla_transport::{Incoming, TunnelStream};
 use futures::FutureExt as _;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
@@ -22,6 +22,7 @@ use crate::desired::DesiredState;
 use crate::driver::drive;
 use crate::health::{HealthReports, HealthWriter};
 use crate::registry::Registry;
+use crate::route::{Away, TunnelError};
 use crate::shards::{ShardLeasing, ShardView};
 use crate::statuses::StatusWriter;
 use crate::supervise::{TaskEnded, Tasks};
@@ -101,21 +102,6 @@ pub enum GatewayError {
     TaskEnded(#[from] TaskEnded),
 }
 
-/// Why a tunnel could not be opened to a cluster.
-#[derive(Debug, thiserror::Error)]
-pub enum TunnelError {
-    /// The cluster has no session on this gateway. Retryable once it reconnects.
-    #[error("cluster {0} has no session on this gateway")]
-    NoSession(String),
-    /// The agent did not open the stream. Retryable.
-    #[error("cluster {cluster}: {source}")]
-    Link {
-        cluster: String,
-        #[source]
-        source: LinkError,
-    },
-}
-
 /// Where agents reach this gateway: authenticated TLS connections for the gRPC carrier, and a
 /// QUIC listener (usually on the same port, over UDP) unless QUIC is off.
 pub struct Listeners {
@@ -146,6 +132,9 @@ pub(crate) struct Shared {
     /// The hub's CA, for renewals over the session; `None` on a gateway that cannot sign.
     pub(crate) certificates: Option<Arc<dyn ClusterCertificates>>,
     next_session: AtomicU64,
+    /// When this gateway started (wall time): a cluster that has held no session since is
+    /// told so to a kubectl request.
+    started: std::time::SystemTime,
     /// Turns true when the gateway starts draining: every session, whenever it opens, is
     /// drained from then on.
     pub(crate) draining: watch::Sender<bool>,
@@ -200,6 +189,7 @@ impl Gateway {
                 admissions,
                 certificates,
                 next_session: AtomicU64::new(1),
+                started: std::time::SystemTime::now(),
                 draining: watch::Sender::new(false),
                 health_writer: tokio::sync::Mutex::new(Some(health_writer)),
                 shards,
@@ -247,12 +237,17 @@ impl Gateway {
     /// Opens tunnel stream `id` to `cluster`'s agent over its session's connection (a QUIC
     /// stream, or a `Fleet.Tunnel` call the session asks the agent to open).
     pub async fn open_tunnel(&self, cluster: &str, id: &str) -> Result<TunnelStream, TunnelError> {
-        let handle = self
-            .shared
-            .registry
-            .get(cluster)
-            .await
-            .ok_or_else(|| TunnelError::NoSession(cluster.to_string()))?;
+        let registry = &self.shared.registry;
+        let Some(handle) = registry.get(cluster).await else {
+            let away = match registry.departed(cluster).await {
+                Some(at) => Away::Since(at),
+                None => Away::NotSince(self.shared.started),
+            };
+            return Err(TunnelError::NoSession {
+                cluster: cluster.to_string(),
+                away,
+            });
+        };
         let within = self.shared.config.tunnel_open_timeout;
         let opening = handle.tunnels.open(id, within);
         if handle.tunnels.needs_open_tunnel_frame() {

@@ -14,7 +14,7 @@ use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use flotilla_proto::contract::{CLUSTER_GROUP, OPERATOR_GROUP};
+use flotilla_proto::contract::{CLUSTER_GROUP, OPERATOR_GROUP, USER_GROUP, check_user_identity};
 use flotilla_transport::files::{Access, write_atomic};
 use rcgen::{
     BasicConstraints, CertificateParams, CertificateSigningRequestParams, DistinguishedName,
@@ -45,7 +45,8 @@ pub enum CaError {
         "CA in {dir} is incomplete: {missing} is missing (restore it, or move the directory away to create a new CA, which invalidates every issued certificate)"
     )]
     Incomplete { dir: PathBuf, missing: &'static str },
-    /// The agent's certificate signing request is unusable; not retryable with the same request.
+    /// A certificate signing request (or the names it is for) is unusable; not retryable with
+    /// the same request.
     #[error("certificate signing request: {0}")]
     BadRequest(String),
 }
@@ -240,6 +241,41 @@ impl Ca {
         validity(&mut params, lifetime);
         let cert = params.signed_by(&csr.public_key, &self.issuer)?;
         Ok((cert.pem(), pin))
+    }
+
+    /// A kubectl user's client certificate for the proxy front (`CN=<user>, O=flotilla:users,
+    /// OU=<groups, comma-separated>`) for the key of `csr_pem`: the key stays where the user made it.
+    /// Names are checked first ([`check_user_identity`]).
+    pub fn sign_user_csr(
+        &self,
+        user: &str,
+        groups: &[String],
+        csr_pem: &str,
+        lifetime: Duration,
+    ) -> Result<String, CaError> {
+        check_user_identity("user", user).map_err(CaError::BadRequest)?;
+        for group in groups {
+            check_user_identity("group", group).map_err(CaError::BadRequest)?;
+            if [CLUSTER_GROUP, OPERATOR_GROUP, USER_GROUP].contains(&group.as_str()) {
+                return Err(CaError::BadRequest(format!(
+                    "group {group:?} is flotilla's own; a kubectl user cannot be given it"
+                )));
+            }
+        }
+        let csr = parse_csr(csr_pem)?;
+        let mut params = CertificateParams::default();
+        params.distinguished_name = dn(user, &[USER_GROUP]);
+        // One OU with every group: a subject holds one value per attribute type here, and
+        // group names never contain commas (checked above).
+        if !groups.is_empty() {
+            params
+                .distinguished_name
+                .push(DnType::OrganizationalUnitName, groups.join(","));
+        }
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        validity(&mut params, lifetime);
+        Ok(params.signed_by(&csr.public_key, &self.issuer)?.pem())
     }
 
     /// SHA-256 of the CA certificate (DER), hex: what a join command pins.
@@ -485,6 +521,41 @@ mod tests {
         assert!(!finished.rotating());
         assert_eq!(finished.bundle_pem(), new.cert_pem());
         assert!(!Ca::load_or_create(dir.path()).unwrap().rotating());
+    }
+
+    #[test]
+    fn user_certificates_carry_the_users_groups_and_never_reserved_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = Ca::load_or_create(dir.path()).unwrap();
+        let key = KeyPair::generate().unwrap();
+        let csr = CertificateParams::default()
+            .serialize_request(&key)
+            .unwrap()
+            .pem()
+            .unwrap();
+        let groups = vec!["ops".to_string(), "dev".to_string()];
+        let cert = ca
+            .sign_user_csr("alice", &groups, &csr, Duration::from_secs(60))
+            .unwrap();
+        let der = CertificateDer::from_pem_slice(cert.as_bytes()).unwrap();
+        assert_eq!(
+            Peer::from_der(&der).unwrap(),
+            Peer::User {
+                user: "alice".into(),
+                groups
+            }
+        );
+        for (user, groups, why) in [
+            ("alice", vec!["system:masters".to_string()], "is reserved"),
+            ("system:admin", vec![], "is reserved"),
+            ("alice", vec![OPERATOR_GROUP.to_string()], "flotilla's own"),
+        ] {
+            let err = ca
+                .sign_user_csr(user, &groups, &csr, Duration::from_secs(60))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(why), "{err}");
+        }
     }
 
     #[test]

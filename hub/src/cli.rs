@@ -103,9 +103,108 @@ pub fn kind_of_document(doc: &Value) -> anyhow::Result<Kind> {
         })
 }
 
+/// Where `flotilla user create` keeps a user's credentials: `users/<user>/` beside the CLI
+/// config (files `ca.crt`, `tls.crt`, `tls.key`, as everywhere else in flotilla).
+pub fn user_dir(config: &Path, user: &str) -> PathBuf {
+    config
+        .parent()
+        .unwrap_or(Path::new("."))
+        .join("users")
+        .join(user)
+}
+
+/// The user whose credentials a kubeconfig uses, and their directory (absolute): `user`, or
+/// with none named the only one there is.
+pub fn find_user(config: &Path, user: Option<&str>) -> anyhow::Result<(String, PathBuf)> {
+    let user = match user {
+        Some(u) => u.to_string(),
+        None => {
+            let dir = config.parent().unwrap_or(Path::new(".")).join("users");
+            let mut users: Vec<String> = std::fs::read_dir(&dir)
+                .map(|entries| {
+                    entries
+                        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+                        .collect()
+                })
+                .unwrap_or_default();
+            users.sort();
+            match users.as_slice() {
+                [only] => only.clone(),
+                [] => bail!(
+                    "no kubectl users in {}: create one with `flotilla user create NAME --groups ...`",
+                    dir.display()
+                ),
+                many => bail!("several kubectl users ({}): pass --user", many.join(", ")),
+            }
+        }
+    };
+    let dir = user_dir(config, &user);
+    let dir = std::path::absolute(&dir).unwrap_or(dir);
+    for file in ["ca.crt", "tls.crt", "tls.key"] {
+        anyhow::ensure!(
+            dir.join(file).exists(),
+            "user {user}: {} is missing (create the user with `flotilla user create {user}`)",
+            dir.join(file).display()
+        );
+    }
+    Ok((user, dir))
+}
+
+/// A kubeconfig with one context per cluster (named after it), each reaching the cluster
+/// through the proxy front at `proxy` (`https://HUB/clusters/NAME`) as `user`, whose
+/// credentials are in `dir`; the first cluster's context is current.
+pub fn kubeconfig(proxy: &str, user: &str, dir: &Path, clusters: &[String]) -> Value {
+    let proxy = proxy.trim_end_matches('/');
+    let file = |name: &str| dir.join(name).display().to_string();
+    json!({
+        "apiVersion": "v1",
+        "kind": "Config",
+        "preferences": {},
+        "current-context": clusters.first().cloned().unwrap_or_default(),
+        "clusters": clusters.iter().map(|c| json!({
+            "name": c,
+            "cluster": {
+                "server": format!("{proxy}/clusters/{c}"),
+                "certificate-authority": file("ca.crt"),
+            },
+        })).collect::<Vec<_>>(),
+        "users": [{
+            "name": user,
+            "user": {
+                "client-certificate": file("tls.crt"),
+                "client-key": file("tls.key"),
+            },
+        }],
+        "contexts": clusters.iter().map(|c| json!({
+            "name": c,
+            "context": {"cluster": c, "user": user},
+        })).collect::<Vec<_>>(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kubeconfigs_reach_each_cluster_through_the_proxy() {
+        let kc = kubeconfig(
+            "https://hub:9445/",
+            "alice",
+            Path::new("/data/users/alice"),
+            &["store-1".into(), "store-2".into()],
+        );
+        assert_eq!(kc["current-context"], "store-1");
+        assert_eq!(
+            kc["clusters"][1]["cluster"]["server"],
+            "https://hub:9445/clusters/store-2"
+        );
+        assert_eq!(kc["contexts"][1]["context"]["user"], "alice");
+        assert_eq!(
+            kc["users"][0]["user"]["client-key"],
+            "/data/users/alice/tls.key"
+        );
+    }
 
     #[test]
     fn paths_follow_the_kubernetes_api() {

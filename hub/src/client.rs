@@ -27,6 +27,10 @@ pub const REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(
 pub struct OperatorConfig {
     /// `https://host:port` of the operator API.
     pub server: String,
+    /// `https://host:port` of the proxy front, when the hub serves one (kubeconfigs written
+    /// by `flotilla kubeconfig` point at it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proxy_server: Option<String>,
     /// Paths are relative to the config file's directory unless absolute.
     pub certificate_authority: PathBuf,
     pub client_certificate: PathBuf,
@@ -62,6 +66,8 @@ pub struct OperatorClient {
     authority: String,
     host: String,
     tls: TlsConnector,
+    /// The proxy front's URL, when the hub serves one.
+    proxy_server: Option<String>,
     /// Connections whose last response has been read in full; a request takes one (or dials)
     /// and puts it back when done, up to [`IDLE_CONNECTIONS`].
     idle: Mutex<Vec<SendRequest<Full<Bytes>>>>,
@@ -94,6 +100,7 @@ impl OperatorClient {
                 .trim_end_matches(']')
                 .to_string(),
             tls: TlsConnector::from(tls),
+            proxy_server: config.proxy_server.clone(),
             idle: Mutex::new(Vec::new()),
         })
     }
@@ -101,6 +108,11 @@ impl OperatorClient {
     /// `host:port` of the operator API.
     pub fn address(&self) -> &str {
         &self.authority
+    }
+
+    /// `https://host:port` of the hub's proxy front, if it serves one.
+    pub fn proxy_server(&self) -> Option<&str> {
+        self.proxy_server.as_deref()
     }
 
     /// An idle connection that is still usable, or a new one.

@@ -129,6 +129,46 @@ pub struct HubConfig {
     /// `--default-cluster-sets=false` leaves sets and labels to the operator.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub default_cluster_sets: bool,
+    /// Where the proxy front listens (HTTPS): kubectl reaches cluster NAME at
+    /// https://ADDRESS/clusters/NAME (see `flotilla kubeconfig`). Off unless given.
+    #[arg(long, env = "FLOTILLA_HUB_PROXY_LISTEN")]
+    pub proxy_listen: Option<SocketAddr>,
+
+    /// YAML file of access rules: which users and groups reach which clusters (by name or
+    /// ManagedCluster label selector), read-only or full. Without it nobody reaches any
+    /// cluster through the proxy front.
+    #[arg(long, env = "FLOTILLA_HUB_PROXY_ACCESS_RULES")]
+    pub proxy_access_rules: Option<PathBuf>,
+
+    /// Bearer tokens the proxy front accepts, in kube-apiserver's --token-auth-file format:
+    /// `token,user,uid,"group1,group2"` per line. Users with certificates from `flotilla user
+    /// create` need none.
+    #[arg(long, env = "FLOTILLA_HUB_PROXY_TOKEN_FILE")]
+    pub proxy_token_file: Option<PathBuf>,
+
+    /// The proxy front's audit log: one JSON line per request (default:
+    /// <data-dir>/proxy-audit.log).
+    #[arg(long, env = "FLOTILLA_HUB_PROXY_AUDIT_LOG")]
+    pub proxy_audit_log: Option<PathBuf>,
+
+    /// Requests in flight through the proxy front per cluster (watches and exec sessions
+    /// included); more get 429 with Retry-After.
+    #[arg(long, default_value_t = crate::proxy::DEFAULT_MAX_PER_CLUSTER)]
+    pub proxy_max_per_cluster: usize,
+
+    /// Requests in flight through the proxy front per user; more get 429 with Retry-After.
+    #[arg(long, default_value_t = crate::proxy::DEFAULT_MAX_PER_USER)]
+    pub proxy_max_per_user: usize,
+
+    /// An upgraded proxy stream (kubectl exec, attach, port-forward) with no byte either way
+    /// for this long is closed.
+    #[arg(long, default_value = crate::proxy::DEFAULT_IDLE_TIMEOUT, value_parser = humantime::parse_duration)]
+    pub proxy_idle_timeout: Duration,
+
+    /// Largest request head (request line and headers) the proxy front accepts; larger gets
+    /// 431. At least 8192.
+    #[arg(long, default_value_t = crate::proxy::DEFAULT_MAX_HEADER_BYTES)]
+    pub proxy_max_header_bytes: usize,
 
     /// Validate the configuration, print it, and exit without starting.
     #[arg(long)]
@@ -181,6 +221,19 @@ impl HubConfig {
             );
             self.shards.validate()?;
         }
+        anyhow::ensure!(
+            self.proxy_max_per_cluster > 0 && self.proxy_max_per_user > 0,
+            "--proxy-max-per-cluster and --proxy-max-per-user must be at least 1"
+        );
+        anyhow::ensure!(
+            !self.proxy_idle_timeout.is_zero(),
+            "--proxy-idle-timeout must be positive, e.g. 30m"
+        );
+        anyhow::ensure!(
+            self.proxy_max_header_bytes >= 8192,
+            "--proxy-max-header-bytes {} is below 8192; kubectl's requests need more",
+            self.proxy_max_header_bytes
+        );
         if self.store == StoreBackend::Sled {
             anyhow::ensure!(
                 self.kubeconfig.is_none(),

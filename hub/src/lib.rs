@@ -13,6 +13,7 @@ pub mod client;
 pub mod config;
 pub mod controllers;
 pub mod operator_api;
+pub mod proxy;
 pub mod registration;
 pub mod table;
 pub mod tokens;
@@ -52,6 +53,9 @@ pub struct ListenInfo {
     /// Whether QUIC is served on the agents' address.
     #[serde(default)]
     pub quic: bool,
+    /// The proxy front's address, when it is on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proxy: Option<std::net::SocketAddr>,
 }
 
 impl ListenInfo {
@@ -105,10 +109,17 @@ pub async fn run(
                 config.api_listen
             )
         })?;
+    let proxy = match config.proxy_listen {
+        Some(address) => Some(TcpListener::bind(address).await.with_context(|| {
+            format!("cannot listen for the proxy front on {address} (--proxy-listen)")
+        })?),
+        None => None,
+    };
     let listen = ListenInfo {
         agents: agents.local_addr()?,
         api: api.local_addr()?,
         quic: agents.udp.is_some(),
+        proxy: proxy.as_ref().map(TcpListener::local_addr).transpose()?,
     };
 
     let ca = authority.current();
@@ -122,7 +133,12 @@ pub async fn run(
     )?;
     let agent_tls_now = agent_tls_config(&ca, &config.server_names)?;
     let (agent_tls_tx, agent_tls) = TlsSource::updatable(agent_tls_now.clone());
-    write_operator_config(&ca, &config, listen.api)?;
+    let proxy_tls = flotilla_transport::tls::proxy_server_config(
+        ca.bundle_pem().as_bytes(),
+        ca.serving_chain_pem(&serving.cert_pem).as_bytes(),
+        serving.key_pem.as_bytes(),
+    )?;
+    write_operator_config(&ca, &config, listen.api, listen.proxy)?;
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
@@ -196,6 +212,27 @@ pub async fn run(
         "operator-api",
     );
     tasks.spawn("the operator API's listener", api_accept.err_into());
+    if let Some(listener) = proxy {
+        let (front, relays, audit_writer) = proxy_front(&config, &gateway, store.clone())?;
+        let (proxy_conns, proxy_accept) = flotilla_transport::tls::accept_authenticated(
+            listener,
+            proxy_tls,
+            Default::default(),
+            "proxy",
+        );
+        tasks.spawn("the proxy front's listener", proxy_accept.err_into());
+        tasks.spawn(
+            "the proxy front",
+            proxy::serve(
+                proxy_conns,
+                front,
+                relays,
+                audit_writer,
+                stopped(stop_rx.clone()),
+            )
+            .err_into(),
+        );
+    }
     let (ca_changed, ca_changes) = tokio::sync::watch::channel(0u64);
     let registration = Arc::new(RegistrationApi {
         tokens,
@@ -261,6 +298,52 @@ pub async fn run(
         );
     }
     Ok(())
+}
+
+/// The proxy front from the hub's flags: its access rules and tokens read now, its audit log
+/// opened, the in-process gateway as its route. Returns the writer of the audit log to run.
+fn proxy_front(
+    config: &HubConfig,
+    gateway: &Gateway,
+    store: Arc<dyn Store>,
+) -> anyhow::Result<(
+    Arc<proxy::ProxyFront>,
+    tokio::sync::mpsc::Receiver<futures::future::BoxFuture<'static, ()>>,
+    impl Future<Output = ()> + Send + use<>,
+)> {
+    let rules = match &config.proxy_access_rules {
+        Some(path) => proxy::access::AccessRules::load(path)?,
+        None => {
+            tracing::warn!(
+                "no --proxy-access-rules: the proxy front lets nobody reach any cluster"
+            );
+            proxy::access::AccessRules::default()
+        }
+    };
+    let tokens = match &config.proxy_token_file {
+        Some(path) => proxy::authn::ProxyTokens::load(path)?,
+        None => proxy::authn::ProxyTokens::default(),
+    };
+    let audit_path = config
+        .proxy_audit_log
+        .clone()
+        .unwrap_or_else(|| config.data_dir.join("proxy-audit.log"));
+    let (audit, writer) = proxy::audit::open(&audit_path)?;
+    let (front, relays) = proxy::ProxyFront::new(
+        Arc::new(gateway.clone()),
+        store,
+        rules,
+        tokens,
+        audit,
+        proxy::ProxyLimits {
+            max_per_cluster: config.proxy_max_per_cluster,
+            max_per_user: config.proxy_max_per_user,
+            idle_timeout: config.proxy_idle_timeout,
+            max_header_bytes: config.proxy_max_header_bytes,
+        },
+    );
+    info!(audit = %audit_path.display(), "proxy front ready");
+    Ok((front, relays, writer))
 }
 
 /// The session tier's settings from the hub's flags.
@@ -349,6 +432,7 @@ fn write_operator_config(
     ca: &Ca,
     config: &HubConfig,
     api: std::net::SocketAddr,
+    proxy: Option<std::net::SocketAddr>,
 ) -> anyhow::Result<()> {
     let dir = config.data_dir.join("operator");
     if !dir.join("tls.key").exists() {
@@ -359,16 +443,17 @@ fn write_operator_config(
         // After a CA rotation the CLI trusts both CAs.
         ca::write(&dir.join("ca.crt"), &ca.bundle_pem(), false)?;
     }
-    let host = if api.ip().is_unspecified() {
-        "127.0.0.1".to_string()
-    } else {
-        api.ip().to_string()
+    let url = |address: std::net::SocketAddr| {
+        let ip = if address.ip().is_unspecified() {
+            std::net::IpAddr::from([127, 0, 0, 1])
+        } else {
+            address.ip()
+        };
+        format!("https://{}", std::net::SocketAddr::new(ip, address.port()))
     };
     let cli = OperatorConfig {
-        server: format!(
-            "https://{}",
-            std::net::SocketAddr::new(host.parse()?, api.port())
-        ),
+        server: url(api),
+        proxy_server: proxy.map(url),
         certificate_authority: "ca.crt".into(),
         client_certificate: "tls.crt".into(),
         client_key: "tls.key".into(),

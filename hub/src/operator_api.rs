@@ -67,6 +67,7 @@ pub fn router_with(store: Arc<dyn Store>, registration: Option<Arc<RegistrationA
             post(register_dev_key),
         )
         .route("/registration/v1/ca", get(ca_info))
+        .route("/registration/v1/users", post(create_user))
         .route("/registration/v1/ca/rotate", post(rotate_ca))
         .route(
             "/registration/v1/ca/finish-rotation",
@@ -176,6 +177,13 @@ async fn require_operator(
         Peer::Cluster(name) => error(
             StatusCode::FORBIDDEN,
             format!("cluster {name} may not use the operator API; use an operator certificate"),
+        ),
+        Peer::User { user, .. } => error(
+            StatusCode::FORBIDDEN,
+            format!(
+                "user {user} is a kubectl user of the proxy front, not an operator; the operator \
+                 API needs an operator certificate"
+            ),
         ),
         Peer::Anonymous => error(
             StatusCode::UNAUTHORIZED,
@@ -790,6 +798,54 @@ fn ca_view(ca: &crate::ca::Ca) -> Value {
         "rotating": ca.rotating(),
         "bundle": ca.bundle_pem(),
     })
+}
+
+/// Longest and default lifetime of a kubectl user's certificate.
+pub const USER_CERT_LIFETIME: std::time::Duration = std::time::Duration::from_secs(90 * 24 * 3600);
+
+/// `POST /registration/v1/users`: a kubectl user's certificate for the proxy front.
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct UserRequest {
+    user: String,
+    #[serde(default)]
+    groups: Vec<String>,
+    /// PEM PKCS#10 request for the user's key, made where the key stays.
+    csr: String,
+    #[serde(default)]
+    lifetime_seconds: Option<u64>,
+}
+
+async fn create_user(State(s): State<ApiState>, Json(body): Json<UserRequest>) -> Response {
+    let api = match registration_api(&s) {
+        Ok(a) => a,
+        Err(f) => return f.into_response(),
+    };
+    let lifetime = body
+        .lifetime_seconds
+        .map(std::time::Duration::from_secs)
+        .unwrap_or(USER_CERT_LIFETIME);
+    if lifetime.is_zero() || lifetime > USER_CERT_LIFETIME {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!("--lifetime must be positive and at most {USER_CERT_LIFETIME:?}"),
+        );
+    }
+    let ca = api.authority.current();
+    match ca.sign_user_csr(&body.user, &body.groups, &body.csr, lifetime) {
+        Ok(certificate) => {
+            tracing::info!(user = %body.user, groups = ?body.groups, "kubectl user certificate issued");
+            (
+                StatusCode::CREATED,
+                Json(json!({
+                    "user": body.user, "groups": body.groups,
+                    "certificate": certificate, "ca": ca.bundle_pem(),
+                })),
+            )
+                .into_response()
+        }
+        Err(e) => error(StatusCode::BAD_REQUEST, format!("user {}: {e}", body.user)),
+    }
 }
 
 async fn ca_info(State(s): State<ApiState>) -> Response {

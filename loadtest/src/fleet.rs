@@ -129,14 +129,15 @@ impl Hub {
             HubStore::Sled => None,
             HubStore::Kube => Some(Apiserver::start(&crds_dir()).await?),
         };
+        // The proxy front on, for the `proxy` scenario, unless --hub-arg sets it up itself.
+        let mut hub_args = args.hub_args.clone();
+        if !hub_args.iter().any(|a| a.starts_with("--proxy-listen")) {
+            hub_args.extend(crate::proxy::hub_args(&data_dir)?);
+        }
         match args.hub_mode {
             HubMode::InProcess => {
-                let mut config = hub_config(
-                    &data_dir,
-                    args.hub_listen,
-                    args.hub_api_listen,
-                    &args.hub_args,
-                )?;
+                let mut config =
+                    hub_config(&data_dir, args.hub_listen, args.hub_api_listen, &hub_args)?;
                 if let Some(a) = &apiserver {
                     config.store = StoreBackend::Kube;
                     config.kubeconfig = Some(a.kubeconfig_path().to_path_buf());
@@ -172,7 +173,7 @@ impl Hub {
                         format!("--kubeconfig={}", a.kubeconfig_path().display()),
                     ]);
                 }
-                program.1.extend(args.hub_args.iter().cloned());
+                program.1.extend(hub_args);
                 let mut hub = Hub {
                     mode: "child",
                     data_dir,

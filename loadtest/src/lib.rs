@@ -41,6 +41,7 @@ pub mod placement;
 pub mod plot;
 pub mod preflight;
 pub mod prometheus;
+pub mod proxy;
 pub mod report;
 pub mod scenario;
 pub mod sim;
@@ -153,6 +154,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<(Report, PathBuf)> {
             Scenario::Schedule => run.schedule().await,
             Scenario::BaselineBare => run.baseline_bare(&scenarios).await,
             Scenario::Feedback => run.feedback().await,
+            Scenario::Proxy => run.proxy().await,
         };
         if let (Some(before), Some(after)) = (before, apiserver_snapshot(&run.hub).await) {
             let own = run.hub.apiserver().map_or(0, Apiserver::own_watches);

@@ -206,6 +206,9 @@ pub struct ScenarioReport {
     /// `baseline-klusterlet`: flotilla against klusterlet-style clients on apiserver load.
     #[serde(default)]
     pub baseline: Option<BaselineReport>,
+    /// `proxy`: kubectl-shaped requests through the tunnels beside the same requests direct.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proxy: Option<crate::proxy::ProxyReport>,
     /// `baseline-bare`: the bare carrier beside flotilla.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bare: Option<BareReport>,
@@ -657,6 +660,41 @@ pub fn table(report: &Report) -> String {
                         },
                     );
                 }
+            }
+            "proxy" if s.proxy.is_some() => {
+                let p = s.proxy.as_ref().expect("checked above");
+                row("cluster", p.cluster.clone());
+                row(
+                    "small GET p50 / p99 (direct)",
+                    format!("{:.2} / {:.2} ms", p.direct_get.p50_ms, p.direct_get.p99_ms),
+                );
+                row(
+                    "small GET p50 / p99 (tunnel)",
+                    format!("{:.2} / {:.2} ms", p.tunnel_get.p50_ms, p.tunnel_get.p99_ms),
+                );
+                row(
+                    "added p50 / p99",
+                    format!("{:.2} / {:.2} ms", p.added_p50_ms, p.added_p99_ms),
+                );
+                row(
+                    "large list (bytes) direct / tunnel",
+                    format!(
+                        "({}) {:.1} / {:.1} MB/s, ratio {:.2}",
+                        p.list_bytes, p.direct_list_mb_s, p.tunnel_list_mb_s, p.list_ratio
+                    ),
+                );
+                row(
+                    "concurrent tunnels ok",
+                    format!(
+                        "{} / {} in {:.2} s, p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
+                        p.concurrent_ok,
+                        p.concurrent_tunnels,
+                        p.concurrent_wall_s,
+                        p.concurrent.p50_ms,
+                        p.concurrent.p99_ms,
+                        p.concurrent.max_ms
+                    ),
+                );
             }
             "feedback" => {
                 let f1 = |v: Option<f64>| v.map_or_else(|| "-".into(), |v| format!("{v:.1}"));

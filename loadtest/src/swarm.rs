@@ -521,6 +521,8 @@ impl Swarm {
                     })
                     .collect::<anyhow::Result<_>>()?,
             },
+            // One responder for every simulated cluster: its answers are made once.
+            spoke_api: Arc::new(flotilla_agent::SimulatedApi::new(PROXY_LIST_ITEMS)),
             _db: db,
         });
         for (k, agent) in agents.iter().enumerate() {
@@ -652,6 +654,9 @@ impl Swarm {
     }
 }
 
+/// Objects in a simulated cluster's ConfigMap list, as the proxy scenario's large list reads it.
+pub const PROXY_LIST_ITEMS: usize = 5_000;
+
 struct Shared {
     hub: SocketAddr,
     server_name: String,
@@ -664,6 +669,9 @@ struct Shared {
     /// With QUIC: one endpoint (one UDP socket) per source address, shared by the agents
     /// dialling from it, as the carrier allows.
     quic: Vec<QuicClient>,
+    /// What the agents' tunnel ends forward kubectl requests to (the simulated clusters have
+    /// no apiserver).
+    spoke_api: Arc<dyn flotilla_agent::SpokeApi>,
     /// Kept open for as long as any agent runs.
     _db: CacheDb,
 }
@@ -733,6 +741,8 @@ async fn run_agent(
         max_backoff: shared.max_backoff,
         kubernetes_version: SIM_KUBERNETES_VERSION.into(),
         transport: shared.transport.agent(),
+        max_tunnels: flotilla_agent::tunnel::DEFAULT_MAX_TUNNELS,
+        tunnel_idle_timeout: flotilla_agent::tunnel::DEFAULT_TUNNEL_IDLE_TIMEOUT,
     };
     let dialer = match Dialer::new(&config.hub, &shared.server_name, &agent.identity_dir) {
         Ok(d) => {
@@ -757,6 +767,7 @@ async fn run_agent(
         dialer,
         cache: agent.cache.clone(),
         target: agent.cluster.clone(),
+        spoke_api: shared.spoke_api.clone(),
         kubernetes_version,
         cluster_info,
         observer: agent.clone(),

@@ -311,17 +311,10 @@ async fn bad_input_fails_before_anything_starts() {
 /// and the hub ends with every cluster's latest value.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn feedback_statuses_stay_within_the_agents_bound_and_the_latest_value_wins() {
-    trace_init();
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("out");
     let agents = 50u64;
-    let run = args(
-        &out,
+    let report = two_process_run(
+        agents,
         &[
-            "--agents",
-            &agents.to_string(),
-            "--processes",
-            "2",
             "--scenario",
             "feedback",
             "--feedback-duration",
@@ -333,9 +326,8 @@ async fn feedback_statuses_stay_within_the_agents_bound_and_the_latest_value_win
             "--timeout",
             "90s",
         ],
-    );
-    let (report, _) = flotilla_loadtest::run(run).await.expect("the run starts");
-    eprintln!("{}", flotilla_loadtest::report::table(&report));
+    )
+    .await;
     let f = &report.scenarios[0];
     assert_eq!(f.outcome, Some(Outcome::Completed), "{:?}", f.error);
     let window = f.feedback_window_s.unwrap();
@@ -363,4 +355,46 @@ async fn feedback_statuses_stay_within_the_agents_bound_and_the_latest_value_win
         Some(agents),
         "every cluster's latest value on the hub"
     );
+}
+
+/// The proxy scenario at CI size: requests through the tunnels of agents in two worker
+/// processes answer like the same requests sent directly, the large list arrives whole, and a
+/// request to every cluster at once succeeds everywhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_requests_reach_every_cluster_through_its_tunnel() {
+    let agents = 20u64;
+    let report = two_process_run(agents, &["--scenario", "proxy", "--timeout", "120s"]).await;
+    let s = &report.scenarios[0];
+    assert_eq!(s.outcome, Some(Outcome::Completed), "{:?}", s.error);
+    let p = s.proxy.as_ref().expect("a proxy report");
+    assert_eq!(p.concurrent_tunnels, agents);
+    assert_eq!(
+        p.concurrent_ok, agents,
+        "every cluster answered through its tunnel"
+    );
+    assert_eq!(
+        p.tunnel_get.count,
+        flotilla_loadtest::proxy::SMALL_GETS as u64
+    );
+    assert!(
+        p.list_bytes > 5_000 * 900,
+        "the large list: {} bytes",
+        p.list_bytes
+    );
+    assert!(p.tunnel_list_mb_s > 0.0 && p.direct_list_mb_s > 0.0);
+}
+
+/// A run of `agents` agents in two worker processes with `extra` flags; its report, printed.
+async fn two_process_run(agents: u64, extra: &[&str]) -> Report {
+    trace_init();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let agents = agents.to_string();
+    let mut flags = vec!["--agents", agents.as_str(), "--processes", "2"];
+    flags.extend_from_slice(extra);
+    let (report, _) = flotilla_loadtest::run(args(&out, &flags))
+        .await
+        .expect("the run starts");
+    eprintln!("{}", flotilla_loadtest::report::table(&report));
+    report
 }

@@ -10,6 +10,38 @@ pub const CLUSTER_GROUP: &str = "flotilla:clusters";
 /// extra groups as further O values).
 pub const OPERATOR_GROUP: &str = "flotilla:operators";
 
+/// Organization (O) of every kubectl user certificate of the hub's proxy front: `CN=<user>,
+/// O=flotilla:users, OU=<the user's groups, comma-separated>`. A user is not an operator:
+/// the operator API refuses these certificates, and only the proxy front accepts them.
+pub const USER_GROUP: &str = "flotilla:users";
+
+/// Prefix of the identities Kubernetes reserves for itself (`system:masters`,
+/// `system:serviceaccount:...`, `system:nodes`). Hub users and groups never have it: the hub
+/// refuses to create them, the proxy front refuses to forward them, and the agent refuses to
+/// impersonate them, so no hub identity turns into a spoke's built-in superuser.
+pub const RESERVED_IDENTITY_PREFIX: &str = "system:";
+
+/// Checks a proxy user's or group's name, with the sentence a person needs when it is wrong:
+/// printable ASCII without spaces or commas (it travels in HTTP headers and comma-separated
+/// flags), at most 253 characters, and not a Kubernetes-reserved `system:` identity.
+pub fn check_user_identity(what: &str, name: &str) -> Result<(), String> {
+    if name.is_empty() || name.len() > 253 {
+        return Err(format!("{what} {name:?} must be 1 to 253 characters long"));
+    }
+    if !name.bytes().all(|b| b.is_ascii_graphic() && b != b',') {
+        return Err(format!(
+            "{what} {name:?} may hold printable ASCII only, without spaces or commas"
+        ));
+    }
+    if name.starts_with(RESERVED_IDENTITY_PREFIX) {
+        return Err(format!(
+            "{what} {name:?} is reserved: Kubernetes gives `{RESERVED_IDENTITY_PREFIX}` identities \
+             built-in rights (system:masters is every spoke's superuser); choose another name"
+        ));
+    }
+    Ok(())
+}
+
 /// Annotation on a ManagedCluster: comma-separated hex SHA-256 of the public keys whose
 /// certificates may open its session (the newest first; at most the current and the previous
 /// one, so an agent that crashed before storing a renewed certificate still gets in).
@@ -239,6 +271,23 @@ mod tests {
             assert!(!is_dns1123_label(bad), "{bad}");
             let msg = check_cluster_name(bad).unwrap_err();
             assert!(msg.contains("not a valid cluster name"), "{msg}");
+        }
+    }
+
+    #[test]
+    fn user_identities_are_header_safe_and_never_reserved() {
+        for ok in ["alice", "ops", "team:platform", "a@example.com"] {
+            assert!(check_user_identity("user", ok).is_ok(), "{ok}");
+        }
+        for (bad, why) in [
+            ("", "1 to 253"),
+            ("a b", "without spaces"),
+            ("a,b", "without spaces or commas"),
+            ("system:masters", "is reserved"),
+            ("élan", "printable ASCII"),
+        ] {
+            let msg = check_user_identity("group", bad).unwrap_err();
+            assert!(msg.contains(why), "{bad}: {msg}");
         }
     }
 

@@ -7,6 +7,8 @@
 //!   CA-bundle hash, ManagedCluster annotation keys), written once.
 //! * [`session`]: the session protocol (hello/resume, heartbeats, drain, delivery queues) as a
 //!   sans-IO state machine shared by the gateway and the agent.
+//! * [`tunnel`]: what travels inside a tunnel stream (one HTTP/1.1 request with the hub
+//!   user's impersonation headers) and the header rules both ends apply to it.
 //!
 //! Not for: IO of any kind. Nothing here opens a socket, reads a file or a clock: callers pass
 //! frames and `now` in and take frames, events and deadlines out.
@@ -15,6 +17,7 @@
 pub mod api;
 pub mod contract;
 pub mod session;
+pub mod tunnel;
 
 /// Generated wire types and service stubs (package `flotilla.v1`).
 pub mod wire {

@@ -1,8 +1,9 @@
 //! Who is on the other end of a TLS connection, read from the client certificate.
 //!
-//! The hub CA issues two kinds of client certificates: agents get `CN=<cluster name>,
+//! The hub CA issues three kinds of client certificates: agents get `CN=<cluster name>,
 //! O=flotilla:clusters`, operators get `CN=<user>, O=flotilla:operators` (plus any extra groups
-//! as further O values). The certificate is the only source of "which cluster is this".
+//! as further O values), and kubectl users of the proxy front get `CN=<user>, O=flotilla:users,
+//! OU=<groups, comma-separated>`. The certificate is the only source of "which cluster is this".
 //!
 //! A connection without a client certificate is [`Peer::Anonymous`]: the agents' listener lets
 //! it through the handshake only so that a joining agent (which has no certificate yet) can
@@ -11,7 +12,7 @@
 use x509_parser::prelude::{FromDer, X509Certificate};
 
 use flotilla_proto::contract::is_dns1123_label;
-pub use flotilla_proto::contract::{CLUSTER_GROUP, OPERATOR_GROUP};
+pub use flotilla_proto::contract::{CLUSTER_GROUP, OPERATOR_GROUP, USER_GROUP};
 
 /// The authenticated peer of a connection.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -20,6 +21,9 @@ pub enum Peer {
     Cluster(String),
     /// A person or tool using the operator API.
     Operator { user: String, groups: Vec<String> },
+    /// A kubectl user of the proxy front (not an operator). `groups` are the certificate's OU,
+    /// comma-separated.
+    User { user: String, groups: Vec<String> },
     /// No client certificate (a joining agent); allowed to call `Registration.Join` only.
     Anonymous,
 }
@@ -35,7 +39,7 @@ pub enum IdentityError {
     NoCommonName,
     /// Neither a cluster nor an operator certificate; not retryable.
     #[error(
-        "client certificate for {cn:?} is in none of the groups {CLUSTER_GROUP} or {OPERATOR_GROUP}"
+        "client certificate for {cn:?} is in none of the groups {CLUSTER_GROUP}, {OPERATOR_GROUP} or {USER_GROUP}"
     )]
     UnknownGroup { cn: String },
     /// A cluster name that is not a DNS-1123 label; not retryable.
@@ -69,6 +73,15 @@ impl Peer {
             Ok(Peer::Cluster(cn))
         } else if groups.iter().any(|g| g == OPERATOR_GROUP) {
             Ok(Peer::Operator { user: cn, groups })
+        } else if groups.iter().any(|g| g == USER_GROUP) {
+            let groups = subject
+                .iter_organizational_unit()
+                .filter_map(|a| a.as_str().ok())
+                .flat_map(|ou| ou.split(','))
+                .filter(|g| !g.is_empty())
+                .map(str::to_string)
+                .collect();
+            Ok(Peer::User { user: cn, groups })
         } else {
             Err(IdentityError::UnknownGroup { cn })
         }

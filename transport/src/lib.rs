@@ -7,7 +7,8 @@
 //!
 //! Also here, because hub, gateways and agents share them: TLS with the ring provider only
 //! ([`tls`]), the peer's identity read from its client certificate ([`identity`]), TCP
-//! dialing through HTTP CONNECT proxies ([`dial`]), and TLS material written to disk
+//! dialing through HTTP CONNECT proxies ([`dial`]), raw byte relays for upgraded
+//! tunnels ([`relay`]), and TLS material written to disk
 //! atomically and durably ([`files`]).
 //!
 //! Not for: anything the session protocol decides (proto's sans-IO machines do), or what a
@@ -22,6 +23,7 @@ pub mod identity;
 mod link;
 pub mod listen;
 pub mod quic;
+pub mod relay;
 pub mod tls;
 
 use std::time::Duration;

@@ -120,6 +120,34 @@ pub fn agent_server_config(
     Ok(Arc::new(config))
 }
 
+/// The hub's proxy front (kubectl through tunnels): a client certificate from a CA in
+/// `ca_bundle_pem` is verified and read, and a client without one completes the handshake as
+/// [`Peer::Anonymous`] so that it can authenticate with a bearer token instead. HTTP/1.1 only:
+/// kubectl's upgrades (exec, attach, port-forward over WebSocket or SPDY) need it, and each
+/// request becomes its own tunnel stream anyway.
+pub fn proxy_server_config(
+    ca_bundle_pem: &[u8],
+    chain_pem: &[u8],
+    key_pem: &[u8],
+) -> Result<Arc<rustls::ServerConfig>, TlsConfigError> {
+    let provider = provider();
+    let verifier = WebPkiClientVerifier::builder_with_provider(
+        Arc::new(root_store(ca_bundle_pem)?),
+        provider.clone(),
+    )
+    .allow_unauthenticated()
+    .build()?;
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(
+            parse_certs(chain_pem, "server certificate chain")?,
+            parse_key(key_pem, "server key")?,
+        )?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
+}
+
 /// Where an accept loop takes its TLS configuration from, per connection: a fixed one, or one
 /// the hub replaces at run time (a CA rotation changes the serving chain and the client roots;
 /// established connections keep theirs, new handshakes use the new one).

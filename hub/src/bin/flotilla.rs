@@ -69,6 +69,50 @@ enum Command {
         #[command(subcommand)]
         action: CaAction,
     },
+    /// kubectl users of the hub's proxy front (not operators): each gets a client
+    /// certificate from the hub CA; access rules (flotilla-hub --proxy-access-rules) say which
+    /// clusters they reach.
+    User {
+        #[command(subcommand)]
+        action: UserAction,
+    },
+    /// Write a kubeconfig whose contexts reach clusters through the hub's proxy front
+    /// (https://HUB/clusters/NAME), so plain kubectl works against clusters behind NAT.
+    Kubeconfig {
+        /// Clusters to write a context for (comma-separated); the first is current.
+        #[arg(long, value_delimiter = ',', required_unless_present = "all")]
+        cluster: Vec<String>,
+        /// One context per cluster of the fleet.
+        #[arg(long, conflicts_with = "cluster")]
+        all: bool,
+        /// The kubectl user (from `flotilla user create`) whose certificate the kubeconfig
+        /// uses. Default: the only one there is.
+        #[arg(long)]
+        user: Option<String>,
+        /// Write to this file (mode 0600) instead of standard output.
+        #[arg(short = 'o', long)]
+        out: Option<PathBuf>,
+    },
+}
+
+#[derive(Subcommand)]
+enum UserAction {
+    /// Make a key here, have the hub CA sign its certificate (CN=NAME, O=flotilla:users, OU=the
+    /// groups), keep both beside the CLI config (users/NAME/), and write NAME's
+    /// kubeconfig with a context per cluster of the fleet.
+    Create {
+        name: String,
+        /// Groups the user is in (comma-separated); the spoke's RBAC sees them as the user's
+        /// groups and the hub's access rules can name them.
+        #[arg(long, value_delimiter = ',')]
+        groups: Vec<String>,
+        /// How long the certificate is valid (at most 90 days).
+        #[arg(long, default_value = "90d", value_parser = humantime::parse_duration)]
+        lifetime: std::time::Duration,
+        /// Where the kubeconfig goes (default: NAME.kubeconfig in the current directory).
+        #[arg(short = 'o', long)]
+        out: Option<PathBuf>,
+    },
 }
 
 /// Default of `flotilla token create --ttl`.
@@ -391,6 +435,70 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 }
             );
         }
+        Command::User {
+            action:
+                UserAction::Create {
+                    name,
+                    groups,
+                    lifetime,
+                    out,
+                },
+        } => {
+            let dir = flotilla_hub::cli::user_dir(&cli.config, &name);
+            let key = rcgen::KeyPair::generate()?;
+            let mut params = rcgen::CertificateParams::default();
+            params
+                .distinguished_name
+                .push(rcgen::DnType::CommonName, name.as_str());
+            let csr = params.serialize_request(&key)?.pem()?;
+            let (_, issued) = client
+                .request(
+                    Method::POST,
+                    "/registration/v1/users",
+                    Some(&serde_json::json!({
+                        "user": name, "groups": groups, "csr": csr,
+                        "lifetimeSeconds": lifetime.as_secs(),
+                    })),
+                )
+                .await?;
+            let text = |field: &str| {
+                issued[field]
+                    .as_str()
+                    .map(str::to_string)
+                    .with_context(|| format!("the hub's answer has no {field}"))
+            };
+            flotilla_hub::ca::write_bundle(
+                &dir,
+                &text("ca")?,
+                &flotilla_hub::ca::IssuedCert {
+                    cert_pem: text("certificate")?,
+                    key_pem: key.serialize_pem(),
+                },
+            )?;
+            println!("user {name} created; credentials in {}", dir.display());
+            let clusters = fleet_clusters(&client).await?;
+            let out = out.unwrap_or_else(|| PathBuf::from(format!("{name}.kubeconfig")));
+            write_kubeconfig(&cli.config, &client, Some(&name), &clusters, Some(&out))?;
+        }
+        Command::Kubeconfig {
+            cluster,
+            all,
+            user,
+            out,
+        } => {
+            let clusters = if all {
+                fleet_clusters(&client).await?
+            } else {
+                cluster
+            };
+            write_kubeconfig(
+                &cli.config,
+                &client,
+                user.as_deref(),
+                &clusters,
+                out.as_deref(),
+            )?;
+        }
         Command::Work {
             action:
                 WorkAction::Delete {
@@ -423,6 +531,53 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 println!("manifestwork {cluster}/{name} deleted");
             }
         }
+    }
+    Ok(())
+}
+
+/// The names of every cluster of the fleet, sorted.
+async fn fleet_clusters(client: &OperatorClient) -> anyhow::Result<Vec<String>> {
+    let list = client
+        .get_json(&collection_path(Kind::ManagedCluster, None))
+        .await?;
+    let mut names: Vec<String> = list["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c["metadata"]["name"].as_str().map(str::to_string))
+        .collect();
+    names.sort();
+    Ok(names)
+}
+
+/// Writes (or prints) a kubeconfig reaching `clusters` through the proxy front as `user`.
+fn write_kubeconfig(
+    config: &std::path::Path,
+    client: &OperatorClient,
+    user: Option<&str>,
+    clusters: &[String],
+    out: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
+    let proxy = client.proxy_server().with_context(|| {
+        format!(
+            "the hub at {} serves no proxy front; start flotilla-hub with --proxy-listen",
+            client.address()
+        )
+    })?;
+    let (user, dir) = flotilla_hub::cli::find_user(config, user)?;
+    let kubeconfig = flotilla_hub::cli::kubeconfig(proxy, &user, &dir, clusters);
+    let text = yaml_serde::to_string(&kubeconfig)?;
+    match out {
+        Some(path) => {
+            flotilla_hub::ca::write(path, &text, true)?;
+            println!(
+                "kubeconfig for user {user} with {} context(s) written to {} (kubectl --kubeconfig {} get namespaces)",
+                clusters.len(),
+                path.display(),
+                path.display()
+            );
+        }
+        None => print!("{text}"),
     }
     Ok(())
 }

@@ -6,6 +6,7 @@
 #![forbid(unsafe_code)]
 
 pub mod faults;
+pub mod proxy;
 pub mod spoke;
 
 pub use flotilla_transport::Carrier;

@@ -127,6 +127,8 @@ async fn a_quic_session_goes_on_when_the_agents_socket_moves_to_a_new_port() -> 
         kubernetes_version: "v1.36.3".into(),
         transport: Transport::Quic,
         feedback_interval: flotilla_agent::reconcile::DEFAULT_FEEDBACK_INTERVAL,
+        max_tunnels: flotilla_agent::tunnel::DEFAULT_MAX_TUNNELS,
+        tunnel_idle_timeout: flotilla_agent::tunnel::DEFAULT_TUNNEL_IDLE_TIMEOUT,
     };
     let db = CacheDb::temporary()?;
     let counts = Arc::new(Counts::default());
@@ -138,6 +140,7 @@ async fn a_quic_session_goes_on_when_the_agents_socket_moves_to_a_new_port() -> 
             .with_quic_client(client.clone()),
         cache: Arc::new(db.cluster("store-q")),
         target: Arc::new(MemoryCluster::new()),
+        spoke_api: Arc::new(flotilla_agent::SimulatedApi::new(10)),
         kubernetes_version,
         cluster_info,
         observer: counts.clone(),
