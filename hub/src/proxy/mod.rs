@@ -50,9 +50,11 @@ use self::access::{Access, AccessRules, Decision};
 use self::audit::{AuditLine, AuditSink};
 use self::authn::{ProxyTokens, ProxyUser};
 
-/// Default of `--proxy-max-per-cluster`: below an agent's default `--max-tunnels` (64), so the
-/// hub refuses before the agent has to.
-pub const DEFAULT_MAX_PER_CLUSTER: usize = 32;
+/// Default of `--proxy-max-per-cluster`. Every tunnel whose user stops reading can hold its
+/// stream's flow-control window (64 KiB on both carriers) of the session connection's window
+/// (1 MiB); 12 of them hold 768 KiB and leave the session room for its heartbeats. Raise it
+/// only with the carriers' connection window.
+pub const DEFAULT_MAX_PER_CLUSTER: usize = 12;
 /// Default of `--proxy-max-per-user`.
 pub const DEFAULT_MAX_PER_USER: usize = 64;
 /// Default of `--proxy-idle-timeout`.
