@@ -166,23 +166,43 @@ async fn dial(pki: &Pki, carrier: Carrier, addr: SocketAddr) -> (Dialed, Option<
     }
 }
 
+/// Opens one session the way the real ends do: the agent says hello and the gateway answers
+/// (a dial returns once the hub has answered, as a hub answers every hello). Both sides come
+/// back with those two frames read and the agent's writer running.
+async fn open(
+    pki: &Pki,
+    carrier: Carrier,
+    addr: SocketAddr,
+    sessions: &mut mpsc::Receiver<Incoming>,
+) -> (Dialed, Option<QuicClient>, Incoming) {
+    let accept = async {
+        let mut hub = tokio::time::timeout(Duration::from_secs(10), sessions.recv())
+            .await
+            .expect("the gateway got the session")
+            .unwrap();
+        assert_eq!(hub.link.inbound.next().await.unwrap().unwrap(), hello());
+        hub.link.outbound.send(heartbeat(0)).await.unwrap();
+        hub
+    };
+    let ((mut agent, client), hub) = tokio::join!(dial(pki, carrier, addr), accept);
+    if let Some(pump) = agent.pump.take() {
+        tokio::spawn(pump);
+    }
+    assert_eq!(
+        agent.link.inbound.next().await.unwrap().unwrap(),
+        heartbeat(0),
+        "{carrier}: the hub's answer"
+    );
+    (agent, client, hub)
+}
+
 async fn session_and_tunnel(carrier: Carrier) {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let pki = pki();
     let (addr, mut sessions, _drain) = gateway(&pki, carrier).await;
-    let (mut agent, _client) = dial(&pki, carrier, addr).await;
-    let mut pump = agent.pump.take();
-    if let Some(p) = pump.take() {
-        tokio::spawn(p);
-    }
-    let mut hub = tokio::time::timeout(Duration::from_secs(10), sessions.recv())
-        .await
-        .expect("the gateway got the session")
-        .unwrap();
+    let (mut agent, _client, mut hub) = open(&pki, carrier, addr, &mut sessions).await;
     assert_eq!(hub.peer.peer, Peer::Cluster("store-1".into()), "{carrier}");
     assert_eq!(hub.link.carrier, carrier);
-    let first = hub.link.inbound.next().await.unwrap().unwrap();
-    assert_eq!(first, hello());
 
     // Frames the other way.
     hub.link.outbound.send(heartbeat(7)).await.unwrap();
@@ -259,11 +279,8 @@ async fn a_quic_session_survives_the_agent_moving_to_a_new_port() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let pki = pki();
     let (addr, mut sessions, _drain) = gateway(&pki, Carrier::Quic).await;
-    let (mut agent, client) = dial(&pki, Carrier::Quic, addr).await;
+    let (mut agent, client, mut hub) = open(&pki, Carrier::Quic, addr, &mut sessions).await;
     let client = client.unwrap();
-    tokio::spawn(agent.pump.take().unwrap());
-    let mut hub = sessions.recv().await.unwrap();
-    assert_eq!(hub.link.inbound.next().await.unwrap().unwrap(), hello());
     let before = client.local_addr().unwrap();
     let after = client.rebind("127.0.0.1:0".parse().unwrap()).unwrap();
     assert_ne!(before.port(), after.port());
