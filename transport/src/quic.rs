@@ -9,7 +9,9 @@
 //! timeout, and connection migration on (an agent whose address or port changes keeps its
 //! session).
 
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -281,7 +283,8 @@ async fn accept(
         conn.close(VarInt::from_u32(CLOSE_REFUSED), b"gateway shutting down");
         return;
     }
-    pump.await;
+    // An agent that stopped reading has ended the session itself: nothing more to wait for.
+    let _ = pump.await;
     conn.close(VarInt::from_u32(CLOSE_SESSION_ENDED), b"session ended");
 }
 
@@ -308,6 +311,22 @@ fn conn_info(conn: &Connection) -> Result<ConnInfo, String> {
     })
 }
 
+/// How a QUIC link's pump ended.
+#[derive(Debug, PartialEq, Eq)]
+enum PumpEnd {
+    /// This end dropped its sender: everything queued was written and the stream finished.
+    Finished,
+    /// A write failed: the peer stopped reading (it is ending the session, and may still have
+    /// a goodbye on the way) or the connection is gone.
+    WriteFailed,
+}
+
+type LinkPump = Pin<Box<dyn Future<Output = PumpEnd> + Send>>;
+
+/// How long a dialling end waits for the hub to close a connection whose session stream the
+/// hub stopped: the hub's goodbye may still be in flight, and closing first would discard it.
+const GOODBYE_WAIT: Duration = Duration::from_secs(5);
+
 /// A session's frames over one QUIC stream: inbound decoded as they arrive; outbound through a
 /// bounded channel that the returned pump writes to the stream, finishing it once the sender
 /// is dropped and everything is written.
@@ -315,7 +334,7 @@ fn link<In, Out>(
     send: quinn::SendStream,
     recv: quinn::RecvStream,
     max_frame_bytes: usize,
-) -> (Link<In, Out>, Pump)
+) -> (Link<In, Out>, LinkPump)
 where
     In: prost::Message + Default + Send + 'static,
     Out: prost::Message + Send + 'static,
@@ -327,15 +346,15 @@ where
         while let Some(frame) = rx.recv().await {
             // Feed what is queued, flush once: a burst costs one write.
             if sink.feed(frame).await.is_err() {
-                return;
+                return PumpEnd::WriteFailed;
             }
             while let Ok(frame) = rx.try_recv() {
                 if sink.feed(frame).await.is_err() {
-                    return;
+                    return PumpEnd::WriteFailed;
                 }
             }
             if sink.flush().await.is_err() {
-                return;
+                return PumpEnd::WriteFailed;
             }
         }
         let mut send = sink.into_inner();
@@ -343,6 +362,7 @@ where
         // Until the peer has what was sent (the goodbye), bounded: closing the connection
         // before would discard it.
         let _ = tokio::time::timeout(Duration::from_secs(2), send.stopped()).await;
+        PumpEnd::Finished
     };
     (
         Link {
@@ -449,7 +469,12 @@ impl QuicClient {
             .map_err(|_| LinkError::Transport("the session's first frame did not fit".into()))?;
         let closer = conn.clone();
         let mut pump: Pump = Box::pin(async move {
-            pump.await;
+            if pump.await == PumpEnd::WriteFailed {
+                // The hub stopped reading this session (a frame it refused, a drain): it
+                // closes the connection once its goodbye is acknowledged, so the goodbye is
+                // read before the connection goes. Bounded, for a hub that never closes.
+                let _ = tokio::time::timeout(GOODBYE_WAIT, closer.closed()).await;
+            }
             closer.close(VarInt::from_u32(CLOSE_SESSION_ENDED), b"session ended");
         });
         let link = first_answer(link, &mut pump, &conn).await?;
