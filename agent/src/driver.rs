@@ -128,6 +128,10 @@ pub(crate) async fn session_once(
     let mut reported: HashMap<String, u64> = HashMap::new();
     let mut next: Option<AgentFrame> = None;
     let mut drained = None;
+    // When the way out broke, and why. The hub may have ended the session with a goodbye
+    // (a drain with a redirect, a refusal) that is still on the way in: it is read first,
+    // within FINAL_FLUSH, before the session closes for the broken writer.
+    let mut writer_gone: Option<(Instant, &'static str)> = None;
     let mut last_close = None;
     let mut closed_at: Option<Instant> = None;
     let mut shutting_down = false;
@@ -231,22 +235,27 @@ pub(crate) async fn session_once(
         }
         if machine.is_closed() {
             let gave_up = closed_at.is_some_and(|t| t.elapsed() >= FINAL_FLUSH);
-            if next.is_none() || gave_up {
+            if next.is_none() || gave_up || writer_gone.is_some() {
                 break;
             }
         }
-        let deadline = match closed_at {
-            Some(t) => Some(t + FINAL_FLUSH),
-            None => machine.poll_timeout(),
+        if let Some((since, why)) = writer_gone
+            && !machine.is_closed()
+            && since.elapsed() >= FINAL_FLUSH
+        {
+            machine.close(why);
+            continue;
+        }
+        let deadline = match (closed_at, writer_gone) {
+            (Some(t), _) => Some(t + FINAL_FLUSH),
+            (None, Some((since, _))) => Some(since + FINAL_FLUSH),
+            (None, None) => machine.poll_timeout(),
         };
         let established = machine.is_established();
         tokio::select! {
-            permit = outbound.reserve(), if next.is_some() => match permit {
+            permit = outbound.reserve(), if next.is_some() && writer_gone.is_none() => match permit {
                 Ok(permit) => permit.send(next.take().expect("checked above")),
-                Err(_) => {
-                    next = None;
-                    machine.close("the hub's stream is gone");
-                }
+                Err(_) => writer_gone = Some((Instant::now(), "the hub's stream is gone")),
             },
             frame = inbound.next(), if !machine.is_closed() => match frame {
                 Some(Ok(frame)) => {
@@ -298,9 +307,9 @@ pub(crate) async fn session_once(
                 report_cluster_info(&mut machine, &mut cluster_info);
             }
             _ = async { pump.as_mut().expect("checked").await }, if pump.is_some() => {
-                // The carrier's writer ended: the connection is gone.
+                // The carrier's writer ended: the connection is going.
                 pump = None;
-                machine.close("the connection to the hub ended");
+                writer_gone.get_or_insert((Instant::now(), "the connection to the hub ended"));
             }
             _ = stop.wait_for(|s| *s), if !shutting_down => {
                 shutting_down = true;
