@@ -40,7 +40,8 @@ const AGENTS_PORT: i32 = 9443;
 /// How long CRDs may take to be Established after the apply.
 const ESTABLISHED_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// `deploy/<path>` rendered by `kubectl kustomize` into a file of `dir`.
+/// `deploy/<path>` (`""`: `deploy/` itself) rendered by `kubectl kustomize` into a file of
+/// `dir`.
 async fn render(dir: &Path, path: &str) -> anyhow::Result<PathBuf> {
     let source = workspace_root().join("deploy").join(path);
     let source = source.to_string_lossy();
@@ -51,7 +52,8 @@ async fn render(dir: &Path, path: &str) -> anyhow::Result<PathBuf> {
         "kubectl kustomize {source}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let file = dir.join(format!("{}.yaml", path.replace('/', "-").trim_end_matches('-')));
+    let name = if path.is_empty() { "deploy" } else { path };
+    let file = dir.join(format!("{name}.yaml"));
     std::fs::write(&file, &out.stdout)?;
     Ok(file)
 }
@@ -60,7 +62,9 @@ async fn render(dir: &Path, path: &str) -> anyhow::Result<PathBuf> {
 fn documents(file: &Path) -> anyhow::Result<Vec<Value>> {
     let text = std::fs::read_to_string(file)?;
     text.split("\n---\n")
-        .map(|doc| yaml_serde::from_str(doc).with_context(|| format!("a document of {}", file.display())))
+        .map(|doc| {
+            yaml_serde::from_str(doc).with_context(|| format!("a document of {}", file.display()))
+        })
         .collect()
 }
 
@@ -91,7 +95,8 @@ async fn apply(env: &TestEnv, file: &Path) -> anyhow::Result<String> {
 /// gateways) and, as if the same apiserver were a spoke, the agent with the ClusterClaim CRD.
 struct Installed {
     env: TestEnv,
-    _dir: tempfile::TempDir,
+    /// The rendered files.
+    dir: tempfile::TempDir,
     /// The apiserver's warnings from the applies (PodSecurity's among them).
     warnings: String,
     /// The rendered hub side, for tests that change it.
@@ -104,15 +109,32 @@ async fn install() -> anyhow::Result<Installed> {
     let hub_side = render(dir.path(), "").await?;
     let agent = render(dir.path(), "agent").await?;
     let mut warnings = apply(&env, &hub_side).await?;
-    let claims = workspace_root().join("deploy/crds/cluster.open-cluster-management.io_clusterclaims.yaml");
+    let claims =
+        workspace_root().join("deploy/crds/cluster.open-cluster-management.io_clusterclaims.yaml");
     warnings += &apply(&env, &claims).await?;
     warnings += &apply(&env, &agent).await?;
     Ok(Installed {
         env,
-        _dir: dir,
+        dir,
         warnings,
         hub_side,
     })
+}
+
+/// Applies the hub side's first Deployment as `change` leaves it; the apply's warnings.
+async fn apply_changed_deployment(
+    installed: &Installed,
+    change: impl FnOnce(&mut Value),
+) -> anyhow::Result<String> {
+    let mut docs = documents(&installed.hub_side)?;
+    let deployment = docs
+        .iter_mut()
+        .find(|d| d["kind"] == "Deployment")
+        .context("no Deployment in the hub side")?;
+    change(deployment);
+    let file = installed.dir.path().join("changed.yaml");
+    std::fs::write(&file, serde_json::to_string(deployment)?)?;
+    apply(&installed.env, &file).await
 }
 
 /// Every kustomization renders, the hub side and the agent apply with strict validation, and
@@ -137,8 +159,12 @@ async fn deploy_applies_strictly_and_reads_back() -> anyhow::Result<()> {
             &format!("CRD {name} Established"),
             ESTABLISHED_TIMEOUT,
             || async {
-                let stored = crds.get_opt(&name).await?;
-                Ok(stored.filter(established).map(|_| ()))
+                match crds.get_opt(&name).await? {
+                    None => anyhow::bail!(
+                        "CRD {name} was not applied: is it listed in deploy/crds/kustomization.yaml?"
+                    ),
+                    Some(crd) => Ok(established(&crd).then_some(())),
+                }
             },
         )
         .await?;
@@ -156,7 +182,10 @@ async fn deploy_applies_strictly_and_reads_back() -> anyhow::Result<()> {
         (&agent, 1, "Recreate"),
     ] {
         let name = deployment.metadata.name.as_deref().unwrap_or_default();
-        let spec = deployment.spec.as_ref().context("a Deployment without spec")?;
+        let spec = deployment
+            .spec
+            .as_ref()
+            .context("a Deployment without spec")?;
         ensure!(
             spec.replicas == Some(replicas),
             "{name}: replicas {:?}, want {replicas}",
@@ -172,7 +201,10 @@ async fn deploy_applies_strictly_and_reads_back() -> anyhow::Result<()> {
         .affinity
         .as_ref()
         .and_then(|a| a.pod_anti_affinity.as_ref())
-        .and_then(|a| a.preferred_during_scheduling_ignored_during_execution.as_ref())
+        .and_then(|a| {
+            a.preferred_during_scheduling_ignored_during_execution
+                .as_ref()
+        })
         .context("flotilla-gateway has no pod anti-affinity")?;
     ensure!(
         anti_affinity
@@ -235,11 +267,11 @@ async fn deploy_applies_strictly_and_reads_back() -> anyhow::Result<()> {
             .get(claim)
             .await
             .with_context(|| format!("PersistentVolumeClaim {namespace}/{claim}"))?;
-        let mounted = pod_spec(deployment)?
-            .volumes
-            .iter()
-            .flatten()
-            .any(|v| v.persistent_volume_claim.as_ref().is_some_and(|c| c.claim_name == claim));
+        let mounted = pod_spec(deployment)?.volumes.iter().flatten().any(|v| {
+            v.persistent_volume_claim
+                .as_ref()
+                .is_some_and(|c| c.claim_name == claim)
+        });
         ensure!(mounted, "{claim} is not a volume of its Deployment");
     }
 
@@ -250,17 +282,15 @@ async fn deploy_applies_strictly_and_reads_back() -> anyhow::Result<()> {
 
     // The apply path refuses what the schema does not know, so the applies above prove the
     // manifests have no such field.
-    let mut docs = documents(&installed.hub_side)?;
-    let deployment = docs
-        .iter_mut()
-        .find(|d| d["kind"] == "Deployment")
-        .context("no Deployment in the hub side")?;
-    deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbes"] =
-        serde_json::json!({});
-    let broken = scratch.path().join("broken.yaml");
-    std::fs::write(&broken, serde_json::to_string(deployment)?)?;
-    let refused = apply(&installed.env, &broken).await;
-    let message = format!("{:#}", refused.err().context("an unknown field was applied")?);
+    let refused = apply_changed_deployment(&installed, |deployment| {
+        deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbes"] =
+            serde_json::json!({});
+    })
+    .await;
+    let message = format!(
+        "{:#}",
+        refused.err().context("an unknown field was applied")?
+    );
     ensure!(
         message.contains("readinessProbes"),
         "the refusal does not name the unknown field: {message}"
@@ -294,23 +324,24 @@ async fn every_pod_runs_restricted_with_probes_and_resources() -> anyhow::Result
             checked += 1;
         }
     }
-    ensure!(checked == 3, "found {checked} Deployments, want hub, gateway and agent");
-    ensure!(problems.is_empty(), "pod templates:\n  {}", problems.join("\n  "));
+    ensure!(
+        checked == 3,
+        "found {checked} Deployments, want hub, gateway and agent"
+    );
+    ensure!(
+        problems.is_empty(),
+        "pod templates:\n  {}",
+        problems.join("\n  ")
+    );
 
     // The apiserver does warn in these namespaces: a template that escalates is reported, so
     // the silence above is PodSecurity's verdict, not its absence.
-    let scratch = tempfile::tempdir()?;
-    let mut docs = documents(&installed.hub_side)?;
-    let deployment = docs
-        .iter_mut()
-        .find(|d| d["kind"] == "Deployment")
-        .context("no Deployment in the hub side")?;
-    deployment["metadata"]["name"] = "escalates".into();
-    let containers = &mut deployment["spec"]["template"]["spec"]["containers"];
-    containers[0]["securityContext"]["allowPrivilegeEscalation"] = true.into();
-    let escalates = scratch.path().join("escalates.yaml");
-    std::fs::write(&escalates, serde_json::to_string(deployment)?)?;
-    let warned = apply(&installed.env, &escalates).await?;
+    let warned = apply_changed_deployment(&installed, |deployment| {
+        deployment["metadata"]["name"] = "escalates".into();
+        let container = &mut deployment["spec"]["template"]["spec"]["containers"][0];
+        container["securityContext"]["allowPrivilegeEscalation"] = true.into();
+    })
+    .await?;
     ensure!(
         warned.contains("PodSecurity") && warned.contains("allowPrivilegeEscalation"),
         "a template with allowPrivilegeEscalation: true got no PodSecurity warning: {warned}"
@@ -367,12 +398,30 @@ fn plural_group(kind: Kind) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rbac_covers_every_call_the_code_makes() -> anyhow::Result<()> {
     let installed = install().await?;
+    // The agent's apply role grants everything by default; with its binding gone (as narrow as
+    // an operator can make it), what the agent still may do is its own role's.
+    let unbound = kubectl(
+        installed.env.kubeconfig_path(),
+        &["delete", "clusterrolebinding", "flotilla-agent-apply"],
+    )
+    .await?;
+    ensure!(
+        unbound.status.success(),
+        "deleting the apply binding: {}",
+        String::from_utf8_lossy(&unbound.stderr)
+    );
     let mut granted = Vec::new();
     // The hub: every verb of the store on every kind it serves, everywhere (ManifestWorks live
     // in one namespace per cluster), and the status patch.
     for kind in Kind::ALL {
         for verb in STORE_VERBS {
-            granted.push(ask("flotilla-hub", verb, plural_group(kind), None, "the hub's store"));
+            granted.push(ask(
+                "flotilla-hub",
+                verb,
+                plural_group(kind),
+                None,
+                "the hub's store",
+            ));
         }
         granted.push(ask(
             "flotilla-hub",
@@ -383,40 +432,186 @@ async fn rbac_covers_every_call_the_code_makes() -> anyhow::Result<()> {
         ));
     }
     granted.extend([
-        ask("flotilla-hub", "create", "namespaces", None, "a cluster's namespace, on its first ManifestWork"),
-        ask("flotilla-hub", "list", "leases.coordination.k8s.io", Some(HUB_NAMESPACE), "the hub redirects agents by the shard leases"),
+        ask(
+            "flotilla-hub",
+            "create",
+            "namespaces",
+            None,
+            "a cluster's namespace, on its first ManifestWork",
+        ),
+        ask(
+            "flotilla-hub",
+            "list",
+            "leases.coordination.k8s.io",
+            Some(HUB_NAMESPACE),
+            "the hub redirects agents by the shard leases",
+        ),
     ]);
     let clusters = plural_group(Kind::ManagedCluster);
     let works = plural_group(Kind::ManifestWork);
     for verb in ["get", "list", "watch", "update"] {
-        granted.push(ask("flotilla-gateway", verb, clusters.clone(), None, "admission watches clusters, health reads them and sets the unreachable taint"));
+        granted.push(ask(
+            "flotilla-gateway",
+            verb,
+            clusters.clone(),
+            None,
+            "admission watches clusters, health reads them and sets the unreachable taint",
+        ));
     }
     for verb in ["list", "watch"] {
-        granted.push(ask("flotilla-gateway", verb, works.clone(), None, "the desired-state cache"));
+        granted.push(ask(
+            "flotilla-gateway",
+            verb,
+            works.clone(),
+            None,
+            "the desired-state cache",
+        ));
     }
     for verb in ["list", "create", "update"] {
-        granted.push(ask("flotilla-gateway", verb, "leases.coordination.k8s.io", Some(HUB_NAMESPACE), "shard ownership"));
+        granted.push(ask(
+            "flotilla-gateway",
+            verb,
+            "leases.coordination.k8s.io",
+            Some(HUB_NAMESPACE),
+            "shard ownership",
+        ));
     }
     granted.extend([
-        ask("flotilla-gateway", "patch", format!("{clusters}/status"), None, "cluster health and claims"),
-        ask("flotilla-gateway", "patch", format!("{works}/status"), None, "the agents' work status"),
-        ask("flotilla-agent", "list", "nodes", None, "node count and capacity claims"),
-        ask("flotilla-agent", "watch", "nodes", None, "node count and capacity claims"),
-        ask("flotilla-agent", "list", "clusterclaims.cluster.open-cluster-management.io", None, "custom cluster claims"),
-        ask("flotilla-agent", "watch", "clusterclaims.cluster.open-cluster-management.io", None, "custom cluster claims"),
-        ask("flotilla-agent", "get", "namespaces/kube-system", None, "the cluster id"),
-        ask("flotilla-agent", "create", "subjectaccessreviews.authorization.k8s.io", None, "executor checks"),
-        ask("flotilla-agent", "impersonate", "users", None, "kubectl through the hub runs as the hub user"),
-        ask("flotilla-agent", "impersonate", "groups", None, "kubectl through the hub runs with the hub user's groups"),
+        ask(
+            "flotilla-gateway",
+            "patch",
+            format!("{clusters}/status"),
+            None,
+            "cluster health and claims",
+        ),
+        ask(
+            "flotilla-gateway",
+            "patch",
+            format!("{works}/status"),
+            None,
+            "the agents' work status",
+        ),
+        ask(
+            "flotilla-agent",
+            "list",
+            "nodes",
+            None,
+            "node count and capacity claims",
+        ),
+        ask(
+            "flotilla-agent",
+            "watch",
+            "nodes",
+            None,
+            "node count and capacity claims",
+        ),
+        ask(
+            "flotilla-agent",
+            "list",
+            "clusterclaims.cluster.open-cluster-management.io",
+            None,
+            "custom cluster claims",
+        ),
+        ask(
+            "flotilla-agent",
+            "watch",
+            "clusterclaims.cluster.open-cluster-management.io",
+            None,
+            "custom cluster claims",
+        ),
+        ask(
+            "flotilla-agent",
+            "get",
+            "namespaces/kube-system",
+            None,
+            "the cluster id",
+        ),
+        ask(
+            "flotilla-agent",
+            "create",
+            "subjectaccessreviews.authorization.k8s.io",
+            None,
+            "executor checks",
+        ),
+        ask(
+            "flotilla-agent",
+            "impersonate",
+            "users",
+            None,
+            "kubectl through the hub runs as the hub user",
+        ),
+        ask(
+            "flotilla-agent",
+            "impersonate",
+            "groups",
+            None,
+            "kubectl through the hub runs with the hub user's groups",
+        ),
     ]);
     let refused = [
-        ask("flotilla-gateway", "create", clusters.clone(), None, "only the hub registers clusters"),
-        ask("flotilla-gateway", "delete", works.clone(), None, "only the hub deletes works"),
-        ask("flotilla-gateway", "update", works.clone(), None, "a gateway never changes what a work asks for"),
-        ask("flotilla-gateway", "create", "leases.coordination.k8s.io", Some("kube-system"), "leases only in the lease namespace"),
-        ask("flotilla-gateway", "get", "secrets", Some(HUB_NAMESPACE), "no secrets"),
-        ask("flotilla-hub", "update", "leases.coordination.k8s.io", Some(HUB_NAMESPACE), "the hub never claims a shard"),
-        ask("flotilla-hub", "get", "secrets", Some(HUB_NAMESPACE), "no secrets"),
+        ask(
+            "flotilla-gateway",
+            "create",
+            clusters.clone(),
+            None,
+            "only the hub registers clusters",
+        ),
+        ask(
+            "flotilla-gateway",
+            "delete",
+            works.clone(),
+            None,
+            "only the hub deletes works",
+        ),
+        ask(
+            "flotilla-gateway",
+            "update",
+            works.clone(),
+            None,
+            "a gateway never changes what a work asks for",
+        ),
+        ask(
+            "flotilla-gateway",
+            "create",
+            "leases.coordination.k8s.io",
+            Some("kube-system"),
+            "leases only in the lease namespace",
+        ),
+        ask(
+            "flotilla-gateway",
+            "get",
+            "secrets",
+            Some(HUB_NAMESPACE),
+            "no secrets",
+        ),
+        ask(
+            "flotilla-hub",
+            "update",
+            "leases.coordination.k8s.io",
+            Some(HUB_NAMESPACE),
+            "the hub never claims a shard",
+        ),
+        ask(
+            "flotilla-hub",
+            "get",
+            "secrets",
+            Some(HUB_NAMESPACE),
+            "no secrets",
+        ),
+        ask(
+            "flotilla-agent",
+            "get",
+            "secrets",
+            Some(AGENT_NAMESPACE),
+            "beyond its own needs, only the apply role",
+        ),
+        ask(
+            "flotilla-agent",
+            "get",
+            "namespaces/default",
+            None,
+            "only kube-system's uid",
+        ),
     ];
 
     let env = &installed.env;
@@ -456,7 +651,10 @@ async fn rbac_covers_every_call_the_code_makes() -> anyhow::Result<()> {
 
 /// `kubectl auth can-i` as the question's ServiceAccount: yes (exit 0) or no (exit 1).
 async fn can_i(env: &TestEnv, q: &Question) -> anyhow::Result<bool> {
-    let who = format!("--as=system:serviceaccount:{}:{}", q.namespace_of_who, q.who);
+    let who = format!(
+        "--as=system:serviceaccount:{}:{}",
+        q.namespace_of_who, q.who
+    );
     let (resource, subresource) = match q.resource.split_once('/') {
         // namespaces/kube-system is a resource name, not a subresource.
         Some((resource, name)) if resource == "namespaces" => (format!("{resource}/{name}"), None),
@@ -528,8 +726,7 @@ async fn manifests_use_only_flags_and_variables_the_binaries_have() -> anyhow::R
             for variable in variables(container, &config_maps) {
                 let listed = help.contains(&format!("env: {variable}="))
                     || help.contains(&format!("env: {variable}]"));
-                if !listed && !VARIABLES_NOT_FLAGS.contains(&variable.as_str())
-                {
+                if !listed && !VARIABLES_NOT_FLAGS.contains(&variable.as_str()) {
                     problems.push(format!(
                         "{}: {binary} {} reads no variable {variable}",
                         container.name,
@@ -539,8 +736,15 @@ async fn manifests_use_only_flags_and_variables_the_binaries_have() -> anyhow::R
             }
         }
     }
-    ensure!(containers == 3, "found {containers} containers, want hub, gateway and agent");
-    ensure!(problems.is_empty(), "manifests:\n  {}", problems.join("\n  "));
+    ensure!(
+        containers == 3,
+        "found {containers} containers, want hub, gateway and agent"
+    );
+    ensure!(
+        problems.is_empty(),
+        "manifests:\n  {}",
+        problems.join("\n  ")
+    );
     Ok(())
 }
 
@@ -551,7 +755,10 @@ fn help(binary: &str, subcommand: &[&str]) -> anyhow::Result<String> {
         .arg("--help")
         .output()
         .with_context(|| format!("running {binary} --help"))?;
-    ensure!(out.status.success(), "{binary} {subcommand:?} --help failed");
+    ensure!(
+        out.status.success(),
+        "{binary} {subcommand:?} --help failed"
+    );
     Ok(String::from_utf8(out.stdout)?)
 }
 
@@ -594,7 +801,10 @@ fn established(crd: &CustomResourceDefinition) -> bool {
     crd.status
         .as_ref()
         .and_then(|s| s.conditions.as_ref())
-        .is_some_and(|c| c.iter().any(|c| c.type_ == "Established" && c.status == "True"))
+        .is_some_and(|c| {
+            c.iter()
+                .any(|c| c.type_ == "Established" && c.status == "True")
+        })
 }
 
 fn pod_spec(deployment: &Deployment) -> anyhow::Result<&PodSpec> {
@@ -658,7 +868,10 @@ fn pod_problems(deployment: &str, pod: &PodSpec) -> Vec<String> {
             problem("seccomp profile is not RuntimeDefault".into());
         }
         let resources = container.resources.clone().unwrap_or_default();
-        for (which, values) in [("requests", &resources.requests), ("limits", &resources.limits)] {
+        for (which, values) in [
+            ("requests", &resources.requests),
+            ("limits", &resources.limits),
+        ] {
             for resource in ["cpu", "memory"] {
                 if !values.as_ref().is_some_and(|v| v.contains_key(resource)) {
                     problem(format!("no {resource} in resources.{which}"));
