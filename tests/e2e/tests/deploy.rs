@@ -688,11 +688,12 @@ const FLAGS_FROM_THE_METRICS_WORK: &[&str] = &["--metrics-addr"];
 /// setup reads, and the pod IP the gateway's advertised address is made of.
 const VARIABLES_NOT_FLAGS: &[&str] = &["RUST_LOG", "FLOTILLA_LOG_FORMAT", "POD_IP"];
 
-/// Every flag a container passes and every variable it sets (directly or from its ConfigMap) is
-/// one its binary's `--help` lists, so a renamed or removed flag cannot leave a manifest that
-/// crash-loops.
+/// Every binary a container runs is one the image (deploy/Dockerfile) copies in, and every flag
+/// it passes and every variable it sets (directly or from its ConfigMap) is one that binary's
+/// `--help` lists, so a renamed or removed flag cannot leave a manifest that crash-loops.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn manifests_use_only_flags_and_variables_the_binaries_have() -> anyhow::Result<()> {
+    let dockerfile = std::fs::read_to_string(workspace_root().join("deploy/Dockerfile"))?;
     let dir = tempfile::tempdir()?;
     let mut objects = documents(&render(dir.path(), "").await?)?;
     objects.extend(documents(&render(dir.path(), "agent").await?)?);
@@ -716,6 +717,14 @@ async fn manifests_use_only_flags_and_variables_the_binaries_have() -> anyhow::R
                 .take_while(|a| !a.starts_with('-'))
                 .map(String::as_str)
                 .collect();
+            if !dockerfile.contains(&format!("target/release/{binary} "))
+                && !dockerfile.contains(&format!("target/release/{binary}\n"))
+            {
+                problems.push(format!(
+                    "{}: deploy/Dockerfile does not copy {binary} into the image",
+                    container.name
+                ));
+            }
             let help = help(binary, &subcommand)?;
             for flag in args.iter().filter(|a| a.starts_with("--")) {
                 let name = flag.split('=').next().unwrap_or_default();
