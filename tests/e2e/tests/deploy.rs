@@ -20,7 +20,7 @@ use flotilla_testenv::{TestEnv, workspace_root};
 use futures::StreamExt as _;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{
-    ConfigMap, Container, PersistentVolumeClaim, PodSpec, Probe, Service,
+    ConfigMap, Container, PersistentVolumeClaim, PodSpec, Probe, Service, ServiceAccount,
 };
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -614,6 +614,27 @@ async fn rbac_covers_every_call_the_code_makes() -> anyhow::Result<()> {
         ),
     ];
 
+    // The accounts asked about are the ones the pods run as.
+    let client = installed.env.client().await?;
+    for (namespace, name) in [
+        (HUB_NAMESPACE, "flotilla-hub"),
+        (HUB_NAMESPACE, "flotilla-gateway"),
+        (AGENT_NAMESPACE, "flotilla-agent"),
+    ] {
+        let deployment = Api::<Deployment>::namespaced(client.clone(), namespace)
+            .get(name)
+            .await?;
+        let account = pod_spec(&deployment)?.service_account_name.clone();
+        ensure!(
+            account.as_deref() == Some(name),
+            "Deployment {namespace}/{name} runs as ServiceAccount {account:?}, the RBAC binds {name}"
+        );
+        Api::<ServiceAccount>::namespaced(client.clone(), namespace)
+            .get(name)
+            .await
+            .with_context(|| format!("ServiceAccount {namespace}/{name}"))?;
+    }
+
     let env = &installed.env;
     let answers: Vec<(bool, Question, bool)> = futures::stream::iter(
         granted
@@ -753,6 +774,52 @@ async fn manifests_use_only_flags_and_variables_the_binaries_have() -> anyhow::R
         problems.is_empty(),
         "manifests:\n  {}",
         problems.join("\n  ")
+    );
+    Ok(())
+}
+
+/// Every Secret a pod mounts or reads a variable from is one docs/operations.md (Install) tells
+/// the operator to create, with the key the pod reads; without it the pod never starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_install_guide_creates_every_secret_the_pods_need() -> anyhow::Result<()> {
+    let guide = std::fs::read_to_string(workspace_root().join("docs/operations.md"))?;
+    let dir = tempfile::tempdir()?;
+    let mut objects = documents(&render(dir.path(), "").await?)?;
+    objects.extend(documents(&render(dir.path(), "agent").await?)?);
+    let mut secrets = Vec::new();
+    for object in objects.iter().filter(|o| o["kind"] == "Deployment") {
+        let deployment: Deployment = serde_json::from_value(object.clone())?;
+        let pod = pod_spec(&deployment)?;
+        for volume in pod.volumes.iter().flatten() {
+            if let Some(name) = volume.secret.as_ref().and_then(|s| s.secret_name.clone()) {
+                secrets.push(format!("create secret generic {name}"));
+            }
+        }
+        let containers = pod.init_containers.iter().flatten().chain(&pod.containers);
+        for variable in containers.flat_map(|c| c.env.iter().flatten()) {
+            let reference = variable
+                .value_from
+                .as_ref()
+                .and_then(|v| v.secret_key_ref.as_ref());
+            if let Some(reference) = reference {
+                secrets.push(format!(
+                    "create secret generic {} --from-literal={}=",
+                    reference.name, reference.key
+                ));
+            }
+        }
+    }
+    ensure!(
+        secrets.len() == 3,
+        "found the Secrets {secrets:?}, want the hub CA, the gateways' TLS and the agent's token"
+    );
+    let missing: Vec<&String> = secrets
+        .iter()
+        .filter(|s| !guide.contains(s.as_str()))
+        .collect();
+    ensure!(
+        missing.is_empty(),
+        "docs/operations.md does not say to run kubectl {missing:?}"
     );
     Ok(())
 }
