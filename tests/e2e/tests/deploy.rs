@@ -705,6 +705,14 @@ async fn can_i(env: &TestEnv, q: &Question) -> anyhow::Result<bool> {
 /// Flags the manifests pass that come with the metrics endpoints, built beside deploy/ on
 /// another branch: accepted here while a binary's `--help` does not list them yet.
 const FLAGS_FROM_THE_METRICS_WORK: &[&str] = &["--metrics-addr"];
+/// Every object of the hub side and of the agent, as rendered (nothing applied).
+async fn rendered() -> anyhow::Result<Vec<Value>> {
+    let dir = tempfile::tempdir()?;
+    let mut objects = documents(&render(dir.path(), "").await?)?;
+    objects.extend(documents(&render(dir.path(), "agent").await?)?);
+    Ok(objects)
+}
+
 /// Variables the manifests set that no flag reads: the log settings every binary's tracing
 /// setup reads, and the pod IP the gateway's advertised address is made of.
 const VARIABLES_NOT_FLAGS: &[&str] = &["RUST_LOG", "FLOTILLA_LOG_FORMAT", "POD_IP"];
@@ -715,9 +723,7 @@ const VARIABLES_NOT_FLAGS: &[&str] = &["RUST_LOG", "FLOTILLA_LOG_FORMAT", "POD_I
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn manifests_use_only_flags_and_variables_the_binaries_have() -> anyhow::Result<()> {
     let dockerfile = std::fs::read_to_string(workspace_root().join("deploy/Dockerfile"))?;
-    let dir = tempfile::tempdir()?;
-    let mut objects = documents(&render(dir.path(), "").await?)?;
-    objects.extend(documents(&render(dir.path(), "agent").await?)?);
+    let objects = rendered().await?;
     let config_maps: Vec<ConfigMap> = objects
         .iter()
         .filter(|o| o["kind"] == "ConfigMap")
@@ -783,9 +789,7 @@ async fn manifests_use_only_flags_and_variables_the_binaries_have() -> anyhow::R
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_install_guide_creates_every_secret_the_pods_need() -> anyhow::Result<()> {
     let guide = std::fs::read_to_string(workspace_root().join("docs/operations.md"))?;
-    let dir = tempfile::tempdir()?;
-    let mut objects = documents(&render(dir.path(), "").await?)?;
-    objects.extend(documents(&render(dir.path(), "agent").await?)?);
+    let objects = rendered().await?;
     let mut secrets = Vec::new();
     for object in objects.iter().filter(|o| o["kind"] == "Deployment") {
         let deployment: Deployment = serde_json::from_value(object.clone())?;
