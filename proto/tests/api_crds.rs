@@ -37,7 +37,10 @@ fn generated() -> BTreeMap<String, String> {
         .collect()
 }
 
-/// The `.yaml` files now in deploy/crds, by name.
+/// kustomize's file in deploy/crds, which lists the hub's CRDs: written by hand, not a CRD.
+const KUSTOMIZATION: &str = "kustomization.yaml";
+
+/// The `.yaml` files now in deploy/crds, by name (all but [`KUSTOMIZATION`]).
 fn committed() -> BTreeMap<String, String> {
     let mut files = BTreeMap::new();
     let Ok(dir) = std::fs::read_dir(crd_dir()) else {
@@ -45,7 +48,9 @@ fn committed() -> BTreeMap<String, String> {
     };
     for entry in dir {
         let path = entry.expect("read deploy/crds").path();
-        if path.extension().is_some_and(|e| e == "yaml") {
+        if path.extension().is_some_and(|e| e == "yaml")
+            && path.file_name().is_some_and(|n| n != KUSTOMIZATION)
+        {
             let name = path
                 .file_name()
                 .expect("file name")
