@@ -21,6 +21,7 @@ use crate::certificates::ClusterCertificates;
 use crate::desired::DesiredState;
 use crate::driver::drive;
 use crate::health::{HealthReports, HealthWriter};
+use crate::metrics::GatewayMetrics;
 use crate::registry::Registry;
 use crate::route::{Away, TunnelError};
 use crate::shards::{ShardLeasing, ShardView};
@@ -145,6 +146,8 @@ pub(crate) struct Shared {
     pub(crate) shards: watch::Sender<Arc<ShardView>>,
     /// The lease driver, until `serve` takes it to run.
     leasing: tokio::sync::Mutex<Option<ShardLeasing>>,
+    /// What `/metrics` shows of the gateway; the store above already counts into it.
+    pub(crate) metrics: GatewayMetrics,
 }
 
 impl Gateway {
@@ -167,6 +170,9 @@ impl Gateway {
         config: GatewayConfig,
         certificates: Option<Arc<dyn ClusterCertificates>>,
     ) -> Gateway {
+        let metrics = GatewayMetrics::new();
+        // Every request the gateway's parts make, counted by verb.
+        let store = metrics.metered(store);
         let admissions = Admissions::new();
         let shards = watch::Sender::new(Arc::new(ShardView::all(
             flotilla_proto::contract::DEFAULT_SHARDS,
@@ -194,6 +200,7 @@ impl Gateway {
                 health_writer: tokio::sync::Mutex::new(Some(health_writer)),
                 shards,
                 leasing: tokio::sync::Mutex::new(None),
+                metrics,
             }),
         }
     }
@@ -227,6 +234,37 @@ impl Gateway {
         for h in self.shared.registry.all().await {
             h.mailbox.trust_bundle(bundle.clone()).await;
         }
+    }
+
+    /// The gateway's metrics, to register where `/metrics` is served.
+    pub fn metrics(&self) -> &GatewayMetrics {
+        &self.shared.metrics
+    }
+
+    /// Sets the gauges read at scrape time (the status write queue, the shards held). Never
+    /// waits: a queue locked at that instant keeps its last value.
+    pub fn refresh_metrics(&self) {
+        let shared = &self.shared;
+        if let Some(depth) = shared.statuses.pending_len() {
+            shared.metrics.status_queue.set(depth as i64);
+        }
+        let held = shared.shards.borrow().held(Instant::now()).len();
+        shared.metrics.shards_owned.set(held as i64);
+    }
+
+    /// What the gateway needs before it can serve sessions: both watch caches listed from the
+    /// store (which is then reachable). Until then sessions wait, and `/readyz` says why.
+    pub fn readiness(&self) -> Vec<flotilla_ops::ReadyFlag> {
+        vec![
+            flotilla_ops::ReadyFlag::watching(
+                "the ManagedCluster watch cache (admissions) has not listed from the store yet",
+                self.shared.admissions.ready(),
+            ),
+            flotilla_ops::ReadyFlag::watching(
+                "the ManifestWork watch cache (desired state) has not listed from the store yet",
+                self.shared.desired.ready(),
+            ),
+        ]
     }
 
     /// Number of live sessions.

@@ -43,7 +43,7 @@ pub struct MetricsArgs {
     /// every name under flotilla_), /healthz (alive) and /readyz (ready to serve; 503 with what
     /// is missing otherwise). No TLS and no client certificate: bind it to loopback or to the
     /// pod's address, not to the internet. Off when not given.
-    #[arg(long, env = "FLOTILLA_METRICS_ADDR")]
+    #[arg(long)]
     pub metrics_addr: Option<SocketAddr>,
     /// How log lines are written to stderr: text (one line per event) or json (one object per
     /// line, for log collectors). RUST_LOG filters either (default info).

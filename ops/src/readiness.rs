@@ -6,13 +6,22 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use tokio::sync::watch;
+
 /// One condition of readiness, raised by the part that meets it. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct ReadyFlag {
     /// What is missing while the flag is down, as `/readyz` says it: "the ManifestWork watch
     /// cache has not listed from the store yet".
     missing: &'static str,
-    ready: Arc<AtomicBool>,
+    ready: Source,
+}
+
+#[derive(Clone, Debug)]
+enum Source {
+    Flag(Arc<AtomicBool>),
+    /// A part that already keeps its readiness in a watch channel (for its own waiters).
+    Watch(watch::Receiver<bool>),
 }
 
 impl ReadyFlag {
@@ -20,17 +29,30 @@ impl ReadyFlag {
     pub fn new(missing: &'static str) -> ReadyFlag {
         ReadyFlag {
             missing,
-            ready: Arc::new(AtomicBool::new(false)),
+            ready: Source::Flag(Arc::new(AtomicBool::new(false))),
         }
     }
 
-    /// Raises (or lowers) the flag.
+    /// A condition that holds while `ready` says true.
+    pub fn watching(missing: &'static str, ready: watch::Receiver<bool>) -> ReadyFlag {
+        ReadyFlag {
+            missing,
+            ready: Source::Watch(ready),
+        }
+    }
+
+    /// Raises (or lowers) the flag; a flag that follows a watch channel ignores this.
     pub fn set(&self, ready: bool) {
-        self.ready.store(ready, Ordering::Release);
+        if let Source::Flag(flag) = &self.ready {
+            flag.store(ready, Ordering::Release);
+        }
     }
 
     pub fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::Acquire)
+        match &self.ready {
+            Source::Flag(flag) => flag.load(Ordering::Acquire),
+            Source::Watch(rx) => *rx.borrow(),
+        }
     }
 
     /// What is missing while the flag is down.
