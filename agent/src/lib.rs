@@ -38,6 +38,7 @@ pub mod feedback;
 pub mod identity;
 pub mod join;
 pub mod jsonpath;
+pub mod metrics;
 pub mod reconcile;
 pub mod refusal;
 pub mod session;
