@@ -1059,4 +1059,59 @@ mod tests {
         let _ = stop.send(());
         task.await.unwrap();
     }
+
+    /// `/readyz` of the agent: the first-pass flag goes up only once every work the cache held
+    /// at start is on the spoke with its status recorded, and at once for an empty cache.
+    #[tokio::test]
+    async fn ready_once_the_works_cached_at_start_are_applied() {
+        for works in [0, 3] {
+            let cache = cache();
+            let cluster = Arc::new(MemoryCluster::new());
+            for n in 0..works {
+                let uid = format!("w{n}");
+                put(
+                    &cache,
+                    &uid,
+                    1,
+                    vec![configmap(&format!("cm{n}"))],
+                    Value::Null,
+                )
+                .await;
+            }
+            let (reconciler, _handle) = Reconciler::new(
+                Arc::clone(&cache),
+                cluster.clone(),
+                ReconcilerConfig {
+                    concurrency: 1,
+                    ..ReconcilerConfig::default()
+                },
+                Arc::new(Notify::new()),
+                Box::new(NoJitter),
+            );
+            let ready = ReadyFlag::new("the first pass");
+            let reconciler = reconciler.with_first_pass(ready.clone());
+            assert!(!ready.is_ready());
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            let task = tokio::spawn(reconciler.run(async {
+                let _ = stopped.await;
+            }));
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !ready.is_ready() {
+                assert!(Instant::now() < deadline, "never ready with {works} works");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            for n in 0..works {
+                assert!(
+                    cluster.get(&cm_id(&format!("cm{n}"))).await.is_some(),
+                    "cm{n} not applied"
+                );
+                assert!(
+                    cache.last_status(&format!("w{n}")).unwrap().is_some(),
+                    "w{n} has no status"
+                );
+            }
+            let _ = stop.send(());
+            task.await.unwrap();
+        }
+    }
 }

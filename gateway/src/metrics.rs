@@ -21,11 +21,13 @@ use prometheus_client::registry::Registry;
 type Labels = [(&'static str, &'static str); 1];
 
 /// The gateway's metrics. Cheap to clone: clones count into the same series.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct GatewayMetrics {
     sessions: Family<Labels, Gauge>,
     reconnects: Counter,
     refused: Family<Labels, Counter>,
+    /// `refused`'s series in [`REFUSALS`] order, resolved once.
+    refused_by: [Counter; REFUSALS.len()],
     store_requests: Family<Labels, Counter>,
     /// Set at each scrape from the status writer.
     pub(crate) status_queue: Gauge,
@@ -35,18 +37,22 @@ pub struct GatewayMetrics {
 
 impl GatewayMetrics {
     pub fn new() -> GatewayMetrics {
-        let metrics = GatewayMetrics::default();
+        let refused = Family::<Labels, Counter>::default();
+        let metrics = GatewayMetrics {
+            sessions: Family::default(),
+            reconnects: Counter::default(),
+            refused_by: REFUSALS.map(|r| refused.get_or_create_owned(&[("reason", reason(r))])),
+            refused,
+            store_requests: Family::default(),
+            status_queue: Gauge::default(),
+            shards_owned: Gauge::default(),
+        };
         // Every series from the start: a rate() over a series that appears late misses its
         // first increase, and a dashboard shows 0 rather than nothing.
         for carrier in [Carrier::Grpc, Carrier::Quic] {
             let _ = metrics
                 .sessions
                 .get_or_create_owned(&[("transport", transport(carrier))]);
-        }
-        for refusal in REFUSALS {
-            let _ = metrics
-                .refused
-                .get_or_create_owned(&[("reason", reason(refusal))]);
         }
         for verb in Verb::ALL {
             let _ = metrics
@@ -103,9 +109,10 @@ impl GatewayMetrics {
     }
 
     pub(crate) fn refused(&self, refusal: Refusal) {
-        self.refused
-            .get_or_create(&[("reason", reason(refusal))])
-            .inc();
+        let at = REFUSALS.iter().position(|r| *r == refusal);
+        if let Some(counter) = at.and_then(|i| self.refused_by.get(i)) {
+            counter.inc();
+        }
     }
 
     /// `store` with every request counted.
@@ -118,6 +125,12 @@ impl GatewayMetrics {
             inner: store,
             counters,
         })
+    }
+}
+
+impl Default for GatewayMetrics {
+    fn default() -> GatewayMetrics {
+        GatewayMetrics::new()
     }
 }
 
@@ -144,12 +157,13 @@ fn transport(carrier: Carrier) -> &'static str {
     }
 }
 
-const REFUSALS: [Refusal; 5] = [
+const REFUSALS: [Refusal; 6] = [
     Refusal::ClusterNotRegistered,
     Refusal::ClusterDenied,
     Refusal::ClusterNotAccepted,
     Refusal::KeyNotRegistered,
     Refusal::NotAnAgent,
+    Refusal::Unspecified,
 ];
 
 /// The label value of a refusal: its protocol name in lower case.
@@ -279,5 +293,63 @@ impl Store for MeteredStore {
         // A get, then a create when missing, on the apiserver; counted as the get.
         self.count(Verb::Get);
         self.inner.ensure_namespace(name).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn page(metrics: &GatewayMetrics) -> flotilla_ops::exposition::Exposition {
+        let mut registry = flotilla_ops::registry();
+        metrics.register(&mut registry);
+        let endpoint = flotilla_ops::Endpoint::new(registry, flotilla_ops::Readiness::default());
+        flotilla_ops::exposition::check(&endpoint.metrics_text()).expect("a valid page")
+    }
+
+    #[tokio::test]
+    async fn requests_refusals_and_sessions_land_in_their_own_series() {
+        let dir = tempfile::tempdir().unwrap();
+        let metrics = GatewayMetrics::new();
+        let store = metrics.metered(Arc::new(
+            flotilla_store::SledStore::open(&dir.path().join("store")).unwrap(),
+        ));
+        store.list(Kind::ManagedCluster, None).await.unwrap();
+        store.list(Kind::ManifestWork, None).await.unwrap();
+        store
+            .get(Kind::ManagedCluster, None, "store-1")
+            .await
+            .unwrap();
+        metrics.refused(Refusal::ClusterDenied);
+        let open = OpenSession::new(metrics.sessions_on(Carrier::Quic));
+
+        let p = page(&metrics);
+        let requests = |verb| p.value("flotilla_gateway_store_requests_total", &[("verb", verb)]);
+        assert_eq!(requests("list"), Some(2.0));
+        assert_eq!(requests("get"), Some(1.0));
+        assert_eq!(requests("update_status"), Some(0.0));
+        let refused = |reason| {
+            p.value(
+                "flotilla_gateway_admissions_refused_total",
+                &[("reason", reason)],
+            )
+        };
+        assert_eq!(refused("cluster_denied"), Some(1.0));
+        assert_eq!(refused("key_not_registered"), Some(0.0));
+        assert_eq!(
+            p.value("flotilla_gateway_sessions", &[("transport", "quic")]),
+            Some(1.0)
+        );
+        assert_eq!(
+            p.value("flotilla_gateway_sessions", &[("transport", "grpc")]),
+            Some(0.0)
+        );
+
+        drop(open);
+        let p = page(&metrics);
+        assert_eq!(
+            p.value("flotilla_gateway_sessions", &[("transport", "quic")]),
+            Some(0.0)
+        );
     }
 }

@@ -458,3 +458,41 @@ impl Gateway {
         drivers.spawn(drive(self.shared.clone(), session, session_id).instrument(span));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The gauges read at scrape time: statuses waiting for the writer (not running here, so
+    /// they wait), and the shards held (all of them without leases).
+    #[tokio::test]
+    async fn the_status_queue_and_the_shards_are_read_at_each_scrape() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = flotilla_store::SledStore::open(dir.path().join("store")).unwrap();
+        let gateway = Gateway::new(Arc::new(store), GatewayConfig::default());
+        for (name, uid) in [("a", "uid-a"), ("b", "uid-b")] {
+            gateway
+                .shared
+                .statuses
+                .submit("store-1", name, uid, 1, b"{}")
+                .await
+                .unwrap();
+        }
+        let mut registry = flotilla_ops::registry();
+        gateway.metrics().register(&mut registry);
+        let endpoint = crate::process::endpoint(&gateway, registry, gateway.readiness());
+        let page = flotilla_ops::exposition::check(&endpoint.metrics_text()).unwrap();
+        assert_eq!(
+            page.value("flotilla_gateway_status_write_queue_depth", &[]),
+            Some(2.0)
+        );
+        assert_eq!(
+            page.value("flotilla_gateway_shards_owned", &[]),
+            Some(f64::from(flotilla_proto::contract::DEFAULT_SHARDS))
+        );
+        // Nothing has listed: not ready, and the probe says which caches.
+        let (status, body) = endpoint.readyz();
+        assert_eq!(status, 503);
+        assert!(body.contains("ManagedCluster watch cache"), "{body}");
+    }
+}
