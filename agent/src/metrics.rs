@@ -164,14 +164,9 @@ mod tests {
     use super::*;
 
     fn cm(name: &str) -> AppliedResource {
-        AppliedResource {
-            group: String::new(),
-            version: "v1".into(),
-            kind: "ConfigMap".into(),
-            resource: "configmaps".into(),
-            namespace: "default".into(),
-            name: name.into(),
-        }
+        let id = serde_json::json!({"group": "", "version": "v1", "kind": "ConfigMap",
+            "resource": "configmaps", "namespace": "default", "name": name});
+        serde_json::from_value(id).unwrap()
     }
 
     #[test]

@@ -312,7 +312,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let metrics = GatewayMetrics::new();
         let store = metrics.metered(Arc::new(
-            flotilla_store::SledStore::open(&dir.path().join("store")).unwrap(),
+            flotilla_store::SledStore::open(dir.path().join("store")).unwrap(),
         ));
         store.list(Kind::ManagedCluster, None).await.unwrap();
         store.list(Kind::ManifestWork, None).await.unwrap();

@@ -647,6 +647,20 @@ pub fn decision_clusters<'a>(decisions: impl IntoIterator<Item = &'a Value>) -> 
     clusters
 }
 
+/// A fresh real apiserver with OCM's CRDs installed, for a hub's `--store kube`, and the path
+/// of its kubeconfig.
+pub async fn hub_apiserver() -> anyhow::Result<(flotilla_testenv::TestEnv, String)> {
+    let env = flotilla_testenv::TestEnv::start().await?;
+    env.install_crds(&flotilla_testenv::workspace_root().join("deploy/crds"))
+        .await?;
+    let kubeconfig = env
+        .kubeconfig_path()
+        .to_str()
+        .context("the kubeconfig path is not UTF-8")?
+        .to_string();
+    Ok((env, kubeconfig))
+}
+
 /// The hub under test and, for the kube backend, its apiserver: what an operator of either
 /// backend has in hand.
 pub struct Fleet {
@@ -668,14 +682,7 @@ impl Fleet {
                 hub_env: None,
             });
         }
-        let env = flotilla_testenv::TestEnv::start().await?;
-        env.install_crds(&flotilla_testenv::workspace_root().join("deploy/crds"))
-            .await?;
-        let kubeconfig = env
-            .kubeconfig_path()
-            .to_str()
-            .unwrap_or_default()
-            .to_string();
+        let (env, kubeconfig) = hub_apiserver().await?;
         let mut flags = vec!["--store=kube", "--kubeconfig", &kubeconfig];
         flags.extend_from_slice(extra);
         let hub = Hub::start(dir, &flags).await?;

@@ -7,10 +7,11 @@ use std::time::Duration;
 use anyhow::Context as _;
 use flotilla_e2e::spoke::Spoke;
 use flotilla_e2e::{
-    Fleet, GatewayProc, bin, free_port, http_get, on_both_carriers, scrape, start_agent, wait_for,
+    Fleet, GatewayProc, bin, free_port, http_get, hub_apiserver, on_both_carriers, scrape,
+    start_agent, wait_for,
 };
 use flotilla_ops::exposition::{Exposition, FamilyType};
-use flotilla_testenv::{TestEnv, workspace_root};
+use flotilla_testenv::workspace_root;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
@@ -195,14 +196,7 @@ on_both_carriers! {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_waits_for_the_first_list_from_the_store() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let env = TestEnv::start().await?;
-    env.install_crds(&workspace_root().join("deploy/crds"))
-        .await?;
-    let kubeconfig = env
-        .kubeconfig_path()
-        .to_str()
-        .unwrap_or_default()
-        .to_string();
+    let (env, kubeconfig) = hub_apiserver().await?;
     // The store answers nothing until SIGCONT: the hub starts, but cannot list.
     let apiserver = Pid::from_raw(env.apiserver_pid() as i32);
     kill(apiserver, Signal::SIGSTOP)?;
@@ -257,11 +251,9 @@ async fn readyz_waits_for_the_first_list_from_the_store() -> anyhow::Result<()> 
 async fn a_gateway_replica_serves_its_metrics_and_probes() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let d = dir.path();
-    let env = TestEnv::start().await?;
-    env.install_crds(&workspace_root().join("deploy/crds"))
-        .await?;
+    let (env, kc) = hub_apiserver().await?;
     let kubeconfig = env.kubeconfig_path().to_path_buf();
-    let kc = kubeconfig.to_str().unwrap_or_default();
+    let kc = kc.as_str();
     let shards = ["--shards=16", "--lease-duration=3s", "--renew-period=1s"];
     let mut hub_flags = vec![
         "--store=kube",
