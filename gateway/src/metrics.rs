@@ -29,6 +29,7 @@ pub struct GatewayMetrics {
     /// `refused`'s series in [`REFUSALS`] order, resolved once.
     refused_by: [Counter; REFUSALS.len()],
     store_requests: Family<Labels, Counter>,
+    store_errors: Family<Labels, Counter>,
     /// Set at each scrape from the status writer.
     pub(crate) status_queue: Gauge,
     /// Set at each scrape from the shard view.
@@ -44,6 +45,7 @@ impl GatewayMetrics {
             refused_by: REFUSALS.map(|r| refused.get_or_create_owned(&[("reason", reason(r))])),
             refused,
             store_requests: Family::default(),
+            store_errors: Family::default(),
             status_queue: Gauge::default(),
             shards_owned: Gauge::default(),
         };
@@ -57,6 +59,9 @@ impl GatewayMetrics {
         for verb in Verb::ALL {
             let _ = metrics
                 .store_requests
+                .get_or_create_owned(&[("verb", verb.name())]);
+            let _ = metrics
+                .store_errors
                 .get_or_create_owned(&[("verb", verb.name())]);
         }
         metrics
@@ -85,6 +90,12 @@ impl GatewayMetrics {
             "store_requests",
             "Requests this gateway made to the hub's store, by verb",
             self.store_requests.clone(),
+        );
+        r.register(
+            "store_request_errors",
+            "Requests to the hub's store that failed (unreachable, refused, conflicts), by verb: \
+             a gateway keeps serving sessions from its caches while the store is away",
+            self.store_errors.clone(),
         );
         r.register(
             "status_write_queue_depth",
@@ -117,13 +128,16 @@ impl GatewayMetrics {
 
     /// `store` with every request counted.
     pub(crate) fn metered(&self, store: Arc<dyn Store>) -> Arc<dyn Store> {
-        let counters = Verb::ALL.map(|v| {
+        let requests = Verb::ALL.map(|v| {
             self.store_requests
                 .get_or_create_owned(&[("verb", v.name())])
         });
+        let errors =
+            Verb::ALL.map(|v| self.store_errors.get_or_create_owned(&[("verb", v.name())]));
         Arc::new(MeteredStore {
             inner: store,
-            counters,
+            requests,
+            errors,
         })
     }
 }
@@ -216,15 +230,25 @@ impl Verb {
     }
 }
 
-/// A store that counts each request by verb before passing it on.
+/// A store that counts each request, and each failed one, by verb.
 struct MeteredStore {
     inner: Arc<dyn Store>,
-    counters: [Counter; 7],
+    requests: [Counter; Verb::ALL.len()],
+    errors: [Counter; Verb::ALL.len()],
 }
 
 impl MeteredStore {
-    fn count(&self, verb: Verb) {
-        self.counters[verb as usize].inc();
+    async fn counted<T>(
+        &self,
+        verb: Verb,
+        request: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        self.requests[verb as usize].inc();
+        let result = request.await;
+        if result.is_err() {
+            self.errors[verb as usize].inc();
+        }
+        result
     }
 }
 
@@ -236,13 +260,13 @@ impl Store for MeteredStore {
         namespace: Option<&str>,
         name: &str,
     ) -> Result<Option<Object>, StoreError> {
-        self.count(Verb::Get);
-        self.inner.get(kind, namespace, name).await
+        self.counted(Verb::Get, self.inner.get(kind, namespace, name))
+            .await
     }
 
     async fn list(&self, kind: Kind, namespace: Option<&str>) -> Result<ObjectList, StoreError> {
-        self.count(Verb::List);
-        self.inner.list(kind, namespace).await
+        self.counted(Verb::List, self.inner.list(kind, namespace))
+            .await
     }
 
     async fn watch(
@@ -251,18 +275,17 @@ impl Store for MeteredStore {
         namespace: Option<&str>,
         from: Option<Revision>,
     ) -> Result<WatchStream, StoreError> {
-        self.count(Verb::Watch);
-        self.inner.watch(kind, namespace, from).await
+        self.counted(Verb::Watch, self.inner.watch(kind, namespace, from))
+            .await
     }
 
     async fn create(&self, object: Object) -> Result<Object, StoreError> {
-        self.count(Verb::Create);
-        self.inner.create(object).await
+        self.counted(Verb::Create, self.inner.create(object)).await
     }
 
     async fn update_spec(&self, object: Object) -> Result<Object, StoreError> {
-        self.count(Verb::Update);
-        self.inner.update_spec(object).await
+        self.counted(Verb::Update, self.inner.update_spec(object))
+            .await
     }
 
     async fn update_status(
@@ -273,10 +296,12 @@ impl Store for MeteredStore {
         status: serde_json::Value,
         expected: Option<&Revision>,
     ) -> Result<Object, StoreError> {
-        self.count(Verb::UpdateStatus);
-        self.inner
-            .update_status(kind, namespace, name, status, expected)
-            .await
+        self.counted(
+            Verb::UpdateStatus,
+            self.inner
+                .update_status(kind, namespace, name, status, expected),
+        )
+        .await
     }
 
     async fn delete(
@@ -285,14 +310,14 @@ impl Store for MeteredStore {
         namespace: Option<&str>,
         name: &str,
     ) -> Result<(), StoreError> {
-        self.count(Verb::Delete);
-        self.inner.delete(kind, namespace, name).await
+        self.counted(Verb::Delete, self.inner.delete(kind, namespace, name))
+            .await
     }
 
     async fn ensure_namespace(&self, name: &str) -> Result<(), StoreError> {
         // A get, then a create when missing, on the apiserver; counted as the get.
-        self.count(Verb::Get);
-        self.inner.ensure_namespace(name).await
+        self.counted(Verb::Get, self.inner.ensure_namespace(name))
+            .await
     }
 }
 
@@ -320,13 +345,22 @@ mod tests {
             .get(Kind::ManagedCluster, None, "store-1")
             .await
             .unwrap();
+        // A namespaced kind without its namespace: refused by the store, counted as failed.
+        store.get(Kind::ManifestWork, None, "w").await.unwrap_err();
         metrics.refused(Refusal::ClusterDenied);
         let open = OpenSession::new(metrics.sessions_on(Carrier::Quic));
 
         let p = page(&metrics);
         let requests = |verb| p.value("flotilla_gateway_store_requests_total", &[("verb", verb)]);
         assert_eq!(requests("list"), Some(2.0));
-        assert_eq!(requests("get"), Some(1.0));
+        assert_eq!(requests("get"), Some(2.0));
+        let errors = |verb| {
+            p.value(
+                "flotilla_gateway_store_request_errors_total",
+                &[("verb", verb)],
+            )
+        };
+        assert_eq!((errors("get"), errors("list")), (Some(1.0), Some(0.0)));
         assert_eq!(requests("update_status"), Some(0.0));
         let refused = |reason| {
             p.value(

@@ -19,11 +19,12 @@ const SEED_WORK: &str = "proto/tests/fixtures/manifestwork_my_first_work.yaml";
 const WAIT: Duration = Duration::from_secs(60);
 
 /// Every metric the hub serves (its own and its in-process gateway's), with its type.
-const HUB_FAMILIES: [(&str, FamilyType); 10] = [
+const HUB_FAMILIES: [(&str, FamilyType); 11] = [
     ("flotilla_gateway_sessions", FamilyType::Gauge),
     ("flotilla_gateway_session_reconnects", FamilyType::Counter),
     ("flotilla_gateway_admissions_refused", FamilyType::Counter),
     ("flotilla_gateway_store_requests", FamilyType::Counter),
+    ("flotilla_gateway_store_request_errors", FamilyType::Counter),
     (
         "flotilla_gateway_status_write_queue_depth",
         FamilyType::Gauge,
@@ -297,7 +298,7 @@ async fn a_gateway_replica_serves_its_metrics_and_probes() -> anyhow::Result<()>
     })
     .await?;
     let page = scrape(&metrics).await?;
-    has_families(&page, &HUB_FAMILIES[..6]);
+    has_families(&page, &HUB_FAMILIES[..7]);
     // Its store requests: the lists and watches of its caches, at least.
     assert!(
         page.value("flotilla_gateway_store_requests_total", &[("verb", "list")])
