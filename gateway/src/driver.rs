@@ -33,10 +33,12 @@ const FINAL_FLUSH: Duration = Duration::from_secs(2);
 
 /// The result of work done beside the loop.
 enum Done {
-    /// Admitted and registered; the cluster's desired state to sync.
-    Synced(Vec<DesiredWork>),
-    /// [`Done::Synced`] for a cluster that had a session here before.
-    Resynced(Vec<DesiredWork>),
+    /// Admitted and registered; the cluster's desired state to sync. `reconnect`: the cluster
+    /// had a session on this gateway before (it ended, or this one replaces it).
+    Synced {
+        snapshot: Vec<DesiredWork>,
+        reconnect: bool,
+    },
     /// Not (or no longer) admitted.
     Refused(AdmissionRefusal),
     /// This gateway does not act for the cluster's shard: come back after `retry_after`, at
@@ -239,12 +241,10 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
             },
             _ = sleep_until(deadline) => machine.handle_timeout(Instant::now()),
             Some(done) = work.next(), if !work.is_empty() => match done {
-                Done::Synced(snapshot) => {
-                    open.get_or_insert_with(|| OpenSession::new(sessions.clone()));
-                    machine.begin_sync(snapshot);
-                }
-                Done::Resynced(snapshot) => {
-                    shared.metrics.reconnected();
+                Done::Synced { snapshot, reconnect } => {
+                    if reconnect {
+                        shared.metrics.reconnected();
+                    }
                     open.get_or_insert_with(|| OpenSession::new(sessions.clone()));
                     machine.begin_sync(snapshot);
                 }
@@ -357,11 +357,9 @@ async fn open_session(shared: Arc<Shared>, handle: SessionHandle, hello: wire::H
         })
         .await;
     shared.desired.wait_ready().await;
-    let snapshot = shared.desired.snapshot(&cluster).await;
-    if had_one {
-        Done::Resynced(snapshot)
-    } else {
-        Done::Synced(snapshot)
+    Done::Synced {
+        snapshot: shared.desired.snapshot(&cluster).await,
+        reconnect: had_one,
     }
 }
 

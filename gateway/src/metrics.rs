@@ -24,6 +24,8 @@ type Labels = [(&'static str, &'static str); 1];
 #[derive(Clone, Debug)]
 pub struct GatewayMetrics {
     sessions: Family<Labels, Gauge>,
+    /// `sessions`' series in [`CARRIERS`] order, resolved once.
+    sessions_by: [Gauge; CARRIERS.len()],
     reconnects: Counter,
     refused: Family<Labels, Counter>,
     /// `refused`'s series in [`REFUSALS`] order, resolved once.
@@ -39,8 +41,11 @@ pub struct GatewayMetrics {
 impl GatewayMetrics {
     pub fn new() -> GatewayMetrics {
         let refused = Family::<Labels, Counter>::default();
+        let sessions = Family::<Labels, Gauge>::default();
         let metrics = GatewayMetrics {
-            sessions: Family::default(),
+            sessions_by: CARRIERS
+                .map(|c| sessions.get_or_create_owned(&[("transport", transport(c))])),
+            sessions,
             reconnects: Counter::default(),
             refused_by: REFUSALS.map(|r| refused.get_or_create_owned(&[("reason", reason(r))])),
             refused,
@@ -51,11 +56,6 @@ impl GatewayMetrics {
         };
         // Every series from the start: a rate() over a series that appears late misses its
         // first increase, and a dashboard shows 0 rather than nothing.
-        for carrier in [Carrier::Grpc, Carrier::Quic] {
-            let _ = metrics
-                .sessions
-                .get_or_create_owned(&[("transport", transport(carrier))]);
-        }
         for verb in Verb::ALL {
             let _ = metrics
                 .store_requests
@@ -111,8 +111,10 @@ impl GatewayMetrics {
 
     /// The gauge of sessions open on `carrier`.
     pub(crate) fn sessions_on(&self, carrier: Carrier) -> Gauge {
-        self.sessions
-            .get_or_create_owned(&[("transport", transport(carrier))])
+        match carrier {
+            Carrier::Grpc => self.sessions_by[0].clone(),
+            Carrier::Quic => self.sessions_by[1].clone(),
+        }
     }
 
     pub(crate) fn reconnected(&self) {
@@ -170,6 +172,8 @@ fn transport(carrier: Carrier) -> &'static str {
         Carrier::Quic => "quic",
     }
 }
+
+const CARRIERS: [Carrier; 2] = [Carrier::Grpc, Carrier::Quic];
 
 const REFUSALS: [Refusal; 6] = [
     Refusal::ClusterNotRegistered,
