@@ -265,9 +265,11 @@ pub async fn run(
         let mut registry = flotilla_ops::registry();
         gateway.metrics().register(&mut registry);
         let endpoint = endpoint(&gateway, registry, gateway.readiness());
+        // Served until the process ends: through the drain, /readyz says "draining" and
+        // /healthz still answers.
         tasks.spawn(
             "the metrics endpoint",
-            serve_endpoint(address, endpoint, stopping.subscribe()).await?,
+            serve_endpoint(address, endpoint, std::future::pending()).await?,
         );
     }
     let serving = gateway.serve(Listeners { tcp: conns, quic }, None, async move {
@@ -311,20 +313,15 @@ pub fn endpoint(
         .refresh_with(move || refreshed.refresh_metrics())
 }
 
-/// Binds `address` and returns the task that serves `endpoint` there until `stop` turns true.
+/// Binds `address` and returns the task that serves `endpoint` there until `stop` completes.
 pub async fn serve_endpoint(
     address: SocketAddr,
     endpoint: flotilla_ops::Endpoint,
-    mut stop: tokio::sync::watch::Receiver<bool>,
+    stop: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<impl Future<Output = crate::supervise::TaskResult> + Send + 'static> {
     let listener = flotilla_ops::endpoint::bind(address).await?;
     info!(address = %listener.local_addr()?, "serving /metrics, /healthz and /readyz");
-    Ok(
-        flotilla_ops::serve(listener, Arc::new(endpoint), async move {
-            let _ = stop.wait_for(|s| *s).await;
-        })
-        .map(Ok),
-    )
+    Ok(flotilla_ops::serve(listener, Arc::new(endpoint), stop).map(Ok))
 }
 
 /// Completes on SIGTERM or Ctrl-C: the one shutdown trigger of every flotilla server binary.

@@ -253,9 +253,14 @@ impl Gateway {
     }
 
     /// What the gateway needs before it can serve sessions: both watch caches listed from the
-    /// store (which is then reachable). Until then sessions wait, and `/readyz` says why.
+    /// store (which is then reachable). Until then sessions wait, and `/readyz` says why. A
+    /// draining gateway is not ready either: a load balancer should send it no new agents.
     pub fn readiness(&self) -> Vec<flotilla_ops::ReadyFlag> {
         vec![
+            flotilla_ops::ReadyFlag::unless(
+                "the gateway is draining its sessions (shutting down)",
+                self.shared.draining.subscribe(),
+            ),
             flotilla_ops::ReadyFlag::watching(
                 "the ManagedCluster watch cache (admissions) has not listed from the store yet",
                 self.shared.admissions.ready(),
@@ -494,5 +499,9 @@ mod tests {
         let (status, body) = endpoint.readyz();
         assert_eq!(status, 503);
         assert!(body.contains("ManagedCluster watch cache"), "{body}");
+        assert!(!body.contains("draining"), "{body}");
+        gateway.shared.draining.send_replace(true);
+        let (_, body) = endpoint.readyz();
+        assert!(body.contains("the gateway is draining"), "{body}");
     }
 }

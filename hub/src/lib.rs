@@ -249,7 +249,7 @@ pub async fn run(
         agent_address: agent_address(&config, listen.agents),
         ca_changed,
     });
-    if let Some(listener) = metrics {
+    let _metrics_endpoint = if let Some(listener) = metrics {
         // The gateway's metrics and the fleet's gauges; ready once the gateway's caches and
         // the gauges' lists are loaded.
         let mut registry = flotilla_ops::registry();
@@ -268,11 +268,16 @@ pub async fn run(
             listed,
         ));
         let endpoint = flotilla_gateway::process::endpoint(&gateway, registry, readiness);
-        tasks.spawn(
-            "the metrics endpoint",
-            flotilla_ops::serve(listener, Arc::new(endpoint), stopped(stop_rx.clone())).map(Ok),
-        );
-    }
+        // Served until `run` returns, through the drain: /readyz then says "draining" and
+        // /healthz still answers. Not among `tasks`, which must all end for the hub to stop.
+        Some(EndsWithRun(tokio::spawn(flotilla_ops::serve(
+            listener,
+            Arc::new(endpoint),
+            std::future::pending(),
+        ))))
+    } else {
+        None
+    };
     // Placement, rollout and work TTL act on the store beside the gateway.
     tasks.spawn(
         "the hub's controllers",
@@ -331,6 +336,15 @@ pub async fn run(
         );
     }
     Ok(())
+}
+
+/// A task that lives as long as [`run`]: aborted when dropped, on every way out of it.
+struct EndsWithRun(tokio::task::JoinHandle<()>);
+
+impl Drop for EndsWithRun {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// The proxy front from the hub's flags: its access rules and tokens read now, its audit log

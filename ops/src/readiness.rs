@@ -22,6 +22,8 @@ enum Source {
     Flag(Arc<AtomicBool>),
     /// A part that already keeps its readiness in a watch channel (for its own waiters).
     Watch(watch::Receiver<bool>),
+    /// Ready while the channel says false (a process draining is not ready).
+    Unless(watch::Receiver<bool>),
 }
 
 impl ReadyFlag {
@@ -41,6 +43,14 @@ impl ReadyFlag {
         }
     }
 
+    /// A condition that holds while `not_ready` says false: "draining" for instance.
+    pub fn unless(missing: &'static str, not_ready: watch::Receiver<bool>) -> ReadyFlag {
+        ReadyFlag {
+            missing,
+            ready: Source::Unless(not_ready),
+        }
+    }
+
     /// Raises (or lowers) the flag; a flag that follows a watch channel ignores this.
     pub fn set(&self, ready: bool) {
         if let Source::Flag(flag) = &self.ready {
@@ -52,6 +62,7 @@ impl ReadyFlag {
         match &self.ready {
             Source::Flag(flag) => flag.load(Ordering::Acquire),
             Source::Watch(rx) => *rx.borrow(),
+            Source::Unless(rx) => !*rx.borrow(),
         }
     }
 
