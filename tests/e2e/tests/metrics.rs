@@ -313,3 +313,130 @@ async fn a_gateway_replica_serves_its_metrics_and_probes() -> anyhow::Result<()>
     );
     Ok(())
 }
+
+/// The hub's placement and rollout gauges: a Placement that selects nobody is counted until a
+/// label change gives it a decision; a ManifestWorkReplicaSet leaves `Pending` once its
+/// controller has judged the rollout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn placement_and_rollout_gauges_follow_the_fleet() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let d = dir.path();
+    let fleet = Fleet::start_with(d, false, &["--metrics-addr=127.0.0.1:0"]).await?;
+    let hub = fleet
+        .hub
+        .metrics_addr
+        .clone()
+        .context("no metrics address")?;
+    fleet.hub.dev_cert("cluster1", &d.join("cluster1"))?;
+    let _agent = start_agent(d, &fleet.hub, "cluster1", &d.join("cluster1"))?;
+    wait_value(
+        &hub,
+        "flotilla_hub_managedclusters",
+        &[("available", "True")],
+        |v| v == 1.0,
+    )
+    .await?;
+    assert_eq!(
+        value(&hub, "flotilla_hub_placements_without_decisions", &[]).await?,
+        0.0
+    );
+
+    fleet.apply(
+        &workspace_root().join("proto/tests/fixtures/managedclustersetbinding_default.yaml"),
+    )?;
+    let by_label = serde_json::json!({"apiVersion": "cluster.open-cluster-management.io/v1beta1",
+        "kind": "Placement", "metadata": {"name": "by-label", "namespace": "default"},
+        "spec": {"predicates": [{"requiredClusterSelector": {"labelSelector": {"matchLabels": {"environment": "dev"}}}}]}});
+    fleet.apply_value(d, &by_label)?;
+    fleet.wait_decided("default", "by-label", &[]).await?;
+    wait_value(
+        &hub,
+        "flotilla_hub_placements_without_decisions",
+        &[],
+        |v| v == 1.0,
+    )
+    .await?;
+    fleet.cli(&["cluster", "label", "cluster1", "environment=dev"])?;
+    fleet
+        .wait_decided("default", "by-label", &["cluster1"])
+        .await?;
+    wait_value(
+        &hub,
+        "flotilla_hub_placements_without_decisions",
+        &[],
+        |v| v == 0.0,
+    )
+    .await?;
+
+    // A replica set on that placement: counted in a phase other than Pending once judged.
+    let judged = |page: &Exposition| {
+        ["Progressing", "Complete", "MaxFailuresExceeded"]
+            .iter()
+            .map(|p| {
+                page.value("flotilla_hub_rollouts", &[("phase", p)])
+                    .unwrap_or(0.0)
+            })
+            .sum::<f64>()
+    };
+    assert_eq!(judged(&scrape(&hub).await?), 0.0);
+    let manifests = d.join("manifests.yaml");
+    std::fs::write(
+        &manifests,
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {namespace: default, name: web}\ndata: {k: v}\n",
+    )?;
+    fleet.cli(&[
+        "work",
+        "create",
+        "web",
+        "-f",
+        manifests.to_str().unwrap_or_default(),
+        "--placement",
+        "default/by-label",
+    ])?;
+    wait_for("the rollout judged", WAIT, || async {
+        let page = scrape(&hub).await?;
+        Ok((judged(&page) == 1.0
+            && page.value("flotilla_hub_rollouts", &[("phase", "Pending")]) == Some(0.0))
+        .then_some(()))
+    })
+    .await?;
+    Ok(())
+}
+
+/// An agent restarted with works in its cache is ready only once it has applied them: while
+/// its spoke apiserver does not answer, `/readyz` is 503 and says so; `/healthz` answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_is_ready_once_its_cached_works_are_applied() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let d = dir.path();
+    let fleet = Fleet::start(d, false).await?;
+    let spoke = Spoke::start(d, &fleet.hub, "cluster1").await?;
+    let address = format!("127.0.0.1:{}", free_port()?);
+    let flags = [format!("--metrics-addr={address}")];
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let mut agent = spoke.start_agent(d, &fleet.hub, &flags)?;
+    fleet.apply(&workspace_root().join(SEED_WORK))?;
+    fleet.wait_applied("cluster1", "my-first-work").await?;
+    agent.signal_and_wait(Signal::SIGTERM);
+
+    let apiserver = Pid::from_raw(spoke.env.apiserver_pid() as i32);
+    kill(apiserver, Signal::SIGSTOP)?;
+    let checked = async {
+        let _agent = spoke.start_agent(d, &fleet.hub, &flags)?;
+        let (status, body) = wait_for("the agent's probes", WAIT, || async {
+            Ok(http_get(&address, "/readyz").await.ok())
+        })
+        .await?;
+        assert_eq!(status, 503, "{body}");
+        assert!(body.contains("have not all been applied once"), "{body}");
+        assert_eq!(http_get(&address, "/healthz").await?.0, 200);
+        kill(apiserver, Signal::SIGCONT)?;
+        wait_for("the agent ready once its spoke answers", WAIT, || async {
+            Ok((http_get(&address, "/readyz").await?.0 == 200).then_some(()))
+        })
+        .await
+    }
+    .await;
+    let _ = kill(apiserver, Signal::SIGCONT);
+    checked
+}
