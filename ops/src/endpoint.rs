@@ -1,5 +1,5 @@
-//! The plain-HTTP listener of `--metrics-addr`: `GET /metrics` (Prometheus, in the OpenMetrics
-//! text format), `GET /healthz` (the process answers: it is alive) and `GET /readyz` (200 `ok`
+//! The plain-HTTP listener of `--metrics-addr`: `GET /metrics` (OpenMetrics text to a scraper
+//! that asks for it, as Prometheus does; the Prometheus text format to others), `GET /healthz` (the process answers: it is alive) and `GET /readyz` (200 `ok`
 //! when every readiness condition holds, else 503 with a line per condition that does not).
 //!
 //! It carries no secrets and no per-cluster data, so it needs no TLS: bind it to loopback or
@@ -32,9 +32,11 @@ pub const MAX_CONNECTIONS: usize = 16;
 pub const CONNECTION_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a client may take to send its request head.
 const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
-/// The media type of `/metrics`: prometheus-client writes OpenMetrics text, which Prometheus
-/// reads natively (it asks for it first).
+/// The media type of `/metrics` for scrapers that ask for OpenMetrics (Prometheus asks for it
+/// first): what prometheus-client writes.
 pub const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+/// The media type of `/metrics` for every other scraper: the Prometheus text format.
+pub const PROMETHEUS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 /// The flags every binary takes for its operators.
 #[derive(Clone, Debug, Default, clap::Args)]
@@ -131,10 +133,27 @@ impl Endpoint {
         }
         match request.uri().path() {
             "/metrics" => {
-                let mut r = text(StatusCode::OK, self.metrics_text());
+                let openmetrics =
+                    request
+                        .headers()
+                        .get_all(hyper::header::ACCEPT)
+                        .iter()
+                        .any(|v| {
+                            v.to_str()
+                                .is_ok_and(|v| v.contains("application/openmetrics-text"))
+                        });
+                let (body, media_type) = if openmetrics {
+                    (self.metrics_text(), METRICS_CONTENT_TYPE)
+                } else {
+                    (
+                        prometheus_text(&self.metrics_text()),
+                        PROMETHEUS_CONTENT_TYPE,
+                    )
+                };
+                let mut r = text(StatusCode::OK, body);
                 r.headers_mut().insert(
                     hyper::header::CONTENT_TYPE,
-                    hyper::header::HeaderValue::from_static(METRICS_CONTENT_TYPE),
+                    hyper::header::HeaderValue::from_static(media_type),
                 );
                 r
             }
@@ -149,6 +168,40 @@ impl Endpoint {
             ),
         }
     }
+}
+
+/// OpenMetrics text as the Prometheus text format (0.0.4) says it: a counter's HELP and TYPE
+/// name its `_total` samples, and there are no `# UNIT` or `# EOF` lines. Samples are the same.
+pub fn prometheus_text(openmetrics: &str) -> String {
+    let counters: std::collections::HashSet<&str> = openmetrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.strip_suffix(" counter"))
+        .collect();
+    let mut text = String::with_capacity(openmetrics.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let declared = ["# HELP ", "# TYPE "]
+            .iter()
+            .find_map(|p| Some((*p, line.strip_prefix(p)?)));
+        match declared {
+            Some((prefix, rest)) => {
+                let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+                text.push_str(prefix);
+                text.push_str(name);
+                if counters.contains(name) {
+                    text.push_str("_total");
+                }
+                text.push(' ');
+                text.push_str(if tail == "unknown" { "untyped" } else { tail });
+            }
+            None => text.push_str(line),
+        }
+        text.push('\n');
+    }
+    text
 }
 
 /// Binds `address` for [`serve`].
@@ -219,13 +272,15 @@ mod tests {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
     async fn get(address: SocketAddr, path: &str) -> String {
+        get_accepting(address, path, "*/*").await
+    }
+
+    async fn get_accepting(address: SocketAddr, path: &str, accept: &str) -> String {
         let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
-        stream
-            .write_all(
-                format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
-            )
-            .await
-            .unwrap();
+        let request = format!(
+            "GET {path} HTTP/1.1\r\nHost: x\r\nAccept: {accept}\r\nConnection: close\r\n\r\n"
+        );
+        stream.write_all(request.as_bytes()).await.unwrap();
         let mut answer = String::new();
         stream.read_to_string(&mut answer).await.unwrap();
         answer
@@ -256,12 +311,28 @@ mod tests {
         assert!(readyz.starts_with("HTTP/1.1 200"), "{readyz}");
 
         requests.inc();
-        let metrics = get(address, "/metrics").await;
-        assert!(metrics.contains(METRICS_CONTENT_TYPE), "{metrics}");
+        // Prometheus asks for OpenMetrics first; anyone else gets the Prometheus text format.
+        // Both are read by the strict reader, with the same samples.
+        let accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5";
+        let openmetrics = get_accepting(address, "/metrics", accept).await;
+        let plain = get(address, "/metrics").await;
+        assert!(openmetrics.contains(METRICS_CONTENT_TYPE), "{openmetrics}");
         assert!(
-            metrics.contains("flotilla_test_requests_total 1"),
-            "{metrics}"
+            openmetrics.contains("# TYPE flotilla_test_requests counter\r\n")
+                || openmetrics.contains("# TYPE flotilla_test_requests counter\n"),
+            "{openmetrics}"
         );
+        assert!(plain.contains(PROMETHEUS_CONTENT_TYPE), "{plain}");
+        assert!(
+            plain.contains("# TYPE flotilla_test_requests_total counter\n"),
+            "{plain}"
+        );
+        assert!(!plain.contains("# EOF"), "{plain}");
+        for page in [&openmetrics, &plain] {
+            let body = page.split_once("\r\n\r\n").unwrap().1;
+            let read = crate::exposition::check(body).unwrap();
+            assert_eq!(read.value("flotilla_test_requests_total", &[]), Some(1.0));
+        }
         assert!(get(address, "/healthz").await.starts_with("HTTP/1.1 200"));
         let unknown = get(address, "/nope").await;
         assert!(

@@ -124,6 +124,15 @@ pub fn free_port() -> anyhow::Result<u16> {
 /// `GET path` from the plain-HTTP `address` (host:port), as a probe or a scraper does: the
 /// status code and the body.
 pub async fn http_get(address: &str, path: &str) -> anyhow::Result<(u16, String)> {
+    http_get_accepting(address, path, "*/*").await
+}
+
+/// [`http_get`] with an `Accept` header.
+pub async fn http_get_accepting(
+    address: &str,
+    path: &str,
+    accept: &str,
+) -> anyhow::Result<(u16, String)> {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let mut stream = tokio::time::timeout(
         Duration::from_secs(5),
@@ -131,7 +140,9 @@ pub async fn http_get(address: &str, path: &str) -> anyhow::Result<(u16, String)
     )
     .await
     .with_context(|| format!("connecting to {address}"))??;
-    let request = format!("GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n");
+    let request = format!(
+        "GET {path} HTTP/1.1\r\nHost: {address}\r\nAccept: {accept}\r\nConnection: close\r\n\r\n"
+    );
     stream.write_all(request.as_bytes()).await?;
     let mut answer = String::new();
     tokio::time::timeout(Duration::from_secs(10), stream.read_to_string(&mut answer))
@@ -148,10 +159,14 @@ pub async fn http_get(address: &str, path: &str) -> anyhow::Result<(u16, String)
     Ok((status, body.to_string()))
 }
 
-/// Scrapes `/metrics` at `address` and reads the page strictly (every sample with HELP and
-/// TYPE, Prometheus names, counters in `_total`, cumulative buckets).
+/// What Prometheus asks for when it scrapes: OpenMetrics first.
+const PROMETHEUS_ACCEPT: &str =
+    "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+
+/// Scrapes `/metrics` at `address` as Prometheus does and reads the page strictly (every
+/// sample with HELP and TYPE, Prometheus names, counters in `_total`, cumulative buckets).
 pub async fn scrape(address: &str) -> anyhow::Result<flotilla_ops::exposition::Exposition> {
-    let (status, body) = http_get(address, "/metrics").await?;
+    let (status, body) = http_get_accepting(address, "/metrics", PROMETHEUS_ACCEPT).await?;
     anyhow::ensure!(
         status == 200,
         "GET /metrics from {address}: {status} {body}"
