@@ -369,6 +369,9 @@ pub struct ManifestOutcome {
     pub rules: StatusRules,
     /// Whether the agent owns the object (not `ReadOnly`).
     pub owned: bool,
+    /// The object's `metadata.resourceVersion` after this pass wrote (or read) it: a later
+    /// pass that finds another one knows the object changed in between.
+    pub resource_version: Option<String>,
 }
 
 /// The order OCM applies manifests in: Namespaces and CRDs first (so what depends on them
@@ -562,6 +565,7 @@ pub async fn apply_planned(
                 object: None,
                 rules,
                 owned,
+                resource_version: None,
             },
             Ok(resource) => {
                 let (applied, object) = write(target, p, resource, context).await;
@@ -579,11 +583,16 @@ pub async fn apply_planned(
                 if applied.is_ok() && resource.kind == "CustomResourceDefinition" {
                     crd_applied = true;
                 }
+                let resource_version = object
+                    .as_ref()
+                    .and_then(|o| o["metadata"]["resourceVersion"].as_str())
+                    .map(str::to_owned);
                 ManifestOutcome {
                     meta: p.meta.clone(),
                     resource: Some(resource.clone()),
                     applied,
                     available,
+                    resource_version,
                     // Kept only when a rule reads it: a work of many large objects stays small
                     // in memory.
                     object: object.filter(|_| rules.read_object()),

@@ -71,6 +71,9 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOTILLA_AGENT_TRANSPORT", value_enum, default_value_t = Transport::Auto)]
     pub transport: Transport,
 
+    #[command(flatten)]
+    pub ops: flotilla_ops::MetricsArgs,
+
     /// kubeconfig of the spoke cluster's apiserver, where works are applied. Default: the
     /// KUBECONFIG variable, then ~/.kube/config, then the pod's service account.
     #[arg(long, env = "FLOTILLA_AGENT_KUBECONFIG")]

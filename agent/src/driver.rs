@@ -135,6 +135,8 @@ pub(crate) async fn session_once(
     let mut last_close = None;
     let mut closed_at: Option<Instant> = None;
     let mut shutting_down = false;
+    // Shows the session established in the gauges until this function returns.
+    let mut _connected = None;
 
     loop {
         while let Some(event) = machine.poll_event() {
@@ -143,6 +145,7 @@ pub(crate) async fn session_once(
                     *established_at = Some(Instant::now());
                     info!(session = %session_id, %carrier, "session established");
                     spoke.observer.session_established();
+                    _connected = Some(spoke.metrics.connected(carrier));
                     report_outbox(&mut machine, spoke, &mut reported);
                     report_cluster_info(&mut machine, &mut cluster_info);
                 }
@@ -700,6 +703,7 @@ mod tests {
                     cluster_info,
                     observer: Arc::new(Unobserved),
                     tunnels: crate::tunnel::TunnelHandle::unconnected(),
+                    metrics: crate::metrics::AgentMetrics::default(),
                 },
                 cluster,
                 _stop: stop,

@@ -22,7 +22,8 @@
 //!   and the identity on disk, renewed over the session.
 //!
 //! Not for: anything the hub decides, and it links no hub code: what both ends agree on lives in
-//! `flotilla-proto`. The agent opens outbound connections only; it never listens.
+//! `flotilla-proto`. The agent opens outbound connections only; it listens only where an
+//! operator asks it to serve its metrics and probes (`--metrics-addr`, [`metrics`]).
 #![forbid(unsafe_code)]
 
 pub mod apply;
@@ -38,6 +39,7 @@ pub mod feedback;
 pub mod identity;
 pub mod join;
 pub mod jsonpath;
+pub mod metrics;
 pub mod reconcile;
 pub mod refusal;
 pub mod session;

@@ -48,7 +48,10 @@ struct JoinArgs {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    init_tracing();
+    flotilla_ops::init_tracing(match &cli.command {
+        Command::Run(config) => config.ops.log_format,
+        Command::Join(args) => args.agent.ops.log_format,
+    });
     warn_retired_variables();
     match cli.command {
         Command::Run(config) => {
@@ -102,21 +105,6 @@ async fn shutdown_signal() {
     tokio::select! {
         _ = term.recv() => {},
         _ = tokio::signal::ctrl_c() => {},
-    }
-}
-
-fn init_tracing() {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        // Colours for a terminal only: log files and collectors get plain text.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
-    if std::env::var("FLOTILLA_LOG_FORMAT").as_deref() == Ok("json") {
-        builder.json().init();
-    } else {
-        builder.init();
     }
 }
 

@@ -32,8 +32,10 @@ use tracing::{Instrument as _, debug, info, info_span, warn};
 
 use crate::apply::{self, ApplyContext, ApplyTarget, Deletion, apply_planned, plan_manifests};
 use crate::cache::{AppliedResource, CacheError, CachedWork, WorkCache, durably};
+use crate::metrics::{AgentMetrics, AppliedVersions};
 use crate::status::{carry_transition_times, deleting_status, refused_status, work_status};
 use crate::watch::{AppliedView, AppliedWatch};
+use flotilla_ops::ReadyFlag;
 
 /// Default of `--resync-interval`. Five minutes bounds how long hand-made drift survives, and
 /// costs one no-op server-side apply per manifest per interval on the spoke's own apiserver
@@ -84,6 +86,9 @@ pub struct Reconciled {
     pub retry: bool,
     /// The work was a tombstone and is now gone from the cache.
     pub forgotten: bool,
+    /// The generation applied and the resourceVersion each object the work owns had after
+    /// the apply (empty for a tombstone or a work not applied): how drift is noticed.
+    pub applied: Option<(i64, Vec<(AppliedResource, String)>)>,
 }
 
 /// Works waiting to be reconciled: an ordered set, so a work changed many times while busy is
@@ -149,6 +154,12 @@ pub struct Reconciler {
     watch: Arc<AppliedWatch>,
     /// Woken when a watched object changed a work's status inputs.
     dirty_changed: Arc<Notify>,
+    /// Apply times and drift repairs are counted here.
+    metrics: AgentMetrics,
+    /// What each work's objects looked like after its last apply, to notice drift.
+    versions: AppliedVersions,
+    /// Raised once every work the cache held at start has been reconciled once (`/readyz`).
+    first_pass: ReadyFlag,
 }
 
 impl std::fmt::Debug for Reconciler {
@@ -186,8 +197,24 @@ impl Reconciler {
             jitter,
             watch,
             dirty_changed,
+            metrics: AgentMetrics::default(),
+            versions: AppliedVersions::default(),
+            first_pass: ReadyFlag::new("the first reconcile of the cached works has not finished"),
         };
         (reconciler, handle)
+    }
+
+    /// Counts apply times and drift repairs into `metrics`.
+    pub fn with_metrics(mut self, metrics: AgentMetrics) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
+    /// Raises `flag` once every work the cache held at start has been reconciled once, failed
+    /// or not (a failure is retried on its own schedule).
+    pub fn with_first_pass(mut self, flag: ReadyFlag) -> Self {
+        self.first_pass = flag;
+        self
     }
 
     /// Runs until `shutdown` completes. Reconciles in flight are then abandoned: each is
@@ -208,6 +235,10 @@ impl Reconciler {
         loop {
             self.start_ready(&mut tasks, &mut running, &refreshes.running)
                 .await;
+            // The start's pass is over once nothing it queued is left or running.
+            if !self.first_pass.is_ready() && tasks.is_empty() && self.queue_drained().await {
+                self.first_pass.set(true);
+            }
             let next_retry = retry_at.values().min().copied();
             let next_refresh = refreshes.deferred.values().min().copied();
             tokio::select! {
@@ -242,10 +273,20 @@ impl Reconciler {
                             failures.remove(&uid);
                             retry_at.remove(&uid);
                             refreshes.last.remove(&uid);
+                            self.versions.forget(&uid);
                             self.watch.forget(&uid).await;
                             continue;
                         }
-                        Ok(r) => r.retry,
+                        Ok(r) => {
+                            if let Some((generation, versions)) = r.applied {
+                                let drifted = self.versions.record(&uid, generation, versions);
+                                if drifted > 0 {
+                                    info!(uid = %uid, objects = drifted, "drift on the spoke repaired");
+                                    self.metrics.drift_repaired(drifted);
+                                }
+                            }
+                            r.retry
+                        }
                         Err(e) => {
                             warn!(uid = %uid, error = %e, "work reconcile failed on the cache");
                             true
@@ -356,8 +397,13 @@ impl Reconciler {
             let target = Arc::clone(&self.target);
             let outbox = Arc::clone(&self.outbox_changed);
             let watch = Arc::clone(&self.watch);
+            let metrics = self.metrics.clone();
             let task = tasks.spawn(async move {
+                let started = Instant::now();
                 let result = reconcile_watched(&cache, target.as_ref(), Some(&watch), &uid).await;
+                if matches!(&result, Ok(r) if r.applied.is_some()) {
+                    metrics.observe_apply(started.elapsed());
+                }
                 if matches!(&result, Ok(r) if r.new_status.is_some()) {
                     outbox.notify_one();
                 }
@@ -368,6 +414,12 @@ impl Reconciler {
         while let Some(uid) = busy.pop_back() {
             state.order.push_front(uid);
         }
+    }
+
+    /// Nothing queued, and no request to queue everything pending.
+    async fn queue_drained(&self) -> bool {
+        let state = self.queue.state.lock().await;
+        state.order.is_empty() && !state.all
     }
 
     fn jittered_resync(&mut self) -> Duration {
@@ -566,10 +618,16 @@ async fn apply_work(
         watch.record(&work.uid, work.generation, &outcomes).await;
     }
     let new_status = record_status(cache, work, status).await?;
+    let versions = outcomes
+        .iter()
+        .filter(|o| o.owned && o.applied.is_ok())
+        .filter_map(|o| Some((o.resource.clone()?, o.resource_version.clone()?)))
+        .collect();
     Ok(Reconciled {
         new_status,
         retry,
         forgotten: false,
+        applied: Some((work.generation, versions)),
     })
 }
 
@@ -829,6 +887,12 @@ mod tests {
             WORK_APPLIED
         ));
         let again = reconcile_work(&cache, &cluster, "a").await.unwrap();
+        // What it applied is reported each time (drift is noticed from it); nothing else.
+        assert!(again.applied.is_some());
+        let again = Reconciled {
+            applied: None,
+            ..again
+        };
         assert_eq!(again, Reconciled::default(), "idle: no status traffic");
         // Drift is repaired and, the status being the same, still says nothing new.
         cluster.remove(&cm_id("x")).await;
@@ -1000,5 +1064,60 @@ mod tests {
         }
         let _ = stop.send(());
         task.await.unwrap();
+    }
+
+    /// `/readyz` of the agent: the first-pass flag goes up only once every work the cache held
+    /// at start is on the spoke with its status recorded, and at once for an empty cache.
+    #[tokio::test]
+    async fn ready_once_the_works_cached_at_start_are_applied() {
+        for works in [0, 3] {
+            let cache = cache();
+            let cluster = Arc::new(MemoryCluster::new());
+            for n in 0..works {
+                let uid = format!("w{n}");
+                put(
+                    &cache,
+                    &uid,
+                    1,
+                    vec![configmap(&format!("cm{n}"))],
+                    Value::Null,
+                )
+                .await;
+            }
+            let (reconciler, _handle) = Reconciler::new(
+                Arc::clone(&cache),
+                cluster.clone(),
+                ReconcilerConfig {
+                    concurrency: 1,
+                    ..ReconcilerConfig::default()
+                },
+                Arc::new(Notify::new()),
+                Box::new(NoJitter),
+            );
+            let ready = ReadyFlag::new("the first pass");
+            let reconciler = reconciler.with_first_pass(ready.clone());
+            assert!(!ready.is_ready());
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            let task = tokio::spawn(reconciler.run(async {
+                let _ = stopped.await;
+            }));
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !ready.is_ready() {
+                assert!(Instant::now() < deadline, "never ready with {works} works");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            for n in 0..works {
+                assert!(
+                    cluster.get(&cm_id(&format!("cm{n}"))).await.is_some(),
+                    "cm{n} not applied"
+                );
+                assert!(
+                    cache.last_status(&format!("w{n}")).unwrap().is_some(),
+                    "w{n} has no status"
+                );
+            }
+            let _ = stop.send(());
+            task.await.unwrap();
+        }
     }
 }

@@ -22,10 +22,12 @@ use crate::config::ConfigError;
 use crate::connect::Dialer;
 use crate::driver::{Ended, session_once};
 use crate::identity::Identity;
+use crate::metrics::AgentMetrics;
 use crate::reconcile::{ReconcileHandle, Reconciler};
 use crate::refusal::Refusal;
 use crate::spoke_api::{KubeSpoke, SpokeApi};
 use crate::tunnel::{TunnelHandle, TunnelServer};
+use flotilla_ops::ReadyFlag;
 
 pub use crate::connect::MAX_FRAME_BYTES;
 /// How long one read of the spoke's `/version` may take.
@@ -40,6 +42,9 @@ pub enum RunError {
     /// A flag is wrong. Not retryable.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// `--metrics-addr` cannot be listened on. Not retryable without another address.
+    #[error(transparent)]
+    Metrics(#[from] flotilla_ops::EndpointError),
     /// The certificates in `--cert-dir` cannot be used. Not retryable.
     #[error("{0}")]
     Certificates(String),
@@ -136,6 +141,10 @@ pub struct Parts {
     /// Seeds the reconnect and resync jitter, for runs that must repeat; `None` draws from
     /// the operating system.
     pub seed: Option<u64>,
+    /// Where the session and the reconciler count what they do (`/metrics`).
+    pub metrics: AgentMetrics,
+    /// Raised once the works cached at start have all been applied once (`/readyz`).
+    pub applied_once: ReadyFlag,
 }
 
 /// The spoke side of the agent, as the session driver sees it.
@@ -156,6 +165,8 @@ pub struct Spoke {
     pub observer: Arc<dyn Observer>,
     /// Hands the session's tunnels to the tunnel server, never waiting on it.
     pub tunnels: TunnelHandle,
+    /// Shows whether a session is established, and on which carrier.
+    pub metrics: AgentMetrics,
 }
 
 /// Runs the agent until `shutdown` completes: opens the cache, starts the reconciler on the
@@ -189,6 +200,37 @@ pub async fn run(
         .is_empty()
         .then(|| tokio::spawn(read_spoke_version(client.clone(), version_tx)));
     let (cluster_info, claims_task) = crate::claims::collect(client, kubernetes_version.clone());
+    let metrics = AgentMetrics::default();
+    let applied_once = ReadyFlag::new(
+        "the works in the cache have not all been applied once since the agent started",
+    );
+    let (stop_endpoint, endpoint_stop) = watch::channel(false);
+    let endpoint = match config.ops.metrics_addr {
+        Some(address) => {
+            let listener = flotilla_ops::endpoint::bind(address).await?;
+            info!(address = %address, "serving /metrics, /healthz and /readyz");
+            let mut registry = flotilla_ops::registry();
+            metrics.register(&mut registry);
+            let (outbox, depth) = (Arc::clone(&cache), metrics.clone());
+            // The cache is open (or the agent would have stopped above): ready once the start's
+            // apply pass is done.
+            let endpoint = flotilla_ops::Endpoint::new(
+                registry,
+                flotilla_ops::Readiness::new([applied_once.clone()]),
+            )
+            .refresh_with(move || {
+                if let Ok(pending) = outbox.pending_statuses() {
+                    depth.outbox_depth.set(pending.len() as i64);
+                }
+            });
+            Some(tokio::spawn(flotilla_ops::serve(
+                listener,
+                Arc::new(endpoint),
+                stopped(endpoint_stop),
+            )))
+        }
+        None => None,
+    };
     let parts = Parts {
         dialer,
         cache,
@@ -198,8 +240,14 @@ pub async fn run(
         cluster_info,
         observer: Arc::new(Unobserved),
         seed: None,
+        metrics,
+        applied_once,
     };
     let result = run_with(&config, parts, shutdown).await;
+    stop_endpoint.send_replace(true);
+    if let Some(endpoint) = endpoint {
+        let _ = endpoint.await;
+    }
     if let Some(task) = version_task {
         task.abort();
     }
@@ -224,6 +272,8 @@ pub async fn run_with(
         cluster_info,
         observer,
         seed,
+        metrics,
+        applied_once,
     } = parts;
     let mut seeds = match seed {
         Some(seed) => rand::rngs::StdRng::seed_from_u64(seed),
@@ -239,6 +289,9 @@ pub async fn run_with(
         Arc::clone(&outbox_changed),
         Box::new(RandJitter(reconciler_rng)),
     );
+    let reconciler = reconciler
+        .with_metrics(metrics.clone())
+        .with_first_pass(applied_once);
     let reconciler = tokio::spawn(reconciler.run(stopped(stop_rx.clone())));
     // Tunnels run beside the session, never in its loop; they end with the agent.
     let (tunnel_server, tunnels) = TunnelServer::new(config.tunnels(), spoke_api);
@@ -251,6 +304,7 @@ pub async fn run_with(
         cluster_info,
         observer,
         tunnels,
+        metrics,
     };
     let jitter = RandJitter(rand::rngs::StdRng::seed_from_u64(seeds.random()));
     hold_session(config, &dialer, &spoke, jitter, &stop_tx, stop_rx, shutdown).await;

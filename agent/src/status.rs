@@ -477,6 +477,7 @@ mod tests {
             }),
             available,
             object: None,
+            resource_version: None,
             rules: StatusRules::default(),
             owned: true,
         }

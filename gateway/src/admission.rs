@@ -132,6 +132,11 @@ impl Admissions {
         Arc::new(Admissions::default())
     }
 
+    /// True once the first list is loaded.
+    pub fn ready(&self) -> watch::Receiver<bool> {
+        self.ready.subscribe()
+    }
+
     /// Whether a session for `cluster` authenticated with key `key_sha256` may open.
     pub async fn check(&self, cluster: &str, key_sha256: &str) -> Result<(), AdmissionRefusal> {
         let mut ready = self.ready.subscribe();

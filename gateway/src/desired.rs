@@ -34,6 +34,11 @@ impl DesiredState {
         Arc::new(DesiredState::default())
     }
 
+    /// True once the first list is loaded.
+    pub fn ready(&self) -> watch::Receiver<bool> {
+        self.ready.subscribe()
+    }
+
     /// Waits until the first list is loaded.
     pub async fn wait_ready(&self) {
         let mut rx = self.ready.subscribe();

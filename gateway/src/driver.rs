@@ -22,6 +22,7 @@ use crate::admission::AdmissionRefusal;
 use crate::certificates::RenewalError;
 use crate::health::HealthReport;
 use crate::mailbox::{Closing, Mailbox, WorkChange};
+use crate::metrics::OpenSession;
 use crate::registry::SessionHandle;
 use crate::serve::Shared;
 use crate::shards::Route;
@@ -32,8 +33,12 @@ const FINAL_FLUSH: Duration = Duration::from_secs(2);
 
 /// The result of work done beside the loop.
 enum Done {
-    /// Admitted and registered; the cluster's desired state to sync.
-    Synced(Vec<DesiredWork>),
+    /// Admitted and registered; the cluster's desired state to sync. `reconnect`: the cluster
+    /// had a session on this gateway before (it ended, or this one replaces it).
+    Synced {
+        snapshot: Vec<DesiredWork>,
+        reconnect: bool,
+    },
     /// Not (or no longer) admitted.
     Refused(AdmissionRefusal),
     /// This gateway does not act for the cluster's shard: come back after `retry_after`, at
@@ -85,6 +90,7 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
     };
     if cluster.is_none() {
         warn!(%carrier, "session refused: not an agent certificate");
+        shared.metrics.refused(wire::Refusal::NotAnAgent);
         machine.refuse(
             wire::Refusal::NotAnAgent,
             match &peer.peer {
@@ -107,6 +113,9 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
     let mut drained = false;
     let mut closed_at: Option<Instant> = None;
     let spread = spread_over(config.drain_window, &session_id);
+    // Counted in the carrier's sessions gauge from sync until the driver ends.
+    let sessions = shared.metrics.sessions_on(carrier);
+    let mut open = None;
 
     loop {
         while let Some(event) = machine.poll_event() {
@@ -232,9 +241,16 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
             },
             _ = sleep_until(deadline) => machine.handle_timeout(Instant::now()),
             Some(done) = work.next(), if !work.is_empty() => match done {
-                Done::Synced(snapshot) => machine.begin_sync(snapshot),
+                Done::Synced { snapshot, reconnect } => {
+                    if reconnect {
+                        shared.metrics.reconnected();
+                    }
+                    open.get_or_insert_with(|| OpenSession::new(sessions.clone()));
+                    machine.begin_sync(snapshot);
+                }
                 Done::Refused(refusal) => {
                     warn!(reason = %refusal, "session refused");
+                    shared.metrics.refused(refusal.refusal());
                     machine.refuse(refusal.refusal(), refusal.to_string());
                 }
                 Done::Redirected { retry_after, redirect, reason } => {
@@ -270,7 +286,10 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
                 }
                 match delivery.close {
                     Some(Closing::Close(reason)) => machine.close(reason),
-                    Some(Closing::Refuse(refusal, reason)) => machine.refuse(refusal, reason),
+                    Some(Closing::Refuse(refusal, reason)) => {
+                        shared.metrics.refused(refusal);
+                        machine.refuse(refusal, reason);
+                    }
                     Some(Closing::Drain { retry_after, redirect, reason }) => {
                         info!(?retry_after, redirect = ?redirect, %reason, "draining the session: its shard is not this gateway's");
                         machine.redirect(retry_after, redirect, reason);
@@ -282,6 +301,7 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
         }
     }
     drop(outbound);
+    drop(open);
     if established {
         shared.registry.unregister(&cluster, &session_id).await;
         shared
@@ -310,7 +330,9 @@ async fn open_session(shared: Arc<Shared>, handle: SessionHandle, hello: wire::H
         return Done::Refused(refusal);
     }
     let (session, key) = (handle.session_id.clone(), handle.client_key_sha256.clone());
+    let mut had_one = shared.registry.departed(&cluster).await.is_some();
     if let Some(older) = shared.registry.register(&cluster, handle).await {
+        had_one = true;
         info!(older = %older.session_id, "replacing the cluster's older session");
         older
             .mailbox
@@ -335,7 +357,10 @@ async fn open_session(shared: Arc<Shared>, handle: SessionHandle, hello: wire::H
         })
         .await;
     shared.desired.wait_ready().await;
-    Done::Synced(shared.desired.snapshot(&cluster).await)
+    Done::Synced {
+        snapshot: shared.desired.snapshot(&cluster).await,
+        reconnect: had_one,
+    }
 }
 
 /// Where to send a session whose cluster's shard this gateway does not act for: to the owner

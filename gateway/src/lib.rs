@@ -4,8 +4,8 @@
 //! (`health`), fans desired state out (`desired`, `mailbox`, `registry`), admits only accepted
 //! clusters with registered keys and closes the sessions of revoked ones (`admission`), relays
 //! certificate renewals to the hub's CA (`certificates`), opens tunnels to agents for the hub's
-//! proxy front (`route`: the one seam the front reaches clusters through), and owns every one
-//! of its tasks (`supervise`).
+//! proxy front (`route`: the one seam the front reaches clusters through), owns every one
+//! of its tasks (`supervise`), and counts what it does for `/metrics` (`metrics`).
 //!
 //! Not for: deciding anything about the fleet (placement, acceptance, rollouts: the hub), or
 //! talking to spoke apiservers (agents). Gateways hold no state beyond caches: kill one and its
@@ -18,6 +18,7 @@ pub mod desired;
 mod driver;
 pub mod health;
 pub mod mailbox;
+pub mod metrics;
 pub mod process;
 pub mod registry;
 pub mod route;

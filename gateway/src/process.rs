@@ -159,6 +159,9 @@ pub struct GatewayProcessConfig {
     /// Validate the configuration, print it, and exit without starting.
     #[arg(long)]
     pub check_config: bool,
+
+    #[command(flatten)]
+    pub ops: flotilla_ops::MetricsArgs,
 }
 
 impl GatewayProcessConfig {
@@ -258,6 +261,17 @@ pub async fn run(
     // The listener ends when the drain stops accepting: expected after `shutdown`, a fault
     // before it.
     let (stopping, mut stop) = tokio::sync::watch::channel(false);
+    if let Some(address) = config.ops.metrics_addr {
+        let mut registry = flotilla_ops::registry();
+        gateway.metrics().register(&mut registry);
+        let endpoint = endpoint(&gateway, registry, gateway.readiness());
+        // Served until the process ends: through the drain, /readyz says "draining" and
+        // /healthz still answers.
+        tasks.spawn(
+            "the metrics endpoint",
+            serve_endpoint(address, endpoint, std::future::pending()).await?,
+        );
+    }
     let serving = gateway.serve(Listeners { tcp: conns, quic }, None, async move {
         let _ = stop.wait_for(|s| *s).await;
     });
@@ -287,6 +301,29 @@ pub async fn run(
     }
 }
 
+/// What a process with gateway `gateway` serves on `--metrics-addr`: `registry` (with the
+/// gateway's metrics in it) refreshed from the gateway at each scrape, and `readiness`.
+pub fn endpoint(
+    gateway: &Gateway,
+    registry: prometheus_client::registry::Registry,
+    readiness: Vec<flotilla_ops::ReadyFlag>,
+) -> flotilla_ops::Endpoint {
+    let refreshed = gateway.clone();
+    flotilla_ops::Endpoint::new(registry, flotilla_ops::Readiness::new(readiness))
+        .refresh_with(move || refreshed.refresh_metrics())
+}
+
+/// Binds `address` and returns the task that serves `endpoint` there until `stop` completes.
+pub async fn serve_endpoint(
+    address: SocketAddr,
+    endpoint: flotilla_ops::Endpoint,
+    stop: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<impl Future<Output = crate::supervise::TaskResult> + Send + 'static> {
+    let listener = flotilla_ops::endpoint::bind(address).await?;
+    info!(address = %listener.local_addr()?, "serving /metrics, /healthz and /readyz");
+    Ok(flotilla_ops::serve(listener, Arc::new(endpoint), stop).map(Ok))
+}
+
 /// Completes on SIGTERM or Ctrl-C: the one shutdown trigger of every flotilla server binary.
 pub async fn shutdown_signal() {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
@@ -297,18 +334,7 @@ pub async fn shutdown_signal() {
     }
 }
 
-/// Logs to stderr; `RUST_LOG` filters (default info), `FLOTILLA_LOG_FORMAT=json` for JSON lines.
-pub fn init_tracing() {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        // Colours for a terminal only: log files and collectors get plain text.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
-    if std::env::var("FLOTILLA_LOG_FORMAT").as_deref() == Ok("json") {
-        builder.json().init();
-    } else {
-        builder.init();
-    }
+/// Logs to stderr in `format`; `RUST_LOG` filters (default info).
+pub fn init_tracing(format: flotilla_ops::LogFormat) {
+    flotilla_ops::init_tracing(format);
 }

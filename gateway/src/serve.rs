@@ -21,6 +21,7 @@ use crate::certificates::ClusterCertificates;
 use crate::desired::DesiredState;
 use crate::driver::drive;
 use crate::health::{HealthReports, HealthWriter};
+use crate::metrics::GatewayMetrics;
 use crate::registry::Registry;
 use crate::route::{Away, TunnelError};
 use crate::shards::{ShardLeasing, ShardView};
@@ -145,6 +146,8 @@ pub(crate) struct Shared {
     pub(crate) shards: watch::Sender<Arc<ShardView>>,
     /// The lease driver, until `serve` takes it to run.
     leasing: tokio::sync::Mutex<Option<ShardLeasing>>,
+    /// What `/metrics` shows of the gateway; the store above already counts into it.
+    pub(crate) metrics: GatewayMetrics,
 }
 
 impl Gateway {
@@ -167,6 +170,9 @@ impl Gateway {
         config: GatewayConfig,
         certificates: Option<Arc<dyn ClusterCertificates>>,
     ) -> Gateway {
+        let metrics = GatewayMetrics::new();
+        // Every request the gateway's parts make, counted by verb.
+        let store = metrics.metered(store);
         let admissions = Admissions::new();
         let shards = watch::Sender::new(Arc::new(ShardView::all(
             flotilla_proto::contract::DEFAULT_SHARDS,
@@ -194,6 +200,7 @@ impl Gateway {
                 health_writer: tokio::sync::Mutex::new(Some(health_writer)),
                 shards,
                 leasing: tokio::sync::Mutex::new(None),
+                metrics,
             }),
         }
     }
@@ -227,6 +234,42 @@ impl Gateway {
         for h in self.shared.registry.all().await {
             h.mailbox.trust_bundle(bundle.clone()).await;
         }
+    }
+
+    /// The gateway's metrics, to register where `/metrics` is served.
+    pub fn metrics(&self) -> &GatewayMetrics {
+        &self.shared.metrics
+    }
+
+    /// Sets the gauges read at scrape time (the status write queue, the shards held). Never
+    /// waits: a queue locked at that instant keeps its last value.
+    pub fn refresh_metrics(&self) {
+        let shared = &self.shared;
+        if let Some(depth) = shared.statuses.pending_len() {
+            shared.metrics.status_queue.set(depth as i64);
+        }
+        let held = shared.shards.borrow().held(Instant::now()).len();
+        shared.metrics.shards_owned.set(held as i64);
+    }
+
+    /// What the gateway needs before it can serve sessions: both watch caches listed from the
+    /// store (which is then reachable). Until then sessions wait, and `/readyz` says why. A
+    /// draining gateway is not ready either: a load balancer should send it no new agents.
+    pub fn readiness(&self) -> Vec<flotilla_ops::ReadyFlag> {
+        vec![
+            flotilla_ops::ReadyFlag::unless(
+                "the gateway is draining its sessions (shutting down)",
+                self.shared.draining.subscribe(),
+            ),
+            flotilla_ops::ReadyFlag::watching(
+                "the ManagedCluster watch cache (admissions) has not listed from the store yet",
+                self.shared.admissions.ready(),
+            ),
+            flotilla_ops::ReadyFlag::watching(
+                "the ManifestWork watch cache (desired state) has not listed from the store yet",
+                self.shared.desired.ready(),
+            ),
+        ]
     }
 
     /// Number of live sessions.
@@ -418,5 +461,47 @@ impl Gateway {
         let span =
             info_span!("session", cluster = %who, id = %session_id, peer = %session.peer.remote);
         drivers.spawn(drive(self.shared.clone(), session, session_id).instrument(span));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The gauges read at scrape time: statuses waiting for the writer (not running here, so
+    /// they wait), and the shards held (all of them without leases).
+    #[tokio::test]
+    async fn the_status_queue_and_the_shards_are_read_at_each_scrape() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = flotilla_store::SledStore::open(dir.path().join("store")).unwrap();
+        let gateway = Gateway::new(Arc::new(store), GatewayConfig::default());
+        for (name, uid) in [("a", "uid-a"), ("b", "uid-b")] {
+            gateway
+                .shared
+                .statuses
+                .submit("store-1", name, uid, 1, b"{}")
+                .await
+                .unwrap();
+        }
+        let mut registry = flotilla_ops::registry();
+        gateway.metrics().register(&mut registry);
+        let endpoint = crate::process::endpoint(&gateway, registry, gateway.readiness());
+        let page = flotilla_ops::exposition::check(&endpoint.metrics_text()).unwrap();
+        assert_eq!(
+            page.value("flotilla_gateway_status_write_queue_depth", &[]),
+            Some(2.0)
+        );
+        assert_eq!(
+            page.value("flotilla_gateway_shards_owned", &[]),
+            Some(f64::from(flotilla_proto::contract::DEFAULT_SHARDS))
+        );
+        // Nothing has listed: not ready, and the probe says which caches.
+        let (status, body) = endpoint.readyz();
+        assert_eq!(status, 503);
+        assert!(body.contains("ManagedCluster watch cache"), "{body}");
+        assert!(!body.contains("draining"), "{body}");
+        gateway.shared.draining.send_replace(true);
+        let (_, body) = endpoint.readyz();
+        assert!(body.contains("the gateway is draining"), "{body}");
     }
 }

@@ -72,6 +72,11 @@ impl StatusWriter {
         })
     }
 
+    /// Statuses waiting to be written; `None` when the queue is locked right now.
+    pub fn pending_len(&self) -> Option<usize> {
+        self.pending.try_lock().ok().map(|p| p.len())
+    }
+
     /// Queues a status for writing. Validates the shape first, so nothing malformed reaches the
     /// store.
     pub async fn submit(

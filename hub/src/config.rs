@@ -173,6 +173,9 @@ pub struct HubConfig {
     /// Validate the configuration, print it, and exit without starting.
     #[arg(long)]
     pub check_config: bool,
+
+    #[command(flatten)]
+    pub ops: flotilla_ops::MetricsArgs,
 }
 
 impl HubConfig {

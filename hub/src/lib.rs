@@ -12,6 +12,7 @@ pub mod cli;
 pub mod client;
 pub mod config;
 pub mod controllers;
+pub mod fleet_metrics;
 pub mod operator_api;
 pub mod proxy;
 pub mod registration;
@@ -56,6 +57,9 @@ pub struct ListenInfo {
     /// The proxy front's address, when it is on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub proxy: Option<std::net::SocketAddr>,
+    /// The plain-HTTP address of /metrics, /healthz and /readyz, when it is on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics: Option<std::net::SocketAddr>,
 }
 
 impl ListenInfo {
@@ -115,11 +119,16 @@ pub async fn run(
         })?),
         None => None,
     };
+    let metrics = match config.ops.metrics_addr {
+        Some(address) => Some(flotilla_ops::endpoint::bind(address).await?),
+        None => None,
+    };
     let listen = ListenInfo {
         agents: agents.local_addr()?,
         api: api.local_addr()?,
         quic: agents.udp.is_some(),
         proxy: proxy.as_ref().map(TcpListener::local_addr).transpose()?,
+        metrics: metrics.as_ref().map(TcpListener::local_addr).transpose()?,
     };
 
     let ca = authority.current();
@@ -240,6 +249,35 @@ pub async fn run(
         agent_address: agent_address(&config, listen.agents),
         ca_changed,
     });
+    let _metrics_endpoint = if let Some(listener) = metrics {
+        // The gateway's metrics and the fleet's gauges; ready once the gateway's caches and
+        // the gauges' lists are loaded.
+        let mut registry = flotilla_ops::registry();
+        gateway.metrics().register(&mut registry);
+        let fleet = fleet_metrics::FleetMetrics::new();
+        fleet.register(&mut registry);
+        let (listed_tx, listed) = tokio::sync::watch::channel(false);
+        tasks.spawn(
+            "the fleet gauges",
+            fleet.run(store.clone(), listed_tx, stop_rx.clone()).map(Ok),
+        );
+        let mut readiness = gateway.readiness();
+        readiness.push(flotilla_ops::ReadyFlag::watching(
+            "the fleet gauges (ManagedClusters, ManifestWorks, Placements, \
+             ManifestWorkReplicaSets) have not listed from the store yet",
+            listed,
+        ));
+        let endpoint = flotilla_gateway::process::endpoint(&gateway, registry, readiness);
+        // Served until `run` returns, through the drain: /readyz then says "draining" and
+        // /healthz still answers. Not among `tasks`, which must all end for the hub to stop.
+        Some(EndsWithRun(tokio::spawn(flotilla_ops::serve(
+            listener,
+            Arc::new(endpoint),
+            std::future::pending(),
+        ))))
+    } else {
+        None
+    };
     // Placement, rollout and work TTL act on the store beside the gateway.
     tasks.spawn(
         "the hub's controllers",
@@ -273,7 +311,7 @@ pub async fn run(
         &serde_json::to_string_pretty(&listen)?,
         false,
     )?;
-    info!(agents = %listen.agents, api = %listen.api, store = ?config.store, "hub serving");
+    info!(agents = %listen.agents, api = %listen.api, metrics = ?listen.metrics, store = ?config.store, "hub serving");
 
     tokio::select! {
         _ = shutdown => info!("shutting down"),
@@ -298,6 +336,15 @@ pub async fn run(
         );
     }
     Ok(())
+}
+
+/// A task that lives as long as [`run`]: aborted when dropped, on every way out of it.
+struct EndsWithRun(tokio::task::JoinHandle<()>);
+
+impl Drop for EndsWithRun {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// The proxy front from the hub's flags: its access rules and tokens read now, its audit log

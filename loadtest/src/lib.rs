@@ -40,7 +40,7 @@ pub mod operator;
 pub mod placement;
 pub mod plot;
 pub mod preflight;
-pub mod prometheus;
+pub use flotilla_ops::exposition as prometheus;
 pub mod proxy;
 pub mod report;
 pub mod scenario;

@@ -743,6 +743,7 @@ async fn run_agent(
         transport: shared.transport.agent(),
         max_tunnels: flotilla_agent::tunnel::DEFAULT_MAX_TUNNELS,
         tunnel_idle_timeout: flotilla_agent::tunnel::DEFAULT_TUNNEL_IDLE_TIMEOUT,
+        ops: Default::default(),
     };
     let dialer = match Dialer::new(&config.hub, &shared.server_name, &agent.identity_dir) {
         Ok(d) => {
@@ -772,6 +773,10 @@ async fn run_agent(
         cluster_info,
         observer: agent.clone(),
         seed: Some(shared.seed.wrapping_add(agent.index as u64)),
+        metrics: Default::default(),
+        applied_once: flotilla_ops::ReadyFlag::new(
+            "the first apply pass (nobody probes these agents)",
+        ),
     };
     let stopped = async move {
         let _ = stop.wait_for(|s| *s).await;

@@ -20,7 +20,7 @@ struct Cli {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    init_tracing();
+    init_tracing(cli.config.ops.log_format);
     if cli.config.check_config {
         cli.config.validate()?;
         println!("{:#?}", cli.config);

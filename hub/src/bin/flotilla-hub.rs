@@ -63,7 +63,7 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    flotilla_hub::init_tracing();
+    flotilla_hub::init_tracing(cli.serve.ops.log_format);
     warn_retired_variables();
     match cli.command {
         Some(Command::GatewayCert {

@@ -114,6 +114,67 @@ where
     }
 }
 
+/// A loopback port free now, for a process told to listen on it.
+pub fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// `GET path` from the plain-HTTP `address` (host:port), as a probe or a scraper does: the
+/// status code and the body.
+pub async fn http_get(address: &str, path: &str) -> anyhow::Result<(u16, String)> {
+    http_get_accepting(address, path, "*/*").await
+}
+
+/// [`http_get`] with an `Accept` header.
+pub async fn http_get_accepting(
+    address: &str,
+    path: &str,
+    accept: &str,
+) -> anyhow::Result<(u16, String)> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut stream = tokio::time::timeout(
+        Duration::from_secs(5),
+        tokio::net::TcpStream::connect(address),
+    )
+    .await
+    .with_context(|| format!("connecting to {address}"))??;
+    let request = format!(
+        "GET {path} HTTP/1.1\r\nHost: {address}\r\nAccept: {accept}\r\nConnection: close\r\n\r\n"
+    );
+    stream.write_all(request.as_bytes()).await?;
+    let mut answer = String::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_string(&mut answer))
+        .await
+        .with_context(|| format!("reading GET {path} from {address}"))??;
+    let (head, body) = answer
+        .split_once("\r\n\r\n")
+        .with_context(|| format!("GET {path} from {address}: no header end in {answer:?}"))?;
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .with_context(|| format!("GET {path} from {address}: no status in {head:?}"))?;
+    Ok((status, body.to_string()))
+}
+
+/// What Prometheus asks for when it scrapes: OpenMetrics first.
+const PROMETHEUS_ACCEPT: &str =
+    "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+
+/// Scrapes `/metrics` at `address` as Prometheus does and reads the page strictly (every
+/// sample with HELP and TYPE, Prometheus names, counters in `_total`, cumulative buckets).
+pub async fn scrape(address: &str) -> anyhow::Result<flotilla_ops::exposition::Exposition> {
+    let (status, body) = http_get_accepting(address, "/metrics", PROMETHEUS_ACCEPT).await?;
+    anyhow::ensure!(
+        status == 200,
+        "GET /metrics from {address}: {status} {body}"
+    );
+    flotilla_ops::exposition::check(&body)
+        .with_context(|| format!("/metrics of {address} is not a valid exposition:\n{body}"))
+}
+
 /// A child process that is killed and reaped when dropped, with its stderr in a file.
 pub struct Proc {
     child: Option<Child>,
@@ -213,6 +274,8 @@ pub struct Hub {
     pub api_addr: String,
     /// The carrier its agents use (the test's, see [`on_both_carriers!`]).
     pub carrier: Carrier,
+    /// Its /metrics, /healthz and /readyz address, when started with `--metrics-addr`.
+    pub metrics_addr: Option<String>,
 }
 
 impl Hub {
@@ -274,6 +337,7 @@ impl Hub {
             agents_addr: listen["agents"].as_str().unwrap_or_default().to_string(),
             api_addr: listen["api"].as_str().unwrap_or_default().to_string(),
             carrier: current_carrier(),
+            metrics_addr: listen["metrics"].as_str().map(str::to_string),
         })
     }
 
@@ -406,10 +470,7 @@ impl GatewayProc {
         cert_dir: &Path,
         extra: &[&str],
     ) -> anyhow::Result<GatewayProc> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?
-            .local_addr()?
-            .port();
-        let address = format!("127.0.0.1:{port}");
+        let address = format!("127.0.0.1:{}", free_port()?);
         let mut cmd = Command::new(bin("flotilla-gateway"));
         cmd.args(["--name", name])
             .arg(format!("--listen={address}"))
@@ -601,6 +662,20 @@ pub fn decision_clusters<'a>(decisions: impl IntoIterator<Item = &'a Value>) -> 
     clusters
 }
 
+/// A fresh real apiserver with OCM's CRDs installed, for a hub's `--store kube`, and the path
+/// of its kubeconfig.
+pub async fn hub_apiserver() -> anyhow::Result<(flotilla_testenv::TestEnv, String)> {
+    let env = flotilla_testenv::TestEnv::start().await?;
+    env.install_crds(&flotilla_testenv::workspace_root().join("deploy/crds"))
+        .await?;
+    let kubeconfig = env
+        .kubeconfig_path()
+        .to_str()
+        .context("the kubeconfig path is not UTF-8")?
+        .to_string();
+    Ok((env, kubeconfig))
+}
+
 /// The hub under test and, for the kube backend, its apiserver: what an operator of either
 /// backend has in hand.
 pub struct Fleet {
@@ -622,14 +697,7 @@ impl Fleet {
                 hub_env: None,
             });
         }
-        let env = flotilla_testenv::TestEnv::start().await?;
-        env.install_crds(&flotilla_testenv::workspace_root().join("deploy/crds"))
-            .await?;
-        let kubeconfig = env
-            .kubeconfig_path()
-            .to_str()
-            .unwrap_or_default()
-            .to_string();
+        let (env, kubeconfig) = hub_apiserver().await?;
         let mut flags = vec!["--store=kube", "--kubeconfig", &kubeconfig];
         flags.extend_from_slice(extra);
         let hub = Hub::start(dir, &flags).await?;

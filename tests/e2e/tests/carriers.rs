@@ -129,6 +129,7 @@ async fn a_quic_session_goes_on_when_the_agents_socket_moves_to_a_new_port() -> 
         feedback_interval: flotilla_agent::reconcile::DEFAULT_FEEDBACK_INTERVAL,
         max_tunnels: flotilla_agent::tunnel::DEFAULT_MAX_TUNNELS,
         tunnel_idle_timeout: flotilla_agent::tunnel::DEFAULT_TUNNEL_IDLE_TIMEOUT,
+        ops: Default::default(),
     };
     let db = CacheDb::temporary()?;
     let counts = Arc::new(Counts::default());
@@ -145,6 +146,10 @@ async fn a_quic_session_goes_on_when_the_agents_socket_moves_to_a_new_port() -> 
         cluster_info,
         observer: counts.clone(),
         seed: Some(7),
+        metrics: Default::default(),
+        applied_once: flotilla_ops::ReadyFlag::new(
+            "the first apply pass (nobody probes this agent)",
+        ),
     };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let agent = tokio::spawn(async move {

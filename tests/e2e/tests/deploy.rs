@@ -702,9 +702,6 @@ async fn can_i(env: &TestEnv, q: &Question) -> anyhow::Result<bool> {
     }
 }
 
-/// Flags the manifests pass that come with the metrics endpoints, built beside deploy/ on
-/// another branch: accepted here while a binary's `--help` does not list them yet.
-const FLAGS_FROM_THE_METRICS_WORK: &[&str] = &["--metrics-addr"];
 /// Every object of the hub side and of the agent, as rendered (nothing applied).
 async fn rendered() -> anyhow::Result<Vec<Value>> {
     let dir = tempfile::tempdir()?;
@@ -755,7 +752,7 @@ async fn manifests_use_only_flags_and_variables_the_binaries_have() -> anyhow::R
             let help = help(binary, &subcommand)?;
             for flag in args.iter().filter(|a| a.starts_with("--")) {
                 let name = flag.split('=').next().unwrap_or_default();
-                if !lists_flag(&help, name) && !FLAGS_FROM_THE_METRICS_WORK.contains(&name) {
+                if !lists_flag(&help, name) {
                     problems.push(format!("{}: {binary} has no flag {name}", container.name));
                 }
             }

@@ -1,0 +1,197 @@
+//! What the agent counts, for `/metrics` on `--metrics-addr`: how long applying a work takes,
+//! drift it repaired, the status outbox's depth, and whether (and over which carrier) it holds
+//! a session with the hub. One agent is one cluster, so no label names a work or an object.
+//!
+//! Every metric is an atomic behind an `Arc`: the session driver and the reconciler hold
+//! handles and never look a series up by label as they go.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use flotilla_transport::Carrier;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::{Registry, Unit};
+
+use crate::cache::AppliedResource;
+
+type Labels = [(&'static str, &'static str); 1];
+
+/// The agent's metrics. Cheap to clone: clones count into the same series.
+#[derive(Clone, Debug)]
+pub struct AgentMetrics {
+    apply_duration: Histogram,
+    drift_repairs: Counter,
+    /// Set at each scrape from the cache.
+    pub(crate) outbox_depth: Gauge,
+    connected: Gauge,
+    by_transport: Family<Labels, Gauge>,
+}
+
+impl Default for AgentMetrics {
+    fn default() -> AgentMetrics {
+        let metrics = AgentMetrics {
+            // 5 ms to ~80 s: one small object on a near spoke to hundreds on a slow one.
+            apply_duration: Histogram::new(exponential_buckets(0.005, 2.0, 15)),
+            drift_repairs: Counter::default(),
+            outbox_depth: Gauge::default(),
+            connected: Gauge::default(),
+            by_transport: Family::default(),
+        };
+        for carrier in [Carrier::Grpc, Carrier::Quic] {
+            let _ = metrics.transport(carrier);
+        }
+        metrics
+    }
+}
+
+impl AgentMetrics {
+    /// Registers every metric under `flotilla_agent_`.
+    pub fn register(&self, registry: &mut Registry) {
+        let r = registry.sub_registry_with_prefix("agent");
+        r.register_with_unit(
+            "work_apply_duration",
+            "Time to reconcile one ManifestWork on the spoke: apply its manifests by their \
+             update strategy and record its status",
+            Unit::Seconds,
+            self.apply_duration.clone(),
+        );
+        r.register(
+            "drift_repairs",
+            "Objects a work owns that had changed on the spoke since the agent last applied \
+             them, written back to the work's content by a later reconcile of the same generation",
+            self.drift_repairs.clone(),
+        );
+        r.register(
+            "status_outbox_depth",
+            "Work statuses waiting in the durable outbox for the hub's acknowledgement",
+            self.outbox_depth.clone(),
+        );
+        r.register(
+            "hub_connected",
+            "1 while a session with the hub is established, else 0",
+            self.connected.clone(),
+        );
+        r.register(
+            "hub_connected_transport",
+            "1 for the carrier the established session rides (grpc or quic), 0 for the other",
+            self.by_transport.clone(),
+        );
+    }
+
+    pub(crate) fn observe_apply(&self, took: Duration) {
+        self.apply_duration.observe(took.as_secs_f64());
+    }
+
+    pub(crate) fn drift_repaired(&self, objects: u64) {
+        self.drift_repairs.inc_by(objects);
+    }
+
+    /// The session is established on `carrier` until the returned guard is dropped.
+    pub(crate) fn connected(&self, carrier: Carrier) -> Connected {
+        let transport = self.transport(carrier);
+        self.connected.set(1);
+        transport.set(1);
+        Connected {
+            connected: self.connected.clone(),
+            transport,
+        }
+    }
+
+    fn transport(&self, carrier: Carrier) -> Gauge {
+        let name = match carrier {
+            Carrier::Grpc => "grpc",
+            Carrier::Quic => "quic",
+        };
+        self.by_transport
+            .get_or_create_owned(&[("transport", name)])
+    }
+}
+
+/// An established session, as the gauges show it: dropping it shows the agent disconnected.
+pub(crate) struct Connected {
+    connected: Gauge,
+    transport: Gauge,
+}
+
+impl Drop for Connected {
+    fn drop(&mut self) {
+        self.connected.set(0);
+        self.transport.set(0);
+    }
+}
+
+/// What the agent last saw of each object it applied, per work: the objects' resourceVersions
+/// after its own write. An object whose version has moved by the next reconcile of the same
+/// generation was changed on the spoke meanwhile, and that reconcile wrote it back: a drift
+/// repair. Bounded by the works in the cache and the objects each applies (a forgotten work's
+/// entry goes with it).
+#[derive(Debug, Default)]
+pub(crate) struct AppliedVersions {
+    works: HashMap<String, (i64, HashMap<AppliedResource, String>)>,
+}
+
+impl AppliedVersions {
+    /// Records what reconciling `uid` at `generation` left, and returns how many objects had
+    /// drifted since the last reconcile of that generation.
+    pub(crate) fn record(
+        &mut self,
+        uid: &str,
+        generation: i64,
+        versions: Vec<(AppliedResource, String)>,
+    ) -> u64 {
+        let now: HashMap<AppliedResource, String> = versions.into_iter().collect();
+        let drifted = match self.works.get(uid) {
+            Some((before, seen)) if *before == generation => now
+                .iter()
+                .filter(|(r, v)| seen.get(*r).is_some_and(|old| old != *v))
+                .count() as u64,
+            _ => 0,
+        };
+        self.works.insert(uid.to_string(), (generation, now));
+        drifted
+    }
+
+    pub(crate) fn forget(&mut self, uid: &str) {
+        self.works.remove(uid);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cm(name: &str) -> AppliedResource {
+        let id = serde_json::json!({"group": "", "version": "v1", "kind": "ConfigMap",
+            "resource": "configmaps", "namespace": "default", "name": name});
+        serde_json::from_value(id).unwrap()
+    }
+
+    #[test]
+    fn drift_is_an_object_whose_version_moved_between_reconciles_of_one_generation() {
+        let mut seen = AppliedVersions::default();
+        assert_eq!(
+            seen.record("w", 1, vec![(cm("a"), "10".into()), (cm("b"), "11".into())]),
+            0
+        );
+        // Unchanged: an apply that changed nothing leaves the version as it was.
+        assert_eq!(
+            seen.record("w", 1, vec![(cm("a"), "10".into()), (cm("b"), "11".into())]),
+            0
+        );
+        // Someone edited b on the spoke; the reconcile wrote it back at a new version.
+        assert_eq!(
+            seen.record("w", 1, vec![(cm("a"), "10".into()), (cm("b"), "15".into())]),
+            1
+        );
+        // A new generation changes objects on purpose: not drift.
+        assert_eq!(
+            seen.record("w", 2, vec![(cm("a"), "20".into()), (cm("b"), "21".into())]),
+            0
+        );
+        seen.forget("w");
+        assert_eq!(seen.record("w", 2, vec![(cm("a"), "30".into())]), 0);
+    }
+}

@@ -1,0 +1,393 @@
+//! What the session tier counts, for `/metrics`: sessions open by carrier, reconnects,
+//! admissions refused by reason, the gateway's store requests by verb, the status write queue
+//! and the shards held. No label names a cluster: a gateway holds tens of thousands, and each
+//! label value is a series Prometheus keeps.
+//!
+//! Every metric is an atomic behind an `Arc`: the driver holds its own handles (resolved once,
+//! never looked up by label on the session path), so counting costs a session no lock.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use flotilla_proto::api::Kind;
+use flotilla_proto::wire::Refusal;
+use flotilla_store::{Object, ObjectList, Revision, Store, StoreError, WatchStream};
+use flotilla_transport::Carrier;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+type Labels = [(&'static str, &'static str); 1];
+
+/// The gateway's metrics. Cheap to clone: clones count into the same series.
+#[derive(Clone, Debug)]
+pub struct GatewayMetrics {
+    sessions: Family<Labels, Gauge>,
+    /// `sessions`' series in [`CARRIERS`] order, resolved once.
+    sessions_by: [Gauge; CARRIERS.len()],
+    reconnects: Counter,
+    refused: Family<Labels, Counter>,
+    /// `refused`'s series in [`REFUSALS`] order, resolved once.
+    refused_by: [Counter; REFUSALS.len()],
+    store_requests: Family<Labels, Counter>,
+    store_errors: Family<Labels, Counter>,
+    /// Set at each scrape from the status writer.
+    pub(crate) status_queue: Gauge,
+    /// Set at each scrape from the shard view.
+    pub(crate) shards_owned: Gauge,
+}
+
+impl GatewayMetrics {
+    pub fn new() -> GatewayMetrics {
+        let refused = Family::<Labels, Counter>::default();
+        let sessions = Family::<Labels, Gauge>::default();
+        let metrics = GatewayMetrics {
+            sessions_by: CARRIERS
+                .map(|c| sessions.get_or_create_owned(&[("transport", transport(c))])),
+            sessions,
+            reconnects: Counter::default(),
+            refused_by: REFUSALS.map(|r| refused.get_or_create_owned(&[("reason", reason(r))])),
+            refused,
+            store_requests: Family::default(),
+            store_errors: Family::default(),
+            status_queue: Gauge::default(),
+            shards_owned: Gauge::default(),
+        };
+        // Every series from the start: a rate() over a series that appears late misses its
+        // first increase, and a dashboard shows 0 rather than nothing.
+        for verb in Verb::ALL {
+            let _ = metrics
+                .store_requests
+                .get_or_create_owned(&[("verb", verb.name())]);
+            let _ = metrics
+                .store_errors
+                .get_or_create_owned(&[("verb", verb.name())]);
+        }
+        metrics
+    }
+
+    /// Registers every metric under `flotilla_gateway_`.
+    pub fn register(&self, registry: &mut Registry) {
+        let r = registry.sub_registry_with_prefix("gateway");
+        r.register(
+            "sessions",
+            "Agent sessions open on this gateway (admitted and synced), by carrier",
+            self.sessions.clone(),
+        );
+        r.register(
+            "session_reconnects",
+            "Sessions established for a cluster that had held one on this gateway before (a \
+             reconnect, or a new session replacing a live one)",
+            self.reconnects.clone(),
+        );
+        r.register(
+            "admissions_refused",
+            "Sessions refused or closed because the cluster may not hold one, by reason",
+            self.refused.clone(),
+        );
+        r.register(
+            "store_requests",
+            "Requests this gateway made to the hub's store, by verb",
+            self.store_requests.clone(),
+        );
+        r.register(
+            "store_request_errors",
+            "Requests to the hub's store that failed (unreachable, refused, conflicts), by verb: \
+             a gateway keeps serving sessions from its caches while the store is away",
+            self.store_errors.clone(),
+        );
+        r.register(
+            "status_write_queue_depth",
+            "Work statuses reported by agents and not yet written to the store (one per work)",
+            self.status_queue.clone(),
+        );
+        r.register(
+            "shards_owned",
+            "Virtual shards this gateway acts for (all of them without leases)",
+            self.shards_owned.clone(),
+        );
+    }
+
+    /// The gauge of sessions open on `carrier`.
+    pub(crate) fn sessions_on(&self, carrier: Carrier) -> Gauge {
+        match carrier {
+            Carrier::Grpc => self.sessions_by[0].clone(),
+            Carrier::Quic => self.sessions_by[1].clone(),
+        }
+    }
+
+    pub(crate) fn reconnected(&self) {
+        self.reconnects.inc();
+    }
+
+    pub(crate) fn refused(&self, refusal: Refusal) {
+        let at = REFUSALS.iter().position(|r| *r == refusal);
+        if let Some(counter) = at.and_then(|i| self.refused_by.get(i)) {
+            counter.inc();
+        }
+    }
+
+    /// `store` with every request counted.
+    pub(crate) fn metered(&self, store: Arc<dyn Store>) -> Arc<dyn Store> {
+        let requests = Verb::ALL.map(|v| {
+            self.store_requests
+                .get_or_create_owned(&[("verb", v.name())])
+        });
+        let errors =
+            Verb::ALL.map(|v| self.store_errors.get_or_create_owned(&[("verb", v.name())]));
+        Arc::new(MeteredStore {
+            inner: store,
+            requests,
+            errors,
+        })
+    }
+}
+
+impl Default for GatewayMetrics {
+    fn default() -> GatewayMetrics {
+        GatewayMetrics::new()
+    }
+}
+
+/// The session, open: decrements its carrier's gauge when dropped, however the driver ends.
+pub(crate) struct OpenSession(Gauge);
+
+impl OpenSession {
+    pub(crate) fn new(gauge: Gauge) -> OpenSession {
+        gauge.inc();
+        OpenSession(gauge)
+    }
+}
+
+impl Drop for OpenSession {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+fn transport(carrier: Carrier) -> &'static str {
+    match carrier {
+        Carrier::Grpc => "grpc",
+        Carrier::Quic => "quic",
+    }
+}
+
+const CARRIERS: [Carrier; 2] = [Carrier::Grpc, Carrier::Quic];
+
+const REFUSALS: [Refusal; 6] = [
+    Refusal::ClusterNotRegistered,
+    Refusal::ClusterDenied,
+    Refusal::ClusterNotAccepted,
+    Refusal::KeyNotRegistered,
+    Refusal::NotAnAgent,
+    Refusal::Unspecified,
+];
+
+/// The label value of a refusal: its protocol name in lower case.
+fn reason(refusal: Refusal) -> &'static str {
+    match refusal {
+        Refusal::ClusterNotRegistered => "cluster_not_registered",
+        Refusal::ClusterDenied => "cluster_denied",
+        Refusal::ClusterNotAccepted => "cluster_not_accepted",
+        Refusal::KeyNotRegistered => "key_not_registered",
+        Refusal::NotAnAgent => "not_an_agent",
+        Refusal::Unspecified => "unspecified",
+    }
+}
+
+/// A store request, named as the apiserver names its verbs.
+#[derive(Clone, Copy)]
+enum Verb {
+    Get,
+    List,
+    Watch,
+    Create,
+    Update,
+    UpdateStatus,
+    Delete,
+}
+
+impl Verb {
+    const ALL: [Verb; 7] = [
+        Verb::Get,
+        Verb::List,
+        Verb::Watch,
+        Verb::Create,
+        Verb::Update,
+        Verb::UpdateStatus,
+        Verb::Delete,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Verb::Get => "get",
+            Verb::List => "list",
+            Verb::Watch => "watch",
+            Verb::Create => "create",
+            Verb::Update => "update",
+            // A write of the status subresource, as the apiserver's `update` with
+            // subresource `status`; kept apart because status writes are the gateway's bulk.
+            Verb::UpdateStatus => "update_status",
+            Verb::Delete => "delete",
+        }
+    }
+}
+
+/// A store that counts each request, and each failed one, by verb.
+struct MeteredStore {
+    inner: Arc<dyn Store>,
+    requests: [Counter; Verb::ALL.len()],
+    errors: [Counter; Verb::ALL.len()],
+}
+
+impl MeteredStore {
+    async fn counted<T>(
+        &self,
+        verb: Verb,
+        request: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        self.requests[verb as usize].inc();
+        let result = request.await;
+        if result.is_err() {
+            self.errors[verb as usize].inc();
+        }
+        result
+    }
+}
+
+#[async_trait]
+impl Store for MeteredStore {
+    async fn get(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        name: &str,
+    ) -> Result<Option<Object>, StoreError> {
+        self.counted(Verb::Get, self.inner.get(kind, namespace, name))
+            .await
+    }
+
+    async fn list(&self, kind: Kind, namespace: Option<&str>) -> Result<ObjectList, StoreError> {
+        self.counted(Verb::List, self.inner.list(kind, namespace))
+            .await
+    }
+
+    async fn watch(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        from: Option<Revision>,
+    ) -> Result<WatchStream, StoreError> {
+        self.counted(Verb::Watch, self.inner.watch(kind, namespace, from))
+            .await
+    }
+
+    async fn create(&self, object: Object) -> Result<Object, StoreError> {
+        self.counted(Verb::Create, self.inner.create(object)).await
+    }
+
+    async fn update_spec(&self, object: Object) -> Result<Object, StoreError> {
+        self.counted(Verb::Update, self.inner.update_spec(object))
+            .await
+    }
+
+    async fn update_status(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        name: &str,
+        status: serde_json::Value,
+        expected: Option<&Revision>,
+    ) -> Result<Object, StoreError> {
+        self.counted(
+            Verb::UpdateStatus,
+            self.inner
+                .update_status(kind, namespace, name, status, expected),
+        )
+        .await
+    }
+
+    async fn delete(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        name: &str,
+    ) -> Result<(), StoreError> {
+        self.counted(Verb::Delete, self.inner.delete(kind, namespace, name))
+            .await
+    }
+
+    async fn ensure_namespace(&self, name: &str) -> Result<(), StoreError> {
+        // A get, then a create when missing, on the apiserver; counted as the get.
+        self.counted(Verb::Get, self.inner.ensure_namespace(name))
+            .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn page(metrics: &GatewayMetrics) -> flotilla_ops::exposition::Exposition {
+        let mut registry = flotilla_ops::registry();
+        metrics.register(&mut registry);
+        let endpoint = flotilla_ops::Endpoint::new(registry, flotilla_ops::Readiness::default());
+        flotilla_ops::exposition::check(&endpoint.metrics_text()).expect("a valid page")
+    }
+
+    #[tokio::test]
+    async fn requests_refusals_and_sessions_land_in_their_own_series() {
+        let dir = tempfile::tempdir().unwrap();
+        let metrics = GatewayMetrics::new();
+        let store = metrics.metered(Arc::new(
+            flotilla_store::SledStore::open(dir.path().join("store")).unwrap(),
+        ));
+        store.list(Kind::ManagedCluster, None).await.unwrap();
+        store.list(Kind::ManifestWork, None).await.unwrap();
+        store
+            .get(Kind::ManagedCluster, None, "store-1")
+            .await
+            .unwrap();
+        // A namespaced kind without its namespace: refused by the store, counted as failed.
+        store.get(Kind::ManifestWork, None, "w").await.unwrap_err();
+        metrics.refused(Refusal::ClusterDenied);
+        let open = OpenSession::new(metrics.sessions_on(Carrier::Quic));
+
+        let p = page(&metrics);
+        let requests = |verb| p.value("flotilla_gateway_store_requests_total", &[("verb", verb)]);
+        assert_eq!(requests("list"), Some(2.0));
+        assert_eq!(requests("get"), Some(2.0));
+        let errors = |verb| {
+            p.value(
+                "flotilla_gateway_store_request_errors_total",
+                &[("verb", verb)],
+            )
+        };
+        assert_eq!((errors("get"), errors("list")), (Some(1.0), Some(0.0)));
+        assert_eq!(requests("update_status"), Some(0.0));
+        let refused = |reason| {
+            p.value(
+                "flotilla_gateway_admissions_refused_total",
+                &[("reason", reason)],
+            )
+        };
+        assert_eq!(refused("cluster_denied"), Some(1.0));
+        assert_eq!(refused("key_not_registered"), Some(0.0));
+        assert_eq!(
+            p.value("flotilla_gateway_sessions", &[("transport", "quic")]),
+            Some(1.0)
+        );
+        assert_eq!(
+            p.value("flotilla_gateway_sessions", &[("transport", "grpc")]),
+            Some(0.0)
+        );
+
+        drop(open);
+        let p = page(&metrics);
+        assert_eq!(
+            p.value("flotilla_gateway_sessions", &[("transport", "quic")]),
+            Some(0.0)
+        );
+    }
+}

@@ -1,0 +1,27 @@
+//! What every flotilla process serves to whoever runs it: Prometheus metrics on `/metrics`,
+//! `/healthz` (the process is alive) and `/readyz` (it can do its job) on one plain-HTTP
+//! listener of its own (`--metrics-addr`), and its log format (`--log-format`). The hub, the
+//! gateway and the agent share it, so the three speak the same way to Prometheus, kubelet
+//! probes and log collectors.
+//!
+//! Kube components do the same: metrics and probes sit on their own port, so a probe needs no
+//! client certificate and a scrape never touches the sessions' listener.
+//!
+//! Not for: deciding what a process measures or when it is ready (each crate owns its metrics
+//! and its readiness conditions and hands them here), or anything agents and the hub say to
+//! each other.
+#![forbid(unsafe_code)]
+
+pub mod endpoint;
+pub mod exposition;
+pub mod logging;
+pub mod readiness;
+
+pub use endpoint::{Endpoint, EndpointError, MetricsArgs, serve};
+pub use logging::{LogFormat, init_tracing};
+pub use readiness::{Readiness, ReadyFlag};
+
+/// A metric registry with every name under `flotilla_`.
+pub fn registry() -> prometheus_client::registry::Registry {
+    prometheus_client::registry::Registry::with_prefix("flotilla")
+}
