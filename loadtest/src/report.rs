@@ -696,6 +696,36 @@ pub fn table(report: &Report) -> String {
                     ),
                 );
             }
+            "baseline-bare" if s.bare.is_some() => {
+                let b = s.bare.as_ref().expect("checked above");
+                let kib = |v: Option<f64>| {
+                    v.map_or_else(|| "-".into(), |v| format!("{:.1} KiB", v / 1024.0))
+                };
+                let rate = |v: Option<f64>| v.map_or_else(|| "-".into(), |v| format!("{v:.0}/s"));
+                let x = |v: Option<f64>| v.map_or_else(|| "-".into(), |v| format!("{v:.2}x"));
+                row(
+                    "carrier, sessions held",
+                    format!("{}, {}", b.carrier, b.sessions),
+                );
+                row(
+                    "RSS per session flotilla / bare",
+                    format!(
+                        "{} / {} = {} (target ≤ 1.0x)",
+                        kib(b.flotilla_rss_per_session_bytes),
+                        kib(b.bare_rss_per_session_bytes),
+                        x(b.memory_ratio)
+                    ),
+                );
+                row(
+                    "setup rate flotilla / bare",
+                    format!(
+                        "{} / {} = {} (target ≥ 0.9x)",
+                        rate(b.flotilla_setup_per_s),
+                        rate(b.bare_setup_per_s),
+                        x(b.setup_ratio)
+                    ),
+                );
+            }
             "feedback" => {
                 let f1 = |v: Option<f64>| v.map_or_else(|| "-".into(), |v| format!("{v:.1}"));
                 row(

@@ -51,6 +51,13 @@ struct Model {
     bindings: BTreeMap<(String, String), (String, Vec<Condition>)>,
     /// Writes sent and not yet seen coming back, so one change is written once.
     pending: HashSet<(Kind, Option<String>, String)>,
+    /// Clusters changed since the last plan: only they can need a label or a taint stamp.
+    /// (A status-only change, such as each cluster turning Available as its agent connects,
+    /// costs one lookup, not a pass over the fleet.)
+    changed_clusters: HashSet<String>,
+    /// Whether a set's membership may have changed since the last plan: a set changed, or a
+    /// cluster came, went or changed its labels.
+    membership_changed: bool,
 }
 
 /// One write this controller makes.
@@ -104,13 +111,25 @@ pub async fn run(store: Arc<dyn Store>, config: ControllerConfig, stop: watch::R
             .await;
         // Planned again with the next change.
         for key in failed {
-            model.pending.remove(&key);
+            model.replan(key);
         }
     }
     feeds.shutdown().await;
 }
 
 impl Model {
+    /// A write that failed: its object is planned again with the next change.
+    fn replan(&mut self, key: (Kind, Option<String>, String)) {
+        match key.0 {
+            Kind::ManagedCluster => {
+                self.changed_clusters.insert(key.2.clone());
+            }
+            Kind::ManagedClusterSet => self.membership_changed = true,
+            _ => {}
+        }
+        self.pending.remove(&key);
+    }
+
     fn apply(&mut self, kind: Kind, event: WatchEvent) {
         let deleted = matches!(event, WatchEvent::Deleted(_));
         let obj = event.into_object();
@@ -120,17 +139,25 @@ impl Model {
         match kind {
             Kind::ManagedCluster if deleted => {
                 self.clusters.remove(&name);
+                self.membership_changed = true;
             }
             Kind::ManagedCluster => {
                 if let Ok(mc) = serde_json::from_value::<ManagedCluster>(obj) {
-                    self.clusters
-                        .insert(name, Cluster::from_managed_cluster(&mc));
+                    let cluster = Cluster::from_managed_cluster(&mc);
+                    let before = self.clusters.insert(name.clone(), cluster);
+                    let labels = &self.clusters[&name].labels;
+                    if before.is_none_or(|b| &b.labels != labels) {
+                        self.membership_changed = true;
+                    }
+                    self.changed_clusters.insert(name);
                 }
             }
             Kind::ManagedClusterSet if deleted => {
                 self.sets.remove(&name);
+                self.membership_changed = true;
             }
             Kind::ManagedClusterSet => {
+                self.membership_changed = true;
                 if let Ok(set) = serde_json::from_value::<ManagedClusterSet>(obj) {
                     let (rule, _) = SetRule::from_spec(&name, &set.spec);
                     let conditions = set.status.unwrap_or_default().conditions;
@@ -174,7 +201,10 @@ impl Model {
                 }
             }
         }
-        for (name, c) in &self.clusters {
+        for name in std::mem::take(&mut self.changed_clusters) {
+            let Some(c) = self.clusters.get(&name) else {
+                continue;
+            };
             let unlabelled =
                 config.default_cluster_sets && !c.labels.contains_key(CLUSTER_SET_LABEL);
             let unstamped = c.taints.iter().any(|t| t.time_added.is_none());
@@ -184,10 +214,15 @@ impl Model {
                     .pending
                     .insert((Kind::ManagedCluster, None, name.clone()))
             {
-                writes.push(Write::FixCluster(name.clone()));
+                writes.push(Write::FixCluster(name));
             }
         }
-        for (name, (rule, conditions)) in &self.sets {
+        let sets = if std::mem::take(&mut self.membership_changed) {
+            &self.sets
+        } else {
+            &BTreeMap::new()
+        };
+        for (name, (rule, conditions)) in sets {
             let members = self.clusters.values().filter(|c| rule.contains(c)).count();
             let mut next = conditions.clone();
             let (status, reason, message) = if members == 0 {
@@ -342,4 +377,153 @@ async fn fix_cluster(store: &dyn Store, name: &str) -> Result<(), StoreError> {
     store.update_spec(mc).await?;
     debug!(cluster = name, "cluster set label or taint times written");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    //! The model's planning: what a change makes it write, and what it does not look at.
+
+    use super::*;
+
+    fn cluster(name: &str, labels: Value, available: &str) -> WatchEvent {
+        WatchEvent::Modified(json!({
+            "apiVersion": Kind::ManagedCluster.api_version(),
+            "kind": "ManagedCluster",
+            "metadata": { "name": name, "labels": labels, "resourceVersion": "1" },
+            "spec": { "hubAcceptsClient": true },
+            "status": { "conditions": [{
+                "type": "ManagedClusterConditionAvailable", "status": available,
+                "reason": "r", "message": "m", "lastTransitionTime": "2026-11-23T00:00:00Z",
+            }] },
+        }))
+    }
+
+    fn set(name: &str) -> WatchEvent {
+        WatchEvent::Modified(json!({
+            "apiVersion": Kind::ManagedClusterSet.api_version(),
+            "kind": "ManagedClusterSet",
+            "metadata": { "name": name, "resourceVersion": "1" },
+            "spec": { "clusterSelector": { "selectorType": "ExclusiveClusterSetLabel" } },
+        }))
+    }
+
+    fn set_statuses(writes: &[Write]) -> Vec<(String, String)> {
+        writes
+            .iter()
+            .filter_map(|w| match w {
+                Write::SetStatus(Kind::ManagedClusterSet, None, name, status) => Some((
+                    name.clone(),
+                    status["conditions"][0]["message"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_string(),
+                )),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_status_change_is_planned_alone_and_a_label_change_recounts_the_sets() {
+        let config = ControllerConfig::default();
+        let now = Timestamp::now();
+        let mut model = Model::default();
+        model.apply(Kind::ManagedClusterSet, set(DEFAULT_SET));
+        model.apply(Kind::ManagedClusterSet, set("east"));
+        let labelled = |set: &str| json!({ CLUSTER_SET_LABEL: set });
+        for i in 0..3 {
+            model.apply(
+                Kind::ManagedCluster,
+                cluster(&format!("c{i}"), labelled(DEFAULT_SET), "Unknown"),
+            );
+        }
+        model.apply(Kind::ManagedCluster, cluster("bare", json!({}), "Unknown"));
+        let first = model.plan(&config, now);
+        assert!(
+            first
+                .iter()
+                .any(|w| matches!(w, Write::FixCluster(n) if n == "bare")),
+            "the unlabelled cluster joins default: {first:?}"
+        );
+        let mut counted = set_statuses(&first);
+        counted.sort();
+        assert_eq!(
+            counted,
+            [
+                (
+                    DEFAULT_SET.to_string(),
+                    "3 ManagedClusters selected".to_string()
+                ),
+                ("east".to_string(), "No ManagedCluster selected".to_string()),
+            ]
+        );
+
+        // Clusters turning Available change no membership: nothing to write, no set recounted.
+        // (The sets' status writes came back; `global`'s creation is still on its way.)
+        model
+            .pending
+            .retain(|(kind, _, name)| *kind != Kind::ManagedClusterSet || name == GLOBAL_SET);
+        for i in 0..3 {
+            model.apply(
+                Kind::ManagedCluster,
+                cluster(&format!("c{i}"), labelled(DEFAULT_SET), "True"),
+            );
+        }
+        assert!(model.plan(&config, now).is_empty());
+
+        // A cluster moving to another set recounts both.
+        model.apply(
+            Kind::ManagedCluster,
+            cluster("c0", labelled("east"), "True"),
+        );
+        let mut counted = set_statuses(&model.plan(&config, now));
+        counted.sort();
+        assert_eq!(
+            counted,
+            [
+                (
+                    DEFAULT_SET.to_string(),
+                    "2 ManagedClusters selected".to_string()
+                ),
+                ("east".to_string(), "1 ManagedClusters selected".to_string()),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_failed_write_is_planned_again_with_the_next_change() {
+        let config = ControllerConfig::default();
+        let now = Timestamp::now();
+        let mut model = Model::default();
+        model.apply(Kind::ManagedClusterSet, set(DEFAULT_SET));
+        model.apply(Kind::ManagedCluster, cluster("bare", json!({}), "Unknown"));
+        let first = model.plan(&config, now);
+        assert!(
+            first
+                .iter()
+                .any(|w| matches!(w, Write::FixCluster(n) if n == "bare"))
+        );
+        // Sent and not back yet: not written twice.
+        model.apply(
+            Kind::ManagedCluster,
+            cluster("other", json!({ CLUSTER_SET_LABEL: DEFAULT_SET }), "True"),
+        );
+        model
+            .pending
+            .insert((Kind::ManagedCluster, None, "bare".into()));
+        assert!(
+            !model
+                .plan(&config, now)
+                .iter()
+                .any(|w| matches!(w, Write::FixCluster(n) if n == "bare"))
+        );
+        // The write failed: the next plan makes it again, though "bare" itself did not change.
+        model.replan((Kind::ManagedCluster, None, "bare".into()));
+        assert!(
+            model
+                .plan(&config, now)
+                .iter()
+                .any(|w| matches!(w, Write::FixCluster(n) if n == "bare"))
+        );
+    }
 }
