@@ -211,33 +211,40 @@ async fn session_and_tunnel(carrier: Carrier) {
         heartbeat(7)
     );
 
-    // A tunnel: the gateway opens it (over gRPC the session asks the agent to).
+    // A tunnel: the gateway opens it (over gRPC the session asks the agent to, once the
+    // gateway is waiting for it, as the session driver does).
+    let opener = hub.tunnels.clone();
+    let opening = opener.open("t-1", Duration::from_secs(10));
     let agent_tunnels = agent.tunnels.clone();
-    let echo = tokio::spawn(async move {
-        let mut stream = match agent_tunnels.open_requested("t-1").await {
+    let needs_frame = hub.tunnels.needs_open_tunnel_frame();
+    let agent_side = async {
+        if needs_frame {
+            // What the session machine sends; this test plays its part.
+            let open = wire::HubFrame {
+                frame: Some(hub_frame::Frame::OpenTunnel(wire::OpenTunnel {
+                    id: "t-1".into(),
+                })),
+            };
+            hub.link.outbound.send(open).await.unwrap();
+            let got = agent.link.inbound.next().await.unwrap().unwrap();
+            assert!(matches!(got.frame, Some(hub_frame::Frame::OpenTunnel(_))));
+        }
+        match agent_tunnels.open_requested("t-1").await {
             Some(opened) => opened.unwrap(),
             None => agent_tunnels.accept().await.unwrap(),
-        };
+        }
+    };
+    // In order: the gateway's side is polled first, so it waits for the tunnel before the
+    // agent is asked to open it.
+    let (opened, mut stream) = futures::join!(opening, agent_side);
+    let mut tunnel = opened.unwrap();
+    let echo = tokio::spawn(async move {
         assert_eq!(stream.id, "t-1");
         let mut buf = Vec::new();
         stream.read_to_end(&mut buf).await.unwrap();
         stream.write_all(&buf).await.unwrap();
         stream.shutdown().await.unwrap();
     });
-    let opener = hub.tunnels.clone();
-    let opening = tokio::spawn(async move { opener.open("t-1", Duration::from_secs(10)).await });
-    if hub.tunnels.needs_open_tunnel_frame() {
-        // What the session machine sends; this test plays its part.
-        let open = wire::HubFrame {
-            frame: Some(hub_frame::Frame::OpenTunnel(wire::OpenTunnel {
-                id: "t-1".into(),
-            })),
-        };
-        hub.link.outbound.send(open).await.unwrap();
-        let got = agent.link.inbound.next().await.unwrap().unwrap();
-        assert!(matches!(got.frame, Some(hub_frame::Frame::OpenTunnel(_))));
-    }
-    let mut tunnel = opening.await.unwrap().unwrap();
     let payload: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
     tunnel.write_all(&payload).await.unwrap();
     tunnel.shutdown().await.unwrap();
