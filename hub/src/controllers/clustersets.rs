@@ -217,12 +217,8 @@ impl Model {
                 writes.push(Write::FixCluster(name));
             }
         }
-        let sets = if std::mem::take(&mut self.membership_changed) {
-            &self.sets
-        } else {
-            &BTreeMap::new()
-        };
-        for (name, (rule, conditions)) in sets {
+        let recount = std::mem::take(&mut self.membership_changed);
+        for (name, (rule, conditions)) in self.sets.iter().filter(|_| recount) {
             let members = self.clusters.values().filter(|c| rule.contains(c)).count();
             let mut next = conditions.clone();
             let (status, reason, message) = if members == 0 {
