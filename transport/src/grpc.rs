@@ -218,34 +218,129 @@ impl GrpcTunnels {
     }
 }
 
+/// A tunnel call's inbound frames.
+type Frames = Pin<Box<dyn Stream<Item = Result<TunnelFrame, std::io::Error>> + Send>>;
+
 /// Tunnel frames as bytes: data frames read, writes become data frames, shutdown sends `end`.
 fn frames_io(
     inbound: impl Stream<Item = Result<TunnelFrame, std::io::Error>> + Send + 'static,
     outbound: mpsc::Sender<TunnelFrame>,
 ) -> impl crate::link::TunnelIo {
-    // Data until the peer's half-close; other frames carry nothing to read.
-    let reads = inbound
-        .take_while(|r| {
-            futures::future::ready(!matches!(
-                r,
-                Ok(TunnelFrame {
-                    frame: Some(tunnel_frame::Frame::End(true))
-                })
-            ))
-        })
-        .filter_map(|r| {
-            futures::future::ready(match r {
-                Ok(TunnelFrame {
-                    frame: Some(tunnel_frame::Frame::Data(data)),
-                }) => Some(Ok(Bytes::from(data))),
-                Ok(_) => None,
-                Err(e) => Some(Err(e)),
-            })
+    CallIo {
+        reader: tokio_util::io::StreamReader::new(DataFrames {
+            inbound: Some(Box::pin(inbound)),
+            ended: false,
+        }),
+        writer: DataWriter::new(outbound),
+    }
+}
+
+/// How long a closed tunnel end keeps reading its call once dropped, so that what it wrote
+/// reaches the peer (see [`CallIo`]'s `Drop`).
+const LINGER: Duration = Duration::from_secs(10);
+
+/// The bytes of one `Fleet.Tunnel` call, either end.
+///
+/// HTTP/2 cancels a call whose two halves are both dropped before the peer has ended its own,
+/// and a cancel discards what this end has written but not yet sent (a stalled window holds
+/// it). A relay drops its tunnel as soon as both directions are done, which can be before the
+/// peer's end of the call arrives. So an end that closed its writing cleanly hands its inbound
+/// half, on drop, to a task that reads it out until the peer ends it, [`LINGER`] at most: the
+/// call then closes without a cancel and nothing written is lost. An end dropped without a
+/// clean close is cancelled at once, as before.
+struct CallIo {
+    reader: tokio_util::io::StreamReader<DataFrames, Bytes>,
+    writer: DataWriter,
+}
+
+impl Drop for CallIo {
+    fn drop(&mut self) {
+        if !self.writer.ended {
+            return;
+        }
+        let (Some(mut inbound), Ok(runtime)) = (
+            self.reader.get_mut().inbound.take(),
+            tokio::runtime::Handle::try_current(),
+        ) else {
+            return;
+        };
+        runtime.spawn(async move {
+            let drained = async { while inbound.next().await.is_some() {} };
+            let _ = tokio::time::timeout(LINGER, drained).await;
         });
-    tokio::io::join(
-        tokio_util::io::StreamReader::new(Box::pin(reads)),
-        DataWriter::new(outbound),
-    )
+    }
+}
+
+impl tokio::io::AsyncRead for CallIo {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.reader).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for CallIo {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.writer).poll_write(cx, buf)
+    }
+    fn poll_flush(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.writer).poll_flush(cx)
+    }
+    fn poll_shutdown(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.writer).poll_shutdown(cx)
+    }
+}
+
+/// The data frames of a tunnel call until the peer's half-close (`End`); other frames carry
+/// nothing to read. Keeps the call's stream after `End` so that dropping it is a choice.
+struct DataFrames {
+    inbound: Option<Frames>,
+    ended: bool,
+}
+
+impl Stream for DataFrames {
+    type Item = std::io::Result<Bytes>;
+
+    fn poll_next(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        use std::task::Poll;
+        if self.ended {
+            return Poll::Ready(None);
+        }
+        let Some(inbound) = self.inbound.as_mut() else {
+            return Poll::Ready(None);
+        };
+        loop {
+            match std::task::ready!(inbound.as_mut().poll_next(cx)) {
+                Some(Ok(TunnelFrame {
+                    frame: Some(tunnel_frame::Frame::Data(data)),
+                })) => return Poll::Ready(Some(Ok(Bytes::from(data)))),
+                Some(Ok(TunnelFrame {
+                    frame: Some(tunnel_frame::Frame::End(true)),
+                }))
+                | None => {
+                    self.ended = true;
+                    return Poll::Ready(None);
+                }
+                Some(Ok(_)) => continue,
+                Some(Err(e)) => return Poll::Ready(Some(Err(e))),
+            }
+        }
+    }
 }
 
 /// Writes as `TunnelFrame::Data`, flow-controlled by the channel; shutdown sends `End`.

@@ -196,6 +196,44 @@ async fn open(
     (agent, client, hub)
 }
 
+/// Opens tunnel `id` on a live session: the gateway opens it (over gRPC the session asks the
+/// agent to, once the gateway is waiting for it, as the session driver does). Returns the
+/// gateway's end and the agent's.
+async fn open_tunnel(
+    hub: &mut Incoming,
+    agent: &mut Dialed,
+    id: &str,
+) -> (
+    flotilla_transport::TunnelStream,
+    flotilla_transport::TunnelStream,
+) {
+    let opener = hub.tunnels.clone();
+    let opening = opener.open(id, Duration::from_secs(10));
+    let agent_tunnels = agent.tunnels.clone();
+    let needs_frame = hub.tunnels.needs_open_tunnel_frame();
+    let agent_side = async {
+        if needs_frame {
+            // What the session machine sends; this test plays its part.
+            let open = wire::HubFrame {
+                frame: Some(hub_frame::Frame::OpenTunnel(wire::OpenTunnel {
+                    id: id.into(),
+                })),
+            };
+            hub.link.outbound.send(open).await.unwrap();
+            let got = agent.link.inbound.next().await.unwrap().unwrap();
+            assert!(matches!(got.frame, Some(hub_frame::Frame::OpenTunnel(_))));
+        }
+        match agent_tunnels.open_requested(id).await {
+            Some(opened) => opened.unwrap(),
+            None => agent_tunnels.accept().await.unwrap(),
+        }
+    };
+    // In order: the gateway's side is polled first, so it waits for the tunnel before the
+    // agent is asked to open it.
+    let (opened, agent_end) = futures::join!(opening, agent_side);
+    (opened.unwrap(), agent_end)
+}
+
 async fn session_and_tunnel(carrier: Carrier) {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let pki = pki();
@@ -211,33 +249,8 @@ async fn session_and_tunnel(carrier: Carrier) {
         heartbeat(7)
     );
 
-    // A tunnel: the gateway opens it (over gRPC the session asks the agent to, once the
-    // gateway is waiting for it, as the session driver does).
-    let opener = hub.tunnels.clone();
-    let opening = opener.open("t-1", Duration::from_secs(10));
-    let agent_tunnels = agent.tunnels.clone();
-    let needs_frame = hub.tunnels.needs_open_tunnel_frame();
-    let agent_side = async {
-        if needs_frame {
-            // What the session machine sends; this test plays its part.
-            let open = wire::HubFrame {
-                frame: Some(hub_frame::Frame::OpenTunnel(wire::OpenTunnel {
-                    id: "t-1".into(),
-                })),
-            };
-            hub.link.outbound.send(open).await.unwrap();
-            let got = agent.link.inbound.next().await.unwrap().unwrap();
-            assert!(matches!(got.frame, Some(hub_frame::Frame::OpenTunnel(_))));
-        }
-        match agent_tunnels.open_requested("t-1").await {
-            Some(opened) => opened.unwrap(),
-            None => agent_tunnels.accept().await.unwrap(),
-        }
-    };
-    // In order: the gateway's side is polled first, so it waits for the tunnel before the
-    // agent is asked to open it.
-    let (opened, mut stream) = futures::join!(opening, agent_side);
-    let mut tunnel = opened.unwrap();
+    // A tunnel: the gateway opens it.
+    let (mut tunnel, mut stream) = open_tunnel(&mut hub, &mut agent, "t-1").await;
     let echo = tokio::spawn(async move {
         assert_eq!(stream.id, "t-1");
         let mut buf = Vec::new();
@@ -373,4 +386,65 @@ async fn a_client_of_another_ca_is_refused_by_both_carriers() {
             "{carrier}: no session reached the gateway"
         );
     }
+}
+
+/// An end that writes, closes its side and is dropped at once (as a relay drops a tunnel as
+/// soon as both directions are done) loses nothing it wrote, even while its peer reads slowly
+/// and has not closed its own side.
+async fn a_closed_and_dropped_end_delivers_what_it_wrote(carrier: Carrier) {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let pki = pki();
+    let (addr, mut sessions, _drain) = gateway(&pki, carrier).await;
+    let (mut agent, _client, mut hub) = open(&pki, carrier, addr, &mut sessions).await;
+    // Many windows' worth, so the writer's last bytes may still wait to be sent at the drop;
+    // whether they do is a matter of timing, so each direction is tried ten times.
+    let payload: Vec<u8> = (0..512 * 1024u32).map(|i| (i % 251) as u8).collect();
+    for round in 0..20 {
+        let writer_is_agent = round % 2 == 0;
+        let id = format!("t-{round}");
+        let (hub_end, agent_end) = open_tunnel(&mut hub, &mut agent, &id).await;
+        let (mut writer, mut reader) = match writer_is_agent {
+            true => (agent_end, hub_end),
+            false => (hub_end, agent_end),
+        };
+        let sent = payload.clone();
+        let writing = tokio::spawn(async move {
+            writer.write_all(&sent).await.unwrap();
+            writer.shutdown().await.unwrap();
+            drop(writer);
+        });
+        // A slow reader: a little at a time, letting everything else run in between.
+        let reading = async {
+            let mut back = Vec::new();
+            let mut buf = [0u8; 2048];
+            loop {
+                match reader.read(&mut buf).await.unwrap() {
+                    0 => return back,
+                    n => back.extend_from_slice(&buf[..n]),
+                }
+                tokio::task::yield_now().await;
+            }
+        };
+        let back = tokio::time::timeout(Duration::from_secs(30), reading)
+            .await
+            .expect("the reader saw the end");
+        writing.await.unwrap();
+        let side = if writer_is_agent { "agent" } else { "gateway" };
+        assert_eq!(
+            back.len(),
+            payload.len(),
+            "{carrier}: bytes the {side} wrote were lost"
+        );
+        assert!(back == payload, "{carrier}: bytes the {side} wrote changed");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_delivers_what_a_closed_and_dropped_end_wrote() {
+    a_closed_and_dropped_end_delivers_what_it_wrote(Carrier::Grpc).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quic_delivers_what_a_closed_and_dropped_end_wrote() {
+    a_closed_and_dropped_end_delivers_what_it_wrote(Carrier::Quic).await;
 }

@@ -170,6 +170,16 @@ async fn upgrade<S: AsyncRead + AsyncWrite + Unpin>(
     Ok(conn)
 }
 
+/// Where `back` departs from `sent`, for a failure message.
+fn difference(back: &[u8], sent: &[u8]) -> String {
+    let first = back.iter().zip(sent).position(|(a, b)| a != b);
+    format!(
+        "{} bytes back of {} sent, first differing byte at {first:?}",
+        back.len(),
+        sent.len()
+    )
+}
+
 /// Bytes that differ from position to position, so a lost, doubled or reordered chunk shows.
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
@@ -316,7 +326,8 @@ on_both_carriers! {
         for i in 0..20u8 {
             let conn = upgrade(connect_as(&hub, "alice").await?, "SPDY/3.1").await?;
             let data = pattern(16 * 1024, i);
-            assert!(round_trip(conn, data.clone()).await? == data, "request {i}");
+            let back = round_trip(conn, data.clone()).await?;
+            assert!(back == data, "request {i}: {}", difference(&back, &data));
         }
         assert!(
             (written.load(Ordering::Relaxed) as usize) < TOTAL,
