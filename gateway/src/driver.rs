@@ -145,8 +145,8 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
                     seq,
                     status_json,
                 } => {
-                    let shared = shared.clone();
-                    let cluster = cluster.clone();
+                    let (shared, cluster, reporter) =
+                        (shared.clone(), cluster.clone(), mailbox.clone());
                     work.push(Box::pin(async move {
                         let Some(name) = shared.desired.owned_by(&cluster, &uid).await else {
                             warn!(work_uid = %uid, "status for a work that is not this cluster's; ignored");
@@ -155,7 +155,7 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
                         debug!(work = %name, generation, seq, "status reported");
                         if let Err(e) = shared
                             .statuses
-                            .submit(&cluster, &name, &uid, seq, &status_json)
+                            .submit(&reporter, &cluster, &name, &uid, seq, &status_json)
                             .await
                         {
                             warn!(error = %e, "status refused");

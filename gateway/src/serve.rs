@@ -354,7 +354,6 @@ impl Gateway {
                 .clone()
                 .run(
                     shared.store.clone(),
-                    shared.registry.clone(),
                     shared.desired.clone(),
                     stop_rx.clone(),
                 )
@@ -475,11 +474,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = flotilla_store::SledStore::open(dir.path().join("store")).unwrap();
         let gateway = Gateway::new(Arc::new(store), GatewayConfig::default());
+        let reporter = Arc::new(crate::mailbox::Mailbox::default());
         for (name, uid) in [("a", "uid-a"), ("b", "uid-b")] {
             gateway
                 .shared
                 .statuses
-                .submit("store-1", name, uid, 1, b"{}")
+                .submit(&reporter, "store-1", name, uid, 1, b"{}")
                 .await
                 .unwrap();
         }

@@ -1,9 +1,9 @@
 //! Writing the status agents report into the store, coalesced and rate-limited: one pending
 //! entry per work (the newest wins), at most `writes_per_second` store writes, and the agent's
-//! status acknowledged only once it is stored.
+//! status acknowledged only once it is stored, on the session that reported it.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use flotilla_proto::api::{Kind, ManifestWorkStatus};
@@ -12,7 +12,7 @@ use tokio::sync::{Mutex, Notify, watch};
 use tracing::{debug, warn};
 
 use crate::desired::DesiredState;
-use crate::registry::Registry;
+use crate::mailbox::Mailbox;
 use crate::shards::ShardViews;
 
 /// How often the record of stored seqs forgets works that no longer exist, so it holds the
@@ -27,6 +27,11 @@ pub struct PendingStatus {
     pub uid: String,
     pub seq: u64,
     pub status: serde_json::Value,
+    /// The mailbox of the session that reported it, where its ack goes. Not the cluster's
+    /// registered session: an agent reports its outbox as soon as it is welcomed, before its
+    /// new session is registered, and it reports a status once per session, so an ack sent
+    /// to whichever session the registry held then would be lost for that session's life.
+    pub reporter: Weak<Mailbox>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -77,10 +82,11 @@ impl StatusWriter {
         self.pending.try_lock().ok().map(|p| p.len())
     }
 
-    /// Queues a status for writing. Validates the shape first, so nothing malformed reaches the
-    /// store.
+    /// Queues a status for writing, to be acknowledged on `reporter`'s session. Validates the
+    /// shape first, so nothing malformed reaches the store.
     pub async fn submit(
         &self,
+        reporter: &Arc<Mailbox>,
         cluster: &str,
         name: &str,
         uid: &str,
@@ -96,8 +102,14 @@ impl StatusWriter {
             serde_json::from_slice(status_json).map_err(|e| malformed(e.to_string()))?;
         let status = serde_json::to_value(parsed).map_err(|e| malformed(e.to_string()))?;
         let mut pending = self.pending.lock().await;
-        if pending.get(uid).is_some_and(|p| p.seq >= seq) {
-            return Ok(());
+        match pending.get_mut(uid) {
+            Some(p) if p.seq > seq => return Ok(()),
+            // The same status again, from the agent's newer session: its ack goes there.
+            Some(p) if p.seq == seq => {
+                p.reporter = Arc::downgrade(reporter);
+                return Ok(());
+            }
+            _ => {}
         }
         pending.insert(
             uid.to_string(),
@@ -107,6 +119,7 @@ impl StatusWriter {
                 uid: uid.into(),
                 seq,
                 status,
+                reporter: Arc::downgrade(reporter),
             },
         );
         drop(pending);
@@ -118,7 +131,6 @@ impl StatusWriter {
     pub async fn run(
         self: Arc<Self>,
         store: Arc<dyn Store>,
-        registry: Arc<Registry>,
         desired: Arc<DesiredState>,
         mut stop: watch::Receiver<bool>,
     ) {
@@ -162,7 +174,7 @@ impl StatusWriter {
                 .is_some_and(|w| w.seq >= p.seq)
             {
                 // Already stored (a resend after reconnect): just acknowledge again.
-                ack(&registry, &p).await;
+                ack(&p).await;
                 continue;
             }
             match store
@@ -182,12 +194,12 @@ impl StatusWriter {
                     };
                     self.written.lock().await.insert(p.uid.clone(), written);
                     debug!(cluster = %p.cluster, work = %p.name, seq = p.seq, "work status stored");
-                    ack(&registry, &p).await;
+                    ack(&p).await;
                 }
                 Err(StoreError::NotFound { .. }) => {
                     // The work was deleted meanwhile: its status has nowhere to go. Acknowledge
                     // so the agent stops resending it.
-                    ack(&registry, &p).await;
+                    ack(&p).await;
                 }
                 Err(e) => {
                     warn!(cluster = %p.cluster, work = %p.name, error = %e, "storing work status failed; will retry");
@@ -242,9 +254,11 @@ impl StatusWriter {
     }
 }
 
-async fn ack(registry: &Registry, p: &PendingStatus) {
-    if let Some(h) = registry.get(&p.cluster).await {
-        h.mailbox.status_ack(&p.uid, p.seq).await;
+/// Acknowledges `p` on the session that reported it, if that session is still alive; if not,
+/// the agent reports the status again on its next session and gets the ack there.
+async fn ack(p: &PendingStatus) {
+    if let Some(mailbox) = p.reporter.upgrade() {
+        mailbox.status_ack(&p.uid, p.seq).await;
     }
 }
 
@@ -253,6 +267,7 @@ mod tests {
     //! The record of stored seqs stays bounded by the live works.
 
     use super::*;
+    use crate::registry::Registry;
     use crate::test_support::eventually;
     use flotilla_store::SledStore;
     use serde_json::json;
@@ -289,15 +304,12 @@ mod tests {
             ))
             .unwrap()
         });
-        tokio::spawn(
-            writer
-                .clone()
-                .run(store.clone(), registry, desired.clone(), stop),
-        );
+        tokio::spawn(writer.clone().run(store.clone(), desired.clone(), stop));
         let status = json!({"conditions": []}).to_string();
+        let reporter = Arc::new(Mailbox::default());
         for (name, uid) in [("kept", &kept), ("gone", &gone)] {
             writer
-                .submit("store-1", name, uid, 1, status.as_bytes())
+                .submit(&reporter, "store-1", name, uid, 1, status.as_bytes())
                 .await
                 .unwrap();
         }
@@ -321,13 +333,64 @@ mod tests {
         .await;
         // The next status written goes through a pruning pass.
         writer
-            .submit("store-1", "kept", &kept, 2, status.as_bytes())
+            .submit(&reporter, "store-1", "kept", &kept, 2, status.as_bytes())
             .await
             .unwrap();
         eventually("the deleted work is forgotten", || async {
             writer.remembered().await == [kept.clone()]
         })
         .await;
+        let _ = stop_tx.send(true);
+    }
+
+    /// An agent reports its outbox once per session, as soon as it is welcomed (before its
+    /// session is registered here). The ack goes to the session that reported the status; the
+    /// same status reported again from a newer session moves its ack there.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_status_is_acked_on_the_session_that_reported_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(SledStore::open(dir.path()).unwrap());
+        let created = store.create(work("web")).await.unwrap();
+        let uid = created["metadata"]["uid"].as_str().unwrap().to_string();
+        let registry = Arc::new(Registry::default());
+        let desired = DesiredState::new();
+        let (stop_tx, stop) = watch::channel(false);
+        tokio::spawn(desired.clone().run(store.clone(), registry, stop.clone()));
+        desired.wait_ready().await;
+        let writer = StatusWriter::new(
+            1000,
+            tokio::sync::watch::channel(Arc::new(crate::shards::ShardView::all(64))).1,
+        );
+        let status = json!({"conditions": []}).to_string();
+        // The first session reports, goes away unacked; the next one reports the same status;
+        // no session is registered anywhere.
+        let (first, second) = (Arc::new(Mailbox::default()), Arc::new(Mailbox::default()));
+        for session in [&first, &second] {
+            writer
+                .submit(session, "store-1", "web", &uid, 3, status.as_bytes())
+                .await
+                .unwrap();
+        }
+        tokio::spawn(
+            writer
+                .clone()
+                .run(store.clone(), desired.clone(), stop.clone()),
+        );
+        tokio::time::timeout(Duration::from_secs(10), second.ready())
+            .await
+            .expect("the second session got an ack");
+        assert_eq!(second.take().await.status_acks, vec![(uid.clone(), 3)]);
+        assert!(first.take().await.status_acks.is_empty());
+        // A later report of a stored seq (the agent's third session) is acked again, there.
+        let third = Arc::new(Mailbox::default());
+        writer
+            .submit(&third, "store-1", "web", &uid, 3, status.as_bytes())
+            .await
+            .unwrap();
+        tokio::time::timeout(Duration::from_secs(10), third.ready())
+            .await
+            .expect("the third session got an ack");
+        assert_eq!(third.take().await.status_acks, vec![(uid, 3)]);
         let _ = stop_tx.send(true);
     }
 }
