@@ -475,7 +475,11 @@ impl QuicClient {
                 // read before the connection goes. Bounded, for a hub that never closes.
                 let _ = tokio::time::timeout(GOODBYE_WAIT, closer.closed()).await;
             }
-            closer.close(VarInt::from_u32(CLOSE_SESSION_ENDED), b"session ended");
+            // Closing an already closed connection would replace the hub's reason (the TLS
+            // alert that refused this agent) with "closed locally" before the dial reads it.
+            if closer.close_reason().is_none() {
+                closer.close(VarInt::from_u32(CLOSE_SESSION_ENDED), b"session ended");
+            }
         });
         let link = first_answer(link, &mut pump, &conn).await?;
         Ok(Dialed {
