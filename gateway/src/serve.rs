@@ -47,7 +47,8 @@ pub struct GatewayConfig {
     pub drain_window: Duration,
     /// On shutdown, how long drained sessions may take to end before the rest are closed.
     pub drain_timeout: Duration,
-    /// QUIC handshakes in progress at once; the excess is refused before any crypto.
+    /// QUIC handshakes in progress at once; the excess waits for a slot (briefly, in bounded
+    /// numbers) and is refused beyond that, before any crypto.
     pub max_quic_handshakes: usize,
     /// How long the gateway waits for an agent to open a tunnel it asked for.
     pub tunnel_open_timeout: Duration,

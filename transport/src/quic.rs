@@ -177,28 +177,49 @@ impl QuicListener {
 
     /// Accepts connections until `drain` turns true, each handshake bounded (`max_handshakes`
     /// at once) and each connection in its own task owned here; every connection whose first
-    /// stream opens becomes an [`Incoming`] on `sessions`. On drain it stops accepting and
-    /// waits for its connections, which end as their sessions do; the caller bounds the wait
-    /// (dropping this future aborts every connection).
+    /// stream opens becomes an [`Incoming`] on `sessions`. A connection arriving while every
+    /// handshake slot is taken waits for one, in order, [`SLOT_WAIT`] at most and
+    /// [`WAITING_PER_SLOT`] per slot at most; beyond either it is refused, before any crypto.
+    /// On drain it stops accepting and waits for its connections, which end as their sessions
+    /// do; the caller bounds the wait (dropping this future aborts every connection).
     pub async fn serve(
         self,
         sessions: mpsc::Sender<Incoming>,
         max_handshakes: usize,
         mut drain: watch::Receiver<bool>,
     ) {
-        let permits = Arc::new(Semaphore::new(max_handshakes.max(1)));
+        let max_handshakes = max_handshakes.max(1);
+        let permits = Arc::new(Semaphore::new(max_handshakes));
+        let waiting = Arc::new(Semaphore::new(max_handshakes * WAITING_PER_SLOT));
         let mut connections = JoinSet::new();
         loop {
             tokio::select! {
                 incoming = self.endpoint.accept() => {
                     let Some(incoming) = incoming else { break };
-                    let Ok(permit) = permits.clone().try_acquire_owned() else {
-                        // Too many handshakes at once: refuse cheaply, before any crypto.
-                        debug!(peer = %incoming.remote_address(), "QUIC handshake refused: too many in progress");
+                    let (sessions, settings) = (sessions.clone(), self.settings.clone());
+                    if let Ok(permit) = permits.clone().try_acquire_owned() {
+                        connections.spawn(accept(incoming, sessions, settings, permit));
+                        continue;
+                    }
+                    let Ok(place) = waiting.clone().try_acquire_owned() else {
+                        debug!(peer = %incoming.remote_address(), "QUIC handshake refused: too many in progress and waiting");
                         incoming.refuse();
                         continue;
                     };
-                    connections.spawn(accept(incoming, sessions.clone(), self.settings.clone(), permit));
+                    let permits = permits.clone();
+                    connections.spawn(async move {
+                        // Waiting costs the first datagram, which quinn keeps anyway; a refusal
+                        // would cost the agent a backoff and the gateway another attempt.
+                        let slot = tokio::time::timeout(SLOT_WAIT, permits.acquire_owned()).await;
+                        drop(place);
+                        match slot {
+                            Ok(Ok(permit)) => accept(incoming, sessions, settings, permit).await,
+                            _ => {
+                                debug!(peer = %incoming.remote_address(), "QUIC handshake refused: no slot within {SLOT_WAIT:?}");
+                                incoming.refuse();
+                            }
+                        }
+                    });
                 }
                 Some(_) = connections.join_next(), if !connections.is_empty() => {}
                 _ = drain.wait_for(|d| *d) => break,
@@ -322,6 +343,12 @@ enum PumpEnd {
 }
 
 type LinkPump = Pin<Box<dyn Future<Output = PumpEnd> + Send>>;
+
+/// Connections that may wait for a handshake slot, per slot, when every slot is taken.
+const WAITING_PER_SLOT: usize = 4;
+/// How long a connection waits for a handshake slot before it is refused: well inside an
+/// agent's dial deadline, so a refused agent still has time to back off and try again.
+const SLOT_WAIT: Duration = Duration::from_secs(2);
 
 /// How long a dialling end waits for the hub to close a connection whose session stream the
 /// hub stopped: the hub's goodbye may still be in flight, and closing first would discard it.

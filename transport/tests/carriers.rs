@@ -77,6 +77,15 @@ async fn gateway(
     pki: &Pki,
     carrier: Carrier,
 ) -> (SocketAddr, mpsc::Receiver<Incoming>, watch::Sender<bool>) {
+    gateway_with(pki, carrier, 16).await
+}
+
+/// [`gateway`] with QUIC handshakes in progress bounded at `quic_handshakes`.
+async fn gateway_with(
+    pki: &Pki,
+    carrier: Carrier,
+    quic_handshakes: usize,
+) -> (SocketAddr, mpsc::Receiver<Incoming>, watch::Sender<bool>) {
     let server_tls = tls::agent_server_config(
         pki.ca.as_bytes(),
         pki.server.0.as_bytes(),
@@ -109,7 +118,7 @@ async fn gateway(
             let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
             let listener = QuicListener::bind(socket, &server_tls, quic_settings()).unwrap();
             let addr = listener.local_addr().unwrap();
-            tokio::spawn(listener.serve(sessions_tx, 16, drain));
+            tokio::spawn(listener.serve(sessions_tx, quic_handshakes, drain));
             addr
         }
     };
@@ -447,4 +456,38 @@ async fn grpc_delivers_what_a_closed_and_dropped_end_wrote() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn quic_delivers_what_a_closed_and_dropped_end_wrote() {
     a_closed_and_dropped_end_delivers_what_it_wrote(Carrier::Quic).await;
+}
+
+/// Agents arriving while every QUIC handshake slot is taken wait for one instead of being
+/// refused into a backoff: five dials at once through a single slot all get their session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quic_dials_beyond_the_handshake_slots_wait_for_one() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let pki = pki();
+    let (addr, mut sessions, _drain) = gateway_with(&pki, Carrier::Quic, 1).await;
+    // The gateway's side answers every hello, as a hub does.
+    tokio::spawn(async move {
+        while let Some(mut hub) = sessions.recv().await {
+            tokio::spawn(async move {
+                assert_eq!(hub.link.inbound.next().await.unwrap().unwrap(), hello());
+                hub.link.outbound.send(heartbeat(0)).await.unwrap();
+                // Held open until the agent goes.
+                while hub.link.inbound.next().await.is_some() {}
+            });
+        }
+    });
+    let dials = (0..5).map(|_| dial(&pki, Carrier::Quic, addr));
+    let dialed = tokio::time::timeout(Duration::from_secs(30), futures::future::join_all(dials))
+        .await
+        .expect("every dial ended");
+    for (mut agent, _client) in dialed {
+        if let Some(pump) = agent.pump.take() {
+            tokio::spawn(pump);
+        }
+        assert_eq!(
+            agent.link.inbound.next().await.unwrap().unwrap(),
+            heartbeat(0),
+            "each agent got the hub's answer"
+        );
+    }
 }
