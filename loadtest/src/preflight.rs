@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 
-use crate::cli::{FD_HEADROOM, HubMode, HubStore, RunArgs, Scenario};
+use crate::cli::{AgentTransport, FD_HEADROOM, HubMode, HubStore, RunArgs, Scenario};
 use crate::klusterlet::CONNECTIONS_PER_CLIENT;
 use crate::machine::raise_open_files_limit;
 
@@ -25,11 +25,17 @@ pub fn check_fds(args: &RunArgs, limit: u64) -> anyhow::Result<()> {
     let n = args.agents as u64;
     let per_process = n.div_ceil(args.processes as u64);
     let in_process_hub = args.hub.is_none() && args.hub_mode == HubMode::InProcess;
+    // The hub's end of the sessions: a socket each over TCP; over QUIC one UDP socket for all.
+    let hub_sockets = if args.transport == AgentTransport::Quic {
+        0
+    } else {
+        n
+    };
     // An in-process hub holds the server end of every session in this process too.
     let here = if args.processes == 1 {
-        per_process + if in_process_hub { n } else { 0 }
+        per_process + if in_process_hub { hub_sockets } else { 0 }
     } else {
-        if in_process_hub { n } else { 0 }
+        if in_process_hub { hub_sockets } else { 0 }
     };
     if fds_needed(here) > limit || fds_needed(per_process) > limit {
         let most = limit.saturating_sub(FD_HEADROOM);
@@ -87,7 +93,7 @@ pub fn check_fds(args: &RunArgs, limit: u64) -> anyhow::Result<()> {
             },
         );
     }
-    if args.hub.is_none() && args.hub_mode == HubMode::Child && fds_needed(n) > limit {
+    if args.hub.is_none() && args.hub_mode == HubMode::Child && fds_needed(hub_sockets) > limit {
         bail!(
             "--agents {n}: the hub is one process and holds one socket per session, but the \
              open-file limit is {limit}, so one hub can hold at most about {} sessions on this \
@@ -219,6 +225,14 @@ mod tests {
         // With the agents in workers, the clients alone count here.
         baseline("6000", &["--processes", "2"]).unwrap();
         check_fds(&args(&["--agents", "19000", "--processes", "2"]), 20_000).unwrap();
+        // Over QUIC the hub holds one UDP socket for every session: only the agents' side
+        // counts.
+        let quic = ["--transport", "quic", "--processes", "4"];
+        check_fds(&args(&[&["--agents", "50000"], &quic[..]].concat()), 20_000).unwrap();
+        let err = check_fds(&args(&[&["--agents", "90000"], &quic[..]].concat()), 20_000)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("with 22500 agents per process"), "{err}");
     }
 
     #[test]
