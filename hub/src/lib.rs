@@ -16,6 +16,7 @@ pub mod fleet_metrics;
 pub mod operator_api;
 pub mod proxy;
 pub mod registration;
+pub mod status_page;
 pub mod table;
 pub mod tokens;
 
@@ -283,12 +284,23 @@ pub async fn run(
         "the hub's controllers",
         controllers::run(store.clone(), config.controllers(), stop_rx.clone()).err_into(),
     );
+    // The status page's model of the fleet, read by its own watches; sessions are the
+    // in-process gateway's.
+    let status_page = status_page::StatusPage::new(Some(Arc::new(gateway.clone())));
+    tasks.spawn(
+        "the status page's view of the fleet",
+        status_page
+            .clone()
+            .run(store.clone(), stop_rx.clone())
+            .map(Ok),
+    );
     tasks.spawn(
         "the operator API",
         operator_api::serve(
             api_conns,
             store,
             Some(registration),
+            Some(status_page),
             stopped(stop_rx.clone()),
         )
         .err_into(),
