@@ -219,9 +219,7 @@ impl OperatorClient {
             Some(b) => serde_json::to_vec(b)?,
             None => Vec::new(),
         };
-        let response = self
-            .send(method, path, bytes, "application/json")
-            .await?;
+        let response = self.send(method, path, bytes, "application/json").await?;
         let status = response.status();
         let body = response.into_body();
         let value: serde_json::Value = serde_json::from_slice(&body).unwrap_or_else(

@@ -155,10 +155,7 @@ fn accepted_host(host: &str) -> bool {
         Some(rest) => rest.split(']').next().map(|h| format!("[{h}]")),
         None => host.split(':').next().map(str::to_string),
     };
-    matches!(
-        name.as_deref(),
-        Some("localhost" | "127.0.0.1" | "[::1]")
-    )
+    matches!(name.as_deref(), Some("localhost" | "127.0.0.1" | "[::1]"))
 }
 
 fn refuse(status: StatusCode, message: &str) -> Response {
@@ -185,18 +182,23 @@ mod tests {
 
     #[test]
     fn only_reads_of_the_page_for_localhost_are_forwarded() {
-        let check_status = |method: Method, host: &str, path: &str| match check(&request(
-            method, host, path,
-        )) {
-            Ok(()) => StatusCode::OK,
-            Err(r) => r.status(),
-        };
-        assert_eq!(check_status(Method::GET, "localhost:8001", "/ui/"), StatusCode::OK);
+        let check_status =
+            |method: Method, host: &str, path: &str| match check(&request(method, host, path)) {
+                Ok(()) => StatusCode::OK,
+                Err(r) => r.status(),
+            };
+        assert_eq!(
+            check_status(Method::GET, "localhost:8001", "/ui/"),
+            StatusCode::OK
+        );
         assert_eq!(
             check_status(Method::GET, "127.0.0.1:8001", "/ui/clusters?state=failing"),
             StatusCode::OK
         );
-        assert_eq!(check_status(Method::HEAD, "[::1]:8001", "/ui"), StatusCode::OK);
+        assert_eq!(
+            check_status(Method::HEAD, "[::1]:8001", "/ui"),
+            StatusCode::OK
+        );
         assert_eq!(check_status(Method::GET, "localhost", "/"), StatusCode::OK);
         assert_eq!(
             check_status(Method::POST, "localhost:8001", "/ui/"),

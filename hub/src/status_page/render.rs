@@ -199,7 +199,7 @@ fn labels(pairs: impl IntoIterator<Item = (String, String)>) -> String {
 /// The failing clusters' table, as on the first screen and the clusters list.
 fn cluster_table(id: &str, clusters: &[ClusterEntry], now: Timestamp, full: bool) -> String {
     let mut out = format!(
-        "<table id=\"{id}\"><thead><tr><th>Cluster</th><th>Available</th><th>Since</th><th>Reason / message</th><th>Last seen</th><th>Transport</th><th>Works</th>"
+        "<div class=\"scroll\"><table id=\"{id}\"><thead><tr><th>Cluster</th><th>Available</th><th>Since</th><th>Reason / message</th><th>Last seen</th><th>Transport</th><th>Works</th>"
     );
     if full {
         out.push_str("<th>Version</th><th>Labels</th><th>Claims</th><th>Accepted</th>");
@@ -221,7 +221,7 @@ fn cluster_table(id: &str, clusters: &[ClusterEntry], now: Timestamp, full: bool
         };
         let _ = write!(
             out,
-            "<tr data-cluster=\"{name}\" data-available=\"{avail}\"><td><a href=\"/ui/works{works_link}\">{name}</a></td><td>{status}</td>{since}<td class=\"msg\">{reason}<div class=\"sub\">{message}</div></td>{last_seen}<td>{transport}</td><td class=\"num\">{applied}/{total} applied{degraded}</td>",
+            "<tr data-cluster=\"{name}\" data-available=\"{avail}\"><td><a href=\"/ui/works{works_link}\">{name}</a></td><td>{status}</td>{since}<td class=\"msg\">{reason}<div class=\"sub\">{message}</div></td>{last_seen}<td>{transport}</td><td class=\"num nowrap\">{applied}/{total} applied{degraded}</td>",
             avail = c.available.as_str(),
             works_link = escape(&query(&[("cluster", Some(&c.name))])),
             status = status(c.available),
@@ -235,13 +235,15 @@ fn cluster_table(id: &str, clusters: &[ClusterEntry], now: Timestamp, full: bool
                 .unwrap_or_else(|| "—".into()),
             applied = works.applied,
             total = works.total,
-            degraded = if works.degraded > 0 {
-                format!(
-                    "<div class=\"sub status bad\">{} degraded</div>",
-                    works.degraded
-                )
-            } else {
-                String::new()
+            degraded = match (works.failing, works.degraded) {
+                (0, _) => String::new(),
+                (failing, 0) => format!(
+                    "<div class=\"sub\"><span class=\"status bad\">{failing} failing</span></div>"
+                ),
+                (failing, degraded) => format!(
+                    "<div class=\"sub\"><span class=\"status bad\">{failing} failing, \
+                     {degraded} degraded</span></div>"
+                ),
             },
         );
         if full {
@@ -256,7 +258,7 @@ fn cluster_table(id: &str, clusters: &[ClusterEntry], now: Timestamp, full: bool
         }
         out.push_str("</tr>");
     }
-    out.push_str("</tbody></table>");
+    out.push_str("</tbody></table></div>");
     out
 }
 
