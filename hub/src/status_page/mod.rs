@@ -530,3 +530,113 @@ async fn rollouts_api(
 async fn summary_api(State(page): State<StatusPage>) -> Result<Response, Refusal> {
     Ok(Json(page.model().await?.summary()).into_response())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::body::Body;
+    use http_body_util::BodyExt as _;
+    use tower::ServiceExt as _;
+
+    async fn get(page: &StatusPage, uri: &str) -> (StatusCode, String) {
+        let response = page
+            .clone()
+            .router()
+            .oneshot(
+                axum::http::Request::get(uri)
+                    .body(Body::empty())
+                    .expect("a request"),
+            )
+            .await
+            .expect("the router answers");
+        let status = response.status();
+        let body = response.into_body().collect().await.expect("a body");
+        (
+            status,
+            String::from_utf8_lossy(&body.to_bytes()).into_owned(),
+        )
+    }
+
+    /// Lists every kind into `page` as its loops would: clusters `a` (failing) and `b`.
+    async fn listed(page: &StatusPage) {
+        for kind in KINDS {
+            let feed = KindFeed {
+                kind,
+                page: page.clone(),
+                listed_once: Default::default(),
+            };
+            let items = if kind == Kind::ManagedCluster {
+                vec![
+                    json!({"metadata": {"name": "a"}, "status": {"conditions": [
+                        {"type": view::AVAILABLE, "status": "False",
+                         "lastTransitionTime": "2026-11-23T06:00:00Z"}]}}),
+                    json!({"metadata": {"name": "b"}, "status": {"conditions": [
+                        {"type": view::AVAILABLE, "status": "True",
+                         "lastTransitionTime": "2026-11-23T06:00:00Z"}]}}),
+                ]
+            } else {
+                Vec::new()
+            };
+            feed.replace(items).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn the_page_waits_for_every_list_then_answers_one_checked_page() {
+        let page = StatusPage::new(None);
+        let (status, body) = get(&page, "/ui/").await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(body.contains("still reading the fleet"), "{body}");
+
+        listed(&page).await;
+        let (status, body) = get(&page, "/ui/").await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(body.contains("data-cluster=\"a\""), "{body}");
+        assert!(
+            !body.contains("data-cluster=\"b\""),
+            "b is Available: {body}"
+        );
+
+        let (status, body) = get(&page, "/ui/api/clusters?state=available").await;
+        assert_eq!(status, StatusCode::OK);
+        let answer: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(answer["total"], 1);
+        assert_eq!(answer["items"][0]["name"], "b");
+        assert_eq!(answer["items"][0]["transport"], serde_json::Value::Null);
+
+        // Bad parameters are refused with what to write instead.
+        for (uri, says) in [
+            ("/ui/api/clusters?limit=0", "a whole number of at least 1"),
+            ("/ui/api/clusters?limit=501", "at most 500 rows per page"),
+            ("/ui/clusters?state=broken", "use failing, available or all"),
+            ("/ui/api/works?state=available", "use failing or all"),
+            ("/ui/api/clusters?selector=%3Dprod", "has no label key"),
+            ("/ui/api/clusters?page=two", "two\\\": a whole number"),
+        ] {
+            let (status, body) = get(&page, uri).await;
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{uri}: {body}");
+            assert!(body.contains(says), "{uri}: {body}");
+        }
+        let long = format!("/ui/api/clusters?q={}", "x".repeat(MAX_NAME_FILTER + 1));
+        assert_eq!(get(&page, &long).await.0, StatusCode::BAD_REQUEST);
+
+        // The page's stylesheet is served from the binary, and the page allows no script.
+        let response = page
+            .clone()
+            .router()
+            .oneshot(
+                axum::http::Request::get("/ui/")
+                    .body(Body::empty())
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        let csp = response.headers()[header::CONTENT_SECURITY_POLICY]
+            .to_str()
+            .unwrap();
+        assert!(csp.contains("default-src 'none'") && !csp.contains("script-src"));
+        let (status, css) = get(&page, "/ui/style.css").await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(css.contains(".status.False"));
+    }
+}

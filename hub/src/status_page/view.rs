@@ -951,4 +951,65 @@ mod tests {
         assert_eq!(rows, [("none", 0), ("all", 103)]);
         assert_eq!(model.summary().placements_without_decisions, 1);
     }
+
+    #[test]
+    fn stopped_rollouts_come_first_with_their_counts() {
+        let mut model = Model::default();
+        let set = |name: &str, reason: Option<&str>, degraded: i64| {
+            let conditions: Vec<Value> = reason
+                .map(|r| {
+                    json!({"type": "PlacementRolledOut", "status": "False", "reason": r,
+                                "message": format!("{name}: {r}")})
+                })
+                .into_iter()
+                .collect();
+            json!({"metadata": {"namespace": "ops", "name": name},
+                   "spec": {"placementRefs": [{"name": "all"}]},
+                   "status": {"conditions": conditions, "summary": {
+                       "total": 10, "desiredTotal": 12, "applied": 9, "available": 8,
+                       "degraded": degraded, "progressing": 1}}})
+        };
+        model.replace(
+            Kind::ManifestWorkReplicaSet,
+            vec![
+                set("a-done", Some("Complete"), 0),
+                set("b-new", None, 0),
+                set("c-stopped", Some("MaxFailuresExceeded"), 2),
+            ],
+        );
+        let page = model.rollouts(&ListQuery::default(), PageRequest::default());
+        let rows: Vec<(&str, &str)> = page
+            .items
+            .iter()
+            .map(|r| (r.name.as_str(), r.phase.as_str()))
+            .collect();
+        assert_eq!(
+            rows,
+            [
+                ("c-stopped", "MaxFailuresExceeded"),
+                ("a-done", "Complete"),
+                ("b-new", "Pending")
+            ]
+        );
+        let stopped = &page.items[0];
+        assert_eq!(
+            (
+                stopped.total,
+                stopped.applied,
+                stopped.available,
+                stopped.degraded
+            ),
+            (12, 9, 8, 2)
+        );
+        assert_eq!(stopped.placements, ["all"]);
+        let failing = model.rollouts(
+            &ListQuery {
+                failing: true,
+                name: None,
+            },
+            PageRequest::default(),
+        );
+        assert_eq!(failing.total, 1);
+        assert_eq!(model.summary().failing_rollouts, 1);
+    }
 }

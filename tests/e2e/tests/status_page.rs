@@ -43,7 +43,11 @@ fn simulated(i: usize, failing_every: usize) -> Simulated {
     // Failing clusters failed longer ago the larger their number: the page's order (longest
     // failing first) is then not the names' order.
     let failing = (i % failing_every == 7).then(|| {
-        let status = if i % 2 == 0 { "False" } else { "Unknown" };
+        let status = if (i / failing_every) % 2 == 0 {
+            "False"
+        } else {
+            "Unknown"
+        };
         let since: Timestamp = "2026-11-01T00:00:00Z".parse().expect("a time");
         let since = since - jiff::SignedDuration::from_hours(i as i64);
         (status, since)
@@ -72,6 +76,11 @@ impl Simulated {
             .request(http::Method::POST, CLUSTERS, Some(&object))
             .await
             .with_context(|| format!("creating ManagedCluster {}", self.name))?;
+        self.write_status(client).await
+    }
+
+    /// Writes the cluster's status as a gateway does: Available or failing since when.
+    async fn write_status(&self, client: &OperatorClient) -> anyhow::Result<()> {
         let condition = match self.failing {
             Some((status, since)) => json!({
                 "type": "ManagedClusterConditionAvailable", "status": status,
@@ -337,6 +346,17 @@ async fn the_first_screen_lists_the_failing_clusters_and_since_when() -> anyhow:
         dom.contains(SPOKE_ERROR),
         "the spoke's message verbatim:\n{dom}"
     );
+
+    // A cluster that recovers leaves the first screen once the store says so.
+    let recovered = Simulated {
+        failing: None,
+        ..simulated(282, 25)
+    };
+    assert_eq!(recovered.name, longest_first[0].name);
+    recovered.write_status(&client).await?;
+    wait_summary(&address, 301, 11).await?;
+    let dom = browser.dump_dom(&format!("http://{address}/ui/")).await?;
+    assert_eq!(rows(&dom, "failing"), names(&longest_first[1..]), "{dom}");
 
     // Paging: no answer holds more than one page.
     let (status, body) = http_get(&address, "/ui/api/clusters?limit=100&page=2").await?;
