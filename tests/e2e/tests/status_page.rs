@@ -43,7 +43,7 @@ fn simulated(i: usize, failing_every: usize) -> Simulated {
     // Failing clusters failed longer ago the larger their number: the page's order (longest
     // failing first) is then not the names' order.
     let failing = (i % failing_every == 7).then(|| {
-        let status = if (i / failing_every) % 2 == 0 {
+        let status = if (i / failing_every).is_multiple_of(2) {
             "False"
         } else {
             "Unknown"
@@ -58,7 +58,7 @@ fn simulated(i: usize, failing_every: usize) -> Simulated {
         format!("{name}: no session for 5m")
     };
     Simulated {
-        labels: json!({"region": if i % 2 == 0 { "eu" } else { "us" }, "tier": "store"}),
+        labels: json!({"region": if i.is_multiple_of(2) { "eu" } else { "us" }, "tier": "store"}),
         name,
         failing,
         message,
