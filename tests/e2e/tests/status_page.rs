@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use flotilla_e2e::browser::{Browser, png_size};
-use flotilla_e2e::{Hub, Proc, bin, free_port, http_get, start_agent, wait_for};
+use flotilla_e2e::{Fleet, Hub, Proc, bin, free_port, http_get, start_agent, wait_for};
 use flotilla_hub::client::{OperatorClient, OperatorConfig};
 use futures::{StreamExt as _, TryStreamExt as _};
 use jiff::Timestamp;
@@ -202,12 +202,46 @@ fn names(clusters: &[&Simulated]) -> Vec<String> {
     clusters.iter().map(|c| c.name.clone()).collect()
 }
 
+/// On the embedded store: the single-node hub an operator starts first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_first_screen_lists_the_failing_clusters_and_since_when() -> anyhow::Result<()> {
+    first_screen(false).await
+}
+
+/// The same page on the kube backend: the hub's apiserver is a real one, and the page's rows
+/// come from its watches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_screen_lists_the_failing_clusters_on_the_kube_backend() -> anyhow::Result<()> {
+    first_screen(true).await
+}
+
+async fn first_screen(kube: bool) -> anyhow::Result<()> {
     let browser = Browser::find()?;
     let dir = tempfile::tempdir()?;
-    let hub = Hub::start(dir.path(), &[]).await?;
-    let client = operator_client(&hub)?;
+    let fleet = Fleet::start(dir.path(), kube).await?;
+    let hub = &fleet.hub;
+    if let Some(env) = &fleet.hub_env {
+        // Namespaced objects need their namespace on a real apiserver.
+        let out = env
+            .kubectl()
+            .args(["create", "namespace", "ops"])
+            .output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let out = env
+            .kubectl()
+            .args(["create", "namespace", "store-0007"])
+            .output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let client = operator_client(hub)?;
     let failing = fill(&client, 300, 25).await?;
     assert_eq!(failing.len(), 12);
 
