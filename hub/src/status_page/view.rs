@@ -20,6 +20,25 @@ pub const AVAILABLE: &str = "ManagedClusterConditionAvailable";
 const JOINED: &str = "ManagedClusterJoined";
 /// Problems kept per work: enough to see what went wrong, bounded whatever a spoke reports.
 pub const MAX_PROBLEMS_PER_WORK: usize = 20;
+/// Longest message kept as it is (a condition's message may be 32 KiB): a page of 500 rows
+/// stays a few megabytes at worst. Longer ones keep their start and say how much is cut.
+pub const MAX_MESSAGE_BYTES: usize = 4096;
+
+/// `message` verbatim up to [`MAX_MESSAGE_BYTES`], else its start and what was left out.
+pub fn bounded(message: &str) -> String {
+    if message.len() <= MAX_MESSAGE_BYTES {
+        return message.to_string();
+    }
+    let mut end = MAX_MESSAGE_BYTES;
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!(
+        "{}… ({} more bytes; `flotilla get` with -o yaml shows all of it)",
+        &message[..end],
+        message.len() - end
+    )
+}
 
 /// A condition's status as Kubernetes writes it; a missing condition reads as `Unknown`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -104,7 +123,9 @@ impl ClusterRow {
             since,
             never_reported,
             reason: available.map(|c| text(&c["reason"])).unwrap_or_default(),
-            message: available.map(|c| text(&c["message"])).unwrap_or_default(),
+            message: available
+                .map(|c| bounded(&text(&c["message"])))
+                .unwrap_or_default(),
             version: text(&object["status"]["version"]["kubernetes"]),
             labels: object["metadata"]["labels"]
                 .as_object()
@@ -173,7 +194,7 @@ fn problem(prefix: &str, c: &Value) -> String {
     }
     if let Some(message) = c["message"].as_str().filter(|m| !m.is_empty()) {
         line.push_str(": ");
-        line.push_str(message);
+        line.push_str(&bounded(message));
     }
     line
 }
@@ -926,6 +947,20 @@ mod tests {
         );
         model.apply(Kind::ManifestWork, WatchEvent::Deleted(work));
         assert_eq!(model.summary().failing_works, 0);
+    }
+
+    #[test]
+    fn a_huge_message_keeps_its_start_and_says_what_was_cut() {
+        assert_eq!(bounded("short"), "short");
+        let long = format!("{}é{}", "x".repeat(MAX_MESSAGE_BYTES - 1), "y".repeat(100));
+        let kept = bounded(&long);
+        // Cut on a character boundary, before the two-byte é.
+        assert!(kept.starts_with(&"x".repeat(MAX_MESSAGE_BYTES - 1)));
+        assert!(kept.ends_with("… (102 more bytes; `flotilla get` with -o yaml shows all of it)"));
+        let work = json!({"metadata": {"namespace": "a", "name": "w"}, "status": {"conditions": [
+            {"type": "Applied", "status": "False", "message": long}]}});
+        let row = WorkRow::from_object(&work);
+        assert!(row.problems[0].len() < MAX_MESSAGE_BYTES + 200);
     }
 
     #[test]
