@@ -194,24 +194,29 @@ pub struct ClusterEntry {
     /// ended (unknown when the hub has not seen one since it started, or the cluster's
     /// sessions are on external gateways).
     pub last_seen: Option<Timestamp>,
+    /// When its live session here was established.
+    pub session_since: Option<Timestamp>,
     pub connected: bool,
 }
 
 impl ClusterEntry {
     fn new(item: ClusterItem, presence: Option<SessionPresence>) -> ClusterEntry {
         let wall = |t: SystemTime| Timestamp::try_from(t).ok();
-        let (transport, last_seen, connected) = match presence {
-            Some(SessionPresence::Connected { carrier, .. }) => {
-                (Some(carrier.to_string()), Some(Timestamp::now()), true)
-            }
-            Some(SessionPresence::Departed { at }) => (None, wall(at), false),
-            None => (None, None, false),
+        let (transport, last_seen, session_since) = match presence {
+            Some(SessionPresence::Connected { carrier, since }) => (
+                Some(carrier.to_string()),
+                Some(Timestamp::now()),
+                wall(since),
+            ),
+            Some(SessionPresence::Departed { at }) => (None, wall(at), None),
+            None => (None, None, None),
         };
         ClusterEntry {
             item,
+            connected: transport.is_some(),
             transport,
             last_seen,
-            connected,
+            session_since,
         }
     }
 }

@@ -215,7 +215,11 @@ fn cluster_table(id: &str, clusters: &[ClusterEntry], now: Timestamp, full: bool
             ""
         };
         let last_seen = if entry.connected {
-            "<td>now<div class=\"sub\">session live</div></td>".to_string()
+            let since = entry
+                .session_since
+                .map(|t| format!(" since {}", clock(t)))
+                .unwrap_or_default();
+            format!("<td>now<div class=\"sub\">session live{since}</div></td>")
         } else {
             time_cell(entry.last_seen, now, "")
         };
