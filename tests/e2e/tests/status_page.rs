@@ -288,9 +288,9 @@ async fn first_screen(kube: bool) -> anyhow::Result<()> {
     // And one real agent, whose session the page shows.
     let certs = dir.path().join("store-live");
     hub.dev_cert("store-live", &certs)?;
-    let _agent = start_agent(dir.path(), &hub, "store-live", &certs)?;
+    let _agent = start_agent(dir.path(), hub, "store-live", &certs)?;
 
-    let (_dashboard, address) = dashboard(dir.path(), &hub).await?;
+    let (_dashboard, address) = dashboard(dir.path(), hub).await?;
     wait_summary(&address, 301, 12).await?;
 
     // The first screen: the failing clusters, longest failing first, each with since when.
