@@ -392,6 +392,24 @@ async fn first_screen(kube: bool) -> anyhow::Result<()> {
     let dom = browser.dump_dom(&format!("http://{address}/ui/")).await?;
     assert_eq!(rows(&dom, "failing"), names(&longest_first[1..]), "{dom}");
 
+    // The headline counts the work and the placement too, and their lists show them.
+    let (_, body) = http_get(&address, "/ui/api/summary").await?;
+    let summary: Value = serde_json::from_str(&body)?;
+    assert_eq!(
+        (
+            &summary["failingWorks"],
+            &summary["placementsWithoutDecisions"]
+        ),
+        (&json!(1), &json!(1)),
+        "{summary}"
+    );
+    let (status, body) = http_get(&address, "/ui/placements?state=failing").await?;
+    assert_eq!(status, 200);
+    assert!(body.contains("data-placement=\"ops/canary\""), "{body}");
+    let (status, body) = http_get(&address, "/ui/rollouts").await?;
+    assert_eq!(status, 200);
+    assert!(body.contains("No rollout matches."), "{body}");
+
     // Paging: no answer holds more than one page.
     let (status, body) = http_get(&address, "/ui/api/clusters?limit=100&page=2").await?;
     assert_eq!(status, 200, "{body}");
