@@ -10,7 +10,8 @@
 //! (those deciding no cluster first) and rollouts.
 //!
 //! The page's model ([`view::Model`]) is a watch cache of compact rows fed by the store's one
-//! list-then-watch loop per kind; a request filters and pages it in memory and never reads the
+//! list-then-watch loop per kind (the fleet gauges' loops when they run, see
+//! [`StatusPage::readers`]); a request filters and pages it in memory and never reads the
 //! store, and no response holds more than one page ([`view::MAX_PAGE_SIZE`] rows). Pages are
 //! rendered on the server ([`render`]), every value from the store escaped, with no script and
 //! a Content-Security-Policy that allows none: labels, claims and spoke messages are user input.
@@ -32,7 +33,7 @@ use axum::routing::get;
 use axum::{Json, Router};
 use flotilla_gateway::registry::SessionPresence;
 use flotilla_proto::api::Kind;
-use flotilla_store::reflect::{Reflector, reflect};
+use flotilla_store::reflect::{Reflector, reflect_all};
 use flotilla_store::{Object, Store, WatchEvent};
 use jiff::Timestamp;
 use serde::{Deserialize, Serialize};
@@ -89,22 +90,25 @@ impl StatusPage {
         }
     }
 
-    /// Keeps the model current from `store` until `stop`.
+    /// Keeps the model current from `store` until `stop`, with a loop of its own per kind.
     pub async fn run(self, store: Arc<dyn Store>, stop: watch::Receiver<bool>) {
-        let feeds: Vec<KindFeed> = KINDS
+        reflect_all(store.as_ref(), self.readers(), stop).await;
+    }
+
+    /// The model's caches, one per kind, for loops that feed other caches too (the hub's
+    /// fleet gauges read four of the same kinds: one watch per kind serves both).
+    pub fn readers(&self) -> Vec<(Kind, Arc<dyn Reflector>)> {
+        KINDS
             .iter()
-            .map(|kind| KindFeed {
-                kind: *kind,
-                page: self.clone(),
-                listed_once: std::sync::atomic::AtomicBool::new(false),
+            .map(|kind| {
+                let feed: Arc<dyn Reflector> = Arc::new(KindFeed {
+                    kind: *kind,
+                    page: self.clone(),
+                    listed_once: std::sync::atomic::AtomicBool::new(false),
+                });
+                (*kind, feed)
             })
-            .collect();
-        futures::future::join_all(
-            feeds
-                .iter()
-                .map(|feed| reflect(feed.kind, store.as_ref(), feed, stop.clone())),
-        )
-        .await;
+            .collect()
     }
 
     /// Whether every kind has been listed, so the page shows the whole fleet.

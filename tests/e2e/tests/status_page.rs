@@ -209,7 +209,7 @@ async fn the_first_screen_lists_the_failing_clusters_and_since_when() -> anyhow:
 }
 
 /// The same page on the kube backend: the hub's apiserver is a real one, and the page's rows
-/// come from its watches.
+/// come from its watches, shared with the fleet gauges (`--metrics-addr` on).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_first_screen_lists_the_failing_clusters_on_the_kube_backend() -> anyhow::Result<()> {
     first_screen(true).await
@@ -218,7 +218,13 @@ async fn the_first_screen_lists_the_failing_clusters_on_the_kube_backend() -> an
 async fn first_screen(kube: bool) -> anyhow::Result<()> {
     let browser = Browser::find()?;
     let dir = tempfile::tempdir()?;
-    let fleet = Fleet::start(dir.path(), kube).await?;
+    // With the gauges on (kube), the page's caches ride their watches; without, their own.
+    let extra: &[&str] = if kube {
+        &["--metrics-addr=127.0.0.1:0"]
+    } else {
+        &[]
+    };
+    let fleet = Fleet::start_with(dir.path(), kube, extra).await?;
     let hub = &fleet.hub;
     if let Some(env) = &fleet.hub_env {
         // Namespaced objects need their namespace on a real apiserver.
