@@ -28,14 +28,19 @@ for tool in cargo go kubectl; do
 done
 cargo fmt --version >/dev/null 2>&1 || rustup component add rustfmt
 cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
-# A real HTTP forward proxy for the proxy end-to-end test (registration.rs).
-if ! command -v tinyproxy >/dev/null; then
-  step "installing tinyproxy"
+# Installs Debian package $1 when command $2 is missing.
+apt_install_for() {
+  command -v "$2" >/dev/null && return 0
+  step "installing $1"
   sudo_cmd=""
   [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo -n"
-  $sudo_cmd env DEBIAN_FRONTEND=noninteractive apt-get install -y -q tinyproxy >/dev/null \
-    || { $sudo_cmd apt-get update -q >/dev/null && $sudo_cmd env DEBIAN_FRONTEND=noninteractive apt-get install -y -q tinyproxy >/dev/null; }
-fi
+  $sudo_cmd env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$1" >/dev/null \
+    || { $sudo_cmd apt-get update -q >/dev/null && $sudo_cmd env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$1" >/dev/null; }
+}
+# A real HTTP forward proxy for the proxy end-to-end test (registration.rs).
+apt_install_for tinyproxy tinyproxy
+# Headless Chromium for the status page's browser test (status_page.rs).
+apt_install_for chromium chromium
 if ! command -v cargo-deny >/dev/null; then
   step "installing cargo-deny"
   cargo install --locked cargo-deny@0.20.2 2>&1 | tail -n 3

@@ -136,6 +136,8 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
                         client_key_sha256: key.clone(),
                         mailbox: mailbox.clone(),
                         tunnels: tunnels.clone(),
+                        carrier,
+                        established: std::time::SystemTime::now(),
                     };
                     work.push(Box::pin(open_session(shared.clone(), handle, hello)));
                 }

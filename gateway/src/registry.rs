@@ -19,6 +19,22 @@ pub struct SessionHandle {
     pub mailbox: Arc<Mailbox>,
     /// Opens tunnel streams to this session's agent, on its connection.
     pub tunnels: flotilla_transport::TunnelOpener,
+    /// The carrier the session rides, and when it was established: wall time, because the
+    /// hub's status page shows both to people.
+    pub carrier: flotilla_transport::Carrier,
+    pub established: SystemTime,
+}
+
+/// What this gateway knows of a cluster's session, as people read it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SessionPresence {
+    /// A session is live here, on `carrier`, since `since`.
+    Connected {
+        carrier: flotilla_transport::Carrier,
+        since: SystemTime,
+    },
+    /// The cluster's last session here ended at `at`, and none has come back.
+    Departed { at: SystemTime },
 }
 
 /// One session per cluster: a newer session of the same cluster replaces the older one (the
@@ -66,6 +82,20 @@ impl Registry {
     /// gateway started.
     pub async fn departed(&self, cluster: &str) -> Option<SystemTime> {
         self.departed.read().await.get(cluster).copied()
+    }
+
+    /// Whether `cluster` has a session here, or when its last one ended; `None` when it has had
+    /// none since this gateway started.
+    pub async fn presence(&self, cluster: &str) -> Option<SessionPresence> {
+        if let Some(h) = self.sessions.read().await.get(cluster) {
+            return Some(SessionPresence::Connected {
+                carrier: h.carrier,
+                since: h.established,
+            });
+        }
+        self.departed(cluster)
+            .await
+            .map(|at| SessionPresence::Departed { at })
     }
 
     pub async fn get(&self, cluster: &str) -> Option<SessionHandle> {

@@ -278,6 +278,15 @@ impl Gateway {
         self.shared.registry.len().await
     }
 
+    /// Whether `cluster` holds a session on this gateway (and on which carrier, since when), or
+    /// when its last one here ended.
+    pub async fn session_presence(
+        &self,
+        cluster: &str,
+    ) -> Option<crate::registry::SessionPresence> {
+        self.shared.registry.presence(cluster).await
+    }
+
     /// Opens tunnel stream `id` to `cluster`'s agent over its session's connection (a QUIC
     /// stream, or a `Fleet.Tunnel` call the session asks the agent to open).
     pub async fn open_tunnel(&self, cluster: &str, id: &str) -> Result<TunnelStream, TunnelError> {

@@ -165,33 +165,63 @@ impl OperatorClient {
             })?
     }
 
-    async fn request_unbounded(
+    /// GET `path` (with its query) as it is: status, headers and body, whatever the status.
+    /// How `flotilla dashboard` forwards a browser's request with the operator's certificate.
+    pub async fn get_raw(&self, path: &str) -> anyhow::Result<http::Response<Bytes>> {
+        tokio::time::timeout(
+            REQUEST_TIMEOUT,
+            self.send(http::Method::GET, path, Vec::new(), "*/*"),
+        )
+        .await
+        .map_err(|_| {
+            anyhow!(
+                "GET {path}: the hub's operator API at {} did not answer within {REQUEST_TIMEOUT:?}",
+                self.authority
+            )
+        })?
+    }
+
+    /// One request on an idle or new connection, the connection kept for the next one.
+    async fn send(
         &self,
         method: http::Method,
         path: &str,
-        body: Option<&serde_json::Value>,
-    ) -> anyhow::Result<(http::StatusCode, serde_json::Value)> {
+        body: Vec<u8>,
+        accept: &str,
+    ) -> anyhow::Result<http::Response<Bytes>> {
         let mut sender = self.connection().await?;
-        let bytes = match body {
-            Some(b) => serde_json::to_vec(b)?,
-            None => Vec::new(),
-        };
         let request = http::Request::builder()
             .method(method)
             .uri(path)
             .header(http::header::HOST, &self.authority)
-            .header(http::header::ACCEPT, "application/json")
+            .header(http::header::ACCEPT, accept)
             .header(http::header::CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::from(bytes)))?;
+            .body(Full::new(Bytes::from(body)))?;
         let response = sender.send_request(request).await?;
-        let status = response.status();
-        let body = response.into_body().collect().await?.to_bytes();
+        let (parts, body) = response.into_parts();
+        let body = body.collect().await?.to_bytes();
         {
             let mut idle = self.idle.lock().await;
             if idle.len() < IDLE_CONNECTIONS {
                 idle.push(sender);
             }
         }
+        Ok(http::Response::from_parts(parts, body))
+    }
+
+    async fn request_unbounded(
+        &self,
+        method: http::Method,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> anyhow::Result<(http::StatusCode, serde_json::Value)> {
+        let bytes = match body {
+            Some(b) => serde_json::to_vec(b)?,
+            None => Vec::new(),
+        };
+        let response = self.send(method, path, bytes, "application/json").await?;
+        let status = response.status();
+        let body = response.into_body();
         let value: serde_json::Value = serde_json::from_slice(&body).unwrap_or_else(
             |_| serde_json::json!({ "message": String::from_utf8_lossy(&body).trim().to_string() }),
         );

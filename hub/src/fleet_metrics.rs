@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use flotilla_proto::api::Kind;
-use flotilla_store::reflect::{Reflector, reflect};
+use flotilla_store::reflect::{Reflector, reflect_all};
 use flotilla_store::{Object, Store, WatchEvent};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -96,29 +96,34 @@ impl FleetMetrics {
     }
 
     /// Keeps the gauges current from `store` until `stop`. `listed` turns true once every kind
-    /// has been listed.
+    /// has been listed. `also` are other caches of the hub fed by the same loops (one list and
+    /// one watch per kind for all of them; kinds the gauges do not read get a loop of their own).
     pub async fn run(
         self,
         store: Arc<dyn Store>,
         listed: watch::Sender<bool>,
+        also: Vec<(Kind, Arc<dyn Reflector>)>,
         stop: watch::Receiver<bool>,
     ) {
-        let tallies: [(Kind, Tally); 4] = [
+        let tallies: [(Kind, Arc<Tally>); 4] = [
             (
                 Kind::ManagedCluster,
-                Tally::new(self.clusters.clone(), cluster_series),
+                Arc::new(Tally::new(self.clusters.clone(), cluster_series)),
             ),
             (
                 Kind::ManifestWork,
-                Tally::new(self.works.clone(), work_series),
+                Arc::new(Tally::new(self.works.clone(), work_series)),
             ),
             (
                 Kind::Placement,
-                Tally::new(self.placements_without_decisions.clone(), placement_series),
+                Arc::new(Tally::new(
+                    self.placements_without_decisions.clone(),
+                    placement_series,
+                )),
             ),
             (
                 Kind::ManifestWorkReplicaSet,
-                Tally::new(self.rollouts.clone(), rollout_series),
+                Arc::new(Tally::new(self.rollouts.clone(), rollout_series)),
             ),
         ];
         let all_listed = async {
@@ -129,13 +134,13 @@ impl FleetMetrics {
             listed.send_replace(true);
             std::future::pending::<()>().await;
         };
-        let loops = futures::future::join_all(
-            tallies
-                .iter()
-                .map(|(kind, tally)| reflect(*kind, store.as_ref(), tally, stop.clone())),
-        );
+        let readers = tallies
+            .iter()
+            .map(|(kind, tally)| (*kind, tally.clone() as Arc<dyn Reflector>))
+            .chain(also)
+            .collect();
         tokio::select! {
-            _ = loops => {}
+            _ = reflect_all(store.as_ref(), readers, stop) => {}
             _ = all_listed => {}
         }
     }

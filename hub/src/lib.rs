@@ -12,10 +12,12 @@ pub mod cli;
 pub mod client;
 pub mod config;
 pub mod controllers;
+pub mod dashboard;
 pub mod fleet_metrics;
 pub mod operator_api;
 pub mod proxy;
 pub mod registration;
+pub mod status_page;
 pub mod table;
 pub mod tokens;
 
@@ -249,6 +251,9 @@ pub async fn run(
         agent_address: agent_address(&config, listen.agents),
         ca_changed,
     });
+    // The status page's model of the fleet; sessions are the in-process gateway's. Its caches
+    // ride the fleet gauges' watches when those run, else watches of their own.
+    let status_page = status_page::StatusPage::new(Some(Arc::new(gateway.clone())));
     let _metrics_endpoint = if let Some(listener) = metrics {
         // The gateway's metrics and the fleet's gauges; ready once the gateway's caches and
         // the gauges' lists are loaded.
@@ -258,8 +263,15 @@ pub async fn run(
         fleet.register(&mut registry);
         let (listed_tx, listed) = tokio::sync::watch::channel(false);
         tasks.spawn(
-            "the fleet gauges",
-            fleet.run(store.clone(), listed_tx, stop_rx.clone()).map(Ok),
+            "the fleet gauges and the status page's view of the fleet",
+            fleet
+                .run(
+                    store.clone(),
+                    listed_tx,
+                    status_page.readers(),
+                    stop_rx.clone(),
+                )
+                .map(Ok),
         );
         let mut readiness = gateway.readiness();
         readiness.push(flotilla_ops::ReadyFlag::watching(
@@ -276,6 +288,13 @@ pub async fn run(
             std::future::pending(),
         ))))
     } else {
+        tasks.spawn(
+            "the status page's view of the fleet",
+            status_page
+                .clone()
+                .run(store.clone(), stop_rx.clone())
+                .map(Ok),
+        );
         None
     };
     // Placement, rollout and work TTL act on the store beside the gateway.
@@ -289,6 +308,7 @@ pub async fn run(
             api_conns,
             store,
             Some(registration),
+            Some(status_page),
             stopped(stop_rx.clone()),
         )
         .err_into(),

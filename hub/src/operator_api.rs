@@ -23,6 +23,7 @@ use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
 use crate::registration::{self, Authority, ClusterOpError};
+use crate::status_page::StatusPage;
 use crate::tokens::{BootstrapTokens, TokenRecord};
 
 #[derive(Clone)]
@@ -45,12 +46,17 @@ pub struct RegistrationApi {
 
 /// The routes, independent of transport (tests call them in-process).
 pub fn router(store: Arc<dyn Store>) -> Router {
-    router_with(store, None)
+    router_with(store, None, None)
 }
 
-/// The routes, with the registration endpoints when `registration` is given.
-pub fn router_with(store: Arc<dyn Store>, registration: Option<Arc<RegistrationApi>>) -> Router {
-    Router::new()
+/// The routes, with the registration endpoints when `registration` is given and the fleet
+/// status page (`/ui/`) when `status_page` is: both behind the operator's certificate.
+pub fn router_with(
+    store: Arc<dyn Store>,
+    registration: Option<Arc<RegistrationApi>>,
+    status_page: Option<StatusPage>,
+) -> Router {
+    let api = Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route(
             "/registration/v1/tokens",
@@ -103,15 +109,20 @@ pub fn router_with(store: Arc<dyn Store>, registration: Option<Arc<RegistrationA
             "/apis/{group}/{version}/namespaces/{ns}/{plural}/{name}/status",
             axum::routing::put(replace_status_namespaced),
         )
+        .with_state(ApiState {
+            store,
+            registration,
+        });
+    let app = match status_page {
+        Some(page) => api.merge(page.router()),
+        None => api,
+    };
+    app
         // Bodies beyond the store's object limit (plus JSON slack) are refused before parsing.
         .layer(axum::extract::DefaultBodyLimit::max(
             2 * flotilla_store::MAX_OBJECT_BYTES,
         ))
         .layer(axum::middleware::from_fn(require_operator))
-        .with_state(ApiState {
-            store,
-            registration,
-        })
 }
 
 /// Serves the API on authenticated connections until the channel closes or `shutdown` fires.
@@ -119,9 +130,10 @@ pub async fn serve(
     mut conns: mpsc::Receiver<AuthenticatedConn>,
     store: Arc<dyn Store>,
     registration: Option<Arc<RegistrationApi>>,
+    status_page: Option<StatusPage>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ServeError> {
-    let app = router_with(store, registration);
+    let app = router_with(store, registration, status_page);
     // Every connection is owned here: on shutdown, requests in flight get a moment to finish
     // and the rest are cut, so the hub's exit never waits on an idle keep-alive connection.
     let mut connections = JoinSet::new();

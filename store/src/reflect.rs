@@ -5,6 +5,8 @@
 //! it a request every few seconds, not a relist of every object in a tight loop. Caches
 //! implement [`Reflector`]; the loop owns the store conversation and the resume rules.
 
+use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -139,6 +141,51 @@ pub async fn reflect(
                 Next::Watch(last)
             }
         };
+    }
+}
+
+/// Keeps every cache in `readers` current, each of its kind, until `stop`: one loop (one
+/// list, one watch) per kind however many caches read it, each cache given every list and
+/// change. How the hub's fleet gauges and its status page share their watches.
+pub async fn reflect_all(
+    store: &dyn Store,
+    readers: Vec<(Kind, Arc<dyn Reflector>)>,
+    stop: watch::Receiver<bool>,
+) {
+    let mut by_kind: BTreeMap<Kind, Fanout> = BTreeMap::new();
+    for (kind, reader) in readers {
+        by_kind.entry(kind).or_default().0.push(reader);
+    }
+    futures::future::join_all(
+        by_kind
+            .iter()
+            .map(|(kind, fanout)| reflect(*kind, store, fanout, stop.clone())),
+    )
+    .await;
+}
+
+/// Several caches of one kind behind one loop: each gets its own copy of what the loop reads.
+#[derive(Default)]
+struct Fanout(Vec<Arc<dyn Reflector>>);
+
+#[async_trait]
+impl Reflector for Fanout {
+    async fn replace(&self, items: Vec<Object>) {
+        if let Some((last, rest)) = self.0.split_last() {
+            for reader in rest {
+                reader.replace(items.clone()).await;
+            }
+            last.replace(items).await;
+        }
+    }
+
+    async fn apply(&self, event: WatchEvent) {
+        if let Some((last, rest)) = self.0.split_last() {
+            for reader in rest {
+                reader.apply(event.clone()).await;
+            }
+            last.apply(event).await;
+        }
     }
 }
 
@@ -309,6 +356,43 @@ mod tests {
             (5..=12).contains(&watches),
             "{watches} watch attempts in a minute: not backed off"
         );
+    }
+
+    #[tokio::test]
+    async fn caches_of_one_kind_share_one_list_and_one_watch() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(Flaky {
+            inner: SledStore::open(dir.path()).unwrap(),
+            watch_fails: false,
+            lists: AtomicUsize::new(0),
+            watches: AtomicUsize::new(0),
+        });
+        let (a, b) = (
+            Arc::new(Counting(AtomicUsize::new(0))),
+            Arc::new(Counting(AtomicUsize::new(0))),
+        );
+        let (stop_tx, stop) = watch::channel(false);
+        let task = {
+            let store = store.clone();
+            let readers: Vec<(Kind, Arc<dyn Reflector>)> = vec![
+                (Kind::ManagedCluster, a.clone()),
+                (Kind::ManagedCluster, b.clone()),
+            ];
+            tokio::spawn(async move { reflect_all(store.as_ref(), readers, stop).await })
+        };
+        // Both caches get the list; the store was asked once.
+        let listed = async {
+            while a.0.load(Ordering::SeqCst) == 0 || b.0.load(Ordering::SeqCst) == 0 {
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), listed)
+            .await
+            .expect("both caches listed within 10 s");
+        stop_tx.send(true).unwrap();
+        task.await.unwrap();
+        assert_eq!(store.lists.load(Ordering::SeqCst), 1);
+        assert!(store.watches.load(Ordering::SeqCst) <= 1);
     }
 
     #[tokio::test(start_paused = true)]

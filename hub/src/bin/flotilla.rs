@@ -76,6 +76,19 @@ enum Command {
         #[command(subcommand)]
         action: UserAction,
     },
+    /// Serve the hub's fleet status page to a browser on this machine, like `kubectl proxy`:
+    /// listens on loopback and forwards GET /ui/... to the hub's operator API with the
+    /// operator's certificate from --config. Open http://127.0.0.1:PORT/ui/ ; the first screen
+    /// lists the clusters failing right now, and since when. Read-only; Ctrl-C stops it.
+    Dashboard {
+        /// Port to listen on (0: any free port, printed).
+        #[arg(short, long, default_value_t = flotilla_hub::dashboard::DEFAULT_PORT)]
+        port: u16,
+        /// Loopback address to listen on: whoever reaches the dashboard acts as the operator,
+        /// so other addresses are refused.
+        #[arg(long, default_value = "127.0.0.1")]
+        address: std::net::IpAddr,
+    },
     /// Write a kubeconfig whose contexts reach clusters through the hub's proxy front
     /// (https://HUB/clusters/NAME), so plain kubectl works against clusters behind NAT.
     Kubeconfig {
@@ -418,6 +431,17 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Token { action } => token(&client, action).await?,
         Command::Cluster { action } => cluster(&client, action).await?,
+        Command::Dashboard { port, address } => {
+            let listener =
+                flotilla_hub::dashboard::bind(std::net::SocketAddr::new(address, port)).await?;
+            let bound = listener.local_addr()?;
+            println!("Starting to serve on {bound}");
+            println!("Fleet status page: http://{bound}/ui/");
+            flotilla_hub::dashboard::serve(listener, std::sync::Arc::new(client), async {
+                let _ = tokio::signal::ctrl_c().await;
+            })
+            .await?;
+        }
         Command::Ca { action } => {
             let (method, path) = match action {
                 CaAction::Show => (Method::GET, "/registration/v1/ca"),

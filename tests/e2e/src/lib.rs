@@ -5,6 +5,7 @@
 //! --bins`, which the README's test command does).
 #![forbid(unsafe_code)]
 
+pub mod browser;
 pub mod faults;
 pub mod proxy;
 pub mod spoke;
