@@ -12,6 +12,7 @@ pub mod cli;
 pub mod client;
 pub mod config;
 pub mod controllers;
+pub mod decommission;
 pub mod fleet_metrics;
 pub mod operator_api;
 pub mod proxy;

@@ -1,0 +1,342 @@
+//! Day-two operations end to end, with real processes (hub, agents, CLI) and real spoke
+//! apiservers.
+//!
+//! `flotilla cluster decommission`: seed 001's failure mode is the point. A cluster
+//! decommissioned while its agent is offline must keep its workloads (policy orphan) when the
+//! agent comes back, even though the agent's cached copy of the work still says Foreground; a
+//! clean decommission has the agent remove them; a decommission killed half-way resumes.
+//!
+//! The DR bootstrap of docs/operations.md: a spoke rebuilt from nothing joins again under its
+//! old name with a fresh token, once the old registration is cleared, and gets its works back.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use flotilla_e2e::spoke::Spoke;
+use flotilla_e2e::{Fleet, Proc, bin, wait_for};
+use flotilla_testenv::workspace_root;
+use nix::sys::signal::Signal;
+use serde_json::Value;
+
+const SEED_WORK: &str = "proto/tests/fixtures/manifestwork_my_first_work.yaml";
+const WORK: &str = "my-first-work";
+const DEPLOYMENT: &str = "nginx-deployment";
+
+/// A fleet with one spoke, `cluster1`, whose agent runs and has applied the seed's work
+/// (a ServiceAccount and a Deployment; deleteOption unset, so Foreground).
+async fn fleet_with_applied_work(dir: &Path) -> anyhow::Result<(Fleet, Spoke, Proc)> {
+    let fleet = Fleet::start(dir, false).await?;
+    let spoke = Spoke::start(dir, &fleet.hub, "cluster1").await?;
+    let agent = spoke.start_agent(dir, &fleet.hub, &[])?;
+    fleet.apply(&workspace_root().join(SEED_WORK))?;
+    spoke
+        .wait_deployment_image(DEPLOYMENT, Some("nginx:1.14.2"))
+        .await?;
+    fleet.wait_applied("cluster1", WORK).await?;
+    Ok((fleet, spoke, agent))
+}
+
+/// `flotilla cluster decommission cluster1 ARGS...`, run to its end.
+fn decommission(fleet: &Fleet, args: &[&str]) -> anyhow::Result<std::process::Output> {
+    let mut all = vec!["cluster", "decommission", "cluster1"];
+    all.extend_from_slice(args);
+    fleet.hub.cli(&all)
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn managed_cluster(fleet: &Fleet) -> anyhow::Result<Option<Value>> {
+    Ok(fleet
+        .hub
+        .clusters()?
+        .into_iter()
+        .find(|c| c["metadata"]["name"] == "cluster1"))
+}
+
+fn progress(fleet: &Fleet) -> anyhow::Result<Option<String>> {
+    Ok(managed_cluster(fleet)?.and_then(|mc| {
+        mc["metadata"]["annotations"]["flotilla.io/decommission"]
+            .as_str()
+            .map(str::to_string)
+    }))
+}
+
+/// Waits until the agent's log says the hub refuses it: no cluster of its name (deleted) or
+/// denied. After that it can never hear of a deletion.
+async fn wait_refused(agent: &Proc) -> anyhow::Result<()> {
+    wait_for(
+        "the returning agent to be refused by the hub",
+        Duration::from_secs(60),
+        || async {
+            let log = agent.log();
+            Ok((log.contains("the hub has no cluster of this name")
+                || log.contains("an operator denied this cluster"))
+            .then_some(()))
+        },
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_offline_cluster_decommissioned_with_orphan_keeps_its_workloads_and_an_interrupted_run_resumes()
+-> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (fleet, spoke, mut agent) = fleet_with_applied_work(dir.path()).await?;
+
+    // The agent goes offline holding the work with the default (Foreground) deleteOption.
+    agent.signal_and_wait(Signal::SIGKILL);
+
+    // The decommission writes Orphan into the work, then waits for the offline agent; it is
+    // killed while it waits.
+    let log = dir.path().join("decommission-1.out");
+    let mut cli = Command::new(bin("flotilla"));
+    cli.env(
+        "FLOTILLA_CONFIG",
+        fleet.hub.data_dir.join("operator/config.yaml"),
+    )
+    .args([
+        "cluster",
+        "decommission",
+        "cluster1",
+        "--policy",
+        "orphan",
+        "--timeout",
+        "10m",
+    ]);
+    cli.stdout(Stdio::from(std::fs::File::create(&log)?))
+        .stderr(Stdio::null());
+    let mut first = cli.spawn()?;
+    wait_for(
+        "the decommission to wait for the agent's confirmation",
+        Duration::from_secs(30),
+        || async {
+            let at_confirm = progress(&fleet)?.as_deref() == Some("policy=orphan,step=confirm");
+            Ok((at_confirm
+                && std::fs::read_to_string(&log)?
+                    .contains("decommissioning cluster cluster1 with policy orphan"))
+            .then_some(()))
+        },
+    )
+    .await?;
+    assert!(
+        first.try_wait()?.is_none(),
+        "the first run ended on its own: {}",
+        std::fs::read_to_string(&log)?
+    );
+    first.kill()?;
+    first.wait()?;
+    let work = fleet
+        .work("cluster1", WORK)?
+        .expect("the work is still on the hub");
+    assert_eq!(work["spec"]["deleteOption"]["propagationPolicy"], "Orphan");
+    assert_eq!(work["metadata"]["generation"], 2);
+
+    // Another policy on resume is refused, and changes nothing.
+    let out = decommission(&fleet, &["--policy", "clean"])?;
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(
+        err.contains(
+            "cluster cluster1 is being decommissioned with --policy orphan (next step confirm)"
+        ) && err.contains("flotilla cluster decommission cluster1 --policy orphan"),
+        "{err}"
+    );
+    assert_eq!(
+        progress(&fleet)?.as_deref(),
+        Some("policy=orphan,step=confirm")
+    );
+
+    // Run again (the policy may be left out): it continues at the wait, gives up on the
+    // offline agent, revokes it before deleting anything, and finishes.
+    let out = decommission(&fleet, &["--timeout", "2s"])?;
+    let said = text(&out.stdout);
+    assert!(out.status.success(), "{said}\n{}", text(&out.stderr));
+    let lines: Vec<&str> = said.lines().collect();
+    assert_eq!(
+        lines[0],
+        "resuming the decommission of cluster cluster1 (policy orphan) at step 2/6 confirm"
+    );
+    let steps: Vec<&str> = lines[1..lines.len() - 1]
+        .iter()
+        .map(|l| l.split(':').next().unwrap_or(""))
+        .collect();
+    assert_eq!(
+        steps,
+        [
+            "step 2/6 confirm",
+            "step 3/6 revoke",
+            "step 4/6 unplace",
+            "step 5/6 delete-works",
+            "step 6/6 delete-cluster"
+        ],
+        "{said}"
+    );
+    assert!(
+        lines[1].contains("did not report the Orphan policy of my-first-work"),
+        "{said}"
+    );
+    assert_eq!(lines[lines.len() - 1], "cluster cluster1 decommissioned");
+    assert!(managed_cluster(&fleet)?.is_none(), "the cluster is deleted");
+    assert!(
+        fleet.work("cluster1", WORK)?.is_none(),
+        "the work is deleted"
+    );
+
+    // The agent comes back with its old cache (Foreground): refused, it never hears of the
+    // deletion, and the workloads stay.
+    let agent = spoke.start_agent(dir.path(), &fleet.hub, &[])?;
+    wait_refused(&agent).await?;
+    assert!(spoke.deployment("default", DEPLOYMENT).await?.is_some());
+    assert!(spoke.service_account("default", "my-sa").await?.is_some());
+
+    // Running it once more says there is nothing left to do.
+    let out = decommission(&fleet, &["--policy", "orphan"])?;
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("cluster cluster1 not found: there is nothing to decommission"),
+        "{}",
+        text(&out.stderr)
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_decommission_waits_for_the_agent_then_has_it_remove_the_workloads()
+-> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (fleet, spoke, mut agent) = fleet_with_applied_work(dir.path()).await?;
+
+    // Offline: clean cannot go on without the agent, so it stops before removing anything
+    // and says how to continue.
+    agent.signal_and_wait(Signal::SIGKILL);
+    let out = decommission(&fleet, &["--policy", "clean", "--timeout", "2s"])?;
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("the agent did not report the Foreground delete policy of my-first-work")
+            && err.contains("Nothing was removed")
+            && err.contains("--policy clean` again"),
+        "{err}"
+    );
+    let mc = managed_cluster(&fleet)?.expect("the cluster is still there");
+    assert_eq!(mc["spec"]["hubAcceptsClient"], true, "not revoked: {mc}");
+    assert!(fleet.work("cluster1", WORK)?.is_some());
+    assert!(spoke.deployment("default", DEPLOYMENT).await?.is_some());
+
+    // The agent is back: the same command goes on from the wait and the agent deletes.
+    let _agent = spoke.start_agent(dir.path(), &fleet.hub, &[])?;
+    let out = decommission(&fleet, &["--policy", "clean", "--timeout", "60s"])?;
+    let said = text(&out.stdout);
+    assert!(out.status.success(), "{said}\n{}", text(&out.stderr));
+    assert!(
+        said.starts_with(
+            "resuming the decommission of cluster cluster1 (policy clean) at step 2/6 confirm"
+        ),
+        "{said}"
+    );
+    assert!(
+        said.contains(
+            "step 2/6 confirm: the agent reported the Foreground policy of all its works (1)"
+        ),
+        "{said}"
+    );
+    assert!(
+        said.ends_with("cluster cluster1 decommissioned\n"),
+        "{said}"
+    );
+    spoke.wait_deployment_image(DEPLOYMENT, None).await?;
+    wait_for(
+        "the ServiceAccount removed from the spoke",
+        Duration::from_secs(30),
+        || async {
+            Ok(spoke
+                .service_account("default", "my-sa")
+                .await?
+                .is_none()
+                .then_some(()))
+        },
+    )
+    .await?;
+    assert!(managed_cluster(&fleet)?.is_none());
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebuilt_spoke_joins_again_under_its_name_once_the_old_registration_is_cleared()
+-> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (fleet, spoke, mut agent) = fleet_with_applied_work(dir.path()).await?;
+    fleet.cli(&["cluster", "label", "cluster1", "region=eu"])?;
+
+    // The store burns down: its agent, its volume and its apiserver are gone.
+    agent.signal_and_wait(Signal::SIGKILL);
+    drop(spoke);
+    // A new apiserver, and no certificate: what it has is a join command.
+    let rebuilt = Spoke {
+        name: "cluster1".into(),
+        env: flotilla_testenv::TestEnv::start().await?,
+        certs: dir.path().join("rebuilt-no-certs"),
+        data: dir.path().join("rebuilt-no-data"),
+    };
+    let token = |labels: &str| -> anyhow::Result<Value> {
+        let out = fleet.cli(&[
+            "token",
+            "create",
+            "--ttl",
+            "1h",
+            "--uses",
+            "1",
+            "--auto-accept-labels",
+            labels,
+            "-o",
+            "json",
+        ])?;
+        Ok(serde_json::from_str(&out)?)
+    };
+
+    // A fresh token alone does not take the name over: the old key still holds it.
+    let mut join = rebuilt.join_agent(
+        dir.path(),
+        &fleet.hub,
+        &token("region=eu")?,
+        &dir.path().join("rebuilt-1"),
+    )?;
+    wait_for(
+        "the join to be refused for the name",
+        Duration::from_secs(60),
+        || async {
+            Ok(join
+                .log()
+                .contains("is already registered with a different key")
+                .then_some(()))
+        },
+    )
+    .await?;
+    assert!(
+        join.log().contains("flotilla cluster delete cluster1"),
+        "the refusal says how to clear the name: {}",
+        join.log()
+    );
+    join.signal_and_wait(Signal::SIGKILL);
+
+    // As docs/operations.md says: delete the old registration, join with a new token whose
+    // labels are the old ones.
+    fleet.cli(&["cluster", "delete", "cluster1"])?;
+    let _agent = rebuilt.join_agent(
+        dir.path(),
+        &fleet.hub,
+        &token("region=eu")?,
+        &dir.path().join("rebuilt-2"),
+    )?;
+    rebuilt
+        .wait_deployment_image(DEPLOYMENT, Some("nginx:1.14.2"))
+        .await?;
+    fleet.wait_applied("cluster1", WORK).await?;
+    let mc = managed_cluster(&fleet)?.expect("cluster1 is registered again");
+    assert_eq!(mc["metadata"]["labels"]["region"], "eu", "{mc}");
+    assert_eq!(mc["spec"]["hubAcceptsClient"], true, "{mc}");
+    Ok(())
+}
