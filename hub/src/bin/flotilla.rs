@@ -184,6 +184,7 @@ enum ClusterAction {
     /// the same command again after an interruption, or a failure it explains, and it
     /// continues where it stopped, never with another policy.
     Decommission {
+        /// The ManagedCluster to decommission.
         name: String,
         /// What happens to the workloads the cluster's works applied: `orphan` leaves them on
         /// the spoke, `clean` has the agent delete them. Required to start (a surprise delete
