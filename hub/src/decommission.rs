@@ -16,7 +16,7 @@
 //! * orphan: `policy` → `confirm` (a timeout goes on) → `revoke` → `unplace` → `delete-works`
 //!   → `delete-cluster`
 //! * clean: `policy` → `confirm` (a timeout stops, nothing removed yet) → `unplace` →
-//!   `delete-works` → `revoke` → `delete-cluster`
+//!   `delete-works` → `revoke` (only while the agent has a session) → `delete-cluster`
 //!
 //! Progress lives on the hub, in the ManagedCluster's [`DECOMMISSION_ANNOTATION`]
 //! (`policy=orphan,step=revoke`: the next step to run), written after each step. Rerunning the
@@ -30,6 +30,7 @@ use std::fmt;
 use std::time::Duration;
 
 use flotilla_proto::api::Kind;
+use flotilla_proto::api::conditions::MANAGED_CLUSTER_CONDITION_AVAILABLE;
 use http::{Method, StatusCode};
 use serde_json::{Value, json};
 use tokio::time::Instant;
@@ -260,6 +261,15 @@ pub enum DecommissionError {
         works: Vec<String>,
         timeout: Duration,
     },
+    /// With `clean`, the agent's session went away after its works were deleted. Retryable:
+    /// the works are deleted on the hub, and the agent hears it when it reconnects.
+    #[error(
+        "cluster {cluster}: its agent has had no session since its works were deleted (not \
+         Available for {timeout:?}); they are deleted on the hub and the agent removes their \
+         resources when it reconnects. Run `flotilla cluster decommission {cluster} --policy \
+         clean` again to revoke it once it is back"
+    )]
+    AgentAway { cluster: String, timeout: Duration },
     /// Placements still select the cluster after the taint (they tolerate it). Retryable once
     /// they no longer do.
     #[error(
@@ -352,6 +362,15 @@ pub fn holds_generation(work: &Value) -> bool {
         .into_iter()
         .flatten()
         .any(|c| c["observedGeneration"].as_i64() >= Some(generation))
+}
+
+/// Whether the cluster's agent holds a session now (ManagedCluster `Available=True`).
+pub fn session_live(mc: &Value) -> bool {
+    mc["status"]["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|c| c["type"] == MANAGED_CLUSTER_CONDITION_AVAILABLE && c["status"] == "True")
 }
 
 /// The placements (`namespace/name`) whose decisions list `cluster`.
@@ -547,6 +566,21 @@ async fn run_step(
             }
         }
         Step::Revoke => {
+            if policy == Policy::Clean {
+                // The deletions travel over the agent's session (or its next hello): revoke
+                // only while it has one, not while it is away with the deletions unheard.
+                let path = object_path(Kind::ManagedCluster, None, cluster);
+                let deadline = Instant::now() + timeout;
+                while !session_live(&client.get_json(&path).await.map_err(api)?) {
+                    if Instant::now() >= deadline {
+                        return Err(DecommissionError::AgentAway {
+                            cluster: cluster.into(),
+                            timeout,
+                        });
+                    }
+                    tokio::time::sleep(POLL_INTERVAL).await;
+                }
+            }
             let result = client
                 .request(
                     Method::POST,
@@ -779,6 +813,19 @@ mod tests {
         assert!(holds_generation(&work(2, Some(2))));
         assert!(!holds_generation(&work(2, Some(1))));
         assert!(!holds_generation(&work(1, None)), "never reported");
+    }
+
+    #[test]
+    fn only_an_available_cluster_has_a_live_session() {
+        let mc = |status: &str| {
+            json!({"status": {"conditions": [
+                {"type": "ManagedClusterJoined", "status": "True"},
+                {"type": "ManagedClusterConditionAvailable", "status": status},
+            ]}})
+        };
+        assert!(session_live(&mc("True")));
+        assert!(!session_live(&mc("Unknown")));
+        assert!(!session_live(&json!({"metadata": {"name": "new"}})));
     }
 
     #[test]

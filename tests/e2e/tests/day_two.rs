@@ -64,20 +64,33 @@ fn progress(fleet: &Fleet) -> anyhow::Result<Option<String>> {
     }))
 }
 
-/// Waits until the agent's log says the hub refuses it: no cluster of its name (deleted) or
-/// denied. After that it can never hear of a deletion.
-async fn wait_refused(agent: &Proc) -> anyhow::Result<()> {
+/// Waits until the agent's log says `refusal`: the hub refuses it, and it can never hear of a
+/// deletion.
+async fn wait_refused(agent: &Proc, refusal: &str) -> anyhow::Result<()> {
     wait_for(
-        "the returning agent to be refused by the hub",
+        &format!("the agent to be refused: {refusal}"),
         Duration::from_secs(60),
-        || async {
-            let log = agent.log();
-            Ok((log.contains("the hub has no cluster of this name")
-                || log.contains("an operator denied this cluster"))
-            .then_some(()))
-        },
+        || async { Ok(agent.log().contains(refusal).then_some(())) },
     )
     .await
+}
+
+/// A placement in `default` that selects cluster1 while it is unreachable (its agent is
+/// offline), and also while it is being decommissioned when `tolerant`.
+fn placement(tolerant: bool) -> Value {
+    let mut tolerations = vec![
+        serde_json::json!({"key": "cluster.open-cluster-management.io/unreachable", "operator": "Exists"}),
+    ];
+    if tolerant {
+        tolerations
+            .push(serde_json::json!({"key": "flotilla.io/decommissioning", "operator": "Exists"}));
+    }
+    serde_json::json!({
+        "apiVersion": "cluster.open-cluster-management.io/v1beta1",
+        "kind": "Placement",
+        "metadata": {"name": "keep-cluster1", "namespace": "default"},
+        "spec": {"numberOfClusters": 1, "tolerations": tolerations},
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -149,46 +162,80 @@ async fn an_offline_cluster_decommissioned_with_orphan_keeps_its_workloads_and_a
         Some("policy=orphan,step=confirm")
     );
 
-    // Run again (the policy may be left out): it continues at the wait, gives up on the
-    // offline agent, revokes it before deleting anything, and finishes.
+    // A placement that tolerates the decommission's taint holds the cluster: the run
+    // continues at the wait, gives up on the offline agent, revokes it before deleting
+    // anything, and stops at the placement, naming it.
+    fleet.apply(
+        &workspace_root().join("proto/tests/fixtures/managedclustersetbinding_default.yaml"),
+    )?;
+    fleet.apply_value(dir.path(), &placement(true))?;
+    fleet
+        .wait_decided("default", "keep-cluster1", &["cluster1"])
+        .await?;
     let out = decommission(&fleet, &["--timeout", "2s"])?;
     let said = text(&out.stdout);
-    assert!(out.status.success(), "{said}\n{}", text(&out.stderr));
-    let lines: Vec<&str> = said.lines().collect();
+    assert!(!out.status.success(), "{said}");
+    let line = |n: usize| said.lines().nth(n).unwrap_or_default();
     assert_eq!(
-        lines[0],
+        line(0),
         "resuming the decommission of cluster cluster1 (policy orphan) at step 2/6 confirm"
     );
-    let steps: Vec<&str> = lines[1..lines.len() - 1]
-        .iter()
+    assert!(
+        line(1).starts_with(
+            "step 2/6 confirm: the agent did not report the Orphan policy of my-first-work"
+        ),
+        "{said}"
+    );
+    // Revoked before anything is unplaced or deleted.
+    assert!(
+        line(2).starts_with("step 3/6 revoke: cluster cluster1 denied"),
+        "{said}"
+    );
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("placements default/keep-cluster1 still select it")
+            && err.contains("do they tolerate it?"),
+        "{err}"
+    );
+    assert_eq!(
+        progress(&fleet)?.as_deref(),
+        Some("policy=orphan,step=unplace")
+    );
+
+    // The agent comes back in the middle, with its old cache (Foreground): revoked, it hears
+    // nothing, and the workloads stay.
+    let agent = spoke.start_agent(dir.path(), &fleet.hub, &[])?;
+    wait_refused(&agent, "an operator denied this cluster").await?;
+    assert!(spoke.deployment("default", DEPLOYMENT).await?.is_some());
+
+    // The placement lets go; the same command finishes the job.
+    fleet.apply_value(dir.path(), &placement(false))?;
+    let out = decommission(&fleet, &["--policy", "orphan", "--timeout", "60s"])?;
+    let said = text(&out.stdout);
+    assert!(out.status.success(), "{said}\n{}", text(&out.stderr));
+    let steps: Vec<&str> = said
+        .lines()
         .map(|l| l.split(':').next().unwrap_or(""))
         .collect();
     assert_eq!(
         steps,
         [
-            "step 2/6 confirm",
-            "step 3/6 revoke",
+            "resuming the decommission of cluster cluster1 (policy orphan) at step 4/6 unplace",
             "step 4/6 unplace",
             "step 5/6 delete-works",
-            "step 6/6 delete-cluster"
+            "step 6/6 delete-cluster",
+            "cluster cluster1 decommissioned"
         ],
         "{said}"
     );
-    assert!(
-        lines[1].contains("did not report the Orphan policy of my-first-work"),
-        "{said}"
-    );
-    assert_eq!(lines[lines.len() - 1], "cluster cluster1 decommissioned");
     assert!(managed_cluster(&fleet)?.is_none(), "the cluster is deleted");
     assert!(
         fleet.work("cluster1", WORK)?.is_none(),
         "the work is deleted"
     );
 
-    // The agent comes back with its old cache (Foreground): refused, it never hears of the
-    // deletion, and the workloads stay.
-    let agent = spoke.start_agent(dir.path(), &fleet.hub, &[])?;
-    wait_refused(&agent).await?;
+    // Deleted now, the cluster's agent stays refused, and what it applied stays where it is.
+    wait_refused(&agent, "the hub has no cluster of this name").await?;
     assert!(spoke.deployment("default", DEPLOYMENT).await?.is_some());
     assert!(spoke.service_account("default", "my-sa").await?.is_some());
 
