@@ -23,10 +23,11 @@ const SEED_WORK: &str = "proto/tests/fixtures/manifestwork_my_first_work.yaml";
 const WORK: &str = "my-first-work";
 const DEPLOYMENT: &str = "nginx-deployment";
 
-/// A fleet with one spoke, `cluster1`, whose agent runs and has applied the seed's work
-/// (a ServiceAccount and a Deployment; deleteOption unset, so Foreground).
-async fn fleet_with_applied_work(dir: &Path) -> anyhow::Result<(Fleet, Spoke, Proc)> {
-    let fleet = Fleet::start(dir, false).await?;
+/// A fleet (the hub on sled, or on a real apiserver when `kube`) with one spoke, `cluster1`,
+/// whose agent runs and has applied the seed's work (a ServiceAccount and a Deployment;
+/// deleteOption unset, so Foreground).
+async fn fleet_with_applied_work(dir: &Path, kube: bool) -> anyhow::Result<(Fleet, Spoke, Proc)> {
+    let fleet = Fleet::start(dir, kube).await?;
     let spoke = Spoke::start(dir, &fleet.hub, "cluster1").await?;
     let agent = spoke.start_agent(dir, &fleet.hub, &[])?;
     fleet.apply(&workspace_root().join(SEED_WORK))?;
@@ -97,7 +98,7 @@ fn placement(tolerant: bool) -> Value {
 async fn an_offline_cluster_decommissioned_with_orphan_keeps_its_workloads_and_an_interrupted_run_resumes()
 -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let (fleet, spoke, mut agent) = fleet_with_applied_work(dir.path()).await?;
+    let (fleet, spoke, mut agent) = fleet_with_applied_work(dir.path(), false).await?;
 
     // The agent goes offline holding the work with the default (Foreground) deleteOption.
     agent.signal_and_wait(Signal::SIGKILL);
@@ -251,10 +252,20 @@ async fn an_offline_cluster_decommissioned_with_orphan_keeps_its_workloads_and_a
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_clean_decommission_waits_for_the_agent_then_has_it_remove_the_workloads()
+async fn a_clean_decommission_waits_for_the_agent_then_has_it_remove_the_workloads_on_sled()
 -> anyhow::Result<()> {
+    clean_decommission(false).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_decommission_waits_for_the_agent_then_has_it_remove_the_workloads_on_kube()
+-> anyhow::Result<()> {
+    clean_decommission(true).await
+}
+
+async fn clean_decommission(kube: bool) -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let (fleet, spoke, mut agent) = fleet_with_applied_work(dir.path()).await?;
+    let (fleet, spoke, mut agent) = fleet_with_applied_work(dir.path(), kube).await?;
 
     // Offline: clean cannot go on without the agent, so it stops before removing anything
     // and says how to continue.
@@ -315,7 +326,7 @@ async fn a_clean_decommission_waits_for_the_agent_then_has_it_remove_the_workloa
 async fn a_rebuilt_spoke_joins_again_under_its_name_once_the_old_registration_is_cleared()
 -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let (fleet, spoke, mut agent) = fleet_with_applied_work(dir.path()).await?;
+    let (fleet, spoke, mut agent) = fleet_with_applied_work(dir.path(), false).await?;
     fleet.cli(&["cluster", "label", "cluster1", "region=eu"])?;
 
     // The store burns down: its agent, its volume and its apiserver are gone.
