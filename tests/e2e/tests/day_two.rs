@@ -398,3 +398,90 @@ async fn a_rebuilt_spoke_joins_again_under_its_name_once_the_old_registration_is
     assert_eq!(mc["spec"]["hubAcceptsClient"], true, "{mc}");
     Ok(())
 }
+
+/// docs/operations.md, "The hub CA through an outage": an agent offline through `flotilla ca
+/// rotate` comes back during the overlap on its old trust and certificate and receives the
+/// new bundle; one that is still on its old certificate when the overlap ends is refused, and
+/// the documented out-of-band path (delete, a token pinning the new CA, a fresh identity)
+/// brings it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_offline_through_a_ca_rotation_returns_in_the_overlap_and_rejoins_after_it()
+-> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut fleet = Fleet::start(dir.path(), false).await?;
+    let spoke = Spoke {
+        name: "cluster1".into(),
+        env: flotilla_testenv::TestEnv::start().await?,
+        certs: dir.path().join("unused-certs"),
+        data: dir.path().join("unused-data"),
+    };
+    let token = |fleet: &Fleet| -> anyhow::Result<Value> {
+        let out = fleet.cli(&["token", "create", "--auto-accept", "-o", "json"])?;
+        Ok(serde_json::from_str(&out)?)
+    };
+    let available = |fleet: &Fleet| -> anyhow::Result<bool> {
+        Ok(fleet
+            .hub
+            .cluster_condition("cluster1", "ManagedClusterConditionAvailable")?
+            .as_deref()
+            == Some("True"))
+    };
+    let data = dir.path().join("cluster1-agent");
+    let before = token(&fleet)?;
+    let mut agent = spoke.join_agent(dir.path(), &fleet.hub, &before, &data)?;
+    wait_for("cluster1 Available", Duration::from_secs(60), || async {
+        Ok(available(&fleet)?.then_some(()))
+    })
+    .await?;
+
+    // Offline through the rotation (and the hub restart the docs ask for).
+    agent.signal_and_wait(Signal::SIGKILL);
+    assert!(fleet.cli(&["ca", "rotate"])?.contains("in progress"));
+    fleet.hub.restart(dir.path(), &[]).await?;
+    let agent = spoke.join_agent(dir.path(), &fleet.hub, &before, &data)?;
+    wait_for(
+        "the returning agent to store the new CA bundle",
+        Duration::from_secs(60),
+        || async {
+            Ok(agent
+                .log()
+                .contains("the hub's CA bundle changed")
+                .then_some(()))
+        },
+    )
+    .await?;
+    let bundle = std::fs::read_to_string(data.join("identity/ca.crt"))?;
+    assert_eq!(
+        bundle.matches("BEGIN CERTIFICATE").count(),
+        2,
+        "old and new CA"
+    );
+    wait_for(
+        "cluster1 Available again",
+        Duration::from_secs(60),
+        || async { Ok(available(&fleet)?.then_some(())) },
+    )
+    .await?;
+
+    // The overlap ends before it renewed: its old-CA certificate is refused.
+    drop(agent);
+    fleet.cli(&["ca", "finish-rotation"])?;
+    fleet.hub.restart(dir.path(), &[]).await?;
+    let agent = spoke.join_agent(dir.path(), &fleet.hub, &before, &data)?;
+    wait_refused(&agent, "refused this agent's certificate").await?;
+    drop(agent);
+
+    // The out-of-band path: the join command pins the new CA.
+    fleet.cli(&["cluster", "delete", "cluster1"])?;
+    let after = token(&fleet)?;
+    assert_ne!(after["caFingerprint"], before["caFingerprint"]);
+    std::fs::remove_dir_all(data.join("identity"))?;
+    let _agent = spoke.join_agent(dir.path(), &fleet.hub, &after, &data)?;
+    wait_for(
+        "cluster1 Available after the rejoin",
+        Duration::from_secs(60),
+        || async { Ok(available(&fleet)?.then_some(())) },
+    )
+    .await?;
+    Ok(())
+}
