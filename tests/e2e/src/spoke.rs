@@ -34,6 +34,17 @@ impl Spoke {
         })
     }
 
+    /// Starts an apiserver for cluster `name` without a certificate: a cluster that has only a
+    /// join command ([`Spoke::join_agent`]), as a new or rebuilt one does.
+    pub async fn start_unregistered(dir: &Path, name: &str) -> anyhow::Result<Spoke> {
+        Ok(Spoke {
+            name: name.into(),
+            env: TestEnv::start().await?,
+            certs: dir.join(format!("{name}-no-certs")),
+            data: dir.join(format!("{name}-no-data")),
+        })
+    }
+
     /// Starts this cluster's agent against `hub` (`extra` adds flags).
     pub fn start_agent(&self, dir: &Path, hub: &Hub, extra: &[&str]) -> anyhow::Result<Proc> {
         let mut cmd = self.agent_command("run", hub, &self.data, extra);

@@ -333,12 +333,7 @@ async fn a_rebuilt_spoke_joins_again_under_its_name_once_the_old_registration_is
     agent.signal_and_wait(Signal::SIGKILL);
     drop(spoke);
     // A new apiserver, and no certificate: what it has is a join command.
-    let rebuilt = Spoke {
-        name: "cluster1".into(),
-        env: flotilla_testenv::TestEnv::start().await?,
-        certs: dir.path().join("rebuilt-no-certs"),
-        data: dir.path().join("rebuilt-no-data"),
-    };
+    let rebuilt = Spoke::start_unregistered(dir.path(), "cluster1").await?;
     let token = |labels: &str| -> anyhow::Result<Value> {
         let out = fleet.cli(&[
             "token",
@@ -409,12 +404,7 @@ async fn an_agent_offline_through_a_ca_rotation_returns_in_the_overlap_and_rejoi
 -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let mut fleet = Fleet::start(dir.path(), false).await?;
-    let spoke = Spoke {
-        name: "cluster1".into(),
-        env: flotilla_testenv::TestEnv::start().await?,
-        certs: dir.path().join("unused-certs"),
-        data: dir.path().join("unused-data"),
-    };
+    let spoke = Spoke::start_unregistered(dir.path(), "cluster1").await?;
     let token = |fleet: &Fleet| -> anyhow::Result<Value> {
         let out = fleet.cli(&["token", "create", "--auto-accept", "-o", "json"])?;
         Ok(serde_json::from_str(&out)?)
