@@ -315,6 +315,26 @@ impl Ca {
         self.issue_client(cluster, &[CLUSTER_GROUP], lifetime)
     }
 
+    /// Whether `cert_pem` was issued by this CA (not by the one before a rotation): its issuer
+    /// is this CA's subject, and each CA's name is its own. `false` for anything unreadable.
+    pub fn issued(&self, cert_pem: &str) -> bool {
+        let der = |pem: &str| {
+            x509_parser::pem::parse_x509_pem(pem.as_bytes())
+                .ok()
+                .map(|(_, p)| p.contents)
+        };
+        let (Some(cert), Some(ca)) = (der(cert_pem), der(&self.cert_pem)) else {
+            return false;
+        };
+        match (
+            x509_parser::parse_x509_certificate(&cert),
+            x509_parser::parse_x509_certificate(&ca),
+        ) {
+            (Ok((_, cert)), Ok((_, ca))) => cert.issuer().as_raw() == ca.subject().as_raw(),
+            _ => false,
+        }
+    }
+
     /// A client certificate for an operator (`flotilla` CLI user).
     pub fn issue_operator(&self, user: &str, lifetime: Duration) -> Result<IssuedCert, CaError> {
         self.issue_client(user, &[OPERATOR_GROUP], lifetime)
@@ -457,6 +477,21 @@ mod tests {
             "keys never print"
         );
     }
+
+    #[test]
+    fn a_rotation_makes_earlier_certificates_not_the_current_cas() {
+        let dir = tempfile::tempdir().unwrap();
+        let old = Ca::load_or_create(dir.path()).unwrap();
+        let operator = old.issue_operator("admin", OPERATOR_LIFETIME).unwrap();
+        assert!(old.issued(&operator.cert_pem));
+        let new = old.rotate(dir.path()).unwrap();
+        assert!(!new.issued(&operator.cert_pem), "issued by the previous CA");
+        let again = new.issue_operator("admin", OPERATOR_LIFETIME).unwrap();
+        assert!(new.issued(&again.cert_pem));
+        assert!(!new.issued("not a certificate"));
+    }
+
+    const OPERATOR_LIFETIME: Duration = Duration::from_secs(3600);
 
     /// Whether a client trusting only `roots_pem` accepts `chain_pem` for `localhost`.
     fn verifies(roots_pem: &str, chain_pem: &str) -> bool {

@@ -1,10 +1,14 @@
 //! What the `flotilla` CLI does, kept out of the binary so it can be tested: reading manifests
-//! from files, building ManifestWorks the way `clusteradm create work` does, and the API paths.
+//! from files, building ManifestWorks the way `clusteradm create work` does, the API paths, and
+//! the read-modify-write of a ManagedCluster that label, taint and decommission share.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
+
+use crate::client::{ApiError, OperatorClient};
 use flotilla_proto::api::Kind;
+use http::{Method, StatusCode};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -180,6 +184,47 @@ pub fn kubeconfig(proxy: &str, user: &str, dir: &Path, clusters: &[String]) -> V
             "context": {"cluster": c, "user": user},
         })).collect::<Vec<_>>(),
     })
+}
+
+/// Changes ManagedCluster `name` with `change` on a fresh read and writes it back with the
+/// version read, again from a fresh read if someone else wrote in between.
+pub async fn modify_cluster(
+    client: &OperatorClient,
+    name: &str,
+    change: impl Fn(&mut Value) -> anyhow::Result<bool>,
+) -> anyhow::Result<bool> {
+    let path = object_path(Kind::ManagedCluster, None, name);
+    modify_object(client, &path, &format!("cluster {name}"), change).await
+}
+
+/// Changes the object at `path` (`what` names it in errors) with `change` on a fresh read and
+/// writes it back with the version read, again from a fresh read if someone else (a status
+/// write, another operator) wrote in between. Says whether anything changed.
+pub async fn modify_object(
+    client: &OperatorClient,
+    path: &str,
+    what: &str,
+    change: impl Fn(&mut Value) -> anyhow::Result<bool>,
+) -> anyhow::Result<bool> {
+    const ATTEMPTS: usize = 5;
+    for attempt in 1..=ATTEMPTS {
+        let mut obj = client
+            .get_json(path)
+            .await
+            .with_context(|| what.to_string())?;
+        if !change(&mut obj)? {
+            return Ok(false);
+        }
+        match client.request(Method::PUT, path, Some(&obj)).await {
+            Ok(_) => return Ok(true),
+            Err(e)
+                if attempt < ATTEMPTS
+                    && e.downcast_ref::<ApiError>()
+                        .is_some_and(|a| a.status == StatusCode::CONFLICT) => {}
+            Err(e) => return Err(e.context(format!("writing {what}"))),
+        }
+    }
+    Ok(false)
 }
 
 #[cfg(test)]

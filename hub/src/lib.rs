@@ -13,6 +13,7 @@ pub mod client;
 pub mod config;
 pub mod controllers;
 pub mod dashboard;
+pub mod decommission;
 pub mod fleet_metrics;
 pub mod operator_api;
 pub mod proxy;
@@ -502,7 +503,10 @@ fn write_operator_config(
     proxy: Option<std::net::SocketAddr>,
 ) -> anyhow::Result<()> {
     let dir = config.data_dir.join("operator");
-    if !dir.join("tls.key").exists() {
+    let current = std::fs::read_to_string(dir.join("tls.crt")).unwrap_or_default();
+    // After a CA rotation the operator's certificate comes from the new CA too: once the
+    // rotation is finished, the previous CA's certificates are refused, the CLI's included.
+    if !dir.join("tls.key").exists() || !ca.issued(&current) {
         let issued = ca.issue_operator("admin", OPERATOR_CERT_LIFETIME)?;
         ca::write_bundle(&dir, &ca.bundle_pem(), &issued)?;
         info!(dir = %dir.display(), "operator credentials for user admin written");

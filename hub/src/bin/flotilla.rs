@@ -7,8 +7,8 @@ use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use flotilla_hub::cli::{
     apply_label_changes, apply_taint_changes, collection_path, kind_of_document, manifest_work,
-    namespaced_name, object_path, parse_label_changes, parse_taint_changes, read_documents,
-    replica_set,
+    modify_cluster, namespaced_name, object_path, parse_label_changes, parse_taint_changes,
+    read_documents, replica_set,
 };
 use flotilla_hub::client::{ApiError, OperatorClient, OperatorConfig};
 use flotilla_hub::table;
@@ -185,6 +185,33 @@ enum ClusterAction {
     Delete {
         #[arg(required = true)]
         names: Vec<String>,
+    },
+    /// Take a cluster out of the fleet for good, step by step: write the --policy into each of
+    /// its ManifestWorks' deleteOption and wait for the agent to report it, take it out of
+    /// placements (taint flotilla.io/decommissioning:NoSelect), delete its works, revoke it
+    /// (deny) and delete the ManagedCluster. With `orphan` the agent is revoked before any work
+    /// is deleted, so an agent that was offline keeps every workload when it comes back; with
+    /// `clean` the agent deletes them and must be online to confirm.
+    ///
+    /// Progress is recorded on the ManagedCluster (annotation flotilla.io/decommission): run
+    /// the same command again after an interruption, or a failure it explains, and it
+    /// continues where it stopped, never with another policy.
+    Decommission {
+        /// The ManagedCluster to decommission.
+        name: String,
+        /// What happens to the workloads the cluster's works applied: `orphan` leaves them on
+        /// the spoke, `clean` has the agent delete them. Required to start (a surprise delete
+        /// of workloads is the failure this command exists to prevent, and a surprise orphan
+        /// leaves them unmanaged); optional when resuming, where it must match.
+        #[arg(long, value_enum)]
+        policy: Option<flotilla_hub::decommission::Policy>,
+        /// How long each waiting step waits: for the agent to report the policy, for
+        /// placements to drop the cluster, for its works to go. With `orphan`, an agent that
+        /// does not report in time is revoked first; with `clean`, the command stops and says
+        /// how to go on.
+        #[arg(long, default_value = flotilla_hub::decommission::DEFAULT_TIMEOUT,
+              value_parser = humantime::parse_duration)]
+        timeout: std::time::Duration,
     },
     /// Set or remove labels on a cluster, as `kubectl label managedcluster` does: `key=value`
     /// sets, `key-` removes. Placements select by these labels; they are the hub's to set
@@ -710,7 +737,7 @@ async fn cluster(client: &OperatorClient, action: ClusterAction) -> anyhow::Resu
             overwrite,
         } => {
             let changes = parse_label_changes(&changes)?;
-            let changed = read_modify_write(client, &name, |mc| {
+            let changed = modify_cluster(client, &name, |mc| {
                 apply_label_changes(mc, &changes, overwrite)
             })
             .await?;
@@ -729,8 +756,7 @@ async fn cluster(client: &OperatorClient, action: ClusterAction) -> anyhow::Resu
                 .strftime("%Y-%m-%dT%H:%M:%SZ")
                 .to_string();
             let changed =
-                read_modify_write(client, &name, |mc| apply_taint_changes(mc, &changes, &now))
-                    .await?;
+                modify_cluster(client, &name, |mc| apply_taint_changes(mc, &changes, &now)).await?;
             println!(
                 "cluster {name} {}",
                 if changed {
@@ -739,6 +765,14 @@ async fn cluster(client: &OperatorClient, action: ClusterAction) -> anyhow::Resu
                     "not tainted (no change)"
                 }
             );
+        }
+        ClusterAction::Decommission {
+            name,
+            policy,
+            timeout,
+        } => {
+            let mut say = |line: String| println!("{line}");
+            flotilla_hub::decommission::run(client, &name, policy, timeout, &mut say).await?;
         }
         ClusterAction::Delete { names } => {
             for name in names {
@@ -755,35 +789,6 @@ async fn cluster(client: &OperatorClient, action: ClusterAction) -> anyhow::Resu
         }
     }
     Ok(())
-}
-
-/// Changes ManagedCluster `name` with `change` on a fresh read and writes it back with the
-/// version read, again from a fresh read if someone else wrote in between.
-async fn read_modify_write(
-    client: &OperatorClient,
-    name: &str,
-    change: impl Fn(&mut Value) -> anyhow::Result<bool>,
-) -> anyhow::Result<bool> {
-    const ATTEMPTS: usize = 5;
-    let path = object_path(Kind::ManagedCluster, None, name);
-    for attempt in 1..=ATTEMPTS {
-        let mut mc = client
-            .get_json(&path)
-            .await
-            .with_context(|| format!("cluster {name}"))?;
-        if !change(&mut mc)? {
-            return Ok(false);
-        }
-        match client.request(Method::PUT, &path, Some(&mc)).await {
-            Ok(_) => return Ok(true),
-            Err(e)
-                if attempt < ATTEMPTS
-                    && e.downcast_ref::<ApiError>()
-                        .is_some_and(|a| a.status == StatusCode::CONFLICT) => {}
-            Err(e) => return Err(e.context(format!("writing cluster {name}"))),
-        }
-    }
-    Ok(false)
 }
 
 /// Creates the object, or (when `replace`) replaces an existing one. Returns what happened.

@@ -37,6 +37,7 @@ use super::feed::{self, Known, Readiness};
 use super::rollout::{self, ClusterGroups, GroupKey, Status};
 use super::scheduling::fleet::Key;
 use super::{ControllerConfig, delay_until, stopped};
+use crate::decommission::DECOMMISSION_ANNOTATION;
 
 /// Label on a ManifestWork naming its replica set as `<namespace>.<name>`.
 pub const REPLICA_SET_LABEL: &str = "work.open-cluster-management.io/manifestworkreplicaset";
@@ -65,6 +66,10 @@ pub struct WorkView {
     pub generation: i64,
     pub conditions: Vec<Condition>,
     pub deleting: bool,
+    /// A decommission of the cluster wrote its policy into the work's deleteOption
+    /// (`flotilla.io/decommission`): the template's deleteOption must not overwrite it, or the
+    /// agent could delete what the operator chose to orphan.
+    pub decommissioning: bool,
 }
 
 impl WorkView {
@@ -82,6 +87,22 @@ impl WorkView {
             generation: work.metadata.generation.unwrap_or(1),
             conditions: work.status.clone().unwrap_or_default().conditions,
             deleting: work.metadata.deletion_timestamp.is_some(),
+            decommissioning: work
+                .metadata
+                .annotations
+                .as_ref()
+                .is_some_and(|a| a.contains_key(DECOMMISSION_ANNOTATION)),
+        }
+    }
+
+    /// Whether the work is the template's, apart from a deleteOption a decommission set.
+    fn is_of(&self, template: &ManifestWorkSpec) -> bool {
+        if self.decommissioning {
+            let mut spec = self.spec.clone();
+            spec.delete_option = template.delete_option.clone();
+            spec == *template
+        } else {
+            self.spec == *template
         }
     }
 }
@@ -199,7 +220,7 @@ pub fn plan(inputs: &Inputs<'_>) -> Plan {
         let mut succeeded = 0;
         for (cluster, w) in inputs.works.iter().filter(|(_, w)| w.placement == r.name) {
             // A work of an older revision has not been reached by this one yet.
-            if w.spec != *template || w.deleting {
+            if !w.is_of(template) || w.deleting {
                 continue;
             }
             existing.insert(cluster.clone());
@@ -819,7 +840,14 @@ async fn apply_work(
         );
         return Ok(());
     }
+    let kept_delete_option = existing["metadata"]["annotations"]
+        .get(DECOMMISSION_ANNOTATION)
+        .is_some()
+        .then(|| existing["spec"]["deleteOption"].take());
     existing["spec"] = spec;
+    if let Some(option) = kept_delete_option {
+        existing["spec"]["deleteOption"] = option;
+    }
     existing["metadata"]["labels"][PLACEMENT_NAME_LABEL] = placement.into();
     store.update_spec(existing).await?;
     debug!(replica_set = %key, cluster, "ManifestWork updated to the template");
@@ -876,6 +904,7 @@ mod tests {
                 })
                 .collect(),
             deleting: false,
+            decommissioning: false,
         }
     }
 
@@ -949,6 +978,20 @@ mod tests {
             st.placement_summary[0].available_decision_groups,
             "1 (3 / 3 clusters applied)"
         );
+    }
+
+    #[test]
+    fn a_delete_option_written_by_a_decommission_is_not_rolled_back() {
+        let s = set(json!({"type": "All"}), true);
+        let mut works = available_works(&s, 2);
+        for w in works.values_mut() {
+            w.spec.delete_option =
+                Some(serde_json::from_value(json!({"propagationPolicy": "Orphan"})).unwrap());
+        }
+        // c00 is being decommissioned; c01's deleteOption was changed by hand.
+        works.get_mut("c00").unwrap().decommissioning = true;
+        let p = plan_for(&s, 2, &works, true);
+        assert_eq!(applied(&p), ["c01"], "only the hand-made change is undone");
     }
 
     #[test]

@@ -34,16 +34,51 @@ impl Spoke {
         })
     }
 
+    /// Starts an apiserver for cluster `name` without a certificate: a cluster that has only a
+    /// join command ([`Spoke::join_agent`]), as a new or rebuilt one does.
+    pub async fn start_unregistered(dir: &Path, name: &str) -> anyhow::Result<Spoke> {
+        Ok(Spoke {
+            name: name.into(),
+            env: TestEnv::start().await?,
+            certs: dir.join(format!("{name}-no-certs")),
+            data: dir.join(format!("{name}-no-data")),
+        })
+    }
+
     /// Starts this cluster's agent against `hub` (`extra` adds flags).
     pub fn start_agent(&self, dir: &Path, hub: &Hub, extra: &[&str]) -> anyhow::Result<Proc> {
-        let mut cmd = Command::new(bin("flotilla-agent"));
-        cmd.arg("run")
-            .args(["--hub", &hub.agents_addr, "--server-name", "localhost"])
-            .args(["--cluster-name", &self.name])
+        let mut cmd = self.agent_command("run", hub, &self.data, extra);
+        cmd.args(["--hub", &hub.agents_addr, "--server-name", "localhost"])
             .arg("--cert-dir")
-            .arg(&self.certs)
+            .arg(&self.certs);
+        self.spawn_agent(dir, cmd)
+    }
+
+    /// Joins this cluster to `hub` with a bootstrap token (`token`: `flotilla token create -o
+    /// json`) from a fresh data directory `data`, as a rebuilt spoke does: the key is made
+    /// there, and once accepted the process runs on as the agent.
+    pub fn join_agent(
+        &self,
+        dir: &Path,
+        hub: &Hub,
+        token: &serde_json::Value,
+        data: &Path,
+    ) -> anyhow::Result<Proc> {
+        let text = |field: &str| token[field].as_str().unwrap_or_default().to_string();
+        let mut cmd = self.agent_command("join", hub, data, &[]);
+        cmd.args(["--hub", &text("hub")])
+            .args(["--ca-fingerprint", &text("caFingerprint")])
+            .env("FLOTILLA_BOOTSTRAP_TOKEN", text("token"));
+        self.spawn_agent(dir, cmd)
+    }
+
+    /// `flotilla-agent SUBCOMMAND` for this cluster and its apiserver, state in `data`.
+    fn agent_command(&self, subcommand: &str, hub: &Hub, data: &Path, extra: &[&str]) -> Command {
+        let mut cmd = Command::new(bin("flotilla-agent"));
+        cmd.arg(subcommand)
+            .args(["--cluster-name", &self.name])
             .arg("--data-dir")
-            .arg(&self.data)
+            .arg(data)
             .arg("--kubeconfig")
             .arg(self.env.kubeconfig_path())
             .args(["--initial-jitter=0s", "--max-backoff=1s"])
@@ -54,6 +89,10 @@ impl Spoke {
             )
             .args(extra)
             .env("RUST_LOG", "info,flotilla_agent=debug");
+        cmd
+    }
+
+    fn spawn_agent(&self, dir: &Path, cmd: Command) -> anyhow::Result<Proc> {
         let log = (1..)
             .map(|n| dir.join(format!("agent-{}-{n}.log", self.name)))
             .find(|p| !p.exists())
