@@ -56,7 +56,9 @@ pub enum TunnelError {
     },
     /// No gateway holds the cluster's shard now, or the one the directory named answered that
     /// it no longer does: the shard is changing hands. Retryable within a lease period.
-    #[error("cluster {cluster}: {detail}; its shard is changing hands between gateways, retry shortly")]
+    #[error(
+        "cluster {cluster}: {detail}; its shard is changing hands between gateways, retry shortly"
+    )]
     Unrouted { cluster: String, detail: String },
     /// The gateway holding the cluster's session could not be reached over the relay hop, or
     /// refused it (this side's certificate is not a gateway certificate). Retryable when the

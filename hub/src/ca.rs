@@ -258,7 +258,8 @@ impl Ca {
         check_user_identity("user", user).map_err(CaError::BadRequest)?;
         for group in groups {
             check_user_identity("group", group).map_err(CaError::BadRequest)?;
-            if [CLUSTER_GROUP, OPERATOR_GROUP, USER_GROUP, GATEWAY_GROUP].contains(&group.as_str()) {
+            if [CLUSTER_GROUP, OPERATOR_GROUP, USER_GROUP, GATEWAY_GROUP].contains(&group.as_str())
+            {
                 return Err(CaError::BadRequest(format!(
                     "group {group:?} is flotilla's own; a kubectl user cannot be given it"
                 )));

@@ -171,7 +171,10 @@ async fn a_gateway_certificate_carries_a_tunnel_both_ways_with_half_close() {
         .unwrap();
     assert_eq!(got, request, "the request crossed the hop intact");
     // The answer comes after the request's half-close, as an HTTP response does.
-    agent.write_all(b"HTTP/1.1 200 OK\r\n\r\nhello").await.unwrap();
+    agent
+        .write_all(b"HTTP/1.1 200 OK\r\n\r\nhello")
+        .await
+        .unwrap();
     agent.shutdown().await.unwrap();
     let mut tunnel = writer.await.unwrap();
     let mut back = Vec::new();
