@@ -55,14 +55,15 @@ pub enum TunnelError {
         source: LinkError,
     },
     /// No gateway holds the cluster's shard now, or the one the directory named answered that
-    /// it no longer does: the shard is changing hands. Retryable within a lease period.
+    /// it no longer does or cannot be reached: the shard is changing hands. Retryable within
+    /// a lease period.
     #[error(
         "cluster {cluster}: {detail}; its shard is changing hands between gateways, retry shortly"
     )]
     Unrouted { cluster: String, detail: String },
-    /// The gateway holding the cluster's session could not be reached over the relay hop, or
-    /// refused it (this side's certificate is not a gateway certificate). Retryable when the
-    /// gateway was unreachable (its shards move to another), not when it refused.
+    /// The gateway holding the cluster's session refused the relay hop itself (this side's
+    /// certificate is not a gateway certificate of the hub CA). Not retryable until the
+    /// certificates change.
     #[error("cluster {cluster}: {source}")]
     Hop {
         cluster: String,
@@ -184,7 +185,14 @@ fn hop_failure(cluster: &str, owner: &str, error: HopError) -> TunnelError {
             cluster,
             source: LinkError::Transport(format!("through gateway {owner}: {detail}")),
         },
-        other => TunnelError::Hop {
+        // An owner that cannot be reached has died or is leaving: its shard is about to move.
+        HopError::Link { address, source } => TunnelError::Unrouted {
+            cluster,
+            detail: format!(
+                "gateway {owner}, its owner in the directory, cannot be reached at {address} ({source})"
+            ),
+        },
+        other @ HopError::Forbidden { .. } => TunnelError::Hop {
             cluster,
             source: other,
         },
@@ -212,5 +220,95 @@ impl HopTarget for Gateway {
             },
             other => HopRefusal::Link(other.to_string()),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::GatewayConfig;
+    use crate::shards::{DirectoryEntry, ShardDirectory, ShardView};
+    use flotilla_proto::contract::shard_of;
+
+    const CLUSTER: &str = "store-7";
+
+    fn gateway(dir: &std::path::Path) -> Gateway {
+        let store = flotilla_store::SledStore::open(dir.join("store")).unwrap();
+        Gateway::new(Arc::new(store), GatewayConfig::default())
+    }
+
+    fn hop_client() -> HopClient {
+        let tls = rustls::ClientConfig::builder_with_provider(flotilla_transport::tls::provider())
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(rustls::RootCertStore::empty())
+            .with_no_client_auth();
+        HopClient::new(Arc::new(tls))
+    }
+
+    /// A view holding no shard, with `owner` (if any) holding `CLUSTER`'s at `address`.
+    fn view_without_the_shard(address: Option<&str>) -> ShardView {
+        let entries = address
+            .map(|a| {
+                (
+                    shard_of(CLUSTER, 64),
+                    DirectoryEntry {
+                        owner: "gw-2".into(),
+                        address: Some(a.into()),
+                        epoch: 4,
+                    },
+                )
+            })
+            .into_iter()
+            .collect();
+        ShardView::leased(64, BTreeMap::new(), ShardDirectory::new(64, entries))
+    }
+
+    #[tokio::test]
+    async fn a_stale_or_missing_owner_is_a_retryable_refusal_naming_the_cluster() {
+        let dir = tempfile::tempdir().unwrap();
+        let gateway = gateway(dir.path());
+        gateway.set_shard_view(view_without_the_shard(None));
+
+        // Nobody holds the shard: the route says so at once, naming the cluster.
+        let route = ShardRoute::new(gateway.clone(), hop_client());
+        let err = route.open(CLUSTER, "t-1").await.unwrap_err();
+        assert!(matches!(err, TunnelError::Unrouted { .. }), "{err:?}");
+        assert!(err.to_string().contains(CLUSTER), "{err}");
+
+        // A gateway asked over the hop for a shard it does not hold (the caller's directory
+        // is stale) refuses without opening anything...
+        let refusal = HopTarget::open(&gateway, CLUSTER, "t-2").await.unwrap_err();
+        assert!(matches!(refusal, HopRefusal::NotHeld(_)), "{refusal:?}");
+        // ...and the caller tells its user the shard is moving, retryable, naming the cluster.
+        let err = hop_failure(
+            CLUSTER,
+            "gw-2",
+            HopError::Refused {
+                address: "127.0.0.1:1".into(),
+                refusal,
+            },
+        );
+        assert!(matches!(err, TunnelError::Unrouted { .. }), "{err:?}");
+        assert!(err.to_string().contains(CLUSTER), "{err}");
+    }
+
+    #[tokio::test]
+    async fn an_owner_that_cannot_be_reached_is_an_error_within_the_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let gateway = gateway(dir.path());
+        // The directory names an owner at an address where nothing listens (it just died).
+        let closed = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        gateway.set_shard_view(view_without_the_shard(Some(&closed.to_string())));
+        let route = ShardRoute::new(gateway, hop_client());
+        let err = route.open(CLUSTER, "t-1").await.unwrap_err();
+        assert!(matches!(err, TunnelError::Unrouted { .. }), "{err:?}");
+        assert!(err.to_string().contains(CLUSTER), "{err}");
     }
 }

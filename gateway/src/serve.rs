@@ -294,6 +294,12 @@ impl Gateway {
         self.shared.registry.presence(cluster).await
     }
 
+    /// Replaces the shard view, as a lease round would.
+    #[cfg(test)]
+    pub(crate) fn set_shard_view(&self, view: ShardView) {
+        self.shared.shards.send_replace(Arc::new(view));
+    }
+
     /// How long this gateway waits for an agent to take a tunnel it asked for.
     pub(crate) fn tunnel_open_timeout(&self) -> Duration {
         self.shared.config.tunnel_open_timeout
