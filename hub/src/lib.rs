@@ -390,7 +390,8 @@ fn tunnel_route(
     .context("the hub's gateway certificate for the relay hop")?;
     Ok(Arc::new(flotilla_gateway::ShardRoute::new(
         gateway.clone(),
-        flotilla_transport::hop::HopClient::new(tls),
+        flotilla_transport::hop::HopClient::new(tls)
+            .with_server_name(config.gateway_server_name.clone()),
     )))
 }
 

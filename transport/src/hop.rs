@@ -280,6 +280,10 @@ const MAX_HOP_CONNECTIONS: usize = 256;
 pub struct HopClient {
     /// The caller's gateway certificate, trusting the hub CA's bundle.
     tls: Arc<rustls::ClientConfig>,
+    /// The name every gateway's certificate is checked against; `None`: the host of the
+    /// address dialled. Gateways advertise addresses (pod IPs) their certificates rarely name,
+    /// so deployments set one name, as agents do with `--server-name`.
+    server_name: Option<String>,
     /// Connections by gateway address. Held only to look up or insert, never while dialling.
     channels: Mutex<HashMap<String, tonic::transport::Channel>>,
 }
@@ -290,8 +294,15 @@ impl HopClient {
     pub fn new(tls: Arc<rustls::ClientConfig>) -> HopClient {
         HopClient {
             tls,
+            server_name: None,
             channels: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Checks every gateway's certificate against `name` instead of its address's host.
+    pub fn with_server_name(mut self, name: Option<String>) -> HopClient {
+        self.server_name = name;
+        self
     }
 
     /// Opens tunnel `id` to `cluster`'s agent through the gateway at `address` (host:port,
@@ -347,10 +358,13 @@ impl HopClient {
         if let Some(channel) = self.channels.lock().await.get(address) {
             return Ok(channel.clone());
         }
-        let host = address
-            .rsplit_once(':')
-            .map(|(host, _)| host.trim_start_matches('[').trim_end_matches(']'))
-            .unwrap_or(address);
+        let host = match &self.server_name {
+            Some(name) => name.as_str(),
+            None => address
+                .rsplit_once(':')
+                .map(|(host, _)| host.trim_start_matches('[').trim_end_matches(']'))
+                .unwrap_or(address),
+        };
         let server_name = rustls_pki_types::ServerName::try_from(host.to_string())
             .map_err(|e| LinkError::Unreachable(format!("gateway address {address}: {e}")))?;
         let hop = crate::grpc::GrpcSettings::default().for_relay_hop();

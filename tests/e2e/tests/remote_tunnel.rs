@@ -56,7 +56,11 @@ on_both_carriers! {
         env.install_crds(&workspace_root().join("deploy/crds")).await?;
         let kubeconfig = env.kubeconfig_path().to_path_buf();
         let kc = kubeconfig.to_str().unwrap();
-        let mut extra = vec!["--store=kube", "--kubeconfig", kc, "--gateways=external"];
+        // Gateways advertise 127.0.0.1:PORT; their certificate is checked against one name,
+        // as in a deployment where they advertise pod IPs.
+        let mut extra = vec![
+            "--store=kube", "--kubeconfig", kc, "--gateways=external", "--gateway-server-name=localhost",
+        ];
         extra.extend(LEASE_FLAGS);
         let hub = hub_with_proxy(dir, RULES, "", &extra).await?;
 
