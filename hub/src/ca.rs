@@ -478,6 +478,24 @@ mod tests {
     use rustls_pki_types::{CertificateDer, pem::PemObject};
 
     #[test]
+    fn a_gateway_certificate_serves_and_identifies_a_gateway() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = Ca::load_or_create(dir.path()).unwrap();
+        let issued = ca
+            .issue_gateway("hub", &["localhost".into(), "127.0.0.1".into()])
+            .unwrap();
+        let der = CertificateDer::from_pem_slice(issued.cert_pem.as_bytes()).unwrap();
+        assert_eq!(
+            Peer::from_der(&der).unwrap(),
+            Peer::Gateway { name: "hub".into() }
+        );
+        // Usable both ways: it serves agents and opens the relay hop as a client.
+        let (_, cert) = x509_parser::parse_x509_certificate(&der).unwrap();
+        let usage = cert.extended_key_usage().unwrap().unwrap().value;
+        assert!(usage.server_auth && usage.client_auth, "{usage:?}");
+    }
+
+    #[test]
     fn ca_persists_and_issues_identities_the_gateway_reads() {
         let dir = tempfile::tempdir().unwrap();
         let ca = Ca::load_or_create(dir.path()).unwrap();
