@@ -71,6 +71,7 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
         Peer::Cluster(name) => name.clone(),
         Peer::Operator { user, .. } => format!("operator {user}"),
         Peer::User { user, .. } => format!("proxy user {user}"),
+        Peer::Gateway { name } => format!("gateway {name}"),
         Peer::Anonymous => "anonymous".to_string(),
     };
     let mut machine = HubSession::new(

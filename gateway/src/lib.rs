@@ -27,7 +27,7 @@ pub mod shards;
 pub mod statuses;
 pub mod supervise;
 
-pub use route::{Away, TunnelError, TunnelRoute};
+pub use route::{Away, ShardRoute, TunnelError, TunnelRoute};
 pub use serve::{Gateway, GatewayConfig, GatewayError, Listeners};
 
 #[cfg(test)]

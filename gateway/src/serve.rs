@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use flotilla_store::Store;
 use flotilla_transport::grpc::{FleetService, GrpcSettings};
+use flotilla_transport::hop::RelayService;
 use flotilla_transport::quic::{QuicListener, QuicSettings};
 use flotilla_transport::tls::AuthenticatedConn;
 use flotilla_transport::{Incoming, TunnelStream};
@@ -52,6 +53,11 @@ pub struct GatewayConfig {
     pub max_quic_handshakes: usize,
     /// How long the gateway waits for an agent to open a tunnel it asked for.
     pub tunnel_open_timeout: Duration,
+    /// A tunnel relayed for another gateway or the hub (the relay hop) that moves no byte
+    /// either way for this long is closed. Only a backstop: the caller ends the relay as soon
+    /// as its user goes, so this must outlast the quietest legitimate stream (a watch with no
+    /// events, which the apiserver ends after at most an hour).
+    pub relay_idle_timeout: Duration,
 }
 
 impl Default for GatewayConfig {
@@ -68,6 +74,7 @@ impl Default for GatewayConfig {
             drain_timeout: Duration::from_secs(20),
             max_quic_handshakes: 256,
             tunnel_open_timeout: Duration::from_secs(10),
+            relay_idle_timeout: Duration::from_secs(2 * 3600),
         }
     }
 }
@@ -287,6 +294,17 @@ impl Gateway {
         self.shared.registry.presence(cluster).await
     }
 
+    /// Replaces the shard view, as a lease round would.
+    #[cfg(test)]
+    pub(crate) fn set_shard_view(&self, view: ShardView) {
+        self.shared.shards.send_replace(Arc::new(view));
+    }
+
+    /// How long this gateway waits for an agent to take a tunnel it asked for.
+    pub(crate) fn tunnel_open_timeout(&self) -> Duration {
+        self.shared.config.tunnel_open_timeout
+    }
+
     /// Opens tunnel stream `id` to `cluster`'s agent over its session's connection (a QUIC
     /// stream, or a `Fleet.Tunnel` call the session asks the agent to open).
     pub async fn open_tunnel(&self, cluster: &str, id: &str) -> Result<TunnelStream, TunnelError> {
@@ -393,6 +411,10 @@ impl Gateway {
         let mut routes = extra.unwrap_or_default();
         routes.add_service(
             FleetService::new(incoming_tx.clone()).into_server(config.max_frame_bytes),
+        );
+        // Tunnels other gateways and the hub relay through this one to the sessions it holds.
+        routes.add_service(
+            RelayService::new(Arc::new(self.clone()), config.relay_idle_timeout).into_server(),
         );
         let routes = routes.routes();
         let mut carriers = Tasks::new();

@@ -14,7 +14,9 @@ use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use flotilla_proto::contract::{CLUSTER_GROUP, OPERATOR_GROUP, USER_GROUP, check_user_identity};
+use flotilla_proto::contract::{
+    CLUSTER_GROUP, GATEWAY_GROUP, OPERATOR_GROUP, USER_GROUP, check_user_identity,
+};
 use flotilla_transport::files::{Access, write_atomic};
 use rcgen::{
     BasicConstraints, CertificateParams, CertificateSigningRequestParams, DistinguishedName,
@@ -256,7 +258,8 @@ impl Ca {
         check_user_identity("user", user).map_err(CaError::BadRequest)?;
         for group in groups {
             check_user_identity("group", group).map_err(CaError::BadRequest)?;
-            if [CLUSTER_GROUP, OPERATOR_GROUP, USER_GROUP].contains(&group.as_str()) {
+            if [CLUSTER_GROUP, OPERATOR_GROUP, USER_GROUP, GATEWAY_GROUP].contains(&group.as_str())
+            {
                 return Err(CaError::BadRequest(format!(
                     "group {group:?} is flotilla's own; a kubectl user cannot be given it"
                 )));
@@ -287,12 +290,29 @@ impl Ca {
         hex::encode(sha2::Sha256::digest(der))
     }
 
-    /// A serving certificate for a gateway or the operator API, valid for `names` (DNS names or
-    /// IP addresses agents dial).
+    /// A serving certificate for the hub's own listeners (agents, operator API, proxy front),
+    /// valid for `names` (DNS names or IP addresses clients dial).
     pub fn issue_server(&self, names: &[String]) -> Result<IssuedCert, CaError> {
+        self.issue_serving(dn("flotilla gateway", &["flotilla"]), names, false)
+    }
+
+    /// A gateway's certificate (`CN=<name>, O=flotilla:gateways`): it serves agents at
+    /// `names`, and as a client it opens the relay hop to the gateway holding a cluster's
+    /// session, which serves only this group. The hub issues one for itself to route through
+    /// the gateways in scale-out mode.
+    pub fn issue_gateway(&self, name: &str, names: &[String]) -> Result<IssuedCert, CaError> {
+        self.issue_serving(dn(name, &[GATEWAY_GROUP]), names, true)
+    }
+
+    fn issue_serving(
+        &self,
+        subject: DistinguishedName,
+        names: &[String],
+        client_too: bool,
+    ) -> Result<IssuedCert, CaError> {
         let key = KeyPair::generate()?;
         let mut params = CertificateParams::default();
-        params.distinguished_name = dn("flotilla gateway", &["flotilla"]);
+        params.distinguished_name = subject;
         params.subject_alt_names = names
             .iter()
             .map(|n| match n.parse::<IpAddr>() {
@@ -301,6 +321,11 @@ impl Ca {
             })
             .collect::<Result<_, rcgen::Error>>()?;
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        if client_too {
+            params
+                .extended_key_usages
+                .push(ExtendedKeyUsagePurpose::ClientAuth);
+        }
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         validity(&mut params, SERVER_CERT_LIFETIME);
         let cert = params.signed_by(&key, &self.issuer)?;
@@ -453,6 +478,24 @@ mod tests {
     use rustls_pki_types::{CertificateDer, pem::PemObject};
 
     #[test]
+    fn a_gateway_certificate_serves_and_identifies_a_gateway() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = Ca::load_or_create(dir.path()).unwrap();
+        let issued = ca
+            .issue_gateway("hub", &["localhost".into(), "127.0.0.1".into()])
+            .unwrap();
+        let der = CertificateDer::from_pem_slice(issued.cert_pem.as_bytes()).unwrap();
+        assert_eq!(
+            Peer::from_der(&der).unwrap(),
+            Peer::Gateway { name: "hub".into() }
+        );
+        // Usable both ways: it serves agents and opens the relay hop as a client.
+        let (_, cert) = x509_parser::parse_x509_certificate(&der).unwrap();
+        let usage = cert.extended_key_usage().unwrap().unwrap().value;
+        assert!(usage.server_auth && usage.client_auth, "{usage:?}");
+    }
+
+    #[test]
     fn ca_persists_and_issues_identities_the_gateway_reads() {
         let dir = tempfile::tempdir().unwrap();
         let ca = Ca::load_or_create(dir.path()).unwrap();
@@ -584,6 +627,7 @@ mod tests {
             ("alice", vec!["system:masters".to_string()], "is reserved"),
             ("system:admin", vec![], "is reserved"),
             ("alice", vec![OPERATOR_GROUP.to_string()], "flotilla's own"),
+            ("alice", vec![GATEWAY_GROUP.to_string()], "flotilla's own"),
         ] {
             let err = ca
                 .sign_user_csr(user, &groups, &csr, Duration::from_secs(60))

@@ -95,6 +95,13 @@ pub struct HubConfig {
     #[arg(long, env = "FLOTILLA_HUB_GATEWAYS", value_enum, default_value_t = GatewayMode::InProcess)]
     pub gateways: GatewayMode,
 
+    /// With --gateways external: the name the proxy front checks every gateway's certificate
+    /// against when it relays a kubectl request to the gateway holding the cluster (one of the
+    /// names given to `flotilla-hub gateway-cert`, as agents' --server-name is). Default: the
+    /// host of each gateway's advertised address, which its certificate must then name.
+    #[arg(long, env = "FLOTILLA_HUB_GATEWAY_SERVER_NAME")]
+    pub gateway_server_name: Option<String>,
+
     #[command(flatten)]
     pub shards: flotilla_gateway::process::ShardFlags,
 

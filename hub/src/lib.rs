@@ -225,7 +225,8 @@ pub async fn run(
     );
     tasks.spawn("the operator API's listener", api_accept.err_into());
     if let Some(listener) = proxy {
-        let (front, relays, audit_writer) = proxy_front(&config, &gateway, store.clone())?;
+        let route = tunnel_route(&config, &gateway, &ca)?;
+        let (front, relays, audit_writer) = proxy_front(&config, route, store.clone())?;
         let (proxy_conns, proxy_accept) = flotilla_transport::tls::accept_authenticated(
             listener,
             proxy_tls,
@@ -368,11 +369,37 @@ impl Drop for EndsWithRun {
     }
 }
 
-/// The proxy front from the hub's flags: its access rules and tokens read now, its audit log
-/// opened, the in-process gateway as its route. Returns the writer of the audit log to run.
-fn proxy_front(
+/// How the proxy front reaches clusters' agents: the in-process gateway's own sessions in
+/// single-node mode; in scale-out mode the gateway holding each cluster's shard, by the shard
+/// directory, over the relay hop with a gateway certificate the hub issues itself now.
+fn tunnel_route(
     config: &HubConfig,
     gateway: &Gateway,
+    ca: &Ca,
+) -> anyhow::Result<Arc<dyn flotilla_gateway::TunnelRoute>> {
+    if config.gateways != GatewayMode::External {
+        return Ok(Arc::new(gateway.clone()));
+    }
+    let identity = ca.issue_gateway("hub", &config.server_names)?;
+    let tls = flotilla_transport::tls::client_config(
+        ca.bundle_pem().as_bytes(),
+        identity.cert_pem.as_bytes(),
+        identity.key_pem.as_bytes(),
+        &[],
+    )
+    .context("the hub's gateway certificate for the relay hop")?;
+    Ok(Arc::new(flotilla_gateway::ShardRoute::new(
+        gateway.clone(),
+        flotilla_transport::hop::HopClient::new(tls)
+            .with_server_name(config.gateway_server_name.clone()),
+    )))
+}
+
+/// The proxy front from the hub's flags: its access rules and tokens read now, its audit log
+/// opened, `route` to reach clusters. Returns the writer of the audit log to run.
+fn proxy_front(
+    config: &HubConfig,
+    route: Arc<dyn flotilla_gateway::TunnelRoute>,
     store: Arc<dyn Store>,
 ) -> anyhow::Result<(
     Arc<proxy::ProxyFront>,
@@ -398,7 +425,7 @@ fn proxy_front(
         .unwrap_or_else(|| config.data_dir.join("proxy-audit.log"));
     let (audit, writer) = proxy::audit::open(&audit_path)?;
     let (front, relays) = proxy::ProxyFront::new(
-        Arc::new(gateway.clone()),
+        route,
         store,
         rules,
         tokens,

@@ -197,6 +197,10 @@ async fn require_operator(
                  API needs an operator certificate"
             ),
         ),
+        Peer::Gateway { name } => error(
+            StatusCode::FORBIDDEN,
+            format!("gateway {name} may not use the operator API; use an operator certificate"),
+        ),
         Peer::Anonymous => error(
             StatusCode::UNAUTHORIZED,
             "the operator API needs an operator certificate (operator/config.yaml in the hub's data dir)".into(),

@@ -15,6 +15,17 @@ pub const OPERATOR_GROUP: &str = "flotilla:operators";
 /// the operator API refuses these certificates, and only the proxy front accepts them.
 pub const USER_GROUP: &str = "flotilla:users";
 
+/// Organization (O) of the certificates the hub CA issues for gateways (`flotilla-hub
+/// gateway-cert`, and the hub's own when it routes in scale-out mode): `CN=<name>,
+/// O=flotilla:gateways`. Only these may open the relay hop to a gateway holding a cluster's
+/// session; agents, operators and kubectl users are refused there.
+pub const GATEWAY_GROUP: &str = "flotilla:gateways";
+
+/// Request metadata of a `Relay.Tunnel` call: the cluster whose agent the tunnel is for.
+pub const RELAY_CLUSTER_METADATA: &str = "flotilla-cluster";
+/// Request metadata of a `Relay.Tunnel` call: the tunnel's id (as in the audit line).
+pub const RELAY_TUNNEL_ID_METADATA: &str = "flotilla-tunnel-id";
+
 /// Prefix of the identities Kubernetes reserves for itself (`system:masters`,
 /// `system:serviceaccount:...`, `system:nodes`). Hub users and groups never have it: the hub
 /// refuses to create them, the proxy front refuses to forward them, and the agent refuses to

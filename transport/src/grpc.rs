@@ -62,6 +62,25 @@ impl Default for GrpcSettings {
     }
 }
 
+impl GrpcSettings {
+    /// The settings of a connection from another gateway or the hub (the relay hop, see
+    /// [`hop`](crate::hop)): it carries the tunnels of many clusters at once, so it may hold
+    /// [`RELAY_HOP_STREAMS`] of them, and its connection window covers every stream's window.
+    /// A tunnel whose reader is slow then holds only its own stream's window, never the
+    /// connection's: it cannot stall the other tunnels on the hop.
+    pub fn for_relay_hop(&self) -> GrpcSettings {
+        GrpcSettings {
+            max_concurrent_streams: RELAY_HOP_STREAMS,
+            connection_window: self.stream_window.saturating_mul(RELAY_HOP_STREAMS),
+            ..self.clone()
+        }
+    }
+}
+
+/// Tunnels one relay-hop connection carries at once (HTTP/2 streams): beyond them a new tunnel
+/// waits for one to end, within its bounded open.
+pub const RELAY_HOP_STREAMS: u32 = 1024;
+
 /// Tunnel calls waiting for the agent, by tunnel id.
 #[derive(Default)]
 struct PendingTunnels {
@@ -222,7 +241,7 @@ impl GrpcTunnels {
 type Frames = Pin<Box<dyn Stream<Item = Result<TunnelFrame, std::io::Error>> + Send>>;
 
 /// Tunnel frames as bytes: data frames read, writes become data frames, shutdown sends `end`.
-fn frames_io(
+pub(crate) fn frames_io(
     inbound: impl Stream<Item = Result<TunnelFrame, std::io::Error>> + Send + 'static,
     outbound: mpsc::Sender<TunnelFrame>,
 ) -> impl crate::link::TunnelIo {
@@ -429,8 +448,12 @@ pub async fn serve(
         tokio::select! {
             conn = conns.recv() => match conn {
                 Some(conn) => {
+                    let settings = match conn.info().peer {
+                        crate::identity::Peer::Gateway { .. } => settings.for_relay_hop(),
+                        _ => settings.clone(),
+                    };
                     let service = with_conn_info(routes.clone(), conn.info().clone());
-                    connections.spawn(serve_connection(conn, service, settings.clone(), told.clone()));
+                    connections.spawn(serve_connection(conn, service, settings, told.clone()));
                 }
                 None => break Err(ServeError::ListenerClosed),
             },
@@ -534,7 +557,7 @@ fn link_error(status: Status) -> LinkError {
     LinkError::Transport(format!("{msg} ({:?})", status.code()))
 }
 
-fn io_error(status: Status) -> std::io::Error {
+pub(crate) fn io_error(status: Status) -> std::io::Error {
     std::io::Error::other(format!("{} ({:?})", status.message(), status.code()))
 }
 
@@ -547,6 +570,18 @@ pub async fn connect(
     tls: Arc<rustls::ClientConfig>,
     proxy: Option<&crate::dial::ProxyUrl>,
     local: Option<std::net::IpAddr>,
+) -> Result<tonic::transport::Channel, LinkError> {
+    connect_tuned(hub, server_name, tls, proxy, local, |endpoint| endpoint).await
+}
+
+/// [`connect`] with the HTTP/2 endpoint adjusted by `tune` (the relay hop widens its windows).
+pub(crate) async fn connect_tuned(
+    hub: &str,
+    server_name: rustls_pki_types::ServerName<'static>,
+    tls: Arc<rustls::ClientConfig>,
+    proxy: Option<&crate::dial::ProxyUrl>,
+    local: Option<std::net::IpAddr>,
+    tune: impl FnOnce(tonic::transport::Endpoint) -> tonic::transport::Endpoint,
 ) -> Result<tonic::transport::Channel, LinkError> {
     let mut tls = (*tls).clone();
     tls.alpn_protocols = vec![b"h2".to_vec()];
@@ -572,7 +607,7 @@ pub async fn connect(
         .map_err(|e| LinkError::from_dial(&e))?
         .http2_keep_alive_interval(Duration::from_secs(30))
         .keep_alive_timeout(Duration::from_secs(20));
-    endpoint
+    tune(endpoint)
         .connect_with_connector(connector)
         .await
         .map_err(|e| LinkError::from_dial(&e))

@@ -1,9 +1,11 @@
 //! Who is on the other end of a TLS connection, read from the client certificate.
 //!
-//! The hub CA issues three kinds of client certificates: agents get `CN=<cluster name>,
+//! The hub CA issues four kinds of client certificates: agents get `CN=<cluster name>,
 //! O=flotilla:clusters`, operators get `CN=<user>, O=flotilla:operators` (plus any extra groups
 //! as further O values), and kubectl users of the proxy front get `CN=<user>, O=flotilla:users,
-//! OU=<groups, comma-separated>`. The certificate is the only source of "which cluster is this".
+//! OU=<groups, comma-separated>`, and gateways (and the hub when it routes to them) get
+//! `CN=<name>, O=flotilla:gateways`. The certificate is the only source of "which cluster is
+//! this" and of "is this a gateway".
 //!
 //! A connection without a client certificate is [`Peer::Anonymous`]: the agents' listener lets
 //! it through the handshake only so that a joining agent (which has no certificate yet) can
@@ -12,7 +14,7 @@
 use x509_parser::prelude::{FromDer, X509Certificate};
 
 use flotilla_proto::contract::is_dns1123_label;
-pub use flotilla_proto::contract::{CLUSTER_GROUP, OPERATOR_GROUP, USER_GROUP};
+pub use flotilla_proto::contract::{CLUSTER_GROUP, GATEWAY_GROUP, OPERATOR_GROUP, USER_GROUP};
 
 /// The authenticated peer of a connection.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -24,6 +26,8 @@ pub enum Peer {
     /// A kubectl user of the proxy front (not an operator). `groups` are the certificate's OU,
     /// comma-separated.
     User { user: String, groups: Vec<String> },
+    /// A gateway (or the hub routing to gateways): the only peer the relay hop serves.
+    Gateway { name: String },
     /// No client certificate (a joining agent); allowed to call `Registration.Join` only.
     Anonymous,
 }
@@ -39,7 +43,7 @@ pub enum IdentityError {
     NoCommonName,
     /// Neither a cluster nor an operator certificate; not retryable.
     #[error(
-        "client certificate for {cn:?} is in none of the groups {CLUSTER_GROUP}, {OPERATOR_GROUP} or {USER_GROUP}"
+        "client certificate for {cn:?} is in none of the groups {CLUSTER_GROUP}, {OPERATOR_GROUP}, {USER_GROUP} or {GATEWAY_GROUP}"
     )]
     UnknownGroup { cn: String },
     /// A cluster name that is not a DNS-1123 label; not retryable.
@@ -82,6 +86,8 @@ impl Peer {
                 .map(str::to_string)
                 .collect();
             Ok(Peer::User { user: cn, groups })
+        } else if groups.iter().any(|g| g == GATEWAY_GROUP) {
+            Ok(Peer::Gateway { name: cn })
         } else {
             Err(IdentityError::UnknownGroup { cn })
         }

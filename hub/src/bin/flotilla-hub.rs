@@ -25,7 +25,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Issue a flotilla-gateway's serving certificate from the hub CA (scale-out mode): writes
+    /// Issue a flotilla-gateway's certificate from the hub CA (scale-out mode; O=flotilla:gateways,
+    /// for serving agents and for the relay hop between gateways): writes
     /// ca.crt (the CA bundle agents' certificates are checked against), tls.crt (the serving
     /// chain) and tls.key into --out, the directory `flotilla-gateway --cert-dir` reads. The
     /// names must include what agents dial (the load balancer's name and each gateway's
@@ -72,7 +73,8 @@ fn main() -> anyhow::Result<()> {
             out,
         }) => {
             let ca = Ca::load_or_create(&data_dir.join("ca"))?;
-            let issued = ca.issue_server(&server_names)?;
+            // A gateway certificate also opens the relay hop to other gateways.
+            let issued = ca.issue_gateway("flotilla-gateway", &server_names)?;
             let chain = ca::IssuedCert {
                 cert_pem: ca.serving_chain_pem(&issued.cert_pem),
                 key_pem: issued.key_pem,

@@ -142,6 +142,7 @@ impl ProxyTokens {
             }),
             Peer::Operator { user, .. } => Err(AuthnError::NotAUser(format!("operator {user}"))),
             Peer::Cluster(name) => Err(AuthnError::NotAUser(format!("cluster {name}"))),
+            Peer::Gateway { name } => Err(AuthnError::NotAUser(format!("gateway {name}"))),
             Peer::Anonymous => {
                 let token = headers
                     .get(http::header::AUTHORIZATION)

@@ -362,7 +362,7 @@ async fn handle(
     let forwarded = async {
         let stream = match front.route.open(&cluster, &tunnel_id).await {
             Ok(stream) => stream,
-            Err(e @ TunnelError::NoSession { .. }) => {
+            Err(e @ (TunnelError::NoSession { .. } | TunnelError::Unrouted { .. })) => {
                 return Err((StatusCode::SERVICE_UNAVAILABLE, e.to_string()));
             }
             Err(e) => return Err((StatusCode::BAD_GATEWAY, e.to_string())),
