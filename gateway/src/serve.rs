@@ -52,7 +52,13 @@ pub struct GatewayConfig {
     pub max_quic_handshakes: usize,
     /// How long the gateway waits for an agent to open a tunnel it asked for.
     pub tunnel_open_timeout: Duration,
+    /// Bytes per second of large works' chunks one session is sent at most: a 10 MiB work
+    /// fanned out to a thousand clusters must not take the gateway's whole uplink at once.
+    pub chunk_bytes_per_second: u64,
 }
+
+/// Default for [`GatewayConfig::chunk_bytes_per_second`]: 16 MiB/s per session.
+pub const DEFAULT_CHUNK_BYTES_PER_SECOND: u64 = 16 * 1024 * 1024;
 
 impl Default for GatewayConfig {
     fn default() -> Self {
@@ -68,6 +74,7 @@ impl Default for GatewayConfig {
             drain_timeout: Duration::from_secs(20),
             max_quic_handshakes: 256,
             tunnel_open_timeout: Duration::from_secs(10),
+            chunk_bytes_per_second: DEFAULT_CHUNK_BYTES_PER_SECOND,
         }
     }
 }
