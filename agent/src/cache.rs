@@ -954,10 +954,122 @@ impl WorkCache for ClusterCache {
     }
 }
 
+/// The ManifestWork to apply from what the cache holds for it: as stored, or, for a large work,
+/// with its `ChunkedManifests` reference replaced by the manifests joined from the chunks, every
+/// digest checked first.
+pub fn joined_manifest_work(
+    cache: &dyn WorkCache,
+    stored: &[u8],
+) -> Result<Result<flotilla_proto::api::ManifestWork, String>, CacheError> {
+    use flotilla_proto::api::content::{ContentError, ContentRef};
+    let mut work = match serde_json::from_slice::<flotilla_proto::api::ManifestWork>(stored) {
+        Ok(work) => work,
+        Err(e) => return Ok(Err(format!("the work is not a valid ManifestWork: {e}"))),
+    };
+    let reference = match ContentRef::of(&work) {
+        None => return Ok(Ok(work)),
+        Some(Err(e)) => return Ok(Err(e.to_string())),
+        Some(Ok(reference)) => reference,
+    };
+    let mut failed = None;
+    let joined = reference.assemble(|_, sha| match cache.chunk(sha) {
+        Ok(data) => data,
+        Err(e) => {
+            failed = Some(e);
+            None
+        }
+    });
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    match joined {
+        Ok(manifests) => {
+            work.spec.workload.manifests = manifests;
+            Ok(Ok(work))
+        }
+        Err(e @ ContentError::MissingChunk { .. }) => Ok(Err(format!(
+            "{e}: the content of {} bytes is not all held yet; the hub resends it on the next session",
+            reference.bytes
+        ))),
+        Err(e) => Ok(Err(format!(
+            "content sha256 {} cannot be used: {e}",
+            reference.sha256
+        ))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn chunks_survive_a_reopen_and_a_resume_asks_only_for_the_rest() {
+        use flotilla_proto::api::Manifest;
+        use flotilla_proto::api::content::split;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cache.redb");
+        let manifests: Vec<Manifest> = (0..6)
+            .map(|i| {
+                Manifest(json!({"apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": format!("cm-{i}")}, "data": {"x": "y".repeat(300 * 1024)}}))
+            })
+            .collect();
+        let (reference, chunks) = split(&manifests);
+        {
+            let cache = CacheDb::open(&path).unwrap().cluster("c1");
+            for chunk in &chunks[..2] {
+                cache.put_chunk(&chunk.sha256, &chunk.data).unwrap();
+            }
+        }
+        // As after a kill half-way: reopened, only what was not stored is missing.
+        let cache = CacheDb::open(&path).unwrap().cluster("c1");
+        assert_eq!(
+            cache.missing_chunks(&reference.chunks).unwrap(),
+            reference.chunks[2..].to_vec()
+        );
+        for chunk in &chunks[2..] {
+            cache.put_chunk(&chunk.sha256, &chunk.data).unwrap();
+        }
+        assert!(cache.missing_chunks(&reference.chunks).unwrap().is_empty());
+        // Two works naming the same content: stored once.
+        let stored: Vec<u8> = serde_json::to_vec(&json!({
+            "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
+            "metadata": {"name": "big", "namespace": "c1"},
+            "spec": {"workload": {"manifests": [reference.manifest().0]}},
+        }))
+        .unwrap();
+        cache.put_work(&work("a", 1), Some(&stored)).unwrap();
+        cache.put_work(&work("b", 1), Some(&stored)).unwrap();
+        assert_eq!(
+            cache.chunk_totals().unwrap(),
+            (chunks.len() as u64, reference.bytes)
+        );
+        let joined = joined_manifest_work(&cache, &stored).unwrap().unwrap();
+        assert_eq!(joined.spec.workload.manifests, manifests);
+    }
+
+    #[test]
+    fn a_work_whose_content_is_not_all_held_is_not_applied_and_says_why() {
+        use flotilla_proto::api::Manifest;
+        use flotilla_proto::api::content::split;
+        let cache = CacheDb::temporary().unwrap().cluster("c1");
+        let manifests = vec![Manifest(json!({"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "cm"}, "data": {"x": "y".repeat(600 * 1024)}}))];
+        let (reference, chunks) = split(&manifests);
+        cache.put_chunk(&chunks[0].sha256, &chunks[0].data).unwrap();
+        let stored = serde_json::to_vec(&json!({
+            "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
+            "metadata": {"name": "big", "namespace": "c1"},
+            "spec": {"workload": {"manifests": [reference.manifest().0]}},
+        }))
+        .unwrap();
+        let why = joined_manifest_work(&cache, &stored).unwrap().unwrap_err();
+        assert!(
+            why.contains("chunk #1") && why.contains("not all held"),
+            "{why}"
+        );
+    }
 
     fn work(uid: &str, generation: i64) -> CachedWork {
         CachedWork {
@@ -1249,49 +1361,5 @@ mod tests {
             vec![("a".to_string(), vec![deployment("x")])]
         );
         assert_eq!(deployment("x").to_string(), "apps/v1 Deployment default/x");
-    }
-}
-
-/// The ManifestWork to apply from what the cache holds for it: as stored, or, for a large work,
-/// with its `ChunkedManifests` reference replaced by the manifests joined from the chunks, every
-/// digest checked first.
-pub fn joined_manifest_work(
-    cache: &dyn WorkCache,
-    stored: &[u8],
-) -> Result<Result<flotilla_proto::api::ManifestWork, String>, CacheError> {
-    use flotilla_proto::api::content::{ContentError, ContentRef};
-    let mut work = match serde_json::from_slice::<flotilla_proto::api::ManifestWork>(stored) {
-        Ok(work) => work,
-        Err(e) => return Ok(Err(format!("the work is not a valid ManifestWork: {e}"))),
-    };
-    let reference = match ContentRef::of(&work) {
-        None => return Ok(Ok(work)),
-        Some(Err(e)) => return Ok(Err(e.to_string())),
-        Some(Ok(reference)) => reference,
-    };
-    let mut failed = None;
-    let joined = reference.assemble(|_, sha| match cache.chunk(sha) {
-        Ok(data) => data,
-        Err(e) => {
-            failed = Some(e);
-            None
-        }
-    });
-    if let Some(e) = failed {
-        return Err(e);
-    }
-    match joined {
-        Ok(manifests) => {
-            work.spec.workload.manifests = manifests;
-            Ok(Ok(work))
-        }
-        Err(e @ ContentError::MissingChunk { .. }) => Ok(Err(format!(
-            "{e}: the content of {} bytes is not all held yet; the hub resends it on the next session",
-            reference.bytes
-        ))),
-        Err(e) => Ok(Err(format!(
-            "content sha256 {} cannot be used: {e}",
-            reference.sha256
-        ))),
     }
 }
