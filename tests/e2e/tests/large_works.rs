@@ -110,6 +110,7 @@ on_both_carriers! {
             .find_map(|l| l.split("need_bytes=").nth(1)?.split_whitespace().next()?.parse().ok())
             .context("the restarted agent logged what it still needed")?;
         assert_eq!(after, need, "bytes received after the restart are exactly the missing chunks'");
+        eprintln!("content {content_bytes} bytes in {chunk_count} chunks; after the kill the restarted agent received {after} bytes");
 
         // A second work with the same content: no bytes sent, stored once.
         let said = fleet.cli(&["work", "create", "big-copy", "-f", file.to_str().unwrap(), "--clusters", "cluster1"])?;
