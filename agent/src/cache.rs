@@ -261,6 +261,28 @@ pub trait WorkCache: Send + Sync + fmt::Debug {
     /// acknowledged (`false` when a newer status is pending or the work is unknown).
     fn ack_status(&self, uid: &str, seq: u64) -> Result<bool, CacheError>;
 
+    /// The chunk of large-work content with this hex SHA-256, if held. Chunks are kept once
+    /// per content, however many works name them.
+    fn chunk(&self, sha256: &str) -> Result<Option<Vec<u8>>, CacheError>;
+
+    /// *Durable.* Keeps a chunk (already checked against its digest) under its digest.
+    fn put_chunk(&self, sha256: &str, data: &[u8]) -> Result<(), CacheError>;
+
+    /// How many chunks are held, and their bytes together.
+    fn chunk_totals(&self) -> Result<(u64, u64), CacheError>;
+
+    /// Which of `chunks` are not held, in order: what a transfer still needs, so one cut off
+    /// by a disconnect or a restart resumes after the last chunk stored.
+    fn missing_chunks(&self, chunks: &[String]) -> Result<Vec<String>, CacheError> {
+        let mut missing = Vec::new();
+        for sha in chunks {
+            if self.chunk(sha)?.is_none() && !missing.contains(sha) {
+                missing.push(sha.clone());
+            }
+        }
+        Ok(missing)
+    }
+
     /// What the hello carries: every live work (not tombstones) with its generation and hash.
     fn held(&self) -> Result<Vec<HeldWork>, CacheError> {
         Ok(self
@@ -308,6 +330,8 @@ impl Table {
 const WORKS: Table = Table("works");
 /// uid → the ManifestWork JSON as received. Apart from `works` so listing stays cheap.
 const MANIFESTS: Table = Table("manifests");
+/// hex SHA-256 → a chunk of large-work content (raw bytes), shared by every work naming it.
+const CHUNKS: Table = Table("chunks");
 /// uid → `Vec<AppliedResource>` (JSON).
 const LEDGER: Table = Table("ledger");
 /// uid → [`StatusRecord`] (JSON): the latest status and the outbox in one record, so a new
@@ -471,6 +495,7 @@ struct Tables<'t> {
     manifests: redb::Table<'t, &'static [u8], &'static [u8]>,
     ledger: redb::Table<'t, &'static [u8], &'static [u8]>,
     status: redb::Table<'t, &'static [u8], &'static [u8]>,
+    chunks: redb::Table<'t, &'static [u8], &'static [u8]>,
 }
 
 impl<'t> Tables<'t> {
@@ -480,6 +505,7 @@ impl<'t> Tables<'t> {
             manifests: txn.open_table(MANIFESTS.def()).map_err(storage)?,
             ledger: txn.open_table(LEDGER.def()).map_err(storage)?,
             status: txn.open_table(STATUS.def()).map_err(storage)?,
+            chunks: txn.open_table(CHUNKS.def()).map_err(storage)?,
         })
     }
 }
@@ -725,6 +751,43 @@ fn encode<T: Serialize>(tree: &'static str, uid: &str, value: &T) -> Result<Vec<
 }
 
 impl WorkCache for ClusterCache {
+    fn chunk(&self, sha256: &str) -> Result<Option<Vec<u8>>, CacheError> {
+        let key = self.key(sha256);
+        self.db.read(CHUNKS, |t| {
+            Ok(t.get(key.as_slice())
+                .map_err(storage)?
+                .map(|v| v.value().to_vec()))
+        })
+    }
+
+    fn put_chunk(&self, sha256: &str, data: &[u8]) -> Result<(), CacheError> {
+        let (key, data) = (self.key(sha256), data.to_vec());
+        self.db.write(Durability::Immediate, move |t| {
+            t.chunks
+                .insert(key.as_slice(), data.as_slice())
+                .map_err(storage)?;
+            Ok(())
+        })
+    }
+
+    fn chunk_totals(&self) -> Result<(u64, u64), CacheError> {
+        self.db.read(CHUNKS, |t| {
+            let (mut count, mut bytes) = (0, 0);
+            for entry in t
+                .range::<&[u8]>(self.prefix.as_slice()..)
+                .map_err(storage)?
+            {
+                let (key, value) = entry.map_err(storage)?;
+                if !key.value().starts_with(&self.prefix) {
+                    break;
+                }
+                count += 1;
+                bytes += value.value().len() as u64;
+            }
+            Ok((count, bytes))
+        })
+    }
+
     fn works(&self) -> Result<Vec<CachedWork>, CacheError> {
         Ok(self
             .scan_json::<CachedWork>(WORKS)?
@@ -891,10 +954,122 @@ impl WorkCache for ClusterCache {
     }
 }
 
+/// The ManifestWork to apply from what the cache holds for it: as stored, or, for a large work,
+/// with its `ChunkedManifests` reference replaced by the manifests joined from the chunks, every
+/// digest checked first.
+pub fn joined_manifest_work(
+    cache: &dyn WorkCache,
+    stored: &[u8],
+) -> Result<Result<flotilla_proto::api::ManifestWork, String>, CacheError> {
+    use flotilla_proto::api::content::{ContentError, ContentRef};
+    let mut work = match serde_json::from_slice::<flotilla_proto::api::ManifestWork>(stored) {
+        Ok(work) => work,
+        Err(e) => return Ok(Err(format!("the work is not a valid ManifestWork: {e}"))),
+    };
+    let reference = match ContentRef::of(&work) {
+        None => return Ok(Ok(work)),
+        Some(Err(e)) => return Ok(Err(e.to_string())),
+        Some(Ok(reference)) => reference,
+    };
+    let mut failed = None;
+    let joined = reference.assemble(|_, sha| match cache.chunk(sha) {
+        Ok(data) => data,
+        Err(e) => {
+            failed = Some(e);
+            None
+        }
+    });
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    match joined {
+        Ok(manifests) => {
+            work.spec.workload.manifests = manifests;
+            Ok(Ok(work))
+        }
+        Err(e @ ContentError::MissingChunk { .. }) => Ok(Err(format!(
+            "{e}: the content of {} bytes is not all held yet; the hub resends it on the next session",
+            reference.bytes
+        ))),
+        Err(e) => Ok(Err(format!(
+            "content sha256 {} cannot be used: {e}",
+            reference.sha256
+        ))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn chunks_survive_a_reopen_and_a_resume_asks_only_for_the_rest() {
+        use flotilla_proto::api::Manifest;
+        use flotilla_proto::api::content::split;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cache.redb");
+        let manifests: Vec<Manifest> = (0..6)
+            .map(|i| {
+                Manifest(json!({"apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": format!("cm-{i}")}, "data": {"x": "y".repeat(300 * 1024)}}))
+            })
+            .collect();
+        let (reference, chunks) = split(&manifests);
+        {
+            let cache = CacheDb::open(&path).unwrap().cluster("c1");
+            for chunk in &chunks[..2] {
+                cache.put_chunk(&chunk.sha256, &chunk.data).unwrap();
+            }
+        }
+        // As after a kill half-way: reopened, only what was not stored is missing.
+        let cache = CacheDb::open(&path).unwrap().cluster("c1");
+        assert_eq!(
+            cache.missing_chunks(&reference.chunks).unwrap(),
+            reference.chunks[2..].to_vec()
+        );
+        for chunk in &chunks[2..] {
+            cache.put_chunk(&chunk.sha256, &chunk.data).unwrap();
+        }
+        assert!(cache.missing_chunks(&reference.chunks).unwrap().is_empty());
+        // Two works naming the same content: stored once.
+        let stored: Vec<u8> = serde_json::to_vec(&json!({
+            "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
+            "metadata": {"name": "big", "namespace": "c1"},
+            "spec": {"workload": {"manifests": [reference.manifest().0]}},
+        }))
+        .unwrap();
+        cache.put_work(&work("a", 1), Some(&stored)).unwrap();
+        cache.put_work(&work("b", 1), Some(&stored)).unwrap();
+        assert_eq!(
+            cache.chunk_totals().unwrap(),
+            (chunks.len() as u64, reference.bytes)
+        );
+        let joined = joined_manifest_work(&cache, &stored).unwrap().unwrap();
+        assert_eq!(joined.spec.workload.manifests, manifests);
+    }
+
+    #[test]
+    fn a_work_whose_content_is_not_all_held_is_not_applied_and_says_why() {
+        use flotilla_proto::api::Manifest;
+        use flotilla_proto::api::content::split;
+        let cache = CacheDb::temporary().unwrap().cluster("c1");
+        let manifests = vec![Manifest(json!({"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "cm"}, "data": {"x": "y".repeat(600 * 1024)}}))];
+        let (reference, chunks) = split(&manifests);
+        cache.put_chunk(&chunks[0].sha256, &chunks[0].data).unwrap();
+        let stored = serde_json::to_vec(&json!({
+            "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
+            "metadata": {"name": "big", "namespace": "c1"},
+            "spec": {"workload": {"manifests": [reference.manifest().0]}},
+        }))
+        .unwrap();
+        let why = joined_manifest_work(&cache, &stored).unwrap().unwrap_err();
+        assert!(
+            why.contains("chunk #1") && why.contains("not all held"),
+            "{why}"
+        );
+    }
 
     fn work(uid: &str, generation: i64) -> CachedWork {
         CachedWork {

@@ -9,6 +9,7 @@ use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, SystemTime};
 
 use flotilla_proto::api::ManifestWork;
+use flotilla_proto::api::content::ContentRef;
 use flotilla_proto::session::{
     AgentConfig as SessionConfig, AgentEvent, AgentSession, DEFAULT_WELCOME_TIMEOUT,
 };
@@ -125,6 +126,8 @@ pub(crate) async fn session_once(
     spoke.tunnels.session(&tunnels);
     let mut cache = CacheQueue::default();
     let mut work: FuturesUnordered<BoxFuture<'static, Done>> = FuturesUnordered::new();
+    // Large works whose chunks are being fetched, by uid: stored (and acked) once all are held.
+    let mut fetching: HashMap<String, Fetching> = HashMap::new();
     let mut reported: HashMap<String, u64> = HashMap::new();
     let mut next: Option<AgentFrame> = None;
     let mut drained = None;
@@ -149,7 +152,49 @@ pub(crate) async fn session_once(
                     report_outbox(&mut machine, spoke, &mut reported);
                     report_cluster_info(&mut machine, &mut cluster_info);
                 }
-                AgentEvent::WorkReceived { work } => cache.push(CacheOp::Store(work)),
+                AgentEvent::WorkReceived { work: update } => match content_of(&update) {
+                    // A large work: its chunks first, then the work, so what is acked is whole.
+                    Some(reference) => {
+                        let cache = spoke.cache.clone();
+                        fetching.remove(&update.uid);
+                        work.push(Box::pin(async move {
+                            let chunks = reference.chunks.clone();
+                            let missing = durably(&cache, move |c| c.missing_chunks(&chunks)).await;
+                            Done::Missing {
+                                work: update,
+                                reference,
+                                missing: missing.map_err(|e| e.to_string()),
+                            }
+                        }));
+                    }
+                    None => cache.push(CacheOp::Store(update)),
+                },
+                AgentEvent::ChunkReceived { chunk_sha256, data } => {
+                    spoke.metrics.chunk_bytes_received.inc_by(data.len() as u64);
+                    let cache = spoke.cache.clone();
+                    work.push(Box::pin(async move {
+                        let sha = chunk_sha256.clone();
+                        let stored = durably(&cache, move |c| {
+                            c.put_chunk(&sha, &data)?;
+                            c.chunk_totals()
+                        })
+                        .await;
+                        Done::ChunkStored {
+                            chunk_sha256,
+                            stored: stored.map_err(|e| e.to_string()),
+                        }
+                    }));
+                }
+                AgentEvent::ChunkRefused {
+                    uid,
+                    chunk_sha256,
+                    reason,
+                } => {
+                    if let Some(pending) = fetching.remove(&uid) {
+                        warn!(work = %format!("{}/{}", pending.work.namespace, pending.work.name), chunk = %chunk_sha256, %reason,
+                            "the hub cannot serve a chunk of the work's content; asking again on the next session");
+                    }
+                }
                 AgentEvent::WorkDeleted {
                     uid,
                     namespace,
@@ -298,6 +343,46 @@ pub(crate) async fn session_once(
                     warn!(error = %e, "cannot store the renewed certificate; asking again later");
                     machine.renewal_failed(Instant::now());
                 }
+                Done::Missing { work: update, reference, missing: Ok(missing) } => {
+                    let name = format!("{}/{}", update.namespace, update.name);
+                    if missing.is_empty() {
+                        debug!(work = %name, content = %reference.sha256, "content already held");
+                        cache.push(CacheOp::Store(update));
+                    } else {
+                        let need: u64 = reference.chunks.iter().enumerate()
+                            .filter(|(_, c)| missing.contains(c))
+                            .map(|(i, _)| reference.chunk_len(i))
+                            .sum();
+                        info!(work = %name, content = %reference.sha256, need_chunks = missing.len(),
+                            chunks = reference.chunks.len(), need_bytes = need, content_bytes = reference.bytes,
+                            "fetching content");
+                        machine.fetch_chunks(&update.uid, missing.iter().cloned());
+                        fetching.insert(update.uid.clone(), Fetching { work: update, missing: missing.into_iter().collect() });
+                    }
+                }
+                Done::Missing { work: update, missing: Err(e), .. } => {
+                    warn!(uid = %update.uid, error = %e, "cannot read the chunk cache; the hub resends the work next session");
+                }
+                Done::ChunkStored { chunk_sha256, stored: Ok((count, bytes)) } => {
+                    spoke.metrics.chunks_held.set(count as i64);
+                    spoke.metrics.chunk_bytes_held.set(bytes as i64);
+                    let mut complete = Vec::new();
+                    for (uid, pending) in &mut fetching {
+                        pending.missing.remove(&chunk_sha256);
+                        if pending.missing.is_empty() {
+                            complete.push(uid.clone());
+                        }
+                    }
+                    for uid in complete {
+                        if let Some(done) = fetching.remove(&uid) {
+                            info!(uid = %uid, "content complete");
+                            cache.push(CacheOp::Store(done.work));
+                        }
+                    }
+                }
+                Done::ChunkStored { chunk_sha256, stored: Err(e) } => {
+                    warn!(chunk = %chunk_sha256, error = %e, "cannot store a chunk; the hub resends the work next session");
+                }
                 Done::Nothing => {}
             },
             // Only once established: until then a status has nowhere to go, and the wake-up
@@ -365,7 +450,32 @@ enum Done {
     Request(Result<String, String>),
     /// A renewed certificate is stored: its validity, or why it could not be.
     Stored(Result<(SystemTime, SystemTime), String>),
+    /// Which chunks of a large work's content the cache does not hold.
+    Missing {
+        work: wire::WorkUpdate,
+        reference: ContentRef,
+        missing: Result<Vec<String>, String>,
+    },
+    /// A chunk is durable; the cache's chunk count and bytes after it.
+    ChunkStored {
+        chunk_sha256: String,
+        stored: Result<(u64, u64), String>,
+    },
     Nothing,
+}
+
+/// A large work waiting for its chunks.
+struct Fetching {
+    work: wire::WorkUpdate,
+    /// Digests not stored yet.
+    missing: std::collections::HashSet<String>,
+}
+
+/// The content reference of a work update, if its manifests are chunked (and the reference is
+/// well formed: a malformed one is stored as is and refused by the reconciler, naming it).
+fn content_of(work: &wire::WorkUpdate) -> Option<ContentRef> {
+    let parsed: ManifestWork = serde_json::from_slice(&work.manifest_work_json).ok()?;
+    ContentRef::of(&parsed)?.ok()
 }
 
 /// Work on the durable cache, in order.

@@ -28,6 +28,12 @@ pub struct AgentMetrics {
     pub(crate) outbox_depth: Gauge,
     connected: Gauge,
     by_transport: Family<Labels, Gauge>,
+    /// Bytes of large works' chunks received from the hub by this process.
+    pub(crate) chunk_bytes_received: Counter,
+    /// Chunks held in the cache, and their bytes: once per content, however many works. Set
+    /// at each scrape from the cache, and as chunks are stored.
+    pub(crate) chunks_held: Gauge,
+    pub(crate) chunk_bytes_held: Gauge,
 }
 
 impl Default for AgentMetrics {
@@ -39,6 +45,9 @@ impl Default for AgentMetrics {
             outbox_depth: Gauge::default(),
             connected: Gauge::default(),
             by_transport: Family::default(),
+            chunk_bytes_received: Counter::default(),
+            chunks_held: Gauge::default(),
+            chunk_bytes_held: Gauge::default(),
         };
         for carrier in [Carrier::Grpc, Carrier::Quic] {
             let _ = metrics.transport(carrier);
@@ -68,6 +77,22 @@ impl AgentMetrics {
             "status_outbox_depth",
             "Work statuses waiting in the durable outbox for the hub's acknowledgement",
             self.outbox_depth.clone(),
+        );
+        r.register(
+            "chunk_bytes_received",
+            "Bytes of large ManifestWorks' content chunks received from the hub by this process \
+             (only chunks the cache did not hold are asked for)",
+            self.chunk_bytes_received.clone(),
+        );
+        r.register(
+            "chunks_held",
+            "Content chunks of large ManifestWorks in the cache, each once however many works share it",
+            self.chunks_held.clone(),
+        );
+        r.register(
+            "chunk_bytes_held",
+            "Bytes of the content chunks in the cache",
+            self.chunk_bytes_held.clone(),
         );
         r.register(
             "hub_connected",

@@ -512,8 +512,7 @@ fn load(
                 .into(),
         ));
     };
-    Ok(serde_json::from_slice::<ManifestWork>(&bytes)
-        .map_err(|e| format!("the work is not a valid ManifestWork: {e}")))
+    crate::cache::joined_manifest_work(cache, &bytes)
 }
 
 async fn apply_work(

@@ -222,6 +222,10 @@ pub async fn run(
                 if let Ok(pending) = outbox.pending_statuses() {
                     depth.outbox_depth.set(pending.len() as i64);
                 }
+                if let Ok((count, bytes)) = outbox.chunk_totals() {
+                    depth.chunks_held.set(count as i64);
+                    depth.chunk_bytes_held.set(bytes as i64);
+                }
             });
             Some(tokio::spawn(flotilla_ops::serve(
                 listener,

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use flotilla_proto::api::content::ContentRef;
 use flotilla_proto::api::{Kind, ManifestWork, content_hash};
 use flotilla_proto::session::DesiredWork;
 use flotilla_store::{Object, Store, WatchEvent};
@@ -80,6 +81,21 @@ impl DesiredState {
             .get(cluster)?
             .get(uid)
             .cloned()
+    }
+
+    /// Whether `uid` is one of `cluster`'s desired works and its content reference names the
+    /// chunk `chunk_sha256`: an agent is served only chunks of its own cluster's works.
+    pub async fn names_chunk(&self, cluster: &str, uid: &str, chunk_sha256: &str) -> bool {
+        self.wait_ready().await;
+        let works = self.works.read().await;
+        let Some(work) = works.get(cluster).and_then(|m| m.get(uid)) else {
+            return false;
+        };
+        serde_json::from_slice::<ManifestWork>(&work.manifest_work_json)
+            .ok()
+            .and_then(|w| ContentRef::of(&w))
+            .and_then(Result::ok)
+            .is_some_and(|r| r.chunks.iter().any(|c| c == chunk_sha256))
     }
 
     /// Records whether a stored work is held by a finalizer after its deletion; `true` when it

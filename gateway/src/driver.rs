@@ -7,6 +7,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use flotilla_proto::api::Kind;
+use flotilla_proto::api::content::{CHUNK_BYTES, chunk_data, chunk_object_name};
 use flotilla_proto::contract::ca_bundle_sha256;
 use flotilla_proto::session::{DesiredWork, HubConfig, HubEvent, HubSession};
 use flotilla_proto::wire::{self, HubFrame};
@@ -50,6 +52,12 @@ enum Done {
     },
     /// A renewal was signed, or refused.
     Renewed(Result<crate::certificates::RenewedCertificate, RenewalError>),
+    /// A chunk asked for was read from the store and checked, or why it could not be.
+    Chunk {
+        uid: String,
+        chunk_sha256: String,
+        read: Result<Vec<u8>, String>,
+    },
     /// Nothing for the machine (a status queued, a report sent).
     Nothing,
 }
@@ -117,6 +125,8 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
     // Counted in the carrier's sessions gauge from sync until the driver ends.
     let sessions = shared.metrics.sessions_on(carrier);
     let mut open = None;
+    // When the next chunk read may start: chunks are paced to the per-session byte rate.
+    let mut next_chunk_at = Instant::now();
 
     loop {
         while let Some(event) = machine.poll_event() {
@@ -200,6 +210,21 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
                     info!(%reason, by_peer, "session closed");
                     closed_at = Some(Instant::now());
                 }
+                HubEvent::ChunkRequested { uid, chunk_sha256 } => {
+                    let now = Instant::now();
+                    let at = next_chunk_at.max(now);
+                    next_chunk_at = at
+                        + Duration::from_secs_f64(
+                            CHUNK_BYTES as f64 / config.chunk_bytes_per_second.max(1) as f64,
+                        );
+                    work.push(Box::pin(read_chunk(
+                        shared.clone(),
+                        cluster.clone(),
+                        uid,
+                        chunk_sha256,
+                        at,
+                    )));
+                }
                 HubEvent::Alive { .. } => {}
             }
         }
@@ -267,6 +292,14 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
                 Done::Renewed(Err(e)) => {
                     warn!(error = %e, "certificate renewal refused");
                     machine.refuse_renewal(e.to_string());
+                }
+                Done::Chunk { uid, chunk_sha256, read: Ok(data) } => {
+                    shared.metrics.chunk_bytes_sent.inc_by(data.len() as u64);
+                    machine.send_chunk(uid, &chunk_sha256, data);
+                }
+                Done::Chunk { uid, chunk_sha256, read: Err(reason) } => {
+                    warn!(work_uid = %uid, chunk = %chunk_sha256, %reason, "chunk not served");
+                    machine.refuse_chunk(uid, &chunk_sha256, reason);
                 }
                 Done::Nothing => {}
             },
@@ -363,6 +396,46 @@ async fn open_session(shared: Arc<Shared>, handle: SessionHandle, hello: wire::H
     Done::Synced {
         snapshot: shared.desired.snapshot(&cluster).await,
         reconnect: had_one,
+    }
+}
+
+/// Reads one chunk of a large work for `cluster`'s agent, no sooner than `at` (the session's
+/// pace), from the cluster's own namespace, once its work is known to name it.
+async fn read_chunk(
+    shared: Arc<Shared>,
+    cluster: String,
+    uid: String,
+    chunk_sha256: String,
+    at: Instant,
+) -> Done {
+    tokio::time::sleep_until(at).await;
+    let read = if !shared
+        .desired
+        .names_chunk(&cluster, &uid, &chunk_sha256)
+        .await
+    {
+        Err(format!(
+            "no ManifestWork of cluster {cluster} with uid {uid} names chunk {chunk_sha256}"
+        ))
+    } else {
+        let name = chunk_object_name(&chunk_sha256);
+        match shared
+            .store
+            .get(Kind::ManifestChunk, Some(&cluster), &name)
+            .await
+        {
+            Ok(Some(object)) => chunk_data(object, &chunk_sha256)
+                .map_err(|e| format!("ManifestChunk {cluster}/{name} {e}; re-create the work with `flotilla work create -f`")),
+            Ok(None) => Err(format!(
+                "ManifestChunk {cluster}/{name} is not stored; re-create the work with `flotilla work create -f`"
+            )),
+            Err(e) => Err(format!("cannot read ManifestChunk {cluster}/{name}: {e}")),
+        }
+    };
+    Done::Chunk {
+        uid,
+        chunk_sha256,
+        read,
     }
 }
 

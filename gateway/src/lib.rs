@@ -28,7 +28,7 @@ pub mod statuses;
 pub mod supervise;
 
 pub use route::{Away, ShardRoute, TunnelError, TunnelRoute};
-pub use serve::{Gateway, GatewayConfig, GatewayError, Listeners};
+pub use serve::{DEFAULT_CHUNK_BYTES_PER_SECOND, Gateway, GatewayConfig, GatewayError, Listeners};
 
 #[cfg(test)]
 mod test_support {

@@ -36,6 +36,8 @@ pub struct GatewayMetrics {
     pub(crate) status_queue: Gauge,
     /// Set at each scrape from the shard view.
     pub(crate) shards_owned: Gauge,
+    /// Bytes of large works' chunks handed to sessions.
+    pub(crate) chunk_bytes_sent: Counter,
 }
 
 impl GatewayMetrics {
@@ -53,6 +55,7 @@ impl GatewayMetrics {
             store_errors: Family::default(),
             status_queue: Gauge::default(),
             shards_owned: Gauge::default(),
+            chunk_bytes_sent: Counter::default(),
         };
         // Every series from the start: a rate() over a series that appears late misses its
         // first increase, and a dashboard shows 0 rather than nothing.
@@ -101,6 +104,12 @@ impl GatewayMetrics {
             "status_write_queue_depth",
             "Work statuses reported by agents and not yet written to the store (one per work)",
             self.status_queue.clone(),
+        );
+        r.register(
+            "chunk_bytes_sent",
+            "Bytes of large ManifestWorks' content chunks sent to agents, as they ask for the \
+             chunks they do not hold",
+            self.chunk_bytes_sent.clone(),
         );
         r.register(
             "shards_owned",

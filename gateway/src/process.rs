@@ -156,6 +156,11 @@ pub struct GatewayProcessConfig {
     #[arg(long, default_value = "20s", value_parser = humantime::parse_duration)]
     pub drain_timeout: Duration,
 
+    /// Bytes per second of large works' content chunks sent to one agent at most (works over
+    /// the store's object limit travel in 512 KiB chunks the agent asks for).
+    #[arg(long, default_value_t = crate::serve::DEFAULT_CHUNK_BYTES_PER_SECOND, value_parser = clap::value_parser!(u64).range(64 * 1024..))]
+    pub chunk_bytes_per_second: u64,
+
     /// Validate the configuration, print it, and exit without starting.
     #[arg(long)]
     pub check_config: bool,
@@ -196,6 +201,7 @@ impl GatewayProcessConfig {
             grace_period: self.grace_period,
             drain_window: self.drain_window,
             drain_timeout: self.drain_timeout,
+            chunk_bytes_per_second: self.chunk_bytes_per_second,
             ..GatewayConfig::default()
         }
     }

@@ -58,7 +58,13 @@ pub struct GatewayConfig {
     /// as its user goes, so this must outlast the quietest legitimate stream (a watch with no
     /// events, which the apiserver ends after at most an hour).
     pub relay_idle_timeout: Duration,
+    /// Bytes per second of large works' chunks one session is sent at most: a 10 MiB work
+    /// fanned out to a thousand clusters must not take the gateway's whole uplink at once.
+    pub chunk_bytes_per_second: u64,
 }
+
+/// Default for [`GatewayConfig::chunk_bytes_per_second`]: 16 MiB/s per session.
+pub const DEFAULT_CHUNK_BYTES_PER_SECOND: u64 = 16 * 1024 * 1024;
 
 impl Default for GatewayConfig {
     fn default() -> Self {
@@ -75,6 +81,7 @@ impl Default for GatewayConfig {
             max_quic_handshakes: 256,
             tunnel_open_timeout: Duration::from_secs(10),
             relay_idle_timeout: Duration::from_secs(2 * 3600),
+            chunk_bytes_per_second: DEFAULT_CHUNK_BYTES_PER_SECOND,
         }
     }
 }

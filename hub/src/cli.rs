@@ -622,3 +622,57 @@ mod change_tests {
         assert!(err.contains("must be NAMESPACE/NAME"), "{err}");
     }
 }
+
+/// A ManifestWork document too large for one stored object, made storable: its manifests
+/// split into content-addressed chunks ([`flotilla_proto::api::content`]) and replaced by one
+/// `ChunkedManifests` reference. `None` when the work fits as it is (or is not a work).
+/// Refuses content over `cap` bytes, naming the work and the flag.
+pub fn chunked_work(
+    doc: &Value,
+    cap: u64,
+) -> anyhow::Result<
+    Option<(
+        Value,
+        flotilla_proto::api::content::ContentRef,
+        Vec<flotilla_proto::api::content::Chunk>,
+    )>,
+> {
+    use flotilla_proto::api::{MAX_WORKLOAD_BYTES, ManifestWork, content};
+    if doc["kind"] != Kind::ManifestWork.name() {
+        return Ok(None);
+    }
+    let work: ManifestWork = serde_json::from_value(doc.clone())
+        .with_context(|| format!("ManifestWork {}: does not parse", doc_name(doc)))?;
+    let manifests = &work.spec.workload.manifests;
+    let bytes: usize = manifests.iter().map(|m| m.0.to_string().len()).sum();
+    if bytes <= MAX_WORKLOAD_BYTES || content::ContentRef::of(&work).is_some() {
+        return Ok(None);
+    }
+    anyhow::ensure!(
+        bytes as u64 <= cap,
+        "ManifestWork {}: manifests take {bytes} bytes, more than the cap of {cap} (--max-work-bytes); split them over several ManifestWorks or raise the cap (at most {})",
+        doc_name(doc),
+        content::MAX_CONTENT_BYTES
+    );
+    // Every manifest is checked as the hub would check it inline, before anything is stored.
+    if let Err(errors) = flotilla_proto::api::validate_manifest_work(&work) {
+        let problems: Vec<String> = errors
+            .iter()
+            .filter(|e| !matches!(e, flotilla_proto::api::ManifestError::TooLarge { .. }))
+            .map(ToString::to_string)
+            .collect();
+        anyhow::ensure!(problems.is_empty(), "{}", problems.join("; "));
+    }
+    let (reference, chunks) = content::split(manifests);
+    let mut stored = doc.clone();
+    stored["spec"]["workload"]["manifests"] = serde_json::json!([reference.manifest().0]);
+    Ok(Some((stored, reference, chunks)))
+}
+
+fn doc_name(doc: &Value) -> String {
+    format!(
+        "{}/{}",
+        doc["metadata"]["namespace"].as_str().unwrap_or(""),
+        doc["metadata"]["name"].as_str().unwrap_or("<unnamed>")
+    )
+}

@@ -121,6 +121,11 @@ pub struct HubConfig {
     #[arg(long, default_value_t = DEFAULT_MAX_FRAME_BYTES)]
     pub max_frame_bytes: usize,
 
+    /// Bytes per second of large works' content chunks sent to one agent at most (works over
+    /// the store's object limit travel in 512 KiB chunks the agent asks for).
+    #[arg(long, default_value_t = flotilla_gateway::DEFAULT_CHUNK_BYTES_PER_SECOND, value_parser = clap::value_parser!(u64).range(64 * 1024..))]
+    pub chunk_bytes_per_second: u64,
+
     /// On SIGTERM every session is drained, each agent told to come back after a delay spread
     /// over this window.
     #[arg(long, default_value = DEFAULT_DRAIN_WINDOW, value_parser = humantime::parse_duration)]

@@ -448,6 +448,7 @@ fn gateway_config(config: &HubConfig) -> GatewayConfig {
         heartbeat_timeout: config.heartbeat_timeout,
         grace_period: config.grace_period,
         max_frame_bytes: config.max_frame_bytes,
+        chunk_bytes_per_second: config.chunk_bytes_per_second,
         drain_window: config.drain_window,
         drain_timeout: config.drain_timeout,
         ..GatewayConfig::default()

@@ -68,6 +68,7 @@ fn check_round_trip(path: &str) {
         "PlacementDecision" => drop(round_trip::<PlacementDecision>(path)),
         "AddOnPlacementScore" => drop(round_trip::<AddOnPlacementScore>(path)),
         "ClusterClaim" => drop(round_trip::<ClusterClaim>(path)),
+        "ManifestChunk" => drop(round_trip::<flotilla_proto::api::ManifestChunk>(path)),
         other => panic!("{path}: no type for kind {other}"),
     }
 }

@@ -48,6 +48,10 @@ enum Command {
         /// A YAML/JSON file (several documents allowed) or a directory of them.
         #[arg(short, long)]
         filename: PathBuf,
+        /// Largest manifests a ManifestWork may have. Works over the store's object limit
+        /// (1 MiB of manifests) are stored as ManifestChunk objects beside the work.
+        #[arg(long, default_value_t = flotilla_proto::api::content::DEFAULT_MAX_WORK_BYTES, value_parser = clap::value_parser!(u64).range(1..=flotilla_proto::api::content::MAX_CONTENT_BYTES))]
+        max_work_bytes: u64,
     },
     /// ManifestWorks: resources delivered to clusters (like `clusteradm create work`).
     Work {
@@ -314,6 +318,10 @@ enum WorkAction {
         /// Replace the work's manifests if it exists already.
         #[arg(long)]
         overwrite: bool,
+        /// Largest manifests the work may have. Over the store's object limit (1 MiB of
+        /// manifests) they are stored as ManifestChunk objects beside the work.
+        #[arg(long, default_value_t = flotilla_proto::api::content::DEFAULT_MAX_WORK_BYTES, value_parser = clap::value_parser!(u64).range(1..=flotilla_proto::api::content::MAX_CONTENT_BYTES))]
+        max_work_bytes: u64,
     },
     /// Delete the work NAME from each cluster (`--clusters`), or the ManifestWorkReplicaSet of
     /// `--placement NS/NAME` with all its ManifestWorks; resources are deleted or orphaned as
@@ -412,11 +420,15 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 .await?;
             print_list(&list, output, table::replica_sets)?;
         }
-        Command::Apply { filename } => {
+        Command::Apply {
+            filename,
+            max_work_bytes,
+        } => {
             for doc in read_documents(&filename)? {
                 let kind = kind_of_document(&doc)?;
+                let (doc, how) = store_chunks(&client, doc, max_work_bytes).await?;
                 let verb = upsert(&client, kind, doc.clone(), true).await?;
-                println!("{}/{} {verb}", kind.plural(), qualified(&doc));
+                println!("{}/{} {verb}{how}", kind.plural(), qualified(&doc));
             }
         }
         Command::Work {
@@ -427,6 +439,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     clusters,
                     placement,
                     overwrite,
+                    max_work_bytes,
                 },
         } => {
             let manifests = read_documents(&filename)?;
@@ -451,9 +464,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             for cluster in &clusters {
                 let work = manifest_work(&name, cluster, &manifests);
+                let (work, how) = store_chunks(&client, work, max_work_bytes).await?;
                 // upsert's errors name the work already.
                 let verb = upsert(&client, Kind::ManifestWork, work, overwrite).await?;
-                println!("manifestwork {cluster}/{name} {verb}");
+                println!("manifestwork {cluster}/{name} {verb}{how}");
             }
         }
         Command::Token { action } => token(&client, action).await?,
@@ -789,6 +803,56 @@ async fn cluster(client: &OperatorClient, action: ClusterAction) -> anyhow::Resu
         }
     }
     Ok(())
+}
+
+/// A ManifestWork over the store's object limit: stores its chunks (those already stored, by
+/// this work or another with the same content, are kept) and returns the work with its
+/// reference in place of the manifests, and how it was stored in words. Anything else is
+/// returned as it is.
+async fn store_chunks(
+    client: &OperatorClient,
+    doc: Value,
+    cap: u64,
+) -> anyhow::Result<(Value, String)> {
+    let Some((work, reference, chunks)) = flotilla_hub::cli::chunked_work(&doc, cap)? else {
+        return Ok((doc, String::new()));
+    };
+    let ns = work["metadata"]["namespace"]
+        .as_str()
+        .context("a ManifestWork needs metadata.namespace (the cluster's name)")?
+        .to_string();
+    for chunk in &chunks {
+        let object = flotilla_proto::api::content::chunk_object(&ns, chunk);
+        match client
+            .request(
+                Method::POST,
+                &collection_path(Kind::ManifestChunk, Some(&ns)),
+                Some(&object),
+            )
+            .await
+        {
+            Ok(_) => {}
+            // Content-addressed: the one stored under this name holds these very bytes.
+            Err(e)
+                if e.downcast_ref::<ApiError>()
+                    .is_some_and(|api| api.status == StatusCode::CONFLICT) => {}
+            Err(e) => {
+                return Err(e.context(format!(
+                    "ManifestWork {ns}/{}: storing chunk {}",
+                    qualified(&work),
+                    chunk.sha256
+                )));
+            }
+        }
+    }
+    let how = format!(
+        " (chunked: {} bytes of manifests in {} ManifestChunks of at most {} bytes, content sha256:{})",
+        reference.bytes,
+        chunks.len(),
+        flotilla_proto::api::content::CHUNK_BYTES,
+        reference.sha256
+    );
+    Ok((work, how))
 }
 
 /// Creates the object, or (when `replace`) replaces an existing one. Returns what happened.

@@ -6,10 +6,10 @@ use kube::CustomResourceExt;
 
 use super::{
     AddOnPlacementScore, ClusterClaim, ManagedCluster, ManagedClusterSet, ManagedClusterSetBinding,
-    ManifestWork, ManifestWorkReplicaSet, Placement, PlacementDecision,
+    ManifestChunk, ManifestWork, ManifestWorkReplicaSet, Placement, PlacementDecision,
 };
 
-/// The CRDs of the eight hub kinds (see [`crate::api::Kind`]) and of the spoke's ClusterClaim,
+/// The CRDs of the nine hub kinds (eight of OCM's and flotilla's ManifestChunk) (see [`crate::api::Kind`]) and of the spoke's ClusterClaim,
 /// in that order: one served and stored version each, with status subresources, printer columns
 /// and short names as OCM's own CRDs have them.
 pub fn crds() -> Vec<CustomResourceDefinition> {
@@ -22,6 +22,7 @@ pub fn crds() -> Vec<CustomResourceDefinition> {
         Placement::crd(),
         PlacementDecision::crd(),
         AddOnPlacementScore::crd(),
+        ManifestChunk::crd(),
         ClusterClaim::crd(),
     ]
 }

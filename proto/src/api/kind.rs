@@ -11,10 +11,12 @@ pub enum Kind {
     Placement,
     PlacementDecision,
     AddOnPlacementScore,
+    /// flotilla's own: a piece of a large work's manifests (see [`super::content`]).
+    ManifestChunk,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 8] = [
+    pub const ALL: [Kind; 9] = [
         Kind::ManagedCluster,
         Kind::ManagedClusterSet,
         Kind::ManagedClusterSetBinding,
@@ -23,6 +25,7 @@ impl Kind {
         Kind::Placement,
         Kind::PlacementDecision,
         Kind::AddOnPlacementScore,
+        Kind::ManifestChunk,
     ];
 
     /// The `kind` field.
@@ -36,12 +39,14 @@ impl Kind {
             Kind::Placement => "Placement",
             Kind::PlacementDecision => "PlacementDecision",
             Kind::AddOnPlacementScore => "AddOnPlacementScore",
+            Kind::ManifestChunk => "ManifestChunk",
         }
     }
 
     pub fn group(self) -> &'static str {
         match self {
             Kind::ManifestWork | Kind::ManifestWorkReplicaSet => "work.open-cluster-management.io",
+            Kind::ManifestChunk => "work.flotilla.io",
             _ => "cluster.open-cluster-management.io",
         }
     }
@@ -52,7 +57,9 @@ impl Kind {
             Kind::ManagedCluster | Kind::ManifestWork => "v1",
             Kind::ManagedClusterSet | Kind::ManagedClusterSetBinding => "v1beta2",
             Kind::Placement | Kind::PlacementDecision => "v1beta1",
-            Kind::ManifestWorkReplicaSet | Kind::AddOnPlacementScore => "v1alpha1",
+            Kind::ManifestWorkReplicaSet | Kind::AddOnPlacementScore | Kind::ManifestChunk => {
+                "v1alpha1"
+            }
         }
     }
 
@@ -72,6 +79,7 @@ impl Kind {
             Kind::Placement => "placements",
             Kind::PlacementDecision => "placementdecisions",
             Kind::AddOnPlacementScore => "addonplacementscores",
+            Kind::ManifestChunk => "manifestchunks",
         }
     }
 

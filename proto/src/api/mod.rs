@@ -14,6 +14,7 @@
 mod cluster;
 mod clusterset;
 pub mod conditions;
+pub mod content;
 mod crd;
 mod hash;
 mod kind;
@@ -37,6 +38,7 @@ pub use clusterset::{
     ManagedClusterSetBindingSpec, ManagedClusterSetBindingStatus, ManagedClusterSetSpec,
     ManagedClusterSetStatus, SelectorType,
 };
+pub use content::{ManifestChunk, ManifestChunkSpec};
 pub use crd::{crd_file_name, crd_yaml, crds};
 pub use hash::{canonical_json, content_hash};
 pub use kind::Kind;
@@ -96,4 +98,7 @@ impl Stored for PlacementDecision {
 }
 impl Stored for AddOnPlacementScore {
     const KIND: Kind = Kind::AddOnPlacementScore;
+}
+impl Stored for ManifestChunk {
+    const KIND: Kind = Kind::ManifestChunk;
 }

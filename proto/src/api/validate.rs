@@ -3,6 +3,7 @@
 
 use kube::ResourceExt;
 
+use super::content::ContentRef;
 use super::work::{Manifest, ManifestConfigOption, ManifestWork};
 
 /// Largest total size of a work's manifests, in bytes of compact JSON. The stores hold objects up
@@ -22,13 +23,17 @@ pub enum ManifestError {
     NoManifests { work: String },
     /// The manifests together exceed [`MAX_WORKLOAD_BYTES`]. Not retryable: split the work.
     #[error(
-        "ManifestWork {work}: manifests take {bytes} bytes, more than the limit of {limit}; split them over several ManifestWorks"
+        "ManifestWork {work}: manifests take {bytes} bytes, more than the {limit} one object holds; create it with `flotilla work create -f` (or `apply -f`), which stores larger works in chunks, or split them over several ManifestWorks"
     )]
     TooLarge {
         work: String,
         bytes: usize,
         limit: usize,
     },
+    /// The work's `ChunkedManifests` reference is malformed. Not retryable: re-create the work
+    /// with `flotilla work create -f`.
+    #[error("ManifestWork {work}: {problem}")]
+    Content { work: String, problem: String },
     /// A manifest is not a JSON/YAML object (e.g. a string or a list). Not retryable.
     #[error("ManifestWork {work}: manifest #{ordinal} is not an object")]
     NotAnObject { work: String, ordinal: usize },
@@ -67,16 +72,28 @@ pub fn validate_manifest_work(work: &ManifestWork) -> Result<(), Vec<ManifestErr
     if manifests.is_empty() {
         errors.push(ManifestError::NoManifests { work: name.clone() });
     }
-    let bytes: usize = manifests.iter().map(|m| m.0.to_string().len()).sum();
-    if bytes > MAX_WORKLOAD_BYTES {
-        errors.push(ManifestError::TooLarge {
+    // A chunked work's one manifest stands for content stored beside it: it is checked as a
+    // reference here, and the manifests themselves where the content is joined (the CLI before
+    // storing them, the agent before applying them).
+    match ContentRef::of(work) {
+        Some(Ok(_)) => {}
+        Some(Err(e)) => errors.push(ManifestError::Content {
             work: name.clone(),
-            bytes,
-            limit: MAX_WORKLOAD_BYTES,
-        });
-    }
-    for (ordinal, manifest) in manifests.iter().enumerate() {
-        check_manifest(&name, ordinal, manifest, &mut errors);
+            problem: e.to_string(),
+        }),
+        None => {
+            let bytes: usize = manifests.iter().map(|m| m.0.to_string().len()).sum();
+            if bytes > MAX_WORKLOAD_BYTES {
+                errors.push(ManifestError::TooLarge {
+                    work: name.clone(),
+                    bytes,
+                    limit: MAX_WORKLOAD_BYTES,
+                });
+            }
+            for (ordinal, manifest) in manifests.iter().enumerate() {
+                check_manifest(&name, ordinal, manifest, &mut errors);
+            }
+        }
     }
     for (index, config) in work.spec.manifest_configs.iter().enumerate() {
         for problem in config_problems(config) {

@@ -1,13 +1,15 @@
 //! The agent's side of its one session.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
 
+use super::CHUNK_WINDOW;
 use super::error::{CloseReason, ProtocolError};
 use super::queue::CoalescingQueue;
 use crate::PROTOCOL_VERSION;
+use crate::api::content::{CHUNK_BYTES, is_sha256_hex, sha256_hex};
 use crate::wire::{self, agent_frame, hub_frame};
 
 /// Default for [`AgentConfig::welcome_timeout`].
@@ -51,6 +53,24 @@ pub enum AgentEvent {
     WorkReceived {
         /// The work, as the hub sent it.
         work: wire::WorkUpdate,
+    },
+    /// A chunk asked for with [`AgentSession::fetch_chunks`] arrived, and its bytes hash to its
+    /// digest (a chunk that does not closes the session). The driver stores it durably.
+    ChunkReceived {
+        /// Hex SHA-256 of the chunk.
+        chunk_sha256: String,
+        /// Its bytes, at most [`CHUNK_BYTES`].
+        data: Vec<u8>,
+    },
+    /// The hub cannot serve a chunk of `uid`'s content; the session gives up fetching the
+    /// rest of that work's chunks (the next session asks again).
+    ChunkRefused {
+        /// The work.
+        uid: String,
+        /// The chunk.
+        chunk_sha256: String,
+        /// Why, in the hub's words.
+        reason: String,
     },
     /// The work is gone from the hub: remove it (honouring its deleteOption). Keyed by uid;
     /// `namespace` and `name` are empty when the hub learned of the work only from the hello.
@@ -151,6 +171,8 @@ enum Key {
     Status(String),
     /// What the agent knows about its spoke: only the latest report matters.
     ClusterInfo,
+    /// A request for the chunk with this digest.
+    Chunk(String),
 }
 
 /// The agent's side of its session: a sans-IO state machine.
@@ -176,6 +198,12 @@ pub struct AgentSession {
     events: VecDeque<AgentEvent>,
     /// Where certificate renewal stands; see [`Renewal`].
     renewal: Renewal,
+    /// Chunks to fetch, in the order asked for: (work uid, chunk digest). Only what the driver
+    /// found missing from its cache is here, which is what makes a transfer resume from the
+    /// last chunk stored rather than from zero.
+    chunks_wanted: VecDeque<(String, String)>,
+    /// Chunk digest → work uid, for requests sent and not answered: at most [`CHUNK_WINDOW`].
+    chunks_in_flight: HashMap<String, String>,
 }
 
 /// Shortest time between two renewals: however short-lived a certificate, never back to back.
@@ -245,6 +273,8 @@ impl AgentSession {
             data: CoalescingQueue::default(),
             events: VecDeque::new(),
             renewal: Renewal::Unscheduled,
+            chunks_wanted: VecDeque::new(),
+            chunks_in_flight: HashMap::new(),
         }
     }
 
@@ -460,7 +490,97 @@ impl AgentSession {
                 });
                 Ok(())
             }
+            hub_frame::Frame::Chunk(chunk) => self.on_chunk(chunk),
+            hub_frame::Frame::ChunkRefused(refused) => {
+                if self
+                    .chunks_in_flight
+                    .remove(&refused.chunk_sha256)
+                    .is_some()
+                {
+                    let uid = refused.work_uid;
+                    self.chunks_wanted.retain(|(u, _)| *u != uid);
+                    self.events.push_back(AgentEvent::ChunkRefused {
+                        uid,
+                        chunk_sha256: refused.chunk_sha256,
+                        reason: refused.reason,
+                    });
+                    self.request_chunks();
+                }
+                Ok(())
+            }
         }
+    }
+
+    /// Fetches the chunks of `uid`'s content that the driver does not hold (`missing`, in
+    /// order), at most [`CHUNK_WINDOW`] requests at a time; each arrives as
+    /// [`AgentEvent::ChunkReceived`]. A chunk already wanted or in flight (another work with
+    /// the same content) is asked for once. Ignored unless established: the next session's
+    /// sync resends the work, and the driver asks again for what is still missing then.
+    pub fn fetch_chunks(&mut self, uid: &str, missing: impl IntoIterator<Item = String>) {
+        if !self.is_established() {
+            return;
+        }
+        for sha in missing {
+            let known = self.chunks_in_flight.contains_key(&sha)
+                || self.chunks_wanted.iter().any(|(_, s)| *s == sha);
+            if !known {
+                self.chunks_wanted.push_back((uid.to_string(), sha));
+            }
+        }
+        self.request_chunks();
+    }
+
+    /// Chunks asked for and not received yet, sent or waiting for a slot in the window.
+    pub fn chunks_pending(&self) -> usize {
+        self.chunks_wanted.len() + self.chunks_in_flight.len()
+    }
+
+    fn request_chunks(&mut self) {
+        while self.chunks_in_flight.len() < CHUNK_WINDOW {
+            let Some((uid, sha)) = self.chunks_wanted.pop_front() else {
+                return;
+            };
+            self.chunks_in_flight.insert(sha.clone(), uid.clone());
+            self.data.put(
+                Key::Chunk(sha.clone()),
+                agent_frame::Frame::ChunkRequest(wire::ChunkRequest {
+                    work_uid: uid,
+                    chunk_sha256: sha,
+                }),
+            );
+        }
+    }
+
+    fn on_chunk(&mut self, chunk: wire::Chunk) -> Result<(), ProtocolError> {
+        if !self.chunks_in_flight.contains_key(&chunk.chunk_sha256) {
+            return self.fail(ProtocolError::UnexpectedFrame {
+                frame: "Chunk",
+                state: "no such chunk requested",
+            });
+        }
+        if chunk.data.len() > CHUNK_BYTES {
+            return self.fail(ProtocolError::InvalidFrame {
+                frame: "Chunk",
+                detail: format!(
+                    "{} bytes, more than a chunk's {CHUNK_BYTES}",
+                    chunk.data.len()
+                ),
+            });
+        }
+        let got = sha256_hex(&chunk.data);
+        if got != chunk.chunk_sha256 || !is_sha256_hex(&got) {
+            return self.fail(ProtocolError::InvalidFrame {
+                frame: "Chunk",
+                detail: format!("the bytes of chunk {} hash to {got}", chunk.chunk_sha256),
+            });
+        }
+        self.chunks_in_flight.remove(&chunk.chunk_sha256);
+        self.events.push_back(AgentEvent::ChunkReceived {
+            chunk_sha256: chunk.chunk_sha256,
+            data: chunk.data,
+        });
+        self.request_chunks();
+        Ok(())
     }
 
     /// Handles the timer armed from [`poll_timeout`](Self::poll_timeout): sends a heartbeat
@@ -675,6 +795,10 @@ impl AgentSession {
         // the next session's hello and status re-report carry them.
         self.control.clear();
         self.data.clear();
+        // Chunks already received are the driver's; the rest are asked for again, by what the
+        // driver finds missing, on the next session.
+        self.chunks_wanted.clear();
+        self.chunks_in_flight.clear();
         if !by_peer {
             self.control
                 .push_back(agent(agent_frame::Frame::Goodbye(wire::Goodbye {
@@ -705,5 +829,120 @@ fn hub_frame_name(frame: &hub_frame::Frame) -> &'static str {
         hub_frame::Frame::CertificateIssued(_) => "CertificateIssued",
         hub_frame::Frame::TrustBundle(_) => "TrustBundle",
         hub_frame::Frame::RenewalRefused(_) => "RenewalRefused",
+        hub_frame::Frame::Chunk(_) => "Chunk",
+        hub_frame::Frame::ChunkRefused(_) => "ChunkRefused",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn established() -> (Instant, AgentSession) {
+        let now = Instant::now();
+        let config = AgentConfig {
+            cluster_name: "c1".into(),
+            agent_version: "test".into(),
+            kubernetes_version: String::new(),
+            claims: Vec::new(),
+            welcome_timeout: DEFAULT_WELCOME_TIMEOUT,
+        };
+        let mut session = AgentSession::new(now, config, Vec::new());
+        let welcome = hub_frame::Frame::Welcome(wire::Welcome {
+            protocol_version: PROTOCOL_VERSION,
+            session_id: "s1".into(),
+            heartbeat_interval_ms: 10_000,
+            heartbeat_timeout_ms: 30_000,
+        });
+        session
+            .handle_frame(
+                now,
+                wire::HubFrame {
+                    frame: Some(welcome),
+                },
+            )
+            .unwrap();
+        while session.poll_transmit().is_some() {}
+        while session.poll_event().is_some() {}
+        (now, session)
+    }
+
+    fn requests(session: &mut AgentSession) -> Vec<String> {
+        std::iter::from_fn(|| session.poll_transmit())
+            .filter_map(|f| match f.frame {
+                Some(agent_frame::Frame::ChunkRequest(r)) => Some(r.chunk_sha256),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn chunk(data: &[u8]) -> (String, wire::HubFrame) {
+        let sha = sha256_hex(data);
+        let frame = hub_frame::Frame::Chunk(wire::Chunk {
+            work_uid: "w".into(),
+            chunk_sha256: sha.clone(),
+            data: data.to_vec(),
+        });
+        (sha, wire::HubFrame { frame: Some(frame) })
+    }
+
+    #[test]
+    fn only_missing_chunks_are_asked_for_two_at_a_time() {
+        let (now, mut session) = established();
+        let chunks: Vec<(String, wire::HubFrame)> = (0..5u8).map(|i| chunk(&[i; 16])).collect();
+        // The first two were stored before a disconnect: the driver names only the rest.
+        let missing: Vec<String> = chunks[2..].iter().map(|(s, _)| s.clone()).collect();
+        session.fetch_chunks("w", missing.clone());
+        assert_eq!(requests(&mut session), missing[..CHUNK_WINDOW].to_vec());
+        assert_eq!(session.chunks_pending(), 3);
+        // Each chunk received frees a slot for the next.
+        session.handle_frame(now, chunks[2].1.clone()).unwrap();
+        assert!(matches!(
+            session.poll_event(),
+            Some(AgentEvent::ChunkReceived { chunk_sha256, .. }) if chunk_sha256 == missing[0]
+        ));
+        assert_eq!(requests(&mut session), vec![missing[2].clone()]);
+        session.handle_frame(now, chunks[3].1.clone()).unwrap();
+        session.handle_frame(now, chunks[4].1.clone()).unwrap();
+        assert_eq!(session.chunks_pending(), 0);
+        assert!(requests(&mut session).is_empty());
+    }
+
+    #[test]
+    fn a_chunk_wanted_by_two_works_is_asked_for_once() {
+        let (_, mut session) = established();
+        let (sha, _) = chunk(b"shared");
+        session.fetch_chunks("a", [sha.clone()]);
+        session.fetch_chunks("b", [sha.clone()]);
+        assert_eq!(requests(&mut session), vec![sha]);
+    }
+
+    #[test]
+    fn a_chunk_whose_bytes_do_not_match_its_digest_closes_the_session() {
+        let (now, mut session) = established();
+        let (sha, _) = chunk(b"right");
+        session.fetch_chunks("w", [sha.clone()]);
+        let forged = hub_frame::Frame::Chunk(wire::Chunk {
+            work_uid: "w".into(),
+            chunk_sha256: sha,
+            data: b"wrong".to_vec(),
+        });
+        let err = session
+            .handle_frame(
+                now,
+                wire::HubFrame {
+                    frame: Some(forged),
+                },
+            )
+            .unwrap_err();
+        assert!(err.to_string().contains("hash to"), "{err}");
+        assert!(session.is_closed());
+    }
+
+    #[test]
+    fn an_unrequested_chunk_is_a_protocol_error() {
+        let (now, mut session) = established();
+        let (_, frame) = chunk(b"unasked");
+        assert!(session.handle_frame(now, frame).is_err());
     }
 }

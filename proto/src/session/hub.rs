@@ -7,8 +7,9 @@ use tokio::time::Instant;
 
 use super::error::{CloseReason, ProtocolError};
 use super::queue::CoalescingQueue;
-use super::{DesiredWork, duration_ms};
+use super::{CHUNK_WINDOW, DesiredWork, duration_ms};
 use crate::PROTOCOL_VERSION;
+use crate::api::content::is_sha256_hex;
 use crate::wire::{self, agent_frame, hub_frame};
 
 /// Default for [`HubConfig::heartbeat_interval`].
@@ -111,6 +112,16 @@ pub enum HubEvent {
         /// PEM PKCS#10 request, at most [`MAX_CSR_BYTES`].
         csr_pem: String,
     },
+    /// The agent asks for one chunk of a large work's content. The driver checks that the work
+    /// is this cluster's and that its reference names the chunk, reads the chunk from the
+    /// cluster's namespace, and answers with [`HubSession::send_chunk`] or
+    /// [`HubSession::refuse_chunk`]. At most [`CHUNK_WINDOW`] are outstanding per session.
+    ChunkRequested {
+        /// The work whose content reference names the chunk.
+        uid: String,
+        /// Hex SHA-256 of the chunk (checked to be one).
+        chunk_sha256: String,
+    },
     /// The session is over. The driver sends what [`HubSession::poll_transmit`] still yields
     /// (a `Goodbye`, after a drain the `Drain` first), then ends the stream. Events queued
     /// before this one (acks, statuses) are still valid and worth storing.
@@ -200,6 +211,12 @@ pub struct HubSession {
     events: VecDeque<HubEvent>,
     /// A renewal was handed to the driver and not answered yet.
     renewing: bool,
+    /// Chunks asked for whose answer has not been transmitted yet: the agent keeps at most
+    /// [`CHUNK_WINDOW`] outstanding, so this (and the chunk bytes a session holds) is bounded.
+    chunk_requests: HashSet<String>,
+    /// Answers to chunk requests, sent after work frames: a large work's bytes go out only as
+    /// fast as the agent asks for them, never ahead of liveness, acks or other works.
+    chunks: VecDeque<wire::HubFrame>,
 }
 
 impl HubSession {
@@ -229,6 +246,8 @@ impl HubSession {
             works: CoalescingQueue::default(),
             events: VecDeque::new(),
             renewing: false,
+            chunk_requests: HashSet::new(),
+            chunks: VecDeque::new(),
         }
     }
 
@@ -354,6 +373,9 @@ impl HubSession {
                 });
                 Ok(())
             }
+            (Phase::Established, agent_frame::Frame::ChunkRequest(request)) => {
+                self.on_chunk_request(request)
+            }
             (Phase::Closed, _) => Ok(()),
         }
     }
@@ -410,7 +432,17 @@ impl HubSession {
         if self.sync == Sync::NotStarted {
             return None;
         }
-        let (_, outgoing) = self.works.pop()?;
+        let Some((_, outgoing)) = self.works.pop() else {
+            let frame = self.chunks.pop_front()?;
+            if let Some(
+                hub_frame::Frame::Chunk(wire::Chunk { chunk_sha256, .. })
+                | hub_frame::Frame::ChunkRefused(wire::ChunkRefused { chunk_sha256, .. }),
+            ) = &frame.frame
+            {
+                self.chunk_requests.remove(chunk_sha256);
+            }
+            return Some(frame);
+        };
         let frame = match outgoing {
             Outgoing::Update(update) => {
                 self.delivered.insert(
@@ -544,6 +576,40 @@ impl HubSession {
         self.status_acks.put(uid, seq);
     }
 
+    /// Answers the outstanding [`HubEvent::ChunkRequested`] for `chunk_sha256` with its bytes
+    /// (read from the store and checked against the digest by the driver). Ignored when no
+    /// such request is outstanding (answered already, or the session closed).
+    pub fn send_chunk(&mut self, uid: impl Into<String>, chunk_sha256: &str, data: Vec<u8>) {
+        if !self.chunk_requests.contains(chunk_sha256) || self.is_closed() {
+            return;
+        }
+        self.chunks
+            .push_back(hub(hub_frame::Frame::Chunk(wire::Chunk {
+                work_uid: uid.into(),
+                chunk_sha256: chunk_sha256.to_string(),
+                data,
+            })));
+    }
+
+    /// Answers the outstanding [`HubEvent::ChunkRequested`] for `chunk_sha256` with why it
+    /// cannot be served; the session continues. Ignored like [`send_chunk`](Self::send_chunk).
+    pub fn refuse_chunk(
+        &mut self,
+        uid: impl Into<String>,
+        chunk_sha256: &str,
+        reason: impl Into<String>,
+    ) {
+        if !self.chunk_requests.contains(chunk_sha256) || self.is_closed() {
+            return;
+        }
+        self.chunks
+            .push_back(hub(hub_frame::Frame::ChunkRefused(wire::ChunkRefused {
+                work_uid: uid.into(),
+                chunk_sha256: chunk_sha256.to_string(),
+                reason: reason.into(),
+            })));
+    }
+
     /// Asks the agent to open tunnel stream `id` (a kubectl request routed to this cluster).
     /// Ignored unless established.
     pub fn open_tunnel(&mut self, id: impl Into<String>) {
@@ -666,6 +732,31 @@ impl HubSession {
         );
     }
 
+    fn on_chunk_request(&mut self, request: wire::ChunkRequest) -> Result<(), ProtocolError> {
+        if !is_sha256_hex(&request.chunk_sha256) {
+            return self.fail(ProtocolError::InvalidFrame {
+                frame: "ChunkRequest",
+                detail: "chunk_sha256 is not 64 lower-case hex digits".into(),
+            });
+        }
+        if self.chunk_requests.contains(&request.chunk_sha256) {
+            // Already being answered: one answer serves both.
+            return Ok(());
+        }
+        if self.chunk_requests.len() >= CHUNK_WINDOW {
+            return self.fail(ProtocolError::InvalidFrame {
+                frame: "ChunkRequest",
+                detail: format!("more than {CHUNK_WINDOW} chunk requests outstanding"),
+            });
+        }
+        self.chunk_requests.insert(request.chunk_sha256.clone());
+        self.events.push_back(HubEvent::ChunkRequested {
+            uid: request.work_uid,
+            chunk_sha256: request.chunk_sha256,
+        });
+        Ok(())
+    }
+
     fn on_hello(&mut self, hello: wire::Hello) -> Result<(), ProtocolError> {
         if hello.protocol_version != PROTOCOL_VERSION {
             return self.fail(ProtocolError::ProtocolVersion {
@@ -762,6 +853,8 @@ impl HubSession {
         self.control.clear();
         self.status_acks.clear();
         self.works.clear();
+        self.chunks.clear();
+        self.chunk_requests.clear();
         if !by_peer {
             let (reason_text, refusal) = match &reason {
                 // The agent words it for its operator; it gets the hub's sentence as is.
@@ -791,5 +884,91 @@ fn agent_frame_name(frame: &agent_frame::Frame) -> &'static str {
         agent_frame::Frame::Goodbye(_) => "Goodbye",
         agent_frame::Frame::RenewCertificate(_) => "RenewCertificate",
         agent_frame::Frame::ClusterInfo(_) => "ClusterInfo",
+        agent_frame::Frame::ChunkRequest(_) => "ChunkRequest",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::content::sha256_hex;
+
+    fn established() -> (Instant, HubSession) {
+        let now = Instant::now();
+        let mut session = HubSession::new(now, HubConfig::default(), "c1", "s1");
+        let hello = agent_frame::Frame::Hello(wire::Hello {
+            protocol_version: PROTOCOL_VERSION,
+            cluster_name: "c1".into(),
+            ..wire::Hello::default()
+        });
+        session
+            .handle_frame(now, wire::AgentFrame { frame: Some(hello) })
+            .unwrap();
+        session.begin_sync(Vec::new());
+        while session.poll_transmit().is_some() {}
+        while session.poll_event().is_some() {}
+        (now, session)
+    }
+
+    fn request(sha: &str) -> wire::AgentFrame {
+        wire::AgentFrame {
+            frame: Some(agent_frame::Frame::ChunkRequest(wire::ChunkRequest {
+                work_uid: "w".into(),
+                chunk_sha256: sha.into(),
+            })),
+        }
+    }
+
+    #[test]
+    fn chunks_are_served_as_asked_and_no_more_than_the_window_is_outstanding() {
+        let (now, mut session) = established();
+        let shas: Vec<String> = (0..3u8).map(|i| sha256_hex(&[i])).collect();
+        session.handle_frame(now, request(&shas[0])).unwrap();
+        session.handle_frame(now, request(&shas[1])).unwrap();
+        assert!(matches!(
+            session.poll_event(),
+            Some(HubEvent::ChunkRequested { .. })
+        ));
+        // A third before either is answered breaks the window: the session closes.
+        let err = session.handle_frame(now, request(&shas[2])).unwrap_err();
+        assert!(err.to_string().contains("outstanding"), "{err}");
+        assert!(session.is_closed());
+    }
+
+    #[test]
+    fn an_answer_frees_its_slot_once_sent_and_heartbeats_go_first() {
+        let (now, mut session) = established();
+        let shas: Vec<String> = (0..3u8).map(|i| sha256_hex(&[i])).collect();
+        session.handle_frame(now, request(&shas[0])).unwrap();
+        session.handle_frame(now, request(&shas[1])).unwrap();
+        session.send_chunk("w", &shas[0], vec![0]);
+        let heartbeat = agent_frame::Frame::Heartbeat(wire::Heartbeat { seq: 7 });
+        session
+            .handle_frame(
+                now,
+                wire::AgentFrame {
+                    frame: Some(heartbeat),
+                },
+            )
+            .unwrap();
+        assert!(matches!(
+            session.poll_transmit().and_then(|f| f.frame),
+            Some(hub_frame::Frame::Heartbeat(_))
+        ));
+        assert!(matches!(
+            session.poll_transmit().and_then(|f| f.frame),
+            Some(hub_frame::Frame::Chunk(_))
+        ));
+        session.handle_frame(now, request(&shas[2])).unwrap();
+        assert!(!session.is_closed());
+        // An answer for a chunk nobody asked for is not sent.
+        session.send_chunk("w", &sha256_hex(b"other"), vec![1]);
+        assert!(session.poll_transmit().is_none());
+    }
+
+    #[test]
+    fn a_request_that_is_not_a_digest_is_refused() {
+        let (now, mut session) = established();
+        assert!(session.handle_frame(now, request("../etc")).is_err());
     }
 }

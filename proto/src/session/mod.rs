@@ -71,6 +71,11 @@ pub type DesiredWork = crate::wire::WorkUpdate;
 /// What the agent holds durably, one entry per work, for [`AgentSession::new`].
 pub type HeldWork = crate::wire::HeldWork;
 
+/// Most chunk requests an agent keeps outstanding on its session (see `ChunkRequest` in
+/// session.proto). Two keep the link busy (one chunk in flight while the next is read from the
+/// store) while bounding a large work's bytes ahead of a heartbeat to two chunks, 1 MiB.
+pub const CHUNK_WINDOW: usize = 2;
+
 /// Milliseconds for a `u32` wire field, saturating: 49 days is beyond any interval we send.
 fn duration_ms(d: Duration) -> u32 {
     u32::try_from(d.as_millis()).unwrap_or(u32::MAX)
