@@ -375,9 +375,10 @@ on_both_carriers! {
 }
 
 on_both_carriers! {
-    /// A work close to the size limit is delivered and applied; one over it is refused on create
-    /// with its size and the limit.
-    async fn large_works_are_delivered_and_oversized_ones_refused_with_their_size() -> anyhow::Result<()> {
+    /// A work close to one stored object's limit is stored inline, delivered and applied; one
+    /// over it is stored in chunks by `flotilla apply` (sled backend) and applied the same; one
+    /// over `--max-work-bytes` is refused with its size and the cap, and nothing is stored.
+    async fn large_works_are_delivered_and_ones_over_the_cap_refused_with_their_size() -> anyhow::Result<()> {
         let dir = tempfile::tempdir()?;
         let fleet = Fleet::start(dir.path(), false).await?;
         let spoke = Spoke::start(dir.path(), &fleet.hub, "cluster1").await?;
@@ -412,16 +413,37 @@ on_both_carriers! {
             }));
             w["spec"]["workload"]["manifests"] = m;
         })?;
-        let err = fleet.apply(&too_big).unwrap_err().to_string();
+        let path = too_big.to_str().unwrap_or_default();
+        let capped = fleet
+            .hub
+            .cli(&["apply", "-f", path, "--max-work-bytes", "1048576"])?;
+        let err = String::from_utf8_lossy(&capped.stderr);
         assert!(
-            err.contains("ManifestWork cluster1/too-big: manifests take")
-                && err.contains("more than the limit of 1048576"),
-            "the refusal names the work, its size and the limit: {err}"
+            !capped.status.success()
+                && err.contains("ManifestWork cluster1/too-big: manifests take")
+                && err.contains("more than the cap of 1048576 (--max-work-bytes)"),
+            "the refusal names the work, its size and the cap: {err}"
         );
         assert!(
             fleet.work("cluster1", "too-big")?.is_none(),
             "nothing stored"
         );
+        // Under the default cap the same work is stored in chunks and applied like any other.
+        let stored = fleet.hub.cli(&["apply", "-f", path])?;
+        anyhow::ensure!(
+            stored.status.success(),
+            "apply failed: {}",
+            String::from_utf8_lossy(&stored.stderr)
+        );
+        let said = String::from_utf8_lossy(&stored.stdout).to_string()
+            + &String::from_utf8_lossy(&stored.stderr);
+        assert!(said.contains("chunk"), "apply says how the work was stored: {said}");
+        fleet.wait_applied("cluster1", "too-big").await?;
+        let cm = spoke
+            .config_map("default", "big-c")
+            .await?
+            .expect("the chunked work's third ConfigMap applied on the spoke");
+        assert_eq!(cm.data.unwrap_or_default()["blob"].len(), 450 * 1024);
         assert!(
             fleet.work("cluster1", "big")?.is_some(),
             "what was stored stays"
