@@ -22,6 +22,13 @@ fn default_feedback_duration() -> Duration {
     Duration::from_secs(60)
 }
 
+/// Default of `--proxy-lists`.
+pub const DEFAULT_PROXY_LISTS: u32 = 5;
+
+fn default_proxy_lists() -> u32 {
+    DEFAULT_PROXY_LISTS
+}
+
 fn default_feedback_every() -> Duration {
     Duration::from_secs(1)
 }
@@ -356,6 +363,13 @@ pub struct RunArgs {
     #[arg(long, default_value = flotilla_agent::config::DEFAULT_FEEDBACK_INTERVAL, value_parser = humantime::parse_duration)]
     #[serde(with = "humantime_serde_compat", default = "default_feedback_interval")]
     pub feedback_interval: Duration,
+
+    /// Large lists the proxy scenario sends each way (directly and through the tunnel,
+    /// interleaved); the report gives their medians. More lists steady the ratio on a noisy
+    /// machine.
+    #[arg(long, default_value_t = DEFAULT_PROXY_LISTS, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    #[serde(default = "default_proxy_lists")]
+    pub proxy_lists: u32,
 
     /// How long the hub stays down in the outage scenario.
     #[arg(long, default_value = DEFAULT_OUTAGE, value_parser = humantime::parse_duration)]

@@ -34,8 +34,6 @@ use crate::swarm::PROXY_LIST_ITEMS;
 pub const PROXY_USER: &str = "flotilla-loadtest";
 /// Small GETs per path.
 pub const SMALL_GETS: usize = 1_000;
-/// Large lists per path.
-pub const LARGE_LISTS: usize = 5;
 /// The small object's path and the large list's, on a cluster.
 const SMALL: &str = "/api/v1/namespaces/default";
 const LARGE: &str = "/api/v1/configmaps";
@@ -124,7 +122,7 @@ impl Run {
 
         // Large lists, interleaved; medians.
         let (mut direct_rates, mut tunnel_rates) = (Vec::new(), Vec::new());
-        for _ in 0..LARGE_LISTS {
+        for _ in 0..self.args.proxy_lists {
             let (bytes, took) = to_direct.get(LARGE).await?;
             p.list_bytes = bytes;
             direct_rates.push(bytes as f64 / took.as_secs_f64() / 1e6);
