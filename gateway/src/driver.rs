@@ -110,6 +110,15 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
                 _ => "only agent certificates (group flotilla:clusters) may open a session",
             },
         );
+    } else if let Some(retry_after) = peer.over_rate {
+        // Over the new-session rate: told when to come back before any admission, sync or
+        // store work. Debug only: in a storm this is most connections.
+        debug!(%carrier, ?retry_after, "session turned away: over the new-session rate");
+        machine.drain(
+            retry_after,
+            "the gateway is taking new sessions at its --session-rate; come back after the \
+             retry-after",
+        );
     }
     let cluster = cluster.unwrap_or_default();
     let key = peer.client_key_sha256.clone().unwrap_or_default();

@@ -2,7 +2,8 @@
 //! QUIC; both mTLS, both behind `flotilla-transport`'s seam), drives each one with the shared
 //! sans-IO protocol from `flotilla-proto` (`driver`), keeps cluster health from the sessions
 //! (`health`), fans desired state out (`desired`, `mailbox`, `registry`), admits only accepted
-//! clusters with registered keys and closes the sessions of revoked ones (`admission`), relays
+//! clusters with registered keys and closes the sessions of revoked ones (`admission`), lets
+//! new sessions in at a bounded rate and turns the excess away with a retry-after (`rate`), relays
 //! certificate renewals to the hub's CA (`certificates`), opens tunnels to agents for the hub's
 //! proxy front (`route`: the one seam the front reaches clusters through), owns every one
 //! of its tasks (`supervise`), and counts what it does for `/metrics` (`metrics`).
@@ -20,6 +21,7 @@ pub mod health;
 pub mod mailbox;
 pub mod metrics;
 pub mod process;
+pub mod rate;
 pub mod registry;
 pub mod route;
 mod serve;

@@ -38,6 +38,8 @@ pub struct GatewayMetrics {
     pub(crate) shards_owned: Gauge,
     /// Bytes of large works' chunks handed to sessions.
     pub(crate) chunk_bytes_sent: Counter,
+    /// New connections on the agents' listener, by what the session rate said and carrier.
+    new_connections: Family<[(&'static str, &'static str); 2], Counter>,
 }
 
 impl GatewayMetrics {
@@ -56,7 +58,9 @@ impl GatewayMetrics {
             status_queue: Gauge::default(),
             shards_owned: Gauge::default(),
             chunk_bytes_sent: Counter::default(),
+            new_connections: Family::default(),
         };
+        let _ = metrics.new_connection_counters();
         // Every series from the start: a rate() over a series that appears late misses its
         // first increase, and a dashboard shows 0 rather than nothing.
         for verb in Verb::ALL {
@@ -112,6 +116,13 @@ impl GatewayMetrics {
             self.chunk_bytes_sent.clone(),
         );
         r.register(
+            "new_connections",
+            "New connections on the agents' listener, counted before their TLS handshake, by \
+             what the new-session rate (--session-rate, --session-burst) said: admitted, or \
+             over_rate (drained at once with a retry-after), and by carrier",
+            self.new_connections.clone(),
+        );
+        r.register(
             "shards_owned",
             "Virtual shards this gateway acts for (all of them without leases)",
             self.shards_owned.clone(),
@@ -124,6 +135,17 @@ impl GatewayMetrics {
             Carrier::Grpc => self.sessions_by[0].clone(),
             Carrier::Quic => self.sessions_by[1].clone(),
         }
+    }
+
+    /// The series of `new_connections`, by outcome (admitted, over_rate) then carrier (grpc,
+    /// quic), for the session gate to count into without a lookup.
+    pub(crate) fn new_connection_counters(&self) -> [[Counter; 2]; 2] {
+        ["admitted", "over_rate"].map(|outcome| {
+            CARRIERS.map(|c| {
+                self.new_connections
+                    .get_or_create_owned(&[("outcome", outcome), ("transport", transport(c))])
+            })
+        })
     }
 
     pub(crate) fn reconnected(&self) {

@@ -15,6 +15,7 @@ use flotilla_store::KubeStore;
 use flotilla_store::leases::KubeLeases;
 use flotilla_transport::listen::AgentSockets;
 use flotilla_transport::quic::QuicListener;
+use flotilla_transport::tls::AcceptLimits;
 use futures::FutureExt as _;
 use tracing::info;
 
@@ -28,6 +29,62 @@ pub const DEFAULT_LEASE_NAMESPACE: &str = "flotilla-system";
 pub const DEFAULT_LEASE_DURATION: &str = "15s";
 /// How often leases are read and renewed (at most a third of the lease duration).
 pub const DEFAULT_RENEW_PERIOD: &str = "5s";
+
+/// Default of `--session-rate`: new sessions per second one process lets in.
+pub const DEFAULT_SESSION_RATE: u32 = 1000;
+/// Default of `--session-burst`.
+pub const DEFAULT_SESSION_BURST: u32 = 1000;
+/// The largest `--session-rate` and `--session-burst` accepted: beyond it the bucket is no
+/// bound at all (and a typo more likely than a plan).
+pub const MAX_SESSION_RATE: u32 = 1_000_000;
+
+/// The new-session rate (herd control), the same on the hub and on every gateway.
+#[derive(Clone, Debug, Args)]
+pub struct SessionRateFlags {
+    /// New agent connections per second this process lets through to a session (gRPC and
+    /// QUIC together). Protects the process from a reconnect storm (a restart, a network
+    /// flap, a failed-over gateway): each connection costs a TLS handshake, an admission
+    /// check, a sync from the watch caches and a health write, and a herd of them at once
+    /// starves the sessions already open. Connections over the rate are counted before their
+    /// handshake and turned away at once with a retry-after that brings them back spread at
+    /// this rate. Size it to what one process can establish per second with CPU to spare
+    /// (measure with flotilla-loadtest), divided across gateways behind one load balancer.
+    #[arg(long, env = "FLOTILLA_SESSION_RATE", default_value_t = DEFAULT_SESSION_RATE)]
+    pub session_rate: u32,
+
+    /// New agent connections let through at once after a quiet spell, beyond the steady
+    /// --session-rate. Large enough for the connections that normally arrive together (a
+    /// site's agents after a short outage), small enough that the process handles that many
+    /// handshakes at once without missing heartbeats.
+    #[arg(long, env = "FLOTILLA_SESSION_BURST", default_value_t = DEFAULT_SESSION_BURST)]
+    pub session_burst: u32,
+}
+
+impl SessionRateFlags {
+    /// Checks what clap cannot; errors say how to fix the flag.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        for (flag, value) in [
+            ("--session-rate", self.session_rate),
+            ("--session-burst", self.session_burst),
+        ] {
+            anyhow::ensure!(
+                value >= 1,
+                "{flag} 0 would let no agent open a session: give at least 1 (default {})",
+                if flag == "--session-rate" {
+                    DEFAULT_SESSION_RATE
+                } else {
+                    DEFAULT_SESSION_BURST
+                }
+            );
+            anyhow::ensure!(
+                value <= MAX_SESSION_RATE,
+                "{flag} {value} is above {MAX_SESSION_RATE}, which no single process can serve: \
+                 give what one process establishes per second (measure with flotilla-loadtest)"
+            );
+        }
+        Ok(())
+    }
+}
 
 /// Shard ownership flags, the same on the hub (in scale-out mode) and on every gateway.
 #[derive(Clone, Debug, Args)]
@@ -135,6 +192,9 @@ pub struct GatewayProcessConfig {
     #[command(flatten)]
     pub shards: ShardFlags,
 
+    #[command(flatten)]
+    pub session_rate: SessionRateFlags,
+
     /// How often agents send a heartbeat (told to them in the Welcome).
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     pub heartbeat_interval: Duration,
@@ -173,6 +233,7 @@ impl GatewayProcessConfig {
     /// Checks what clap cannot; errors say how to fix the flag.
     pub fn validate(&self) -> anyhow::Result<()> {
         self.shards.validate()?;
+        self.session_rate.validate()?;
         anyhow::ensure!(
             flotilla_proto::contract::is_dns1123_label(&self.name),
             "--name {:?} must be a DNS-1123 label (lower-case letters, digits, '-'): it names a Lease",
@@ -202,6 +263,8 @@ impl GatewayProcessConfig {
             drain_window: self.drain_window,
             drain_timeout: self.drain_timeout,
             chunk_bytes_per_second: self.chunk_bytes_per_second,
+            session_rate: self.session_rate.session_rate,
+            session_burst: self.session_rate.session_burst,
             ..GatewayConfig::default()
         }
     }
@@ -248,13 +311,16 @@ pub async fn run(
         ),
         None => None,
     };
+    let gateway = Gateway::new(store, gateway_config);
     let (conns, accept) = flotilla_transport::tls::accept_authenticated(
         sockets.tcp,
         tls,
-        Default::default(),
+        AcceptLimits {
+            gate: Some(gateway.connection_gate()),
+            ..AcceptLimits::default()
+        },
         "agents",
     );
-    let gateway = Gateway::new(store, gateway_config);
     gateway
         .lease_shards(config.shards.leasing(client, &config.name, &address, true))
         .await;
@@ -343,4 +409,47 @@ pub async fn shutdown_signal() {
 /// Logs to stderr in `format`; `RUST_LOG` filters (default info).
 pub fn init_tracing(format: flotilla_ops::LogFormat) {
     flotilla_ops::init_tracing(format);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(rate: u32, burst: u32, expected: Result<(), &str>) {
+        let flags = SessionRateFlags {
+            session_rate: rate,
+            session_burst: burst,
+        };
+        match (flags.validate().map_err(|e| e.to_string()), expected) {
+            (Ok(()), Ok(())) => {}
+            (Err(msg), Err(want)) => assert!(msg.contains(want), "{msg:?} lacks {want:?}"),
+            (got, want) => panic!("{rate}/{burst}: got {got:?}, want {want:?}"),
+        }
+    }
+
+    #[test]
+    fn session_rate_flags_refuse_zero_and_absurd_values_by_name() {
+        check(1000, 1000, Ok(()));
+        check(1, 1, Ok(()));
+        check(
+            0,
+            10,
+            Err("--session-rate 0 would let no agent open a session"),
+        );
+        check(
+            10,
+            0,
+            Err("--session-burst 0 would let no agent open a session"),
+        );
+        check(
+            2_000_000,
+            10,
+            Err("--session-rate 2000000 is above 1000000"),
+        );
+        check(
+            10,
+            2_000_000,
+            Err("--session-burst 2000000 is above 1000000"),
+        );
+    }
 }

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use flotilla_store::Store;
+use flotilla_transport::gate::ConnectionGate;
 use flotilla_transport::grpc::{FleetService, GrpcSettings};
 use flotilla_transport::hop::RelayService;
 use flotilla_transport::quic::{QuicListener, QuicSettings};
@@ -23,6 +24,7 @@ use crate::desired::DesiredState;
 use crate::driver::drive;
 use crate::health::{HealthReports, HealthWriter};
 use crate::metrics::GatewayMetrics;
+use crate::rate::{SessionGate, SessionRate};
 use crate::registry::Registry;
 use crate::route::{Away, TunnelError};
 use crate::shards::{ShardLeasing, ShardView};
@@ -48,6 +50,11 @@ pub struct GatewayConfig {
     pub drain_window: Duration,
     /// On shutdown, how long drained sessions may take to end before the rest are closed.
     pub drain_timeout: Duration,
+    /// New connections per second let through to a session, both carriers together; the
+    /// excess is drained at once with a retry-after (see [`crate::rate`]).
+    pub session_rate: u32,
+    /// New connections let through at once after a quiet spell (the bucket's depth).
+    pub session_burst: u32,
     /// QUIC handshakes in progress at once; the excess waits for a slot (briefly, in bounded
     /// numbers) and is refused beyond that, before any crypto.
     pub max_quic_handshakes: usize,
@@ -78,6 +85,8 @@ impl Default for GatewayConfig {
             status_writes_per_second: 500,
             drain_window: Duration::from_secs(5),
             drain_timeout: Duration::from_secs(20),
+            session_rate: crate::process::DEFAULT_SESSION_RATE,
+            session_burst: crate::process::DEFAULT_SESSION_BURST,
             max_quic_handshakes: 256,
             tunnel_open_timeout: Duration::from_secs(10),
             relay_idle_timeout: Duration::from_secs(2 * 3600),
@@ -163,6 +172,8 @@ pub(crate) struct Shared {
     leasing: tokio::sync::Mutex<Option<ShardLeasing>>,
     /// What `/metrics` shows of the gateway; the store above already counts into it.
     pub(crate) metrics: GatewayMetrics,
+    /// The new-session rate both carriers ask before each handshake.
+    gate: Arc<SessionGate>,
 }
 
 impl Gateway {
@@ -199,6 +210,10 @@ impl Gateway {
             shards.subscribe(),
         );
         let statuses = StatusWriter::new(config.status_writes_per_second, shards.subscribe());
+        let gate = SessionGate::new(
+            SessionRate::new(config.session_rate, config.session_burst),
+            metrics.new_connection_counters(),
+        );
         Gateway {
             shared: Arc::new(Shared {
                 store,
@@ -216,6 +231,7 @@ impl Gateway {
                 shards,
                 leasing: tokio::sync::Mutex::new(None),
                 metrics,
+                gate,
             }),
         }
     }
@@ -249,6 +265,13 @@ impl Gateway {
         for h in self.shared.registry.all().await {
             h.mailbox.trust_bundle(bundle.clone()).await;
         }
+    }
+
+    /// The new-session rate, for the TCP accept loop to ask before each handshake
+    /// ([`AcceptLimits::gate`](flotilla_transport::tls::AcceptLimits::gate)); the QUIC
+    /// listener given to [`serve`](Self::serve) asks it too.
+    pub fn connection_gate(&self) -> Arc<dyn ConnectionGate> {
+        self.shared.gate.clone()
     }
 
     /// The gateway's metrics, to register where `/metrics` is served.
@@ -439,7 +462,8 @@ impl Gateway {
             let drain = shared.draining.subscribe();
             carriers.spawn(
                 "the QUIC carrier",
-                quic.serve(incoming_tx.clone(), config.max_quic_handshakes, drain)
+                quic.gated(self.connection_gate())
+                    .serve(incoming_tx.clone(), config.max_quic_handshakes, drain)
                     .map(Ok),
             );
         }

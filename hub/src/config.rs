@@ -105,6 +105,9 @@ pub struct HubConfig {
     #[command(flatten)]
     pub shards: flotilla_gateway::process::ShardFlags,
 
+    #[command(flatten)]
+    pub session_rate: flotilla_gateway::process::SessionRateFlags,
+
     /// How often agents send a heartbeat (told to them in the session's Welcome).
     #[arg(long, default_value = DEFAULT_HEARTBEAT_INTERVAL, value_parser = humantime::parse_duration)]
     pub heartbeat_interval: Duration,
@@ -201,6 +204,7 @@ impl HubConfig {
 
     /// Checks what clap cannot; errors say how to fix the flag.
     pub fn validate(&self) -> anyhow::Result<()> {
+        self.session_rate.validate()?;
         anyhow::ensure!(
             !self.heartbeat_interval.is_zero(),
             "--heartbeat-interval must be positive"

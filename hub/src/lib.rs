@@ -196,7 +196,10 @@ pub async fn run(
     let (agent_conns, agent_accept) = flotilla_transport::tls::accept_authenticated(
         agents.tcp,
         agent_tls,
-        Default::default(),
+        flotilla_transport::tls::AcceptLimits {
+            gate: Some(gateway.connection_gate()),
+            ..Default::default()
+        },
         "agents",
     );
     tasks.spawn("the agents' listener", agent_accept.err_into());
@@ -451,6 +454,8 @@ fn gateway_config(config: &HubConfig) -> GatewayConfig {
         chunk_bytes_per_second: config.chunk_bytes_per_second,
         drain_window: config.drain_window,
         drain_timeout: config.drain_timeout,
+        session_rate: config.session_rate.session_rate,
+        session_burst: config.session_rate.session_burst,
         ..GatewayConfig::default()
     }
 }

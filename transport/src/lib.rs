@@ -9,7 +9,8 @@
 //! ([`tls`]), the peer's identity read from its client certificate ([`identity`]), TCP
 //! dialing through HTTP CONNECT proxies ([`dial`]), raw byte relays for upgraded
 //! tunnels ([`relay`]), the relay hop that carries a tunnel to the gateway holding its
-//! cluster's session ([`hop`]), and TLS material written to disk
+//! cluster's session ([`hop`]), the hook the agents' listeners ask about each new
+//! connection before its handshake ([`gate`]), and TLS material written to disk
 //! atomically and durably ([`files`]).
 //!
 //! Not for: anything the session protocol decides (proto's sans-IO machines do), or what a
@@ -19,6 +20,7 @@
 pub mod codec;
 pub mod dial;
 pub mod files;
+pub mod gate;
 pub mod grpc;
 pub mod hop;
 pub mod identity;

@@ -28,6 +28,7 @@ use tracing::{debug, warn};
 
 use crate::Dialed;
 use crate::codec::FrameCodec;
+use crate::gate::{ConnectionGate, Entry};
 use crate::identity::{Peer, public_key_sha256};
 use crate::link::{Carrier, LINK_BUFFER, Link, LinkError, Pump, TunnelStream};
 use crate::tls::ConnInfo;
@@ -137,6 +138,8 @@ fn server_config(
 pub struct QuicListener {
     endpoint: Endpoint,
     settings: QuicSettings,
+    /// Asked once per `Incoming`, before its handshake; `None` admits all.
+    gate: Option<Arc<dyn ConnectionGate>>,
 }
 
 impl QuicListener {
@@ -153,12 +156,22 @@ impl QuicListener {
             socket,
             Arc::new(quinn::TokioRuntime),
         )?;
-        Ok(QuicListener { endpoint, settings })
+        Ok(QuicListener {
+            endpoint,
+            settings,
+            gate: None,
+        })
     }
 
     /// The bound address.
     pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
         self.endpoint.local_addr()
+    }
+
+    /// Asks `gate` about each new connection before its handshake (see [`crate::gate`]).
+    pub fn gated(mut self, gate: Arc<dyn ConnectionGate>) -> QuicListener {
+        self.gate = Some(gate);
+        self
     }
 
     /// Handshakes from now on use `tls` (after a CA rotation); live connections keep theirs.
@@ -197,9 +210,14 @@ impl QuicListener {
             tokio::select! {
                 incoming = self.endpoint.accept() => {
                     let Some(incoming) = incoming else { break };
+                    // Asked before any crypto, once per attempt, whatever happens to it next.
+                    let over_rate = match self.gate.as_ref().map(|g| g.arrived(Carrier::Quic)) {
+                        Some(Entry::OverRate { retry_after }) => Some(retry_after),
+                        Some(Entry::Admitted) | None => None,
+                    };
                     let (sessions, settings) = (sessions.clone(), self.settings.clone());
                     if let Ok(permit) = permits.clone().try_acquire_owned() {
-                        connections.spawn(accept(incoming, sessions, settings, permit));
+                        connections.spawn(accept(incoming, sessions, settings, permit, over_rate));
                         continue;
                     }
                     let Ok(place) = waiting.clone().try_acquire_owned() else {
@@ -214,7 +232,7 @@ impl QuicListener {
                         let slot = tokio::time::timeout(SLOT_WAIT, permits.acquire_owned()).await;
                         drop(place);
                         match slot {
-                            Ok(Ok(permit)) => accept(incoming, sessions, settings, permit).await,
+                            Ok(Ok(permit)) => accept(incoming, sessions, settings, permit, over_rate).await,
                             _ => {
                                 debug!(peer = %incoming.remote_address(), "QUIC handshake refused: no slot within {SLOT_WAIT:?}");
                                 incoming.refuse();
@@ -256,6 +274,7 @@ async fn accept(
     sessions: mpsc::Sender<Incoming>,
     settings: QuicSettings,
     permit: tokio::sync::OwnedSemaphorePermit,
+    over_rate: Option<Duration>,
 ) {
     let remote = incoming.remote_address();
     let handshake = async {
@@ -274,7 +293,7 @@ async fn accept(
         }
     };
     let peer = match conn_info(&conn) {
-        Ok(info) => info,
+        Ok(info) => ConnInfo { over_rate, ..info },
         Err(e) => {
             warn!(listener = "agents (QUIC)", peer = %remote, error = %e, "QUIC connection refused");
             conn.close(VarInt::from_u32(CLOSE_REFUSED), e.as_bytes());
@@ -322,6 +341,7 @@ fn conn_info(conn: &Connection) -> Result<ConnInfo, String> {
             peer: Peer::Anonymous,
             remote,
             client_key_sha256: None,
+            over_rate: None,
         });
     };
     let peer = Peer::from_der(&cert).map_err(|e| e.to_string())?;
@@ -330,6 +350,7 @@ fn conn_info(conn: &Connection) -> Result<ConnInfo, String> {
         peer,
         remote,
         client_key_sha256: Some(key),
+        over_rate: None,
     })
 }
 

@@ -19,7 +19,9 @@ use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
 use tracing::{debug, warn};
 
+use crate::gate::{ConnectionGate, Entry};
 use crate::identity::{Peer, public_key_sha256};
+use crate::link::Carrier;
 
 /// Errors building a TLS configuration from PEM material; none is retryable without new files.
 #[derive(Debug, thiserror::Error)]
@@ -206,6 +208,11 @@ pub struct ConnInfo {
     /// [`public_key_sha256`](crate::identity::public_key_sha256) of the client certificate;
     /// `None` for anonymous peers. The gateway compares it with the cluster's registered keys.
     pub client_key_sha256: Option<String>,
+    /// Set when the connection arrived over the new-session rate ([`ConnectionGate`]): the
+    /// session on it is to be drained at once, its agent told to come back after this long.
+    ///
+    /// [`ConnectionGate`]: crate::gate::ConnectionGate
+    pub over_rate: Option<Duration>,
 }
 
 impl ConnInfo {
@@ -270,6 +277,8 @@ impl AsyncWrite for AuthenticatedConn {
 /// Limits of the TLS accept loop.
 #[derive(Clone, Debug)]
 pub struct AcceptLimits {
+    /// Asked once per accepted TCP connection, before its handshake; `None` admits all.
+    pub gate: Option<Arc<dyn ConnectionGate>>,
     /// Handshakes in progress at once; the excess waits in the kernel's accept backlog, so a
     /// reconnect storm costs queued SYNs rather than CPU spent on half-finished handshakes.
     pub max_handshakes: usize,
@@ -280,6 +289,7 @@ pub struct AcceptLimits {
 impl Default for AcceptLimits {
     fn default() -> Self {
         AcceptLimits {
+            gate: None,
             max_handshakes: 256,
             handshake_timeout: Duration::from_secs(10),
         }
@@ -364,6 +374,11 @@ pub fn accept_authenticated(
                 _ = tx.closed() => return Ok(()),
             };
             let _ = tcp.set_nodelay(true);
+            // Asked before any TLS work: what it costs is what the gate protects.
+            let over_rate = match limits.gate.as_ref().map(|g| g.arrived(Carrier::Grpc)) {
+                Some(Entry::OverRate { retry_after }) => Some(retry_after),
+                Some(Entry::Admitted) | None => None,
+            };
             let acceptor = TlsAcceptor::from(source.current());
             let tx = tx.clone();
             let timeout = limits.handshake_timeout;
@@ -395,6 +410,7 @@ pub fn accept_authenticated(
                         peer: Peer::Anonymous,
                         remote,
                         client_key_sha256: None,
+                        over_rate,
                     };
                     let _ = tx.send(AuthenticatedConn { stream, info }).await;
                     return;
@@ -406,6 +422,7 @@ pub fn accept_authenticated(
                             peer,
                             remote,
                             client_key_sha256: Some(key),
+                            over_rate,
                         };
                         let _ = tx.send(AuthenticatedConn { stream, info }).await;
                     }

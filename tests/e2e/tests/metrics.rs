@@ -19,7 +19,7 @@ const SEED_WORK: &str = "proto/tests/fixtures/manifestwork_my_first_work.yaml";
 const WAIT: Duration = Duration::from_secs(60);
 
 /// Every metric the hub serves (its own and its in-process gateway's), with its type.
-const HUB_FAMILIES: [(&str, FamilyType); 11] = [
+const HUB_FAMILIES: [(&str, FamilyType); 12] = [
     ("flotilla_gateway_sessions", FamilyType::Gauge),
     ("flotilla_gateway_session_reconnects", FamilyType::Counter),
     ("flotilla_gateway_admissions_refused", FamilyType::Counter),
@@ -30,6 +30,7 @@ const HUB_FAMILIES: [(&str, FamilyType); 11] = [
         FamilyType::Gauge,
     ),
     ("flotilla_gateway_shards_owned", FamilyType::Gauge),
+    ("flotilla_gateway_new_connections", FamilyType::Counter),
     ("flotilla_hub_managedclusters", FamilyType::Gauge),
     ("flotilla_hub_manifestworks", FamilyType::Gauge),
     (
@@ -116,6 +117,11 @@ on_both_carriers! {
         let mut agent = spoke.start_agent(d, &fleet.hub, &agent_flags)?;
         wait_value(&hub, "flotilla_gateway_sessions", &sessions, |v| v == 1.0).await?;
         wait_value(&hub, "flotilla_hub_managedclusters", &[("available", "True")], |v| v == 1.0).await?;
+        // Its connection was counted before its handshake, within the rate, on its carrier.
+        let admitted = [("outcome", "admitted"), ("transport", carrier.as_str())];
+        assert!(value(&hub, "flotilla_gateway_new_connections_total", &admitted).await? >= 1.0);
+        let over = [("outcome", "over_rate"), ("transport", carrier.as_str())];
+        assert_eq!(value(&hub, "flotilla_gateway_new_connections_total", &over).await?, 0.0);
         wait_value(&agent_addr, "flotilla_agent_hub_connected", &[], |v| v == 1.0).await?;
         let page = scrape(&agent_addr).await?;
         has_families(&page, &AGENT_FAMILIES);
@@ -298,7 +304,7 @@ async fn a_gateway_replica_serves_its_metrics_and_probes() -> anyhow::Result<()>
     })
     .await?;
     let page = scrape(&metrics).await?;
-    has_families(&page, &HUB_FAMILIES[..7]);
+    has_families(&page, &HUB_FAMILIES[..8]);
     // Its store requests: the lists and watches of its caches, at least.
     assert!(
         page.value("flotilla_gateway_store_requests_total", &[("verb", "list")])
