@@ -546,6 +546,14 @@ mod tests {
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        // Counted once each deletion has returned.
+        while collected.get() < 2 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "deletions not counted"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         assert!(exists(&shared).await, "a chunk w2 still names was deleted");
         assert_eq!(collected.get(), 2);
         stop_tx.send(true).unwrap();
