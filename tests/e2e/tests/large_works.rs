@@ -217,7 +217,11 @@ async fn chunks_no_work_names_leave_the_hub_after_the_grace_and_the_agent_at_onc
     let fleet = Fleet::start_with(
         d,
         true,
-        &["--chunk-grace-period=3s", "--metrics-addr=127.0.0.1:0"],
+        &[
+            "--chunk-grace-period=3s",
+            "--metrics-addr=127.0.0.1:0",
+            RATE,
+        ],
     )
     .await?;
     let env = fleet.hub_env.as_ref().context("kube backend")?;
@@ -391,6 +395,51 @@ async fn chunks_no_work_names_leave_the_hub_after_the_grace_and_the_agent_at_onc
         Ok(hub_chunks(env, "cluster1")?.is_empty().then_some(()))
     })
     .await?;
+
+    // A transfer cut off by a kill, its work deleted on the hub while the agent is down: the
+    // part received leaves the agent after its next sync, since the hub no longer sends it.
+    let d_file = bundle_of(d, "dddd", 40)?;
+    fleet.cli(&[
+        "work",
+        "create",
+        "four",
+        "-f",
+        &path(&d_file),
+        "--clusters",
+        "cluster1",
+    ])?;
+    wait_for("part of work four's content held", WAIT, || async {
+        let held = scrape(&agent_addr)
+            .await?
+            .value("flotilla_agent_chunks_held", &[]);
+        Ok((held >= Some(2.0)).then_some(()))
+    })
+    .await?;
+    agent.signal_and_wait(Signal::SIGKILL);
+    let four = fleet.work("cluster1", "four")?.context("four stored")?;
+    let (chunks_d, _) = chunks_of(&four);
+    assert!(
+        flotilla_e2e::condition_status(&four, "Applied").as_deref() != Some("True"),
+        "work four was applied before the kill: the test did not cut the transfer"
+    );
+    fleet.cli(&["work", "delete", "four", "--clusters", "cluster1"])?;
+    wait_for("work four gone from the hub", WAIT, || async {
+        Ok(fleet.work("cluster1", "four")?.is_none().then_some(()))
+    })
+    .await?;
+    let mut agent = spoke.start_agent(d, &fleet.hub, &agent_flags)?;
+    agent_holds(&agent_addr, 0, 0).await?;
+    let log = agent.log();
+    assert!(
+        log.contains("released the chunks of transfers the hub no longer asks for"),
+        "the restarted agent did not say why it released chunks:\n{log}"
+    );
+    wait_for("the hub to delete work four's chunks", WAIT, || async {
+        let held = hub_chunks(env, "cluster1")?;
+        Ok((held.is_empty()).then_some(()))
+    })
+    .await?;
+    assert!(chunks_d.len() >= 8, "{} chunks", chunks_d.len());
     agent.signal_and_wait(Signal::SIGTERM);
     Ok(())
 }
