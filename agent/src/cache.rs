@@ -882,11 +882,19 @@ impl WorkCache for ClusterCache {
     }
 
     fn end_fetch(&self, uid: &str) -> Result<u64, CacheError> {
+        if !self.fetches()?.iter().any(|u| u == uid) {
+            return Ok(0);
+        }
         let key = self.key(uid);
         self.end_fetches_where(move |k| k == key.as_slice())
     }
 
     fn end_fetches(&self, keep: &[String]) -> Result<u64, CacheError> {
+        // Read first: every session's sync asks, and almost never is there a transfer to end;
+        // a write would cost a durable commit each time.
+        if self.fetches()?.iter().all(|uid| keep.contains(uid)) {
+            return Ok(0);
+        }
         let keep: HashSet<Vec<u8>> = keep.iter().map(|uid| self.key(uid)).collect();
         self.end_fetches_where(move |k| !keep.contains(k))
     }
