@@ -97,13 +97,16 @@ pub struct Model {
 
 impl Model {
     /// A work as it now is (or gone, with `None`); chunks it stopped naming start their grace
-    /// at `now`.
-    pub fn set_work(&mut self, key: Key, names: Option<Vec<String>>, now: Timestamp) {
+    /// at `now`. Says whether the chunks it names changed (a status write changes nothing).
+    pub fn set_work(&mut self, key: Key, names: Option<Vec<String>>, now: Timestamp) -> bool {
         let names = names.filter(|n| !n.is_empty());
         let before = match &names {
             Some(names) => self.works.insert(key.clone(), names.clone()),
             None => self.works.remove(&key),
         };
+        if before == names {
+            return false;
+        }
         for name in names.iter().flatten() {
             *self.named.entry((key.0.clone(), name.clone())).or_default() += 1;
         }
@@ -119,6 +122,7 @@ impl Model {
                 }
             }
         }
+        true
     }
 
     /// Every work at once, from a list.
@@ -223,14 +227,17 @@ impl Reflector for Works {
     async fn apply(&self, event: WatchEvent) {
         let now = Timestamp::now();
         let mut model = self.0.model.lock().await;
-        match event {
+        let changed = match event {
             WatchEvent::Added(o) | WatchEvent::Modified(o) => {
                 model.set_work(key_of(&o), Some(named_chunks(&o)), now)
             }
             WatchEvent::Deleted(o) => model.set_work(key_of(&o), None, now),
-        }
+        };
         drop(model);
-        self.0.changed.notify_one();
+        // Most work events are status writes: they wake no pass.
+        if changed {
+            self.0.changed.notify_one();
+        }
     }
 }
 
@@ -431,7 +438,13 @@ mod tests {
             [format!("c2/sha256-{A}")]
         );
         // w2 goes at 01:00: B is unnamed from then on; A is still named by w1.
-        m.set_work(("c1".into(), "w2".into()), None, at("2026-01-01T01:00:00Z"));
+        assert!(m.set_work(("c1".into(), "w2".into()), None, at("2026-01-01T01:00:00Z")));
+        // A status write to w1 names the same chunks: nothing changes, no pass is woken.
+        assert!(!m.set_work(
+            ("c1".into(), "w1".into()),
+            Some(vec![chunk_object_name(A)]),
+            at("2026-01-01T01:01:00Z")
+        ));
         assert_eq!(
             names(&m.due(at("2026-01-01T01:04:00Z"), grace, 10).0),
             [format!("c2/sha256-{A}")]
