@@ -25,6 +25,7 @@
 //! commits in groups ([`CommitMode::Group`]): writes that arrive while a commit is on the disk
 //! go into the next transaction together, and each returns once that transaction is durable.
 
+use std::collections::HashSet;
 use std::fmt;
 use std::path::Path;
 use std::sync::{Arc, mpsc};
@@ -224,13 +225,15 @@ pub trait WorkCache: Send + Sync + fmt::Debug {
     fn manifest_work(&self, uid: &str) -> Result<Option<Vec<u8>>, CacheError>;
 
     /// *Durable.* Stores a work and its content (`None` when refused), replacing what was held
-    /// for its uid, tombstone included.
+    /// for its uid, tombstone included. Its transfer, if one was recorded, is done; chunks only
+    /// the replaced content named are released.
     fn put_work(&self, work: &CachedWork, manifest_work: Option<&[u8]>) -> Result<(), CacheError>;
 
     /// *Durable.* Marks a work deleted by the hub. `false` when the uid is not held.
     fn mark_deleting(&self, uid: &str) -> Result<bool, CacheError>;
 
-    /// *Durable.* Drops everything about a work: content, ledger, status.
+    /// *Durable.* Drops everything about a work: content, ledger, status, its transfer under
+    /// way, and the chunks of large-work content no other held work (or transfer) names.
     fn forget(&self, uid: &str) -> Result<(), CacheError>;
 
     /// The resources the work applied (empty when none).
@@ -265,8 +268,28 @@ pub trait WorkCache: Send + Sync + fmt::Debug {
     /// per content, however many works name them.
     fn chunk(&self, sha256: &str) -> Result<Option<Vec<u8>>, CacheError>;
 
-    /// *Durable.* Keeps a chunk (already checked against its digest) under its digest.
-    fn put_chunk(&self, sha256: &str, data: &[u8]) -> Result<(), CacheError>;
+    /// *Durable.* Keeps a chunk (already checked against its digest) under its digest, if a
+    /// held work or a transfer under way ([`WorkCache::begin_fetch`]) names it; says whether it
+    /// was kept. A chunk nothing names (one still on the way for a transfer given up) is
+    /// dropped, so it cannot outlive the transfer.
+    fn put_chunk(&self, sha256: &str, data: &[u8]) -> Result<bool, CacheError>;
+
+    /// *Durable.* Records that the content of work `uid` is being fetched (in place of any
+    /// transfer recorded for it before), so that its chunks are kept across a disconnect or a
+    /// restart until the work is stored, and releases the chunks nothing names any more (an
+    /// earlier transfer's). Returns which of `chunks` are not held, in order.
+    fn begin_fetch(&self, uid: &str, chunks: &[String]) -> Result<Vec<String>, CacheError>;
+
+    /// *Durable.* Gives up the transfer of work `uid`, if one is recorded, releasing the chunks
+    /// nothing else names. Returns how many chunks were released.
+    fn end_fetch(&self, uid: &str) -> Result<u64, CacheError>;
+
+    /// The uids of the works whose transfers are recorded.
+    fn fetches(&self) -> Result<Vec<String>, CacheError>;
+
+    /// *Durable.* Gives up the transfers of every work but those in `keep`, releasing the
+    /// chunks nothing else names. Returns how many chunks were released.
+    fn end_fetches(&self, keep: &[String]) -> Result<u64, CacheError>;
 
     /// How many chunks are held, and their bytes together.
     fn chunk_totals(&self) -> Result<(u64, u64), CacheError>;
@@ -332,6 +355,9 @@ const WORKS: Table = Table("works");
 const MANIFESTS: Table = Table("manifests");
 /// hex SHA-256 → a chunk of large-work content (raw bytes), shared by every work naming it.
 const CHUNKS: Table = Table("chunks");
+/// uid → the hex digests (JSON list) of a large work's content being fetched: the chunks a
+/// transfer under way keeps until the work is stored, or the transfer is given up.
+const FETCHES: Table = Table("fetches");
 /// uid → `Vec<AppliedResource>` (JSON).
 const LEDGER: Table = Table("ledger");
 /// uid → [`StatusRecord`] (JSON): the latest status and the outbox in one record, so a new
@@ -496,6 +522,7 @@ struct Tables<'t> {
     ledger: redb::Table<'t, &'static [u8], &'static [u8]>,
     status: redb::Table<'t, &'static [u8], &'static [u8]>,
     chunks: redb::Table<'t, &'static [u8], &'static [u8]>,
+    fetches: redb::Table<'t, &'static [u8], &'static [u8]>,
 }
 
 impl<'t> Tables<'t> {
@@ -506,6 +533,7 @@ impl<'t> Tables<'t> {
             ledger: txn.open_table(LEDGER.def()).map_err(storage)?,
             status: txn.open_table(STATUS.def()).map_err(storage)?,
             chunks: txn.open_table(CHUNKS.def()).map_err(storage)?,
+            fetches: txn.open_table(FETCHES.def()).map_err(storage)?,
         })
     }
 }
@@ -679,6 +707,38 @@ trait Readable: ReadableTable<&'static [u8], &'static [u8]> {}
 impl<T: ReadableTable<&'static [u8], &'static [u8]>> Readable for T {}
 
 impl ClusterCache {
+    /// Gives up the transfers whose keys `ended_by` picks, releasing what nothing else names.
+    fn end_fetches_where(
+        &self,
+        ended_by: impl Fn(&[u8]) -> bool + Send + 'static,
+    ) -> Result<u64, CacheError> {
+        let prefix = self.prefix.clone();
+        self.db.write(Durability::Immediate, move |t| {
+            let mut ended = Vec::new();
+            for entry in t
+                .fetches
+                .range::<&[u8]>(prefix.as_slice()..)
+                .map_err(storage)?
+            {
+                let (key, _) = entry.map_err(storage)?;
+                let key = key.value();
+                if !key.starts_with(&prefix) {
+                    break;
+                }
+                if ended_by(key) {
+                    ended.push(key.to_vec());
+                }
+            }
+            if ended.is_empty() {
+                return Ok(0);
+            }
+            for key in &ended {
+                t.fetches.remove(key.as_slice()).map_err(storage)?;
+            }
+            release_unnamed(t, &prefix)
+        })
+    }
+
     fn key(&self, uid: &str) -> Vec<u8> {
         let mut key = Vec::with_capacity(self.prefix.len() + uid.len());
         key.extend_from_slice(&self.prefix);
@@ -760,14 +820,83 @@ impl WorkCache for ClusterCache {
         })
     }
 
-    fn put_chunk(&self, sha256: &str, data: &[u8]) -> Result<(), CacheError> {
+    fn put_chunk(&self, sha256: &str, data: &[u8]) -> Result<bool, CacheError> {
         let (key, data) = (self.key(sha256), data.to_vec());
+        let (prefix, sha256) = (self.prefix.clone(), sha256.to_owned());
         self.db.write(Durability::Immediate, move |t| {
+            if !named_chunks(t, &prefix)?.contains(&sha256) {
+                return Ok(false);
+            }
             t.chunks
                 .insert(key.as_slice(), data.as_slice())
                 .map_err(storage)?;
-            Ok(())
+            Ok(true)
         })
+    }
+
+    fn begin_fetch(&self, uid: &str, chunks: &[String]) -> Result<Vec<String>, CacheError> {
+        let key = self.key(uid);
+        let record = encode(FETCHES.0, uid, &chunks)?;
+        let (prefix, chunks) = (self.prefix.clone(), chunks.to_vec());
+        self.db.write(Durability::Immediate, move |t| {
+            let earlier = t
+                .fetches
+                .insert(key.as_slice(), record.as_slice())
+                .map_err(storage)?
+                .is_some();
+            if earlier {
+                release_unnamed(t, &prefix)?;
+            }
+            let mut missing = Vec::new();
+            for sha in chunks {
+                let mut chunk_key = prefix.clone();
+                chunk_key.extend_from_slice(sha.as_bytes());
+                if t.chunks
+                    .get(chunk_key.as_slice())
+                    .map_err(storage)?
+                    .is_none()
+                    && !missing.contains(&sha)
+                {
+                    missing.push(sha);
+                }
+            }
+            Ok(missing)
+        })
+    }
+
+    fn fetches(&self) -> Result<Vec<String>, CacheError> {
+        self.db.read(FETCHES, |t| {
+            let mut out = Vec::new();
+            for entry in t
+                .range::<&[u8]>(self.prefix.as_slice()..)
+                .map_err(storage)?
+            {
+                let (key, _) = entry.map_err(storage)?;
+                let Some(uid) = key.value().strip_prefix(self.prefix.as_slice()) else {
+                    break;
+                };
+                out.push(String::from_utf8_lossy(uid).into_owned());
+            }
+            Ok(out)
+        })
+    }
+
+    fn end_fetch(&self, uid: &str) -> Result<u64, CacheError> {
+        if !self.fetches()?.iter().any(|u| u == uid) {
+            return Ok(0);
+        }
+        let key = self.key(uid);
+        self.end_fetches_where(move |k| k == key.as_slice())
+    }
+
+    fn end_fetches(&self, keep: &[String]) -> Result<u64, CacheError> {
+        // Read first: every session's sync asks, and almost never is there a transfer to end;
+        // a write would cost a durable commit each time.
+        if self.fetches()?.iter().all(|uid| keep.contains(uid)) {
+            return Ok(0);
+        }
+        let keep: HashSet<Vec<u8>> = keep.iter().map(|uid| self.key(uid)).collect();
+        self.end_fetches_where(move |k| !keep.contains(k))
     }
 
     fn chunk_totals(&self) -> Result<(u64, u64), CacheError> {
@@ -815,15 +944,22 @@ impl WorkCache for ClusterCache {
         let content = manifest_work.map(<[u8]>::to_vec);
         // One transaction, so that a crash never leaves a work with another generation's
         // content.
+        let prefix = self.prefix.clone();
         self.db.write(Durability::Immediate, move |t| {
             t.works
                 .insert(key.as_slice(), record.as_slice())
                 .map_err(storage)?;
-            match &content {
+            let replaced = match &content {
                 Some(content) => t.manifests.insert(key.as_slice(), content.as_slice()),
                 None => t.manifests.remove(key.as_slice()),
             }
-            .map_err(storage)?;
+            .map_err(storage)?
+            .is_some_and(|old| names_chunks(old.value()));
+            // The transfer of this content, if it needed one, is done: the work names it now.
+            let fetched = t.fetches.remove(key.as_slice()).map_err(storage)?.is_some();
+            if replaced || fetched {
+                release_unnamed(t, &prefix)?;
+            }
             Ok(())
         })
     }
@@ -848,9 +984,19 @@ impl WorkCache for ClusterCache {
 
     fn forget(&self, uid: &str) -> Result<(), CacheError> {
         let key = self.key(uid);
+        let prefix = self.prefix.clone();
         self.db.write(Durability::Immediate, move |t| {
-            for table in [&mut t.works, &mut t.manifests, &mut t.ledger, &mut t.status] {
+            let named = t
+                .manifests
+                .remove(key.as_slice())
+                .map_err(storage)?
+                .is_some_and(|old| names_chunks(old.value()));
+            let fetched = t.fetches.remove(key.as_slice()).map_err(storage)?.is_some();
+            for table in [&mut t.works, &mut t.ledger, &mut t.status] {
                 table.remove(key.as_slice()).map_err(storage)?;
+            }
+            if named || fetched {
+                release_unnamed(t, &prefix)?;
             }
             Ok(())
         })
@@ -954,6 +1100,61 @@ impl WorkCache for ClusterCache {
     }
 }
 
+/// Whether stored ManifestWork JSON may name chunks (holds a `ChunkedManifests` reference): a
+/// byte search, so works without one are never parsed when chunks are released.
+fn names_chunks(manifest_work: &[u8]) -> bool {
+    let needle = flotilla_proto::api::content::CONTENT_KIND.as_bytes();
+    manifest_work.windows(needle.len()).any(|w| w == needle)
+}
+
+/// Every chunk digest one cluster's held works and transfers under way name. Records that do
+/// not decode name nothing (such a work is refused anyway; such a transfer asks again).
+fn named_chunks(t: &Tables<'_>, prefix: &[u8]) -> Result<HashSet<String>, CacheError> {
+    let mut named = HashSet::new();
+    for entry in t.fetches.range::<&[u8]>(prefix..).map_err(storage)? {
+        let (key, value) = entry.map_err(storage)?;
+        if !key.value().starts_with(prefix) {
+            break;
+        }
+        if let Ok(chunks) = serde_json::from_slice::<Vec<String>>(value.value()) {
+            named.extend(chunks);
+        }
+    }
+    for entry in t.manifests.range::<&[u8]>(prefix..).map_err(storage)? {
+        let (key, value) = entry.map_err(storage)?;
+        if !key.value().starts_with(prefix) {
+            break;
+        }
+        if !names_chunks(value.value()) {
+            continue;
+        }
+        if let Ok(work) = serde_json::from_slice::<serde_json::Value>(value.value()) {
+            named.extend(flotilla_proto::api::content::named_chunk_digests(&work));
+        }
+    }
+    Ok(named)
+}
+
+/// Removes one cluster's chunks that no held work and no transfer under way names, in the
+/// caller's transaction. Returns how many went.
+fn release_unnamed(t: &mut Tables<'_>, prefix: &[u8]) -> Result<u64, CacheError> {
+    let named = named_chunks(t, prefix)?;
+    let mut unnamed = Vec::new();
+    for entry in t.chunks.range::<&[u8]>(prefix..).map_err(storage)? {
+        let (key, _) = entry.map_err(storage)?;
+        let Some(sha) = key.value().strip_prefix(prefix) else {
+            break;
+        };
+        if !named.contains(String::from_utf8_lossy(sha).as_ref()) {
+            unnamed.push(key.value().to_vec());
+        }
+    }
+    for key in &unnamed {
+        t.chunks.remove(key.as_slice()).map_err(storage)?;
+    }
+    Ok(unnamed.len() as u64)
+}
+
 /// The ManifestWork to apply from what the cache holds for it: as stored, or, for a large work,
 /// with its `ChunkedManifests` reference replaced by the manifests joined from the chunks, every
 /// digest checked first.
@@ -1018,18 +1219,24 @@ mod tests {
         let (reference, chunks) = split(&manifests);
         {
             let cache = CacheDb::open(&path).unwrap().cluster("c1");
+            assert_eq!(
+                cache.begin_fetch("a", &reference.chunks).unwrap(),
+                reference.chunks
+            );
             for chunk in &chunks[..2] {
-                cache.put_chunk(&chunk.sha256, &chunk.data).unwrap();
+                assert!(cache.put_chunk(&chunk.sha256, &chunk.data).unwrap());
             }
         }
-        // As after a kill half-way: reopened, only what was not stored is missing.
+        // As after a kill half-way: reopened, only what was not stored is missing, and the
+        // transfer is still recorded, so its chunks are kept.
         let cache = CacheDb::open(&path).unwrap().cluster("c1");
+        assert_eq!(cache.fetches().unwrap(), ["a"]);
         assert_eq!(
-            cache.missing_chunks(&reference.chunks).unwrap(),
+            cache.begin_fetch("a", &reference.chunks).unwrap(),
             reference.chunks[2..].to_vec()
         );
         for chunk in &chunks[2..] {
-            cache.put_chunk(&chunk.sha256, &chunk.data).unwrap();
+            assert!(cache.put_chunk(&chunk.sha256, &chunk.data).unwrap());
         }
         assert!(cache.missing_chunks(&reference.chunks).unwrap().is_empty());
         // Two works naming the same content: stored once.
@@ -1049,6 +1256,110 @@ mod tests {
         assert_eq!(joined.spec.workload.manifests, manifests);
     }
 
+    /// A work naming content, as the hub sends it.
+    fn large(
+        uid: &str,
+        reference: &flotilla_proto::api::content::ContentRef,
+    ) -> (CachedWork, Vec<u8>) {
+        let stored = serde_json::to_vec(&json!({
+            "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
+            "metadata": {"name": uid, "namespace": "c1", "uid": uid},
+            "spec": {"workload": {"manifests": [reference.manifest().0]}},
+        }))
+        .unwrap();
+        (work(uid, 1), stored)
+    }
+
+    #[test]
+    fn chunks_no_held_work_or_transfer_names_are_released_durably() {
+        use flotilla_proto::api::Manifest;
+        use flotilla_proto::api::content::split;
+        let content = |tag: &str| {
+            split(&[Manifest(json!({"apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": tag}, "data": {"x": tag.repeat(700 * 1024 / tag.len())}}))])
+        };
+        let ((x, x_chunks), (y, y_chunks), (z, z_chunks)) =
+            (content("x"), content("yy"), content("zzz"));
+        let fetch_all = |cache: &ClusterCache,
+                         uid: &str,
+                         r: &flotilla_proto::api::content::ContentRef,
+                         chunks: &[flotilla_proto::api::content::Chunk]| {
+            cache.begin_fetch(uid, &r.chunks).unwrap();
+            for c in chunks {
+                cache.put_chunk(&c.sha256, &c.data).unwrap();
+            }
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cache.redb");
+        {
+            let db = CacheDb::open(&path).unwrap();
+            let (cache, neighbour) = (db.cluster("c1"), db.cluster("c2"));
+            // Another cluster in the same database holds the same content: never touched.
+            fetch_all(&neighbour, "n", &x, &x_chunks);
+            let (w, stored) = large("n", &x);
+            neighbour.put_work(&w, Some(&stored)).unwrap();
+
+            // Nothing names y yet: a chunk of it is not kept.
+            assert!(
+                !cache
+                    .put_chunk(&y_chunks[0].sha256, &y_chunks[0].data)
+                    .unwrap()
+            );
+            assert_eq!(cache.chunk_totals().unwrap(), (0, 0));
+            // Works a and b hold content x, stored once.
+            fetch_all(&cache, "a", &x, &x_chunks);
+            for uid in ["a", "b"] {
+                let (w, stored) = large(uid, &x);
+                cache.put_work(&w, Some(&stored)).unwrap();
+            }
+            assert!(
+                cache.fetches().unwrap().is_empty(),
+                "stored works end their transfers"
+            );
+            assert_eq!(cache.chunk_totals().unwrap(), (2, x.bytes));
+            // a forgotten: b still names x.
+            cache.forget("a").unwrap();
+            assert_eq!(cache.chunk_totals().unwrap(), (2, x.bytes));
+            // b's content replaced by y: x goes once b is stored with y.
+            fetch_all(&cache, "b", &y, &y_chunks);
+            assert_eq!(cache.chunk_totals().unwrap(), (4, x.bytes + y.bytes));
+            let (w, stored) = large("b", &y);
+            cache.put_work(&w, Some(&stored)).unwrap();
+            assert_eq!(cache.chunk_totals().unwrap(), (2, y.bytes));
+            // A transfer cut off half-way, then replaced by another content: the first's part goes.
+            cache.begin_fetch("c", &z.chunks).unwrap();
+            assert!(
+                cache
+                    .put_chunk(&z_chunks[0].sha256, &z_chunks[0].data)
+                    .unwrap()
+            );
+            cache.begin_fetch("c", &x.chunks).unwrap();
+            assert_eq!(cache.chunk_totals().unwrap(), (2, y.bytes));
+            assert!(
+                cache
+                    .put_chunk(&x_chunks[0].sha256, &x_chunks[0].data)
+                    .unwrap()
+            );
+            // The hub's sync no longer sends c: its transfer is given up.
+            assert_eq!(cache.end_fetches(&["b".to_string()]).unwrap(), 1);
+            // A chunk of it still on the way is dropped.
+            assert!(
+                !cache
+                    .put_chunk(&x_chunks[1].sha256, &x_chunks[1].data)
+                    .unwrap()
+            );
+            assert_eq!(cache.chunk_totals().unwrap(), (2, y.bytes));
+            // A transfer for a work deleted on the hub before it was stored.
+            fetch_all(&cache, "d", &z, &z_chunks[..1]);
+            assert_eq!(cache.end_fetch("d").unwrap(), 1);
+            cache.forget("b").unwrap();
+        }
+        // Reopened: the releases were durable, and the neighbour kept its chunks.
+        let db = CacheDb::open(&path).unwrap();
+        assert_eq!(db.cluster("c1").chunk_totals().unwrap(), (0, 0));
+        assert_eq!(db.cluster("c2").chunk_totals().unwrap(), (2, x.bytes));
+    }
+
     #[test]
     fn a_work_whose_content_is_not_all_held_is_not_applied_and_says_why() {
         use flotilla_proto::api::Manifest;
@@ -1057,7 +1368,8 @@ mod tests {
         let manifests = vec![Manifest(json!({"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": {"name": "cm"}, "data": {"x": "y".repeat(600 * 1024)}}))];
         let (reference, chunks) = split(&manifests);
-        cache.put_chunk(&chunks[0].sha256, &chunks[0].data).unwrap();
+        cache.begin_fetch("big", &reference.chunks).unwrap();
+        assert!(cache.put_chunk(&chunks[0].sha256, &chunks[0].data).unwrap());
         let stored = serde_json::to_vec(&json!({
             "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
             "metadata": {"name": "big", "namespace": "c1"},

@@ -128,6 +128,13 @@ pub(crate) async fn session_once(
     let mut work: FuturesUnordered<BoxFuture<'static, Done>> = FuturesUnordered::new();
     // Large works whose chunks are being fetched, by uid: stored (and acked) once all are held.
     let mut fetching: HashMap<String, Fetching> = HashMap::new();
+    // The latest large work received per uid, as a number that grows with every work frame:
+    // a transfer recorded for an older one (replaced or deleted since) is not started.
+    let mut frames = 0u64;
+    let mut latest_large: HashMap<String, u64> = HashMap::new();
+    // Works the hub sent in this session: after the sync, a transfer recorded for any other
+    // (one cut off before a restart, whose work the hub deleted meanwhile) is given up.
+    let mut received: std::collections::HashSet<String> = std::collections::HashSet::new();
     let mut reported: HashMap<String, u64> = HashMap::new();
     let mut next: Option<AgentFrame> = None;
     let mut drained = None;
@@ -152,31 +159,37 @@ pub(crate) async fn session_once(
                     report_outbox(&mut machine, spoke, &mut reported);
                     report_cluster_info(&mut machine, &mut cluster_info);
                 }
-                AgentEvent::WorkReceived { work: update } => match content_of(&update) {
-                    // A large work: its chunks first, then the work, so what is acked is whole.
-                    Some(reference) => {
-                        let cache = spoke.cache.clone();
-                        fetching.remove(&update.uid);
-                        work.push(Box::pin(async move {
-                            let chunks = reference.chunks.clone();
-                            let missing = durably(&cache, move |c| c.missing_chunks(&chunks)).await;
-                            Done::Missing {
+                AgentEvent::WorkReceived { work: update } => {
+                    frames += 1;
+                    received.insert(update.uid.clone());
+                    fetching.remove(&update.uid);
+                    match content_of(&update) {
+                        // A large work: its chunks first, then the work, so what is acked is
+                        // whole. The transfer is recorded in the cache's order of operations.
+                        Some(reference) => {
+                            latest_large.insert(update.uid.clone(), frames);
+                            cache.push(CacheOp::Fetch {
                                 work: update,
                                 reference,
-                                missing: missing.map_err(|e| e.to_string()),
-                            }
-                        }));
+                                frame: frames,
+                            });
+                        }
+                        None => {
+                            latest_large.remove(&update.uid);
+                            cache.push(CacheOp::Store(update));
+                        }
                     }
-                    None => cache.push(CacheOp::Store(update)),
-                },
+                }
                 AgentEvent::ChunkReceived { chunk_sha256, data } => {
                     spoke.metrics.chunk_bytes_received.inc_by(data.len() as u64);
                     let cache = spoke.cache.clone();
                     work.push(Box::pin(async move {
                         let sha = chunk_sha256.clone();
                         let stored = durably(&cache, move |c| {
-                            c.put_chunk(&sha, &data)?;
-                            c.chunk_totals()
+                            if !c.put_chunk(&sha, &data)? {
+                                return Ok(None);
+                            }
+                            c.chunk_totals().map(Some)
                         })
                         .await;
                         Done::ChunkStored {
@@ -199,11 +212,17 @@ pub(crate) async fn session_once(
                     uid,
                     namespace,
                     name,
-                } => cache.push(CacheOp::Delete {
-                    uid,
-                    namespace,
-                    name,
-                }),
+                } => {
+                    frames += 1;
+                    received.remove(&uid);
+                    latest_large.remove(&uid);
+                    fetching.remove(&uid);
+                    cache.push(CacheOp::Delete {
+                        uid,
+                        namespace,
+                        name,
+                    });
+                }
                 AgentEvent::StatusAcked { uid, seq } => {
                     spoke.observer.status_acked(&uid, seq);
                     cache.push(CacheOp::AckStatus { uid, seq });
@@ -263,7 +282,12 @@ pub(crate) async fn session_once(
                     debug!(tunnel = %id, "tunnel requested");
                     spoke.tunnels.requested(&tunnels, id);
                 }
-                AgentEvent::Synced { sent } => info!(sent, "in sync with the hub"),
+                AgentEvent::Synced { sent } => {
+                    info!(sent, "in sync with the hub");
+                    cache.push(CacheOp::EndFetches {
+                        keep: received.iter().cloned().collect(),
+                    });
+                }
                 AgentEvent::Drained {
                     retry_after,
                     redirect,
@@ -321,8 +345,40 @@ pub(crate) async fn session_once(
                 if let Some(ack) = done.ack(spoke) {
                     machine.ack_work(ack.0, ack.1);
                 }
-                if let CacheDone::StatusAcked { uid, acked: true } = done {
-                    reported.remove(&uid);
+                match done {
+                    CacheDone::StatusAcked { uid, acked: true } => {
+                        reported.remove(&uid);
+                    }
+                    CacheDone::Fetch { work: update, reference, frame, missing } => {
+                        let name = format!("{}/{}", update.namespace, update.name);
+                        match missing {
+                            // Replaced or deleted since: the newer frame's operation decides.
+                            _ if latest_large.get(&update.uid) != Some(&frame) => {
+                                debug!(work = %name, "content no longer wanted");
+                            }
+                            Ok(missing) if missing.is_empty() => {
+                                latest_large.remove(&update.uid);
+                                debug!(work = %name, content = %reference.sha256, "content already held");
+                                cache.push(CacheOp::Store(update));
+                            }
+                            Ok(missing) => {
+                                latest_large.remove(&update.uid);
+                                let need: u64 = reference.chunks.iter().enumerate()
+                                    .filter(|(_, c)| missing.contains(c))
+                                    .map(|(i, _)| reference.chunk_len(i))
+                                    .sum();
+                                info!(work = %name, content = %reference.sha256, need_chunks = missing.len(),
+                                    chunks = reference.chunks.len(), need_bytes = need, content_bytes = reference.bytes,
+                                    "fetching content");
+                                machine.fetch_chunks(&update.uid, missing.iter().cloned());
+                                fetching.insert(update.uid.clone(), Fetching { work: update, missing: missing.into_iter().collect() });
+                            }
+                            Err(e) => {
+                                warn!(work = %name, error = %e, "cannot record the content's transfer; the hub resends the work next session");
+                            }
+                        }
+                    }
+                    _ => {}
                 }
             }
             Some(done) = work.next(), if !work.is_empty() => match done {
@@ -343,27 +399,10 @@ pub(crate) async fn session_once(
                     warn!(error = %e, "cannot store the renewed certificate; asking again later");
                     machine.renewal_failed(Instant::now());
                 }
-                Done::Missing { work: update, reference, missing: Ok(missing) } => {
-                    let name = format!("{}/{}", update.namespace, update.name);
-                    if missing.is_empty() {
-                        debug!(work = %name, content = %reference.sha256, "content already held");
-                        cache.push(CacheOp::Store(update));
-                    } else {
-                        let need: u64 = reference.chunks.iter().enumerate()
-                            .filter(|(_, c)| missing.contains(c))
-                            .map(|(i, _)| reference.chunk_len(i))
-                            .sum();
-                        info!(work = %name, content = %reference.sha256, need_chunks = missing.len(),
-                            chunks = reference.chunks.len(), need_bytes = need, content_bytes = reference.bytes,
-                            "fetching content");
-                        machine.fetch_chunks(&update.uid, missing.iter().cloned());
-                        fetching.insert(update.uid.clone(), Fetching { work: update, missing: missing.into_iter().collect() });
-                    }
+                Done::ChunkStored { chunk_sha256, stored: Ok(None) } => {
+                    debug!(chunk = %chunk_sha256, "a chunk no work or transfer names any more arrived; dropped");
                 }
-                Done::Missing { work: update, missing: Err(e), .. } => {
-                    warn!(uid = %update.uid, error = %e, "cannot read the chunk cache; the hub resends the work next session");
-                }
-                Done::ChunkStored { chunk_sha256, stored: Ok((count, bytes)) } => {
+                Done::ChunkStored { chunk_sha256, stored: Ok(Some((count, bytes))) } => {
                     spoke.metrics.chunks_held.set(count as i64);
                     spoke.metrics.chunk_bytes_held.set(bytes as i64);
                     let mut complete = Vec::new();
@@ -450,16 +489,11 @@ enum Done {
     Request(Result<String, String>),
     /// A renewed certificate is stored: its validity, or why it could not be.
     Stored(Result<(SystemTime, SystemTime), String>),
-    /// Which chunks of a large work's content the cache does not hold.
-    Missing {
-        work: wire::WorkUpdate,
-        reference: ContentRef,
-        missing: Result<Vec<String>, String>,
-    },
-    /// A chunk is durable; the cache's chunk count and bytes after it.
+    /// A chunk is durable, with the cache's chunk count and bytes after it; `None` when it was
+    /// dropped (nothing names it any more).
     ChunkStored {
         chunk_sha256: String,
-        stored: Result<(u64, u64), String>,
+        stored: Result<Option<(u64, u64)>, String>,
     },
     Nothing,
 }
@@ -482,6 +516,17 @@ fn content_of(work: &wire::WorkUpdate) -> Option<ContentRef> {
 #[derive(Debug)]
 pub(crate) enum CacheOp {
     Store(wire::WorkUpdate),
+    /// Records the transfer of a large work's content and finds which chunks it needs.
+    Fetch {
+        work: wire::WorkUpdate,
+        reference: ContentRef,
+        /// Which work frame asked for it (see the driver's `latest_large`).
+        frame: u64,
+    },
+    /// Gives up the transfers of works the hub did not send in this session's sync.
+    EndFetches {
+        keep: Vec<String>,
+    },
     Delete {
         uid: String,
         namespace: String,
@@ -504,6 +549,15 @@ pub(crate) enum CacheDone {
     },
     /// Not stored (the error is logged): not acked, so the hub sends it again.
     NotStored,
+    /// A large work's transfer is recorded: which chunks it still needs.
+    Fetch {
+        work: wire::WorkUpdate,
+        reference: ContentRef,
+        frame: u64,
+        missing: Result<Vec<String>, String>,
+    },
+    /// Transfers given up (or not: the error is logged).
+    FetchesEnded,
     Deleted,
     StatusAcked {
         uid: String,
@@ -586,6 +640,35 @@ impl CacheQueue {
 pub(crate) async fn run_cache_op(spoke: Spoke, op: CacheOp) -> CacheDone {
     match op {
         CacheOp::Store(work) => store_work(&spoke, work).await,
+        CacheOp::Fetch {
+            work,
+            reference,
+            frame,
+        } => {
+            let (uid, chunks) = (work.uid.clone(), reference.chunks.clone());
+            let missing = durably(&spoke.cache, move |c| c.begin_fetch(&uid, &chunks)).await;
+            CacheDone::Fetch {
+                work,
+                reference,
+                frame,
+                missing: missing.map_err(|e| e.to_string()),
+            }
+        }
+        CacheOp::EndFetches { keep } => {
+            match durably(&spoke.cache, move |c| c.end_fetches(&keep)).await {
+                Ok(0) => {}
+                Ok(released) => {
+                    info!(
+                        chunks = released,
+                        "released the chunks of transfers the hub no longer asks for"
+                    )
+                }
+                Err(e) => {
+                    warn!(error = %e, "cannot give up stale transfers; trying after the next sync")
+                }
+            }
+            CacheDone::FetchesEnded
+        }
         CacheOp::Delete {
             uid,
             namespace,
@@ -704,7 +787,14 @@ async fn delete_work(spoke: &Spoke, uid: String, namespace: &str, name: &str) {
             info!(uid = %uid, %work, "work deleted on the hub");
             spoke.reconciler.work_changed(&uid).await;
         }
-        Ok(false) => debug!(uid = %uid, "the hub deleted a work this agent does not hold"),
+        Ok(false) => {
+            debug!(uid = %uid, "the hub deleted a work this agent does not hold");
+            // Its content may have been on the way: what came of it goes.
+            let key = uid.clone();
+            if let Err(e) = durably(&spoke.cache, move |c| c.end_fetch(&key)).await {
+                warn!(uid = %uid, error = %e, "cannot give up the transfer of a deleted work; given up after the next sync");
+            }
+        }
         // Still held: the hub repeats the delete on the next session, where the hello lists it.
         Err(e) => warn!(uid = %uid, error = %e, "cannot record a work deletion"),
     }

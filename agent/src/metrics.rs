@@ -86,7 +86,8 @@ impl AgentMetrics {
         );
         r.register(
             "chunks_held",
-            "Content chunks of large ManifestWorks in the cache, each once however many works share it",
+            "Content chunks of large ManifestWorks in the cache, each once however many works \
+             share it; a chunk no held work or transfer under way names is released at once",
             self.chunks_held.clone(),
         );
         r.register(

@@ -311,6 +311,28 @@ pub fn replica_set(name: &str, namespace: &str, placement: &str, manifests: &[Va
     })
 }
 
+/// Refuses manifests too large for a ManifestWorkReplicaSet's template: the template is one
+/// object, within the store's limit, and is not chunked (the works the set makes are copies of
+/// it in each cluster's namespace). Per-cluster works made with `work create -f --clusters`
+/// are chunked. The error names the set, the size, the limit and what to do.
+pub fn check_replica_set_size(
+    name: &str,
+    namespace: &str,
+    manifests: &[Value],
+) -> anyhow::Result<()> {
+    use flotilla_proto::api::MAX_WORKLOAD_BYTES;
+    let bytes: usize = manifests.iter().map(|m| m.to_string().len()).sum();
+    anyhow::ensure!(
+        bytes <= MAX_WORKLOAD_BYTES,
+        "ManifestWorkReplicaSet {namespace}/{name}: manifests take {bytes} bytes, more than the \
+         {MAX_WORKLOAD_BYTES} bytes a ManifestWorkReplicaSet's template may hold (it is one \
+         object and is not chunked); nothing was stored. Create the work for each cluster with \
+         `flotilla work create {name} -f FILE --clusters CLUSTER,...`, which stores large works \
+         in chunks, or split the manifests over several works"
+    );
+    Ok(())
+}
+
 /// `NS/NAME` as (namespace, name); the error says what is expected.
 pub fn namespaced_name(s: &str, what: &str) -> anyhow::Result<(String, String)> {
     match s.split_once('/') {
@@ -542,6 +564,30 @@ pub fn apply_taint_changes(
 #[cfg(test)]
 mod change_tests {
     use super::*;
+
+    #[test]
+    fn a_replica_set_over_one_objects_limit_is_refused_saying_what_to_do() {
+        let small =
+            vec![json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "a"}})];
+        check_replica_set_size("web", "default", &small).unwrap();
+        let big: Vec<Value> = (0..3)
+            .map(|i| json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": format!("b{i}")},
+                "data": {"blob": "x".repeat(400 * 1024)}}))
+            .collect();
+        let err = check_replica_set_size("web", "default", &big)
+            .unwrap_err()
+            .to_string();
+        for part in [
+            "ManifestWorkReplicaSet default/web",
+            "more than the 1048576 bytes",
+            "nothing was stored",
+            "flotilla work create web -f FILE --clusters",
+        ] {
+            assert!(err.contains(part), "{part:?} missing from: {err}");
+        }
+        let size: usize = big.iter().map(|m| m.to_string().len()).sum();
+        assert!(err.contains(&format!("take {size} bytes")), "{err}");
+    }
 
     fn args(a: &[&str]) -> Vec<String> {
         a.iter().map(|s| s.to_string()).collect()

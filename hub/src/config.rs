@@ -129,6 +129,16 @@ pub struct HubConfig {
     #[arg(long, default_value_t = flotilla_gateway::DEFAULT_CHUNK_BYTES_PER_SECOND, value_parser = clap::value_parser!(u64).range(64 * 1024..))]
     pub chunk_bytes_per_second: u64,
 
+    /// How long a ManifestChunk that no ManifestWork in its namespace names is kept before the
+    /// hub deletes it. Deleting a chunked work, or replacing its content, leaves chunks no work
+    /// names; they go after this period. The grace exists because `flotilla work create -f`
+    /// stores a work's chunks before the work that names them: a chunk is unnamed for a moment
+    /// in every create, and must outlive the slowest create. Counted from the chunk's creation,
+    /// the last time the CLI stored it again, or the moment its last work went, whichever is
+    /// latest.
+    #[arg(long, default_value = crate::controllers::chunk_gc::DEFAULT_CHUNK_GRACE_PERIOD, value_parser = humantime::parse_duration)]
+    pub chunk_grace_period: Duration,
+
     /// On SIGTERM every session is drained, each agent told to come back after a delay spread
     /// over this window.
     #[arg(long, default_value = DEFAULT_DRAIN_WINDOW, value_parser = humantime::parse_duration)]
@@ -198,6 +208,7 @@ impl HubConfig {
     pub fn controllers(&self) -> crate::controllers::ControllerConfig {
         crate::controllers::ControllerConfig {
             default_cluster_sets: self.default_cluster_sets,
+            chunk_grace_period: self.chunk_grace_period,
             ..Default::default()
         }
     }
@@ -208,6 +219,11 @@ impl HubConfig {
         anyhow::ensure!(
             !self.heartbeat_interval.is_zero(),
             "--heartbeat-interval must be positive"
+        );
+        anyhow::ensure!(
+            self.chunk_grace_period >= Duration::from_secs(1),
+            "--chunk-grace-period ({:?}) must be at least 1s: `flotilla work create -f` stores a work's chunks before the work, and a shorter grace deletes them in between",
+            self.chunk_grace_period
         );
         anyhow::ensure!(
             self.heartbeat_timeout >= 2 * self.heartbeat_interval,

@@ -259,6 +259,7 @@ pub async fn run(
     // The status page's model of the fleet; sessions are the in-process gateway's. Its caches
     // ride the fleet gauges' watches when those run, else watches of their own.
     let status_page = status_page::StatusPage::new(Some(Arc::new(gateway.clone())));
+    let controller_metrics = controllers::ControllerMetrics::default();
     let _metrics_endpoint = if let Some(listener) = metrics {
         // The gateway's metrics and the fleet's gauges; ready once the gateway's caches and
         // the gauges' lists are loaded.
@@ -266,6 +267,7 @@ pub async fn run(
         gateway.metrics().register(&mut registry);
         let fleet = fleet_metrics::FleetMetrics::new();
         fleet.register(&mut registry);
+        controller_metrics.register(&mut registry);
         let (listed_tx, listed) = tokio::sync::watch::channel(false);
         tasks.spawn(
             "the fleet gauges and the status page's view of the fleet",
@@ -305,7 +307,13 @@ pub async fn run(
     // Placement, rollout and work TTL act on the store beside the gateway.
     tasks.spawn(
         "the hub's controllers",
-        controllers::run(store.clone(), config.controllers(), stop_rx.clone()).err_into(),
+        controllers::run(
+            store.clone(),
+            config.controllers(),
+            controller_metrics,
+            stop_rx.clone(),
+        )
+        .err_into(),
     );
     tasks.spawn(
         "the operator API",

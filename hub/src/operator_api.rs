@@ -589,6 +589,9 @@ fn validate_typed(kind: Kind, body: &Value) -> Result<(), String> {
                 )
             })
         }
+        // Content-addressed: a chunk stored under another digest would be refused by every
+        // gateway and agent that reads it; refuse it here, before it is stored.
+        Kind::ManifestChunk => flotilla_proto::api::content::check_chunk_object(body),
         _ => Ok(()),
     }
 }

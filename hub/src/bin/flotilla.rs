@@ -450,6 +450,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             );
             if let Some(placement) = placement {
                 let (ns, placement) = namespaced_name(&placement, "--placement")?;
+                // Before anything is stored: the set's template is one object.
+                flotilla_hub::cli::check_replica_set_size(&name, &ns, &manifests)?;
                 client
                     .get_json(&object_path(Kind::Placement, Some(&ns), &placement))
                     .await
@@ -832,10 +834,34 @@ async fn store_chunks(
             .await
         {
             Ok(_) => {}
-            // Content-addressed: the one stored under this name holds these very bytes.
+            // Content-addressed: the one stored under this name holds these very bytes. It
+            // may be a chunk no work names any more, waiting out its grace before the hub
+            // collects it: marked as stored now, its grace starts again, so it outlives the
+            // creation of this work.
             Err(e)
                 if e.downcast_ref::<ApiError>()
-                    .is_some_and(|api| api.status == StatusCode::CONFLICT) => {}
+                    .is_some_and(|api| api.status == StatusCode::CONFLICT) =>
+            {
+                let mut object = object;
+                object["metadata"]["annotations"] = serde_json::json!({
+                    flotilla_hub::controllers::chunk_gc::STORED_AT_ANNOTATION:
+                        jiff::Timestamp::now().to_string(),
+                });
+                let name = flotilla_proto::api::content::chunk_object_name(&chunk.sha256);
+                client
+                    .request(
+                        Method::PUT,
+                        &object_path(Kind::ManifestChunk, Some(&ns), &name),
+                        Some(&object),
+                    )
+                    .await
+                    .with_context(|| {
+                        format!(
+                            "ManifestWork {}: marking the stored chunk {ns}/{name} as stored again",
+                            qualified(&work)
+                        )
+                    })?;
+            }
             Err(e) => {
                 return Err(e.context(format!(
                     "ManifestWork {ns}/{}: storing chunk {}",

@@ -14,9 +14,12 @@
 //!   --placement` creates one.
 //! * [`work_ttl`]: deletes ManifestWorks whose `deleteOption.ttlSecondsAfterFinished` has
 //!   passed since they turned Complete.
+//! * [`chunk_gc`]: deletes ManifestChunks no ManifestWork in their namespace has named for
+//!   the grace period (`--chunk-grace-period`).
 //!
 //! Not for: anything agents or gateways do; controllers never talk to spokes.
 
+pub mod chunk_gc;
 pub mod clustersets;
 pub mod feed;
 pub mod replicaset;
@@ -29,6 +32,8 @@ use std::time::Duration;
 
 use flotilla_store::Store;
 use jiff::Timestamp;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
@@ -52,6 +57,8 @@ pub struct ControllerConfig {
     pub queue_capacity: usize,
     /// Most changes a controller takes in before it decides and writes.
     pub batch: usize,
+    /// How long a ManifestChunk no work names is kept before it is deleted (see [`chunk_gc`]).
+    pub chunk_grace_period: Duration,
 }
 
 impl Default for ControllerConfig {
@@ -61,7 +68,28 @@ impl Default for ControllerConfig {
             write_concurrency: DEFAULT_WRITE_CONCURRENCY,
             queue_capacity: DEFAULT_QUEUE_CAPACITY,
             batch: DEFAULT_BATCH,
+            chunk_grace_period: humantime::parse_duration(chunk_gc::DEFAULT_CHUNK_GRACE_PERIOD)
+                .expect("the default parses"),
         }
+    }
+}
+
+/// What the controllers count, for the hub's metrics endpoint.
+#[derive(Clone, Debug, Default)]
+pub struct ControllerMetrics {
+    /// ManifestChunks deleted because no work named them.
+    pub chunks_collected: Counter,
+}
+
+impl ControllerMetrics {
+    /// Registers every metric under `flotilla_hub_`.
+    pub fn register(&self, registry: &mut Registry) {
+        registry.sub_registry_with_prefix("hub").register(
+            "chunks_collected",
+            "ManifestChunks deleted because no ManifestWork in their namespace named them for \
+             the grace period (--chunk-grace-period)",
+            self.chunks_collected.clone(),
+        );
     }
 }
 
@@ -85,6 +113,7 @@ pub enum ControllerEnded {
 pub async fn run(
     store: Arc<dyn Store>,
     config: ControllerConfig,
+    metrics: ControllerMetrics,
     stop: watch::Receiver<bool>,
 ) -> Result<(), ControllerEnded> {
     let mut tasks: JoinSet<()> = JoinSet::new();
@@ -106,7 +135,16 @@ pub async fn run(
     );
     spawn(
         "ManifestWorkReplicaSet",
-        Box::pin(replicaset::run(store.clone(), config, stop.clone())),
+        Box::pin(replicaset::run(store.clone(), config.clone(), stop.clone())),
+    );
+    spawn(
+        "ManifestChunk collection",
+        Box::pin(chunk_gc::run(
+            store.clone(),
+            config.chunk_grace_period,
+            metrics.chunks_collected,
+            stop.clone(),
+        )),
     );
     spawn("work TTL", Box::pin(work_ttl::run(store, stop.clone())));
     while let Some(done) = tasks.join_next_with_id().await {

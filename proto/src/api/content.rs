@@ -40,7 +40,8 @@ pub const CONTENT_API_VERSION: &str = "work.flotilla.io/v1alpha1";
 pub const CONTENT_KIND: &str = "ChunkedManifests";
 
 /// One piece of a chunked work's manifests, in the work's namespace, named
-/// [`chunk_object_name`] of its digest. Written once, never updated: its name is its content.
+/// [`chunk_object_name`] of its digest. Its data is written once and never changed: its name is
+/// its content (only its metadata may change: see the hub's chunk collection).
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, JsonSchema, PartialEq)]
 #[kube(
     group = "work.flotilla.io",
@@ -303,10 +304,88 @@ pub fn chunk_data(object: serde_json::Value, sha256: &str) -> Result<Vec<u8>, St
     Ok(data)
 }
 
+/// The chunk digests a ManifestWork (as JSON) names through its `ChunkedManifests`
+/// reference, read loosely: any reference-kind manifest, any string in its `content.chunks`.
+/// What decides which chunks may go (the hub's collection, the agent's cache) keeps what looks
+/// named, so a malformed reference keeps its chunks rather than losing someone else's.
+pub fn named_chunk_digests(work: &serde_json::Value) -> Vec<String> {
+    let Some(manifests) = work
+        .pointer("/spec/workload/manifests")
+        .and_then(serde_json::Value::as_array)
+    else {
+        return Vec::new();
+    };
+    manifests
+        .iter()
+        .filter(|m| m["kind"] == CONTENT_KIND)
+        .filter_map(|m| {
+            m.pointer("/content/chunks")
+                .and_then(serde_json::Value::as_array)
+        })
+        .flatten()
+        .filter_map(serde_json::Value::as_str)
+        .map(str::to_string)
+        .collect()
+}
+
+/// Checks a [`ManifestChunk`] object before it is stored: its name must be `sha256-<hex>` of
+/// its data. The error names the chunk and both digests and says how to fix it.
+pub fn check_chunk_object(object: &serde_json::Value) -> Result<(), String> {
+    let name = object["metadata"]["name"].as_str().unwrap_or("<unnamed>");
+    let qualified = match object["metadata"]["namespace"].as_str() {
+        Some(ns) => format!("{ns}/{name}"),
+        None => name.to_string(),
+    };
+    let chunk: ManifestChunk = serde_json::from_value(object.clone())
+        .map_err(|e| format!("ManifestChunk {qualified}: does not parse: {e}"))?;
+    let got = sha256_hex(&chunk.spec.data.0);
+    let named = name
+        .strip_prefix("sha256-")
+        .filter(|hex| is_sha256_hex(hex));
+    match named {
+        Some(expected) if expected == got => Ok(()),
+        Some(expected) => Err(format!(
+            "ManifestChunk {qualified}: its data hashes to sha256 {got}, not {expected} as its name says; \
+             nothing was stored. A chunk is named after its content: name it sha256-{got}, or let \
+             `flotilla work create -f` store the chunks"
+        )),
+        None => Err(format!(
+            "ManifestChunk {qualified}: the name must be sha256-<64 lower-case hex digits> of its data \
+             (sha256 {got}, so sha256-{got}); nothing was stored"
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::api::ManifestWorkSpec;
+
+    #[test]
+    fn a_chunk_is_stored_only_under_its_own_digest() {
+        let piece = Chunk {
+            sha256: sha256_hex(b"some content"),
+            data: b"some content".to_vec(),
+        };
+        let good = chunk_object("c1", &piece);
+        assert_eq!(check_chunk_object(&good), Ok(()));
+        let other = sha256_hex(b"other content");
+        let mut renamed = good.clone();
+        renamed["metadata"]["name"] = chunk_object_name(&other).into();
+        let err = check_chunk_object(&renamed).unwrap_err();
+        assert!(
+            err.starts_with(&format!("ManifestChunk c1/sha256-{other}:")),
+            "{err}"
+        );
+        assert!(
+            err.contains(&format!("hashes to sha256 {}, not {other}", piece.sha256)),
+            "{err}"
+        );
+        let mut unnamed = good;
+        unnamed["metadata"]["name"] = "chunk-1".into();
+        let err = check_chunk_object(&unnamed).unwrap_err();
+        assert!(err.contains(&format!("sha256-{}", piece.sha256)), "{err}");
+    }
 
     fn config_maps(n: usize, each: usize) -> Vec<Manifest> {
         (0..n)
