@@ -40,10 +40,15 @@ pub struct GrpcSettings {
     pub keepalive_interval: Duration,
     /// How long a PING may go unanswered before the connection is closed.
     pub keepalive_timeout: Duration,
-    /// Flow-control window of one stream. Session frames are small; a large window only
-    /// reserves memory an idle session never uses.
+    /// Flow-control window of one stream, receive side. A tunnel moves at most this much per
+    /// round trip between the hub and the agent, so it is sized for tunnels (at 64 KiB a large
+    /// list through a tunnel ran at a quarter of the direct request's rate). A window is
+    /// credit, not a buffer: an idle session holds none of it, a stalled reader at most this.
     pub stream_window: u32,
-    /// Flow-control window of the whole connection (the session and its tunnels).
+    /// Flow-control window of the whole connection (the session and its tunnels). Keep it
+    /// above the tunnels a cluster may hold at once (the proxy front's
+    /// `--proxy-max-per-cluster`) times `stream_window`, so stalled readers can never take the
+    /// share of the session's own frames and heartbeats.
     pub connection_window: u32,
     /// Streams one connection may have open: the session, the agent's join, and tunnels.
     pub max_concurrent_streams: u32,
@@ -55,8 +60,8 @@ impl Default for GrpcSettings {
             max_frame_bytes: 4 * 1024 * 1024,
             keepalive_interval: Duration::from_secs(30),
             keepalive_timeout: Duration::from_secs(20),
-            stream_window: 64 * 1024,
-            connection_window: 1024 * 1024,
+            stream_window: 1024 * 1024,
+            connection_window: 16 * 1024 * 1024,
             max_concurrent_streams: 128,
         }
     }
@@ -67,15 +72,25 @@ impl GrpcSettings {
     /// [`hop`](crate::hop)): it carries the tunnels of many clusters at once, so it may hold
     /// [`RELAY_HOP_STREAMS`] of them, and its connection window covers every stream's window.
     /// A tunnel whose reader is slow then holds only its own stream's window, never the
-    /// connection's: it cannot stall the other tunnels on the hop.
+    /// connection's: it cannot stall the other tunnels on the hop. Its streams keep the
+    /// narrower [`RELAY_HOP_STREAM_WINDOW`], which bounds what stalled readers can hold on one
+    /// hop connection to 64 MiB.
     pub fn for_relay_hop(&self) -> GrpcSettings {
         GrpcSettings {
             max_concurrent_streams: RELAY_HOP_STREAMS,
-            connection_window: self.stream_window.saturating_mul(RELAY_HOP_STREAMS),
+            stream_window: RELAY_HOP_STREAM_WINDOW,
+            connection_window: RELAY_HOP_STREAM_WINDOW.saturating_mul(RELAY_HOP_STREAMS),
             ..self.clone()
         }
     }
 }
+
+/// Flow-control window of one stream on the relay hop.
+pub const RELAY_HOP_STREAM_WINDOW: u32 = 64 * 1024;
+
+/// Largest HTTP/2 DATA frame a peer may send to the hub. Larger frames cut the per-frame work of
+/// a tunnel carrying a large answer (16 KiB, HTTP/2's floor, cost a tenth of the throughput).
+const MAX_H2_FRAME: u32 = 64 * 1024;
 
 /// Tunnels one relay-hop connection carries at once (HTTP/2 streams): beyond them a new tunnel
 /// waits for one to end, within its bounded open.
@@ -516,7 +531,7 @@ async fn serve_connection<S>(
         .initial_connection_window_size(settings.connection_window)
         .adaptive_window(false)
         .max_concurrent_streams(settings.max_concurrent_streams)
-        .max_frame_size(16 * 1024)
+        .max_frame_size(MAX_H2_FRAME)
         .max_send_buf_size(64 * 1024)
         .max_header_list_size(16 * 1024)
         .keep_alive_interval(settings.keepalive_interval)

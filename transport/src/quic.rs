@@ -52,9 +52,11 @@ pub struct QuicSettings {
     pub keepalive_interval: Duration,
     /// A connection silent this long is gone (both ends close it).
     pub idle_timeout: Duration,
-    /// Flow-control window of one stream.
+    /// Flow-control window of one stream, receive side: sized for tunnels, as the gRPC
+    /// carrier's ([`GrpcSettings::stream_window`](crate::grpc::GrpcSettings::stream_window)).
     pub stream_window: u32,
-    /// Flow-control window of the whole connection, receive side.
+    /// Flow-control window of the whole connection, receive side; above the tunnels a cluster
+    /// may hold at once times `stream_window`, as on the gRPC carrier.
     pub connection_window: u32,
     /// Bytes in flight a connection may send before the peer acknowledges.
     pub send_window: u64,
@@ -70,8 +72,8 @@ impl Default for QuicSettings {
             max_frame_bytes: 4 * 1024 * 1024,
             keepalive_interval: Duration::from_secs(15),
             idle_timeout: Duration::from_secs(60),
-            stream_window: 64 * 1024,
-            connection_window: 1024 * 1024,
+            stream_window: 1024 * 1024,
+            connection_window: 16 * 1024 * 1024,
             send_window: 1024 * 1024,
             max_streams: 128,
             handshake_timeout: Duration::from_secs(10),

@@ -51,9 +51,9 @@ use self::audit::{AuditLine, AuditSink};
 use self::authn::{ProxyTokens, ProxyUser};
 
 /// Default of `--proxy-max-per-cluster`. Every tunnel whose user stops reading can hold its
-/// stream's flow-control window (64 KiB on both carriers) of the session connection's window
-/// (1 MiB); 12 of them hold 768 KiB and leave the session room for its heartbeats. Raise it
-/// only with the carriers' connection window.
+/// stream's flow-control window (1 MiB on both carriers) of the session connection's window
+/// (16 MiB); 12 of them hold 12 MiB and leave the session room for its frames and heartbeats.
+/// Raise it only with the carriers' connection window.
 pub const DEFAULT_MAX_PER_CLUSTER: usize = 12;
 /// Default of `--proxy-max-per-user`.
 pub const DEFAULT_MAX_PER_USER: usize = 64;
@@ -684,6 +684,24 @@ mod tests {
         );
         assert_eq!(cluster_path("/clusters/Store_1/api"), None);
         assert_eq!(cluster_path("/api/v1/namespaces"), None);
+    }
+
+    /// A cluster's tunnels, all stalled, must leave the session's connection window room for
+    /// its own frames, on both carriers.
+    #[test]
+    fn stalled_tunnels_cannot_take_a_sessions_whole_window() {
+        let grpc = flotilla_transport::grpc::GrpcSettings::default();
+        let quic = flotilla_transport::quic::QuicSettings::default();
+        for (carrier, stream, connection) in [
+            ("grpc", grpc.stream_window, grpc.connection_window),
+            ("quic", quic.stream_window, quic.connection_window),
+        ] {
+            let held = DEFAULT_MAX_PER_CLUSTER as u64 * u64::from(stream);
+            assert!(
+                held + u64::from(stream) <= u64::from(connection),
+                "{carrier}: {DEFAULT_MAX_PER_CLUSTER} stalled tunnels hold {held} bytes of a {connection}-byte window"
+            );
+        }
     }
 
     #[tokio::test]
