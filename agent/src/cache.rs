@@ -233,6 +233,19 @@ pub trait WorkCache: Send + Sync + fmt::Debug {
     /// *Durable.* Drops everything about a work: content, ledger, status.
     fn forget(&self, uid: &str) -> Result<(), CacheError>;
 
+    /// *Durable.* Drops everything about a deleted work, as [`forget`](Self::forget) does, and
+    /// in the same transaction puts its release in the outbox: the hub is told (`WorkReleased`)
+    /// on this session and every later one until it acknowledges. Also for a uid not held (a
+    /// delete for a work the agent never had, or already released): there is nothing to remove,
+    /// and the hub still needs to hear so.
+    fn release(&self, uid: &str) -> Result<(), CacheError>;
+
+    /// Releases the hub has not acknowledged, in uid order.
+    fn pending_releases(&self) -> Result<Vec<String>, CacheError>;
+
+    /// The hub recorded the release of `uid`: drop it from the outbox.
+    fn ack_release(&self, uid: &str) -> Result<(), CacheError>;
+
     /// The resources the work applied (empty when none).
     fn ledger(&self, uid: &str) -> Result<Vec<AppliedResource>, CacheError>;
 
@@ -281,6 +294,18 @@ pub trait WorkCache: Send + Sync + fmt::Debug {
             }
         }
         Ok(missing)
+    }
+
+    /// What the hello says is being removed: tombstones, then releases not yet acknowledged.
+    fn releasing(&self) -> Result<Vec<String>, CacheError> {
+        let mut uids: Vec<String> = self
+            .works()?
+            .into_iter()
+            .filter(|w| w.deleting)
+            .map(|w| w.uid)
+            .collect();
+        uids.extend(self.pending_releases()?);
+        Ok(uids)
     }
 
     /// What the hello carries: every live work (not tombstones) with its generation and hash.
@@ -337,6 +362,8 @@ const LEDGER: Table = Table("ledger");
 /// uid → [`StatusRecord`] (JSON): the latest status and the outbox in one record, so a new
 /// status and an ack meet on one key only.
 const STATUS: Table = Table("status");
+/// uid → nothing: works released from the spoke whose release the hub has not acknowledged.
+const RELEASED: Table = Table("released");
 // The agent's identity (key, certificate, CA bundle) is files in its own directory, written
 // atomically (`identity`), not records here.
 
@@ -496,6 +523,7 @@ struct Tables<'t> {
     ledger: redb::Table<'t, &'static [u8], &'static [u8]>,
     status: redb::Table<'t, &'static [u8], &'static [u8]>,
     chunks: redb::Table<'t, &'static [u8], &'static [u8]>,
+    released: redb::Table<'t, &'static [u8], &'static [u8]>,
 }
 
 impl<'t> Tables<'t> {
@@ -506,6 +534,7 @@ impl<'t> Tables<'t> {
             ledger: txn.open_table(LEDGER.def()).map_err(storage)?,
             status: txn.open_table(STATUS.def()).map_err(storage)?,
             chunks: txn.open_table(CHUNKS.def()).map_err(storage)?,
+            released: txn.open_table(RELEASED.def()).map_err(storage)?,
         })
     }
 }
@@ -856,6 +885,47 @@ impl WorkCache for ClusterCache {
         })
     }
 
+    fn release(&self, uid: &str) -> Result<(), CacheError> {
+        let key = self.key(uid);
+        // One transaction: a crash never leaves a work forgotten whose release is unrecorded
+        // (its finalizer would hold it on the hub for good).
+        self.db.write(Durability::Immediate, move |t| {
+            for table in [&mut t.works, &mut t.manifests, &mut t.ledger, &mut t.status] {
+                table.remove(key.as_slice()).map_err(storage)?;
+            }
+            t.released
+                .insert(key.as_slice(), [].as_slice())
+                .map_err(storage)?;
+            Ok(())
+        })
+    }
+
+    fn pending_releases(&self) -> Result<Vec<String>, CacheError> {
+        self.db.read(RELEASED, |t| {
+            let mut out = Vec::new();
+            for entry in t
+                .range::<&[u8]>(self.prefix.as_slice()..)
+                .map_err(storage)?
+            {
+                let (key, _) = entry.map_err(storage)?;
+                let Some(uid) = key.value().strip_prefix(self.prefix.as_slice()) else {
+                    break;
+                };
+                out.push(String::from_utf8_lossy(uid).into_owned());
+            }
+            Ok(out)
+        })
+    }
+
+    fn ack_release(&self, uid: &str) -> Result<(), CacheError> {
+        let key = self.key(uid);
+        // Not durable: an ack lost in a crash only re-sends a release the hub answers again.
+        self.db.write(Durability::None, move |t| {
+            t.released.remove(key.as_slice()).map_err(storage)?;
+            Ok(())
+        })
+    }
+
     fn ledger(&self, uid: &str) -> Result<Vec<AppliedResource>, CacheError> {
         Ok(self.get_json(LEDGER, uid)?.unwrap_or_default())
     }
@@ -1146,6 +1216,44 @@ mod tests {
         assert!(cache.ledger("a").unwrap().is_empty());
         assert_eq!(cache.last_status("a").unwrap(), None);
         assert!(cache.pending_statuses().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_release_forgets_the_work_and_stays_in_the_outbox_across_a_restart_until_acked() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cache.redb");
+        {
+            let db = CacheDb::open(&path).unwrap();
+            let cache = db.cluster("c");
+            cache.put_work(&work("a", 1), Some(b"{}")).unwrap();
+            cache.put_work(&work("b", 1), Some(b"{}")).unwrap();
+            cache.set_ledger("a", &[deployment("web")]).unwrap();
+            cache.push_status("a", 1, &json!({"x": 1})).unwrap();
+            cache.mark_deleting("a").unwrap();
+            cache.mark_deleting("b").unwrap();
+            assert_eq!(
+                cache.releasing().unwrap(),
+                ["a", "b"],
+                "tombstones are releasing"
+            );
+
+            cache.release("a").unwrap();
+            assert_eq!(cache.work("a").unwrap(), None);
+            assert!(cache.ledger("a").unwrap().is_empty());
+            assert!(cache.pending_statuses().unwrap().is_empty());
+            // A delete for a work never held is released too: the hub must still hear it.
+            cache.release("never-held").unwrap();
+            assert_eq!(cache.pending_releases().unwrap(), ["a", "never-held"]);
+            // The other cluster of the same database sees none of it.
+            assert!(db.cluster("d").pending_releases().unwrap().is_empty());
+        }
+        let db = CacheDb::open(&path).unwrap();
+        let cache = db.cluster("c");
+        assert_eq!(cache.releasing().unwrap(), ["b", "a", "never-held"]);
+        cache.ack_release("a").unwrap();
+        cache.ack_release("never-held").unwrap();
+        assert!(cache.pending_releases().unwrap().is_empty());
+        assert_eq!(cache.releasing().unwrap(), ["b"]);
     }
 
     #[test]
