@@ -323,7 +323,7 @@ mod tests {
         })
         .await;
         assert_eq!(
-            finalizers(&stored().await.unwrap()),
+            super::finalizers(&stored().await.unwrap()),
             [WORK_CLEANUP_FINALIZER]
         );
 
