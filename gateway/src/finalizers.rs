@@ -352,7 +352,7 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(10), reporter.ready())
             .await
             .expect("the release acknowledged");
-        assert_eq!(reporter.take().await.release_acks, [uid.clone()]);
+        assert_eq!(reporter.take().await.release_acks, [uid]);
         assert!(stored().await.is_none(), "gone once released");
         let _ = stop_tx.send(true);
     }
