@@ -175,6 +175,18 @@ pub trait ApplyTarget: Send + Sync + fmt::Debug {
     /// Asks the spoke's authorizer one question (a SubjectAccessReview).
     async fn review_access(&self, check: &AccessCheck) -> Result<bool, ApplyError>;
 
+    /// Server-side applies `manifest` as `resource` in dry-run mode (`dryRun=All`: nothing is
+    /// stored) as `user`, impersonated, so that the spoke's own admission decides as it would
+    /// for that user: for RBAC objects, the apiserver's escalation check (a Role may grant only
+    /// rights its writer holds). A refusal is the apiserver's error.
+    async fn dry_run_as(
+        &self,
+        user: &str,
+        resource: &AppliedResource,
+        manifest: &Value,
+        field_manager: &str,
+    ) -> Result<(), ApplyError>;
+
     /// Every change to objects of `kind`, starting with the objects there now. The stream
     /// re-lists and resumes by itself after errors and never ends while the cluster lives.
     fn watch(&self, kind: &ResourceKind) -> BoxStream<'static, ObjectEvent>;
@@ -641,6 +653,9 @@ async fn write(
         if let Err(f) = executor::check(target, executor, resource, verbs).await {
             return (Err(f), None);
         }
+        if let Err(f) = executor::check_escalation(target, executor, resource, &p.manifest).await {
+            return (Err(f), None);
+        }
     }
     let written = match strategy {
         WriteStrategy::Default => target
@@ -1102,6 +1117,33 @@ impl ApplyTarget for KubeApplyTarget {
             Ok(answer) => Ok(answer.status.is_some_and(|s| s.allowed)),
             Err(e) => Err(spoke_error(e)),
         }
+    }
+
+    async fn dry_run_as(
+        &self,
+        user: &str,
+        resource: &AppliedResource,
+        manifest: &Value,
+        field_manager: &str,
+    ) -> Result<(), ApplyError> {
+        let params = PatchParams::apply(field_manager).force().dry_run();
+        let api = self.api(resource);
+        let bad = |message: String| ApplyError::Rejected {
+            code: 400,
+            reason: "BadRequest".into(),
+            message,
+        };
+        let mut request = kube::core::Request::new(api.resource_url())
+            .patch(&resource.name, &params, &Patch::Apply(manifest))
+            .map_err(|e| bad(format!("cannot build the dry run: {e}")))?;
+        // Without Impersonate-Group the apiserver gives a service account its own groups
+        // (system:serviceaccounts, system:serviceaccounts:<namespace>), so the agent needs
+        // impersonate on serviceaccounts only.
+        let value = http::HeaderValue::from_str(user)
+            .map_err(|_| bad(format!("{user:?} cannot be impersonated")))?;
+        request.headers_mut().insert("Impersonate-User", value);
+        let result = self.client.request::<DynamicObject>(request).await;
+        self.stored(resource, result).await.map(drop)
     }
 
     fn watch(&self, kind: &ResourceKind) -> BoxStream<'static, ObjectEvent> {

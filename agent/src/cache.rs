@@ -236,6 +236,19 @@ pub trait WorkCache: Send + Sync + fmt::Debug {
     /// way, and the chunks of large-work content no other held work (or transfer) names.
     fn forget(&self, uid: &str) -> Result<(), CacheError>;
 
+    /// *Durable.* Drops everything about a deleted work, as [`forget`](Self::forget) does, and
+    /// in the same transaction puts its release in the outbox: the hub is told (`WorkReleased`)
+    /// on this session and every later one until it acknowledges. Also for a uid not held (a
+    /// delete for a work the agent never had, or already released): there is nothing to remove,
+    /// and the hub still needs to hear so.
+    fn release(&self, uid: &str) -> Result<(), CacheError>;
+
+    /// Releases the hub has not acknowledged, in uid order.
+    fn pending_releases(&self) -> Result<Vec<String>, CacheError>;
+
+    /// The hub recorded the release of `uid`: drop it from the outbox.
+    fn ack_release(&self, uid: &str) -> Result<(), CacheError>;
+
     /// The resources the work applied (empty when none).
     fn ledger(&self, uid: &str) -> Result<Vec<AppliedResource>, CacheError>;
 
@@ -306,6 +319,18 @@ pub trait WorkCache: Send + Sync + fmt::Debug {
         Ok(missing)
     }
 
+    /// What the hello says is being removed: tombstones, then releases not yet acknowledged.
+    fn releasing(&self) -> Result<Vec<String>, CacheError> {
+        let mut uids: Vec<String> = self
+            .works()?
+            .into_iter()
+            .filter(|w| w.deleting)
+            .map(|w| w.uid)
+            .collect();
+        uids.extend(self.pending_releases()?);
+        Ok(uids)
+    }
+
     /// What the hello carries: every live work (not tombstones) with its generation and hash.
     fn held(&self) -> Result<Vec<HeldWork>, CacheError> {
         Ok(self
@@ -363,6 +388,8 @@ const LEDGER: Table = Table("ledger");
 /// uid → [`StatusRecord`] (JSON): the latest status and the outbox in one record, so a new
 /// status and an ack meet on one key only.
 const STATUS: Table = Table("status");
+/// uid → nothing: works released from the spoke whose release the hub has not acknowledged.
+const RELEASED: Table = Table("released");
 // The agent's identity (key, certificate, CA bundle) is files in its own directory, written
 // atomically (`identity`), not records here.
 
@@ -523,6 +550,7 @@ struct Tables<'t> {
     status: redb::Table<'t, &'static [u8], &'static [u8]>,
     chunks: redb::Table<'t, &'static [u8], &'static [u8]>,
     fetches: redb::Table<'t, &'static [u8], &'static [u8]>,
+    released: redb::Table<'t, &'static [u8], &'static [u8]>,
 }
 
 impl<'t> Tables<'t> {
@@ -534,6 +562,7 @@ impl<'t> Tables<'t> {
             status: txn.open_table(STATUS.def()).map_err(storage)?,
             chunks: txn.open_table(CHUNKS.def()).map_err(storage)?,
             fetches: txn.open_table(FETCHES.def()).map_err(storage)?,
+            released: txn.open_table(RELEASED.def()).map_err(storage)?,
         })
     }
 }
@@ -985,19 +1014,46 @@ impl WorkCache for ClusterCache {
     fn forget(&self, uid: &str) -> Result<(), CacheError> {
         let key = self.key(uid);
         let prefix = self.prefix.clone();
+        self.db
+            .write(Durability::Immediate, move |t| forget_in(t, &key, &prefix))
+    }
+
+    fn release(&self, uid: &str) -> Result<(), CacheError> {
+        let key = self.key(uid);
+        let prefix = self.prefix.clone();
+        // One transaction: a crash never leaves a work forgotten whose release is unrecorded
+        // (its finalizer would hold it on the hub for good).
         self.db.write(Durability::Immediate, move |t| {
-            let named = t
-                .manifests
-                .remove(key.as_slice())
+            forget_in(t, &key, &prefix)?;
+            t.released
+                .insert(key.as_slice(), [].as_slice())
+                .map_err(storage)?;
+            Ok(())
+        })
+    }
+
+    fn pending_releases(&self) -> Result<Vec<String>, CacheError> {
+        self.db.read(RELEASED, |t| {
+            let mut out = Vec::new();
+            for entry in t
+                .range::<&[u8]>(self.prefix.as_slice()..)
                 .map_err(storage)?
-                .is_some_and(|old| names_chunks(old.value()));
-            let fetched = t.fetches.remove(key.as_slice()).map_err(storage)?.is_some();
-            for table in [&mut t.works, &mut t.ledger, &mut t.status] {
-                table.remove(key.as_slice()).map_err(storage)?;
+            {
+                let (key, _) = entry.map_err(storage)?;
+                let Some(uid) = key.value().strip_prefix(self.prefix.as_slice()) else {
+                    break;
+                };
+                out.push(String::from_utf8_lossy(uid).into_owned());
             }
-            if named || fetched {
-                release_unnamed(t, &prefix)?;
-            }
+            Ok(out)
+        })
+    }
+
+    fn ack_release(&self, uid: &str) -> Result<(), CacheError> {
+        let key = self.key(uid);
+        // Not durable: an ack lost in a crash only re-sends a release the hub answers again.
+        self.db.write(Durability::None, move |t| {
+            t.released.remove(key.as_slice()).map_err(storage)?;
             Ok(())
         })
     }
@@ -1133,6 +1189,24 @@ fn named_chunks(t: &Tables<'_>, prefix: &[u8]) -> Result<HashSet<String>, CacheE
         }
     }
     Ok(named)
+}
+
+/// Drops everything about the work under `key` (content, transfer, ledger, status) and the
+/// chunks nothing held names any more, in the caller's transaction.
+fn forget_in(t: &mut Tables<'_>, key: &[u8], prefix: &[u8]) -> Result<(), CacheError> {
+    let named = t
+        .manifests
+        .remove(key)
+        .map_err(storage)?
+        .is_some_and(|old| names_chunks(old.value()));
+    let fetched = t.fetches.remove(key).map_err(storage)?.is_some();
+    for table in [&mut t.works, &mut t.ledger, &mut t.status] {
+        table.remove(key).map_err(storage)?;
+    }
+    if named || fetched {
+        release_unnamed(t, prefix)?;
+    }
+    Ok(())
 }
 
 /// Removes one cluster's chunks that no held work and no transfer under way names, in the
@@ -1458,6 +1532,44 @@ mod tests {
         assert!(cache.ledger("a").unwrap().is_empty());
         assert_eq!(cache.last_status("a").unwrap(), None);
         assert!(cache.pending_statuses().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_release_forgets_the_work_and_stays_in_the_outbox_across_a_restart_until_acked() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cache.redb");
+        {
+            let db = CacheDb::open(&path).unwrap();
+            let cache = db.cluster("c");
+            cache.put_work(&work("a", 1), Some(b"{}")).unwrap();
+            cache.put_work(&work("b", 1), Some(b"{}")).unwrap();
+            cache.set_ledger("a", &[deployment("web")]).unwrap();
+            cache.push_status("a", 1, &json!({"x": 1})).unwrap();
+            cache.mark_deleting("a").unwrap();
+            cache.mark_deleting("b").unwrap();
+            assert_eq!(
+                cache.releasing().unwrap(),
+                ["a", "b"],
+                "tombstones are releasing"
+            );
+
+            cache.release("a").unwrap();
+            assert_eq!(cache.work("a").unwrap(), None);
+            assert!(cache.ledger("a").unwrap().is_empty());
+            assert!(cache.pending_statuses().unwrap().is_empty());
+            // A delete for a work never held is released too: the hub must still hear it.
+            cache.release("never-held").unwrap();
+            assert_eq!(cache.pending_releases().unwrap(), ["a", "never-held"]);
+            // The other cluster of the same database sees none of it.
+            assert!(db.cluster("d").pending_releases().unwrap().is_empty());
+        }
+        let db = CacheDb::open(&path).unwrap();
+        let cache = db.cluster("c");
+        assert_eq!(cache.releasing().unwrap(), ["b", "a", "never-held"]);
+        cache.ack_release("a").unwrap();
+        cache.ack_release("never-held").unwrap();
+        assert!(cache.pending_releases().unwrap().is_empty());
+        assert_eq!(cache.releasing().unwrap(), ["b"]);
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! at a time, and only once durable are they acked and handed to the reconciler; statuses come
 //! out of the cache's outbox and stay there until the hub acks them.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, SystemTime};
 
 use flotilla_proto::api::ManifestWork;
@@ -68,6 +68,14 @@ pub(crate) async fn session_once(
             warn!(error = %e, "cannot list the cached works; asking the hub for all of them");
             Vec::new()
         });
+    // And what we are still removing, so the hub keeps those works' cleanup finalizers. If the
+    // cache cannot say, the hub may let them go early; their resources are still removed here.
+    let releasing = durably(&spoke.cache, |c| c.releasing())
+        .await
+        .unwrap_or_else(|e| {
+            warn!(error = %e, "cannot list the works being removed; the hub is not told of them");
+            Vec::new()
+        });
     let identity = Identity::new(config.identity_dir());
     let mut version = spoke.kubernetes_version.clone();
     let _ = tokio::time::timeout(VERSION_WAIT, version.wait_for(|v| !v.is_empty())).await;
@@ -85,7 +93,8 @@ pub(crate) async fn session_once(
         },
         held,
     )
-    .with_ca_bundle_sha256(identity.ca_bundle_sha256());
+    .with_ca_bundle_sha256(identity.ca_bundle_sha256())
+    .with_releasing(releasing);
     match identity.validity() {
         Ok((not_before, not_after)) => machine.set_certificate_validity(
             Instant::now(),
@@ -136,6 +145,8 @@ pub(crate) async fn session_once(
     // (one cut off before a restart, whose work the hub deleted meanwhile) is given up.
     let mut received: std::collections::HashSet<String> = std::collections::HashSet::new();
     let mut reported: HashMap<String, u64> = HashMap::new();
+    // Releases sent on this session and not acked yet: each is sent once per session.
+    let mut released: HashSet<String> = HashSet::new();
     let mut next: Option<AgentFrame> = None;
     let mut drained = None;
     // When the way out broke, and why. The hub may have ended the session with a goodbye
@@ -157,6 +168,7 @@ pub(crate) async fn session_once(
                     spoke.observer.session_established();
                     _connected = Some(spoke.metrics.connected(carrier));
                     report_outbox(&mut machine, spoke, &mut reported);
+                    report_releases(&mut machine, spoke, &mut released);
                     report_cluster_info(&mut machine, &mut cluster_info);
                 }
                 AgentEvent::WorkReceived { work: update } => {
@@ -216,12 +228,17 @@ pub(crate) async fn session_once(
                     frames += 1;
                     received.remove(&uid);
                     latest_large.remove(&uid);
+                    // Content still being fetched is for a work that is gone now.
                     fetching.remove(&uid);
                     cache.push(CacheOp::Delete {
                         uid,
                         namespace,
                         name,
                     });
+                }
+                AgentEvent::ReleaseAcked { uid } => {
+                    released.remove(&uid);
+                    cache.push(CacheOp::AckRelease { uid });
                 }
                 AgentEvent::StatusAcked { uid, seq } => {
                     spoke.observer.status_acked(&uid, seq);
@@ -428,6 +445,7 @@ pub(crate) async fn session_once(
             // stays stored for later.
             _ = spoke.outbox_changed.notified(), if established => {
                 report_outbox(&mut machine, spoke, &mut reported);
+                report_releases(&mut machine, spoke, &mut released);
             }
             // A claim, node or version changed on the spoke.
             Ok(()) = cluster_info.changed(), if established => {
@@ -536,6 +554,9 @@ pub(crate) enum CacheOp {
         uid: String,
         seq: u64,
     },
+    AckRelease {
+        uid: String,
+    },
 }
 
 /// What a cache operation did.
@@ -559,6 +580,8 @@ pub(crate) enum CacheDone {
     /// Transfers given up (or not: the error is logged).
     FetchesEnded,
     Deleted,
+    /// The hub's release ack is recorded (or logged as not).
+    ReleaseAcked,
     StatusAcked {
         uid: String,
         acked: bool,
@@ -622,7 +645,7 @@ impl CacheQueue {
         let acks: Vec<CacheOp> = self
             .waiting
             .drain(..)
-            .filter(|op| matches!(op, CacheOp::AckStatus { .. }))
+            .filter(|op| matches!(op, CacheOp::AckStatus { .. } | CacheOp::AckRelease { .. }))
             .collect();
         let _ = tokio::time::timeout(FINAL_FLUSH, async {
             if let Some(running) = running {
@@ -676,6 +699,14 @@ pub(crate) async fn run_cache_op(spoke: Spoke, op: CacheOp) -> CacheDone {
         } => {
             delete_work(&spoke, uid, &namespace, &name).await;
             CacheDone::Deleted
+        }
+        CacheOp::AckRelease { uid } => {
+            let key = uid.clone();
+            if let Err(e) = durably(&spoke.cache, move |c| c.ack_release(&key)).await {
+                // Sent again next session; the hub answers it again.
+                warn!(uid = %uid, error = %e, "cannot record the hub's release ack");
+            }
+            CacheDone::ReleaseAcked
         }
         CacheOp::AckStatus { uid, seq } => {
             let key = uid.clone();
@@ -788,11 +819,18 @@ async fn delete_work(spoke: &Spoke, uid: String, namespace: &str, name: &str) {
             spoke.reconciler.work_changed(&uid).await;
         }
         Ok(false) => {
-            debug!(uid = %uid, "the hub deleted a work this agent does not hold");
-            // Its content may have been on the way: what came of it goes.
+            // Nothing of it is here (never stored, or already released). Its content may have
+            // been on the way: what came of it goes. And it is released, so the hub does not
+            // keep the work waiting for this agent.
+            debug!(uid = %uid, "the hub deleted a work this agent does not hold; released");
             let key = uid.clone();
             if let Err(e) = durably(&spoke.cache, move |c| c.end_fetch(&key)).await {
                 warn!(uid = %uid, error = %e, "cannot give up the transfer of a deleted work; given up after the next sync");
+            }
+            let key = uid.clone();
+            match durably(&spoke.cache, move |c| c.release(&key)).await {
+                Ok(()) => spoke.outbox_changed.notify_one(),
+                Err(e) => warn!(uid = %uid, error = %e, "cannot record a work release"),
             }
         }
         // Still held: the hub repeats the delete on the next session, where the hello lists it.
@@ -830,6 +868,27 @@ pub(crate) fn report_outbox(
             status.seq,
             status.status_json,
         );
+    }
+}
+
+/// Reports every release in the outbox not yet reported in this session.
+pub(crate) fn report_releases(
+    machine: &mut AgentSession,
+    spoke: &Spoke,
+    released: &mut HashSet<String>,
+) {
+    let pending = match spoke.cache.pending_releases() {
+        Ok(p) => p,
+        Err(e) => {
+            warn!(error = %e, "cannot read the release outbox");
+            return;
+        }
+    };
+    for uid in pending {
+        if released.insert(uid.clone()) {
+            debug!(uid = %uid, "reporting a released work");
+            machine.release_work(uid);
+        }
     }
 }
 
@@ -917,6 +976,7 @@ mod tests {
         machine: AgentSession,
         hub: HubSession,
         reported: HashMap<String, u64>,
+        released: HashSet<String>,
         /// Events the hub side saw, in order.
         hub_events: Vec<HubEvent>,
         /// Works the agent received.
@@ -943,6 +1003,7 @@ mod tests {
                 machine,
                 hub: HubSession::new(now, HubConfig::default(), "store-7", "s1"),
                 reported: HashMap::new(),
+                released: HashSet::new(),
                 hub_events: Vec::new(),
                 received: Vec::new(),
             }
@@ -999,6 +1060,7 @@ mod tests {
                         AgentEvent::StatusAcked { uid, seq } => {
                             Some(CacheOp::AckStatus { uid, seq })
                         }
+                        AgentEvent::ReleaseAcked { uid } => Some(CacheOp::AckRelease { uid }),
                         AgentEvent::Established { .. } => {
                             report_outbox(&mut self.machine, spoke, &mut self.reported);
                             None
@@ -1019,6 +1081,23 @@ mod tests {
                     return;
                 }
             }
+        }
+
+        /// Sends the release outbox, as the driver does, and returns the releases the hub got.
+        async fn releases(&mut self) -> Vec<String> {
+            report_releases(&mut self.machine, &self.agent.spoke, &mut self.released);
+            self.pump().await;
+            let got = self
+                .hub_events
+                .iter()
+                .filter_map(|e| match e {
+                    HubEvent::WorkReleased { uid } => Some(uid.clone()),
+                    _ => None,
+                })
+                .collect();
+            self.hub_events
+                .retain(|e| !matches!(e, HubEvent::WorkReleased { .. }));
+            got
         }
 
         /// Waits for the reconciler's next status and sends the outbox, as the driver does.
@@ -1164,6 +1243,12 @@ mod tests {
         }
         assert!(agent.cluster.objects().await.is_empty());
         assert!(s.statuses().is_empty(), "no status for a deleted work");
+        // The hub hears the work is released, and its ack empties the release outbox.
+        assert_eq!(s.releases().await, ["a"]);
+        s.hub.ack_release("a");
+        s.pump().await;
+        assert!(cache.pending_releases().unwrap().is_empty());
+        assert!(s.releases().await.is_empty(), "reported once");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,13 +5,32 @@
 //! manifest alone when it may not. The agent still writes with its own credentials: the
 //! executor is a bound, not an identity. Without an executor the agent's own rights apply.
 //!
-//! The agent's RBAC needs `create` on `subjectaccessreviews.authorization.k8s.io` for this
-//! (docs/security.md).
+//! A SubjectAccessReview cannot say whether a Role the executor may create grants rights the
+//! executor does not hold (RBAC escalation). So before an RBAC object (Role, ClusterRole and
+//! their bindings) is written under an executor, [`check_escalation`] has the spoke apiserver
+//! try it: a server-side dry run impersonating the executor's ServiceAccount, which runs the
+//! apiserver's own escalation and bind checks and stores nothing. A refusal fails that
+//! manifest with the apiserver's reason and message.
+//!
+//! The agent's RBAC needs `create` on `subjectaccessreviews.authorization.k8s.io` and
+//! `impersonate` on `serviceaccounts` for this (docs/security.md).
 
 use flotilla_proto::api::ManifestWorkExecutor;
+use serde_json::Value;
 
-use crate::apply::{AccessCheck, ApplyTarget, ManifestFailure, REASON_APPLY_FAILED};
+use crate::apply::{
+    AccessCheck, ApplyError, ApplyTarget, FIELD_MANAGER, ManifestFailure, REASON_APPLY_FAILED,
+};
 use crate::cache::AppliedResource;
+
+/// The reason of a manifest's `Applied=False` condition when the spoke apiserver refused the
+/// executor's dry run as forbidden (its own reason, e.g. for an RBAC escalation).
+pub const REASON_FORBIDDEN: &str = "Forbidden";
+
+/// The RBAC kinds whose writes the apiserver checks for escalation (roles) and binding
+/// (bindings) beyond what any authorizer question can tell.
+const RBAC_GROUP: &str = "rbac.authorization.k8s.io";
+const RBAC_KINDS: [&str; 4] = ["Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"];
 
 /// The only executor subject type OCM defines.
 pub const SERVICE_ACCOUNT: &str = "ServiceAccount";
@@ -102,6 +121,61 @@ pub async fn check(
     Ok(())
 }
 
+/// For an RBAC object, has the spoke apiserver decide whether the executor may write it: a
+/// server-side dry run of `manifest` impersonating the executor's ServiceAccount. Call it after
+/// [`check`] passed; anything but an RBAC object passes at once.
+pub async fn check_escalation(
+    target: &dyn ApplyTarget,
+    executor: &ManifestWorkExecutor,
+    resource: &AppliedResource,
+    manifest: &Value,
+) -> Result<(), ManifestFailure> {
+    if resource.group != RBAC_GROUP || !RBAC_KINDS.contains(&resource.kind.as_str()) {
+        return Ok(());
+    }
+    let Some(sa) = executor.subject.service_account.as_ref() else {
+        // `check` refused it already.
+        return Ok(());
+    };
+    let user = format!("system:serviceaccount:{}:{}", sa.namespace, sa.name);
+    let object = if resource.namespace.is_empty() {
+        resource.name.clone()
+    } else {
+        format!("{}/{}", resource.namespace, resource.name)
+    };
+    match target
+        .dry_run_as(&user, resource, manifest, FIELD_MANAGER)
+        .await
+    {
+        Ok(()) => Ok(()),
+        Err(ApplyError::Rejected {
+            code,
+            reason,
+            message,
+        }) => Err(ManifestFailure {
+            message: format!(
+                "executor ServiceAccount {}/{} may not write {} {object}: the spoke refused it ({reason}): {message}",
+                sa.namespace, sa.name, resource.kind
+            ),
+            // The spoke's admin may grant the missing rights; the agent asks again.
+            retryable: code == 403 || code == 409 || code == 429 || code >= 500,
+            reason: if reason == REASON_FORBIDDEN {
+                REASON_FORBIDDEN
+            } else {
+                REASON_APPLY_FAILED
+            },
+        }),
+        Err(e) => Err(ManifestFailure {
+            message: format!(
+                "cannot check the executor's right to write {} {object}: {e}",
+                resource.kind
+            ),
+            retryable: true,
+            reason: REASON_APPLY_FAILED,
+        }),
+    }
+}
+
 /// `deployments.apps`, `configmaps`: how RBAC and kubectl name a resource.
 fn qualified(resource: &AppliedResource) -> String {
     if resource.group.is_empty() {
@@ -170,6 +244,52 @@ mod tests {
         )
         .await
         .unwrap();
+    }
+
+    fn role() -> AppliedResource {
+        AppliedResource {
+            group: RBAC_GROUP.into(),
+            version: "v1".into(),
+            kind: "Role".into(),
+            resource: "roles".into(),
+            namespace: "default".into(),
+            name: "wide".into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn an_escalating_role_is_refused_with_the_spokes_reason_and_others_pass() {
+        let cluster = MemoryCluster::new();
+        cluster
+            .deny("system:serviceaccount:team-a:deployer", "escalate")
+            .await;
+        let deployer = executor("ServiceAccount", Some(("team-a", "deployer")));
+        let err = check_escalation(&cluster, &deployer, &role(), &Value::Null)
+            .await
+            .unwrap_err();
+        assert_eq!(err.reason, REASON_FORBIDDEN);
+        assert!(
+            err.message.starts_with(
+                "executor ServiceAccount team-a/deployer may not write Role default/wide: the spoke refused it (Forbidden): "
+            ),
+            "{}",
+            err.message
+        );
+        assert!(
+            err.message.contains("not currently held"),
+            "{}",
+            err.message
+        );
+        assert!(err.retryable);
+        // Not an RBAC object: nothing to ask.
+        check_escalation(&cluster, &deployer, &deployment(), &Value::Null)
+            .await
+            .unwrap();
+        // Another executor without the denial may.
+        let other = executor("ServiceAccount", Some(("team-a", "admin")));
+        check_escalation(&cluster, &other, &role(), &Value::Null)
+            .await
+            .unwrap();
     }
 
     #[tokio::test]

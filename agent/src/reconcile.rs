@@ -8,7 +8,9 @@
 //!
 //! One work is reconciled by one task at a time, and at most `concurrency` works at once. A
 //! reconcile writes the work's new status into the cache's outbox, only when it differs from
-//! the last one, and then wakes the session driver through `outbox_changed`.
+//! the last one, and then wakes the session driver through `outbox_changed`. A deleted work
+//! whose resources are all gone (or orphaned) is released: forgotten, with its release put in
+//! the same outbox, so the hub hears `WorkReleased` and lets the work go.
 //!
 //! Crash safety: before applying, the ledger is extended with every object the work is about to
 //! apply (write-ahead), so a crash mid-apply never leaves an object the agent forgot it owns.
@@ -84,7 +86,7 @@ pub struct Reconciled {
     pub new_status: Option<u64>,
     /// Something failed that may succeed later (a manifest, a delete still pending).
     pub retry: bool,
-    /// The work was a tombstone and is now gone from the cache.
+    /// The work was a tombstone and is now gone from the cache, its release in the outbox.
     pub forgotten: bool,
     /// The generation applied and the resourceVersion each object the work owns had after
     /// the apply (empty for a tombstone or a work not applied): how drift is noticed.
@@ -404,7 +406,7 @@ impl Reconciler {
                 if matches!(&result, Ok(r) if r.applied.is_some()) {
                     metrics.observe_apply(started.elapsed());
                 }
-                if matches!(&result, Ok(r) if r.new_status.is_some()) {
+                if matches!(&result, Ok(r) if r.new_status.is_some() || r.forgotten) {
                     outbox.notify_one();
                 }
                 (uid, result)
@@ -733,8 +735,8 @@ async fn remove_work(
     }
     if remaining.is_empty() {
         let uid = work.uid.clone();
-        durably(cache, move |c| c.forget(&uid)).await?;
-        info!("work removed");
+        durably(cache, move |c| c.release(&uid)).await?;
+        info!("work removed; its release goes to the hub");
         return Ok(Reconciled {
             forgotten: true,
             ..Reconciled::default()
@@ -931,6 +933,7 @@ mod tests {
         assert!(r.forgotten);
         assert_eq!(cache.work("a").unwrap(), None);
         assert_eq!(cache.last_status("a").unwrap(), None);
+        assert_eq!(cache.pending_releases().unwrap(), ["a"], "the hub is told");
         cluster.objects().await
     }
 
@@ -962,6 +965,11 @@ mod tests {
         let r = reconcile_work(&cache, &cluster, "a").await.unwrap();
         assert!(r.retry && !r.forgotten);
         assert!(cache.work("a").unwrap().is_some());
+        assert!(
+            cache.pending_releases().unwrap().is_empty(),
+            "not released while its object may still be there"
+        );
+        assert_eq!(cache.releasing().unwrap(), ["a"]);
         cluster.set_down(false).await;
         assert!(
             reconcile_work(&cache, &cluster, "a")

@@ -823,6 +823,85 @@ async fn an_executor_lacking_a_permission_is_refused_for_that_manifest_only() ->
     Ok(())
 }
 
+/// A SubjectAccessReview says the executor may create Roles, not whether a Role grants more
+/// than the executor holds: the spoke apiserver's own escalation check decides, on a dry run as
+/// the executor, and a refused Role is neither created nor hides the others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_executor_cannot_write_a_role_granting_what_it_does_not_hold() -> anyhow::Result<()> {
+    use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+    trace_init();
+    let spoke = Spoke::start().await?;
+    let sas: Api<ServiceAccount> = spoke.api();
+    sas.create(
+        &Default::default(),
+        &serde_json::from_value(json!({"metadata": {"name": "role-writer"}}))?,
+    )
+    .await?;
+    // It may write Roles, and only read ConfigMaps.
+    let roles: Api<Role> = spoke.api();
+    roles
+        .create(
+            &Default::default(),
+            &serde_json::from_value(json!({"metadata": {"name": "role-writer"}, "rules": [
+                {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles"],
+                 "verbs": ["create", "update", "patch", "get", "delete"]},
+                {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"]}]}))?,
+        )
+        .await?;
+    let bindings: Api<RoleBinding> = spoke.api();
+    bindings
+        .create(
+            &Default::default(),
+            &serde_json::from_value(json!({"metadata": {"name": "role-writer"},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "role-writer"},
+                "subjects": [{"kind": "ServiceAccount", "name": "role-writer", "namespace": "default"}]}))?,
+        )
+        .await?;
+    let role = |name: &str, verbs: Value| {
+        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+               "metadata": {"name": name, "namespace": "default"},
+               "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": verbs}]})
+    };
+    let mw = configured_work(
+        vec![
+            role("reader", json!(["get"])),
+            role("writer", json!(["get", "create", "delete"])),
+        ],
+        json!([]),
+        json!({"executor": {"subject": {"type": "ServiceAccount", "serviceAccount": {"namespace": "default", "name": "role-writer"}}}}),
+    );
+    spoke.put("escalate", 1, &mw)?;
+    let r = spoke.reconcile("escalate").await?;
+    assert!(r.retry, "a right granted later lets it through: retried");
+
+    assert!(
+        roles.get_opt("reader").await?.is_some(),
+        "a Role within the executor's rights is written"
+    );
+    assert!(
+        roles.get_opt("writer").await?.is_none(),
+        "nothing is created for the refused Role"
+    );
+    let status = spoke.status("escalate")?;
+    assert_eq!(applied_condition(&status, "reader").0, "True");
+    let (applied, reason, message) = applied_condition(&status, "writer");
+    assert_eq!((applied.as_str(), reason.as_str()), ("False", "Forbidden"));
+    assert!(
+        message.starts_with(
+            "executor ServiceAccount default/role-writer may not write Role default/writer: the spoke refused it (Forbidden): "
+        ),
+        "{message}"
+    );
+    // The apiserver's own words for an escalation.
+    assert!(
+        message.contains("is attempting to grant RBAC permissions not currently held"),
+        "{message}"
+    );
+    assert_eq!(condition(&status, WORK_APPLIED).0, "False");
+    drop(spoke.env);
+    Ok(())
+}
+
 /// The reconciler task with a short feedback interval, on `spoke`.
 fn start_reconciler(
     spoke: &Spoke,

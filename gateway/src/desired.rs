@@ -8,6 +8,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use flotilla_proto::api::content::ContentRef;
 use flotilla_proto::api::{Kind, ManifestWork, content_hash};
+use flotilla_proto::contract::WORK_CLEANUP_FINALIZER;
 use flotilla_proto::session::DesiredWork;
 use flotilla_store::{Object, Store, WatchEvent};
 use tokio::sync::{RwLock, watch};
@@ -81,6 +82,42 @@ impl DesiredState {
             .get(cluster)?
             .get(uid)
             .cloned()
+    }
+
+    /// The name of `cluster`'s desired work `uid` if, as last read, it lacks the cleanup
+    /// finalizer ([`WORK_CLEANUP_FINALIZER`]): the gateway adds it once the agent acknowledges
+    /// the work. `None` when it has it, or is not one of the cluster's desired works.
+    pub async fn lacks_cleanup_finalizer(&self, cluster: &str, uid: &str) -> Option<String> {
+        #[derive(serde::Deserialize)]
+        struct Work {
+            metadata: Meta,
+        }
+        #[derive(serde::Deserialize)]
+        struct Meta {
+            #[serde(default)]
+            finalizers: Vec<String>,
+        }
+        self.wait_ready().await;
+        let works = self.works.read().await;
+        let work = works.get(cluster)?.get(uid)?;
+        let meta = serde_json::from_slice::<Work>(&work.manifest_work_json).ok()?;
+        (!meta
+            .metadata
+            .finalizers
+            .iter()
+            .any(|f| f == WORK_CLEANUP_FINALIZER))
+        .then(|| work.name.clone())
+    }
+
+    /// The uids of `cluster`'s works deleted on the hub that a finalizer still holds.
+    pub async fn terminating(&self, cluster: &str) -> Vec<String> {
+        self.wait_ready().await;
+        self.terminating
+            .read()
+            .await
+            .get(cluster)
+            .map(|m| m.keys().cloned().collect())
+            .unwrap_or_default()
     }
 
     /// Whether `uid` is one of `cluster`'s desired works and its content reference names the

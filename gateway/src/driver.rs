@@ -4,6 +4,7 @@
 //! whose results come back as events; the loop itself never waits on them, so a slow store
 //! costs no session its heartbeats.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -189,7 +190,34 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
                     uid,
                     generation,
                     current,
-                } => debug!(work_uid = %uid, generation, current, "work durable on the agent"),
+                } => {
+                    debug!(work_uid = %uid, generation, current, "work durable on the agent");
+                    if current {
+                        // From now on its deletion waits for the agent's release: once per
+                        // work, as the cached work shows the finalizer after the first.
+                        let (shared, cluster) = (shared.clone(), cluster.clone());
+                        work.push(Box::pin(async move {
+                            if let Some(name) =
+                                shared.desired.lacks_cleanup_finalizer(&cluster, &uid).await
+                            {
+                                shared.finalizers.hold(&cluster, &name, &uid).await;
+                            }
+                            Done::Nothing
+                        }));
+                    }
+                }
+                HubEvent::WorkReleased { uid } => {
+                    debug!(work_uid = %uid, "work released by the agent");
+                    let (shared, cluster, reporter) =
+                        (shared.clone(), cluster.clone(), mailbox.clone());
+                    work.push(Box::pin(async move {
+                        shared
+                            .finalizers
+                            .release(&cluster, &uid, Some(&reporter))
+                            .await;
+                        Done::Nothing
+                    }));
+                }
                 HubEvent::RenewalRequested { csr_pem } => match &shared.certificates {
                     None => machine.refuse_renewal(
                         "this gateway cannot issue certificates; renew through the hub",
@@ -323,6 +351,9 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
                 for (uid, seq) in delivery.status_acks {
                     machine.ack_status(uid, seq);
                 }
+                for uid in delivery.release_acks {
+                    machine.ack_release(uid);
+                }
                 for id in delivery.open_tunnels {
                     machine.open_tunnel(id);
                 }
@@ -392,6 +423,26 @@ async fn open_session(shared: Arc<Shared>, handle: SessionHandle, hello: wire::H
     if let Some(elsewhere) = not_here(&shared, &cluster, &session) {
         shared.registry.unregister(&cluster, &session).await;
         return elsewhere;
+    }
+    // Works the agent holds are deleted over the sync, and those it is removing it releases
+    // itself; any other work of the cluster held by its cleanup finalizer is one the agent has
+    // nothing of (its cache was lost, or its release ack was): nothing is left to wait for.
+    let terminating = shared.desired.terminating(&cluster).await;
+    let unknown: Vec<String> = {
+        let known: HashSet<&str> = hello
+            .held
+            .iter()
+            .map(|h| h.uid.as_str())
+            .chain(hello.releasing.iter().map(String::as_str))
+            .collect();
+        terminating
+            .into_iter()
+            .filter(|uid| !known.contains(uid.as_str()))
+            .collect()
+    };
+    for uid in unknown {
+        debug!(work_uid = %uid, "deleted work the agent does not hold: released");
+        shared.finalizers.release(&cluster, &uid, None).await;
     }
     shared
         .health

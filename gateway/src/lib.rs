@@ -17,6 +17,7 @@ pub mod admission;
 pub mod certificates;
 pub mod desired;
 mod driver;
+pub mod finalizers;
 pub mod health;
 pub mod mailbox;
 pub mod metrics;

@@ -2,7 +2,7 @@
 //! close requests. Writers never wait on a session: the mailbox coalesces by work (latest wins),
 //! so a slow agent costs one entry per work, and fan-out to the other sessions never stalls.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use flotilla_proto::session::DesiredWork;
 use tokio::sync::{Mutex, Notify};
@@ -25,6 +25,8 @@ struct Pending {
     works: HashMap<String, WorkChange>,
     /// Highest stored status seq per work uid, to acknowledge to the agent.
     status_acks: HashMap<String, u64>,
+    /// Works whose release is recorded (their cleanup finalizer gone), to acknowledge.
+    release_acks: HashSet<String>,
     close: Option<Closing>,
     /// A new CA bundle to send the agent (after a CA rotation); the latest wins.
     trust_bundle: Option<String>,
@@ -53,6 +55,7 @@ pub enum Closing {
 pub struct Delivery {
     pub works: Vec<WorkChange>,
     pub status_acks: Vec<(String, u64)>,
+    pub release_acks: Vec<String>,
     pub close: Option<Closing>,
     pub trust_bundle: Option<String>,
     pub open_tunnels: Vec<String>,
@@ -79,6 +82,16 @@ impl Mailbox {
         let entry = pending.status_acks.entry(uid.to_string()).or_insert(seq);
         *entry = (*entry).max(seq);
         drop(pending);
+        self.notify.notify_one();
+    }
+
+    /// Acknowledges the agent's release of work `uid` (`ReleaseAck`).
+    pub async fn release_ack(&self, uid: &str) {
+        self.pending
+            .lock()
+            .await
+            .release_acks
+            .insert(uid.to_string());
         self.notify.notify_one();
     }
 
@@ -129,6 +142,7 @@ impl Mailbox {
         Delivery {
             works: pending.works.drain().map(|(_, c)| c).collect(),
             status_acks: pending.status_acks.drain().collect(),
+            release_acks: pending.release_acks.drain().collect(),
             close: pending.close.take(),
             trust_bundle: pending.trust_bundle.take(),
             open_tunnels: std::mem::take(&mut pending.open_tunnels),

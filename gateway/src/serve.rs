@@ -22,6 +22,7 @@ use crate::admission::Admissions;
 use crate::certificates::ClusterCertificates;
 use crate::desired::DesiredState;
 use crate::driver::drive;
+use crate::finalizers::CleanupFinalizers;
 use crate::health::{HealthReports, HealthWriter};
 use crate::metrics::GatewayMetrics;
 use crate::rate::{SessionGate, SessionRate};
@@ -153,6 +154,8 @@ pub(crate) struct Shared {
     pub(crate) registry: Arc<Registry>,
     pub(crate) desired: Arc<DesiredState>,
     pub(crate) statuses: Arc<StatusWriter>,
+    /// Adds and removes ManifestWorks' cleanup finalizers as agents acknowledge and release.
+    pub(crate) finalizers: Arc<CleanupFinalizers>,
     pub(crate) admissions: Arc<Admissions>,
     /// The hub's CA, for renewals over the session; `None` on a gateway that cannot sign.
     pub(crate) certificates: Option<Arc<dyn ClusterCertificates>>,
@@ -214,6 +217,10 @@ impl Gateway {
             SessionRate::new(config.session_rate, config.session_burst),
             metrics.new_connection_counters(),
         );
+        // Paced like status writes: a fleet-wide rollout acknowledged at once must not turn
+        // into a burst of work updates on the hub apiserver.
+        let finalizers =
+            CleanupFinalizers::new(config.status_writes_per_second, shards.subscribe());
         Gateway {
             shared: Arc::new(Shared {
                 store,
@@ -222,6 +229,7 @@ impl Gateway {
                 registry: Arc::new(Registry::default()),
                 desired: DesiredState::new(),
                 statuses,
+                finalizers,
                 admissions,
                 certificates,
                 next_session: AtomicU64::new(1),
@@ -409,6 +417,18 @@ impl Gateway {
             "the status writer",
             shared
                 .statuses
+                .clone()
+                .run(
+                    shared.store.clone(),
+                    shared.desired.clone(),
+                    stop_rx.clone(),
+                )
+                .map(Ok),
+        );
+        tasks.spawn(
+            "the cleanup finalizer writer",
+            shared
+                .finalizers
                 .clone()
                 .run(
                     shared.store.clone(),

@@ -12,6 +12,11 @@
 //! of a deletion; with `clean`, the agent must confirm (it is the one that deletes), and the
 //! revocation comes last.
 //!
+//! Each deleted work stays on the hub until its agent reports it released (the gateway then
+//! removes its cleanup finalizer), so `delete-works` of `clean` ends when the spoke is clean.
+//! With `orphan` the agent is revoked first and never releases anything: `delete-works` removes
+//! the finalizers itself.
+//!
 //! Sequences (the step names are what the progress annotation records):
 //! * orphan: `policy` → `confirm` (a timeout goes on) → `revoke` → `unplace` → `delete-works`
 //!   → `delete-cluster`
@@ -31,6 +36,7 @@ use std::time::Duration;
 
 use flotilla_proto::api::Kind;
 use flotilla_proto::api::conditions::MANAGED_CLUSTER_CONDITION_AVAILABLE;
+use flotilla_proto::contract::WORK_CLEANUP_FINALIZER;
 use http::{Method, StatusCode};
 use serde_json::{Value, json};
 use tokio::time::Instant;
@@ -352,6 +358,17 @@ pub fn apply_policy(work: &mut Value, policy: Policy) -> bool {
     *work != before
 }
 
+/// Removes the cleanup finalizer ([`WORK_CLEANUP_FINALIZER`]) from a work; `false` when it
+/// has none. For works whose agent will never release them (an orphaning decommission).
+pub fn drop_cleanup_finalizer(work: &mut Value) -> bool {
+    let Some(finalizers) = work["metadata"]["finalizers"].as_array_mut() else {
+        return false;
+    };
+    let before = finalizers.len();
+    finalizers.retain(|f| f != WORK_CLEANUP_FINALIZER);
+    finalizers.len() != before
+}
+
 /// Whether the agent has reported a status for the work's current generation: it stores a
 /// generation durably before it reports on it, so from then on its own copy carries the
 /// generation's deleteOption, whatever happens to its connection.
@@ -660,6 +677,21 @@ async fn run_step(
                         timeout,
                     });
                 }
+                if policy == Policy::Orphan {
+                    // The agent is revoked and never releases these works: let them go here,
+                    // so their deletion does not wait on the cleanup finalizer for good.
+                    for name in names(&works) {
+                        let path = object_path(Kind::ManifestWork, Some(cluster), &name);
+                        let what = format!("ManifestWork {cluster}/{name}");
+                        match modify_object(client, &path, &what, |w| Ok(drop_cleanup_finalizer(w)))
+                            .await
+                        {
+                            Ok(_) => {}
+                            Err(e) if is_not_found(&e) => {}
+                            Err(e) => return Err(api(e)),
+                        }
+                    }
+                }
                 for name in names(&live) {
                     match client
                         .request(
@@ -798,6 +830,16 @@ mod tests {
         let mut bare = json!({"metadata": {"name": "db"}, "spec": {"workload": {}}});
         assert!(apply_policy(&mut bare, Policy::Orphan));
         assert_eq!(bare["spec"]["deleteOption"]["propagationPolicy"], "Orphan");
+    }
+
+    #[test]
+    fn an_orphaning_decommission_drops_only_the_cleanup_finalizer() {
+        let mut work =
+            json!({"metadata": {"finalizers": ["example.com/keep", WORK_CLEANUP_FINALIZER]}});
+        assert!(drop_cleanup_finalizer(&mut work));
+        assert_eq!(work["metadata"]["finalizers"], json!(["example.com/keep"]));
+        assert!(!drop_cleanup_finalizer(&mut work), "nothing left to drop");
+        assert!(!drop_cleanup_finalizer(&mut json!({"metadata": {}})));
     }
 
     #[test]

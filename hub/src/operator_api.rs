@@ -517,6 +517,12 @@ async fn write(
     if let Err(message) = validate_typed(kind, &body) {
         return error(StatusCode::UNPROCESSABLE_ENTITY, message);
     }
+    if how == Write::Replace
+        && body["metadata"].get("finalizers").is_none()
+        && let Err(e) = keep_finalizers(&s, kind, ns, &mut body).await
+    {
+        return store_error(e);
+    }
     let result = match how {
         Write::Create => s.store.create(body).await,
         Write::Replace => s.store.update_spec(body).await,
@@ -532,6 +538,28 @@ async fn write(
         }
         Err(e) => store_error(e),
     }
+}
+
+/// A replacement that says nothing of finalizers (`flotilla apply --overwrite` of a YAML file)
+/// keeps the stored ones, as `kubectl apply` does: the finalizers are the controllers' and the
+/// gateways' (a ManifestWork's cleanup finalizer holds it until its agent has released it),
+/// and dropping them would let a deleted object go before its cleanup.
+async fn keep_finalizers(
+    s: &ApiState,
+    kind: Kind,
+    ns: Option<&str>,
+    body: &mut Value,
+) -> Result<(), StoreError> {
+    let Some(name) = body["metadata"]["name"].as_str().map(str::to_owned) else {
+        return Ok(());
+    };
+    if let Some(stored) = s.store.get(kind, ns, &name).await?
+        && let Some(finalizers) = stored["metadata"].get("finalizers")
+        && let Some(meta) = body["metadata"].as_object_mut()
+    {
+        meta.insert("finalizers".into(), finalizers.clone());
+    }
+    Ok(())
 }
 
 /// What the kube backend's CRD schema refuses, refused here too: an object of a placement kind

@@ -146,6 +146,18 @@ impl ApplyTarget for SimCluster {
         self.inner.review_access(check).await
     }
 
+    async fn dry_run_as(
+        &self,
+        user: &str,
+        resource: &AppliedResource,
+        manifest: &Value,
+        field_manager: &str,
+    ) -> Result<(), ApplyError> {
+        self.inner
+            .dry_run_as(user, resource, manifest, field_manager)
+            .await
+    }
+
     fn watch(&self, kind: &ResourceKind) -> BoxStream<'static, ObjectEvent> {
         self.inner.watch(kind)
     }

@@ -69,6 +69,18 @@ pub const REQUESTED_AT_ANNOTATION: &str = "registration.flotilla.dev/join-reques
 /// OCM's taint for clusters whose agent stopped reporting (Available=Unknown).
 pub const UNREACHABLE_TAINT: &str = "cluster.open-cluster-management.io/unreachable";
 
+/// The finalizer the gateway puts on a ManifestWork once its agent has acknowledged it, and
+/// removes when the agent reports the work released (`WorkReleased`): everything it applied is
+/// gone from the spoke, or orphaned as its deleteOption says. OCM's work agent uses the same
+/// name. Until then a deleted work stays on the hub with its `Deleting` condition. A work whose
+/// cluster is gone for good is released by `flotilla cluster decommission --policy orphan`, or
+/// by removing this finalizer by hand.
+pub const WORK_CLEANUP_FINALIZER: &str = "cluster.open-cluster-management.io/manifest-work-cleanup";
+
+/// Longest ManifestWork uid a session frame may carry (`WorkReleased`, `Hello.releasing`). An
+/// apiserver uid is 36 characters; the bound leaves room for other stores and refuses garbage.
+pub const MAX_UID_BYTES: usize = 128;
+
 /// ClusterClaims the agent makes itself, named as OCM's registration agent names them (its
 /// reserved claims), plus the spoke's node count. Custom claims come from the spoke's
 /// ClusterClaim objects.

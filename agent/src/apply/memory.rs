@@ -285,6 +285,32 @@ impl ApplyTarget for MemoryCluster {
             .contains(&(check.user.clone(), check.verb.clone())))
     }
 
+    /// Refused, as the apiserver refuses an escalation, for a user denied `escalate`.
+    async fn dry_run_as(
+        &self,
+        user: &str,
+        resource: &AppliedResource,
+        _manifest: &Value,
+        _field_manager: &str,
+    ) -> Result<(), ApplyError> {
+        let state = self.state.lock().await;
+        state.check_up()?;
+        if state
+            .denied
+            .contains(&(user.to_owned(), "escalate".to_owned()))
+        {
+            return Err(ApplyError::Rejected {
+                code: 403,
+                reason: "Forbidden".into(),
+                message: format!(
+                    "{} {:?} is forbidden: user {user:?} is attempting to grant RBAC permissions not currently held",
+                    resource.resource, resource.name
+                ),
+            });
+        }
+        Ok(())
+    }
+
     fn watch(&self, kind: &ResourceKind) -> BoxStream<'static, ObjectEvent> {
         let kind = kind.clone();
         let matches = move |r: &AppliedResource| {

@@ -194,8 +194,9 @@ enum ClusterAction {
     /// its ManifestWorks' deleteOption and wait for the agent to report it, take it out of
     /// placements (taint flotilla.io/decommissioning:NoSelect), delete its works, revoke it
     /// (deny) and delete the ManagedCluster. With `orphan` the agent is revoked before any work
-    /// is deleted, so an agent that was offline keeps every workload when it comes back; with
-    /// `clean` the agent deletes them and must be online to confirm.
+    /// is deleted, so an agent that was offline keeps every workload when it comes back, and
+    /// the works' cleanup finalizers are removed here; with `clean` the agent deletes them and
+    /// must be online to confirm, and the works go once it reports the spoke clean.
     ///
     /// Progress is recorded on the ManagedCluster (annotation flotilla.io/decommission): run
     /// the same command again after an interruption, or a failure it explains, and it
@@ -325,7 +326,8 @@ enum WorkAction {
     },
     /// Delete the work NAME from each cluster (`--clusters`), or the ManifestWorkReplicaSet of
     /// `--placement NS/NAME` with all its ManifestWorks; resources are deleted or orphaned as
-    /// the work's deleteOption says.
+    /// the work's deleteOption says. A work its agent has acknowledged stays (Deleting) until
+    /// the agent reports its resources removed: its cleanup finalizer holds it.
     #[command(group(clap::ArgGroup::new("target").required(true).args(["clusters", "placement"])))]
     Delete {
         name: String,

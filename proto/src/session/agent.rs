@@ -95,6 +95,12 @@ pub enum AgentEvent {
         /// The highest status seq stored.
         seq: u64,
     },
+    /// The hub recorded the release of this work (see [`AgentSession::release_work`]): drop it
+    /// from the release outbox.
+    ReleaseAcked {
+        /// The work's uid.
+        uid: String,
+    },
     /// Time to renew the client certificate (see [`AgentSession::set_certificate_validity`]):
     /// the driver makes a new key and a signing request for it, off its loop, and passes the
     /// request to [`AgentSession::renew_certificate`] (or reports
@@ -173,6 +179,8 @@ enum Key {
     ClusterInfo,
     /// A request for the chunk with this digest.
     Chunk(String),
+    /// A work released from the spoke.
+    Release(String),
 }
 
 /// The agent's side of its session: a sans-IO state machine.
@@ -261,6 +269,7 @@ impl AgentSession {
             claims: config.claims,
             kubernetes_version: config.kubernetes_version,
             ca_bundle_sha256: String::new(),
+            releasing: Vec::new(),
         };
         Self {
             welcome_timeout: config.welcome_timeout,
@@ -322,6 +331,22 @@ impl AgentSession {
             .and_then(|frame| frame.frame.as_mut())
         {
             hello.ca_bundle_sha256 = sha256.into();
+        }
+        self
+    }
+
+    /// Adds the works being removed from the spoke (tombstones, and releases the hub has not
+    /// acknowledged) to the queued hello, so that the hub keeps their cleanup finalizers
+    /// instead of taking them for works this agent never had. Call it right after
+    /// [`new`](Self::new), before the first [`poll_transmit`](Self::poll_transmit); later it
+    /// does nothing.
+    pub fn with_releasing(mut self, uids: Vec<String>) -> Self {
+        if let Some(agent_frame::Frame::Hello(hello)) = self
+            .control
+            .front_mut()
+            .and_then(|frame| frame.frame.as_mut())
+        {
+            hello.releasing = uids;
         }
         self
     }
@@ -432,6 +457,11 @@ impl AgentSession {
             hub_frame::Frame::SyncComplete(sync) => {
                 self.events
                     .push_back(AgentEvent::Synced { sent: sync.sent });
+                Ok(())
+            }
+            hub_frame::Frame::ReleaseAck(ack) => {
+                self.events
+                    .push_back(AgentEvent::ReleaseAcked { uid: ack.uid });
                 Ok(())
             }
             hub_frame::Frame::StatusAck(ack) => {
@@ -714,6 +744,21 @@ impl AgentSession {
         self.data.put(key, agent_frame::Frame::WorkStatus(status));
     }
 
+    /// Tells the hub that everything work `uid` applied is gone from the spoke (or orphaned as
+    /// its deleteOption says) and the work is forgotten, so the hub may let the deleted work
+    /// go. Keep the release in a durable outbox until [`AgentEvent::ReleaseAcked`] and report
+    /// it again on the next session. Coalesced per work. Ignored after close.
+    pub fn release_work(&mut self, uid: impl Into<String>) {
+        if self.is_closed() {
+            return;
+        }
+        let uid = uid.into();
+        self.data.put(
+            Key::Release(uid.clone()),
+            agent_frame::Frame::WorkReleased(wire::WorkReleased { uid }),
+        );
+    }
+
     /// Reports what the agent knows about its spoke now (claims, version, capacity), whole: call
     /// it once the session is established and again whenever that changes. Coalesced (only
     /// the latest report is sent); the hub writes it into the ManagedCluster's status when it
@@ -831,6 +876,7 @@ fn hub_frame_name(frame: &hub_frame::Frame) -> &'static str {
         hub_frame::Frame::RenewalRefused(_) => "RenewalRefused",
         hub_frame::Frame::Chunk(_) => "Chunk",
         hub_frame::Frame::ChunkRefused(_) => "ChunkRefused",
+        hub_frame::Frame::ReleaseAck(_) => "ReleaseAck",
     }
 }
 

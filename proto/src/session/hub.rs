@@ -10,6 +10,7 @@ use super::queue::CoalescingQueue;
 use super::{CHUNK_WINDOW, DesiredWork, duration_ms};
 use crate::PROTOCOL_VERSION;
 use crate::api::content::is_sha256_hex;
+use crate::contract::MAX_UID_BYTES;
 use crate::wire::{self, agent_frame, hub_frame};
 
 /// Default for [`HubConfig::heartbeat_interval`].
@@ -102,6 +103,14 @@ pub enum HubEvent {
     ClusterInfoReported {
         /// The report, as received.
         info: wire::ClusterInfo,
+    },
+    /// The agent removed from the spoke everything this deleted work applied (or orphaned it)
+    /// and forgot the work. The driver checks that the uid is one of this cluster's works,
+    /// removes the work's cleanup finalizer, and then calls [`HubSession::ack_release`] (also
+    /// when there is nothing to remove: the work is gone, or never had the finalizer).
+    WorkReleased {
+        /// The work's uid, at most [`MAX_UID_BYTES`].
+        uid: String,
     },
     /// The agent asks for a certificate for a new key (rotation). The driver checks that the
     /// cluster is still accepted, signs the request for the session's own identity (never a
@@ -206,6 +215,8 @@ pub struct HubSession {
     control: VecDeque<wire::HubFrame>,
     /// uid → highest status seq to acknowledge; coalesced because only the latest matters.
     status_acks: CoalescingQueue<String, u64>,
+    /// uids whose release the driver recorded, to acknowledge; one entry per work.
+    release_acks: CoalescingQueue<String, ()>,
     /// Work updates and deletes coalesced by uid, plus the sync marker.
     works: CoalescingQueue<Slot, Outgoing>,
     events: VecDeque<HubEvent>,
@@ -243,6 +254,7 @@ impl HubSession {
             sync: Sync::NotStarted,
             control: VecDeque::new(),
             status_acks: CoalescingQueue::default(),
+            release_acks: CoalescingQueue::default(),
             works: CoalescingQueue::default(),
             events: VecDeque::new(),
             renewing: false,
@@ -348,6 +360,19 @@ impl HubSession {
                 });
                 Ok(())
             }
+            (Phase::Established, agent_frame::Frame::WorkReleased(released)) => {
+                if let Err(detail) = check_uid(&released.uid) {
+                    return self.fail(ProtocolError::InvalidFrame {
+                        frame: "WorkReleased",
+                        detail,
+                    });
+                }
+                // The agent holds nothing of it any more: a later delete need not be sent.
+                self.delivered.remove(&released.uid);
+                self.events
+                    .push_back(HubEvent::WorkReleased { uid: released.uid });
+                Ok(())
+            }
             (Phase::Established, agent_frame::Frame::ClusterInfo(info)) => {
                 self.events
                     .push_back(HubEvent::ClusterInfoReported { info });
@@ -428,6 +453,9 @@ impl HubSession {
                 uid,
                 seq,
             })));
+        }
+        if let Some((uid, ())) = self.release_acks.pop() {
+            return Some(hub(hub_frame::Frame::ReleaseAck(wire::ReleaseAck { uid })));
         }
         if self.sync == Sync::NotStarted {
             return None;
@@ -574,6 +602,15 @@ impl HubSession {
         let uid = uid.into();
         let seq = self.status_acks.get(&uid).map_or(seq, |&s| s.max(seq));
         self.status_acks.put(uid, seq);
+    }
+
+    /// Acknowledges the agent's `WorkReleased` for `uid` once the driver has recorded it (the
+    /// work's cleanup finalizer is gone, or the work is), so the agent can drop it from its
+    /// outbox. Ignored unless established: the agent reports it again on its next session.
+    pub fn ack_release(&mut self, uid: impl Into<String>) {
+        if self.phase == Phase::Established {
+            self.release_acks.put(uid.into(), ());
+        }
     }
 
     /// Answers the outstanding [`HubEvent::ChunkRequested`] for `chunk_sha256` with its bytes
@@ -770,6 +807,12 @@ impl HubSession {
                 hello: hello.cluster_name,
             });
         }
+        if let Some(detail) = hello.releasing.iter().find_map(|uid| check_uid(uid).err()) {
+            return self.fail(ProtocolError::InvalidFrame {
+                frame: "Hello",
+                detail: format!("releasing: {detail}"),
+            });
+        }
         self.delivered = hello
             .held
             .iter()
@@ -852,6 +895,7 @@ impl HubSession {
         // holds, so nothing is lost and a closing session sends no more than it must.
         self.control.clear();
         self.status_acks.clear();
+        self.release_acks.clear();
         self.works.clear();
         self.chunks.clear();
         self.chunk_requests.clear();
@@ -885,7 +929,22 @@ fn agent_frame_name(frame: &agent_frame::Frame) -> &'static str {
         agent_frame::Frame::RenewCertificate(_) => "RenewCertificate",
         agent_frame::Frame::ClusterInfo(_) => "ClusterInfo",
         agent_frame::Frame::ChunkRequest(_) => "ChunkRequest",
+        agent_frame::Frame::WorkReleased(_) => "WorkReleased",
     }
+}
+
+/// A work uid as a frame may carry it: present and bounded.
+fn check_uid(uid: &str) -> Result<(), String> {
+    if uid.is_empty() {
+        return Err("a work uid is empty".into());
+    }
+    if uid.len() > MAX_UID_BYTES {
+        return Err(format!(
+            "a work uid of {} bytes exceeds the bound of {MAX_UID_BYTES} bytes",
+            uid.len()
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -964,6 +1023,102 @@ mod tests {
         // An answer for a chunk nobody asked for is not sent.
         session.send_chunk("w", &sha256_hex(b"other"), vec![1]);
         assert!(session.poll_transmit().is_none());
+    }
+
+    /// Frames both ways until both are quiet; the events each side emitted meanwhile.
+    fn pump(
+        now: Instant,
+        agent: &mut crate::session::AgentSession,
+        hub: &mut HubSession,
+    ) -> (Vec<crate::session::AgentEvent>, Vec<HubEvent>) {
+        let (mut agent_events, mut hub_events) = (Vec::new(), Vec::new());
+        loop {
+            let mut moved = false;
+            while let Some(frame) = agent.poll_transmit() {
+                hub.handle_frame(now, frame).unwrap();
+                moved = true;
+            }
+            while let Some(frame) = hub.poll_transmit() {
+                agent.handle_frame(now, frame).unwrap();
+                moved = true;
+            }
+            hub_events.extend(std::iter::from_fn(|| hub.poll_event()));
+            agent_events.extend(std::iter::from_fn(|| agent.poll_event()));
+            if !moved {
+                return (agent_events, hub_events);
+            }
+        }
+    }
+
+    #[test]
+    fn a_release_reaches_the_hub_its_ack_comes_back_and_no_delete_follows() {
+        use crate::session::{AgentConfig, AgentEvent, AgentSession};
+        let now = Instant::now();
+        let held = vec![wire::HeldWork {
+            uid: "applied".into(),
+            generation: 1,
+            content_hash: "h".into(),
+        }];
+        let config = AgentConfig {
+            cluster_name: "c1".into(),
+            agent_version: "test".into(),
+            kubernetes_version: String::new(),
+            claims: Vec::new(),
+            welcome_timeout: Duration::from_secs(15),
+        };
+        let mut agent =
+            AgentSession::new(now, config, held).with_releasing(vec!["removing".into()]);
+        let mut hub = HubSession::new(now, HubConfig::default(), "c1", "s1");
+        let (_, events) = pump(now, &mut agent, &mut hub);
+        let Some(HubEvent::Established { hello }) = events.first() else {
+            panic!("{events:?}");
+        };
+        assert_eq!(
+            hello.releasing,
+            ["removing"],
+            "the hub hears what is being removed"
+        );
+        let desired = DesiredWork {
+            uid: "applied".into(),
+            generation: 1,
+            content_hash: "h".into(),
+            ..DesiredWork::default()
+        };
+        hub.begin_sync(vec![desired]);
+        pump(now, &mut agent, &mut hub);
+
+        agent.release_work("applied");
+        let (_, events) = pump(now, &mut agent, &mut hub);
+        assert_eq!(
+            events,
+            [HubEvent::WorkReleased {
+                uid: "applied".into()
+            }]
+        );
+        // The agent holds nothing of it now: a deletion arriving late sends nothing.
+        hub.delete_work("applied", "c1", "w");
+        assert!(hub.poll_transmit().is_none());
+        hub.ack_release("applied");
+        let (events, _) = pump(now, &mut agent, &mut hub);
+        assert_eq!(
+            events,
+            [AgentEvent::ReleaseAcked {
+                uid: "applied".into()
+            }]
+        );
+    }
+
+    #[test]
+    fn a_release_without_a_bounded_uid_closes_the_session() {
+        for uid in [String::new(), "x".repeat(MAX_UID_BYTES + 1)] {
+            let (now, mut session) = established();
+            let frame = wire::AgentFrame {
+                frame: Some(agent_frame::Frame::WorkReleased(wire::WorkReleased { uid })),
+            };
+            let err = session.handle_frame(now, frame).unwrap_err();
+            assert!(err.to_string().contains("WorkReleased"), "{err}");
+            assert!(session.is_closed());
+        }
     }
 
     #[test]

@@ -138,8 +138,8 @@ async fn delivery(kube: bool) -> anyhow::Result<()> {
     }
 
     // Deleting the work: Orphan on cluster1 leaves the Deployment, Foreground on cluster2
-    // removes it. The orphaned one is checked after the agent has finished with the deletion
-    // (its work is gone from the hub and the agent says so), not merely soon after.
+    // removes it. Both are checked after the agents have finished with the deletion (the works
+    // are gone from the hub once their agents released them), not merely soon after.
     fleet.apply(&seed_work(dir.path(), "cluster1", |w| {
         set_image(w, "nginx:1.25.5");
         w["spec"]["deleteOption"] = serde_json::json!({ "propagationPolicy": "Orphan" });
@@ -157,15 +157,27 @@ async fn delivery(kube: bool) -> anyhow::Result<()> {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    spokes[1]
-        .wait_deployment_image("nginx-deployment", None)
+    // Each work stays on the hub (its cleanup finalizer) until its agent has released it.
+    for spoke in &spokes {
+        wait_for(
+            &format!("{}'s agent to release the deleted work", spoke.name),
+            Duration::from_secs(60),
+            || async {
+                Ok(fleet
+                    .work(&spoke.name, "my-first-work")?
+                    .is_none()
+                    .then_some(()))
+            },
+        )
         .await?;
-    wait_for(
-        "cluster1's agent to release the orphaned work",
-        Duration::from_secs(60),
-        || async { Ok(_agents[0].log().contains("work removed").then_some(())) },
-    )
-    .await?;
+    }
+    assert!(
+        spokes[1]
+            .deployment("default", "nginx-deployment")
+            .await?
+            .is_none(),
+        "Foreground: released only once the Deployment is gone from cluster2"
+    );
     assert!(
         spokes[0]
             .deployment("default", "nginx-deployment")

@@ -471,6 +471,15 @@ async fn rbac_covers_every_call_the_code_makes() -> anyhow::Result<()> {
             "the desired-state cache",
         ));
     }
+    for verb in ["get", "update"] {
+        granted.push(ask(
+            "flotilla-gateway",
+            verb,
+            works.clone(),
+            None,
+            "the cleanup finalizer, added on the agent's ack and removed on its release",
+        ));
+    }
     granted.push(ask(
         "flotilla-gateway",
         "get",
@@ -547,6 +556,13 @@ async fn rbac_covers_every_call_the_code_makes() -> anyhow::Result<()> {
         ask(
             "flotilla-agent",
             "impersonate",
+            "serviceaccounts",
+            Some("default"),
+            "an executor's RBAC objects are dry-run as its ServiceAccount",
+        ),
+        ask(
+            "flotilla-agent",
+            "impersonate",
             "users",
             None,
             "kubectl through the hub runs as the hub user",
@@ -573,13 +589,6 @@ async fn rbac_covers_every_call_the_code_makes() -> anyhow::Result<()> {
             works.clone(),
             None,
             "only the hub deletes works",
-        ),
-        ask(
-            "flotilla-gateway",
-            "update",
-            works.clone(),
-            None,
-            "a gateway never changes what a work asks for",
         ),
         ask(
             "flotilla-gateway",

@@ -461,7 +461,8 @@ on_both_carriers! {
 on_both_carriers! {
     /// Seed 003 scenario 7: cluster1's agent stops (SIGSTOP, like `docker pause`); the hub marks it
     /// Unknown and taints it unreachable; the placement tolerates that for its tolerationSeconds
-    /// (shortened to 5 s here), then moves the work to cluster2. After cluster1 is back, a manual
+    /// (shortened to 5 s here), then moves the work to cluster2; cluster1's copy stays, marked
+    /// for deletion, until its agent is back and has removed it. After cluster1 is back, a manual
     /// `maintenance` taint on cluster2 repels the placement back to cluster1.
     async fn scenario_7_an_unreachable_cluster_loses_its_work_after_the_toleration() -> anyhow::Result<()> {
         const TOLERATION_SECONDS: i64 = 5;
@@ -532,18 +533,45 @@ on_both_carriers! {
         spokes[1]
             .wait_deployment_image("nginx-deployment", Some("nginx:1.14.2"))
             .await?;
+        // cluster1's work is deleted, but its agent is away: the work stays, marked, until the
+        // agent is back and has removed what it applied (its cleanup finalizer).
         wait_for(
-            "the work gone from cluster1's namespace",
+            "the work in cluster1's namespace marked for deletion",
             Duration::from_secs(30),
-            || async { Ok(fleet.work("cluster1", "guestbook")?.is_none().then_some(())) },
+            || async {
+                Ok(fleet
+                    .work("cluster1", "guestbook")?
+                    .filter(|w| w["metadata"]["deletionTimestamp"].is_string()))
+            },
         )
         .await?;
+        assert!(
+            spokes[0]
+                .deployment("default", "nginx-deployment")
+                .await?
+                .is_some(),
+            "nobody removed cluster1's Deployment yet"
+        );
 
-        // cluster1 comes back; cluster2 goes into maintenance by hand.
+        // cluster1 comes back: its agent cleans up and the work goes; then cluster2 goes into
+        // maintenance by hand.
         nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(agents[0].pid() as i32),
             Signal::SIGCONT,
         )?;
+        wait_for(
+            "the work gone from cluster1's namespace",
+            Duration::from_secs(60),
+            || async { Ok(fleet.work("cluster1", "guestbook")?.is_none().then_some(())) },
+        )
+        .await?;
+        assert!(
+            spokes[0]
+                .deployment("default", "nginx-deployment")
+                .await?
+                .is_none(),
+            "released only once the Deployment is gone from cluster1"
+        );
         wait_for(
             "cluster1 Available without the taint",
             Duration::from_secs(60),

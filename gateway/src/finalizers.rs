@@ -1,0 +1,359 @@
+//! The cleanup finalizer on ManifestWorks ([`WORK_CLEANUP_FINALIZER`], OCM's name): added once
+//! the agent has acknowledged a work, removed once the agent reports it released
+//! (`WorkReleased`: everything it applied is gone from the spoke, or orphaned as its
+//! deleteOption says). In between, a deleted work stays on the hub, its `Deleting` condition
+//! showing how the removal goes; a work no agent ever acknowledged carries no finalizer and is
+//! deleted at once.
+//!
+//! Writes go through one task, coalesced by work (a release replaces a pending add) and paced
+//! like status writes, each fenced right before it by the shard this gateway acts for: a
+//! gateway that lost the cluster's shard writes nothing, and the agent reports its release
+//! again to the shard's new owner. A release is acknowledged to the session that reported it
+//! only once the finalizer is gone (or the work is).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use flotilla_proto::api::Kind;
+use flotilla_proto::contract::WORK_CLEANUP_FINALIZER;
+use flotilla_store::{Store, StoreError};
+use serde_json::{Value, json};
+use tokio::sync::{Mutex, Notify, watch};
+use tracing::{debug, info, warn};
+
+use crate::desired::DesiredState;
+use crate::mailbox::Mailbox;
+use crate::shards::ShardViews;
+
+/// How long a write that failed on the store waits before it is tried again.
+const RETRY_AFTER: Duration = Duration::from_millis(500);
+
+/// What to do about one work's finalizer.
+#[derive(Clone, Debug)]
+enum Change {
+    /// The agent acknowledged the work: hold its deletion until the agent releases it.
+    Hold { name: String },
+    /// The agent released the work: let it go, then acknowledge on `reporter` (if any: a
+    /// release found at sync time, for a work the agent no longer knows, has no one to tell).
+    Release { reporter: Weak<Mailbox> },
+}
+
+#[derive(Clone, Debug)]
+struct Pending {
+    cluster: String,
+    uid: String,
+    change: Change,
+}
+
+/// The task that adds and removes cleanup finalizers; see the module docs.
+pub struct CleanupFinalizers {
+    /// One pending change per work uid; a release replaces a pending hold.
+    pending: Mutex<HashMap<String, Pending>>,
+    notify: Notify,
+    writes_per_second: u32,
+    /// The shards this gateway acts for: no write for any other shard's cluster.
+    shards: ShardViews,
+}
+
+impl CleanupFinalizers {
+    pub fn new(writes_per_second: u32, shards: ShardViews) -> Arc<CleanupFinalizers> {
+        Arc::new(CleanupFinalizers {
+            pending: Mutex::new(HashMap::new()),
+            notify: Notify::new(),
+            writes_per_second: writes_per_second.max(1),
+            shards,
+        })
+    }
+
+    /// The agent of `cluster` acknowledged work `uid` (`name`), which has no cleanup finalizer
+    /// yet: add it. Ignored while a release of the work is pending.
+    pub async fn hold(&self, cluster: &str, name: &str, uid: &str) {
+        let mut pending = self.pending.lock().await;
+        if pending.contains_key(uid) {
+            return;
+        }
+        pending.insert(
+            uid.to_owned(),
+            Pending {
+                cluster: cluster.to_owned(),
+                uid: uid.to_owned(),
+                change: Change::Hold {
+                    name: name.to_owned(),
+                },
+            },
+        );
+        drop(pending);
+        self.notify.notify_one();
+    }
+
+    /// The agent of `cluster` released work `uid`: remove its cleanup finalizer and then
+    /// acknowledge on `reporter`'s session (`None`: tell no one).
+    pub async fn release(&self, cluster: &str, uid: &str, reporter: Option<&Arc<Mailbox>>) {
+        let reporter = reporter.map_or_else(Weak::new, Arc::downgrade);
+        self.pending.lock().await.insert(
+            uid.to_owned(),
+            Pending {
+                cluster: cluster.to_owned(),
+                uid: uid.to_owned(),
+                change: Change::Release { reporter },
+            },
+        );
+        self.notify.notify_one();
+    }
+
+    /// Changes waiting to be written; `None` when the queue is locked right now.
+    pub fn pending_len(&self) -> Option<usize> {
+        self.pending.try_lock().ok().map(|p| p.len())
+    }
+
+    /// Writes pending changes until `stop` fires.
+    pub async fn run(
+        self: Arc<Self>,
+        store: Arc<dyn Store>,
+        desired: Arc<DesiredState>,
+        mut stop: watch::Receiver<bool>,
+    ) {
+        let spacing = Duration::from_secs(1) / self.writes_per_second;
+        let mut tick = tokio::time::interval(spacing);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let next = { self.pending.lock().await.keys().next().cloned() };
+            let Some(uid) = next else {
+                tokio::select! {
+                    _ = self.notify.notified() => continue,
+                    _ = stop.changed() => return,
+                }
+            };
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stop.changed() => return,
+            }
+            let Some(p) = self.pending.lock().await.remove(&uid) else {
+                continue;
+            };
+            // Fenced: checked right before the write, never acknowledged if not ours.
+            if !self
+                .shards
+                .borrow()
+                .holds_cluster(&p.cluster, tokio::time::Instant::now())
+            {
+                debug!(cluster = %p.cluster, work_uid = %p.uid, "not this gateway's shard (any more): finalizer left to its owner");
+                continue;
+            }
+            let written = match &p.change {
+                Change::Hold { name } => hold(store.as_ref(), &p.cluster, name, &p.uid).await,
+                Change::Release { reporter } => {
+                    let done = release(store.as_ref(), &desired, &p.cluster, &p.uid).await;
+                    if done.is_ok()
+                        && let Some(mailbox) = reporter.upgrade()
+                    {
+                        mailbox.release_ack(&p.uid).await;
+                    }
+                    done
+                }
+            };
+            if let Err(e) = written {
+                let conflict = matches!(e, StoreError::Conflict { .. });
+                if !conflict {
+                    warn!(cluster = %p.cluster, work_uid = %p.uid, error = %e, "writing the work's cleanup finalizer failed; will retry");
+                }
+                // Kept unless a newer change arrived meanwhile; a conflict is retried on a
+                // fresh read at the next tick.
+                self.pending.lock().await.entry(p.uid.clone()).or_insert(p);
+                if !conflict {
+                    tokio::select! {
+                        _ = tokio::time::sleep(RETRY_AFTER) => {}
+                        _ = stop.changed() => return,
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Adds the finalizer to the work, read fresh, with its resourceVersion as the precondition.
+/// Nothing to do when the work is gone, is another work of the same name (a new uid), is being
+/// deleted already (no finalizer may be added then), or has the finalizer.
+async fn hold(store: &dyn Store, cluster: &str, name: &str, uid: &str) -> Result<(), StoreError> {
+    let Some(mut work) = store.get(Kind::ManifestWork, Some(cluster), name).await? else {
+        return Ok(());
+    };
+    if work["metadata"]["uid"].as_str() != Some(uid)
+        || !work["metadata"]["deletionTimestamp"].is_null()
+    {
+        return Ok(());
+    }
+    let mut finalizers = finalizers(&work);
+    if finalizers.iter().any(|f| f == WORK_CLEANUP_FINALIZER) {
+        return Ok(());
+    }
+    finalizers.push(WORK_CLEANUP_FINALIZER.to_owned());
+    set_finalizers(&mut work, finalizers);
+    match store.update_spec(work).await {
+        Ok(_) => {
+            debug!(cluster, work = %name, "cleanup finalizer added");
+            Ok(())
+        }
+        Err(StoreError::NotFound { .. }) => Ok(()),
+        // Deleted between the read and the write: it is on its way out without us.
+        Err(StoreError::Invalid { reason, .. }) => {
+            debug!(cluster, work = %name, %reason, "cleanup finalizer not added");
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Removes the finalizer from the deleted work `uid` of `cluster`, read fresh. Nothing to do
+/// when the work is gone or has no such finalizer. A work that is not being deleted keeps its
+/// finalizer: its agent released something the hub still wants, which only a stale session
+/// can say, and the finalizer must then still hold the work's next deletion.
+async fn release(
+    store: &dyn Store,
+    desired: &DesiredState,
+    cluster: &str,
+    uid: &str,
+) -> Result<(), StoreError> {
+    // Only this cluster's works: the name comes from the cluster's own namespace.
+    let Some(name) = desired.owned_by(cluster, uid).await else {
+        return Ok(());
+    };
+    let Some(mut work) = store.get(Kind::ManifestWork, Some(cluster), &name).await? else {
+        return Ok(());
+    };
+    if work["metadata"]["uid"].as_str() != Some(uid) {
+        return Ok(());
+    }
+    let before = finalizers(&work);
+    if !before.iter().any(|f| f == WORK_CLEANUP_FINALIZER) {
+        return Ok(());
+    }
+    if work["metadata"]["deletionTimestamp"].is_null() {
+        warn!(cluster, work = %name, "the agent released a work that is not deleted; its finalizer stays");
+        return Ok(());
+    }
+    let after = before
+        .into_iter()
+        .filter(|f| f != WORK_CLEANUP_FINALIZER)
+        .collect();
+    set_finalizers(&mut work, after);
+    match store.update_spec(work).await {
+        Ok(_) | Err(StoreError::NotFound { .. }) => {
+            info!(cluster, work = %name, "work released by its agent; cleanup finalizer removed");
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
+}
+
+fn finalizers(work: &Value) -> Vec<String> {
+    work["metadata"]["finalizers"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|f| f.as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Sets the finalizers on a work as read; its resourceVersion stays, the write's
+/// precondition, so a change made since the read is never overwritten.
+fn set_finalizers(work: &mut Value, finalizers: Vec<String>) {
+    work["metadata"]["finalizers"] = json!(finalizers);
+}
+
+#[cfg(test)]
+mod tests {
+    //! The finalizer's life on the sled store: held after the ack, released after the agent's
+    //! release, the release acknowledged only once the work is gone.
+
+    use super::*;
+    use crate::registry::Registry;
+    use crate::shards::ShardView;
+    use crate::test_support::eventually;
+    use flotilla_store::SledStore;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_held_work_is_deleted_only_once_its_agent_releases_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(SledStore::open(dir.path()).unwrap());
+        let created = store
+            .create(json!({
+                "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
+                "metadata": {"name": "web", "namespace": "store-1"},
+                "spec": {"workload": {"manifests": [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"}}]}},
+            }))
+            .await
+            .unwrap();
+        let uid = created["metadata"]["uid"].as_str().unwrap().to_owned();
+        let desired = DesiredState::new();
+        let (stop_tx, stop) = watch::channel(false);
+        tokio::spawn(desired.clone().run(
+            store.clone(),
+            Arc::new(Registry::default()),
+            stop.clone(),
+        ));
+        let finalizers =
+            CleanupFinalizers::new(1000, watch::channel(Arc::new(ShardView::all(64))).1);
+        tokio::spawn(
+            finalizers
+                .clone()
+                .run(store.clone(), desired.clone(), stop.clone()),
+        );
+        let stored = || async {
+            store
+                .get(Kind::ManifestWork, Some("store-1"), "web")
+                .await
+                .unwrap()
+        };
+
+        // The agent acked it: the finalizer goes on, once.
+        assert_eq!(
+            desired.lacks_cleanup_finalizer("store-1", &uid).await,
+            Some("web".into())
+        );
+        finalizers.hold("store-1", "web", &uid).await;
+        eventually("the finalizer added", || async {
+            desired
+                .lacks_cleanup_finalizer("store-1", &uid)
+                .await
+                .is_none()
+        })
+        .await;
+        assert_eq!(
+            super::finalizers(&stored().await.unwrap()),
+            [WORK_CLEANUP_FINALIZER]
+        );
+
+        // Deleted: it stays, marked.
+        store
+            .delete(Kind::ManifestWork, Some("store-1"), "web")
+            .await
+            .unwrap();
+        assert!(stored().await.unwrap()["metadata"]["deletionTimestamp"].is_string());
+        eventually("the deletion reaches the cache", || async {
+            desired.terminating("store-1").await == [uid.clone()]
+        })
+        .await;
+
+        // Another cluster's session cannot release it.
+        let stranger = Arc::new(Mailbox::default());
+        finalizers.release("store-2", &uid, Some(&stranger)).await;
+        tokio::time::timeout(Duration::from_secs(10), stranger.ready())
+            .await
+            .expect("an ack: nothing of store-2's to release");
+        assert!(stored().await.is_some(), "store-1's work is untouched");
+
+        // Its agent releases it: the work goes, then the agent hears so.
+        let reporter = Arc::new(Mailbox::default());
+        finalizers.release("store-1", &uid, Some(&reporter)).await;
+        tokio::time::timeout(Duration::from_secs(10), reporter.ready())
+            .await
+            .expect("the release acknowledged");
+        assert_eq!(reporter.take().await.release_acks, [uid]);
+        assert!(stored().await.is_none(), "gone once released");
+        let _ = stop_tx.send(true);
+    }
+}
