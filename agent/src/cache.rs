@@ -1426,7 +1426,9 @@ mod tests {
             // A transfer for a work deleted on the hub before it was stored.
             fetch_all(&cache, "d", &z, &z_chunks[..1]);
             assert_eq!(cache.end_fetch("d").unwrap(), 1);
-            cache.forget("b").unwrap();
+            // b deleted on the hub and removed from the spoke: released, and y with it.
+            cache.release("b").unwrap();
+            assert_eq!(cache.pending_releases().unwrap(), ["b"]);
         }
         // Reopened: the releases were durable, and the neighbour kept its chunks.
         let db = CacheDb::open(&path).unwrap();
