@@ -775,6 +775,24 @@ impl ClusterCache {
         key
     }
 
+    /// The uids this cluster has keys for in `table`, in order.
+    fn uids_in(&self, table: Table) -> Result<Vec<String>, CacheError> {
+        self.db.read(table, |t| {
+            let mut out = Vec::new();
+            for entry in t
+                .range::<&[u8]>(self.prefix.as_slice()..)
+                .map_err(storage)?
+            {
+                let (key, _) = entry.map_err(storage)?;
+                let Some(uid) = key.value().strip_prefix(self.prefix.as_slice()) else {
+                    break;
+                };
+                out.push(String::from_utf8_lossy(uid).into_owned());
+            }
+            Ok(out)
+        })
+    }
+
     fn get_json<T: serde::de::DeserializeOwned>(
         &self,
         table: Table,
@@ -894,20 +912,7 @@ impl WorkCache for ClusterCache {
     }
 
     fn fetches(&self) -> Result<Vec<String>, CacheError> {
-        self.db.read(FETCHES, |t| {
-            let mut out = Vec::new();
-            for entry in t
-                .range::<&[u8]>(self.prefix.as_slice()..)
-                .map_err(storage)?
-            {
-                let (key, _) = entry.map_err(storage)?;
-                let Some(uid) = key.value().strip_prefix(self.prefix.as_slice()) else {
-                    break;
-                };
-                out.push(String::from_utf8_lossy(uid).into_owned());
-            }
-            Ok(out)
-        })
+        self.uids_in(FETCHES)
     }
 
     fn end_fetch(&self, uid: &str) -> Result<u64, CacheError> {
@@ -1033,20 +1038,7 @@ impl WorkCache for ClusterCache {
     }
 
     fn pending_releases(&self) -> Result<Vec<String>, CacheError> {
-        self.db.read(RELEASED, |t| {
-            let mut out = Vec::new();
-            for entry in t
-                .range::<&[u8]>(self.prefix.as_slice()..)
-                .map_err(storage)?
-            {
-                let (key, _) = entry.map_err(storage)?;
-                let Some(uid) = key.value().strip_prefix(self.prefix.as_slice()) else {
-                    break;
-                };
-                out.push(String::from_utf8_lossy(uid).into_owned());
-            }
-            Ok(out)
-        })
+        self.uids_in(RELEASED)
     }
 
     fn ack_release(&self, uid: &str) -> Result<(), CacheError> {
