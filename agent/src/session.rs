@@ -442,7 +442,7 @@ async fn hold_session(
                             backoff.next_delay(Instant::now(), Some(retry_after), &mut jitter);
                         info!(
                             ?delay,
-                            "the hub asked this agent to come back later (it is shutting down, moving the session, or over its new-session rate); reconnecting after its delay"
+                            "the hub is draining this session (shutting down, moving it, or over its new-session rate); reconnecting after its delay"
                         );
                         Link::Disconnected { delay }
                     }
