@@ -13,6 +13,12 @@
 //!   cluster ([`crate::klusterlet::CREATES_IN_FLIGHT`] creates in flight) until the apiserver shows every one
 //!   Applied and Available; `idle`, `--baseline-window` with nothing happening but lease
 //!   renewals.
+//! * `storm`, on both sides, after `idle`: everyone reconnects at once. flotilla's hub is
+//!   SIGKILLed and started again (with a child hub, `--hub-mode process`), and the window ends
+//!   when every agent has a new session; every klusterlet client restarts
+//!   ([`Klusterlets::restart_all`]: new connections, relists, rewatches, a Lease renewal), and
+//!   the window ends when every one has listed both kinds again. Each side's `storm` is the
+//!   apiserver requests of its window.
 //!
 //! Both sides are waited on the same way: the harness lists the clusters (connect) and the works
 //! (fanout) every `--poll-interval`, through the hub's operator API on flotilla's side and
@@ -118,6 +124,16 @@ impl Run {
         b.flotilla.idle = Some(after.load_since(&before, own));
         r.connected = Some(self.sample().connected);
 
+        // flotilla, storm: the hub killed under every session and started again.
+        if self.hub.can_restart() {
+            let Some(back_s) = self.flotilla_storm(clock).await? else {
+                return Ok(false);
+            };
+            let stormed = self.hub_snapshot().await?;
+            b.flotilla.storm = Some(stormed.load_since(&after, own));
+            b.flotilla_storm_back_s = Some(back_s);
+        }
+
         let bar = self.bar("apiserver", 0);
         bar.set_message("starting a second kube-apiserver for the klusterlet clients");
         let apiserver = Apiserver::start(&crds_dir()).await;
@@ -127,6 +143,34 @@ impl Run {
         let result = self.klusterlet_side(clock, &apiserver, b).await;
         apiserver.stop().await;
         result
+    }
+
+    /// Kills the hub, starts it again and waits for every agent's new session: the time that
+    /// took, or `None` if the deadline came first.
+    async fn flotilla_storm(&mut self, clock: &Clock) -> anyhow::Result<Option<f64>> {
+        let n = self.n();
+        let before = self.sample().established_total;
+        let bar = self.bar("storm", n);
+        bar.set_message("flotilla: hub killed, sessions back");
+        let killed = Instant::now();
+        self.hub
+            .stop_with(nix::sys::signal::Signal::SIGKILL)
+            .await?;
+        self.hub.start_again().await?;
+        loop {
+            let s = self.sample();
+            let renewed = s.established_total.saturating_sub(before);
+            bar.set_position(renewed.min(n));
+            if renewed >= n && s.connected >= n {
+                bar.finish_and_clear();
+                return Ok(Some(killed.elapsed().as_secs_f64()));
+            }
+            if clock.expired() {
+                bar.finish_and_clear();
+                return Ok(None);
+            }
+            tokio::time::sleep(SAMPLE_EVERY).await;
+        }
     }
 
     async fn hub_snapshot(&self) -> anyhow::Result<ApiserverSnapshot> {
@@ -262,6 +306,28 @@ impl Run {
         }
         let idle = apiserver.snapshot().await?;
         b.klusterlet.idle = Some(idle.load_since(&fanned_out, own));
+
+        // storm: every client restarts at once.
+        let bar = self.bar("storm", n);
+        bar.set_message("klusterlet clients restarted, listed again");
+        let restarted = Instant::now();
+        clients.restart_all();
+        loop {
+            let c = clients.counts();
+            bar.set_position(c.resynced);
+            if c.resynced >= n {
+                break;
+            }
+            if clock.expired() {
+                bar.finish_and_clear();
+                return Ok(false);
+            }
+            tokio::time::sleep(SAMPLE_EVERY).await;
+        }
+        bar.finish_and_clear();
+        b.klusterlet_storm_back_s = Some(restarted.elapsed().as_secs_f64());
+        let stormed = apiserver.snapshot().await?;
+        b.klusterlet.storm = Some(stormed.load_since(&idle, own));
         Ok(true)
     }
 }
@@ -281,6 +347,7 @@ fn account(b: &mut BaselineReport, records: &[ClientRecord], examples: Vec<Strin
     b.statuses_written = records.iter().map(|r| r.statuses_written).sum();
     b.lease_renewals = records.iter().map(|r| r.lease_renewals).sum();
     b.client_errors = records.iter().map(|r| r.errors).sum();
+    b.clients_resynced = records.iter().filter(|r| r.restarts_synced > 0).count() as u64;
     b.client_error_examples = examples;
 }
 
@@ -299,6 +366,7 @@ mod tests {
             statuses_written: statuses,
             lease_renewals: 2,
             errors,
+            restarts_synced: u64::from(synced),
         };
         let records = [
             rec("a", true, true, &["baseline-2"], 1, 0),

@@ -22,6 +22,13 @@
 //! connection where client-go would multiplex them over HTTP/2: that changes sockets, not
 //! requests.
 //!
+//! A storm on this side ([`Klusterlets::restart_all`]) restarts every client at once, as a hub
+//! apiserver restart or a network flap that drops every agent's connections does: each builds a
+//! new `kube::Client` (new connections), lists and watches both kinds again, and renews its
+//! Lease as a registration agent does when it starts. Works already Applied and Available are
+//! not written again (their status is unchanged), so the storm's cost is the relists, the
+//! rewatches and the renewals.
+//!
 //! Renewals are spread: each client's first renewal comes at a random point of its first
 //! interval (seeded by `--seed`), as a real fleet's are spread by when each agent started.
 //! Otherwise a ramp of a few seconds would bunch every renewal into the same seconds of each
@@ -42,6 +49,7 @@ use flotilla_proto::api::conditions::{
 };
 use flotilla_proto::api::{ManagedCluster, ManagedClusterSpec, ManifestWork};
 use futures::StreamExt;
+use futures::stream::BoxStream;
 use indicatif::ProgressBar;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::Namespace;
@@ -91,6 +99,8 @@ pub struct KlusterletCounts {
     pub started: u64,
     /// Both informers listed.
     pub synced: u64,
+    /// Both informers listed again after the last [`Klusterlets::restart_all`].
+    pub resynced: u64,
     /// ManagedCluster status written and Lease created.
     pub registered: u64,
     pub statuses_written: u64,
@@ -102,6 +112,7 @@ pub struct KlusterletCounts {
 struct Tally {
     started: AtomicU64,
     synced: AtomicU64,
+    resynced: AtomicU64,
     registered: AtomicU64,
     statuses_written: AtomicU64,
     lease_renewals: AtomicU64,
@@ -138,12 +149,16 @@ pub struct ClientRecord {
     pub statuses_written: u64,
     pub lease_renewals: u64,
     pub errors: u64,
+    /// Restarts after which both informers listed again.
+    pub restarts_synced: u64,
 }
 
 /// The running clients.
 pub struct Klusterlets {
     tally: Arc<Tally>,
     stop: watch::Sender<bool>,
+    /// Bumped by [`Klusterlets::restart_all`]; every client restarts when it changes.
+    restarts: watch::Sender<u64>,
     ramp: tokio::task::JoinHandle<Vec<ClientRecord>>,
 }
 
@@ -152,8 +167,21 @@ impl Klusterlets {
     pub fn start(spec: KlusterletSpec, names: Vec<String>) -> Klusterlets {
         let tally = Arc::new(Tally::default());
         let (stop, stopped) = watch::channel(false);
-        let ramp = tokio::spawn(ramp(spec, names, tally.clone(), stopped));
-        Klusterlets { tally, stop, ramp }
+        let (restarts, restarted) = watch::channel(0);
+        let ramp = tokio::spawn(ramp(spec, names, tally.clone(), stopped, restarted));
+        Klusterlets {
+            tally,
+            stop,
+            restarts,
+            ramp,
+        }
+    }
+
+    /// Restarts every client at once: new connections, both kinds listed and watched again,
+    /// the Lease renewed. `counts().resynced` counts those that have listed again since.
+    pub fn restart_all(&self) {
+        self.tally.resynced.store(0, Ordering::Relaxed);
+        self.restarts.send_modify(|n| *n += 1);
     }
 
     pub fn counts(&self) -> KlusterletCounts {
@@ -162,6 +190,7 @@ impl Klusterlets {
         KlusterletCounts {
             started: get(&t.started),
             synced: get(&t.synced),
+            resynced: get(&t.resynced),
             registered: get(&t.registered),
             statuses_written: get(&t.statuses_written),
             lease_renewals: get(&t.lease_renewals),
@@ -192,6 +221,7 @@ async fn ramp(
     names: Vec<String>,
     tally: Arc<Tally>,
     stopped: watch::Receiver<bool>,
+    restarted: watch::Receiver<u64>,
 ) -> Vec<ClientRecord> {
     let mut tasks = JoinSet::new();
     let start = Instant::now();
@@ -210,6 +240,7 @@ async fn ramp(
             first_renewal,
             tally.clone(),
             stopped.clone(),
+            restarted.clone(),
         ));
     }
     stop_sent(&mut stop).await;
@@ -235,35 +266,26 @@ async fn client(
     first_renewal: Duration,
     tally: Arc<Tally>,
     mut stop: watch::Receiver<bool>,
+    mut restarted: watch::Receiver<u64>,
 ) -> ClientRecord {
     Tally::bump(&tally.started);
     let mut rec = ClientRecord {
         name: name.clone(),
         ..Default::default()
     };
-    let client = match kube::Client::try_from(spec.config.clone()) {
+    restarted.mark_unchanged();
+    let mut conn = match Connection::open(&spec, &name) {
         Ok(c) => c,
         Err(e) => {
             tally.failed(&mut rec, "building its kube client", e).await;
             return rec;
         }
     };
-    let works: Api<ManifestWork> = Api::namespaced(client.clone(), &name);
-    let clusters: Api<ManagedCluster> = Api::all(client.clone());
-    let leases: Api<Lease> = Api::namespaced(client, &name);
-    // The watcher re-lists and re-watches after errors, with kube-runtime's default backoff.
-    let mut work_events = watcher(works.clone(), watcher::Config::default())
-        .default_backoff()
-        .boxed();
-    let mut cluster_events = watcher(
-        clusters.clone(),
-        watcher::Config::default().fields(&format!("metadata.name={name}")),
-    )
-    .default_backoff()
-    .boxed();
     let spoke = MemoryCluster::new();
 
     let (mut works_listed, mut cluster_listed) = (false, false);
+    // Set by a restart until both informers have listed again.
+    let mut restarting = false;
     let mut status_written = false;
     // The Lease as last written (its resourceVersion makes the renewal an update of it);
     // `None` until created, and after a failed renewal so that the next one reads it first.
@@ -280,7 +302,7 @@ async fn client(
             let mut failed = false;
             if works_listed && cluster_listed && !rec.registered {
                 if !status_written {
-                    match write_cluster_status(&clusters, &name).await {
+                    match write_cluster_status(&conn.clusters, &name).await {
                         Ok(()) => status_written = true,
                         Err(e) => {
                             failed = true;
@@ -291,7 +313,7 @@ async fn client(
                     }
                 }
                 if status_written {
-                    match create_lease(&leases, &name, spec.lease_interval).await {
+                    match create_lease(&conn.leases, &name, spec.lease_interval).await {
                         Ok(l) => {
                             lease = Some(l);
                             renew_at = Some(Instant::now() + first_renewal);
@@ -307,7 +329,7 @@ async fn client(
             }
             let due: Vec<String> = pending.keys().cloned().collect();
             for work in due {
-                match write_work_status(&works, &spoke, &pending[&work]).await {
+                match write_work_status(&conn.works, &spoke, &pending[&work]).await {
                     Ok(()) => {
                         pending.remove(&work);
                         rec.statuses_written += 1;
@@ -327,7 +349,26 @@ async fn client(
         let wake = [retry_at, renew_at].into_iter().flatten().min();
         tokio::select! {
             _ = stop_sent(&mut stop) => break,
-            event = work_events.next() => match event {
+            changed = restarted.changed() => {
+                if changed.is_err() {
+                    break;
+                }
+                // A restarted agent: its connections and informers are new; a registered
+                // one renews its Lease first thing.
+                match Connection::open(&spec, &name) {
+                    Ok(c) => conn = c,
+                    Err(e) => {
+                        tally.failed(&mut rec, "building its kube client", e).await;
+                        break;
+                    }
+                }
+                (works_listed, cluster_listed) = (false, false);
+                restarting = true;
+                if rec.registered {
+                    renew_at = Some(Instant::now());
+                }
+            }
+            event = conn.work_events.next() => match event {
                 Some(Ok(watcher::Event::Apply(w) | watcher::Event::InitApply(w))) => {
                     let Some(work) = w.metadata.name.clone() else { continue };
                     rec.works_seen.insert(work.clone());
@@ -346,8 +387,7 @@ async fn client(
                     if !works_listed {
                         works_listed = true;
                         if cluster_listed {
-                            rec.synced = true;
-                            Tally::bump(&tally.synced);
+                            listed_both(&mut rec, &tally, &mut restarting);
                         }
                     }
                 }
@@ -355,13 +395,12 @@ async fn client(
                 Some(Err(e)) => tally.failed(&mut rec, "watching its ManifestWorks", e).await,
                 None => break,
             },
-            event = cluster_events.next() => match event {
+            event = conn.cluster_events.next() => match event {
                 Some(Ok(watcher::Event::InitDone)) => {
                     if !cluster_listed {
                         cluster_listed = true;
                         if works_listed {
-                            rec.synced = true;
-                            Tally::bump(&tally.synced);
+                            listed_both(&mut rec, &tally, &mut restarting);
                         }
                     }
                 }
@@ -374,7 +413,7 @@ async fn client(
             _ = tokio::time::sleep_until(wake.unwrap_or_else(Instant::now)), if wake.is_some() => {
                 let now = Instant::now();
                 if let Some(at) = renew_at.filter(|at| *at <= now) {
-                    match renew_lease(&leases, lease.take()).await {
+                    match renew_lease(&conn.leases, lease.take()).await {
                         Ok(l) => {
                             lease = Some(l);
                             renew_at = Some(at + spec.lease_interval);
@@ -391,6 +430,54 @@ async fn client(
         }
     }
     rec
+}
+
+/// A client's connections to the apiserver: its Apis and its two informers' event streams.
+struct Connection {
+    works: Api<ManifestWork>,
+    clusters: Api<ManagedCluster>,
+    leases: Api<Lease>,
+    work_events: BoxStream<'static, Result<watcher::Event<ManifestWork>, watcher::Error>>,
+    cluster_events: BoxStream<'static, Result<watcher::Event<ManagedCluster>, watcher::Error>>,
+}
+
+impl Connection {
+    /// A new `kube::Client` (its own connections) and both informers, which list first.
+    fn open(spec: &KlusterletSpec, name: &str) -> Result<Connection, kube::Error> {
+        let client = kube::Client::try_from(spec.config.clone())?;
+        let works: Api<ManifestWork> = Api::namespaced(client.clone(), name);
+        let clusters: Api<ManagedCluster> = Api::all(client.clone());
+        let leases: Api<Lease> = Api::namespaced(client, name);
+        // The watcher re-lists and re-watches after errors, with kube-runtime's default backoff.
+        let work_events = watcher(works.clone(), watcher::Config::default())
+            .default_backoff()
+            .boxed();
+        let cluster_events = watcher(
+            clusters.clone(),
+            watcher::Config::default().fields(&format!("metadata.name={name}")),
+        )
+        .default_backoff()
+        .boxed();
+        Ok(Connection {
+            works,
+            clusters,
+            leases,
+            work_events,
+            cluster_events,
+        })
+    }
+}
+
+/// Both informers have listed: the client is synced, or synced again after a restart.
+fn listed_both(rec: &mut ClientRecord, tally: &Tally, restarting: &mut bool) {
+    if !rec.synced {
+        rec.synced = true;
+        Tally::bump(&tally.synced);
+    }
+    if std::mem::take(restarting) {
+        rec.restarts_synced += 1;
+        Tally::bump(&tally.resynced);
+    }
 }
 
 /// Whether a work lacks Applied=True or Available=True for its current generation.

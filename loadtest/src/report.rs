@@ -362,12 +362,15 @@ pub struct BaselineSide {
     pub fanout: Option<ApiserverLoad>,
     /// Every agent (client) up and nothing happening, for `--baseline-window`.
     pub idle: Option<ApiserverLoad>,
+    /// Every agent (client) reconnecting at once, until all are back.
+    #[serde(default)]
+    pub storm: Option<ApiserverLoad>,
 }
 
 /// One row of the comparison: apiserver requests of each side and klusterlet / flotilla.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct BaselineRow {
-    /// `connect`, `fanout`, `idle_per_minute` or `total`.
+    /// `connect`, `fanout`, `idle_per_minute`, `storm` or `total`.
     pub phase: String,
     pub flotilla: Option<f64>,
     pub klusterlet: Option<f64>,
@@ -395,6 +398,9 @@ pub struct BaselineReport {
     pub statuses_written: u64,
     /// Lease renewals (updates after the create) the clients wrote.
     pub lease_renewals: u64,
+    /// Clients that listed both kinds again after the storm's restart.
+    #[serde(default)]
+    pub clients_resynced: u64,
     /// Client requests that failed and were retried.
     pub client_errors: u64,
     /// A few of those failures, for a person to look at.
@@ -406,6 +412,12 @@ pub struct BaselineReport {
     pub works_applied: u64,
     pub lease_interval_s: f64,
     pub window_s: f64,
+    /// From the hub's kill to every agent's new session.
+    #[serde(default)]
+    pub flotilla_storm_back_s: Option<f64>,
+    /// From the clients' restart to every one listed again.
+    #[serde(default)]
+    pub klusterlet_storm_back_s: Option<f64>,
     /// The hub's apiserver: connect and fanout from the run's earlier `connect` and `fanout`
     /// scenarios (absent unless they ran and completed), idle measured by this scenario.
     pub flotilla: BaselineSide,
@@ -428,11 +440,13 @@ impl BaselineReport {
             row("connect", requests(&f.connect), requests(&k.connect)),
             row("fanout", requests(&f.fanout), requests(&k.fanout)),
             row("idle_per_minute", per_minute(&f.idle), per_minute(&k.idle)),
+            row("storm", requests(&f.storm), requests(&k.storm)),
         ];
         let both: Vec<(f64, f64)> = [
             (&f.connect, &k.connect),
             (&f.fanout, &k.fanout),
             (&f.idle, &k.idle),
+            (&f.storm, &k.storm),
         ]
         .into_iter()
         .filter_map(|(f, k)| Some((requests(f)?, requests(k)?)))
@@ -888,6 +902,17 @@ fn baseline_rows(b: &BaselineReport, row: &mut impl FnMut(&str, String)) {
             b.works_applied, b.works_created, b.statuses_written, b.lease_renewals, b.client_errors
         ),
     );
+    let secs = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1} s"));
+    row(
+        "storm: all back",
+        format!(
+            "flotilla {} (hub killed), klusterlet {} ({} of {} clients listed again)",
+            secs(b.flotilla_storm_back_s),
+            secs(b.klusterlet_storm_back_s),
+            b.clients_resynced,
+            b.clients
+        ),
+    );
     row(
         "apiserver requests",
         format!("{:>12} {:>12} {:>12}", "flotilla", "klusterlet", "ratio"),
@@ -973,11 +998,13 @@ mod tests {
                 connect: None,
                 fanout: load(1000, 5.0),
                 idle: load(3, 30.0),
+                storm: load(3, 12.0),
             },
             klusterlet: BaselineSide {
                 connect: load(5000, 4.0),
                 fanout: load(3000, 6.0),
                 idle: load(600, 30.0),
+                storm: load(4000, 9.0),
             },
             ..Default::default()
         };
@@ -993,8 +1020,9 @@ mod tests {
                 ("connect", None, Some(5000.0), None),
                 ("fanout", Some(1000.0), Some(3000.0), Some(3.0)),
                 ("idle_per_minute", Some(6.0), Some(1200.0), Some(200.0)),
+                ("storm", Some(3.0), Some(4000.0), Some(4000.0 / 3.0)),
                 // Connect is left out: flotilla has no number for it.
-                ("total", Some(1003.0), Some(3600.0), Some(3600.0 / 1003.0)),
+                ("total", Some(1006.0), Some(7600.0), Some(7600.0 / 1006.0)),
             ]
         );
         // Nothing measured on flotilla's side: no ratios, and no total.
