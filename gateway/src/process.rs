@@ -19,6 +19,7 @@ use flotilla_transport::tls::AcceptLimits;
 use futures::FutureExt as _;
 use tracing::info;
 
+use crate::certificates::CsrRelay;
 use crate::shards::{OwnerConfig, ShardLeasing};
 use crate::{Gateway, GatewayConfig, Listeners};
 
@@ -311,7 +312,9 @@ pub async fn run(
         ),
         None => None,
     };
-    let gateway = Gateway::new(store, gateway_config);
+    // Renewals go to the hub, which alone holds the CA key, through the hub apiserver.
+    let renewals = CsrRelay::new(client.clone(), config.cert_dir.join("ca.crt"));
+    let gateway = Gateway::with_certificates(store, gateway_config, renewals);
     let (conns, accept) = flotilla_transport::tls::accept_authenticated(
         sockets.tcp,
         tls,

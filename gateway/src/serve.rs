@@ -185,7 +185,8 @@ impl Gateway {
         Self::build(store, config, None)
     }
 
-    /// A gateway that answers renewals with the hub's CA (the hub's in-process gateway).
+    /// A gateway that answers renewals: with the hub's CA (the hub's in-process gateway), or by
+    /// relaying them to the hub (`flotilla-gateway`, see [`crate::certificates::CsrRelay`]).
     pub fn with_certificates(
         store: Arc<dyn Store>,
         config: GatewayConfig,

@@ -16,6 +16,9 @@ pub const DEFAULT_HEARTBEAT_INTERVAL: &str = "10s";
 pub const DEFAULT_HEARTBEAT_TIMEOUT: &str = "30s";
 /// Time without a session after which a cluster turns Unknown and gets the unreachable taint.
 pub const DEFAULT_GRACE_PERIOD: &str = "40s";
+/// Default of `--renewal-requesters`: the ServiceAccount `deploy/gateway` runs the gateways as.
+pub const DEFAULT_RENEWAL_REQUESTER: &str =
+    "system:serviceaccount:flotilla-system:flotilla-gateway";
 /// Lifetime of the client certificates the hub signs for agents (renewed over the session
 /// after two thirds of it).
 pub const DEFAULT_CLIENT_CERT_LIFETIME: &str = "720h";
@@ -101,6 +104,20 @@ pub struct HubConfig {
     /// host of each gateway's advertised address, which its certificate must then name.
     #[arg(long, env = "FLOTILLA_HUB_GATEWAY_SERVER_NAME")]
     pub gateway_server_name: Option<String>,
+
+    /// With --gateways external: the users (as the hub apiserver names them) whose
+    /// CertificateSigningRequests the hub answers as renewals relayed by gateways
+    /// (comma-separated): the identity of every flotilla-gateway's kubeconfig, its
+    /// ServiceAccount in a cluster. A renewal request anyone else creates is denied, so a user
+    /// who may create CertificateSigningRequests on the hub apiserver cannot get an agent's
+    /// certificate.
+    #[arg(
+        long,
+        env = "FLOTILLA_HUB_RENEWAL_REQUESTERS",
+        value_delimiter = ',',
+        default_value = DEFAULT_RENEWAL_REQUESTER
+    )]
+    pub renewal_requesters: Vec<String>,
 
     #[command(flatten)]
     pub shards: flotilla_gateway::process::ShardFlags,

@@ -18,6 +18,7 @@ pub mod fleet_metrics;
 pub mod operator_api;
 pub mod proxy;
 pub mod registration;
+pub mod renewals;
 pub mod status_page;
 pub mod table;
 pub mod tokens;
@@ -157,22 +158,27 @@ pub async fn run(
         let _ = rx.wait_for(|s| *s).await;
     };
 
-    let gateway = Gateway::with_certificates(
+    let certificates = HubCertificates::new(
         store.clone(),
-        gateway_config(&config),
-        HubCertificates::new(
-            store.clone(),
-            authority.clone(),
-            config.client_cert_lifetime,
-        ),
+        authority.clone(),
+        config.client_cert_lifetime,
     );
+    let gateway =
+        Gateway::with_certificates(store.clone(), gateway_config(&config), certificates.clone());
+    // With external gateways, the hub apiserver's client that answers their relayed renewals.
+    let mut relayed_renewals = None;
     if config.gateways == GatewayMode::External {
         // Sessions are the gateways'; this one holds no shard and redirects by the directory.
         let client = flotilla_store::connect(config.kubeconfig.as_deref()).await?;
         let address = agent_address(&config, listen.agents);
         gateway
-            .lease_shards(config.shards.leasing(client, "hub", &address, false))
+            .lease_shards(
+                config
+                    .shards
+                    .leasing(client.clone(), "hub", &address, false),
+            )
             .await;
+        relayed_renewals = Some(client);
     }
     let join = JoinService::new(
         store.clone(),
@@ -304,6 +310,13 @@ pub async fn run(
         );
         None
     };
+    if let Some(client) = relayed_renewals {
+        let (requesters, stop) = (config.renewal_requesters.clone(), stop_rx.clone());
+        tasks.spawn("the signer of relayed renewals", async move {
+            renewals::sign_relayed(client, certificates, requesters, stop).await;
+            Ok(())
+        });
+    }
     // Placement, rollout and work TTL act on the store beside the gateway.
     tasks.spawn(
         "the hub's controllers",

@@ -66,6 +66,17 @@ pub const TOKEN_ANNOTATION: &str = "registration.flotilla.dev/bootstrap-token-id
 /// Annotation on a ManagedCluster: when the agent's join request was recorded (RFC 3339).
 pub const REQUESTED_AT_ANNOTATION: &str = "registration.flotilla.dev/join-requested-at";
 
+/// signerName of the certificates.k8s.io/v1 CertificateSigningRequests through which a
+/// `flotilla-gateway` relays its agents' certificate renewals to the hub (scale-out mode): the
+/// gateway creates one, the hub (which alone holds the CA key) approves and signs it, or denies
+/// it with the reason.
+pub const RENEWAL_SIGNER: &str = "flotilla.dev/agent-client";
+/// Label on a renewal CertificateSigningRequest: the cluster whose session asked.
+pub const RENEWAL_CLUSTER_LABEL: &str = "registration.flotilla.dev/cluster";
+/// Annotation on a renewal CertificateSigningRequest: hex SHA-256 of the public key of the
+/// session that asked (it must be one of the cluster's registered keys).
+pub const RENEWAL_SESSION_KEY_ANNOTATION: &str = "registration.flotilla.dev/session-key-sha256";
+
 /// OCM's taint for clusters whose agent stopped reporting (Available=Unknown).
 pub const UNREACHABLE_TAINT: &str = "cluster.open-cluster-management.io/unreachable";
 

@@ -557,8 +557,9 @@ pub fn start_agent(dir: &Path, hub: &Hub, cluster: &str, cert_dir: &Path) -> any
     )
 }
 
-/// A kubeconfig whose apiserver is a closed loopback port.
-const NO_SPOKE_KUBECONFIG: &str = "apiVersion: v1
+/// A kubeconfig whose apiserver is a closed loopback port: for agents whose spoke is not under
+/// test.
+pub const NO_SPOKE_KUBECONFIG: &str = "apiVersion: v1
 kind: Config
 clusters:
 - name: none

@@ -16,6 +16,7 @@ use anyhow::{Context as _, ensure};
 use flotilla_e2e::proxy::kubectl;
 use flotilla_e2e::{bin, wait_for};
 use flotilla_proto::api::Kind;
+use flotilla_proto::contract::RENEWAL_SIGNER;
 use flotilla_testenv::{TestEnv, workspace_root};
 use futures::StreamExt as _;
 use k8s_openapi::api::apps::v1::Deployment;
@@ -496,6 +497,43 @@ async fn rbac_covers_every_call_the_code_makes() -> anyhow::Result<()> {
             "shard ownership",
         ));
     }
+    let csrs = "certificatesigningrequests.certificates.k8s.io";
+    for verb in ["create", "watch", "delete"] {
+        granted.push(ask(
+            "flotilla-gateway",
+            verb,
+            csrs,
+            None,
+            "agents' renewals relayed to the hub",
+        ));
+    }
+    for verb in ["list", "watch", "delete"] {
+        granted.push(ask(
+            "flotilla-hub",
+            verb,
+            csrs,
+            None,
+            "the gateways' relayed renewals, answered and collected",
+        ));
+    }
+    for sub in ["approval", "status"] {
+        granted.push(ask(
+            "flotilla-hub",
+            "patch",
+            format!("{csrs}/{sub}"),
+            None,
+            "a relayed renewal approved or denied, then signed",
+        ));
+    }
+    for verb in ["approve", "sign"] {
+        granted.push(ask(
+            "flotilla-hub",
+            verb,
+            format!("signers.certificates.k8s.io/{RENEWAL_SIGNER}"),
+            None,
+            "the hub is the signer of agents' certificates",
+        ));
+    }
     granted.extend([
         ask(
             "flotilla-gateway",
@@ -589,6 +627,20 @@ async fn rbac_covers_every_call_the_code_makes() -> anyhow::Result<()> {
             works.clone(),
             None,
             "only the hub deletes works",
+        ),
+        ask(
+            "flotilla-gateway",
+            "approve",
+            format!("signers.certificates.k8s.io/{RENEWAL_SIGNER}"),
+            None,
+            "only the hub approves renewals",
+        ),
+        ask(
+            "flotilla-hub",
+            "approve",
+            "signers.certificates.k8s.io/kubernetes.io/kube-apiserver-client",
+            None,
+            "the hub signs for its own signer only",
         ),
         ask(
             "flotilla-gateway",
@@ -697,8 +749,11 @@ async fn can_i(env: &TestEnv, q: &Question) -> anyhow::Result<bool> {
         q.namespace_of_who, q.who
     );
     let (resource, subresource) = match q.resource.split_once('/') {
-        // namespaces/kube-system is a resource name, not a subresource.
-        Some((resource, name)) if resource == "namespaces" => (format!("{resource}/{name}"), None),
+        // namespaces/kube-system and signers.certificates.k8s.io/<signer> are resource names,
+        // not subresources.
+        Some((resource, name)) if resource == "namespaces" || resource.starts_with("signers.") => {
+            (format!("{resource}/{name}"), None)
+        }
         Some((resource, sub)) => (resource.to_string(), Some(sub.to_string())),
         None => (q.resource.clone(), None),
     };
