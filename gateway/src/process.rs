@@ -20,6 +20,7 @@ use futures::FutureExt as _;
 use tracing::info;
 
 use crate::shards::{OwnerConfig, ShardLeasing};
+use crate::writes::{DEFAULT_WRITE_BURST, DEFAULT_WRITE_CONCURRENCY, DEFAULT_WRITES_PER_SECOND};
 use crate::{Gateway, GatewayConfig, Listeners};
 
 /// Namespace of the shard and gateway Leases on the hub apiserver unless configured.
@@ -83,6 +84,77 @@ impl SessionRateFlags {
             );
         }
         Ok(())
+    }
+}
+
+/// The gateway's store writes (work statuses and cleanup finalizers), the same on the hub
+/// (its in-process gateway) and on every gateway.
+#[derive(Clone, Debug, Args)]
+pub struct StatusWriteFlags {
+    /// Store writes per second this gateway makes for agents' reports at most: work statuses
+    /// and cleanup finalizers together, each coalesced per work (only a work's newest status
+    /// is written). With the kube backend each is one request to the hub apiserver. Size it to
+    /// the write rate the apiserver gives this gateway (its API Priority and Fairness share),
+    /// divided across gateways; a fan-out to N clusters needs about 2·N writes (Applied, then
+    /// Available) per gateway, so at R per second its last status lands after about 2·N/R s.
+    /// Keep it below --kube-api-qps, which every request of the process shares.
+    #[arg(long, env = "FLOTILLA_STATUS_WRITES_PER_SECOND", default_value_t = DEFAULT_WRITES_PER_SECOND)]
+    pub status_writes_per_second: u32,
+
+    /// Status writes let through at once after a quiet spell, beyond --status-writes-per-second.
+    #[arg(long, env = "FLOTILLA_STATUS_WRITE_BURST", default_value_t = DEFAULT_WRITE_BURST)]
+    pub status_write_burst: u32,
+
+    /// Status writes in flight at once (per writer: statuses, finalizers), never two of one
+    /// work. One write at a time caps the rate at 1/(store round trip) whatever the budget: to
+    /// use a budget of R per second with a round trip of T seconds, give at least R·T (the
+    /// default covers 500/s at up to 30 ms); more only adds load on the apiserver at once.
+    #[arg(long, env = "FLOTILLA_STATUS_WRITE_CONCURRENCY", default_value_t = DEFAULT_WRITE_CONCURRENCY)]
+    pub status_write_concurrency: usize,
+}
+
+/// The largest --status-write-concurrency accepted.
+pub const MAX_WRITE_CONCURRENCY: usize = 1024;
+
+impl StatusWriteFlags {
+    /// Checks what clap cannot; errors say how to fix the flag.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        for (flag, value, default) in [
+            (
+                "--status-writes-per-second",
+                self.status_writes_per_second,
+                DEFAULT_WRITES_PER_SECOND,
+            ),
+            (
+                "--status-write-burst",
+                self.status_write_burst,
+                DEFAULT_WRITE_BURST,
+            ),
+        ] {
+            anyhow::ensure!(
+                value >= 1,
+                "{flag} 0 would never store an agent's status: give at least 1 (default {default})"
+            );
+            anyhow::ensure!(
+                value <= MAX_SESSION_RATE,
+                "{flag} {value} is above {MAX_SESSION_RATE}, which bounds nothing: give the \
+                 writes per second the hub apiserver gives this gateway"
+            );
+        }
+        anyhow::ensure!(
+            (1..=MAX_WRITE_CONCURRENCY).contains(&self.status_write_concurrency),
+            "--status-write-concurrency {} must be between 1 and {MAX_WRITE_CONCURRENCY} \
+             (default {DEFAULT_WRITE_CONCURRENCY})",
+            self.status_write_concurrency
+        );
+        Ok(())
+    }
+
+    /// Sets these flags on `config`.
+    pub fn apply(&self, config: &mut GatewayConfig) {
+        config.status_writes_per_second = self.status_writes_per_second;
+        config.status_write_burst = self.status_write_burst;
+        config.status_write_concurrency = self.status_write_concurrency;
     }
 }
 
@@ -195,6 +267,12 @@ pub struct GatewayProcessConfig {
     #[command(flatten)]
     pub session_rate: SessionRateFlags,
 
+    #[command(flatten)]
+    pub status_writes: StatusWriteFlags,
+
+    #[command(flatten)]
+    pub kube_api: flotilla_ops::KubeApiArgs,
+
     /// How often agents send a heartbeat (told to them in the Welcome).
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     pub heartbeat_interval: Duration,
@@ -234,6 +312,8 @@ impl GatewayProcessConfig {
     pub fn validate(&self) -> anyhow::Result<()> {
         self.shards.validate()?;
         self.session_rate.validate()?;
+        self.status_writes.validate()?;
+        self.kube_api.validate().map_err(anyhow::Error::msg)?;
         anyhow::ensure!(
             flotilla_proto::contract::is_dns1123_label(&self.name),
             "--name {:?} must be a DNS-1123 label (lower-case letters, digits, '-'): it names a Lease",
@@ -256,7 +336,7 @@ impl GatewayProcessConfig {
     }
 
     fn gateway_config(&self) -> GatewayConfig {
-        GatewayConfig {
+        let mut config = GatewayConfig {
             heartbeat_interval: self.heartbeat_interval,
             heartbeat_timeout: self.heartbeat_timeout,
             grace_period: self.grace_period,
@@ -266,7 +346,9 @@ impl GatewayProcessConfig {
             session_rate: self.session_rate.session_rate,
             session_burst: self.session_rate.session_burst,
             ..GatewayConfig::default()
-        }
+        };
+        self.status_writes.apply(&mut config);
+        config
     }
 }
 
@@ -292,7 +374,9 @@ pub async fn run(
         &read("tls.key")?,
     )
     .context("the TLS material in --cert-dir")?;
-    let client = flotilla_store::connect(config.kubeconfig.as_deref()).await?;
+    // One request budget for every client of the process (the store and the leases).
+    let kube_api = config.kube_api.rate();
+    let client = flotilla_store::connect(config.kubeconfig.as_deref(), &kube_api).await?;
     let store = Arc::new(KubeStore::new(client.clone()));
 
     let sockets = AgentSockets::bind(config.listen, config.quic)
@@ -336,6 +420,7 @@ pub async fn run(
     if let Some(address) = config.ops.metrics_addr {
         let mut registry = flotilla_ops::registry();
         gateway.metrics().register(&mut registry);
+        kube_api.register(&mut registry);
         let endpoint = endpoint(&gateway, registry, gateway.readiness());
         // Served until the process ends: through the drain, /readyz says "draining" and
         // /healthz still answers.
