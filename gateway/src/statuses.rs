@@ -285,11 +285,83 @@ mod tests {
     use serde_json::json;
 
     fn work(name: &str) -> serde_json::Value {
+        work_of("store-1", name)
+    }
+
+    fn work_of(cluster: &str, name: &str) -> serde_json::Value {
         json!({
             "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
-            "metadata": {"name": name, "namespace": "store-1"},
+            "metadata": {"name": name, "namespace": cluster},
             "spec": {"workload": {"manifests": []}},
         })
+    }
+
+    /// A status of a cluster whose shard this gateway does not hold is neither stored nor
+    /// acknowledged (its agent keeps it for the shard's owner); one of a held shard is both.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_status_of_a_shard_not_held_is_neither_stored_nor_acked() {
+        use crate::shards::{Fence, ShardDirectory, ShardView};
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(SledStore::open(dir.path()).unwrap());
+        let all = ShardView::all(64);
+        let held = "store-1";
+        let other = (2..)
+            .map(|i| format!("store-{i}"))
+            .find(|c| all.shard_of(c) != all.shard_of(held))
+            .unwrap();
+        let mut uids = Vec::new();
+        for cluster in [held, other.as_str()] {
+            let created = store.create(work_of(cluster, "web")).await.unwrap();
+            uids.push(created["metadata"]["uid"].as_str().unwrap().to_string());
+        }
+        let fences = std::collections::BTreeMap::from([(
+            all.shard_of(held),
+            Fence {
+                epoch: 1,
+                valid_until: tokio::time::Instant::now() + Duration::from_secs(3600),
+            },
+        )]);
+        let views = watch::channel(Arc::new(ShardView::leased(
+            64,
+            fences,
+            ShardDirectory::default(),
+        )))
+        .1;
+        let desired = DesiredState::new();
+        let (stop_tx, stop) = watch::channel(false);
+        let writer = StatusWriter::new(Arc::new(WriteBudget::new(1000.0, 1000)), 4, views);
+        let status = json!({"conditions": []}).to_string();
+        let (ours, theirs) = (Arc::new(Mailbox::default()), Arc::new(Mailbox::default()));
+        // The other shard's first: the queue takes them in order.
+        writer
+            .submit(&theirs, &other, "web", &uids[1], 1, status.as_bytes())
+            .await
+            .unwrap();
+        writer
+            .submit(&ours, held, "web", &uids[0], 1, status.as_bytes())
+            .await
+            .unwrap();
+        tokio::spawn(writer.clone().run(store.clone(), desired, stop));
+        tokio::time::timeout(Duration::from_secs(10), ours.ready())
+            .await
+            .expect("the held shard's status acknowledged");
+        assert_eq!(ours.take().await.status_acks, vec![(uids[0].clone(), 1)]);
+        assert!(theirs.take().await.status_acks.is_empty(), "not acked");
+        assert_eq!(writer.pending_len(), 0, "dropped, not kept for later");
+        let stored = |cluster: String| {
+            let store = store.clone();
+            async move {
+                store
+                    .get(Kind::ManifestWork, Some(&cluster), "web")
+                    .await
+                    .unwrap()
+                    .unwrap()["status"]
+                    .clone()
+            }
+        };
+        assert!(!stored(held.to_string()).await.is_null(), "stored");
+        assert!(stored(other.clone()).await.is_null(), "not stored");
+        let _ = stop_tx.send(true);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
