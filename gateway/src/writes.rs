@@ -523,6 +523,23 @@ mod tests {
         assert_eq!(queue.pending_len(), 0, "both stored in the end");
     }
 
+    /// A newer value that arrives while a write is failing replaces the failed one in the
+    /// retry: the failed value is not written again.
+    #[tokio::test(start_paused = true)]
+    async fn a_value_newer_than_a_failing_write_is_what_the_retry_writes() {
+        let queue = queue(1000, 1000, 4);
+        let stub = Stub::new(Duration::from_millis(50));
+        stub.seen().fail = vec![("c".into(), 1)];
+        let _stop = start(&queue, &stub);
+        queue.submit("c", seq(1));
+        pass(Duration::from_millis(10)).await;
+        assert_eq!(stub.seen().in_flight.len(), 1, "c's first write in flight");
+        queue.submit("c", seq(2));
+        pass(FIRST_RETRY_DELAY + Duration::from_millis(200)).await;
+        assert_eq!(stub.seen().writes, [("c".into(), 1), ("c".into(), 2)]);
+        assert_eq!(queue.pending_len(), 0);
+    }
+
     /// A value of a cluster whose shard this gateway no longer holds is dropped at the
     /// fence: never written; values of the shards it holds still are.
     #[tokio::test(start_paused = true)]
