@@ -513,6 +513,46 @@ mod tests {
     }
 
     #[test]
+    fn status_write_flags_refuse_zero_and_absurd_values_by_name() {
+        let check = |rate: u32, burst: u32, concurrency: usize| {
+            StatusWriteFlags {
+                status_writes_per_second: rate,
+                status_write_burst: burst,
+                status_write_concurrency: concurrency,
+            }
+            .validate()
+            .map_err(|e| e.to_string())
+        };
+        assert!(check(500, 500, 16).is_ok());
+        assert!(check(1, 1, 1).is_ok());
+        for (rate, burst, concurrency, want) in [
+            (0, 10, 16, "--status-writes-per-second 0 would never store"),
+            (10, 0, 16, "--status-write-burst 0 would never store"),
+            (
+                2_000_000,
+                10,
+                16,
+                "--status-writes-per-second 2000000 is above",
+            ),
+            (
+                10,
+                10,
+                0,
+                "--status-write-concurrency 0 must be between 1 and 1024",
+            ),
+            (
+                10,
+                10,
+                5000,
+                "--status-write-concurrency 5000 must be between 1 and 1024",
+            ),
+        ] {
+            let err = check(rate, burst, concurrency).unwrap_err();
+            assert!(err.contains(want), "{err:?} lacks {want:?}");
+        }
+    }
+
+    #[test]
     fn session_rate_flags_refuse_zero_and_absurd_values_by_name() {
         check(1000, 1000, Ok(()));
         check(1, 1, Ok(()));
