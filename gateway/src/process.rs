@@ -95,8 +95,9 @@ pub struct StatusWriteFlags {
     /// and cleanup finalizers together, each coalesced per work (only a work's newest status
     /// is written). With the kube backend each is one request to the hub apiserver. Size it to
     /// the write rate the apiserver gives this gateway (its API Priority and Fairness share),
-    /// divided across gateways; a fan-out to N clusters needs about 2·N writes (Applied, then
-    /// Available) per gateway, so at R per second its last status lands after about 2·N/R s.
+    /// divided across gateways; a fan-out to N clusters of one gateway costs it about 2·N
+    /// writes (each work's statuses, coalesced, and its cleanup finalizer), so at R per second
+    /// the last status lands after about 2·N/R s.
     /// Keep it below --kube-api-qps, which every request of the process shares.
     #[arg(long, env = "FLOTILLA_STATUS_WRITES_PER_SECOND", default_value_t = DEFAULT_WRITES_PER_SECOND)]
     pub status_writes_per_second: u32,
