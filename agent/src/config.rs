@@ -37,6 +37,10 @@ pub const DEFAULT_TUNNEL_IDLE_TIMEOUT: &str = "30m";
 /// Most tunnels at once that `--max-tunnels` accepts: the carriers allow 128 streams per
 /// connection, the session among them.
 pub const MAX_TUNNELS: usize = 120;
+/// Default of `--spoke-kube-api-qps`.
+pub const DEFAULT_SPOKE_KUBE_API_QPS: f64 = 50.0;
+/// Default of `--spoke-kube-api-burst`.
+pub const DEFAULT_SPOKE_KUBE_API_BURST: u32 = 100;
 /// Most works reconciled at once that `--apply-concurrency` accepts.
 pub const MAX_APPLY_CONCURRENCY: usize = 64;
 
@@ -78,6 +82,21 @@ pub struct AgentConfig {
     /// KUBECONFIG variable, then ~/.kube/config, then the pod's service account.
     #[arg(long, env = "FLOTILLA_AGENT_KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
+
+    /// Requests per second the agent sends to its spoke apiserver at most (client-go's QPS
+    /// for the agent's own client: applies, reads, watch openings; kubectl requests relayed
+    /// through the tunnel are the user's and are not counted). Requests over it wait, in
+    /// order; none is dropped. The default lets a start or resync of a few hundred works
+    /// through in seconds and keeps a storm from crowding out the spoke's own controllers;
+    /// raise it with the spoke's capacity when flotilla_kube_api_requests_waited_total rises
+    /// in steady state.
+    #[arg(long, env = "FLOTILLA_AGENT_SPOKE_KUBE_API_QPS", default_value_t = DEFAULT_SPOKE_KUBE_API_QPS)]
+    pub spoke_kube_api_qps: f64,
+
+    /// Requests the agent may send to its spoke apiserver at once after a quiet spell, beyond
+    /// --spoke-kube-api-qps (client-go's Burst).
+    #[arg(long, env = "FLOTILLA_AGENT_SPOKE_KUBE_API_BURST", default_value_t = DEFAULT_SPOKE_KUBE_API_BURST)]
+    pub spoke_kube_api_burst: u32,
 
     /// Directory of the agent's durable cache (desired works, what was applied, status not yet
     /// acknowledged). Keep it across restarts: it is how the agent works while the hub is away.
@@ -160,6 +179,10 @@ pub enum ConfigError {
         "no spoke apiserver configured ({0}); pass --kubeconfig PATH, set KUBECONFIG, or run the agent in a pod with a service account"
     )]
     NoSpoke(String),
+    /// `--spoke-kube-api-qps` or `--spoke-kube-api-burst` bounds nothing or lets nothing
+    /// through. Not retryable.
+    #[error("{0}")]
+    SpokeKubeApi(String),
 }
 
 impl AgentConfig {
@@ -218,6 +241,11 @@ impl AgentConfig {
         if self.tunnel_idle_timeout.is_zero() {
             return Err(ConfigError::TunnelIdleTimeout);
         }
+        flotilla_ops::rate::check_qps("--spoke-kube-api-qps", self.spoke_kube_api_qps)
+            .and_then(|()| {
+                flotilla_ops::rate::check_burst("--spoke-kube-api-burst", self.spoke_kube_api_burst)
+            })
+            .map_err(ConfigError::SpokeKubeApi)?;
         if self.feedback_interval < MIN_FEEDBACK_INTERVAL {
             return Err(ConfigError::FeedbackInterval {
                 got: self.feedback_interval,
@@ -235,6 +263,11 @@ impl AgentConfig {
             retry_initial: DEFAULT_RETRY_INITIAL,
             feedback_interval: self.feedback_interval,
         }
+    }
+
+    /// The budget of the agent's requests to its spoke apiserver.
+    pub fn spoke_kube_api(&self) -> flotilla_ops::KubeApiRate {
+        flotilla_ops::KubeApiRate::new(self.spoke_kube_api_qps, self.spoke_kube_api_burst)
     }
 
     /// The tunnel end's settings from the flags.

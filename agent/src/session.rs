@@ -184,8 +184,12 @@ pub async fn run(
         .map_err(|e| RunError::Certificates(format!("{e:#}")))?
         .with_proxy(config.proxy_url.clone())
         .with_transport(config.transport);
-    let client = kube::Client::try_from(config.spoke_kube_config().await?)
-        .map_err(|e| RunError::SpokeClient(e.to_string()))?;
+    // Every request of the agent's own client takes a token of its spoke budget first.
+    let spoke_kube_api = config.spoke_kube_api();
+    let client = kube::client::ClientBuilder::try_from(config.spoke_kube_config().await?)
+        .map_err(|e| RunError::SpokeClient(e.to_string()))?
+        .with_layer(&spoke_kube_api)
+        .build();
     cache::retire_sled_cache(&config.sled_cache_dir());
     let db = CacheDb::open(&config.cache_path())?;
     let cache: Arc<dyn WorkCache> = Arc::new(db.cluster(&config.cluster_name));
@@ -211,6 +215,7 @@ pub async fn run(
             info!(address = %address, "serving /metrics, /healthz and /readyz");
             let mut registry = flotilla_ops::registry();
             metrics.register(&mut registry);
+            spoke_kube_api.register(&mut registry);
             let (outbox, depth) = (Arc::clone(&cache), metrics.clone());
             // The cache is open (or the agent would have stopped above): ready once the start's
             // apply pass is done.

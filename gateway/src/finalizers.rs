@@ -5,29 +5,26 @@
 //! showing how the removal goes; a work no agent ever acknowledged carries no finalizer and is
 //! deleted at once.
 //!
-//! Writes go through one task, coalesced by work (a release replaces a pending add) and paced
-//! like status writes, each fenced right before it by the shard this gateway acts for: a
-//! gateway that lost the cluster's shard writes nothing, and the agent reports its release
-//! again to the shard's new owner. A release is acknowledged to the session that reported it
-//! only once the finalizer is gone (or the work is).
+//! Writes go through the gateway's [`WriteQueue`], coalesced by work (a release replaces a
+//! pending add), within the gateway's write budget shared with status writes, each fenced
+//! right before it by the shard this gateway acts for: a gateway that lost the cluster's shard
+//! writes nothing, and the agent reports its release again to the shard's new owner. A release
+//! is acknowledged to the session that reported it only once the finalizer is gone (or the
+//! work is).
 
-use std::collections::HashMap;
 use std::sync::{Arc, Weak};
-use std::time::Duration;
 
 use flotilla_proto::api::Kind;
 use flotilla_proto::contract::WORK_CLEANUP_FINALIZER;
 use flotilla_store::{Store, StoreError};
 use serde_json::{Value, json};
-use tokio::sync::{Mutex, Notify, watch};
+use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
 use crate::desired::DesiredState;
 use crate::mailbox::Mailbox;
 use crate::shards::ShardViews;
-
-/// How long a write that failed on the store waits before it is tried again.
-const RETRY_AFTER: Duration = Duration::from_millis(500);
+use crate::writes::{Coalesce, Outcome, StoreWrite, WriteBudget, WriteQueue};
 
 /// What to do about one work's finalizer.
 #[derive(Clone, Debug)]
@@ -46,35 +43,44 @@ struct Pending {
     change: Change,
 }
 
+impl Coalesce for Pending {
+    fn cluster(&self) -> &str {
+        &self.cluster
+    }
+
+    /// A release replaces whatever waits; a hold is ignored while a release waits.
+    fn absorb(&mut self, newer: Pending) {
+        if matches!(newer.change, Change::Release { .. })
+            || matches!(self.change, Change::Hold { .. })
+        {
+            *self = newer;
+        }
+    }
+}
+
 /// The task that adds and removes cleanup finalizers; see the module docs.
 pub struct CleanupFinalizers {
-    /// One pending change per work uid; a release replaces a pending hold.
-    pending: Mutex<HashMap<String, Pending>>,
-    notify: Notify,
-    writes_per_second: u32,
-    /// The shards this gateway acts for: no write for any other shard's cluster.
-    shards: ShardViews,
+    /// One pending change per work uid, and the writes in flight.
+    queue: WriteQueue<Pending>,
 }
 
 impl CleanupFinalizers {
-    pub fn new(writes_per_second: u32, shards: ShardViews) -> Arc<CleanupFinalizers> {
+    /// A writer drawing from the gateway's `budget`, at most `concurrency` writes at once.
+    pub fn new(
+        budget: Arc<WriteBudget>,
+        concurrency: usize,
+        shards: ShardViews,
+    ) -> Arc<CleanupFinalizers> {
         Arc::new(CleanupFinalizers {
-            pending: Mutex::new(HashMap::new()),
-            notify: Notify::new(),
-            writes_per_second: writes_per_second.max(1),
-            shards,
+            queue: WriteQueue::new("cleanup finalizer", budget, concurrency, shards),
         })
     }
 
     /// The agent of `cluster` acknowledged work `uid` (`name`), which has no cleanup finalizer
     /// yet: add it. Ignored while a release of the work is pending.
     pub async fn hold(&self, cluster: &str, name: &str, uid: &str) {
-        let mut pending = self.pending.lock().await;
-        if pending.contains_key(uid) {
-            return;
-        }
-        pending.insert(
-            uid.to_owned(),
+        self.queue.submit(
+            uid,
             Pending {
                 cluster: cluster.to_owned(),
                 uid: uid.to_owned(),
@@ -83,28 +89,25 @@ impl CleanupFinalizers {
                 },
             },
         );
-        drop(pending);
-        self.notify.notify_one();
     }
 
     /// The agent of `cluster` released work `uid`: remove its cleanup finalizer and then
     /// acknowledge on `reporter`'s session (`None`: tell no one).
     pub async fn release(&self, cluster: &str, uid: &str, reporter: Option<&Arc<Mailbox>>) {
         let reporter = reporter.map_or_else(Weak::new, Arc::downgrade);
-        self.pending.lock().await.insert(
-            uid.to_owned(),
+        self.queue.submit(
+            uid,
             Pending {
                 cluster: cluster.to_owned(),
                 uid: uid.to_owned(),
                 change: Change::Release { reporter },
             },
         );
-        self.notify.notify_one();
     }
 
-    /// Changes waiting to be written; `None` when the queue is locked right now.
-    pub fn pending_len(&self) -> Option<usize> {
-        self.pending.try_lock().ok().map(|p| p.len())
+    /// Changes waiting to be written.
+    pub fn pending_len(&self) -> usize {
+        self.queue.pending_len()
     }
 
     /// Writes pending changes until `stop` fires.
@@ -112,61 +115,43 @@ impl CleanupFinalizers {
         self: Arc<Self>,
         store: Arc<dyn Store>,
         desired: Arc<DesiredState>,
-        mut stop: watch::Receiver<bool>,
+        stop: watch::Receiver<bool>,
     ) {
-        let spacing = Duration::from_secs(1) / self.writes_per_second;
-        let mut tick = tokio::time::interval(spacing);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            let next = { self.pending.lock().await.keys().next().cloned() };
-            let Some(uid) = next else {
-                tokio::select! {
-                    _ = self.notify.notified() => continue,
-                    _ = stop.changed() => return,
+        let writer = ToStore {
+            store: store.as_ref(),
+            desired: &desired,
+        };
+        self.queue.run(writer, stop).await;
+    }
+}
+
+/// Writes finalizer changes to the store.
+struct ToStore<'a> {
+    store: &'a dyn Store,
+    desired: &'a DesiredState,
+}
+
+impl StoreWrite<Pending> for ToStore<'_> {
+    async fn write(&self, _uid: &str, p: &Pending) -> Outcome {
+        let written = match &p.change {
+            Change::Hold { name } => hold(self.store, &p.cluster, name, &p.uid).await,
+            Change::Release { reporter } => {
+                let done = release(self.store, self.desired, &p.cluster, &p.uid).await;
+                if done.is_ok()
+                    && let Some(mailbox) = reporter.upgrade()
+                {
+                    mailbox.release_ack(&p.uid).await;
                 }
-            };
-            tokio::select! {
-                _ = tick.tick() => {}
-                _ = stop.changed() => return,
+                done
             }
-            let Some(p) = self.pending.lock().await.remove(&uid) else {
-                continue;
-            };
-            // Fenced: checked right before the write, never acknowledged if not ours.
-            if !self
-                .shards
-                .borrow()
-                .holds_cluster(&p.cluster, tokio::time::Instant::now())
-            {
-                debug!(cluster = %p.cluster, work_uid = %p.uid, "not this gateway's shard (any more): finalizer left to its owner");
-                continue;
-            }
-            let written = match &p.change {
-                Change::Hold { name } => hold(store.as_ref(), &p.cluster, name, &p.uid).await,
-                Change::Release { reporter } => {
-                    let done = release(store.as_ref(), &desired, &p.cluster, &p.uid).await;
-                    if done.is_ok()
-                        && let Some(mailbox) = reporter.upgrade()
-                    {
-                        mailbox.release_ack(&p.uid).await;
-                    }
-                    done
-                }
-            };
-            if let Err(e) = written {
-                let conflict = matches!(e, StoreError::Conflict { .. });
-                if !conflict {
-                    warn!(cluster = %p.cluster, work_uid = %p.uid, error = %e, "writing the work's cleanup finalizer failed; will retry");
-                }
-                // Kept unless a newer change arrived meanwhile; a conflict is retried on a
-                // fresh read at the next tick.
-                self.pending.lock().await.entry(p.uid.clone()).or_insert(p);
-                if !conflict {
-                    tokio::select! {
-                        _ = tokio::time::sleep(RETRY_AFTER) => {}
-                        _ = stop.changed() => return,
-                    }
-                }
+        };
+        match written {
+            Ok(()) => Outcome::Done,
+            // Retried at once on a fresh read.
+            Err(StoreError::Conflict { .. }) => Outcome::Conflict,
+            Err(e) => {
+                warn!(cluster = %p.cluster, work_uid = %p.uid, error = %e, "writing the work's cleanup finalizer failed; will retry");
+                Outcome::Failed
             }
         }
     }
@@ -274,6 +259,7 @@ mod tests {
     use crate::shards::ShardView;
     use crate::test_support::eventually;
     use flotilla_store::SledStore;
+    use std::time::Duration;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_held_work_is_deleted_only_once_its_agent_releases_it() {
@@ -295,8 +281,11 @@ mod tests {
             Arc::new(Registry::default()),
             stop.clone(),
         ));
-        let finalizers =
-            CleanupFinalizers::new(1000, watch::channel(Arc::new(ShardView::all(64))).1);
+        let finalizers = CleanupFinalizers::new(
+            Arc::new(WriteBudget::new(1000.0, 1000)),
+            4,
+            watch::channel(Arc::new(ShardView::all(64))).1,
+        );
         tokio::spawn(
             finalizers
                 .clone()

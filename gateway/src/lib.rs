@@ -3,7 +3,9 @@
 //! sans-IO protocol from `flotilla-proto` (`driver`), keeps cluster health from the sessions
 //! (`health`), fans desired state out (`desired`, `mailbox`, `registry`), admits only accepted
 //! clusters with registered keys and closes the sessions of revoked ones (`admission`), lets
-//! new sessions in at a bounded rate and turns the excess away with a retry-after (`rate`), relays
+//! new sessions in at a bounded rate and turns the excess away with a retry-after (`rate`), writes
+//! work statuses and cleanup finalizers to the store coalesced, fenced and within one write
+//! budget (`statuses`, `finalizers`, both through `writes`), relays
 //! certificate renewals to the hub's CA (`certificates`), opens tunnels to agents for the hub's
 //! proxy front (`route`: the one seam the front reaches clusters through), owns every one
 //! of its tasks (`supervise`), and counts what it does for `/metrics` (`metrics`).
@@ -29,6 +31,7 @@ mod serve;
 pub mod shards;
 pub mod statuses;
 pub mod supervise;
+pub mod writes;
 
 pub use route::{Away, ShardRoute, TunnelError, TunnelRoute};
 pub use serve::{DEFAULT_CHUNK_BYTES_PER_SECOND, Gateway, GatewayConfig, GatewayError, Listeners};

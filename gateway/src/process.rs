@@ -21,6 +21,7 @@ use tracing::info;
 
 use crate::certificates::CsrRelay;
 use crate::shards::{OwnerConfig, ShardLeasing};
+use crate::writes::{DEFAULT_WRITE_BURST, DEFAULT_WRITE_CONCURRENCY, DEFAULT_WRITES_PER_SECOND};
 use crate::{Gateway, GatewayConfig, Listeners};
 
 /// Namespace of the shard and gateway Leases on the hub apiserver unless configured.
@@ -84,6 +85,78 @@ impl SessionRateFlags {
             );
         }
         Ok(())
+    }
+}
+
+/// The gateway's store writes (work statuses and cleanup finalizers), the same on the hub
+/// (its in-process gateway) and on every gateway.
+#[derive(Clone, Debug, Args)]
+pub struct StatusWriteFlags {
+    /// Store writes per second this gateway makes for agents' reports at most: work statuses
+    /// and cleanup finalizers together, each coalesced per work (only a work's newest status
+    /// is written). With the kube backend each is one request to the hub apiserver. Size it to
+    /// the write rate the apiserver gives this gateway (its API Priority and Fairness share),
+    /// divided across gateways; a fan-out to N clusters of one gateway costs it about 2·N
+    /// writes (each work's statuses, coalesced, and its cleanup finalizer), so at R per second
+    /// the last status lands after about 2·N/R s.
+    /// Keep it below --kube-api-qps, which every request of the process shares.
+    #[arg(long, env = "FLOTILLA_STATUS_WRITES_PER_SECOND", default_value_t = DEFAULT_WRITES_PER_SECOND)]
+    pub status_writes_per_second: u32,
+
+    /// Status writes let through at once after a quiet spell, beyond --status-writes-per-second.
+    #[arg(long, env = "FLOTILLA_STATUS_WRITE_BURST", default_value_t = DEFAULT_WRITE_BURST)]
+    pub status_write_burst: u32,
+
+    /// Status writes in flight at once (per writer: statuses, finalizers), never two of one
+    /// work. One write at a time caps the rate at 1/(store round trip) whatever the budget: to
+    /// use a budget of R per second with a round trip of T seconds, give at least R·T (the
+    /// default covers 500/s at up to 30 ms); more only adds load on the apiserver at once.
+    #[arg(long, env = "FLOTILLA_STATUS_WRITE_CONCURRENCY", default_value_t = DEFAULT_WRITE_CONCURRENCY)]
+    pub status_write_concurrency: usize,
+}
+
+/// The largest --status-write-concurrency accepted.
+pub const MAX_WRITE_CONCURRENCY: usize = 1024;
+
+impl StatusWriteFlags {
+    /// Checks what clap cannot; errors say how to fix the flag.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        for (flag, value, default) in [
+            (
+                "--status-writes-per-second",
+                self.status_writes_per_second,
+                DEFAULT_WRITES_PER_SECOND,
+            ),
+            (
+                "--status-write-burst",
+                self.status_write_burst,
+                DEFAULT_WRITE_BURST,
+            ),
+        ] {
+            anyhow::ensure!(
+                value >= 1,
+                "{flag} 0 would never store an agent's status: give at least 1 (default {default})"
+            );
+            anyhow::ensure!(
+                value <= MAX_SESSION_RATE,
+                "{flag} {value} is above {MAX_SESSION_RATE}, which bounds nothing: give the \
+                 writes per second the hub apiserver gives this gateway"
+            );
+        }
+        anyhow::ensure!(
+            (1..=MAX_WRITE_CONCURRENCY).contains(&self.status_write_concurrency),
+            "--status-write-concurrency {} must be between 1 and {MAX_WRITE_CONCURRENCY} \
+             (default {DEFAULT_WRITE_CONCURRENCY})",
+            self.status_write_concurrency
+        );
+        Ok(())
+    }
+
+    /// Sets these flags on `config`.
+    pub fn apply(&self, config: &mut GatewayConfig) {
+        config.status_writes_per_second = self.status_writes_per_second;
+        config.status_write_burst = self.status_write_burst;
+        config.status_write_concurrency = self.status_write_concurrency;
     }
 }
 
@@ -196,6 +269,12 @@ pub struct GatewayProcessConfig {
     #[command(flatten)]
     pub session_rate: SessionRateFlags,
 
+    #[command(flatten)]
+    pub status_writes: StatusWriteFlags,
+
+    #[command(flatten)]
+    pub kube_api: flotilla_ops::KubeApiArgs,
+
     /// How often agents send a heartbeat (told to them in the Welcome).
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     pub heartbeat_interval: Duration,
@@ -235,6 +314,8 @@ impl GatewayProcessConfig {
     pub fn validate(&self) -> anyhow::Result<()> {
         self.shards.validate()?;
         self.session_rate.validate()?;
+        self.status_writes.validate()?;
+        self.kube_api.validate().map_err(anyhow::Error::msg)?;
         anyhow::ensure!(
             flotilla_proto::contract::is_dns1123_label(&self.name),
             "--name {:?} must be a DNS-1123 label (lower-case letters, digits, '-'): it names a Lease",
@@ -257,7 +338,7 @@ impl GatewayProcessConfig {
     }
 
     fn gateway_config(&self) -> GatewayConfig {
-        GatewayConfig {
+        let mut config = GatewayConfig {
             heartbeat_interval: self.heartbeat_interval,
             heartbeat_timeout: self.heartbeat_timeout,
             grace_period: self.grace_period,
@@ -267,7 +348,9 @@ impl GatewayProcessConfig {
             session_rate: self.session_rate.session_rate,
             session_burst: self.session_rate.session_burst,
             ..GatewayConfig::default()
-        }
+        };
+        self.status_writes.apply(&mut config);
+        config
     }
 }
 
@@ -293,7 +376,9 @@ pub async fn run(
         &read("tls.key")?,
     )
     .context("the TLS material in --cert-dir")?;
-    let client = flotilla_store::connect(config.kubeconfig.as_deref()).await?;
+    // One request budget for every client of the process (the store and the leases).
+    let kube_api = config.kube_api.rate();
+    let client = flotilla_store::connect(config.kubeconfig.as_deref(), &kube_api).await?;
     let store = Arc::new(KubeStore::new(client.clone()));
 
     let sockets = AgentSockets::bind(config.listen, config.quic)
@@ -339,6 +424,7 @@ pub async fn run(
     if let Some(address) = config.ops.metrics_addr {
         let mut registry = flotilla_ops::registry();
         gateway.metrics().register(&mut registry);
+        kube_api.register(&mut registry);
         let endpoint = endpoint(&gateway, registry, gateway.readiness());
         // Served until the process ends: through the drain, /readyz says "draining" and
         // /healthz still answers.
@@ -427,6 +513,46 @@ mod tests {
             (Ok(()), Ok(())) => {}
             (Err(msg), Err(want)) => assert!(msg.contains(want), "{msg:?} lacks {want:?}"),
             (got, want) => panic!("{rate}/{burst}: got {got:?}, want {want:?}"),
+        }
+    }
+
+    #[test]
+    fn status_write_flags_refuse_zero_and_absurd_values_by_name() {
+        let check = |rate: u32, burst: u32, concurrency: usize| {
+            StatusWriteFlags {
+                status_writes_per_second: rate,
+                status_write_burst: burst,
+                status_write_concurrency: concurrency,
+            }
+            .validate()
+            .map_err(|e| e.to_string())
+        };
+        assert!(check(500, 500, 16).is_ok());
+        assert!(check(1, 1, 1).is_ok());
+        for (rate, burst, concurrency, want) in [
+            (0, 10, 16, "--status-writes-per-second 0 would never store"),
+            (10, 0, 16, "--status-write-burst 0 would never store"),
+            (
+                2_000_000,
+                10,
+                16,
+                "--status-writes-per-second 2000000 is above",
+            ),
+            (
+                10,
+                10,
+                0,
+                "--status-write-concurrency 0 must be between 1 and 1024",
+            ),
+            (
+                10,
+                10,
+                5000,
+                "--status-write-concurrency 5000 must be between 1 and 1024",
+            ),
+        ] {
+            let err = check(rate, burst, concurrency).unwrap_err();
+            assert!(err.contains(want), "{err:?} lacks {want:?}");
         }
     }
 

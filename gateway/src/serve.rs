@@ -31,6 +31,7 @@ use crate::route::{Away, TunnelError};
 use crate::shards::{ShardLeasing, ShardView};
 use crate::statuses::StatusWriter;
 use crate::supervise::{TaskEnded, Tasks};
+use crate::writes::WriteBudget;
 
 /// Knobs of the session tier; every queue and size has a bound.
 #[derive(Clone, Debug)]
@@ -45,8 +46,13 @@ pub struct GatewayConfig {
     pub max_frame_bytes: usize,
     /// Distinct works that may wait in one session's outbound queue before it is reset.
     pub session_queue_bound: usize,
-    /// Budget of work-status writes to the store, per second, for the whole gateway.
+    /// Budget of the gateway's status writes to the store (work statuses and cleanup
+    /// finalizers together), per second (see [`crate::writes`]).
     pub status_writes_per_second: u32,
+    /// Writes the budget lets through at once after a quiet spell.
+    pub status_write_burst: u32,
+    /// Writes in flight at once, per writer (statuses, finalizers); never two of one work.
+    pub status_write_concurrency: usize,
     /// On shutdown each session is drained with a retry-after spread over this window.
     pub drain_window: Duration,
     /// On shutdown, how long drained sessions may take to end before the rest are closed.
@@ -83,7 +89,9 @@ impl Default for GatewayConfig {
             grace_period: Duration::from_secs(40),
             max_frame_bytes: 4 * 1024 * 1024,
             session_queue_bound: 4096,
-            status_writes_per_second: 500,
+            status_writes_per_second: crate::writes::DEFAULT_WRITES_PER_SECOND,
+            status_write_burst: crate::writes::DEFAULT_WRITE_BURST,
+            status_write_concurrency: crate::writes::DEFAULT_WRITE_CONCURRENCY,
             drain_window: Duration::from_secs(5),
             drain_timeout: Duration::from_secs(20),
             session_rate: crate::process::DEFAULT_SESSION_RATE,
@@ -213,15 +221,25 @@ impl Gateway {
             admissions.clone(),
             shards.subscribe(),
         );
-        let statuses = StatusWriter::new(config.status_writes_per_second, shards.subscribe());
+        // One budget for every writer of the gateway: the hub apiserver sees at most this
+        // many writes per second from it, whatever mix of statuses and finalizers.
+        let budget = Arc::new(WriteBudget::new(
+            f64::from(config.status_writes_per_second),
+            config.status_write_burst,
+        ));
+        let statuses = StatusWriter::new(
+            budget.clone(),
+            config.status_write_concurrency,
+            shards.subscribe(),
+        );
         let gate = SessionGate::new(
             SessionRate::new(config.session_rate, config.session_burst),
             metrics.new_connection_counters(),
         );
-        // Paced like status writes: a fleet-wide rollout acknowledged at once must not turn
-        // into a burst of work updates on the hub apiserver.
+        // Within the same budget as status writes: a fleet-wide rollout acknowledged at once
+        // must not turn into a burst of work updates on the hub apiserver.
         let finalizers =
-            CleanupFinalizers::new(config.status_writes_per_second, shards.subscribe());
+            CleanupFinalizers::new(budget, config.status_write_concurrency, shards.subscribe());
         Gateway {
             shared: Arc::new(Shared {
                 store,
@@ -289,12 +307,13 @@ impl Gateway {
     }
 
     /// Sets the gauges read at scrape time (the status write queue, the shards held). Never
-    /// waits: a queue locked at that instant keeps its last value.
+    /// waits on the store.
     pub fn refresh_metrics(&self) {
         let shared = &self.shared;
-        if let Some(depth) = shared.statuses.pending_len() {
-            shared.metrics.status_queue.set(depth as i64);
-        }
+        shared
+            .metrics
+            .status_queue
+            .set(shared.statuses.pending_len() as i64);
         let held = shared.shards.borrow().held(Instant::now()).len();
         shared.metrics.shards_owned.set(held as i64);
     }

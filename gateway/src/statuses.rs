@@ -1,6 +1,7 @@
-//! Writing the status agents report into the store, coalesced and rate-limited: one pending
-//! entry per work (the newest wins), at most `writes_per_second` store writes, and the agent's
-//! status acknowledged only once it is stored, on the session that reported it.
+//! Writing the status agents report into the store: one pending entry per work (the newest
+//! seq wins), written through the gateway's [`WriteQueue`] (bounded concurrency, the gateway's
+//! write budget, fenced by shard ownership, retried), and the agent's status acknowledged only
+//! once it is stored, on the session that reported it.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
@@ -8,12 +9,13 @@ use std::time::Duration;
 
 use flotilla_proto::api::{Kind, ManifestWorkStatus};
 use flotilla_store::{Store, StoreError};
-use tokio::sync::{Mutex, Notify, watch};
+use tokio::sync::{Mutex, watch};
 use tracing::{debug, warn};
 
 use crate::desired::DesiredState;
 use crate::mailbox::Mailbox;
 use crate::shards::ShardViews;
+use crate::writes::{Coalesce, Outcome, StoreWrite, WriteBudget, WriteQueue};
 
 /// How often the record of stored seqs forgets works that no longer exist, so it holds the
 /// live works (and those deleted within this period), not every work ever seen.
@@ -34,6 +36,21 @@ pub struct PendingStatus {
     pub reporter: Weak<Mailbox>,
 }
 
+impl Coalesce for PendingStatus {
+    fn cluster(&self) -> &str {
+        &self.cluster
+    }
+
+    fn absorb(&mut self, newer: PendingStatus) {
+        if newer.seq > self.seq {
+            *self = newer;
+        } else if newer.seq == self.seq {
+            // The same status again, from the agent's newer session: its ack goes there.
+            self.reporter = newer.reporter;
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 struct Written {
     cluster: String,
@@ -41,13 +58,11 @@ struct Written {
 }
 
 pub struct StatusWriter {
-    /// Newest pending status per work uid.
-    pending: Mutex<HashMap<String, PendingStatus>>,
+    /// Newest pending status per work uid, and the writes in flight.
+    queue: WriteQueue<PendingStatus>,
     /// Highest seq stored per work uid (with the work's cluster), to drop stale reports (a
     /// reconnecting agent resends its outbox). Pruned of deleted works every [`PRUNE_EVERY`].
     written: Mutex<HashMap<String, Written>>,
-    notify: Notify,
-    writes_per_second: u32,
     prune_every: Duration,
     /// The shards this gateway acts for: a status of any other shard's cluster is not written
     /// nor acknowledged, so the agent keeps it and reports it to the shard's owner.
@@ -66,24 +81,28 @@ pub enum StatusError {
 }
 
 impl StatusWriter {
-    pub fn new(writes_per_second: u32, shards: ShardViews) -> Arc<StatusWriter> {
+    /// A writer drawing from the gateway's `budget`, at most `concurrency` writes at once.
+    pub fn new(
+        budget: Arc<WriteBudget>,
+        concurrency: usize,
+        shards: ShardViews,
+    ) -> Arc<StatusWriter> {
         Arc::new(StatusWriter {
-            pending: Mutex::new(HashMap::new()),
+            queue: WriteQueue::new("work status", budget, concurrency, shards.clone()),
             written: Mutex::new(HashMap::new()),
-            notify: Notify::new(),
-            writes_per_second: writes_per_second.max(1),
             prune_every: PRUNE_EVERY,
             shards,
         })
     }
 
-    /// Statuses waiting to be written; `None` when the queue is locked right now.
-    pub fn pending_len(&self) -> Option<usize> {
-        self.pending.try_lock().ok().map(|p| p.len())
+    /// Statuses waiting to be written.
+    pub fn pending_len(&self) -> usize {
+        self.queue.pending_len()
     }
 
     /// Queues a status for writing, to be acknowledged on `reporter`'s session. Validates the
-    /// shape first, so nothing malformed reaches the store.
+    /// shape first, so nothing malformed reaches the store. A status already stored (an
+    /// agent's resend after a reconnect) is acknowledged at once, costing no write.
     pub async fn submit(
         &self,
         reporter: &Arc<Mailbox>,
@@ -101,29 +120,30 @@ impl StatusWriter {
         let parsed: ManifestWorkStatus =
             serde_json::from_slice(status_json).map_err(|e| malformed(e.to_string()))?;
         let status = serde_json::to_value(parsed).map_err(|e| malformed(e.to_string()))?;
-        let mut pending = self.pending.lock().await;
-        match pending.get_mut(uid) {
-            Some(p) if p.seq > seq => return Ok(()),
-            // The same status again, from the agent's newer session: its ack goes there.
-            Some(p) if p.seq == seq => {
-                p.reporter = Arc::downgrade(reporter);
-                return Ok(());
-            }
-            _ => {}
+        let pending = PendingStatus {
+            cluster: cluster.into(),
+            name: name.into(),
+            uid: uid.into(),
+            seq,
+            status,
+            reporter: Arc::downgrade(reporter),
+        };
+        let stored = self
+            .written
+            .lock()
+            .await
+            .get(uid)
+            .is_some_and(|w| w.seq >= seq);
+        if stored
+            && self
+                .shards
+                .borrow()
+                .holds_cluster(cluster, tokio::time::Instant::now())
+        {
+            ack(&pending).await;
+            return Ok(());
         }
-        pending.insert(
-            uid.to_string(),
-            PendingStatus {
-                cluster: cluster.into(),
-                name: name.into(),
-                uid: uid.into(),
-                seq,
-                status,
-                reporter: Arc::downgrade(reporter),
-            },
-        );
-        drop(pending);
-        self.notify.notify_one();
+        self.queue.submit(uid, pending);
         Ok(())
     }
 
@@ -132,86 +152,78 @@ impl StatusWriter {
         self: Arc<Self>,
         store: Arc<dyn Store>,
         desired: Arc<DesiredState>,
-        mut stop: watch::Receiver<bool>,
+        stop: watch::Receiver<bool>,
     ) {
-        let spacing = Duration::from_secs(1) / self.writes_per_second;
-        let mut tick = tokio::time::interval(spacing);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut next_prune = tokio::time::Instant::now() + self.prune_every;
-        loop {
-            if tokio::time::Instant::now() >= next_prune {
-                next_prune = tokio::time::Instant::now() + self.prune_every;
-                self.prune(&desired).await;
-            }
-            let next = { self.pending.lock().await.keys().next().cloned() };
-            let Some(uid) = next else {
+        let writes = self.queue.run(
+            ToStore {
+                store: store.as_ref(),
+                written: &self.written,
+            },
+            stop.clone(),
+        );
+        let pruning = async {
+            let mut stop = stop.clone();
+            loop {
                 tokio::select! {
-                    _ = self.notify.notified() => continue,
+                    _ = tokio::time::sleep(self.prune_every.max(Duration::from_millis(10))) => {}
                     _ = stop.changed() => return,
                 }
-            };
-            tokio::select! {
-                _ = tick.tick() => {}
-                _ = stop.changed() => return,
+                self.prune(&desired).await;
             }
-            let Some(p) = self.pending.lock().await.remove(&uid) else {
-                continue;
-            };
-            // Fenced: checked right before the write, never acknowledged if not ours.
-            if !self
-                .shards
-                .borrow()
-                .holds_cluster(&p.cluster, tokio::time::Instant::now())
-            {
-                debug!(cluster = %p.cluster, work = %p.name, "not this gateway's shard (any more): status left to its owner");
-                continue;
+        };
+        tokio::join!(writes, pruning);
+    }
+}
+
+/// Writes statuses to the store and records the seqs stored.
+struct ToStore<'a> {
+    store: &'a dyn Store,
+    written: &'a Mutex<HashMap<String, Written>>,
+}
+
+impl StoreWrite<PendingStatus> for ToStore<'_> {
+    async fn write(&self, _uid: &str, p: &PendingStatus) -> Outcome {
+        if self
+            .written
+            .lock()
+            .await
+            .get(&p.uid)
+            .is_some_and(|w| w.seq >= p.seq)
+        {
+            // Already stored (a resend after reconnect): just acknowledge again.
+            ack(p).await;
+            return Outcome::Done;
+        }
+        match self
+            .store
+            .update_status(
+                Kind::ManifestWork,
+                Some(&p.cluster),
+                &p.name,
+                p.status.clone(),
+                None,
+            )
+            .await
+        {
+            Ok(_) => {
+                let written = Written {
+                    cluster: p.cluster.clone(),
+                    seq: p.seq,
+                };
+                self.written.lock().await.insert(p.uid.clone(), written);
+                debug!(cluster = %p.cluster, work = %p.name, seq = p.seq, "work status stored");
+                ack(p).await;
+                Outcome::Done
             }
-            if self
-                .written
-                .lock()
-                .await
-                .get(&p.uid)
-                .is_some_and(|w| w.seq >= p.seq)
-            {
-                // Already stored (a resend after reconnect): just acknowledge again.
-                ack(&p).await;
-                continue;
+            Err(StoreError::NotFound { .. }) => {
+                // The work was deleted meanwhile: its status has nowhere to go. Acknowledge
+                // so the agent stops resending it.
+                ack(p).await;
+                Outcome::Done
             }
-            match store
-                .update_status(
-                    Kind::ManifestWork,
-                    Some(&p.cluster),
-                    &p.name,
-                    p.status.clone(),
-                    None,
-                )
-                .await
-            {
-                Ok(_) => {
-                    let written = Written {
-                        cluster: p.cluster.clone(),
-                        seq: p.seq,
-                    };
-                    self.written.lock().await.insert(p.uid.clone(), written);
-                    debug!(cluster = %p.cluster, work = %p.name, seq = p.seq, "work status stored");
-                    ack(&p).await;
-                }
-                Err(StoreError::NotFound { .. }) => {
-                    // The work was deleted meanwhile: its status has nowhere to go. Acknowledge
-                    // so the agent stops resending it.
-                    ack(&p).await;
-                }
-                Err(e) => {
-                    warn!(cluster = %p.cluster, work = %p.name, error = %e, "storing work status failed; will retry");
-                    let mut pending = self.pending.lock().await;
-                    // Keep it unless a newer one arrived meanwhile.
-                    pending.entry(p.uid.clone()).or_insert(p);
-                    drop(pending);
-                    tokio::select! {
-                        _ = tokio::time::sleep(Duration::from_millis(500)) => {}
-                        _ = stop.changed() => return,
-                    }
-                }
+            Err(e) => {
+                warn!(cluster = %p.cluster, work = %p.name, error = %e, "storing work status failed; will retry");
+                Outcome::Failed
             }
         }
     }
@@ -273,11 +285,83 @@ mod tests {
     use serde_json::json;
 
     fn work(name: &str) -> serde_json::Value {
+        work_of("store-1", name)
+    }
+
+    fn work_of(cluster: &str, name: &str) -> serde_json::Value {
         json!({
             "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
-            "metadata": {"name": name, "namespace": "store-1"},
+            "metadata": {"name": name, "namespace": cluster},
             "spec": {"workload": {"manifests": []}},
         })
+    }
+
+    /// A status of a cluster whose shard this gateway does not hold is neither stored nor
+    /// acknowledged (its agent keeps it for the shard's owner); one of a held shard is both.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_status_of_a_shard_not_held_is_neither_stored_nor_acked() {
+        use crate::shards::{Fence, ShardDirectory, ShardView};
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(SledStore::open(dir.path()).unwrap());
+        let all = ShardView::all(64);
+        let held = "store-1";
+        let other = (2..)
+            .map(|i| format!("store-{i}"))
+            .find(|c| all.shard_of(c) != all.shard_of(held))
+            .unwrap();
+        let mut uids = Vec::new();
+        for cluster in [held, other.as_str()] {
+            let created = store.create(work_of(cluster, "web")).await.unwrap();
+            uids.push(created["metadata"]["uid"].as_str().unwrap().to_string());
+        }
+        let fences = std::collections::BTreeMap::from([(
+            all.shard_of(held),
+            Fence {
+                epoch: 1,
+                valid_until: tokio::time::Instant::now() + Duration::from_secs(3600),
+            },
+        )]);
+        let views = watch::channel(Arc::new(ShardView::leased(
+            64,
+            fences,
+            ShardDirectory::default(),
+        )))
+        .1;
+        let desired = DesiredState::new();
+        let (stop_tx, stop) = watch::channel(false);
+        let writer = StatusWriter::new(Arc::new(WriteBudget::new(1000.0, 1000)), 4, views);
+        let status = json!({"conditions": []}).to_string();
+        let (ours, theirs) = (Arc::new(Mailbox::default()), Arc::new(Mailbox::default()));
+        // The other shard's first: the queue takes them in order.
+        writer
+            .submit(&theirs, &other, "web", &uids[1], 1, status.as_bytes())
+            .await
+            .unwrap();
+        writer
+            .submit(&ours, held, "web", &uids[0], 1, status.as_bytes())
+            .await
+            .unwrap();
+        tokio::spawn(writer.clone().run(store.clone(), desired, stop));
+        tokio::time::timeout(Duration::from_secs(10), ours.ready())
+            .await
+            .expect("the held shard's status acknowledged");
+        assert_eq!(ours.take().await.status_acks, vec![(uids[0].clone(), 1)]);
+        assert!(theirs.take().await.status_acks.is_empty(), "not acked");
+        assert_eq!(writer.pending_len(), 0, "dropped, not kept for later");
+        let stored = |cluster: String| {
+            let store = store.clone();
+            async move {
+                store
+                    .get(Kind::ManifestWork, Some(&cluster), "web")
+                    .await
+                    .unwrap()
+                    .unwrap()["status"]
+                    .clone()
+            }
+        };
+        assert!(!stored(held.to_string()).await.is_null(), "stored");
+        assert!(stored(other.clone()).await.is_null(), "not stored");
+        let _ = stop_tx.send(true);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -299,7 +383,8 @@ mod tests {
         let writer = Arc::new(StatusWriter {
             prune_every: Duration::ZERO,
             ..Arc::into_inner(StatusWriter::new(
-                1000,
+                Arc::new(WriteBudget::new(1000.0, 1000)),
+                4,
                 tokio::sync::watch::channel(Arc::new(crate::shards::ShardView::all(64))).1,
             ))
             .unwrap()
@@ -358,7 +443,8 @@ mod tests {
         tokio::spawn(desired.clone().run(store.clone(), registry, stop.clone()));
         desired.wait_ready().await;
         let writer = StatusWriter::new(
-            1000,
+            Arc::new(WriteBudget::new(1000.0, 1000)),
+            4,
             tokio::sync::watch::channel(Arc::new(crate::shards::ShardView::all(64))).1,
         );
         let status = json!({"conditions": []}).to_string();

@@ -125,6 +125,13 @@ pub struct HubConfig {
     #[command(flatten)]
     pub session_rate: flotilla_gateway::process::SessionRateFlags,
 
+    #[command(flatten)]
+    pub status_writes: flotilla_gateway::process::StatusWriteFlags,
+
+    /// The budget of requests to the hub apiserver with --store kube (unused with sled).
+    #[command(flatten)]
+    pub kube_api: flotilla_ops::KubeApiArgs,
+
     /// How often agents send a heartbeat (told to them in the session's Welcome).
     #[arg(long, default_value = DEFAULT_HEARTBEAT_INTERVAL, value_parser = humantime::parse_duration)]
     pub heartbeat_interval: Duration,
@@ -233,6 +240,8 @@ impl HubConfig {
     /// Checks what clap cannot; errors say how to fix the flag.
     pub fn validate(&self) -> anyhow::Result<()> {
         self.session_rate.validate()?;
+        self.status_writes.validate()?;
+        self.kube_api.validate().map_err(anyhow::Error::msg)?;
         anyhow::ensure!(
             !self.heartbeat_interval.is_zero(),
             "--heartbeat-interval must be positive"

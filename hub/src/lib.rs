@@ -72,8 +72,11 @@ impl ListenInfo {
     }
 }
 
-/// Opens the configured store backend.
-pub async fn open_store(config: &HubConfig) -> anyhow::Result<Arc<dyn Store>> {
+/// Opens the configured store backend; with kube, its requests take tokens of `kube_api`.
+pub async fn open_store(
+    config: &HubConfig,
+    kube_api: &flotilla_ops::KubeApiRate,
+) -> anyhow::Result<Arc<dyn Store>> {
     Ok(match config.store {
         StoreBackend::Sled => {
             let path = config.data_dir.join("store");
@@ -85,7 +88,7 @@ pub async fn open_store(config: &HubConfig) -> anyhow::Result<Arc<dyn Store>> {
             })?)
         }
         StoreBackend::Kube => {
-            let client = flotilla_store::connect(config.kubeconfig.as_deref()).await?;
+            let client = flotilla_store::connect(config.kubeconfig.as_deref(), kube_api).await?;
             Arc::new(flotilla_store::KubeStore::new(client))
         }
     })
@@ -104,7 +107,9 @@ pub async fn run(
     info!(fingerprint = %ca.fingerprint(), rotating = ca.rotating(), "hub CA ready");
     let authority = Authority::new(ca_dir, ca);
     let tokens = Arc::new(BootstrapTokens::open(&config.data_dir)?);
-    let store = open_store(&config).await?;
+    // One request budget for every client of the hub apiserver the process builds.
+    let kube_api = config.kube_api.rate();
+    let store = open_store(&config, &kube_api).await?;
 
     let agents = AgentSockets::bind(config.listen, config.quic)
         .await
@@ -169,7 +174,7 @@ pub async fn run(
     let mut relayed_renewals = None;
     if config.gateways == GatewayMode::External {
         // Sessions are the gateways'; this one holds no shard and redirects by the directory.
-        let client = flotilla_store::connect(config.kubeconfig.as_deref()).await?;
+        let client = flotilla_store::connect(config.kubeconfig.as_deref(), &kube_api).await?;
         let address = agent_address(&config, listen.agents);
         gateway
             .lease_shards(
@@ -271,6 +276,7 @@ pub async fn run(
         // the gauges' lists are loaded.
         let mut registry = flotilla_ops::registry();
         gateway.metrics().register(&mut registry);
+        kube_api.register(&mut registry);
         let fleet = fleet_metrics::FleetMetrics::new();
         fleet.register(&mut registry);
         controller_metrics.register(&mut registry);
@@ -467,7 +473,7 @@ fn proxy_front(
 
 /// The session tier's settings from the hub's flags.
 fn gateway_config(config: &HubConfig) -> GatewayConfig {
-    GatewayConfig {
+    let mut gateway = GatewayConfig {
         heartbeat_interval: config.heartbeat_interval,
         heartbeat_timeout: config.heartbeat_timeout,
         grace_period: config.grace_period,
@@ -478,7 +484,9 @@ fn gateway_config(config: &HubConfig) -> GatewayConfig {
         session_rate: config.session_rate.session_rate,
         session_burst: config.session_rate.session_burst,
         ..GatewayConfig::default()
-    }
+    };
+    config.status_writes.apply(&mut gateway);
+    gateway
 }
 
 /// How long the hub's tasks may take to stop once told, beyond the gateway's drain.

@@ -743,6 +743,8 @@ async fn run_agent(
         transport: shared.transport.agent(),
         max_tunnels: flotilla_agent::tunnel::DEFAULT_MAX_TUNNELS,
         tunnel_idle_timeout: flotilla_agent::tunnel::DEFAULT_TUNNEL_IDLE_TIMEOUT,
+        spoke_kube_api_qps: flotilla_agent::config::DEFAULT_SPOKE_KUBE_API_QPS,
+        spoke_kube_api_burst: flotilla_agent::config::DEFAULT_SPOKE_KUBE_API_BURST,
         ops: Default::default(),
     };
     let dialer = match Dialer::new(&config.hub, &shared.server_name, &agent.identity_dir) {

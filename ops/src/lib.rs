@@ -1,6 +1,7 @@
 //! What every flotilla process serves to whoever runs it: Prometheus metrics on `/metrics`,
 //! `/healthz` (the process is alive) and `/readyz` (it can do its job) on one plain-HTTP
-//! listener of its own (`--metrics-addr`), and its log format (`--log-format`). The hub, the
+//! listener of its own (`--metrics-addr`), its log format (`--log-format`), and the request
+//! budget of its Kubernetes clients (`rate`: `--kube-api-qps`, `--kube-api-burst`). The hub, the
 //! gateway and the agent share it, so the three speak the same way to Prometheus, kubelet
 //! probes and log collectors.
 //!
@@ -15,10 +16,12 @@
 pub mod endpoint;
 pub mod exposition;
 pub mod logging;
+pub mod rate;
 pub mod readiness;
 
 pub use endpoint::{Endpoint, EndpointError, MetricsArgs, serve};
 pub use logging::{LogFormat, init_tracing};
+pub use rate::{KubeApiArgs, KubeApiRate, TokenBucket};
 pub use readiness::{Readiness, ReadyFlag};
 
 /// A metric registry with every name under `flotilla_`.

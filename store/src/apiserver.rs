@@ -121,8 +121,13 @@ pub enum ConnectError {
     Client(#[source] kube::Error),
 }
 
-/// A client for the hub apiserver from `kubeconfig`, or inferred (KUBECONFIG, in-cluster).
-pub async fn connect(kubeconfig: Option<&std::path::Path>) -> Result<Client, ConnectError> {
+/// A client for the hub apiserver from `kubeconfig`, or inferred (KUBECONFIG, in-cluster),
+/// whose every request takes a token of `rate` first (the process's `--kube-api-qps` and
+/// `--kube-api-burst`; every client of one process shares it).
+pub async fn connect(
+    kubeconfig: Option<&std::path::Path>,
+    rate: &flotilla_ops::KubeApiRate,
+) -> Result<Client, ConnectError> {
     let config = match kubeconfig {
         Some(path) => {
             let failed = |source| ConnectError::Kubeconfig {
@@ -136,7 +141,10 @@ pub async fn connect(kubeconfig: Option<&std::path::Path>) -> Result<Client, Con
         }
         None => kube::Config::infer().await.map_err(ConnectError::Infer)?,
     };
-    Client::try_from(config).map_err(ConnectError::Client)
+    Ok(kube::client::ClientBuilder::try_from(config)
+        .map_err(ConnectError::Client)?
+        .with_layer(rate)
+        .build())
 }
 
 fn api_resource(kind: Kind) -> ApiResource {

@@ -138,6 +138,8 @@ impl Herd {
                 feedback_interval: flotilla_agent::reconcile::DEFAULT_FEEDBACK_INTERVAL,
                 max_tunnels: flotilla_agent::tunnel::DEFAULT_MAX_TUNNELS,
                 tunnel_idle_timeout: flotilla_agent::tunnel::DEFAULT_TUNNEL_IDLE_TIMEOUT,
+                spoke_kube_api_qps: flotilla_agent::config::DEFAULT_SPOKE_KUBE_API_QPS,
+                spoke_kube_api_burst: flotilla_agent::config::DEFAULT_SPOKE_KUBE_API_BURST,
                 ops: Default::default(),
             };
             let (_, kubernetes_version) = tokio::sync::watch::channel("v1.36.3".to_string());

@@ -40,6 +40,12 @@ const HUB_FAMILIES: [(&str, FamilyType); 12] = [
     ("flotilla_hub_rollouts", FamilyType::Gauge),
 ];
 
+/// The budget of a process's Kubernetes clients (hub, gateway, agent), with its type.
+const KUBE_API_FAMILIES: [(&str, FamilyType); 2] = [
+    ("flotilla_kube_api_requests_waited", FamilyType::Counter),
+    ("flotilla_kube_api_wait_seconds", FamilyType::Counter),
+];
+
 /// Every metric the agent serves, with its type.
 const AGENT_FAMILIES: [(&str, FamilyType); 5] = [
     (
@@ -100,6 +106,7 @@ on_both_carriers! {
         .await?;
         let before = scrape(&hub).await?;
         has_families(&before, &HUB_FAMILIES);
+        has_families(&before, &KUBE_API_FAMILIES);
         assert_eq!(before.value("flotilla_gateway_sessions", &sessions), Some(0.0));
         // A single-node hub's gateway acts for every shard.
         assert_eq!(before.value("flotilla_gateway_shards_owned", &[]), Some(64.0));
@@ -125,6 +132,7 @@ on_both_carriers! {
         wait_value(&agent_addr, "flotilla_agent_hub_connected", &[], |v| v == 1.0).await?;
         let page = scrape(&agent_addr).await?;
         has_families(&page, &AGENT_FAMILIES);
+        has_families(&page, &KUBE_API_FAMILIES);
         assert_eq!(page.value("flotilla_agent_hub_connected_transport", &sessions), Some(1.0));
         assert_eq!(page.value("flotilla_agent_hub_connected_transport", &[("transport", other)]), Some(0.0));
         let (ready, body) = http_get(&agent_addr, "/readyz").await?;
@@ -305,6 +313,7 @@ async fn a_gateway_replica_serves_its_metrics_and_probes() -> anyhow::Result<()>
     .await?;
     let page = scrape(&metrics).await?;
     has_families(&page, &HUB_FAMILIES[..8]);
+    has_families(&page, &KUBE_API_FAMILIES);
     // Its store requests: the lists and watches of its caches, at least.
     assert!(
         page.value("flotilla_gateway_store_requests_total", &[("verb", "list")])
