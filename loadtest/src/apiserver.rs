@@ -197,6 +197,10 @@ impl ApiserverSnapshot {
                 .requests_by_resource
                 .entry(resource.clone())
                 .or_default() += n;
+            *load
+                .requests_by_verb_resource
+                .entry(format!("{verb} {resource}"))
+                .or_default() += n;
         }
         load
     }
@@ -290,6 +294,18 @@ mod tests {
         assert_eq!(
             load.requests_by_resource.values().sum::<u64>(),
             load.requests
+        );
+        assert_eq!(
+            load.requests_by_verb_resource,
+            [
+                ("LIST manifestworks", 2),
+                ("PATCH manifestworks/status", 5),
+                ("PUT leases", 3),
+                ("WATCH managedclusters", 2),
+                ("WATCH manifestworks", 5)
+            ]
+            .map(|(k, v)| (k.to_string(), v))
+            .into()
         );
         assert_eq!((load.watches_held, load.watches_held_by_clients), (9, 7));
         assert_eq!(load.rss_bytes, Some(300));

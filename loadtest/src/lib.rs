@@ -11,7 +11,8 @@
 //! * [`cli`]: flags, defaults and their validation; [`bench`]: the placement scheduler's model
 //!   alone (`bench-scheduler`).
 //! * [`preflight`]: checks that fail before anything starts (file descriptors, ports, the hub).
-//! * [`fleet`]: the hub under test, and enrolling the agents with its CA and operator API.
+//! * [`fleet`]: the hub under test, and enrolling the agents with its CA and operator API;
+//!   [`gateways`]: with `--gateways N`, the gateway processes beside it (scale-out mode).
 //! * [`swarm`]: many agents in one process; [`agents`]: one swarm here, or one per worker
 //!   process (`--processes`).
 //! * [`scenario`]: the scenarios; [`placement`]: the placement ones (`rollout`, `schedule`);
@@ -34,6 +35,7 @@ pub mod cli;
 pub mod clock;
 pub mod feedback;
 pub mod fleet;
+pub mod gateways;
 pub mod klusterlet;
 pub mod machine;
 pub mod operator;
