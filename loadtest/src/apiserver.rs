@@ -50,7 +50,16 @@ impl Apiserver {
     /// Starts etcd and kube-apiserver, installs the CRDs of `crds` and waits until they are
     /// Established.
     pub async fn start(crds: &Path) -> anyhow::Result<Apiserver> {
-        let env = TestEnv::start()
+        Apiserver::start_serving(crds, &[]).await
+    }
+
+    /// [`Apiserver::start`] with `addresses` in its serving certificate, for clients that
+    /// reach it through a relay on one of them (`--gateway-netns`).
+    pub async fn start_serving(
+        crds: &Path,
+        addresses: &[std::net::IpAddr],
+    ) -> anyhow::Result<Apiserver> {
+        let env = TestEnv::start_serving(addresses)
             .await
             .context("starting a kube-apiserver and etcd from the test environment")?;
         env.install_crds(crds)
@@ -72,6 +81,14 @@ impl Apiserver {
     /// `https://127.0.0.1:<port>`.
     pub fn url(&self) -> &str {
         self.env.server_url()
+    }
+
+    /// Its address, from [`Apiserver::url`].
+    pub fn address(&self) -> anyhow::Result<std::net::SocketAddr> {
+        let url = self.url();
+        url.trim_start_matches("https://")
+            .parse()
+            .with_context(|| format!("the apiserver URL {url} is not https://<ip>:<port>"))
     }
 
     pub fn pid(&self) -> u32 {

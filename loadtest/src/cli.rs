@@ -317,6 +317,15 @@ pub struct RunArgs {
     #[serde(default)]
     pub gateway_binary: Option<PathBuf>,
 
+    /// With --gateways: run this many of the gateways (the first ones) each in a network
+    /// namespace the harness creates (`ip netns`, a veth pair with a private /30; needs root),
+    /// listening on its own address as a separate host would. The agents reach them from the
+    /// host end of the veth; they reach the hub apiserver through a relay there. The
+    /// namespaces are deleted when the run ends. gRPC only.
+    #[arg(long, default_value_t = 0)]
+    #[serde(default)]
+    pub gateway_netns: usize,
+
     /// An extra flag for every gateway, e.g. `--gateway-arg=--drain-window=2s`; repeat for
     /// more (the harness sets --name, --listen, --kubeconfig, --cert-dir and --metrics-addr
     /// itself). The shard flags (--shards, --lease-duration, --renew-period, --lease-namespace)
@@ -655,10 +664,21 @@ impl RunArgs {
                 );
             }
             self.gateway_process_config("lt-gw-0")?;
+            anyhow::ensure!(
+                self.gateway_netns <= n,
+                "--gateway-netns {} is more than --gateways {n}",
+                self.gateway_netns
+            );
+            anyhow::ensure!(
+                self.gateway_netns == 0 || self.transport == AgentTransport::Grpc,
+                "--gateway-netns works with --transport grpc only (the agents' shared QUIC sockets are bound to loopback, which cannot reach a namespace); add --transport grpc"
+            );
         } else {
             anyhow::ensure!(
-                self.gateway_args.is_empty() && self.gateway_binary.is_none(),
-                "--gateway-arg and --gateway-binary go with --gateways N; add --gateways or leave them out"
+                self.gateway_args.is_empty()
+                    && self.gateway_binary.is_none()
+                    && self.gateway_netns == 0,
+                "--gateway-arg, --gateway-binary and --gateway-netns go with --gateways N; add --gateways or leave them out"
             );
         }
         if self.hub_mode == HubMode::InProcess && self.hub.is_none() {

@@ -129,10 +129,18 @@ impl Hub {
         }
         let data_dir = run_dir.join("hub-data");
         std::fs::create_dir_all(&data_dir)?;
+        // `--gateway-netns`: planned now, since the apiserver's certificate names them.
+        let netns = crate::netns::plan(if args.gateways.is_some() {
+            args.gateway_netns
+        } else {
+            0
+        });
         // Dropped (stopping kube-apiserver and etcd) if the hub then fails to start.
         let apiserver = match args.store {
             HubStore::Sled => None,
-            HubStore::Kube => Some(Apiserver::start(&crds_dir()).await?),
+            HubStore::Kube => {
+                Some(Apiserver::start_serving(&crds_dir(), &crate::netns::addresses(&netns)).await?)
+            }
         };
         // The proxy front on, for the `proxy` scenario, unless --hub-arg sets it up itself.
         let mut hub_args = args.hub_args.clone();
@@ -198,9 +206,28 @@ impl Hub {
                 };
                 hub.start_again().await?;
                 if let (Some(n), Some(a)) = (args.gateways, &hub.apiserver) {
-                    hub.gateways = Some(
-                        Gateways::start(args, n, &hub.data_dir, a.kubeconfig_path(), run_dir)
+                    let namespaces = match netns.is_empty() {
+                        true => None,
+                        false => Some(
+                            crate::netns::Namespaces::create(
+                                netns,
+                                a.address()?,
+                                a.kubeconfig_path(),
+                                run_dir,
+                            )
                             .await?,
+                        ),
+                    };
+                    hub.gateways = Some(
+                        Gateways::start(
+                            args,
+                            n,
+                            &hub.data_dir,
+                            a.kubeconfig_path(),
+                            namespaces,
+                            run_dir,
+                        )
+                        .await?,
                     );
                 }
                 Ok(hub)

@@ -29,7 +29,7 @@ use crate::machine::ProcStats;
 
 /// The names the gateways' serving certificate carries: the agents check `localhost`
 /// ([`crate::fleet::SERVER_NAME`]); the hub's proxy front checks the host of the advertised
-/// address.
+/// address (with `--gateway-netns`, the namespaces' addresses are added).
 const SERVER_NAMES: [&str; 2] = ["localhost", "127.0.0.1"];
 /// The label of shard Leases (`flotilla-shard-NN`) among the gateways' Leases.
 const SHARD_LEASE_SELECTOR: &str = "flotilla.io/lease=shard";
@@ -75,6 +75,10 @@ pub fn shard_args_for_hub(args: &RunArgs) -> Vec<String> {
 /// One gateway process; `child` is `None` while it is stopped.
 struct GatewayChild {
     name: String,
+    /// `--gateway-netns`: the network namespace it runs in.
+    netns: Option<String>,
+    /// The hub apiserver's kubeconfig as it reaches it (through the relay from a namespace).
+    kubeconfig: PathBuf,
     /// Where agents reach it (TCP and UDP), the same across restarts.
     address: SocketAddr,
     /// Its `/metrics`.
@@ -92,6 +96,10 @@ pub struct Gateways {
     /// Virtual shards and the Leases' namespace, as the gateways were told.
     shards: u32,
     lease_namespace: String,
+    /// `--gateway-netns`: the namespaces of the first gateways, held until the gateways are
+    /// gone (deleted when dropped). Declared last, so that on a
+    /// drop the gateways are killed (in `Drop::drop`) before their namespaces are deleted.
+    _namespaces: Option<crate::netns::Namespaces>,
 }
 
 /// What the harness learns from one gateway's `/metrics` and `/proc`.
@@ -120,28 +128,45 @@ impl Gateways {
         n: usize,
         hub_data_dir: &Path,
         kubeconfig: &Path,
+        namespaces: Option<crate::netns::Namespaces>,
         run_dir: &Path,
     ) -> anyhow::Result<Gateways> {
         let config = args.gateway_process_config("lt-gw-0")?;
         let cert_dir = run_dir.join("gateway-cert");
-        write_gateway_cert(hub_data_dir, &cert_dir)?;
+        let mut names: Vec<String> = SERVER_NAMES.iter().map(|n| n.to_string()).collect();
+        if let Some(ns) = &namespaces {
+            names.extend((0..ns.len()).filter_map(|j| Some(ns.get(j)?.0.inside.to_string())));
+        }
+        write_gateway_cert(hub_data_dir, &cert_dir, &names)?;
         let mut pre = match &args.gateway_binary {
             Some(bin) => (bin.clone(), Vec::new()),
             None => (args.harness_exe()?, vec!["gateway".to_string()]),
         };
-        pre.1.extend([
-            format!("--kubeconfig={}", kubeconfig.display()),
-            format!("--cert-dir={}", cert_dir.display()),
-        ]);
+        pre.1.push(format!("--cert-dir={}", cert_dir.display()));
         pre.1.extend(args.gateway_args.iter().cloned());
         let mut list = Vec::with_capacity(n);
         for k in 0..n {
-            list.push(GatewayChild {
-                name: format!("lt-gw-{k}"),
-                address: free_loopback_port()?,
-                metrics: free_loopback_port()?,
-                child: None,
-                starts: 0,
+            let name = format!("lt-gw-{k}");
+            list.push(match namespaces.as_ref().and_then(|ns| ns.get(k)) {
+                // Its namespace has its own ports: fixed ones on its own address.
+                Some((plan, kubeconfig)) => GatewayChild {
+                    name,
+                    netns: Some(plan.name.clone()),
+                    kubeconfig: kubeconfig.to_path_buf(),
+                    address: SocketAddr::new(plan.inside.into(), crate::netns::GATEWAY_PORT),
+                    metrics: SocketAddr::new(plan.inside.into(), crate::netns::METRICS_PORT),
+                    child: None,
+                    starts: 0,
+                },
+                None => GatewayChild {
+                    name,
+                    netns: None,
+                    kubeconfig: kubeconfig.to_path_buf(),
+                    address: free_loopback_port()?,
+                    metrics: free_loopback_port()?,
+                    child: None,
+                    starts: 0,
+                },
             });
         }
         let mut gateways = Gateways {
@@ -150,6 +175,7 @@ impl Gateways {
             log_dir: run_dir.to_path_buf(),
             shards: config.shards.shards,
             lease_namespace: config.shards.lease_namespace,
+            _namespaces: namespaces,
         };
         gateways.start_all().await?;
         Ok(gateways)
@@ -173,8 +199,18 @@ impl Gateways {
         for g in self.list.iter_mut().filter(|g| g.child.is_none()) {
             g.starts += 1;
             let log = self.log_dir.join(format!("{}-{}.log", g.name, g.starts));
-            let mut cmd = Command::new(&self.program.0);
+            let mut cmd = match &g.netns {
+                // `ip netns exec` enters the namespace and execs the program: the pid is the
+                // gateway's.
+                Some(ns) => {
+                    let mut cmd = Command::new("ip");
+                    cmd.args(["netns", "exec", ns]).arg(&self.program.0);
+                    cmd
+                }
+                None => Command::new(&self.program.0),
+            };
             cmd.args(&self.program.1)
+                .arg(format!("--kubeconfig={}", g.kubeconfig.display()))
                 .arg(format!("--name={}", g.name))
                 .arg(format!("--listen={}", g.address))
                 .arg(format!("--metrics-addr={}", g.metrics))
@@ -371,12 +407,12 @@ pub fn all_on_owners(reports: &[GatewayReport], agents: u64) -> bool {
         && reports.iter().map(|g| g.owned_clusters).sum::<u64>() == agents
 }
 
-/// The gateways' certificate from the hub CA, written as `flotilla-hub gateway-cert` does.
-fn write_gateway_cert(hub_data_dir: &Path, out: &Path) -> anyhow::Result<()> {
+/// The gateways' certificate from the hub CA for `names`, written as `flotilla-hub
+/// gateway-cert` does.
+fn write_gateway_cert(hub_data_dir: &Path, out: &Path, names: &[String]) -> anyhow::Result<()> {
     use flotilla_hub::ca::{self, Ca};
     let ca = Ca::load_or_create(&hub_data_dir.join("ca"))?;
-    let names: Vec<String> = SERVER_NAMES.iter().map(|n| n.to_string()).collect();
-    let issued = ca.issue_gateway("flotilla-gateway", &names)?;
+    let issued = ca.issue_gateway("flotilla-gateway", names)?;
     let chain = ca::IssuedCert {
         cert_pem: ca.serving_chain_pem(&issued.cert_pem),
         key_pem: issued.key_pem,

@@ -94,6 +94,9 @@ pub fn check_fds(args: &RunArgs, limit: u64) -> anyhow::Result<()> {
         );
     }
     if let Some(gateways) = args.gateways {
+        if args.gateway_netns > 0 {
+            crate::netns::check_available()?;
+        }
         // A gateway holds the sessions of its fair share of the shards, and first takes the
         // connections the load balancer sends it (one in N) to redirect those not its own.
         let shards = args.gateway_process_config("lt-gw-0")?.shards.shards as u64;

@@ -5,6 +5,8 @@
 //! apiserver's own request counters say what the restart cost it: a small constant per
 //! gateway, the same for 100 agents as for 300. That is the design's promise (agents never
 //! touch the apiserver; a gateway's caches are one list and one watch per kind), measured.
+//! Then two of three gateways run in network namespaces on their own addresses, as separate
+//! hosts would, and the namespaces are gone after the run.
 
 mod common;
 
@@ -168,4 +170,42 @@ async fn a_storm_of_every_gateway_costs_the_apiserver_the_same_at_100_and_300_ag
         "storm requests on ManagedClusters and ManifestWorks grew from {small_cost} (100 agents) \
          to {large_cost} (300 agents)"
     );
+}
+
+/// Network namespaces whose name this harness process gave them (`flotilla-lt-<pid>-<n>`).
+fn our_namespaces() -> Vec<String> {
+    let out = std::process::Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .expect("ip netns list");
+    let prefix = format!("flotilla-lt-{}-", std::process::id());
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|n| n.starts_with(&prefix))
+        .map(str::to_string)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateways_in_network_namespaces_serve_agents_from_their_own_addresses() {
+    trace_init();
+    let report = storm_of_all_gateways(200, &["--gateway-netns", "2"]).await;
+    check_run(&report, 200);
+    let gw = report.scenarios[1].gateways.as_ref().unwrap();
+    // The first two listen on their namespaces' addresses (10.213.x.y), the third on loopback,
+    // and each holds sessions: agents reached all three, and were redirected across them.
+    let ips: Vec<std::net::IpAddr> = gw
+        .each
+        .iter()
+        .map(|g| g.address.parse::<std::net::SocketAddr>().unwrap().ip())
+        .collect();
+    assert!(
+        ips[..2].iter().all(|ip| !ip.is_loopback()) && ips[2].is_loopback(),
+        "{ips:?}"
+    );
+    assert_ne!(ips[0], ips[1]);
+    assert!(gw.each.iter().all(|g| g.sessions > 0), "{:?}", gw.each);
+    // The namespaces (and their veths with them) are gone once the run returned.
+    assert_eq!(our_namespaces(), Vec::<String>::new());
 }
