@@ -68,6 +68,18 @@ async fn storm_of_all_gateways(agents: u64, extra: &[&str]) -> Report {
     flags.extend_from_slice(extra);
     let run = args(&dir.path().join("out"), &flags);
     let (report, _) = flotilla_loadtest::run(run).await.expect("the run");
+    if report
+        .scenarios
+        .iter()
+        .any(|s| s.outcome != Some(Outcome::Completed))
+    {
+        // The harness kept the hub's and gateways' logs in out/run-*: keep them for a person.
+        let kept = dir.keep();
+        eprintln!(
+            "a scenario did not complete; logs kept in {}",
+            kept.display()
+        );
+    }
     report
 }
 
