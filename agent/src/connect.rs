@@ -87,7 +87,9 @@ impl Dialer {
 
     /// Binds each connection's socket to `address` (port chosen by the kernel) before dialling:
     /// for hosts with several addresses, and for the load test, whose thousands of agents need
-    /// more source ports than one address has.
+    /// more source ports than one address has. A loopback address is not used to dial a hub
+    /// (or redirect target) outside loopback, which it cannot reach: the kernel picks the
+    /// source of the route then.
     pub fn with_local_address(mut self, address: Option<IpAddr>) -> Dialer {
         self.local_address = address;
         self
@@ -181,7 +183,7 @@ impl Dialer {
                 self.server_name.clone(),
                 tls,
                 self.proxy.as_ref(),
-                self.local_address,
+                source_for(self.local_address, &self.hub),
             )
             .await?;
             flotilla_transport::grpc::open_session(channel, MAX_FRAME_BYTES, first).await
@@ -290,4 +292,32 @@ fn tls_config(cert_dir: &Path) -> anyhow::Result<Arc<rustls::ClientConfig>> {
         &[],
     )
     .with_context(|| format!("the agent's identity in {}", cert_dir.display()))
+}
+
+/// The source address to dial `hub` from: `local`, unless it is a loopback address and `hub`
+/// an IP address outside loopback (no route joins the two; the kernel's choice is used).
+fn source_for(local: Option<IpAddr>, hub: &str) -> Option<IpAddr> {
+    let outside_loopback = hub
+        .parse::<SocketAddr>()
+        .is_ok_and(|a| !a.ip().is_loopback());
+    local.filter(|l| !(l.is_loopback() && outside_loopback))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_loopback_source_is_kept_for_loopback_hubs_and_names_only() {
+        let lo: IpAddr = "127.0.0.5".parse().unwrap();
+        let veth: IpAddr = "10.213.0.1".parse().unwrap();
+        let check = |local, hub, want: Option<IpAddr>| {
+            assert_eq!(source_for(local, hub), want, "{local:?} → {hub}");
+        };
+        check(Some(lo), "127.0.0.1:9443", Some(lo));
+        check(Some(lo), "localhost:9443", Some(lo));
+        check(Some(lo), "10.213.0.2:9443", None);
+        check(Some(veth), "10.213.0.2:9443", Some(veth));
+        check(None, "10.213.0.2:9443", None);
+    }
 }

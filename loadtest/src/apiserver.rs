@@ -50,7 +50,16 @@ impl Apiserver {
     /// Starts etcd and kube-apiserver, installs the CRDs of `crds` and waits until they are
     /// Established.
     pub async fn start(crds: &Path) -> anyhow::Result<Apiserver> {
-        let env = TestEnv::start()
+        Apiserver::start_serving(crds, &[]).await
+    }
+
+    /// [`Apiserver::start`] with `addresses` in its serving certificate, for clients that
+    /// reach it through a relay on one of them (`--gateway-netns`).
+    pub async fn start_serving(
+        crds: &Path,
+        addresses: &[std::net::IpAddr],
+    ) -> anyhow::Result<Apiserver> {
+        let env = TestEnv::start_serving(addresses)
             .await
             .context("starting a kube-apiserver and etcd from the test environment")?;
         env.install_crds(crds)
@@ -72,6 +81,14 @@ impl Apiserver {
     /// `https://127.0.0.1:<port>`.
     pub fn url(&self) -> &str {
         self.env.server_url()
+    }
+
+    /// Its address, from [`Apiserver::url`].
+    pub fn address(&self) -> anyhow::Result<std::net::SocketAddr> {
+        let url = self.url();
+        url.trim_start_matches("https://")
+            .parse()
+            .with_context(|| format!("the apiserver URL {url} is not https://<ip>:<port>"))
     }
 
     pub fn pid(&self) -> u32 {
@@ -197,6 +214,10 @@ impl ApiserverSnapshot {
                 .requests_by_resource
                 .entry(resource.clone())
                 .or_default() += n;
+            *load
+                .requests_by_verb_resource
+                .entry(format!("{verb} {resource}"))
+                .or_default() += n;
         }
         load
     }
@@ -290,6 +311,18 @@ mod tests {
         assert_eq!(
             load.requests_by_resource.values().sum::<u64>(),
             load.requests
+        );
+        assert_eq!(
+            load.requests_by_verb_resource,
+            [
+                ("LIST manifestworks", 2),
+                ("PATCH manifestworks/status", 5),
+                ("PUT leases", 3),
+                ("WATCH managedclusters", 2),
+                ("WATCH manifestworks", 5)
+            ]
+            .map(|(k, v)| (k.to_string(), v))
+            .into()
         );
         assert_eq!((load.watches_held, load.watches_held_by_clients), (9, 7));
         assert_eq!(load.rss_bytes, Some(300));

@@ -72,6 +72,8 @@ pub const DEFAULT_PLACEMENT_CLUSTERS: usize = 10;
 pub const DEFAULT_REGIONS: usize = 10;
 /// Default of `--label-changes`.
 pub const DEFAULT_LABEL_CHANGES: usize = 10;
+/// The most `--gateways` accepted.
+pub const MAX_GATEWAYS: usize = 64;
 /// Sessions one harness process may hold per file descriptor budget: each needs one socket,
 /// plus headroom for the runtime, the cache and the hub's own sockets when in-process.
 pub const FD_HEADROOM: u64 = 256;
@@ -118,6 +120,10 @@ pub enum Command {
     /// hub's own flags.
     #[command(hide = true)]
     Hub(Box<flotilla_hub::config::HubConfig>),
+    /// (internal) A gateway as a child process of the harness (`--gateways`):
+    /// `flotilla_gateway::process::run` with `flotilla-gateway`'s own flags.
+    #[command(hide = true)]
+    Gateway(Box<flotilla_gateway::process::GatewayProcessConfig>),
 }
 
 /// The scenarios. Each one stops itself after `--timeout`.
@@ -296,6 +302,37 @@ pub struct RunArgs {
     /// Use this flotilla-hub binary for the child hub instead of re-executing the harness.
     #[arg(long)]
     pub hub_binary: Option<PathBuf>,
+
+    /// Scale-out mode (needs --store kube): the hub runs with `--gateways external` and the
+    /// harness starts this many gateway processes on loopback, each with a certificate from
+    /// the hub CA; agent i dials gateway i mod N, as a load balancer would spread them, and
+    /// follows its redirect to the gateway owning its shard. `storm` and `outage` then stop
+    /// every gateway at once (the hub stays up). Default: none, the hub's in-process gateway.
+    #[arg(long)]
+    #[serde(default)]
+    pub gateways: Option<usize>,
+
+    /// Use this flotilla-gateway binary for the gateways instead of re-executing the harness.
+    #[arg(long)]
+    #[serde(default)]
+    pub gateway_binary: Option<PathBuf>,
+
+    /// With --gateways: run this many of the gateways (the first ones) each in a network
+    /// namespace the harness creates (`ip netns`, a veth pair with a private /30; needs root),
+    /// listening on its own address as a separate host would. The agents reach them from the
+    /// host end of the veth; they reach the hub apiserver through a relay there. The
+    /// namespaces are deleted when the run ends. gRPC only.
+    #[arg(long, default_value_t = 0)]
+    #[serde(default)]
+    pub gateway_netns: usize,
+
+    /// An extra flag for every gateway, e.g. `--gateway-arg=--drain-window=2s`; repeat for
+    /// more (the harness sets --name, --listen, --kubeconfig, --cert-dir and --metrics-addr
+    /// itself). The shard flags (--shards, --lease-duration, --renew-period, --lease-namespace)
+    /// go to the hub too, since hub and gateways must agree on them.
+    #[arg(long = "gateway-arg", allow_hyphen_values = true)]
+    #[serde(default)]
+    pub gateway_args: Vec<String>,
 
     /// The carrier of the agents' sessions: grpc (TCP), quic (UDP), or auto (QUIC with a
     /// fallback to gRPC).
@@ -607,6 +644,43 @@ impl RunArgs {
                 humantime::format_duration(self.lease_interval)
             );
         }
+        if let Some(n) = self.gateways {
+            anyhow::ensure!(
+                (1..=MAX_GATEWAYS).contains(&n),
+                "--gateways {n} is out of range; use 1 to {MAX_GATEWAYS}"
+            );
+            anyhow::ensure!(
+                self.store == HubStore::Kube,
+                "--gateways runs gateway processes that share the hub's kube-apiserver, which needs --store kube; add --store kube"
+            );
+            anyhow::ensure!(
+                self.hub.is_none() && self.hub_mode == HubMode::Child,
+                "--gateways needs a hub the harness starts as a child process: leave out --hub and --hub-mode in-process"
+            );
+            for s in &self.scenarios {
+                anyhow::ensure!(
+                    !matches!(s, Scenario::BaselineBare | Scenario::Proxy),
+                    "scenario {s:?} does not run with --gateways yet (it talks to the hub's own gateway); run it without --gateways"
+                );
+            }
+            self.gateway_process_config("lt-gw-0")?;
+            anyhow::ensure!(
+                self.gateway_netns <= n,
+                "--gateway-netns {} is more than --gateways {n}",
+                self.gateway_netns
+            );
+            anyhow::ensure!(
+                self.gateway_netns == 0 || self.transport == AgentTransport::Grpc,
+                "--gateway-netns works with --transport grpc only (the agents' shared QUIC sockets are bound to loopback, which cannot reach a namespace); add --transport grpc"
+            );
+        } else {
+            anyhow::ensure!(
+                self.gateway_args.is_empty()
+                    && self.gateway_binary.is_none()
+                    && self.gateway_netns == 0,
+                "--gateway-arg, --gateway-binary and --gateway-netns go with --gateways N; add --gateways or leave them out"
+            );
+        }
         if self.hub_mode == HubMode::InProcess && self.hub.is_none() {
             for s in &self.scenarios {
                 anyhow::ensure!(
@@ -616,6 +690,39 @@ impl RunArgs {
             }
         }
         Ok(())
+    }
+
+    /// The configuration of gateway `name` as `--gateway-arg` makes it (the harness adds the
+    /// addresses and certificates it gives each gateway when it starts them).
+    pub fn gateway_process_config(
+        &self,
+        name: &str,
+    ) -> anyhow::Result<flotilla_gateway::process::GatewayProcessConfig> {
+        #[derive(Parser)]
+        struct Only {
+            #[command(flatten)]
+            config: flotilla_gateway::process::GatewayProcessConfig,
+        }
+        // The harness sets these itself when it starts each gateway.
+        let argv = [
+            "gateway",
+            "--name",
+            name,
+            "--cert-dir",
+            "unused",
+            "--listen",
+            "127.0.0.1:9443",
+        ]
+        .into_iter()
+        .map(str::to_string)
+        .chain(self.gateway_args.iter().cloned());
+        let config = Only::try_parse_from(argv)
+            .map_err(|e| anyhow::anyhow!("--gateway-arg: {e}"))?
+            .config;
+        config
+            .validate()
+            .map_err(|e| anyhow::anyhow!("--gateway-arg: {e:#}"))?;
+        Ok(config)
     }
 
     /// The binary to re-execute for the child hub and the workers.
@@ -797,6 +904,62 @@ mod tests {
         );
         check(&["--store", "kube"], Ok(()));
         assert_eq!(RunArgs::parse_defaults().store, HubStore::Sled);
+    }
+
+    #[test]
+    fn gateways_need_the_kube_store_and_a_child_hub() {
+        check(&["--gateways", "3"], Err("needs --store kube"));
+        check(
+            &["--gateways", "0", "--store", "kube"],
+            Err("--gateways 0 is out of range"),
+        );
+        check(
+            &[
+                "--gateways",
+                "3",
+                "--store",
+                "kube",
+                "--hub-mode",
+                "in-process",
+                "--scenario",
+                "connect",
+            ],
+            Err("needs a hub the harness starts as a child process"),
+        );
+        check(&["--gateway-arg=--shards=16"], Err("go with --gateways N"));
+        check(
+            &[
+                "--gateways",
+                "3",
+                "--store",
+                "kube",
+                "--gateway-arg=--nonsense",
+            ],
+            Err("--gateway-arg"),
+        );
+        check(
+            &[
+                "--gateways",
+                "3",
+                "--store",
+                "kube",
+                "--gateway-arg=--lease-duration=3s",
+                "--gateway-arg=--renew-period=2s",
+            ],
+            Err("--renew-period"),
+        );
+        check(
+            &[
+                "--gateways",
+                "3",
+                "--store",
+                "kube",
+                "--gateway-arg=--shards=16",
+                "--gateway-arg=--lease-duration=3s",
+                "--gateway-arg=--renew-period=1s",
+            ],
+            Ok(()),
+        );
     }
 
     #[test]

@@ -28,6 +28,7 @@ use tracing::info;
 
 use crate::apiserver::{Apiserver, crds_dir};
 use crate::cli::{HubMode, HubStore, RunArgs};
+use crate::gateways::Gateways;
 use crate::machine::ProcStats;
 use crate::operator::{OperatorApi, POOL_SIZE};
 
@@ -88,6 +89,9 @@ pub struct Hub {
     pub data_dir: PathBuf,
     pub agents: SocketAddr,
     pub api: SocketAddr,
+    /// The gateway processes with `--gateways` (the hub then runs with `--gateways
+    /// external`). Declared before `running`: dropped, they go before the hub.
+    gateways: Option<Gateways>,
     running: Running,
     /// Child hub: program and the arguments before `--data-dir`.
     program: Option<(PathBuf, Vec<String>)>,
@@ -115,6 +119,7 @@ impl Hub {
                 data_dir: data_dir.clone(),
                 agents,
                 api: api_addr,
+                gateways: None,
                 running: Running::External,
                 program: None,
                 log_dir: run_dir.to_path_buf(),
@@ -124,10 +129,18 @@ impl Hub {
         }
         let data_dir = run_dir.join("hub-data");
         std::fs::create_dir_all(&data_dir)?;
+        // `--gateway-netns`: planned now, since the apiserver's certificate names them.
+        let netns = crate::netns::plan(if args.gateways.is_some() {
+            args.gateway_netns
+        } else {
+            0
+        });
         // Dropped (stopping kube-apiserver and etcd) if the hub then fails to start.
         let apiserver = match args.store {
             HubStore::Sled => None,
-            HubStore::Kube => Some(Apiserver::start(&crds_dir()).await?),
+            HubStore::Kube => {
+                Some(Apiserver::start_serving(&crds_dir(), &crate::netns::addresses(&netns)).await?)
+            }
         };
         // The proxy front on, for the `proxy` scenario, unless --hub-arg sets it up itself.
         let mut hub_args = args.hub_args.clone();
@@ -152,6 +165,7 @@ impl Hub {
                     data_dir,
                     agents: listen.agents,
                     api: listen.api,
+                    gateways: None,
                     running: Running::InProcess {
                         stop: Some(stop),
                         task,
@@ -173,12 +187,17 @@ impl Hub {
                         format!("--kubeconfig={}", a.kubeconfig_path().display()),
                     ]);
                 }
+                if args.gateways.is_some() {
+                    program.1.push("--gateways=external".to_string());
+                    program.1.extend(crate::gateways::shard_args_for_hub(args));
+                }
                 program.1.extend(hub_args);
                 let mut hub = Hub {
                     mode: "child",
                     data_dir,
                     agents: args.hub_listen,
                     api: args.hub_api_listen,
+                    gateways: None,
                     running: Running::Child(None),
                     program: Some(program),
                     log_dir: run_dir.to_path_buf(),
@@ -186,9 +205,44 @@ impl Hub {
                     apiserver,
                 };
                 hub.start_again().await?;
+                if let (Some(n), Some(a)) = (args.gateways, &hub.apiserver) {
+                    let namespaces = match netns.is_empty() {
+                        true => None,
+                        false => Some(
+                            crate::netns::Namespaces::create(
+                                netns,
+                                a.address()?,
+                                a.kubeconfig_path(),
+                                run_dir,
+                            )
+                            .await?,
+                        ),
+                    };
+                    hub.gateways = Some(
+                        Gateways::start(
+                            args,
+                            n,
+                            &hub.data_dir,
+                            a.kubeconfig_path(),
+                            namespaces,
+                            run_dir,
+                        )
+                        .await?,
+                    );
+                }
                 Ok(hub)
             }
         }
+    }
+
+    /// The gateway processes (`--gateways`).
+    pub fn gateways(&self) -> Option<&Gateways> {
+        self.gateways.as_ref()
+    }
+
+    /// The gateway processes (`--gateways`), to stop and start.
+    pub fn gateways_mut(&mut self) -> Option<&mut Gateways> {
+        self.gateways.as_mut()
     }
 
     /// The hub's kube-apiserver (`--store kube`).
@@ -314,6 +368,10 @@ impl Hub {
     /// Stops the hub (gracefully) if the harness started it, then its kube-apiserver, if any
     /// (also when stopping the hub failed).
     pub async fn shutdown(mut self) -> anyhow::Result<()> {
+        let gateways = match self.gateways.as_mut() {
+            Some(g) => g.shutdown().await,
+            None => Ok(()),
+        };
         let stopped = match std::mem::replace(&mut self.running, Running::External) {
             Running::InProcess { mut stop, mut task } => {
                 if let Some(s) = stop.take() {
@@ -338,7 +396,7 @@ impl Hub {
         if let Some(a) = self.apiserver.take() {
             a.stop().await;
         }
-        stopped
+        gateways.and(stopped)
     }
 
     /// The operator API of this hub.

@@ -6,12 +6,15 @@
 //! plots.
 //!
 //! Not for: proving correctness in the small (the crates' own tests do that), or traffic to
-//! anything but this machine: every address it dials or binds is loopback.
+//! anything but this machine: every address it dials or binds is loopback (or, with
+//! `--gateway-netns`, a veth pair it creates to a network namespace on this machine).
 //!
 //! * [`cli`]: flags, defaults and their validation; [`bench`]: the placement scheduler's model
 //!   alone (`bench-scheduler`).
 //! * [`preflight`]: checks that fail before anything starts (file descriptors, ports, the hub).
-//! * [`fleet`]: the hub under test, and enrolling the agents with its CA and operator API.
+//! * [`fleet`]: the hub under test, and enrolling the agents with its CA and operator API;
+//!   [`gateways`]: with `--gateways N`, the gateway processes beside it (scale-out mode);
+//!   [`netns`]: with `--gateway-netns K`, network namespaces for some of them.
 //! * [`swarm`]: many agents in one process; [`agents`]: one swarm here, or one per worker
 //!   process (`--processes`).
 //! * [`scenario`]: the scenarios; [`placement`]: the placement ones (`rollout`, `schedule`);
@@ -34,8 +37,10 @@ pub mod cli;
 pub mod clock;
 pub mod feedback;
 pub mod fleet;
+pub mod gateways;
 pub mod klusterlet;
 pub mod machine;
+pub mod netns;
 pub mod operator;
 pub mod placement;
 pub mod plot;

@@ -15,6 +15,13 @@ fn main() -> anyhow::Result<()> {
             flotilla_loadtest::machine::raise_open_files_limit();
             runtime.block_on(flotilla_hub::run(*config, flotilla_hub::shutdown_signal()))
         }
+        Command::Gateway(config) => {
+            flotilla_loadtest::machine::raise_open_files_limit();
+            runtime.block_on(flotilla_gateway::process::run(
+                *config,
+                flotilla_gateway::process::shutdown_signal(),
+            ))
+        }
         Command::BareServer(args) => runtime.block_on(flotilla_loadtest::bare::serve(args)),
         Command::Worker { spec } => runtime.block_on(flotilla_loadtest::agents::run_worker(&spec)),
         Command::Demo(demo) => {

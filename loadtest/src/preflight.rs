@@ -93,6 +93,28 @@ pub fn check_fds(args: &RunArgs, limit: u64) -> anyhow::Result<()> {
             },
         );
     }
+    if let Some(gateways) = args.gateways {
+        if args.gateway_netns > 0 {
+            crate::netns::check_available()?;
+        }
+        // A gateway holds the sessions of its fair share of the shards, and first takes the
+        // connections the load balancer sends it (one in N) to redirect those not its own.
+        let shards = args.gateway_process_config("lt-gw-0")?.shards.shards as u64;
+        let per_gateway_shards = shards.div_ceil(gateways as u64);
+        let held = (n * per_gateway_shards).div_ceil(shards);
+        let arriving = n.div_ceil(gateways as u64);
+        let needed = fds_needed(held + arriving);
+        if needed > limit {
+            bail!(
+                "--agents {n} over --gateways {gateways}: each gateway holds the sessions of up to \
+                 {per_gateway_shards} of the {shards} shards (about {held}) and first takes about \
+                 {arriving} connections to redirect, about {needed} open files, but the open-file \
+                 limit (ulimit -n, RLIMIT_NOFILE) is {limit}: use more --gateways or raise the \
+                 hard limit"
+            );
+        }
+        return Ok(());
+    }
     if args.hub.is_none() && args.hub_mode == HubMode::Child && fds_needed(hub_sockets) > limit {
         bail!(
             "--agents {n}: the hub is one process and holds one socket per session, but the \
@@ -233,6 +255,36 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("with 22500 agents per process"), "{err}");
+    }
+
+    #[test]
+    fn each_gateway_has_its_own_budget() {
+        let sharded = |agents: &str, gateways: &str| {
+            args(&[
+                "--agents",
+                agents,
+                "--processes",
+                "8",
+                "--store",
+                "kube",
+                "--gateways",
+                gateways,
+                "--gateway-arg=--shards=64",
+            ])
+        };
+        // 60,000 agents over 6 gateways: 11 of 64 shards (10,313 sessions) and 10,000 arriving
+        // connections each: over 20,000 files.
+        let err = check_fds(&sharded("60000", "6"), 20_000)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--agents 60000 over --gateways 6")
+                && err.contains("use more --gateways or raise the hard limit"),
+            "{err}"
+        );
+        // Over 8 gateways (8 shards, 7,500 sessions and 7,500 arriving each) it fits, although
+        // one hub could not hold them all.
+        check_fds(&sharded("60000", "8"), 20_000).unwrap();
     }
 
     #[test]

@@ -203,6 +203,9 @@ pub struct ScenarioReport {
     /// With `--store kube`: what the hub's apiserver served while this scenario ran.
     #[serde(default)]
     pub apiserver: Option<ApiserverLoad>,
+    /// With `--gateways` (connect, storm, outage): every gateway at the end of the scenario.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateways: Option<GatewaysReport>,
     /// `baseline-klusterlet`: flotilla against klusterlet-style clients on apiserver load.
     #[serde(default)]
     pub baseline: Option<BaselineReport>,
@@ -324,6 +327,40 @@ pub struct BareReport {
     pub setup_ratio: Option<f64>,
 }
 
+/// The gateway processes of a `--gateways` run at one moment.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct GatewaysReport {
+    pub each: Vec<crate::gateways::GatewayReport>,
+    /// Sum of the gateways' RSS and CPU seconds.
+    pub rss_bytes: u64,
+    pub cpu_seconds: f64,
+    /// `rss_bytes` over the sessions they hold.
+    pub rss_per_session_bytes: Option<f64>,
+    /// Every agent held by the gateway owning its shard in the Leases, and by no other.
+    pub all_on_owners: bool,
+    /// storm and outage: the hub apiserver's load from just before the gateways were stopped
+    /// until every agent was back on its shard's owner (statuses had settled before the stop,
+    /// so this is what restarting every gateway costs the apiserver). Per gateway it is this
+    /// over the number of gateways; each gateway's own count is its `store_requests`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storm_apiserver: Option<ApiserverLoad>,
+}
+
+impl GatewaysReport {
+    pub fn new(each: Vec<crate::gateways::GatewayReport>, agents: u64) -> GatewaysReport {
+        let rss_bytes = each.iter().filter_map(|g| g.rss_bytes).sum::<u64>();
+        let sessions = each.iter().map(|g| g.sessions).sum::<u64>();
+        GatewaysReport {
+            rss_bytes,
+            cpu_seconds: each.iter().filter_map(|g| g.cpu_seconds).sum(),
+            rss_per_session_bytes: (sessions > 0).then(|| rss_bytes as f64 / sessions as f64),
+            all_on_owners: crate::gateways::all_on_owners(&each, agents),
+            each,
+            storm_apiserver: None,
+        }
+    }
+}
+
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct ApiserverLoad {
     pub window_s: f64,
@@ -338,6 +375,10 @@ pub struct ApiserverLoad {
     /// `requests` by resource (`manifestworks`, `managedclusters/status`, `leases`, ...,
     /// `(non-resource)`); sums to `requests`.
     pub requests_by_resource: BTreeMap<String, u64>,
+    /// `requests` by verb and resource together, as `"LIST manifestworks"`; sums to
+    /// `requests`.
+    #[serde(default)]
+    pub requests_by_verb_resource: BTreeMap<String, u64>,
     /// Watches the apiserver held at the end of the window, its own internal ones included.
     pub watches_held: u64,
     /// `watches_held` less the watches the apiserver held for itself before any client came.
@@ -780,9 +821,15 @@ pub fn table(report: &Report) -> String {
                 );
             }
             _ => {
-                row("hub stopped with", opt(s.signal.clone()));
+                // With --gateways the gateways are stopped, not the hub.
+                let what = if s.gateways.is_some() {
+                    "gateways"
+                } else {
+                    "hub"
+                };
+                row(&format!("{what} stopped with"), opt(s.signal.clone()));
                 row("sessions before", opt(s.sessions_before));
-                row("hub down for", secs(s.hub_down_s));
+                row(&format!("{what} down for"), secs(s.hub_down_s));
                 row("time to 100% back", secs(s.time_to_all_back_s));
                 row("sessions re-established", opt(s.sessions_reestablished));
                 row(
@@ -817,6 +864,9 @@ pub fn table(report: &Report) -> String {
                 }
             }
         }
+        if let Some(g) = &s.gateways {
+            gateway_rows(g, &mut row);
+        }
         if let Some(a) = &s.apiserver {
             apiserver_rows(a, &mut row);
         }
@@ -837,6 +887,49 @@ const NAMED_RESOURCES: &[&str] = &[
     "leases",
     "namespaces",
 ];
+
+/// `--gateways`: each gateway's sessions, shards and resources, their sum, and the storm
+/// window's apiserver requests by verb and resource.
+fn gateway_rows(g: &GatewaysReport, row: &mut impl FnMut(&str, String)) {
+    for gw in &g.each {
+        row(
+            &format!("gateway {}", gw.name),
+            format!(
+                "{} sessions ({} owned), {} shards, RSS {}, CPU {}",
+                gw.sessions,
+                gw.owned_clusters,
+                gw.shards,
+                gw.rss_bytes
+                    .map_or("-".into(), |b| format!("{:.1} MiB", mib(b))),
+                gw.cpu_seconds.map_or("-".into(), |c| format!("{c:.2} s")),
+            ),
+        );
+    }
+    row(
+        "gateways RSS, CPU (sum)",
+        format!("{:.1} MiB, {:.2} s", mib(g.rss_bytes), g.cpu_seconds),
+    );
+    row(
+        "gateways RSS per session",
+        g.rss_per_session_bytes
+            .map_or("-".into(), |b| format!("{:.1} KiB", b / 1024.0)),
+    );
+    row(
+        "every agent on its shard's owner",
+        if g.all_on_owners { "yes" } else { "NO" }.into(),
+    );
+    if let Some(a) = &g.storm_apiserver {
+        let each: Vec<String> = a
+            .requests_by_verb_resource
+            .iter()
+            .map(|(k, n)| format!("{k} {n}"))
+            .collect();
+        row(
+            "storm window apiserver requests",
+            format!("{} in {:.1} s: {}", a.requests, a.window_s, each.join(", ")),
+        );
+    }
+}
 
 fn apiserver_rows(a: &ApiserverLoad, row: &mut impl FnMut(&str, String)) {
     let verbs: Vec<String> = a

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use flotilla_proto::api::conditions::{MANAGED_CLUSTER_CONDITION_AVAILABLE, WORK_APPLIED};
+use flotilla_proto::contract::WORK_CLEANUP_FINALIZER;
 use futures::StreamExt;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use nix::sys::signal::Signal;
@@ -14,12 +15,13 @@ use serde_json::{Value, json};
 use tokio::time::Instant;
 
 use crate::agents::Agents;
+use crate::apiserver::Apiserver;
 use crate::cli::{RunArgs, StormSignal};
 use crate::clock::{self, Stamp};
 use crate::fleet::{Hub, Identity};
 use crate::machine::ProcStats;
 use crate::operator::{OperatorApi, POOL_SIZE, condition};
-use crate::report::{Outcome, Percentiles, Point, ScenarioReport, StatusAudit};
+use crate::report::{GatewaysReport, Outcome, Percentiles, Point, ScenarioReport, StatusAudit};
 use crate::swarm::{AgentRecord, Sample, SwarmSpec, status_digest};
 
 /// How often sessions are counted for the curves.
@@ -262,6 +264,17 @@ impl Run {
         if let (Some(b), Some(a)) = (self_before, ProcStats::read("self")) {
             r.harness_cpu_s = Some(a.cpu_seconds - b.cpu_seconds);
         }
+        // With gateways the sessions live there: where each agent ended up, and what holding
+        // them costs each gateway.
+        if done && self.hub.gateways().is_some() {
+            let mut report = self.gateways_report().await?;
+            while !report.as_ref().is_some_and(|g| g.all_on_owners) && !clock.expired() {
+                tokio::time::sleep(self.args.poll_interval).await;
+                report = self.gateways_report().await?;
+            }
+            done = report.as_ref().is_some_and(|g| g.all_on_owners);
+            r.gateways = report;
+        }
         Ok(done)
     }
 
@@ -475,8 +488,9 @@ impl Run {
         r: &mut ScenarioReport,
         outage: bool,
     ) -> anyhow::Result<bool> {
+        let sharded = self.hub.gateways().is_some();
         anyhow::ensure!(
-            self.hub.can_restart(),
+            sharded || self.hub.can_restart(),
             "needs a hub the harness started as a child process"
         );
         self.ensure_connected(clock).await?;
@@ -497,6 +511,21 @@ impl Run {
             let name = self.next_work_name("storm");
             self.create_everywhere(&name).await?;
         }
+        // With gateways, the storm's apiserver window measures the restart alone: the new
+        // work's statuses are written first, so the window holds no write an agent caused
+        // before the stop.
+        let mut storm_before = None;
+        if sharded {
+            let (audit, settled) = self
+                .converge_and_audit(clock, before.duplicate_status_acks)
+                .await?;
+            anyhow::ensure!(
+                settled,
+                "the statuses did not settle before the gateways were to be stopped: {audit:?}"
+            );
+            self.wait_finalizers_held(clock).await?;
+            storm_before = self.apiserver_snapshot().await;
+        }
         let mut established = Vec::new();
         let mut sample_curve = |r: &mut ScenarioReport, s: &Sample| {
             let t = clock.t();
@@ -508,7 +537,10 @@ impl Run {
         };
         sample_curve(r, &before);
         r.hub_stopped_at_s = Some(clock.t());
-        self.hub.stop_with(signal).await?;
+        match self.hub.gateways_mut() {
+            Some(gateways) => gateways.stop_all(signal).await?,
+            None => self.hub.stop_with(signal).await?,
+        }
         let stopped = Instant::now();
         let bar = self.bar(if outage { "outage" } else { "storm" }, n);
         while stopped.elapsed() < down && !clock.expired() {
@@ -522,7 +554,10 @@ impl Run {
             tokio::time::sleep(SAMPLE_EVERY).await;
         }
         let at_restart = self.sample();
-        self.hub.start_again().await?;
+        match self.hub.gateways_mut() {
+            Some(gateways) => gateways.start_all().await?,
+            None => self.hub.start_again().await?,
+        }
         r.hub_started_at_s = Some(clock.t());
         r.hub_down_s = Some(stopped.elapsed().as_secs_f64());
         let mut back = false;
@@ -542,6 +577,24 @@ impl Run {
             }
             tokio::time::sleep(SAMPLE_EVERY).await;
         }
+        if sharded && back {
+            bar.set_message("sessions moving to their shards' owners");
+            let mut report = self.gateways_report().await?;
+            while !report.as_ref().is_some_and(|g| g.all_on_owners) && !clock.expired() {
+                tokio::time::sleep(self.args.poll_interval).await;
+                report = self.gateways_report().await?;
+            }
+            back = report.as_ref().is_some_and(|g| g.all_on_owners);
+            if let (Some(report), Some(before), Some(after)) = (
+                report.as_mut(),
+                storm_before.as_ref(),
+                self.apiserver_snapshot().await,
+            ) {
+                let own = self.hub.apiserver().map_or(0, Apiserver::own_watches);
+                report.storm_apiserver = Some(after.load_since(before, own));
+            }
+            r.gateways = report;
+        }
         bar.set_message("statuses converging");
         let (audit, converged) = self
             .converge_and_audit(clock, before.duplicate_status_acks)
@@ -558,6 +611,58 @@ impl Run {
         r.peak_accept_per_s = Some(peak_rate(&established));
         r.statuses = Some(audit);
         Ok(back && converged)
+    }
+
+    /// Waits until every work of the run's clusters carries the cleanup finalizer: the
+    /// gateways add it (paced) once the agent has acknowledged the work, so after this no
+    /// write for them is pending.
+    async fn wait_finalizers_held(&self, clock: &Clock) -> anyhow::Result<()> {
+        let ours: HashSet<&str> = self.identities.iter().map(|i| i.name.as_str()).collect();
+        loop {
+            let works = self.api.works().await?;
+            let pending = works
+                .iter()
+                .filter(|w| {
+                    w["metadata"]["namespace"]
+                        .as_str()
+                        .is_some_and(|ns| ours.contains(ns))
+                })
+                .filter(|w| {
+                    !w["metadata"]["finalizers"].as_array().is_some_and(|f| {
+                        f.iter().any(|f| f.as_str() == Some(WORK_CLEANUP_FINALIZER))
+                    })
+                })
+                .count();
+            if pending == 0 {
+                return Ok(());
+            }
+            anyhow::ensure!(
+                !clock.expired(),
+                "{pending} works still lack the cleanup finalizer {WORK_CLEANUP_FINALIZER} at the deadline: the gateways have not caught up with the agents' acknowledgements"
+            );
+            tokio::time::sleep(self.args.poll_interval).await;
+        }
+    }
+
+    /// With `--gateways`: every gateway now (sessions, owners, RSS, CPU, store requests).
+    pub(crate) async fn gateways_report(&self) -> anyhow::Result<Option<GatewaysReport>> {
+        let (Some(gateways), Some(apiserver)) = (self.hub.gateways(), self.hub.apiserver()) else {
+            return Ok(None);
+        };
+        let names: Vec<String> = self.identities.iter().map(|i| i.name.clone()).collect();
+        let each = gateways.report(apiserver.client().await?, &names).await?;
+        Ok(Some(GatewaysReport::new(each, self.n())))
+    }
+
+    /// The hub apiserver's counters now (`--store kube`); `None` (logged) when unreadable.
+    async fn apiserver_snapshot(&self) -> Option<crate::apiserver::ApiserverSnapshot> {
+        match self.hub.apiserver()?.snapshot().await {
+            Ok(s) => Some(s),
+            Err(e) => {
+                tracing::warn!(error = %format!("{e:#}"), "reading the hub apiserver's metrics failed");
+                None
+            }
+        }
     }
 
     /// Stops the agents and the hub.
@@ -625,6 +730,9 @@ impl Run {
     /// how many agents cannot connect, by why.
     pub(crate) async fn diagnose(&mut self) -> Vec<String> {
         let mut found = Vec::new();
+        if let Some(gateways) = self.hub.gateways_mut() {
+            found.extend(gateways.exited());
+        }
         let address = self.hub.agents;
         if let Some(status) = self.hub.exited() {
             found.push(format!(

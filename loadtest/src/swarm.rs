@@ -50,6 +50,10 @@ pub const CACHE_FILE: &str = "agents.redb";
 pub struct SwarmSpec {
     /// The hub's agent address.
     pub hub: SocketAddr,
+    /// With `--gateways`: the gateways' agent addresses; agent i dials number i mod N (as a
+    /// load balancer would spread them) instead of the hub, and follows its redirect.
+    #[serde(default)]
+    pub gateways: Vec<SocketAddr>,
     pub server_name: String,
     /// PEM CA bundle the agents trust.
     pub ca_bundle: String,
@@ -92,6 +96,7 @@ impl SwarmSpec {
     ) -> anyhow::Result<SwarmSpec> {
         Ok(SwarmSpec {
             hub: hub.agents,
+            gateways: hub.gateways().map(|g| g.addresses()).unwrap_or_default(),
             server_name: crate::fleet::SERVER_NAME.to_string(),
             ca_bundle: hub.ca_bundle()?,
             first_index: 0,
@@ -499,6 +504,7 @@ impl Swarm {
         let t0 = Instant::now();
         let shared = Arc::new(Shared {
             hub: spec.hub,
+            gateways: spec.gateways.clone(),
             server_name: spec.server_name.clone(),
             source_addresses: spec.source_addresses,
             max_backoff: Duration::from_millis(spec.max_backoff_ms),
@@ -659,6 +665,8 @@ pub const PROXY_LIST_ITEMS: usize = 5_000;
 
 struct Shared {
     hub: SocketAddr,
+    /// Where agent i dials with `--gateways`: number i mod N.
+    gateways: Vec<SocketAddr>,
     server_name: String,
     source_addresses: u32,
     max_backoff: Duration,
@@ -725,8 +733,12 @@ async fn run_agent(
             }
         }
     }
+    let dial = match shared.gateways.len() {
+        0 => shared.hub,
+        n => shared.gateways[agent.index % n],
+    };
     let config = AgentConfig {
-        hub: shared.hub.to_string(),
+        hub: dial.to_string(),
         server_name: Some(shared.server_name.clone()),
         cluster_name: agent.name.clone(),
         cert_dir: Some(agent.identity_dir.clone()),

@@ -77,10 +77,18 @@ impl TestEnv {
     /// Builds the binaries if this machine lacks them, starts etcd and then kube-apiserver, and
     /// returns once the apiserver is ready and the `default` namespace exists.
     pub async fn start() -> anyhow::Result<TestEnv> {
+        TestEnv::start_serving(&[]).await
+    }
+
+    /// [`TestEnv::start`] with `addresses` in the serving certificate beside 127.0.0.1, for
+    /// clients that reach the apiserver through a relay on another address of this machine
+    /// (the load test's gateways in network namespaces). The apiserver itself listens on
+    /// loopback only.
+    pub async fn start_serving(addresses: &[std::net::IpAddr]) -> anyhow::Result<TestEnv> {
         let bin = binaries().await?;
         let mut attempt = 1;
         loop {
-            match start_once(bin).await {
+            match start_once(bin, addresses).await {
                 Ok(env) => return Ok(env),
                 Err(StartError::PortTaken(err)) if attempt < START_ATTEMPTS => {
                     tracing::warn!(attempt, error = %format!("{err:#}"), "port taken; retrying");
@@ -271,7 +279,10 @@ impl<E: Into<anyhow::Error>> From<E> for StartError {
     }
 }
 
-async fn start_once(bin: &Path) -> Result<TestEnv, StartError> {
+async fn start_once(
+    bin: &Path,
+    serving_addresses: &[std::net::IpAddr],
+) -> Result<TestEnv, StartError> {
     let started = Instant::now();
     let workdir = tempfile::Builder::new()
         .prefix("flotilla-testenv-")
@@ -290,7 +301,7 @@ async fn start_once(bin: &Path) -> Result<TestEnv, StartError> {
     wait_etcd_healthy(&mut etcd, etcd_port, &etcd_name).await?;
     tracing::debug!(elapsed = ?started.elapsed(), "etcd healthy");
 
-    let pki = Pki::generate()?;
+    let pki = Pki::generate(serving_addresses)?;
     let pki_dir = dir.join("pki");
     std::fs::create_dir(&pki_dir)?;
     let write = |name: &str, pem: &str| -> std::io::Result<String> {

@@ -35,12 +35,13 @@ pub(crate) struct Pki {
 }
 
 impl Pki {
-    pub(crate) fn generate() -> anyhow::Result<Pki> {
+    /// `extra_addresses` join the serving certificate's names.
+    pub(crate) fn generate(extra_addresses: &[std::net::IpAddr]) -> anyhow::Result<Pki> {
         let serving_ca = new_ca("flotilla-testenv-serving-ca")?;
         let client_ca = new_ca("flotilla-testenv-client-ca")?;
 
         // Names a client inside or outside the "cluster" might use for the apiserver.
-        let mut serving = CertificateParams::new(vec![
+        let mut names = vec![
             "127.0.0.1".to_owned(),
             "localhost".to_owned(),
             "kubernetes".to_owned(),
@@ -48,7 +49,9 @@ impl Pki {
             "kubernetes.default.svc".to_owned(),
             // The first address of --service-cluster-ip-range: the `kubernetes` Service.
             "10.0.0.1".to_owned(),
-        ])?;
+        ];
+        names.extend(extra_addresses.iter().map(|a| a.to_string()));
+        let mut serving = CertificateParams::new(names)?;
         serving
             .distinguished_name
             .push(DnType::CommonName, "kube-apiserver");
