@@ -46,6 +46,10 @@ pub use flotilla_proto::contract::UNREACHABLE_TAINT;
 pub const REPORT_BUFFER: usize = 4096;
 /// Health writes in flight at once.
 pub const WRITE_CONCURRENCY: usize = 16;
+/// How often a write whose shard's fence lapsed looks again while the renewal is late.
+const LAPSE_POLL: Duration = Duration::from_millis(250);
+/// The longest a write waits for a late renewal (a lease round comes well before).
+const LAPSE_WAIT_MAX: Duration = Duration::from_secs(30);
 
 /// What a session driver tells the health task.
 #[derive(Debug)]
@@ -340,21 +344,38 @@ struct Writes {
 }
 
 impl Writes {
-    /// Whether this gateway may write `cluster`'s health now: it acts for the cluster's shard
-    /// (its lease is held and valid). Asked right before each write.
-    fn fenced(&self, cluster: &str) -> bool {
-        let allowed = self.shards.borrow().holds_cluster(cluster, Instant::now());
-        if !allowed {
-            debug!(
-                cluster,
-                "not this gateway's shard (any more): health not written"
-            );
+    /// Whether this gateway may not write `cluster`'s health now: it does not act for the
+    /// cluster's shard (its lease is not held, or no longer valid). Asked right before each
+    /// write. A shard whose fence ran out while its renewal is late is waited for (see
+    /// [`ShardView::lapsed`](crate::shards::ShardView::lapsed)): the next lease round renews
+    /// it or drops it, and a write refused in that gap would be lost while the session stays.
+    async fn fenced(&self, cluster: &str) -> bool {
+        let mut views = self.shards.clone();
+        let give_up = Instant::now() + LAPSE_WAIT_MAX;
+        loop {
+            let now = Instant::now();
+            let (held, lapsed) = {
+                let view = views.borrow_and_update();
+                (view.holds_cluster(cluster, now), view.lapsed(cluster, now))
+            };
+            if held {
+                return false;
+            }
+            if !lapsed || now >= give_up {
+                debug!(
+                    cluster,
+                    "not this gateway's shard (any more): health not written"
+                );
+                return true;
+            }
+            // A new view, or a look again soon: a renewal does not always change the view's
+            // shards, only their fences.
+            let _ = tokio::time::timeout(LAPSE_POLL, views.changed()).await;
         }
-        !allowed
     }
 
     async fn mark_available(&self, cluster: &str, hello: &wire::Hello) -> Result<(), StoreError> {
-        if self.fenced(cluster) {
+        if self.fenced(cluster).await {
             return Ok(());
         }
         let current = self.existing_cluster(cluster).await?;
@@ -446,7 +467,7 @@ impl Writes {
     }
 
     async fn mark_unknown(&self, cluster: &str) -> Result<(), StoreError> {
-        if self.fenced(cluster) {
+        if self.fenced(cluster).await {
             return Ok(());
         }
         let Some(current) = self.store.get(Kind::ManagedCluster, None, cluster).await? else {
@@ -467,7 +488,7 @@ impl Writes {
             now(),
         );
         status["conditions"] = serde_json::to_value(&conds).unwrap_or_default();
-        if self.fenced(cluster) {
+        if self.fenced(cluster).await {
             return Ok(());
         }
         let updated = self

@@ -45,6 +45,8 @@ pub const DEFAULT_WRITE_CONCURRENCY: usize = 16;
 pub const FIRST_RETRY_DELAY: Duration = Duration::from_millis(500);
 /// The longest a failed write waits before its next try.
 pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(10);
+/// How soon a write whose shard's fence lapsed (its renewal late) is looked at again.
+pub const LAPSE_RETRY: Duration = Duration::from_millis(250);
 
 /// The gateway's budget of store writes, shared by all its queues: a token bucket of `rate`
 /// writes per second with room for `burst` at once.
@@ -208,12 +210,26 @@ impl<V: Coalesce> WriteQueue<V> {
                 continue;
             };
             // Fenced: checked right before the write, never written nor acknowledged if not
-            // ours (any more).
-            if !self
-                .shards
-                .borrow()
-                .holds_cluster(value.cluster(), Instant::now())
-            {
+            // ours (any more). A shard whose renewal is late (lapsed) is not lost yet: the
+            // value waits for the next lease round rather than being dropped while its session
+            // stays here.
+            let now = Instant::now();
+            let (held, lapsed) = {
+                let view = self.shards.borrow();
+                (
+                    view.holds_cluster(value.cluster(), now),
+                    view.lapsed(value.cluster(), now),
+                )
+            };
+            if !held && lapsed {
+                debug!(cluster = %value.cluster(), key = %key, what = self.what, "shard's renewal is late: write waits");
+                state.pending.insert(key.clone(), value);
+                let n = state.next_retry;
+                state.next_retry += 1;
+                state.retries.insert((now + LAPSE_RETRY, n), key);
+                continue;
+            }
+            if !held {
                 debug!(cluster = %value.cluster(), key = %key, what = self.what, "not this gateway's shard (any more): left to its owner");
                 state.failures.remove(&key);
                 continue;
@@ -576,6 +592,52 @@ mod tests {
         pass(Duration::from_millis(100)).await;
         assert_eq!(stub.seen().writes, [("ours".into(), 1)]);
         assert_eq!(queue.pending_len(), 0, "dropped, not kept");
+    }
+
+    /// A value whose shard's fence ran out while the renewal is late waits for the next lease
+    /// round instead of being dropped: renewed, it is written; its shard lost, it is dropped.
+    #[tokio::test(start_paused = true)]
+    async fn a_lapsed_fence_delays_a_write_and_a_renewal_lets_it_through() {
+        let ours = "store-1";
+        let shard = ShardView::all(64).shard_of(ours);
+        let view = |valid_for: Option<Duration>| {
+            let fences = valid_for
+                .map(|d| {
+                    Map::from([(
+                        shard,
+                        Fence {
+                            epoch: 1,
+                            valid_until: Instant::now() + d,
+                        },
+                    )])
+                })
+                .unwrap_or_default();
+            Arc::new(ShardView::leased(64, fences, ShardDirectory::default()))
+        };
+        let (views_tx, views) = watch::channel(view(Some(Duration::ZERO)));
+        let budget = Arc::new(WriteBudget::new(1000.0, 1000));
+        let queue = Arc::new(WriteQueue::new("test", budget, 4, views));
+        let stub = Stub::new(Duration::from_millis(1));
+        let _stop = start(&queue, &stub);
+        let value = |seq| Seq {
+            cluster: ours.into(),
+            seq,
+        };
+        queue.submit("late", value(1));
+        pass(Duration::from_secs(2)).await;
+        assert!(stub.seen().writes.is_empty(), "not written while lapsed");
+        assert_eq!(queue.pending_len(), 1, "kept while lapsed");
+        views_tx.send_replace(view(Some(Duration::from_secs(3600))));
+        pass(Duration::from_secs(1)).await;
+        assert_eq!(stub.seen().writes, [("late".into(), 1)], "renewed: written");
+
+        views_tx.send_replace(view(Some(Duration::ZERO)));
+        queue.submit("late", value(2));
+        pass(Duration::from_secs(1)).await;
+        views_tx.send_replace(view(None));
+        pass(Duration::from_secs(1)).await;
+        assert_eq!(stub.seen().writes.len(), 1, "lost: never written");
+        assert_eq!(queue.pending_len(), 0, "lost: dropped");
     }
 
     #[test]

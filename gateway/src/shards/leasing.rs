@@ -218,6 +218,8 @@ async fn drain_not_held(
                     )
                     .await
             }
+            // A renewal late, not lost: the next round renews it or drops it.
+            Route::Unowned { .. } if current.lapsed(&handle.cluster, now) => {}
             Route::Unowned { shard } => {
                 let retry_after = crate::driver::spread_over(window, &handle.session_id);
                 handle

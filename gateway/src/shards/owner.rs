@@ -9,6 +9,17 @@
 //! Since every reader sees that write after it was sent, a holder stops acting before anyone
 //! else may claim, and at no instant do two gateways act as owner of one shard.
 //!
+//! A renewal that comes late (a round slower than the margin on a loaded machine or a slow
+//! store) does not lose the shard by itself: past its fence the gateway stops acting for it
+//! (the shard is *lapsed*: no writes, no new sessions, its sessions kept), and the next round
+//! renews it on the resourceVersion it observed. That write succeeds only if nobody wrote the
+//! lease since, so nobody else has claimed it and acted meanwhile; then the gateway acts again
+//! at the same epoch. A lease found naming another holder or epoch, a renewal that conflicts,
+//! or a lapse longer than a lease duration loses it (and its sessions are drained). Likewise a
+//! gateway restarted under its name takes the shards its leases still name at once (with a new
+//! epoch) instead of waiting for them to expire: names are unique, so the process that held
+//! them is gone.
+//!
 //! Fair share: with `n` live gateways (their own leases seen renewed within the duration)
 //! each claims up to `ceil(shards / n)`; one holding more releases the excess (handover).
 //! Each gateway prefers shards in its own rotation of the shard numbers, so gateways starting
@@ -153,9 +164,12 @@ impl ShardOwner {
         self.expire(now);
     }
 
-    /// Drops held shards whose validity ran out (renewals failed).
+    /// Drops held shards whose validity ran out a lease duration ago (renewals failed all that
+    /// time). A shard past its fence but not that far is lapsed: not acted for, renewed by the
+    /// next round if its lease is still this gateway's.
     pub fn expire(&mut self, now: Instant) {
-        self.held.retain(|_, fence| now < fence.valid_until);
+        let grace = self.config.lease_duration;
+        self.held.retain(|_, fence| now < fence.valid_until + grace);
     }
 
     /// Gateways alive at `now` (their own leases renewed within the duration), this one
@@ -228,9 +242,10 @@ impl ShardOwner {
             let mut free: Vec<u32> = (0..self.config.shards.max(1))
                 .filter(|s| !self.held.contains_key(s) && !self.releasing.contains(s))
                 .filter(|s| {
-                    self.seen
-                        .get(&shard_lease_name(*s))
-                        .is_none_or(|seen| seen.expired(now))
+                    self.seen.get(&shard_lease_name(*s)).is_none_or(|seen| {
+                        // Expired, or still naming this gateway from before a restart.
+                        seen.expired(now) || seen.record.holder() == Some(self.config.name.as_str())
+                    })
                 })
                 .collect();
             free.sort_by_key(|s| self.rank(*s));
@@ -519,6 +534,78 @@ mod tests {
         }
         assert!(claimed_at.is_some(), "b took over");
         assert!(a.fences().is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_late_renewal_resumes_the_shard_at_its_epoch_unless_another_took_it() {
+        let mut table = Table::default();
+        let mut a = ShardOwner::new(config("a", 2));
+        for _ in 0..3 {
+            table.round(&mut a, Instant::now());
+            tokio::time::advance(RENEW).await;
+        }
+        let before = a.fences();
+        assert_eq!(before.len(), 2);
+        // The next round comes long after the fences ran out (a stalled process), but before
+        // anyone took the leases: a stops acting meanwhile, then resumes at the same epochs.
+        tokio::time::advance(DURATION).await;
+        let now = Instant::now();
+        assert!(a.fences().values().all(|f| now >= f.valid_until), "lapsed");
+        table.round(&mut a, now);
+        let after = a.fences();
+        assert_eq!(
+            after.iter().map(|(s, f)| (*s, f.epoch)).collect::<Vec<_>>(),
+            before
+                .iter()
+                .map(|(s, f)| (*s, f.epoch))
+                .collect::<Vec<_>>(),
+        );
+        assert!(after.values().all(|f| now < f.valid_until), "acting again");
+
+        // Stalled again; this time b takes the leases once they expired for it: a's late
+        // renewal conflicts, and a holds nothing.
+        let mut b = ShardOwner::new(config("b", 2));
+        let stalled = Instant::now();
+        while Instant::now() < stalled + DURATION * 2 {
+            table.round(&mut b, Instant::now());
+            tokio::time::advance(RENEW).await;
+        }
+        assert_eq!(b.fences().len(), 2, "b took both");
+        table.round(&mut a, Instant::now());
+        let now = Instant::now();
+        assert!(
+            a.fences().values().all(|f| now >= f.valid_until),
+            "a never acts again for b's shards"
+        );
+        table.round(&mut a, Instant::now());
+        assert!(a.fences().is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_gateway_restarted_under_its_name_takes_its_shards_back_at_once() {
+        let mut table = Table::default();
+        let mut a = ShardOwner::new(config("a", 4));
+        for _ in 0..3 {
+            table.round(&mut a, Instant::now());
+            tokio::time::advance(RENEW).await;
+        }
+        let epochs: BTreeMap<u32, u32> =
+            a.fences().into_iter().map(|(s, f)| (s, f.epoch)).collect();
+        assert_eq!(epochs.len(), 4);
+        // Killed and started again at once: a new machine with the same name.
+        let mut a = ShardOwner::new(config("a", 4));
+        let restarted = Instant::now();
+        while a.fences().len() < 4 {
+            table.round(&mut a, Instant::now());
+            tokio::time::advance(Duration::from_secs(1)).await;
+        }
+        assert!(
+            Instant::now() < restarted + DURATION,
+            "taken back before its old leases expired"
+        );
+        for (s, f) in a.fences() {
+            assert_eq!(f.epoch, epochs[&s] + 1, "a new epoch for the new process");
+        }
     }
 
     #[tokio::test(start_paused = true)]

@@ -134,6 +134,19 @@ impl ShardView {
         }
     }
 
+    /// Whether this gateway claimed `cluster`'s shard but its fence ran out at `now`, the shard
+    /// not lost: its renewal is late (a slow store, a loaded machine). The next lease round
+    /// renews the fence or drops the shard from the view; a write that finds its shard lapsed
+    /// waits for that rather than being dropped while the cluster's session is still here
+    /// (the agent sends a status once per session).
+    pub fn lapsed(&self, cluster: &str, now: Instant) -> bool {
+        self.fences.as_ref().is_some_and(|fences| {
+            fences
+                .get(&self.shard_of(cluster))
+                .is_some_and(|f| now >= f.valid_until)
+        })
+    }
+
     /// Whether this gateway may act for `cluster` at `now`.
     pub fn holds_cluster(&self, cluster: &str, now: Instant) -> bool {
         self.holds(self.shard_of(cluster), now).is_some()
@@ -188,6 +201,12 @@ mod tests {
             Route::Unowned { shard },
             "a fence that ran out is no right to act"
         );
+        assert!(!here.lapsed(cluster, now));
+        assert!(
+            here.lapsed(cluster, now + Duration::from_secs(10)),
+            "claimed, not renewed in time, not lost: lapsed"
+        );
+        assert!(!ShardView::all(64).lapsed(cluster, now));
         let owner = |address: Option<&str>| {
             ShardDirectory::new(
                 64,
