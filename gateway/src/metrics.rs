@@ -11,7 +11,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use flotilla_proto::api::Kind;
 use flotilla_proto::wire::Refusal;
-use flotilla_store::{Object, ObjectList, Revision, Store, StoreError, WatchStream};
+use flotilla_store::{Object, ObjectList, Revision, Selection, Store, StoreError, WatchStream};
 use flotilla_transport::Carrier;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -312,6 +312,28 @@ impl Store for MeteredStore {
     ) -> Result<WatchStream, StoreError> {
         self.counted(Verb::Watch, self.inner.watch(kind, namespace, from))
             .await
+    }
+
+    async fn list_selected(
+        &self,
+        kind: Kind,
+        selection: &Selection,
+    ) -> Result<ObjectList, StoreError> {
+        self.counted(Verb::List, self.inner.list_selected(kind, selection))
+            .await
+    }
+
+    async fn watch_selected(
+        &self,
+        kind: Kind,
+        selection: &Selection,
+        from: Option<Revision>,
+    ) -> Result<WatchStream, StoreError> {
+        self.counted(
+            Verb::Watch,
+            self.inner.watch_selected(kind, selection, from),
+        )
+        .await
     }
 
     async fn create(&self, object: Object) -> Result<Object, StoreError> {
