@@ -452,7 +452,7 @@ async fn open_session(shared: Arc<Shared>, handle: SessionHandle, hello: wire::H
             hello: Box::new(hello),
         })
         .await;
-    shared.desired.wait_ready().await;
+    shared.desired.wait_loaded(&cluster).await;
     Done::Synced {
         snapshot: shared.desired.snapshot(&cluster).await,
         reconnect: had_one,

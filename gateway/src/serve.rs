@@ -296,6 +296,12 @@ impl Gateway {
         }
         let held = shared.shards.borrow().held(Instant::now()).len();
         shared.metrics.shards_owned.set(held as i64);
+        if let Some(works) = shared.desired.cached() {
+            shared.metrics.cached_works.set(works as i64);
+        }
+        if let Some(clusters) = shared.admissions.cached() {
+            shared.metrics.cached_clusters.set(clusters as i64);
+        }
     }
 
     /// What the gateway needs before it can serve sessions: both watch caches listed from the
@@ -397,6 +403,7 @@ impl Gateway {
                 .run(
                     shared.store.clone(),
                     shared.registry.clone(),
+                    shared.shards.subscribe(),
                     stop_rx.clone(),
                 )
                 .map(Ok),
@@ -409,6 +416,7 @@ impl Gateway {
                 .run(
                     shared.store.clone(),
                     shared.registry.clone(),
+                    shared.shards.subscribe(),
                     stop_rx.clone(),
                 )
                 .map(Ok),

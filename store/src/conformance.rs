@@ -1238,11 +1238,14 @@ pub async fn selected_watch_follows_objects_into_and_out_of_the_selection(
         "the object that comes into the selection arrives as it is now"
     );
     ensure!(
-        crate::label(events[2].object(), &key) == Some("03"),
-        "the object that leaves the selection is reported as it is now: {}",
+        crate::label(events[2].object(), &key) == Some("01"),
+        "the object that leaves the selection is reported as it last matched: {}",
         events[2].object()
     );
-    let _ = moved_out;
+    ensure!(
+        crate::label(&moved_out, &key) == Some("03"),
+        "the stored object has its new label: {moved_out}"
+    );
 
     // Resumed from the middle: the same rules replayed.
     let from = events[0].revision().context("event revision")?;

@@ -124,7 +124,14 @@ impl Recorded {
                 match (before, now) {
                     (true, true) => Some(WatchEvent::Modified(o.clone())),
                     (false, true) => Some(WatchEvent::Added(o.clone())),
-                    (true, false) => Some(WatchEvent::Deleted(o.clone())),
+                    // As the apiserver does: the object as it last matched (its labels then).
+                    (true, false) => {
+                        let mut gone = o.clone();
+                        if let Some(labels) = &self.previous_labels {
+                            set_meta(&mut gone, "labels", labels.clone());
+                        }
+                        Some(WatchEvent::Deleted(gone))
+                    }
                     (false, false) => None,
                 }
             }

@@ -91,7 +91,7 @@ pub trait Store: Send + Sync + 'static {
 
     /// [`Store::watch`] of all namespaces through `selection`, with the apiserver's rules: an
     /// object that comes to match arrives as `Added`, one that stops matching (its label
-    /// changed) as `Deleted`, and objects outside the selection before and after a change are
+    /// changed) as `Deleted` (carrying the labels it last matched with), and objects outside the selection before and after a change are
     /// never mentioned.
     async fn watch_selected(
         &self,

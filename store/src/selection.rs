@@ -2,7 +2,7 @@
 //! of a set of values (`key in (a,b,c)`), the only selection the gateways' shard caches need.
 //!
 //! A selected watch follows the apiserver's rules: an object that comes to match is `Added`,
-//! one that stops matching is `Deleted` (carrying the object as it now is), and objects that
+//! one that stops matching is `Deleted` (carrying the labels it last matched with), and objects that
 //! neither matched before nor match now are never mentioned.
 
 use std::collections::BTreeSet;
