@@ -149,6 +149,30 @@ impl Admissions {
         verdict(cluster, clusters.get(cluster), key_sha256)
     }
 
+    /// [`check`](Self::check), reading the cluster from the store when the cache has no such
+    /// cluster: one just registered may not carry its shard label yet (the hub's labeller adds
+    /// it within a watch event), and a gateway's cache reads only labelled clusters. Costs one
+    /// read per session refused as not registered, and those are paced by the session rate.
+    pub async fn check_or_read(
+        &self,
+        store: &dyn Store,
+        cluster: &str,
+        key_sha256: &str,
+    ) -> Result<(), AdmissionRefusal> {
+        match self.check(cluster, key_sha256).await {
+            Err(AdmissionRefusal::NotRegistered { .. }) => {
+                // The store away: the cache's answer stands.
+                let stored = store
+                    .get(Kind::ManagedCluster, None, cluster)
+                    .await
+                    .unwrap_or_default();
+                let admission = stored.as_ref().map(ClusterAdmission::from_object);
+                verdict(cluster, admission.as_ref(), key_sha256)
+            }
+            other => other,
+        }
+    }
+
     /// How many clusters the cache holds; `None` if it is being written at this instant.
     pub fn cached(&self) -> Option<usize> {
         Some(self.clusters.try_read().ok()?.len())

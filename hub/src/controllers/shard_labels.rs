@@ -6,8 +6,8 @@
 //! creates objects itself; this controller labels everything else. It reads the watches the
 //! hub runs anyway, writes only objects whose label differs from the one their cluster's shard
 //! gives (so a labelled object is never written again: no flapping), and writes a bounded
-//! number at a time, each against the resourceVersion it read (a conflict is dropped: the
-//! change that caused it comes back as a watch event and is looked at again).
+//! number at a time, each against the resourceVersion it read (a conflict reads the object
+//! again, a bounded number of times).
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -152,25 +152,35 @@ pub async fn run(
     while watches.join_next().await.is_some() {}
 }
 
-/// Reads the object and, if its label is still wrong, writes it with the right one.
+/// Attempts at one object whose writes conflict (it is changing under the labeller) before
+/// leaving it to its next watch event.
+const ATTEMPTS: usize = 5;
+
+/// Reads the object and, if its label is still wrong, writes it with the right one; on a
+/// conflict (changed since read) reads it again, a bounded number of times. The object's
+/// own watch events are not enough to retry on: they may arrive while it is pending here.
 async fn relabel(store: &dyn Store, key: &Key, shards: u32) -> Result<(), StoreError> {
     let (kind, namespace, name) = key;
-    let Some(mut object) = store.get(*kind, namespace.as_deref(), name).await? else {
-        return Ok(());
-    };
-    if !mislabelled(&object, shards) {
-        return Ok(());
-    }
-    stamp(&mut object, shards);
-    match store.update_spec(object).await {
-        Ok(_) => {
-            debug!(%kind, namespace = namespace.as_deref(), name, "labelled with its shard");
-            Ok(())
+    for _ in 0..ATTEMPTS {
+        let Some(mut object) = store.get(*kind, namespace.as_deref(), name).await? else {
+            return Ok(());
+        };
+        if !mislabelled(&object, shards) {
+            return Ok(());
         }
-        // Changed since read: that change is a watch event, and it is looked at again.
-        Err(StoreError::Conflict { .. } | StoreError::NotFound { .. }) => Ok(()),
-        Err(e) => Err(e),
+        stamp(&mut object, shards);
+        match store.update_spec(object).await {
+            Ok(_) => {
+                debug!(%kind, namespace = namespace.as_deref(), name, "labelled with its shard");
+                return Ok(());
+            }
+            Err(StoreError::Conflict { .. }) => continue,
+            Err(StoreError::NotFound { .. }) => return Ok(()),
+            Err(e) => return Err(e),
+        }
     }
+    warn!(%kind, namespace = namespace.as_deref(), name, attempts = ATTEMPTS, "labelling with the shard conflicted every time; left to its next change or relist");
+    Ok(())
 }
 
 #[cfg(test)]

@@ -301,7 +301,11 @@ on_both_carriers! {
         wait_for("every agent on its shard's owner, every cluster Available", Duration::from_secs(60), || {
             on_owners(&leases, &gateways, &clusters, &hub)
         })
-        .await?;
+        .await
+        .with_context(|| {
+            let agent_logs: String = agents.iter().map(|a| format!("--- agent ---\n{}", a.log())).collect();
+            format!("--- hub ---\n{}\n{}{agent_logs}\nunavailable: {:?}", hub.proc.log(), logs(&gateways), unavailable(&hub))
+        })?;
         // The hub redirected them: they all dialled its address first.
         let redirected = agents.iter().filter(|a| a.log().contains("redirected to the gateway")).count();
         assert_eq!(redirected, CLUSTERS, "every agent was redirected from the hub's address");
