@@ -10,7 +10,8 @@
 //! removes everything, a rejoin or renewal replaces the keys, and a certificate whose key is
 //! not listed is refused even while it is unexpired.
 //!
-//! The cache is one LIST + WATCH per gateway; when a cluster stops being admitted (deleted,
+//! The cache is one LIST + WATCH per gateway, of the shards it holds (see
+//! [`crate::shards::cache`]); when a cluster stops being admitted (deleted,
 //! denied, unaccepted, or the live session's key unlisted), its session here is closed at once.
 
 use std::collections::HashMap;
@@ -25,7 +26,8 @@ use tracing::info;
 
 use crate::health::RecordedHealth;
 use crate::registry::Registry;
-use flotilla_store::reflect::{Reflector, reflect};
+use crate::shards::ShardViews;
+use crate::shards::cache::{ShardCache, ShardLoad, ShardSet, follow_shards};
 
 pub use flotilla_proto::contract::{
     DENIED_ANNOTATION, KEY_PINS_ANNOTATION, REQUESTED_AT_ANNOTATION, TOKEN_ANNOTATION,
@@ -122,6 +124,9 @@ pub struct Admissions {
     /// Set once the first list is loaded: a gateway that has not read the clusters yet refuses
     /// nobody by mistake; sessions wait for it.
     ready: watch::Sender<bool>,
+    /// The shards listed so far: a session waits for its cluster's shard, so a gateway that
+    /// just acquired the shard refuses nobody as "not registered" by mistake.
+    load: ShardLoad,
     /// Bumped on every change, for waiters such as a pending join (which thereby costs the
     /// store nothing while it waits).
     changes: watch::Sender<u64>,
@@ -139,10 +144,38 @@ impl Admissions {
 
     /// Whether a session for `cluster` authenticated with key `key_sha256` may open.
     pub async fn check(&self, cluster: &str, key_sha256: &str) -> Result<(), AdmissionRefusal> {
-        let mut ready = self.ready.subscribe();
-        let _ = ready.wait_for(|r| *r).await;
+        self.load.wait_for(cluster).await;
         let clusters = self.clusters.read().await;
         verdict(cluster, clusters.get(cluster), key_sha256)
+    }
+
+    /// [`check`](Self::check), reading the cluster from the store when the cache has no such
+    /// cluster: one just registered may not carry its shard label yet (the hub's labeller adds
+    /// it within a watch event), and a gateway's cache reads only labelled clusters. Costs one
+    /// read per session refused as not registered, and those are paced by the session rate.
+    pub async fn check_or_read(
+        &self,
+        store: &dyn Store,
+        cluster: &str,
+        key_sha256: &str,
+    ) -> Result<(), AdmissionRefusal> {
+        match self.check(cluster, key_sha256).await {
+            Err(AdmissionRefusal::NotRegistered { .. }) => {
+                // The store away: the cache's answer stands.
+                let stored = store
+                    .get(Kind::ManagedCluster, None, cluster)
+                    .await
+                    .unwrap_or_default();
+                let admission = stored.as_ref().map(ClusterAdmission::from_object);
+                verdict(cluster, admission.as_ref(), key_sha256)
+            }
+            other => other,
+        }
+    }
+
+    /// How many clusters the cache holds; `None` if it is being written at this instant.
+    pub fn cached(&self) -> Option<usize> {
+        Some(self.clusters.try_read().ok()?.len())
     }
 
     /// The cached admission of `cluster`, if the cache has seen it.
@@ -174,19 +207,21 @@ impl Admissions {
         self.changes.send_modify(|n| *n = n.wrapping_add(1));
     }
 
-    /// Keeps the cache in step with the store until `stop` fires (see [`reflect`]), closing the
-    /// sessions of clusters that stop being admitted.
+    /// Keeps the cache in step with the store's clusters in the shards `shards` says this
+    /// gateway holds, until `stop` fires (see [`follow_shards`]), closing the sessions of
+    /// clusters that stop being admitted.
     pub async fn run(
         self: Arc<Self>,
         store: Arc<dyn Store>,
         registry: Arc<Registry>,
+        shards: ShardViews,
         stop: watch::Receiver<bool>,
     ) {
         let target = Reflecting {
             admissions: &self,
             registry: &registry,
         };
-        reflect(Kind::ManagedCluster, store.as_ref(), &target, stop).await;
+        follow_shards(Kind::ManagedCluster, store.as_ref(), &target, shards, stop).await;
     }
 
     async fn apply(&self, event: WatchEvent, registry: &Registry) {
@@ -214,24 +249,38 @@ impl Admissions {
         }
     }
 
-    async fn replace(&self, items: Vec<Object>, registry: &Registry) {
+    async fn replace(&self, items: Vec<Object>, set: &ShardSet, registry: &Registry) {
         let fresh: HashMap<String, ClusterAdmission> = items
             .iter()
             .filter_map(|obj| {
                 let name = obj["metadata"]["name"].as_str()?.to_string();
-                Some((name, ClusterAdmission::from_object(obj)))
+                // Labelled with a held shard but not of one (a label the hub has yet to
+                // correct): not this gateway's.
+                set.has_cluster(&name)
+                    .then(|| (name, ClusterAdmission::from_object(obj)))
             })
             .collect();
         *self.clusters.write().await = fresh.clone();
         self.changed();
-        // A relist can hide a revocation that happened while the watch was down.
+        // A relist can hide a revocation that happened while the watch was down. Only for
+        // the clusters this list speaks for: a session of a shard no longer held is being
+        // handed over, not revoked.
         for handle in registry.all().await {
-            enforce(registry, &handle.cluster, fresh.get(&handle.cluster)).await;
+            if set.has_cluster(&handle.cluster) {
+                enforce(registry, &handle.cluster, fresh.get(&handle.cluster)).await;
+            }
         }
-        if !*self.ready.borrow() {
-            info!(clusters = fresh.len(), "cluster admissions loaded");
-            self.ready.send_replace(true);
-        }
+        info!(clusters = fresh.len(), %set, "cluster admissions loaded");
+        self.ready.send_replace(true);
+    }
+
+    /// Forgets the clusters outside `set`, closing no session: shards handed over.
+    async fn retain(&self, set: &ShardSet) {
+        self.clusters
+            .write()
+            .await
+            .retain(|name, _| set.has_cluster(name));
+        self.changed();
     }
 }
 
@@ -242,12 +291,21 @@ struct Reflecting<'a> {
 }
 
 #[async_trait]
-impl Reflector for Reflecting<'_> {
-    async fn replace(&self, items: Vec<Object>) {
-        self.admissions.replace(items, self.registry).await;
+impl ShardCache for Reflecting<'_> {
+    async fn replace(&self, items: Vec<Object>, set: &ShardSet) {
+        self.admissions.replace(items, set, self.registry).await;
     }
-    async fn apply(&self, event: WatchEvent) {
+    async fn apply(&self, event: WatchEvent, set: &ShardSet) {
+        if !set.has_cluster(flotilla_store::name_of(event.object())) {
+            return;
+        }
         self.admissions.apply(event, self.registry).await;
+    }
+    async fn retain(&self, set: &ShardSet) {
+        self.admissions.retain(set).await;
+    }
+    fn load(&self) -> &ShardLoad {
+        &self.admissions.load
     }
 }
 

@@ -1,6 +1,7 @@
 //! The gateway's watch cache of desired state: one LIST + WATCH of ManifestWorks against the
-//! store for the whole gateway, kept in memory by cluster namespace. Sessions are synced from
-//! here, so a reconnect storm costs the store (and the hub apiserver behind it) nothing.
+//! store for the whole gateway, selected by the shards it holds (see [`crate::shards::cache`]),
+//! kept in memory by cluster namespace. Sessions are synced from here, so a reconnect storm
+//! costs the store (and the hub apiserver behind it) nothing.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -10,13 +11,14 @@ use flotilla_proto::api::content::ContentRef;
 use flotilla_proto::api::{Kind, ManifestWork, content_hash};
 use flotilla_proto::contract::WORK_CLEANUP_FINALIZER;
 use flotilla_proto::session::DesiredWork;
-use flotilla_store::{Object, Store, WatchEvent};
+use flotilla_store::{Object, Store, WatchEvent, namespace_of};
 use tokio::sync::{RwLock, watch};
 use tracing::{info, warn};
 
 use crate::mailbox::WorkChange;
 use crate::registry::Registry;
-use flotilla_store::reflect::{Reflector, reflect};
+use crate::shards::ShardViews;
+use crate::shards::cache::{ShardCache, ShardLoad, ShardSet, follow_shards};
 
 /// Desired works by cluster namespace, then by uid.
 #[derive(Default)]
@@ -26,9 +28,12 @@ pub struct DesiredState {
     /// agents were told to delete them, and may still report their status (`Deleting`) until
     /// the finalizer goes. Namespace → uid → name.
     terminating: RwLock<HashMap<String, HashMap<String, String>>>,
-    /// Set once the first list has been loaded: sessions wait for it before syncing, so a
-    /// gateway that just started never tells an agent to delete what it simply has not read yet.
+    /// Set once the first list has been loaded (readiness; sessions wait on `load`).
     ready: watch::Sender<bool>,
+    /// The shards listed so far: a session waits for its cluster's shard before syncing, so a
+    /// gateway that just started, or just acquired the shard, never tells an agent to delete
+    /// what it simply has not read yet.
+    load: ShardLoad,
 }
 
 impl DesiredState {
@@ -45,6 +50,25 @@ impl DesiredState {
     pub async fn wait_ready(&self) {
         let mut rx = self.ready.subscribe();
         let _ = rx.wait_for(|r| *r).await;
+    }
+
+    /// Waits until `cluster`'s shard is loaded: only then does the cache speak for it.
+    pub async fn wait_loaded(&self, cluster: &str) {
+        self.load.wait_for(cluster).await;
+    }
+
+    /// How many works the cache holds (desired, and deleted but held by a finalizer); `None`
+    /// if it is being written at this instant.
+    pub fn cached(&self) -> Option<usize> {
+        let works: usize = self.works.try_read().ok()?.values().map(HashMap::len).sum();
+        let terminating: usize = self
+            .terminating
+            .try_read()
+            .ok()?
+            .values()
+            .map(HashMap::len)
+            .sum();
+        Some(works + terminating)
     }
 
     /// What the cluster should hold now.
@@ -65,7 +89,7 @@ impl DesiredState {
     /// not "not yours"; answering `None` then would drop those statuses until the agent's next
     /// session.
     pub async fn owned_by(&self, cluster: &str, uid: &str) -> Option<String> {
-        self.wait_ready().await;
+        self.wait_loaded(cluster).await;
         if let Some(name) = self
             .works
             .read()
@@ -97,7 +121,7 @@ impl DesiredState {
             #[serde(default)]
             finalizers: Vec<String>,
         }
-        self.wait_ready().await;
+        self.wait_loaded(cluster).await;
         let works = self.works.read().await;
         let work = works.get(cluster)?.get(uid)?;
         let meta = serde_json::from_slice::<Work>(&work.manifest_work_json).ok()?;
@@ -111,7 +135,7 @@ impl DesiredState {
 
     /// The uids of `cluster`'s works deleted on the hub that a finalizer still holds.
     pub async fn terminating(&self, cluster: &str) -> Vec<String> {
-        self.wait_ready().await;
+        self.wait_loaded(cluster).await;
         self.terminating
             .read()
             .await
@@ -123,7 +147,7 @@ impl DesiredState {
     /// Whether `uid` is one of `cluster`'s desired works and its content reference names the
     /// chunk `chunk_sha256`: an agent is served only chunks of its own cluster's works.
     pub async fn names_chunk(&self, cluster: &str, uid: &str, chunk_sha256: &str) -> bool {
-        self.wait_ready().await;
+        self.wait_loaded(cluster).await;
         let works = self.works.read().await;
         let Some(work) = works.get(cluster).and_then(|m| m.get(uid)) else {
             return false;
@@ -161,26 +185,33 @@ impl DesiredState {
         }
     }
 
-    /// Keeps the cache in step with the store until `stop` fires (see [`reflect`]). Changes go
-    /// to the sessions of the clusters they concern.
+    /// Keeps the cache in step with the store's works in the shards `shards` says this gateway
+    /// holds, until `stop` fires (see [`follow_shards`]). Changes go to the sessions of the
+    /// clusters they concern.
     pub async fn run(
         self: Arc<Self>,
         store: Arc<dyn Store>,
         registry: Arc<Registry>,
+        shards: ShardViews,
         stop: watch::Receiver<bool>,
     ) {
         let target = Reflecting {
             state: &self,
             registry: &registry,
         };
-        reflect(Kind::ManifestWork, store.as_ref(), &target, stop).await;
+        follow_shards(Kind::ManifestWork, store.as_ref(), &target, shards, stop).await;
     }
 
-    /// Replaces the cache with a fresh list and tells sessions what changed meanwhile.
-    async fn replace(&self, items: Vec<Object>, registry: &Registry) {
+    /// Replaces the cache with a fresh list of `set` and tells sessions what changed meanwhile.
+    async fn replace(&self, items: Vec<Object>, set: &ShardSet, registry: &Registry) {
         let mut fresh: HashMap<String, HashMap<String, DesiredWork>> = HashMap::new();
         self.terminating.write().await.clear();
         for obj in items {
+            // Labelled with a held shard but of another shard's cluster (a label not yet
+            // corrected by the hub): not this gateway's to serve.
+            if !namespace_of(&obj).is_some_and(|ns| set.has_cluster(ns)) {
+                continue;
+            }
             if self.note_terminating(&obj).await {
                 continue;
             }
@@ -192,10 +223,12 @@ impl DesiredState {
             }
         }
         let old = std::mem::replace(&mut *self.works.write().await, fresh.clone());
-        // After the first list, a relist can hide changes that happened while the watch was
-        // down: diff and deliver them.
-        if *self.ready.borrow() {
-            for (ns, works) in &fresh {
+        // For shards loaded before, a relist can hide changes that happened while the watch
+        // was down: diff and deliver them. Sessions of shards loaded now wait for this load
+        // and sync from the snapshot.
+        let loaded_before = |ns: &str| self.load.has(ns);
+        {
+            for (ns, works) in fresh.iter().filter(|(ns, _)| loaded_before(ns)) {
                 for (uid, w) in works {
                     let before = old.get(ns).and_then(|m| m.get(uid));
                     if before.map(|b| &b.content_hash) != Some(&w.content_hash) {
@@ -203,22 +236,31 @@ impl DesiredState {
                     }
                 }
             }
-            for (ns, works) in &old {
+            for (ns, works) in old.iter().filter(|(ns, _)| loaded_before(ns)) {
                 for (uid, w) in works {
                     if fresh.get(ns).is_none_or(|m| !m.contains_key(uid)) {
                         registry.deliver(ns, deletion(w)).await;
                     }
                 }
             }
-        } else {
-            let count: usize = fresh.values().map(HashMap::len).sum();
-            info!(
-                works = count,
-                clusters = fresh.len(),
-                "desired state loaded"
-            );
-            self.ready.send_replace(true);
         }
+        let count: usize = fresh.values().map(HashMap::len).sum();
+        info!(
+            works = count,
+            clusters = fresh.len(),
+            %set,
+            "desired state loaded"
+        );
+        self.ready.send_replace(true);
+    }
+
+    /// Forgets the works of clusters outside `set`, telling no session: shards handed over.
+    async fn retain(&self, set: &ShardSet) {
+        self.works.write().await.retain(|ns, _| set.has_cluster(ns));
+        self.terminating
+            .write()
+            .await
+            .retain(|ns, _| set.has_cluster(ns));
     }
 
     async fn apply(&self, event: WatchEvent, registry: &Registry) {
@@ -278,12 +320,22 @@ struct Reflecting<'a> {
 }
 
 #[async_trait]
-impl Reflector for Reflecting<'_> {
-    async fn replace(&self, items: Vec<Object>) {
-        self.state.replace(items, self.registry).await;
+impl ShardCache for Reflecting<'_> {
+    async fn replace(&self, items: Vec<Object>, set: &ShardSet) {
+        self.state.replace(items, set, self.registry).await;
     }
-    async fn apply(&self, event: WatchEvent) {
+    async fn apply(&self, event: WatchEvent, set: &ShardSet) {
+        // Labelled with a held shard but of another shard's cluster: not ours to serve.
+        if !namespace_of(event.object()).is_some_and(|ns| set.has_cluster(ns)) {
+            return;
+        }
         self.state.apply(event, self.registry).await;
+    }
+    async fn retain(&self, set: &ShardSet) {
+        self.state.retain(set).await;
+    }
+    fn load(&self) -> &ShardLoad {
+        &self.state.load
     }
 }
 
@@ -328,6 +380,7 @@ mod tests {
     //! still the cluster's to report.
 
     use super::*;
+    use crate::shards::ShardView;
     use crate::test_support::eventually;
     use flotilla_store::SledStore;
     use serde_json::json;
@@ -352,11 +405,12 @@ mod tests {
             async move { desired.owned_by("store-1", &uid).await }
         });
         let (stop_tx, stop) = watch::channel(false);
-        tokio::spawn(
-            desired
-                .clone()
-                .run(store.clone(), Arc::new(Registry::default()), stop),
-        );
+        tokio::spawn(desired.clone().run(
+            store.clone(),
+            Arc::new(Registry::default()),
+            ShardView::all_views(),
+            stop,
+        ));
         assert_eq!(asked.await.unwrap().as_deref(), Some("early"));
         assert_eq!(
             desired.owned_by("store-2", &uid).await,
@@ -382,11 +436,12 @@ mod tests {
         let uid = stored["metadata"]["uid"].as_str().unwrap().to_owned();
         let desired = DesiredState::new();
         let (stop_tx, stop) = watch::channel(false);
-        tokio::spawn(
-            desired
-                .clone()
-                .run(store.clone(), Arc::new(Registry::default()), stop),
-        );
+        tokio::spawn(desired.clone().run(
+            store.clone(),
+            Arc::new(Registry::default()),
+            ShardView::all_views(),
+            stop,
+        ));
         desired.wait_ready().await;
         assert_eq!(desired.snapshot("store-1").await.len(), 1);
 
@@ -415,6 +470,136 @@ mod tests {
             desired.owned_by("store-1", &uid).await.is_none()
         })
         .await;
+        let _ = stop_tx.send(true);
+    }
+
+    /// Shards of a 4-shard fleet, and a cluster name in each of two of them.
+    const SHARDS: u32 = 4;
+
+    fn two_clusters() -> ((String, u32), (String, u32)) {
+        use flotilla_proto::contract::shard_of;
+        let a = ("store-1".to_owned(), shard_of("store-1", SHARDS));
+        let b = (1..100)
+            .map(|i| format!("store-{i}"))
+            .map(|c| {
+                let s = shard_of(&c, SHARDS);
+                (c, s)
+            })
+            .find(|(_, s)| *s != a.1)
+            .expect("some cluster hashes to another shard");
+        (a, b)
+    }
+
+    /// A work of `cluster`, labelled with its shard as the hub labels it.
+    fn labelled_work(cluster: &str, name: &str) -> Object {
+        use flotilla_proto::contract::{SHARD_LABEL, shard_label_value, shard_of};
+        json!({
+            "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
+            "metadata": {"name": name, "namespace": cluster,
+                         "labels": {SHARD_LABEL: shard_label_value(shard_of(cluster, SHARDS))}},
+            "spec": {"workload": {"manifests": [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}}]}},
+        })
+    }
+
+    /// A leased view holding `held` (for an hour).
+    fn holding(held: &[u32]) -> Arc<ShardView> {
+        use crate::shards::{Fence, ShardDirectory};
+        let fence = Fence {
+            epoch: 1,
+            valid_until: tokio::time::Instant::now() + std::time::Duration::from_secs(3600),
+        };
+        Arc::new(ShardView::leased(
+            SHARDS,
+            held.iter().map(|s| (*s, fence)).collect(),
+            ShardDirectory::default(),
+        ))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_cache_follows_the_held_shards_and_drops_the_ones_it_lost() {
+        let ((a, shard_a), (b, shard_b)) = two_clusters();
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(SledStore::open(dir.path()).unwrap());
+        store.create(labelled_work(&a, "one")).await.unwrap();
+        store.create(labelled_work(&b, "one")).await.unwrap();
+        store.create(labelled_work(&b, "two")).await.unwrap();
+        let views = watch::Sender::new(holding(&[shard_a]));
+        let desired = DesiredState::new();
+        let (stop_tx, stop) = watch::channel(false);
+        tokio::spawn(desired.clone().run(
+            store.clone(),
+            Arc::new(Registry::default()),
+            views.subscribe(),
+            stop,
+        ));
+        desired.wait_loaded(&a).await;
+        assert_eq!(desired.snapshot(&a).await.len(), 1);
+        assert!(
+            desired.snapshot(&b).await.is_empty(),
+            "another shard's works are not cached"
+        );
+        assert_eq!(desired.cached(), Some(1));
+        // Live changes: only the held shard's.
+        store.create(labelled_work(&a, "two")).await.unwrap();
+        store.create(labelled_work(&b, "three")).await.unwrap();
+        eventually("the held shard's new work arrives", || async {
+            desired.snapshot(&a).await.len() == 2
+        })
+        .await;
+        assert!(desired.snapshot(&b).await.is_empty());
+
+        // The lease round hands shard a over and acquires shard b.
+        views.send_replace(holding(&[shard_b]));
+        eventually("shard b is loaded", || async { desired.load.has(&b) }).await;
+        assert!(!desired.load.has(&a), "a lost shard is not loaded");
+        assert_eq!(desired.snapshot(&b).await.len(), 3);
+        assert!(
+            desired.snapshot(&a).await.is_empty(),
+            "a lost shard's works leave the cache"
+        );
+        assert_eq!(desired.cached(), Some(3));
+        let _ = stop_tx.send(true);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_session_of_a_newly_acquired_shard_waits_for_its_load() {
+        let ((a, shard_a), (b, shard_b)) = two_clusters();
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(SledStore::open(dir.path()).unwrap());
+        store.create(labelled_work(&b, "baseline")).await.unwrap();
+        let views = watch::Sender::new(holding(&[shard_a]));
+        let desired = DesiredState::new();
+        let (stop_tx, stop) = watch::channel(false);
+        tokio::spawn(desired.clone().run(
+            store.clone(),
+            Arc::new(Registry::default()),
+            views.subscribe(),
+            stop,
+        ));
+        desired.wait_loaded(&a).await;
+        // A session of b's cluster arrives as the gateway acquires b: it syncs as the driver
+        // does (wait for the cluster's load, then take the snapshot).
+        views.send_replace(holding(&[shard_a, shard_b]));
+        let session = tokio::spawn({
+            let (desired, b) = (desired.clone(), b.clone());
+            async move {
+                desired.wait_loaded(&b).await;
+                desired.snapshot(&b).await
+            }
+        });
+        let synced = tokio::time::timeout(std::time::Duration::from_secs(10), session)
+            .await
+            .expect("the session syncs once the shard is loaded")
+            .unwrap();
+        assert_eq!(
+            synced.iter().map(|w| w.name.as_str()).collect::<Vec<_>>(),
+            ["baseline"],
+            "synced from the loaded shard, never from an empty cache"
+        );
+        assert!(
+            desired.load.has(&a),
+            "the shard held all along stays loaded"
+        );
         let _ = stop_tx.send(true);
     }
 }

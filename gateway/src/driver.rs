@@ -400,7 +400,7 @@ async fn open_session(shared: Arc<Shared>, handle: SessionHandle, hello: wire::H
     }
     if let Err(refusal) = shared
         .admissions
-        .check(&cluster, &handle.client_key_sha256)
+        .check_or_read(shared.store.as_ref(), &cluster, &handle.client_key_sha256)
         .await
     {
         return Done::Refused(refusal);
@@ -417,7 +417,11 @@ async fn open_session(shared: Arc<Shared>, handle: SessionHandle, hello: wire::H
     }
     // A revocation (or the shard moving away) between the checks above and the registration
     // found no session to close: look again now that it is registered.
-    if let Err(refusal) = shared.admissions.check(&cluster, &key).await {
+    if let Err(refusal) = shared
+        .admissions
+        .check_or_read(shared.store.as_ref(), &cluster, &key)
+        .await
+    {
         return Done::Refused(refusal);
     }
     if let Some(elsewhere) = not_here(&shared, &cluster, &session) {
@@ -452,7 +456,7 @@ async fn open_session(shared: Arc<Shared>, handle: SessionHandle, hello: wire::H
             hello: Box::new(hello),
         })
         .await;
-    shared.desired.wait_ready().await;
+    shared.desired.wait_loaded(&cluster).await;
     Done::Synced {
         snapshot: shared.desired.snapshot(&cluster).await,
         reconnect: had_one,

@@ -279,6 +279,7 @@ mod tests {
         tokio::spawn(desired.clone().run(
             store.clone(),
             Arc::new(Registry::default()),
+            ShardView::all_views(),
             stop.clone(),
         ));
         let finalizers = CleanupFinalizers::new(

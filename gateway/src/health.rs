@@ -746,6 +746,7 @@ mod tests {
         tokio::spawn(admissions.clone().run(
             store.clone(),
             Arc::new(Registry::default()),
+            crate::shards::ShardView::all_views(),
             stop.clone(),
         ));
         (dir, store, admissions, stop_tx, stop)

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use flotilla_proto::api::Kind;
 use flotilla_proto::wire::Refusal;
-use flotilla_store::{Object, ObjectList, Revision, Store, StoreError, WatchStream};
+use flotilla_store::{Object, ObjectList, Revision, Selection, Store, StoreError, WatchStream};
 use flotilla_transport::Carrier;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -36,6 +36,10 @@ pub struct GatewayMetrics {
     pub(crate) status_queue: Gauge,
     /// Set at each scrape from the shard view.
     pub(crate) shards_owned: Gauge,
+    /// `cached_objects`, by kind: set at each scrape from the watch caches.
+    cached_objects: Family<Labels, Gauge>,
+    pub(crate) cached_works: Gauge,
+    pub(crate) cached_clusters: Gauge,
     /// Bytes of large works' chunks handed to sessions.
     pub(crate) chunk_bytes_sent: Counter,
     /// New connections on the agents' listener, by what the session rate said and carrier.
@@ -46,6 +50,7 @@ impl GatewayMetrics {
     pub fn new() -> GatewayMetrics {
         let refused = Family::<Labels, Counter>::default();
         let sessions = Family::<Labels, Gauge>::default();
+        let cached_objects = Family::<Labels, Gauge>::default();
         let metrics = GatewayMetrics {
             sessions_by: CARRIERS
                 .map(|c| sessions.get_or_create_owned(&[("transport", transport(c))])),
@@ -57,6 +62,9 @@ impl GatewayMetrics {
             store_errors: Family::default(),
             status_queue: Gauge::default(),
             shards_owned: Gauge::default(),
+            cached_works: cached_objects.get_or_create_owned(&[("kind", "ManifestWork")]),
+            cached_clusters: cached_objects.get_or_create_owned(&[("kind", "ManagedCluster")]),
+            cached_objects,
             chunk_bytes_sent: Counter::default(),
             new_connections: Family::default(),
         };
@@ -121,6 +129,12 @@ impl GatewayMetrics {
              what the new-session rate (--session-rate, --session-burst) said: admitted, or \
              over_rate (drained at once with a retry-after), and by carrier",
             self.new_connections.clone(),
+        );
+        r.register(
+            "cached_objects",
+            "Objects in this gateway's watch caches, by kind: the works and clusters of the \
+             shards it holds (of every cluster without leases)",
+            self.cached_objects.clone(),
         );
         r.register(
             "shards_owned",
@@ -312,6 +326,28 @@ impl Store for MeteredStore {
     ) -> Result<WatchStream, StoreError> {
         self.counted(Verb::Watch, self.inner.watch(kind, namespace, from))
             .await
+    }
+
+    async fn list_selected(
+        &self,
+        kind: Kind,
+        selection: &Selection,
+    ) -> Result<ObjectList, StoreError> {
+        self.counted(Verb::List, self.inner.list_selected(kind, selection))
+            .await
+    }
+
+    async fn watch_selected(
+        &self,
+        kind: Kind,
+        selection: &Selection,
+        from: Option<Revision>,
+    ) -> Result<WatchStream, StoreError> {
+        self.counted(
+            Verb::Watch,
+            self.inner.watch_selected(kind, selection, from),
+        )
+        .await
     }
 
     async fn create(&self, object: Object) -> Result<Object, StoreError> {

@@ -316,6 +316,12 @@ impl Gateway {
             .set(shared.statuses.pending_len() as i64);
         let held = shared.shards.borrow().held(Instant::now()).len();
         shared.metrics.shards_owned.set(held as i64);
+        if let Some(works) = shared.desired.cached() {
+            shared.metrics.cached_works.set(works as i64);
+        }
+        if let Some(clusters) = shared.admissions.cached() {
+            shared.metrics.cached_clusters.set(clusters as i64);
+        }
     }
 
     /// What the gateway needs before it can serve sessions: both watch caches listed from the
@@ -417,6 +423,7 @@ impl Gateway {
                 .run(
                     shared.store.clone(),
                     shared.registry.clone(),
+                    shared.shards.subscribe(),
                     stop_rx.clone(),
                 )
                 .map(Ok),
@@ -429,6 +436,7 @@ impl Gateway {
                 .run(
                     shared.store.clone(),
                     shared.registry.clone(),
+                    shared.shards.subscribe(),
                     stop_rx.clone(),
                 )
                 .map(Ok),

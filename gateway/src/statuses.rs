@@ -374,11 +374,12 @@ mod tests {
         let registry = Arc::new(Registry::default());
         let desired = DesiredState::new();
         let (stop_tx, stop) = watch::channel(false);
-        tokio::spawn(
-            desired
-                .clone()
-                .run(store.clone(), registry.clone(), stop.clone()),
-        );
+        tokio::spawn(desired.clone().run(
+            store.clone(),
+            registry.clone(),
+            crate::shards::ShardView::all_views(),
+            stop.clone(),
+        ));
         desired.wait_ready().await;
         let writer = Arc::new(StatusWriter {
             prune_every: Duration::ZERO,
@@ -440,7 +441,12 @@ mod tests {
         let registry = Arc::new(Registry::default());
         let desired = DesiredState::new();
         let (stop_tx, stop) = watch::channel(false);
-        tokio::spawn(desired.clone().run(store.clone(), registry, stop.clone()));
+        tokio::spawn(desired.clone().run(
+            store.clone(),
+            registry,
+            crate::shards::ShardView::all_views(),
+            stop.clone(),
+        ));
         desired.wait_ready().await;
         let writer = StatusWriter::new(
             Arc::new(WriteBudget::new(1000.0, 1000)),

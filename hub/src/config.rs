@@ -233,6 +233,7 @@ impl HubConfig {
         crate::controllers::ControllerConfig {
             default_cluster_sets: self.default_cluster_sets,
             chunk_grace_period: self.chunk_grace_period,
+            shards: self.shards.shards,
             ..Default::default()
         }
     }

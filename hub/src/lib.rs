@@ -191,7 +191,8 @@ pub async fn run(
         authority.clone(),
         gateway.admissions(),
         config.client_cert_lifetime,
-    );
+    )
+    .with_shards(config.shards.shards);
     // Every long-lived task of the hub, with one owner: one that ends while the hub serves
     // makes it exit non-zero (see `supervise`).
     let mut tasks = Tasks::new();

@@ -35,6 +35,7 @@ use tonic::{Request, Response, Status};
 use tracing::{info, warn};
 
 use crate::ca::{self, Ca, CaError};
+use crate::controllers::shard_labels;
 use crate::tokens::{BootstrapTokens, Use};
 
 /// How often a waiting join hears PENDING again: keeps the stream visibly alive through
@@ -133,6 +134,9 @@ pub struct JoinService {
     authority: Arc<Authority>,
     admissions: Arc<Admissions>,
     client_cert_lifetime: Duration,
+    /// The fleet's virtual shards: a recorded cluster carries its shard's label from the
+    /// start, so the gateway that holds it sees it without waiting for the labeller.
+    shards: u32,
 }
 
 impl JoinService {
@@ -149,7 +153,14 @@ impl JoinService {
             authority,
             admissions,
             client_cert_lifetime,
+            shards: flotilla_proto::contract::DEFAULT_SHARDS,
         }
+    }
+
+    /// The fleet's virtual shards (`--shards`), for the label of the clusters it records.
+    pub fn with_shards(mut self, shards: u32) -> JoinService {
+        self.shards = shards;
+        self
     }
 
     pub fn into_server(self) -> RegistrationServer<JoinService> {
@@ -263,6 +274,7 @@ impl JoinService {
                     annotate(&mut mc, KEY_PINS_ANNOTATION, key);
                     annotate(&mut mc, TOKEN_ANNOTATION, &grant.token_id);
                     annotate(&mut mc, REQUESTED_AT_ANNOTATION, &now());
+                    shard_labels::stamp(&mut mc, self.shards);
                     match self.store.update_spec(mc).await {
                         Ok(_) => return Ok(()),
                         Err(StoreError::Conflict { .. }) => continue,
@@ -279,7 +291,7 @@ impl JoinService {
                         .collect();
                     // The token's labels are the hub's word; the agent's are a request.
                     labels.extend(grant.labels.clone());
-                    let mc = json!({
+                    let mut mc = json!({
                         "apiVersion": Kind::ManagedCluster.api_version(),
                         "kind": "ManagedCluster",
                         "metadata": {
@@ -293,6 +305,7 @@ impl JoinService {
                         },
                         "spec": { "hubAcceptsClient": grant.auto_accept, "leaseDurationSeconds": 60 },
                     });
+                    shard_labels::stamp(&mut mc, self.shards);
                     match self.store.create(mc).await {
                         Ok(_) => {
                             info!(cluster = %cluster, token = %grant.token_id, auto_accept = grant.auto_accept, "join request recorded");

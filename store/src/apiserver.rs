@@ -26,7 +26,7 @@ use tracing::{debug, info, warn};
 use crate::object::{
     self, ObjectKey, check_scope, check_size, json_len, remove_meta, resource_version, set_meta,
 };
-use crate::{Object, ObjectList, Revision, Store, StoreError, WatchEvent, WatchStream};
+use crate::{Object, ObjectList, Revision, Selection, Store, StoreError, WatchEvent, WatchStream};
 
 /// How long the apiserver keeps one watch request open before closing it; the stream then
 /// re-establishes itself from the last revision it saw. 290 s is kube-rs' and client-go's
@@ -214,32 +214,24 @@ fn is_missing_namespace(err: &kube::Error) -> bool {
         if status.code == 404 && status.details.as_ref().is_some_and(|d| d.kind == "namespaces"))
 }
 
-#[async_trait]
-impl Store for KubeStore {
-    async fn get(
+impl KubeStore {
+    async fn list_in(
         &self,
         kind: Kind,
         namespace: Option<&str>,
-        name: &str,
-    ) -> Result<Option<Object>, StoreError> {
-        check_scope(kind, namespace, name, true)?;
-        let key = ObjectKey::new(kind, namespace, name);
-        self.api(kind, namespace)
-            .get_opt(name)
-            .await
-            .map_err(|e| object_error(e, &key, "reading"))?
-            .map(|o| from_dynamic(kind, o))
-            .transpose()
-    }
-
-    async fn list(&self, kind: Kind, namespace: Option<&str>) -> Result<ObjectList, StoreError> {
+        selection: &Selection,
+    ) -> Result<ObjectList, StoreError> {
         check_scope(kind, namespace, "", false)?;
+        let selector = selection.label_selector();
         let api = self.api(kind, namespace);
         let mut items = Vec::new();
         let mut revision = None;
         let mut token: Option<String> = None;
         loop {
             let mut params = ListParams::default().limit(LIST_PAGE_SIZE);
+            if let Some(selector) = &selector {
+                params = params.labels(selector);
+            }
             if let Some(token) = &token {
                 params = params.continue_token(token);
             }
@@ -268,23 +260,27 @@ impl Store for KubeStore {
         })
     }
 
-    async fn watch(
+    async fn watch_in(
         &self,
         kind: Kind,
         namespace: Option<&str>,
+        selection: &Selection,
         from: Option<Revision>,
     ) -> Result<WatchStream, StoreError> {
         check_scope(kind, namespace, "", false)?;
         let (pending, last) = match from {
             Some(from) => (VecDeque::new(), from.as_str().to_owned()),
             None => {
-                let list = self.list(kind, namespace).await?;
+                let list = self.list_in(kind, namespace, selection).await?;
                 let added = list.items.into_iter().map(WatchEvent::Added).collect();
                 (added, list.revision.as_str().to_owned())
             }
         };
         let api = self.api(kind, namespace);
-        let params = WatchParams::default().timeout(self.watch_timeout_secs);
+        let mut params = WatchParams::default().timeout(self.watch_timeout_secs);
+        if let Some(selector) = selection.label_selector() {
+            params = params.labels(&selector);
+        }
         // Opened here so that a missing CRD or a refused request fails the call itself.
         let stream = api
             .watch(&params, &last)
@@ -307,6 +303,56 @@ impl Store for KubeStore {
             watcher,
             |mut w| async move { w.next().await.map(|item| (item, w)) },
         )))
+    }
+}
+
+#[async_trait]
+impl Store for KubeStore {
+    async fn get(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        name: &str,
+    ) -> Result<Option<Object>, StoreError> {
+        check_scope(kind, namespace, name, true)?;
+        let key = ObjectKey::new(kind, namespace, name);
+        self.api(kind, namespace)
+            .get_opt(name)
+            .await
+            .map_err(|e| object_error(e, &key, "reading"))?
+            .map(|o| from_dynamic(kind, o))
+            .transpose()
+    }
+
+    async fn list(&self, kind: Kind, namespace: Option<&str>) -> Result<ObjectList, StoreError> {
+        self.list_in(kind, namespace, &Selection::Everything).await
+    }
+
+    async fn watch(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        from: Option<Revision>,
+    ) -> Result<WatchStream, StoreError> {
+        self.watch_in(kind, namespace, &Selection::Everything, from)
+            .await
+    }
+
+    async fn list_selected(
+        &self,
+        kind: Kind,
+        selection: &Selection,
+    ) -> Result<ObjectList, StoreError> {
+        self.list_in(kind, None, selection).await
+    }
+
+    async fn watch_selected(
+        &self,
+        kind: Kind,
+        selection: &Selection,
+        from: Option<Revision>,
+    ) -> Result<WatchStream, StoreError> {
+        self.watch_in(kind, None, selection, from).await
     }
 
     async fn create(&self, mut object: Object) -> Result<Object, StoreError> {

@@ -20,8 +20,8 @@ use futures::future::BoxFuture;
 use serde_json::{Value, json};
 
 use crate::{
-    MAX_OBJECT_BYTES, Object, Revision, Store, StoreError, WatchEvent, WatchStream, generation_of,
-    name_of, namespace_of, resource_version,
+    MAX_OBJECT_BYTES, Object, Revision, Selection, Store, StoreError, WatchEvent, WatchStream,
+    generation_of, name_of, namespace_of, resource_version,
 };
 
 /// How long a check waits for a watch event before failing.
@@ -57,6 +57,8 @@ checks![
     cluster_scoped_and_namespaced_kinds,
     concurrent_writes_are_each_seen_once,
     finalizers_hold_deletion_until_removed,
+    selected_list_reads_only_the_chosen_label_values,
+    selected_watch_follows_objects_into_and_out_of_the_selection,
 ];
 
 /// Runs every check against `store`, each with its own prefix (`{prefix}-{index}`), and fails
@@ -1052,6 +1054,211 @@ pub async fn finalizers_hold_deletion_until_removed(store: &dyn Store, prefix: &
         &[
             format!("Modified {ns}/baseline"),
             format!("Deleted {ns}/baseline"),
+        ],
+    )
+    .await?;
+    Ok(())
+}
+
+/// `object` with label `key` set to `value`.
+fn labelled(mut object: Object, key: &str, value: &str) -> Object {
+    object["metadata"]["labels"][key] = json!(value);
+    object
+}
+
+/// The label key a selection check uses: its own, so checks sharing a store never select each
+/// other's objects.
+fn check_label(prefix: &str) -> String {
+    format!("{prefix}.flotilla.test/shard")
+}
+
+/// `ns/name` (or `name`) of every object, sorted.
+fn names(items: &[Object]) -> Vec<String> {
+    let mut names: Vec<String> = items
+        .iter()
+        .map(|o| match namespace_of(o) {
+            Some(ns) => format!("{ns}/{}", name_of(o)),
+            None => name_of(o).to_owned(),
+        })
+        .collect();
+    names.sort();
+    names
+}
+
+/// A selected list has the objects whose label has one of the values, across namespaces, of
+/// namespaced and cluster-scoped kinds alike; no values select nothing.
+pub async fn selected_list_reads_only_the_chosen_label_values(
+    store: &dyn Store,
+    prefix: &str,
+) -> Result<()> {
+    let key = check_label(prefix);
+    let (a, b, c) = (
+        format!("{prefix}-a"),
+        format!("{prefix}-b"),
+        format!("{prefix}-c"),
+    );
+    store
+        .create(labelled(manifest_work(&a, "w", "v1"), &key, "01"))
+        .await?;
+    store
+        .create(labelled(manifest_work(&b, "w", "v1"), &key, "02"))
+        .await?;
+    store
+        .create(labelled(manifest_work(&c, "w", "v1"), &key, "03"))
+        .await?;
+    store.create(manifest_work(&c, "unlabelled", "v1")).await?;
+    for (cluster, value) in [(&a, "01"), (&b, "02")] {
+        store
+            .create(labelled(managed_cluster(cluster), &key, value))
+            .await?;
+    }
+    store.create(managed_cluster(&c)).await?;
+
+    let picked = store
+        .list_selected(Kind::ManifestWork, &Selection::label_in(&key, ["01", "03"]))
+        .await?;
+    let want = vec![format!("{a}/w"), format!("{c}/w")];
+    ensure!(
+        names(&picked.items) == want,
+        "works with {key} in (01,03): {:?}, want {want:?}",
+        names(&picked.items)
+    );
+    let clusters = store
+        .list_selected(Kind::ManagedCluster, &Selection::label_in(&key, ["02"]))
+        .await?;
+    ensure!(
+        names(&clusters.items) == vec![b.clone()],
+        "clusters with {key} in (02): {:?}, want [{b}]",
+        names(&clusters.items)
+    );
+    let none = store
+        .list_selected(
+            Kind::ManifestWork,
+            &Selection::label_in(&key, Vec::<String>::new()),
+        )
+        .await?;
+    ensure!(
+        none.items.is_empty(),
+        "no values selected {:?}",
+        names(&none.items)
+    );
+    // The empty selection's revision is one to watch from like any other.
+    let mut watch = store
+        .watch_selected(
+            Kind::ManifestWork,
+            &Selection::label_in(&key, ["01"]),
+            Some(none.revision),
+        )
+        .await?;
+    store
+        .create(labelled(manifest_work(&a, "later", "v1"), &key, "01"))
+        .await?;
+    expect_events(&mut watch, &[format!("Added {a}/later")]).await?;
+    let everything = store
+        .list_selected(Kind::ManifestWork, &Selection::Everything)
+        .await?;
+    let everything = names(&everything.items);
+    for want in [format!("{b}/w"), format!("{c}/unlabelled")] {
+        ensure!(
+            everything.contains(&want),
+            "selecting everything misses {want}"
+        );
+    }
+    Ok(())
+}
+
+/// A selected watch starts with the selected objects, and follows an object whose label
+/// changes: `Added` when it comes into the selection, `Deleted` when it leaves, nothing while
+/// it is outside, as the apiserver's label-selected watches do.
+pub async fn selected_watch_follows_objects_into_and_out_of_the_selection(
+    store: &dyn Store,
+    prefix: &str,
+) -> Result<()> {
+    let key = check_label(prefix);
+    let (mine, theirs) = (format!("{prefix}-mine"), format!("{prefix}-theirs"));
+    store
+        .create(labelled(manifest_work(&mine, "first", "v1"), &key, "01"))
+        .await?;
+    store
+        .create(labelled(manifest_work(&theirs, "first", "v1"), &key, "02"))
+        .await?;
+    let selection = Selection::label_in(&key, ["01"]);
+    let mut watch = store
+        .watch_selected(Kind::ManifestWork, &selection, None)
+        .await?;
+    expect_events(&mut watch, &[format!("Added {mine}/first")]).await?;
+
+    // Outside the selection: nothing, even as it changes.
+    let mut moving = store
+        .create(labelled(manifest_work(&theirs, "moving", "v1"), &key, "02"))
+        .await?;
+    moving["spec"]["workload"]["manifests"][0]["data"]["version"] = json!("v2");
+    let moving = store.update_spec(moving).await?;
+    // Relabelled into the selection: Added.
+    let moved_in = store.update_spec(labelled(moving, &key, "01")).await?;
+    // Status of a selected object: Modified.
+    store
+        .update_status(
+            Kind::ManifestWork,
+            Some(&theirs),
+            "moving",
+            work_status("Applied", generation_of(&moved_in)),
+            None,
+        )
+        .await?;
+    // Relabelled out of it: Deleted, and nothing after while it stays out.
+    let current = store
+        .get(Kind::ManifestWork, Some(&theirs), "moving")
+        .await?
+        .context("moving work")?;
+    let moved_out = store.update_spec(labelled(current, &key, "03")).await?;
+    store
+        .delete(Kind::ManifestWork, Some(&theirs), "moving")
+        .await?;
+    // Deleted while selected: Deleted.
+    store
+        .delete(Kind::ManifestWork, Some(&mine), "first")
+        .await?;
+    store
+        .create(labelled(manifest_work(&mine, "marker", "v1"), &key, "01"))
+        .await?;
+    let events = expect_events(
+        &mut watch,
+        &[
+            format!("Added {theirs}/moving"),
+            format!("Modified {theirs}/moving"),
+            format!("Deleted {theirs}/moving"),
+            format!("Deleted {mine}/first"),
+            format!("Added {mine}/marker"),
+        ],
+    )
+    .await?;
+    ensure!(
+        configmap_version(events[0].object()) == Some("v2"),
+        "the object that comes into the selection arrives as it is now"
+    );
+    ensure!(
+        crate::label(events[2].object(), &key) == Some("01"),
+        "the object that leaves the selection is reported as it last matched: {}",
+        events[2].object()
+    );
+    ensure!(
+        crate::label(&moved_out, &key) == Some("03"),
+        "the stored object has its new label: {moved_out}"
+    );
+
+    // Resumed from the middle: the same rules replayed.
+    let from = events[0].revision().context("event revision")?;
+    let mut resumed = store
+        .watch_selected(Kind::ManifestWork, &selection, Some(from))
+        .await?;
+    expect_events(
+        &mut resumed,
+        &[
+            format!("Modified {theirs}/moving"),
+            format!("Deleted {theirs}/moving"),
+            format!("Deleted {mine}/first"),
+            format!("Added {mine}/marker"),
         ],
     )
     .await?;

@@ -21,7 +21,7 @@ use crate::object::{
     self, ObjectKey, check_scope, check_size, generation_of, remove_meta, resource_version,
     set_meta, spec_changed,
 };
-use crate::{Object, ObjectList, Revision, Store, StoreError, WatchEvent, WatchStream};
+use crate::{Object, ObjectList, Revision, Selection, Store, StoreError, WatchEvent, WatchStream};
 
 /// How many recent events the store keeps in memory so a watch can resume from a revision.
 /// A watcher that resumes from further back, or falls further behind, gets `Gone` and relists,
@@ -98,11 +98,44 @@ struct Recorded {
     kind: Kind,
     namespace: Option<String>,
     event: WatchEvent,
+    /// `metadata.labels` before a `Modified` that may have changed them (a spec update);
+    /// `None` when they cannot have changed. What a selected watch decides `Added` or
+    /// `Deleted` by when an object comes into or goes out of its selection.
+    previous_labels: Option<Value>,
 }
 
 impl Recorded {
     fn matches(&self, kind: Kind, namespace: Option<&str>) -> bool {
         self.kind == kind && (namespace.is_none() || self.namespace.as_deref() == namespace)
+    }
+
+    /// The event as a watch through `selection` sees it, if it sees it at all.
+    fn through(&self, selection: &Selection) -> Option<WatchEvent> {
+        match &self.event {
+            WatchEvent::Added(o) | WatchEvent::Deleted(o) => {
+                selection.matches(o).then(|| self.event.clone())
+            }
+            WatchEvent::Modified(o) => {
+                let now = selection.matches(o);
+                let before = match &self.previous_labels {
+                    Some(labels) => selection.matches(&json!({"metadata": {"labels": labels}})),
+                    None => now,
+                };
+                match (before, now) {
+                    (true, true) => Some(WatchEvent::Modified(o.clone())),
+                    (false, true) => Some(WatchEvent::Added(o.clone())),
+                    // As the apiserver does: the object as it last matched (its labels then).
+                    (true, false) => {
+                        let mut gone = o.clone();
+                        if let Some(labels) = &self.previous_labels {
+                            set_meta(&mut gone, "labels", labels.clone());
+                        }
+                        Some(WatchEvent::Deleted(gone))
+                    }
+                    (false, false) => None,
+                }
+            }
+        }
     }
 }
 
@@ -190,6 +223,7 @@ impl Inner {
         object: Option<&Object>,
         event: impl FnOnce(Object) -> WatchEvent,
         deleted: Option<Object>,
+        previous_labels: Option<Value>,
     ) -> Result<u64, StoreError> {
         let revision = log.revision + 1;
         let storage_key = storage_key(key.kind, key.namespace(), &key.name);
@@ -231,6 +265,7 @@ impl Inner {
                 kind: key.kind,
                 namespace: key.namespace.clone(),
                 event: event(payload),
+                previous_labels,
             },
         );
         flushed.map_err(|e| StoreError::backend(format!("flushing {key}"), e))?;
@@ -243,6 +278,7 @@ impl Inner {
         &self,
         kind: Kind,
         namespace: Option<&str>,
+        selection: &Selection,
         from: Option<u64>,
         from_text: Option<&Revision>,
     ) -> Result<
@@ -257,7 +293,7 @@ impl Inner {
         let rx = self.live.subscribe();
         let pending = match from {
             None => self
-                .scan(kind, namespace)?
+                .scan(kind, namespace, selection)?
                 .into_iter()
                 .map(WatchEvent::Added)
                 .collect(),
@@ -272,23 +308,34 @@ impl Inner {
                 log.recent
                     .iter()
                     .filter(|r| r.revision > from && r.matches(kind, namespace))
-                    .map(|r| r.event.clone())
+                    .filter_map(|r| r.through(selection))
                     .collect()
             }
         };
         Ok((rx, pending, log.revision))
     }
 
-    fn scan(&self, kind: Kind, namespace: Option<&str>) -> Result<Vec<Object>, StoreError> {
+    fn scan(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        selection: &Selection,
+    ) -> Result<Vec<Object>, StoreError> {
         let context = || format!("listing {kind}");
-        self.objects
+        let mut selected = Vec::new();
+        for v in self
+            .objects
             .scan_prefix(storage_prefix(kind, namespace))
             .values()
-            .map(|v| {
-                let v = v.map_err(|e| StoreError::backend(context(), e))?;
-                serde_json::from_slice(&v).map_err(|e| StoreError::backend(context(), e))
-            })
-            .collect()
+        {
+            let v = v.map_err(|e| StoreError::backend(context(), e))?;
+            let object: Object =
+                serde_json::from_slice(&v).map_err(|e| StoreError::backend(context(), e))?;
+            if selection.matches(&object) {
+                selected.push(object);
+            }
+        }
+        Ok(selected)
     }
 }
 
@@ -321,6 +368,58 @@ fn now_rfc3339() -> String {
         .to_string()
 }
 
+impl SledStore {
+    async fn list_in(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        selection: &Selection,
+    ) -> Result<ObjectList, StoreError> {
+        check_scope(kind, namespace, "", false)?;
+        // Under the log lock so that the items and the revision agree (sled has no snapshots).
+        let log = self.inner.log.lock().await;
+        let items = self.inner.scan(kind, namespace, selection)?;
+        let revision = Revision::new(log.revision.to_string());
+        drop(log);
+        Ok(ObjectList { items, revision })
+    }
+
+    async fn watch_in(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        selection: Selection,
+        from: Option<Revision>,
+    ) -> Result<WatchStream, StoreError> {
+        check_scope(kind, namespace, "", false)?;
+
+        let from_number = match &from {
+            None => None,
+            // Not one of ours (say, from another store): only a relist can help.
+            Some(r) => Some(parse_revision(r).ok_or_else(|| StoreError::Gone { from: r.clone() })?),
+        };
+        let (rx, pending, last) = self
+            .inner
+            .subscribe(kind, namespace, &selection, from_number, from.as_ref())
+            .await?;
+        debug!(%kind, namespace, from = from_number, pending = pending.len(), "watch started");
+        let watcher = Watcher {
+            inner: Arc::downgrade(&self.inner),
+            kind,
+            namespace: namespace.map(str::to_owned),
+            selection,
+            pending,
+            rx,
+            last,
+            ended: false,
+        };
+        Ok(Box::pin(futures::stream::unfold(
+            watcher,
+            |mut w| async move { w.next().await.map(|item| (item, w)) },
+        )))
+    }
+}
+
 #[async_trait]
 impl Store for SledStore {
     async fn get(
@@ -334,13 +433,7 @@ impl Store for SledStore {
     }
 
     async fn list(&self, kind: Kind, namespace: Option<&str>) -> Result<ObjectList, StoreError> {
-        check_scope(kind, namespace, "", false)?;
-        // Under the log lock so that the items and the revision agree (sled has no snapshots).
-        let log = self.inner.log.lock().await;
-        let items = self.inner.scan(kind, namespace)?;
-        let revision = Revision::new(log.revision.to_string());
-        drop(log);
-        Ok(ObjectList { items, revision })
+        self.list_in(kind, namespace, &Selection::Everything).await
     }
 
     async fn watch(
@@ -349,30 +442,25 @@ impl Store for SledStore {
         namespace: Option<&str>,
         from: Option<Revision>,
     ) -> Result<WatchStream, StoreError> {
-        check_scope(kind, namespace, "", false)?;
-        let from_number = match &from {
-            None => None,
-            // Not one of ours (say, from another store): only a relist can help.
-            Some(r) => Some(parse_revision(r).ok_or_else(|| StoreError::Gone { from: r.clone() })?),
-        };
-        let (rx, pending, last) = self
-            .inner
-            .subscribe(kind, namespace, from_number, from.as_ref())
-            .await?;
-        debug!(%kind, namespace, from = from_number, pending = pending.len(), "watch started");
-        let watcher = Watcher {
-            inner: Arc::downgrade(&self.inner),
-            kind,
-            namespace: namespace.map(str::to_owned),
-            pending,
-            rx,
-            last,
-            ended: false,
-        };
-        Ok(Box::pin(futures::stream::unfold(
-            watcher,
-            |mut w| async move { w.next().await.map(|item| (item, w)) },
-        )))
+        self.watch_in(kind, namespace, Selection::Everything, from)
+            .await
+    }
+
+    async fn list_selected(
+        &self,
+        kind: Kind,
+        selection: &Selection,
+    ) -> Result<ObjectList, StoreError> {
+        self.list_in(kind, None, selection).await
+    }
+
+    async fn watch_selected(
+        &self,
+        kind: Kind,
+        selection: &Selection,
+        from: Option<Revision>,
+    ) -> Result<WatchStream, StoreError> {
+        self.watch_in(kind, None, selection.clone(), from).await
     }
 
     async fn create(&self, mut object: Object) -> Result<Object, StoreError> {
@@ -398,7 +486,7 @@ impl Store for SledStore {
         );
         let revision = self
             .inner
-            .commit(&mut log, &key, Some(&object), WatchEvent::Added, None)
+            .commit(&mut log, &key, Some(&object), WatchEvent::Added, None, None)
             .await?;
         debug!(kind = %key.kind, namespace = key.namespace(), name = %key.name, revision, "created");
         Ok(object)
@@ -432,6 +520,10 @@ impl Store for SledStore {
         // deletionTimestamp is the store's to set; while it is set, finalizers may only go away,
         // and the object goes when the last one does.
         let deleting = current.pointer("/metadata/deletionTimestamp").cloned();
+        let previous_labels = current
+            .pointer("/metadata/labels")
+            .cloned()
+            .unwrap_or(Value::Null);
         match &deleting {
             Some(since) => {
                 let before = finalizers(&current);
@@ -474,6 +566,7 @@ impl Store for SledStore {
                     None,
                     WatchEvent::Deleted,
                     Some(object.clone()),
+                    None,
                 )
                 .await?;
             debug!(kind = %key.kind, namespace = key.namespace(), name = %key.name, revision, "last finalizer removed; deleted");
@@ -481,7 +574,14 @@ impl Store for SledStore {
         }
         let revision = self
             .inner
-            .commit(&mut log, &key, Some(&object), WatchEvent::Modified, None)
+            .commit(
+                &mut log,
+                &key,
+                Some(&object),
+                WatchEvent::Modified,
+                None,
+                Some(previous_labels),
+            )
             .await?;
         debug!(kind = %key.kind, namespace = key.namespace(), name = %key.name, revision, generation, "spec updated");
         Ok(object)
@@ -521,7 +621,14 @@ impl Store for SledStore {
         );
         let revision = self
             .inner
-            .commit(&mut log, &key, Some(&object), WatchEvent::Modified, None)
+            .commit(
+                &mut log,
+                &key,
+                Some(&object),
+                WatchEvent::Modified,
+                None,
+                None,
+            )
             .await?;
         debug!(%kind, namespace, name, revision, "status updated");
         Ok(object)
@@ -554,7 +661,14 @@ impl Store for SledStore {
             );
             let revision = self
                 .inner
-                .commit(&mut log, &key, Some(&last), WatchEvent::Modified, None)
+                .commit(
+                    &mut log,
+                    &key,
+                    Some(&last),
+                    WatchEvent::Modified,
+                    None,
+                    None,
+                )
                 .await?;
             debug!(%kind, namespace, name, revision, "marked for deletion; waiting for finalizers");
             return Ok(());
@@ -567,7 +681,7 @@ impl Store for SledStore {
         );
         let revision = self
             .inner
-            .commit(&mut log, &key, None, WatchEvent::Deleted, Some(last))
+            .commit(&mut log, &key, None, WatchEvent::Deleted, Some(last), None)
             .await?;
         debug!(%kind, namespace, name, revision, "deleted");
         Ok(())
@@ -585,6 +699,8 @@ struct Watcher {
     inner: Weak<Inner>,
     kind: Kind,
     namespace: Option<String>,
+    /// Which objects it reports, and how (see [`Recorded::through`]).
+    selection: Selection,
     /// Replayed history or synthetic `Added` events, delivered before the live channel.
     pending: VecDeque<WatchEvent>,
     rx: broadcast::Receiver<Arc<Recorded>>,
@@ -608,8 +724,10 @@ impl Watcher {
                         continue;
                     }
                     self.last = recorded.revision;
-                    if recorded.matches(self.kind, self.namespace.as_deref()) {
-                        return Some(Ok(recorded.event.clone()));
+                    if recorded.matches(self.kind, self.namespace.as_deref())
+                        && let Some(event) = recorded.through(&self.selection)
+                    {
+                        return Some(Ok(event));
                     }
                 }
                 Err(broadcast::error::RecvError::Lagged(missed)) => {
@@ -618,7 +736,13 @@ impl Watcher {
                     let inner = self.inner.upgrade()?;
                     warn!(kind = %self.kind, namespace = self.namespace.as_deref(), last = self.last, missed, "watcher lagged; catching up from history");
                     match inner
-                        .subscribe(self.kind, self.namespace.as_deref(), Some(self.last), None)
+                        .subscribe(
+                            self.kind,
+                            self.namespace.as_deref(),
+                            &self.selection,
+                            Some(self.last),
+                            None,
+                        )
                         .await
                     {
                         Ok((rx, pending, last)) => {

@@ -27,6 +27,7 @@ mod error;
 pub mod leases;
 mod object;
 pub mod reflect;
+mod selection;
 mod typed;
 
 #[cfg(feature = "conformance")]
@@ -43,6 +44,7 @@ pub use object::{
     MAX_OBJECT_BYTES, Object, ObjectList, Revision, WatchEvent, generation_of, name_of,
     namespace_of, resource_version,
 };
+pub use selection::{Selection, label};
 pub use typed::StoreExt;
 
 /// A stream of changes. It yields at most one error and ends after it; `Gone` means list again
@@ -76,6 +78,25 @@ pub trait Store: Send + Sync + 'static {
         &self,
         kind: Kind,
         namespace: Option<&str>,
+        from: Option<Revision>,
+    ) -> Result<WatchStream, StoreError>;
+
+    /// Every object of `kind` in all namespaces that `selection` picks, and the revision to
+    /// watch from (`labelSelector` on the apiserver).
+    async fn list_selected(
+        &self,
+        kind: Kind,
+        selection: &Selection,
+    ) -> Result<ObjectList, StoreError>;
+
+    /// [`Store::watch`] of all namespaces through `selection`, with the apiserver's rules: an
+    /// object that comes to match arrives as `Added`, one that stops matching (its label
+    /// changed) as `Deleted` (carrying the labels it last matched with), and objects outside the selection before and after a change are
+    /// never mentioned.
+    async fn watch_selected(
+        &self,
+        kind: Kind,
+        selection: &Selection,
         from: Option<Revision>,
     ) -> Result<WatchStream, StoreError>;
 

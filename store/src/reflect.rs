@@ -16,7 +16,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
-use crate::{Object, Revision, Store, StoreError, WatchEvent};
+use crate::{Object, Revision, Selection, Store, StoreError, WatchEvent};
 
 /// First delay after a failure; doubles with each failure in a row.
 pub const RETRY_MIN: Duration = Duration::from_millis(200);
@@ -47,6 +47,18 @@ pub async fn reflect(
     kind: Kind,
     store: &dyn Store,
     target: &dyn Reflector,
+    stop: watch::Receiver<bool>,
+) {
+    reflect_selected(kind, &Selection::Everything, store, target, stop).await
+}
+
+/// [`reflect`] of the objects of `kind` that `selection` picks: every list and watch asks the
+/// store for those only, and an object that leaves the selection arrives as `Deleted`.
+pub async fn reflect_selected(
+    kind: Kind,
+    selection: &Selection,
+    store: &dyn Store,
+    target: &dyn Reflector,
     mut stop: watch::Receiver<bool>,
 ) {
     let mut retry = Retry::default();
@@ -56,7 +68,7 @@ pub async fn reflect(
             return;
         }
         let from = match next {
-            Next::List => match store.list(kind, None).await {
+            Next::List => match store.list_selected(kind, selection).await {
                 Ok(list) => {
                     target.replace(list.items).await;
                     list.revision
@@ -73,7 +85,10 @@ pub async fn reflect(
             Next::Watch(from) => from,
         };
         let opened = Instant::now();
-        let mut events = match store.watch(kind, None, Some(from.clone())).await {
+        let mut events = match store
+            .watch_selected(kind, selection, Some(from.clone()))
+            .await
+        {
             Ok(s) => s,
             Err(StoreError::Gone { .. }) => {
                 debug!(%kind, "watch history too old; listing again");
@@ -260,6 +275,22 @@ mod tests {
         ) -> Result<ObjectList, StoreError> {
             self.lists.fetch_add(1, Ordering::SeqCst);
             self.inner.list(kind, namespace).await
+        }
+        async fn list_selected(
+            &self,
+            kind: Kind,
+            selection: &Selection,
+        ) -> Result<ObjectList, StoreError> {
+            self.lists.fetch_add(1, Ordering::SeqCst);
+            self.inner.list_selected(kind, selection).await
+        }
+        async fn watch_selected(
+            &self,
+            kind: Kind,
+            _selection: &Selection,
+            from: Option<Revision>,
+        ) -> Result<WatchStream, StoreError> {
+            self.watch(kind, None, from).await
         }
         async fn watch(
             &self,

@@ -48,6 +48,8 @@ sled_checks![
     cluster_scoped_and_namespaced_kinds,
     concurrent_writes_are_each_seen_once,
     finalizers_hold_deletion_until_removed,
+    selected_list_reads_only_the_chosen_label_values,
+    selected_watch_follows_objects_into_and_out_of_the_selection,
 ];
 
 /// All checks in sequence on one store, as the kube suite runs them: checks must not see each

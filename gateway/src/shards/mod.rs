@@ -10,6 +10,7 @@
 //! the directory of who holds the rest. The single-node hub's gateway holds every shard
 //! without leases.
 
+pub mod cache;
 pub mod leasing;
 pub mod owner;
 pub mod view;

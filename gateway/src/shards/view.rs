@@ -112,6 +112,15 @@ impl ShardView {
         }
     }
 
+    /// Views of a gateway holding every shard without leases, for tests.
+    #[cfg(test)]
+    pub(crate) fn all_views() -> ShardViews {
+        watch::channel(Arc::new(ShardView::all(
+            flotilla_proto::contract::DEFAULT_SHARDS,
+        )))
+        .1
+    }
+
     /// Whether ownership is on leases (scale-out), rather than every shard held (single node).
     pub fn is_leased(&self) -> bool {
         self.fences.is_some()

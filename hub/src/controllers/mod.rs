@@ -25,6 +25,7 @@ pub mod feed;
 pub mod replicaset;
 pub mod rollout;
 pub mod scheduling;
+pub mod shard_labels;
 pub mod work_ttl;
 
 use std::sync::Arc;
@@ -59,6 +60,9 @@ pub struct ControllerConfig {
     pub batch: usize,
     /// How long a ManifestChunk no work names is kept before it is deleted (see [`chunk_gc`]).
     pub chunk_grace_period: Duration,
+    /// The fleet's virtual shards (`--shards`): what [`shard_labels`] labels clusters and works
+    /// with, and the hub stamps on what it creates.
+    pub shards: u32,
 }
 
 impl Default for ControllerConfig {
@@ -70,6 +74,7 @@ impl Default for ControllerConfig {
             batch: DEFAULT_BATCH,
             chunk_grace_period: humantime::parse_duration(chunk_gc::DEFAULT_CHUNK_GRACE_PERIOD)
                 .expect("the default parses"),
+            shards: flotilla_proto::contract::DEFAULT_SHARDS,
         }
     }
 }
@@ -143,6 +148,16 @@ pub async fn run(
             store.clone(),
             config.chunk_grace_period,
             metrics.chunks_collected,
+            stop.clone(),
+        )),
+    );
+    spawn(
+        "shard labels",
+        Box::pin(shard_labels::run(
+            store.clone(),
+            config.shards,
+            config.write_concurrency,
+            config.queue_capacity,
             stop.clone(),
         )),
     );

@@ -532,8 +532,9 @@ pub async fn run(store: Arc<dyn Store>, config: ControllerConfig, stop: watch::R
         let results: Vec<(Key, Option<ManifestWorkReplicaSet>)> = futures::stream::iter(jobs)
             .map(|(key, set, actions)| {
                 let store = store.clone();
+                let shards = config.shards;
                 async move {
-                    let written = execute(store.as_ref(), &key, set, actions).await;
+                    let written = execute(store.as_ref(), &key, set, actions, shards).await;
                     (key, written)
                 }
             })
@@ -687,6 +688,7 @@ async fn execute(
     key: &Key,
     mut set: ManifestWorkReplicaSet,
     actions: Vec<Action>,
+    shards: u32,
 ) -> Option<ManifestWorkReplicaSet> {
     let mut ok = true;
     for action in actions {
@@ -703,7 +705,7 @@ async fn execute(
                 }
             }
             Action::ApplyWork { cluster, placement } => {
-                apply_work(store, key, &set, cluster, placement).await
+                apply_work(store, key, &set, cluster, placement, shards).await
             }
             Action::DeleteWork { cluster, name } => {
                 match store.delete(Kind::ManifestWork, Some(cluster), name).await {
@@ -797,6 +799,7 @@ async fn apply_work(
     set: &ManifestWorkReplicaSet,
     cluster: &str,
     placement: &str,
+    shards: u32,
 ) -> Result<(), StoreError> {
     let owner = format!("{}.{}", key.namespace, key.name);
     let labels: BTreeMap<&str, &str> = [
@@ -805,12 +808,15 @@ async fn apply_work(
     ]
     .into();
     let spec = serde_json::to_value(&set.spec.manifest_work_template).unwrap_or(Value::Null);
-    let work = json!({
+    let mut work = json!({
         "apiVersion": Kind::ManifestWork.api_version(),
         "kind": Kind::ManifestWork.name(),
         "metadata": { "name": key.name, "namespace": cluster, "labels": labels },
         "spec": spec,
     });
+    // Labelled from the start: the gateway holding the cluster sees it without waiting for
+    // the shard labeller.
+    super::shard_labels::stamp(&mut work, shards);
     match store.create(work).await {
         Ok(_) => {
             debug!(replica_set = %key, cluster, "ManifestWork created");

@@ -5,6 +5,9 @@
 //! agents are served by the new owners, no shard ever has two owners in the leases, no work
 //! or status is lost, and no cluster is marked Unknown while its agent is around. Another is
 //! stopped with SIGTERM: it drains its agents and releases its shards to the last one.
+//! Throughout, each gateway's watch caches hold only its own shards' works and clusters (its
+//! `flotilla_gateway_cached_objects`), and works applied with kubectl straight to the hub
+//! apiserver, without the shard label, reach their agents because the hub labels them.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -16,9 +19,10 @@ use std::time::Duration;
 use anyhow::Context as _;
 
 use flotilla_e2e::{
-    GatewayProc, Hub, bin, condition_status, on_both_carriers, start_agent, wait_for,
+    GatewayProc, Hub, bin, condition_status, free_port, on_both_carriers, scrape, start_agent,
+    wait_for,
 };
-use flotilla_proto::contract::{shard_of, shard_of_lease};
+use flotilla_proto::contract::{SHARD_LABEL, shard_label_value, shard_of, shard_of_lease};
 use flotilla_testenv::{TestEnv, workspace_root};
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{Api, ListParams};
@@ -156,6 +160,48 @@ async fn wait_statuses(hub: &Hub, clusters: &[String], name: &str) -> anyhow::Re
     .await
 }
 
+/// Whether each gateway's caches hold exactly the works and clusters of the shards it holds:
+/// `works` names the works applied so far per cluster (the test's clusters are the fleet's
+/// only ones). Every work must also carry its cluster's shard label, stamped by the hub.
+async fn caches_hold_own_shards(
+    leases: &Api<Lease>,
+    gateways: &[(String, String)],
+    clusters: &[String],
+    works: usize,
+    hub: &Hub,
+) -> anyhow::Result<Option<()>> {
+    for cluster in clusters {
+        for name in ["before", "after", "last"].iter().take(works) {
+            let Some(work) = hub.work(cluster, name)? else {
+                return Ok(None);
+            };
+            let label = work["metadata"]["labels"][SHARD_LABEL].as_str();
+            if label != Some(shard_label_value(shard_of(cluster, SHARDS)).as_str()) {
+                return Ok(None);
+            }
+        }
+    }
+    let now = owners(leases).await?;
+    for (name, metrics) in gateways {
+        let mine = clusters
+            .iter()
+            .filter(|c| {
+                now.get(&shard_of(c, SHARDS))
+                    .is_some_and(|(h, _)| h == name)
+            })
+            .count();
+        let page = scrape(metrics).await?;
+        let cached = |kind: &str| {
+            page.value("flotilla_gateway_cached_objects", &[("kind", kind)])
+                .map(|v| v as usize)
+        };
+        if cached("ManagedCluster") != Some(mine) || cached("ManifestWork") != Some(mine * works) {
+            return Ok(None);
+        }
+    }
+    Ok(Some(()))
+}
+
 /// Every gateway's log, for a failure's context.
 fn logs(gateways: &[GatewayProc]) -> String {
     gateways
@@ -211,8 +257,19 @@ on_both_carriers! {
             .arg(&certs)
             .output()?;
         anyhow::ensure!(out.status.success(), "gateway-cert: {}", String::from_utf8_lossy(&out.stderr));
+        // (name, metrics address) of every gateway alive.
+        let mut scraped: Vec<(String, String)> = Vec::new();
         let mut gateways: Vec<GatewayProc> = (1..=3)
-            .map(|n| GatewayProc::start(dir, &format!("gw-{n}"), &kubeconfig, &certs, LEASE_FLAGS))
+            .map(|n| {
+                let name = format!("gw-{n}");
+                let metrics = format!("127.0.0.1:{}", free_port()?);
+                let mut flags = LEASE_FLAGS.to_vec();
+                let flag = format!("--metrics-addr={metrics}");
+                flags.push(&flag);
+                let started = GatewayProc::start(dir, &name, &kubeconfig, &certs, &flags);
+                scraped.push((name, metrics));
+                started
+            })
             .collect::<anyhow::Result<_>>()?;
 
         let leases: Api<Lease> = Api::namespaced(env.client().await?, "flotilla-system");
@@ -244,15 +301,26 @@ on_both_carriers! {
         wait_for("every agent on its shard's owner, every cluster Available", Duration::from_secs(60), || {
             on_owners(&leases, &gateways, &clusters, &hub)
         })
-        .await?;
+        .await
+        .with_context(|| {
+            let agent_logs: String = agents.iter().map(|a| format!("--- agent ---\n{}", a.log())).collect();
+            format!("--- hub ---\n{}\n{}{agent_logs}\nunavailable: {:?}", hub.proc.log(), logs(&gateways), unavailable(&hub))
+        })?;
         // The hub redirected them: they all dialled its address first.
         let redirected = agents.iter().filter(|a| a.log().contains("redirected to the gateway")).count();
         assert_eq!(redirected, CLUSTERS, "every agent was redirected from the hub's address");
 
+        // Applied with kubectl, without the shard label: the hub labels them, and only then
+        // does the gateway holding the shard see them.
         for cluster in &clusters {
             apply_work(&env, dir, cluster, "before", "1")?;
         }
         wait_statuses(&hub, &clusters, "before").await?;
+        wait_for("each gateway caching only its shards' works and clusters", Duration::from_secs(30), || {
+            caches_hold_own_shards(&leases, &scraped, &clusters, 1, &hub)
+        })
+        .await
+        .with_context(|| logs(&gateways))?;
 
         // Kill the gateway holding the most of our clusters' sessions.
         let victim = (0..gateways.len())
@@ -269,6 +337,7 @@ on_both_carriers! {
         assert!(!its_clusters.is_empty(), "the victim serves someone");
         gateways[victim].proc.signal_and_wait(Signal::SIGKILL);
         let killed = gateways.remove(victim);
+        scraped.retain(|(name, _)| *name != victim_name);
 
         // From now on availability is sampled: nobody may turn Unknown, their agents are around.
         let mut seen_unavailable = BTreeSet::new();
@@ -302,6 +371,12 @@ on_both_carriers! {
         }
         wait_statuses(&hub, &clusters, "after").await?;
         wait_statuses(&hub, &clusters, "before").await?;
+        // The survivors re-selected their watches for the shards they took over.
+        wait_for("each survivor caching only its shards' works and clusters", Duration::from_secs(30), || {
+            caches_hold_own_shards(&leases, &scraped, &clusters, 2, &hub)
+        })
+        .await
+        .with_context(|| logs(&gateways))?;
 
         // A gateway stopped with SIGTERM hands over cleanly: it drains its agents with a
         // retry-after and releases its shards on the way out, so the last gateway takes them

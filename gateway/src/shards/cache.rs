@@ -1,0 +1,252 @@
+//! How the gateway's watch caches (works, clusters) read only the shards it holds: one list +
+//! watch per cache, selected by the hub's shard label ([`SHARD_LABEL`]) on the held shards,
+//! re-opened with the new selection when the held set changes.
+//!
+//! Safety rule: a cache answers for a cluster only once it has listed that cluster's shard.
+//! [`ShardLoad`] says which shards a cache has loaded; sessions of a cluster wait on it, so a
+//! gateway that has just acquired a shard never tells that shard's agents to delete works it
+//! simply has not read yet. A shard no longer held leaves the load at once and its objects
+//! leave the cache (silently: its sessions are being handed over, not told their works went).
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use flotilla_proto::api::Kind;
+use flotilla_proto::contract::{SHARD_LABEL, shard_label_value, shard_of};
+use flotilla_store::reflect::{Reflector, reflect_selected};
+use flotilla_store::{Object, Selection, Store, WatchEvent};
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tracing::info;
+
+use super::{ShardView, ShardViews};
+
+/// After the held set changes, the watch is re-opened once it has been this quiet: a lease
+/// round that acquires several shards one after the other costs one relist, not one each.
+pub const RESELECT_QUIET: Duration = Duration::from_millis(300);
+/// ... but no later than this after the first change, so a gateway whose leases keep moving
+/// still loads what it acquired.
+pub const RESELECT_MAX_DELAY: Duration = Duration::from_secs(2);
+
+/// The shards a cache reads.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ShardSet {
+    /// Every object, whatever its label (the single-node gateway, holding every shard without
+    /// leases): no selector, so objects the hub has not labelled yet are read too.
+    All,
+    /// The objects labelled with one of `held` among `shards` virtual shards.
+    Held { shards: u32, held: BTreeSet<u32> },
+}
+
+impl ShardSet {
+    /// What a gateway with `view` should read at `now`.
+    pub fn of(view: &ShardView, now: Instant) -> ShardSet {
+        if view.is_leased() {
+            ShardSet::Held {
+                shards: view.shards,
+                held: view.held(now).into_iter().collect(),
+            }
+        } else {
+            ShardSet::All
+        }
+    }
+
+    /// Whether `cluster` (its shard) is in the set.
+    pub fn has_cluster(&self, cluster: &str) -> bool {
+        match self {
+            ShardSet::All => true,
+            ShardSet::Held { shards, held } => held.contains(&shard_of(cluster, *shards)),
+        }
+    }
+
+    /// The store selection that reads the set.
+    pub fn selection(&self) -> Selection {
+        match self {
+            ShardSet::All => Selection::Everything,
+            ShardSet::Held { held, .. } => {
+                Selection::label_in(SHARD_LABEL, held.iter().map(|s| shard_label_value(*s)))
+            }
+        }
+    }
+
+    /// The shards both sets hold.
+    fn intersection(&self, other: &ShardSet) -> ShardSet {
+        match (self, other) {
+            (ShardSet::All, o) | (o, ShardSet::All) => o.clone(),
+            (ShardSet::Held { shards, held: a }, ShardSet::Held { held: b, .. }) => {
+                ShardSet::Held {
+                    shards: *shards,
+                    held: a.intersection(b).copied().collect(),
+                }
+            }
+        }
+    }
+
+    /// How many shards (`None`: all).
+    pub fn count(&self) -> Option<usize> {
+        match self {
+            ShardSet::All => None,
+            ShardSet::Held { held, .. } => Some(held.len()),
+        }
+    }
+}
+
+impl fmt::Display for ShardSet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.selection().to_string())
+    }
+}
+
+/// Which shards a cache has listed and follows, for readers to wait on. Nothing until the
+/// first list.
+pub struct ShardLoad {
+    loaded: watch::Sender<Option<ShardSet>>,
+}
+
+impl Default for ShardLoad {
+    fn default() -> Self {
+        ShardLoad {
+            loaded: watch::Sender::new(None),
+        }
+    }
+}
+
+impl ShardLoad {
+    /// Waits until `cluster`'s shard is loaded (at once if it is).
+    pub async fn wait_for(&self, cluster: &str) {
+        let mut rx = self.loaded.subscribe();
+        let _ = rx
+            .wait_for(|l| l.as_ref().is_some_and(|s| s.has_cluster(cluster)))
+            .await;
+    }
+
+    /// Whether `cluster`'s shard is loaded now.
+    pub fn has(&self, cluster: &str) -> bool {
+        self.loaded
+            .borrow()
+            .as_ref()
+            .is_some_and(|s| s.has_cluster(cluster))
+    }
+
+    /// Whether the cache has listed at all (whatever it selected).
+    pub fn listed(&self) -> bool {
+        self.loaded.borrow().is_some()
+    }
+
+    /// What is loaded now.
+    pub fn loaded(&self) -> Option<ShardSet> {
+        self.loaded.borrow().clone()
+    }
+
+    /// A receiver that changes with every load and narrowing.
+    pub fn subscribe(&self) -> watch::Receiver<Option<ShardSet>> {
+        self.loaded.subscribe()
+    }
+
+    /// Only shards also in `set` stay loaded (before the watch is re-opened with `set`).
+    fn narrow(&self, set: &ShardSet) {
+        self.loaded
+            .send_modify(|l| *l = l.as_ref().map(|old| old.intersection(set)));
+    }
+
+    /// `set` is loaded: a list of it has replaced the cache.
+    fn loaded_now(&self, set: &ShardSet) {
+        self.loaded.send_replace(Some(set.clone()));
+    }
+}
+
+/// A watch cache that follows the gateway's shards.
+#[async_trait]
+pub trait ShardCache: Send + Sync {
+    /// Replaces what the cache holds of `set` with a complete list of it. Changes are told to
+    /// sessions of clusters whose shard was loaded before (others wait for the load).
+    async fn replace(&self, items: Vec<Object>, set: &ShardSet);
+    /// Applies one change read through `set`'s selection.
+    async fn apply(&self, event: WatchEvent, set: &ShardSet);
+    /// Forgets, without telling anyone, everything outside `set`: shards no longer held.
+    async fn retain(&self, set: &ShardSet);
+    /// What the cache has loaded.
+    fn load(&self) -> &ShardLoad;
+}
+
+/// Keeps `cache` in step with the store's objects of `kind` in the shards `views` says the
+/// gateway holds, until `stop` turns true: one list + watch at a time, re-opened (after
+/// [`RESELECT_QUIET`]) when the held set changes.
+pub async fn follow_shards(
+    kind: Kind,
+    store: &dyn Store,
+    cache: &dyn ShardCache,
+    mut views: ShardViews,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut set = ShardSet::of(&views.borrow_and_update(), Instant::now());
+    loop {
+        cache.load().narrow(&set);
+        cache.retain(&set).await;
+        let selection = set.selection();
+        info!(%kind, %selection, shards = ?set.count(), "watching the store for this gateway's shards");
+        let reader = Loading { cache, set: &set };
+        tokio::select! {
+            _ = reflect_selected(kind, &selection, store, &reader, stop.clone()) => return,
+            next = next_set(&mut views, &set, &mut stop) => match next {
+                Some(next) => set = next,
+                None => return,
+            },
+        }
+    }
+}
+
+/// The next held set that differs from `current`, once changes have settled; `None` on stop.
+async fn next_set(
+    views: &mut ShardViews,
+    current: &ShardSet,
+    stop: &mut watch::Receiver<bool>,
+) -> Option<ShardSet> {
+    loop {
+        let gone = tokio::select! {
+            changed = views.changed() => changed.is_err(),
+            _ = stop.wait_for(|s| *s) => return None,
+        };
+        if gone {
+            // No more views (the gateway is going away): keep the watch until told to stop.
+            let _ = stop.wait_for(|s| *s).await;
+            return None;
+        }
+        if ShardSet::of(&views.borrow_and_update(), Instant::now()) == *current {
+            continue;
+        }
+        let latest = Instant::now() + RESELECT_MAX_DELAY;
+        loop {
+            let quiet = (Instant::now() + RESELECT_QUIET).min(latest);
+            tokio::select! {
+                changed = views.changed() => if changed.is_err() { break },
+                _ = tokio::time::sleep_until(quiet) => break,
+                _ = stop.wait_for(|s| *s) => return None,
+            }
+        }
+        let settled = ShardSet::of(&views.borrow_and_update(), Instant::now());
+        if settled != *current {
+            return Some(settled);
+        }
+    }
+}
+
+/// One selection's loop feeding the cache: its lists load `set`.
+struct Loading<'a> {
+    cache: &'a dyn ShardCache,
+    set: &'a ShardSet,
+}
+
+#[async_trait]
+impl Reflector for Loading<'_> {
+    async fn replace(&self, items: Vec<Object>) {
+        self.cache.replace(items, self.set).await;
+        self.cache.load().loaded_now(self.set);
+    }
+
+    async fn apply(&self, event: WatchEvent) {
+        self.cache.apply(event, self.set).await;
+    }
+}
