@@ -198,12 +198,19 @@ impl DesiredState {
         let target = Reflecting {
             state: &self,
             registry: &registry,
+            store: store.as_ref(),
         };
         follow_shards(Kind::ManifestWork, store.as_ref(), &target, shards, stop).await;
     }
 
     /// Replaces the cache with a fresh list of `set` and tells sessions what changed meanwhile.
-    async fn replace(&self, items: Vec<Object>, set: &ShardSet, registry: &Registry) {
+    async fn replace(
+        &self,
+        items: Vec<Object>,
+        set: &ShardSet,
+        registry: &Registry,
+        store: &dyn Store,
+    ) {
         let mut fresh: HashMap<String, HashMap<String, DesiredWork>> = HashMap::new();
         self.terminating.write().await.clear();
         for obj in items {
@@ -238,7 +245,7 @@ impl DesiredState {
             }
             for (ns, works) in old.iter().filter(|(ns, _)| loaded_before(ns)) {
                 for (uid, w) in works {
-                    if fresh.get(ns).is_none_or(|m| !m.contains_key(uid)) {
+                    if fresh.get(ns).is_none_or(|m| !m.contains_key(uid)) && gone(store, w).await {
                         registry.deliver(ns, deletion(w)).await;
                     }
                 }
@@ -263,7 +270,7 @@ impl DesiredState {
             .retain(|ns, _| set.has_cluster(ns));
     }
 
-    async fn apply(&self, event: WatchEvent, registry: &Registry) {
+    async fn apply(&self, event: WatchEvent, registry: &Registry, store: &dyn Store) {
         match event {
             WatchEvent::Added(obj) | WatchEvent::Modified(obj)
                 if self.note_terminating(&obj).await =>
@@ -305,7 +312,7 @@ impl DesiredState {
                     let mut works = self.works.write().await;
                     works.get_mut(&w.namespace).and_then(|m| m.remove(&w.uid))
                 };
-                if removed.is_some() {
+                if removed.is_some() && gone(store, &w).await {
                     registry.deliver(&w.namespace.clone(), deletion(&w)).await;
                 }
             }
@@ -317,25 +324,59 @@ impl DesiredState {
 struct Reflecting<'a> {
     state: &'a DesiredState,
     registry: &'a Registry,
+    store: &'a dyn Store,
 }
 
 #[async_trait]
 impl ShardCache for Reflecting<'_> {
     async fn replace(&self, items: Vec<Object>, set: &ShardSet) {
-        self.state.replace(items, set, self.registry).await;
+        self.state
+            .replace(items, set, self.registry, self.store)
+            .await;
     }
     async fn apply(&self, event: WatchEvent, set: &ShardSet) {
         // Labelled with a held shard but of another shard's cluster: not ours to serve.
         if !namespace_of(event.object()).is_some_and(|ns| set.has_cluster(ns)) {
             return;
         }
-        self.state.apply(event, self.registry).await;
+        self.state.apply(event, self.registry, self.store).await;
     }
     async fn retain(&self, set: &ShardSet) {
         self.state.retain(set).await;
     }
     fn load(&self) -> &ShardLoad {
         &self.state.load
+    }
+}
+
+/// Whether a work that left the cache is gone from the store, asked before its agent is told to
+/// delete it. A selected watch reports a work whose shard label changed (the hub's labeller
+/// correcting a label after an upgrade or a change of `--shards`) as deleted, as a relist that
+/// no longer finds it does; the agent keeps such a work, and the gateway of its labelled shard
+/// serves it. One read per deletion; a store that cannot answer counts as "not gone" (the
+/// agent keeps the work until a later change says otherwise, never deletes on a guess).
+async fn gone(store: &dyn Store, w: &DesiredWork) -> bool {
+    match store
+        .get(Kind::ManifestWork, Some(&w.namespace), &w.name)
+        .await
+    {
+        Ok(Some(obj)) if obj["metadata"]["uid"] == w.uid.as_str() => {
+            let terminating = !obj["metadata"]["deletionTimestamp"].is_null();
+            if !terminating {
+                warn!(
+                    cluster = %w.namespace, work = %w.name,
+                    label = %obj["metadata"]["labels"][flotilla_proto::contract::SHARD_LABEL],
+                    "a work left this gateway's cache but is still stored (its shard label changed): its agent keeps it"
+                );
+            }
+            terminating
+        }
+        // Gone, or replaced by another work of the same name.
+        Ok(_) => true,
+        Err(e) => {
+            warn!(cluster = %w.namespace, work = %w.name, error = %e, "cannot confirm a work's deletion: its agent keeps it for now");
+            false
+        }
     }
 }
 

@@ -448,6 +448,20 @@ async fn open_session(shared: Arc<Shared>, handle: SessionHandle, hello: wire::H
         debug!(work_uid = %uid, "deleted work the agent does not hold: released");
         shared.finalizers.release(&cluster, &uid, None).await;
     }
+    shared.desired.wait_loaded(&cluster).await;
+    let mut snapshot = shared.desired.snapshot(&cluster).await;
+    let held: Vec<&str> = hello.held.iter().map(|h| h.uid.as_str()).collect();
+    if let Err(e) = keep_unseen_works(&shared, &cluster, &held, &mut snapshot).await {
+        warn!(error = %e, "cannot confirm which of the cluster's works are gone: the session waits");
+        shared.registry.unregister(&cluster, &session).await;
+        return Done::Redirected {
+            retry_after: spread_over(shared.config.drain_window, &session),
+            redirect: None,
+            reason: format!(
+                "the gateway cannot read cluster {cluster}'s works from the hub now ({e}); try again"
+            ),
+        };
+    }
     shared
         .health
         .send(HealthReport::Connected {
@@ -456,11 +470,59 @@ async fn open_session(shared: Arc<Shared>, handle: SessionHandle, hello: wire::H
             hello: Box::new(hello),
         })
         .await;
-    shared.desired.wait_loaded(&cluster).await;
     Done::Synced {
-        snapshot: shared.desired.snapshot(&cluster).await,
+        snapshot,
         reconnect: had_one,
     }
+}
+
+/// The sync tells the agent to delete every work it holds that `snapshot` lacks. The cache
+/// holds only works labelled with this gateway's shards, so before that the store is asked
+/// about the works the agent holds and the cache does not show (one list of the cluster's
+/// namespace, only when there are some: a work deleted while the agent was away, or one whose
+/// shard label is missing or stale, e.g. stored before an upgrade or a change of `--shards`,
+/// until the hub's labeller corrects it). A work the store still has, not being deleted, is
+/// delivered from the store instead of deleted.
+async fn keep_unseen_works(
+    shared: &Shared,
+    cluster: &str,
+    held: &[&str],
+    snapshot: &mut Vec<DesiredWork>,
+) -> Result<(), flotilla_store::StoreError> {
+    let terminating = shared.desired.terminating(cluster).await;
+    let shown: HashSet<&str> = snapshot
+        .iter()
+        .map(|w| w.uid.as_str())
+        .chain(terminating.iter().map(String::as_str))
+        .collect();
+    let unseen: HashSet<&str> = held
+        .iter()
+        .copied()
+        .filter(|uid| !shown.contains(uid))
+        .collect();
+    if unseen.is_empty() {
+        return Ok(());
+    }
+    let stored = shared
+        .store
+        .list(flotilla_proto::api::Kind::ManifestWork, Some(cluster))
+        .await?;
+    for obj in stored.items {
+        let meta = &obj["metadata"];
+        let uid = meta["uid"].as_str().unwrap_or_default();
+        if !unseen.contains(uid) || !meta["deletionTimestamp"].is_null() {
+            continue;
+        }
+        warn!(
+            work = meta["name"].as_str().unwrap_or_default(),
+            label = %meta["labels"][flotilla_proto::contract::SHARD_LABEL],
+            "a work the agent holds is not in this gateway's cache (its shard label is missing or stale; the hub's labeller corrects it): delivered from the store, not deleted"
+        );
+        if let Some(work) = crate::desired::desired_work(obj) {
+            snapshot.push(work);
+        }
+    }
+    Ok(())
 }
 
 /// Reads one chunk of a large work for `cluster`'s agent, no sooner than `at` (the session's

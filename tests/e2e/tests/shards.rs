@@ -26,7 +26,8 @@ use flotilla_proto::contract::{SHARD_LABEL, shard_label_value, shard_of, shard_o
 use flotilla_testenv::{TestEnv, workspace_root};
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{Api, ListParams};
-use nix::sys::signal::Signal;
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
 use serde_json::json;
 use tokio::sync::Mutex;
 
@@ -405,6 +406,38 @@ on_both_carriers! {
             apply_work(&env, dir, cluster, "last", "3")?;
         }
         wait_statuses(&hub, &clusters, "last").await?;
+
+        // A work whose shard label changes under its gateway (the hub's labeller correcting a
+        // label after an upgrade or a change of --shards) leaves that gateway's selected watch
+        // as if deleted; its agent must keep it. The hub is frozen so the wrong label stays
+        // until the gateway has seen it.
+        let cluster = &clusters[0];
+        let owner = gateways
+            .iter()
+            .find(|g| g.sessions().contains(cluster))
+            .context("the owner of the first cluster")?;
+        kill(Pid::from_raw(hub.proc.pid() as i32), Signal::SIGSTOP)?;
+        let relabel = env
+            .kubectl()
+            .args(["label", "--overwrite", "manifestwork", "last", "-n", cluster, "flotilla.io/shard=99"])
+            .output()?;
+        let seen = wait_for("the relabelled work to leave its gateway's cache", Duration::from_secs(30), || async {
+            Ok(owner.proc.log().contains("its shard label changed): its agent keeps it").then_some(()))
+        })
+        .await;
+        kill(Pid::from_raw(hub.proc.pid() as i32), Signal::SIGCONT)?;
+        anyhow::ensure!(relabel.status.success(), "kubectl label: {}", String::from_utf8_lossy(&relabel.stderr));
+        seen?;
+        // The hub labels it back; a new version then reaches the agent, after anything the
+        // gateway sent before: no deletion among it.
+        apply_work(&env, dir, cluster, "last", "4")?;
+        wait_statuses(&hub, std::slice::from_ref(cluster), "last").await?;
+        let agent = &agents[0];
+        assert!(
+            !agent.log().contains("work deleted on the hub"),
+            "the agent deleted a work whose label changed:\n{}",
+            agent.log()
+        );
 
         stop.store(true, Ordering::Relaxed);
         let samples = sampler.await?;
