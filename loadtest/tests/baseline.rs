@@ -213,7 +213,27 @@ async fn a_ci_sized_kube_run_compares_flotilla_with_the_klusterlet_baseline() {
 
     // The rows are the sides' numbers, and the ratio is klusterlet / flotilla.
     let phases: Vec<&str> = b.rows.iter().map(|r| r.phase.as_str()).collect();
-    assert_eq!(phases, ["connect", "fanout", "idle_per_minute", "total"]);
+    assert_eq!(
+        phases,
+        ["connect", "fanout", "idle_per_minute", "storm", "total"]
+    );
+    // The storm: every klusterlet client lists and watches both kinds again; flotilla's hub
+    // restarted under every session costs its apiserver what one process's caches cost, not
+    // a request per cluster.
+    assert_eq!(b.clients_resynced, n, "every client listed again");
+    let k_storm = k.storm.as_ref().unwrap();
+    // The list of its own ManagedCluster (a metadata.name field selector) is counted as a GET.
+    let verb = |v: &str| k_storm.requests_by_verb.get(v).copied().unwrap_or(0);
+    assert!(
+        verb("LIST") + verb("GET") >= 2 * n && verb("WATCH") >= 2 * n,
+        "two lists and two watches per client: {k_storm:?}"
+    );
+    let f_storm = b.flotilla.storm.as_ref().unwrap();
+    assert!(
+        f_storm.requests < n && f_storm.requests * 4 < k_storm.requests,
+        "the hub's restart costs less than a request per cluster: {f_storm:?} against {k_storm:?}"
+    );
+    assert!(b.flotilla_storm_back_s.is_some() && b.klusterlet_storm_back_s.is_some());
     for r in &b.rows {
         let (f, kl) = (r.flotilla.unwrap(), r.klusterlet.unwrap());
         assert!(kl > 0.0, "{r:?}");
@@ -227,7 +247,7 @@ async fn a_ci_sized_kube_run_compares_flotilla_with_the_klusterlet_baseline() {
     }
     let total = b.rows.last().unwrap();
     let sum = |side: &flotilla_loadtest::report::BaselineSide| -> f64 {
-        [&side.connect, &side.fanout, &side.idle]
+        [&side.connect, &side.fanout, &side.idle, &side.storm]
             .iter()
             .map(|l| l.as_ref().unwrap().requests as f64)
             .sum()

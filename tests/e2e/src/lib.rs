@@ -525,8 +525,7 @@ pub fn sessions_in_log(log: &str) -> std::collections::BTreeSet<String> {
 /// Starts `flotilla-agent run` for `cluster` with the certificates in `cert_dir`, for tests about
 /// sessions and health: its spoke kubeconfig points at nothing, so the session is all it does.
 pub fn start_agent(dir: &Path, hub: &Hub, cluster: &str, cert_dir: &Path) -> anyhow::Result<Proc> {
-    let kubeconfig = dir.join("no-spoke.kubeconfig");
-    std::fs::write(&kubeconfig, NO_SPOKE_KUBECONFIG)?;
+    let kubeconfig = no_spoke_kubeconfig(dir)?;
     let mut cmd = Command::new(bin("flotilla-agent"));
     cmd.arg("run")
         .args([
@@ -555,6 +554,17 @@ pub fn start_agent(dir: &Path, hub: &Hub, cluster: &str, cert_dir: &Path) -> any
         cmd,
         dir.join(format!("agent-{cluster}.log")),
     )
+}
+
+/// Writes [`NO_SPOKE_KUBECONFIG`] into `dir` and returns its path. Written to a temporary file
+/// and renamed into place, so an agent started a moment before, reading it, never sees it
+/// half written.
+pub fn no_spoke_kubeconfig(dir: &Path) -> anyhow::Result<PathBuf> {
+    let path = dir.join("no-spoke.kubeconfig");
+    let partial = tempfile::NamedTempFile::new_in(dir)?;
+    std::fs::write(partial.path(), NO_SPOKE_KUBECONFIG)?;
+    partial.persist(&path)?;
+    Ok(path)
 }
 
 /// A kubeconfig whose apiserver is a closed loopback port: for agents whose spoke is not under

@@ -744,16 +744,16 @@ async fn rbac_covers_every_call_the_code_makes() -> anyhow::Result<()> {
 
 /// `kubectl auth can-i` as the question's ServiceAccount: yes (exit 0) or no (exit 1).
 async fn can_i(env: &TestEnv, q: &Question) -> anyhow::Result<bool> {
+    if let Some(signer) = q.resource.strip_prefix("signers.certificates.k8s.io/") {
+        return may_use_signer(env, q, signer).await;
+    }
     let who = format!(
         "--as=system:serviceaccount:{}:{}",
         q.namespace_of_who, q.who
     );
     let (resource, subresource) = match q.resource.split_once('/') {
-        // namespaces/kube-system and signers.certificates.k8s.io/<signer> are resource names,
-        // not subresources.
-        Some((resource, name)) if resource == "namespaces" || resource.starts_with("signers.") => {
-            (format!("{resource}/{name}"), None)
-        }
+        // namespaces/kube-system is a resource name, not a subresource.
+        Some((resource, name)) if resource == "namespaces" => (format!("{resource}/{name}"), None),
         Some((resource, sub)) => (resource.to_string(), Some(sub.to_string())),
         None => (q.resource.clone(), None),
     };
@@ -775,6 +775,38 @@ async fn can_i(env: &TestEnv, q: &Question) -> anyhow::Result<bool> {
             String::from_utf8_lossy(&out.stderr)
         ),
     }
+}
+
+/// A SubjectAccessReview for `verb` on the signer `signer` (a resource name with a slash, which
+/// `kubectl auth can-i` cannot ask about) as the question's ServiceAccount.
+async fn may_use_signer(env: &TestEnv, q: &Question, signer: &str) -> anyhow::Result<bool> {
+    use k8s_openapi::api::authorization::v1::{
+        ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+    };
+    let namespace = q.namespace_of_who;
+    let review = SubjectAccessReview {
+        spec: SubjectAccessReviewSpec {
+            user: Some(format!("system:serviceaccount:{namespace}:{}", q.who)),
+            groups: Some(vec![
+                "system:serviceaccounts".into(),
+                format!("system:serviceaccounts:{namespace}"),
+                "system:authenticated".into(),
+            ]),
+            resource_attributes: Some(ResourceAttributes {
+                group: Some("certificates.k8s.io".into()),
+                resource: Some("signers".into()),
+                name: Some(signer.into()),
+                verb: Some(q.verb.into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let answered = Api::<SubjectAccessReview>::all(env.client().await?)
+        .create(&Default::default(), &review)
+        .await?;
+    Ok(answered.status.is_some_and(|s| s.allowed))
 }
 
 /// Every object of the hub side and of the agent, as rendered (nothing applied).

@@ -34,24 +34,6 @@ fn plain(log: String) -> String {
 }
 const LONG: Duration = Duration::from_secs(30);
 
-/// A kubeconfig whose apiserver is a closed loopback port: these agents only hold sessions.
-const NO_SPOKE_KUBECONFIG: &str = "apiVersion: v1
-kind: Config
-clusters:
-- name: none
-  cluster:
-    server: https://127.0.0.1:9
-users:
-- name: none
-  user: {}
-contexts:
-- name: none
-  context:
-    cluster: none
-    user: none
-current-context: none
-";
-
 /// `flotilla token create ... -o json`, parsed (holds `token`, `id`, `caFingerprint`, `hub`).
 fn create_token(hub: &Hub, args: &[&str]) -> anyhow::Result<Value> {
     let mut all = vec!["token", "create", "-o", "json"];
@@ -102,8 +84,7 @@ fn start_join_in(
     extra: &[&str],
 ) -> anyhow::Result<(Proc, PathBuf)> {
     let data = data.to_path_buf();
-    let kubeconfig = dir.join("no-spoke.kubeconfig");
-    std::fs::write(&kubeconfig, NO_SPOKE_KUBECONFIG)?;
+    let kubeconfig = flotilla_e2e::no_spoke_kubeconfig(dir)?;
     let mut cmd = Command::new(bin("flotilla-agent"));
     cmd.arg("join")
         .args(["--hub", token["hub"].as_str().unwrap_or_default()])

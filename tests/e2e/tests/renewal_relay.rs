@@ -10,7 +10,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use anyhow::Context as _;
-use flotilla_e2e::{GatewayProc, Hub, NO_SPOKE_KUBECONFIG, Proc, bin, on_both_carriers, wait_for};
+use flotilla_e2e::{GatewayProc, Hub, Proc, bin, on_both_carriers, wait_for};
 use flotilla_proto::contract::{
     KEY_PINS_ANNOTATION, RENEWAL_CLUSTER_LABEL, RENEWAL_SESSION_KEY_ANNOTATION, RENEWAL_SIGNER,
 };
@@ -38,8 +38,7 @@ fn join(
     data: &std::path::Path,
     n: u32,
 ) -> anyhow::Result<Proc> {
-    let kubeconfig = dir.join("no-spoke.kubeconfig");
-    std::fs::write(&kubeconfig, NO_SPOKE_KUBECONFIG)?;
+    let kubeconfig = flotilla_e2e::no_spoke_kubeconfig(dir)?;
     let mut cmd = Command::new(bin("flotilla-agent"));
     cmd.arg("join")
         .args(["--hub", token["hub"].as_str().unwrap_or_default()])
