@@ -67,11 +67,22 @@ impl ShardLeasing {
                 _ = tick.tick() => {}
                 _ = stop.wait_for(|s| *s) => break,
             }
+            // Every step of a round is bounded by the renew period: a request that never
+            // answers must not stop the rounds (the shards would stay claimed by a gateway that
+            // no longer renews them, and its sessions never drained).
+            let bound = owner.config().renew_period;
             let now = Instant::now();
-            match leases.list().await {
-                Ok(records) => owner.observe(now, records),
-                Err(e) => {
+            match tokio::time::timeout(bound, leases.list()).await {
+                Ok(Ok(records)) => owner.observe(now, records),
+                Ok(Err(e)) => {
                     warn!(error = %e, "cannot read the shard leases; held shards stay valid until their leases would expire");
+                    owner.expire(now);
+                }
+                Err(_) => {
+                    warn!(
+                        ?bound,
+                        "reading the shard leases took longer than the renew period; held shards stay valid until their leases would expire"
+                    );
                     owner.expire(now);
                 }
             }
@@ -84,12 +95,29 @@ impl ShardLeasing {
                         shard,
                         "handing the shard over (fair share): draining its sessions"
                     );
-                    drain_shard(&registry, &view, shard, drain_window).await;
+                    bounded(
+                        bound,
+                        "draining a handed-over shard",
+                        drain_shard(&registry, &view, shard, drain_window),
+                    )
+                    .await;
                 }
             }
-            write_all(&leases, &mut owner, writes).await;
+            // Writes cut short leave their shards' fences as they were: a renewal not known to
+            // be stored lapses, and the next round renews (or claims) it again.
+            bounded(
+                bound,
+                "writing the shard leases",
+                write_all(&leases, &mut owner, writes),
+            )
+            .await;
             publish(&owner, &view);
-            drain_not_held(&registry, &view, drain_window).await;
+            bounded(
+                bound,
+                "draining sessions of shards not held",
+                drain_not_held(&registry, &view, drain_window),
+            )
+            .await;
         }
         // Shutdown: the gateway has drained its sessions; give the shards up for the others.
         let releases = owner.release_all();
@@ -106,6 +134,17 @@ impl ShardLeasing {
                 Err(_) => warn!("releasing shards on shutdown timed out; they expire instead"),
             }
         }
+    }
+}
+
+/// Runs `step` for at most `bound`, warning when it is cut short.
+async fn bounded(bound: Duration, what: &str, step: impl Future<Output = ()>) {
+    if tokio::time::timeout(bound, step).await.is_err() {
+        warn!(
+            ?bound,
+            step = what,
+            "a lease round's step took longer than the renew period; cut short"
+        );
     }
 }
 
