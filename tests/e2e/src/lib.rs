@@ -366,6 +366,25 @@ impl Hub {
     }
 
     /// Runs the real `flotilla` CLI against this hub.
+    /// Writes a gateway's TLS material from this hub's CA into `dir/gateway-cert` with
+    /// `flotilla-hub gateway-cert` (names: localhost and 127.0.0.1) and returns that path.
+    pub fn gateway_cert(&self, dir: &Path) -> anyhow::Result<PathBuf> {
+        let certs = dir.join("gateway-cert");
+        let out = Command::new(bin("flotilla-hub"))
+            .arg("gateway-cert")
+            .arg("--data-dir")
+            .arg(&self.data_dir)
+            .args(["--server-name", "localhost,127.0.0.1", "--out"])
+            .arg(&certs)
+            .output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "gateway-cert: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(certs)
+    }
+
     pub fn cli(&self, args: &[&str]) -> anyhow::Result<Output> {
         Ok(Command::new(bin("flotilla"))
             .env(

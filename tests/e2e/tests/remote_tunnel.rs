@@ -6,12 +6,11 @@
 //! hop to the gateway that does, and the access rules and audit still run once, on the hub.
 
 use std::collections::BTreeMap;
-use std::process::Command;
 use std::time::Duration;
 
 use flotilla_e2e::proxy::{hub_with_proxy, kubectl_ok};
 use flotilla_e2e::spoke::Spoke;
-use flotilla_e2e::{GatewayProc, bin, on_both_carriers, wait_for};
+use flotilla_e2e::{GatewayProc, on_both_carriers, wait_for};
 use flotilla_proto::contract::{shard_lease_name, shard_of};
 use flotilla_testenv::{TestEnv, workspace_root};
 use k8s_openapi::api::coordination::v1::Lease;
@@ -64,15 +63,7 @@ on_both_carriers! {
         extra.extend(LEASE_FLAGS);
         let hub = hub_with_proxy(dir, RULES, "", &extra).await?;
 
-        let certs = dir.join("gateway-cert");
-        let out = Command::new(bin("flotilla-hub"))
-            .arg("gateway-cert")
-            .arg("--data-dir")
-            .arg(&hub.data_dir)
-            .args(["--server-name", "localhost,127.0.0.1", "--out"])
-            .arg(&certs)
-            .output()?;
-        anyhow::ensure!(out.status.success(), "gateway-cert: {}", String::from_utf8_lossy(&out.stderr));
+        let certs = hub.gateway_cert(dir)?;
         let gateways: Vec<GatewayProc> = (1..=2)
             .map(|n| GatewayProc::start(dir, &format!("gw-{n}"), &kubeconfig, &certs, LEASE_FLAGS))
             .collect::<anyhow::Result<_>>()?;

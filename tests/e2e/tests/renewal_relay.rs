@@ -119,15 +119,7 @@ on_both_carriers! {
         ];
         hub_flags.extend(LEASE_FLAGS);
         let hub = Hub::start(dir, &hub_flags).await?;
-        let certs = dir.join("gateway-cert");
-        let out = Command::new(bin("flotilla-hub"))
-            .arg("gateway-cert")
-            .arg("--data-dir")
-            .arg(&hub.data_dir)
-            .args(["--server-name", "localhost,127.0.0.1", "--out"])
-            .arg(&certs)
-            .output()?;
-        anyhow::ensure!(out.status.success(), "gateway-cert: {}", String::from_utf8_lossy(&out.stderr));
+        let certs = hub.gateway_cert(dir)?;
         let gateway = GatewayProc::start(dir, "gw-1", &kubeconfig, &certs, LEASE_FLAGS)?;
 
         let out = hub.cli(&["token", "create", "--auto-accept", "-o", "json"])?;

@@ -11,7 +11,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -19,8 +18,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 
 use flotilla_e2e::{
-    GatewayProc, Hub, bin, condition_status, free_port, on_both_carriers, scrape, start_agent,
-    wait_for,
+    GatewayProc, Hub, condition_status, free_port, on_both_carriers, scrape, start_agent, wait_for,
 };
 use flotilla_proto::contract::{SHARD_LABEL, shard_label_value, shard_of, shard_of_lease};
 use flotilla_testenv::{TestEnv, workspace_root};
@@ -249,15 +247,7 @@ on_both_carriers! {
         hub_flags.extend(LEASE_FLAGS);
         let hub = Hub::start(dir, &hub_flags).await?;
 
-        let certs = dir.join("gateway-cert");
-        let out = Command::new(bin("flotilla-hub"))
-            .arg("gateway-cert")
-            .arg("--data-dir")
-            .arg(&hub.data_dir)
-            .args(["--server-name", "localhost,127.0.0.1", "--out"])
-            .arg(&certs)
-            .output()?;
-        anyhow::ensure!(out.status.success(), "gateway-cert: {}", String::from_utf8_lossy(&out.stderr));
+        let certs = hub.gateway_cert(dir)?;
         // (name, metrics address) of every gateway alive.
         let mut scraped: Vec<(String, String)> = Vec::new();
         let mut gateways: Vec<GatewayProc> = (1..=3)
