@@ -15,16 +15,17 @@
 //! denied, unaccepted, or the live session's key unlisted), its session here is closed at once.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 use async_trait::async_trait;
 use flotilla_proto::api::Kind;
 use flotilla_store::{Object, Store, WatchEvent};
 use serde_json::Value;
-use tokio::sync::{RwLock, watch};
+use tokio::sync::watch;
 use tracing::info;
 
 use crate::health::RecordedHealth;
+use crate::locks::{read, write};
 use crate::registry::Registry;
 use crate::shards::ShardViews;
 use crate::shards::cache::{ShardCache, ShardLoad, ShardSet, follow_shards};
@@ -145,7 +146,7 @@ impl Admissions {
     /// Whether a session for `cluster` authenticated with key `key_sha256` may open.
     pub async fn check(&self, cluster: &str, key_sha256: &str) -> Result<(), AdmissionRefusal> {
         self.load.wait_for(cluster).await;
-        let clusters = self.clusters.read().await;
+        let clusters = read(&self.clusters);
         verdict(cluster, clusters.get(cluster), key_sha256)
     }
 
@@ -179,8 +180,8 @@ impl Admissions {
     }
 
     /// The cached admission of `cluster`, if the cache has seen it.
-    pub async fn get(&self, cluster: &str) -> Option<ClusterAdmission> {
-        self.clusters.read().await.get(cluster).cloned()
+    pub fn get(&self, cluster: &str) -> Option<ClusterAdmission> {
+        read(&self.clusters).get(cluster).cloned()
     }
 
     /// The clusters recorded Available (Joined and Available True, untainted) that `pick`
@@ -189,9 +190,7 @@ impl Admissions {
     pub async fn available_where(&self, pick: impl Fn(&str) -> bool) -> Vec<String> {
         let mut ready = self.ready.subscribe();
         let _ = ready.wait_for(|r| *r).await;
-        self.clusters
-            .read()
-            .await
+        read(&self.clusters)
             .iter()
             .filter(|(name, a)| a.health.available && !a.health.unreachable && pick(name))
             .map(|(name, _)| name.clone())
@@ -231,20 +230,17 @@ impl Admissions {
                     return;
                 };
                 let admission = ClusterAdmission::from_object(&obj);
-                self.clusters
-                    .write()
-                    .await
-                    .insert(name.clone(), admission.clone());
+                write(&self.clusters).insert(name.clone(), admission.clone());
                 self.changed();
-                enforce(registry, &name, Some(&admission)).await;
+                enforce(registry, &name, Some(&admission));
             }
             WatchEvent::Deleted(obj) => {
                 let Some(name) = obj["metadata"]["name"].as_str().map(str::to_string) else {
                     return;
                 };
-                self.clusters.write().await.remove(&name);
+                write(&self.clusters).remove(&name);
                 self.changed();
-                enforce(registry, &name, None).await;
+                enforce(registry, &name, None);
             }
         }
     }
@@ -260,14 +256,14 @@ impl Admissions {
                     .then(|| (name, ClusterAdmission::from_object(obj)))
             })
             .collect();
-        *self.clusters.write().await = fresh.clone();
+        *write(&self.clusters) = fresh.clone();
         self.changed();
         // A relist can hide a revocation that happened while the watch was down. Only for
         // the clusters this list speaks for: a session of a shard no longer held is being
         // handed over, not revoked.
-        for handle in registry.all().await {
+        for handle in registry.all() {
             if set.has_cluster(&handle.cluster) {
-                enforce(registry, &handle.cluster, fresh.get(&handle.cluster)).await;
+                enforce(registry, &handle.cluster, fresh.get(&handle.cluster));
             }
         }
         info!(clusters = fresh.len(), %set, "cluster admissions loaded");
@@ -276,10 +272,7 @@ impl Admissions {
 
     /// Forgets the clusters outside `set`, closing no session: shards handed over.
     async fn retain(&self, set: &ShardSet) {
-        self.clusters
-            .write()
-            .await
-            .retain(|name, _| set.has_cluster(name));
+        write(&self.clusters).retain(|name, _| set.has_cluster(name));
         self.changed();
     }
 }
@@ -334,16 +327,15 @@ fn verdict(
 }
 
 /// Closes the cluster's live session on this gateway if it is no longer admitted.
-async fn enforce(registry: &Registry, cluster: &str, admission: Option<&ClusterAdmission>) {
-    let Some(handle) = registry.get(cluster).await else {
+fn enforce(registry: &Registry, cluster: &str, admission: Option<&ClusterAdmission>) {
+    let Some(handle) = registry.get(cluster) else {
         return;
     };
     if let Err(refusal) = verdict(cluster, admission, &handle.client_key_sha256) {
         info!(cluster, session = %handle.session_id, reason = %refusal, "closing the session of a revoked cluster");
         handle
             .mailbox
-            .refuse(refusal.refusal(), refusal.to_string())
-            .await;
+            .refuse(refusal.refusal(), refusal.to_string());
     }
 }
 

@@ -4,7 +4,7 @@
 //! costs the store (and the hub apiserver behind it) nothing.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 use async_trait::async_trait;
 use flotilla_proto::api::content::ContentRef;
@@ -12,9 +12,10 @@ use flotilla_proto::api::{Kind, ManifestWork, content_hash};
 use flotilla_proto::contract::WORK_CLEANUP_FINALIZER;
 use flotilla_proto::session::DesiredWork;
 use flotilla_store::{Object, Store, WatchEvent, namespace_of};
-use tokio::sync::{RwLock, watch};
+use tokio::sync::watch;
 use tracing::{info, warn};
 
+use crate::locks::{read, write};
 use crate::mailbox::WorkChange;
 use crate::registry::Registry;
 use crate::shards::ShardViews;
@@ -72,10 +73,8 @@ impl DesiredState {
     }
 
     /// What the cluster should hold now.
-    pub async fn snapshot(&self, cluster: &str) -> Vec<DesiredWork> {
-        self.works
-            .read()
-            .await
+    pub fn snapshot(&self, cluster: &str) -> Vec<DesiredWork> {
+        read(&self.works)
             .get(cluster)
             .map(|m| m.values().cloned().collect())
             .unwrap_or_default()
@@ -90,22 +89,14 @@ impl DesiredState {
     /// session.
     pub async fn owned_by(&self, cluster: &str, uid: &str) -> Option<String> {
         self.wait_loaded(cluster).await;
-        if let Some(name) = self
-            .works
-            .read()
-            .await
+        if let Some(name) = read(&self.works)
             .get(cluster)
             .and_then(|m| m.get(uid))
             .map(|w| w.name.clone())
         {
             return Some(name);
         }
-        self.terminating
-            .read()
-            .await
-            .get(cluster)?
-            .get(uid)
-            .cloned()
+        read(&self.terminating).get(cluster)?.get(uid).cloned()
     }
 
     /// The name of `cluster`'s desired work `uid` if, as last read, it lacks the cleanup
@@ -122,7 +113,7 @@ impl DesiredState {
             finalizers: Vec<String>,
         }
         self.wait_loaded(cluster).await;
-        let works = self.works.read().await;
+        let works = read(&self.works);
         let work = works.get(cluster)?.get(uid)?;
         let meta = serde_json::from_slice::<Work>(&work.manifest_work_json).ok()?;
         (!meta
@@ -136,9 +127,7 @@ impl DesiredState {
     /// The uids of `cluster`'s works deleted on the hub that a finalizer still holds.
     pub async fn terminating(&self, cluster: &str) -> Vec<String> {
         self.wait_loaded(cluster).await;
-        self.terminating
-            .read()
-            .await
+        read(&self.terminating)
             .get(cluster)
             .map(|m| m.keys().cloned().collect())
             .unwrap_or_default()
@@ -148,7 +137,7 @@ impl DesiredState {
     /// chunk `chunk_sha256`: an agent is served only chunks of its own cluster's works.
     pub async fn names_chunk(&self, cluster: &str, uid: &str, chunk_sha256: &str) -> bool {
         self.wait_loaded(cluster).await;
-        let works = self.works.read().await;
+        let works = read(&self.works);
         let Some(work) = works.get(cluster).and_then(|m| m.get(uid)) else {
             return false;
         };
@@ -161,7 +150,7 @@ impl DesiredState {
 
     /// Records whether a stored work is held by a finalizer after its deletion; `true` when it
     /// is, and so no longer desired.
-    async fn note_terminating(&self, obj: &serde_json::Value) -> bool {
+    fn note_terminating(&self, obj: &serde_json::Value) -> bool {
         let meta = &obj["metadata"];
         let (Some(ns), Some(uid), Some(name)) = (
             meta["namespace"].as_str(),
@@ -170,7 +159,7 @@ impl DesiredState {
         ) else {
             return false;
         };
-        let mut terminating = self.terminating.write().await;
+        let mut terminating = write(&self.terminating);
         if meta.get("deletionTimestamp").is_some_and(|t| !t.is_null()) {
             terminating
                 .entry(ns.to_owned())
@@ -212,14 +201,14 @@ impl DesiredState {
         store: &dyn Store,
     ) {
         let mut fresh: HashMap<String, HashMap<String, DesiredWork>> = HashMap::new();
-        self.terminating.write().await.clear();
+        write(&self.terminating).clear();
         for obj in items {
             // Labelled with a held shard but of another shard's cluster (a label not yet
             // corrected by the hub): not this gateway's to serve.
             if !namespace_of(&obj).is_some_and(|ns| set.has_cluster(ns)) {
                 continue;
             }
-            if self.note_terminating(&obj).await {
+            if self.note_terminating(&obj) {
                 continue;
             }
             if let Some(w) = desired_work(obj) {
@@ -229,7 +218,7 @@ impl DesiredState {
                     .insert(w.uid.clone(), w);
             }
         }
-        let old = std::mem::replace(&mut *self.works.write().await, fresh.clone());
+        let old = std::mem::replace(&mut *write(&self.works), fresh.clone());
         // For shards loaded before, a relist can hide changes that happened while the watch
         // was down: diff and deliver them. Sessions of shards loaded now wait for this load
         // and sync from the snapshot.
@@ -239,14 +228,14 @@ impl DesiredState {
                 for (uid, w) in works {
                     let before = old.get(ns).and_then(|m| m.get(uid));
                     if before.map(|b| &b.content_hash) != Some(&w.content_hash) {
-                        registry.deliver(ns, WorkChange::Upsert(w.clone())).await;
+                        registry.deliver(ns, WorkChange::Upsert(w.clone()));
                     }
                 }
             }
             for (ns, works) in old.iter().filter(|(ns, _)| loaded_before(ns)) {
                 for (uid, w) in works {
                     if fresh.get(ns).is_none_or(|m| !m.contains_key(uid)) && gone(store, w).await {
-                        registry.deliver(ns, deletion(w)).await;
+                        registry.deliver(ns, deletion(w));
                     }
                 }
             }
@@ -263,32 +252,27 @@ impl DesiredState {
 
     /// Forgets the works of clusters outside `set`, telling no session: shards handed over.
     async fn retain(&self, set: &ShardSet) {
-        self.works.write().await.retain(|ns, _| set.has_cluster(ns));
-        self.terminating
-            .write()
-            .await
-            .retain(|ns, _| set.has_cluster(ns));
+        write(&self.works).retain(|ns, _| set.has_cluster(ns));
+        write(&self.terminating).retain(|ns, _| set.has_cluster(ns));
     }
 
     async fn apply(&self, event: WatchEvent, registry: &Registry, store: &dyn Store) {
         match event {
-            WatchEvent::Added(obj) | WatchEvent::Modified(obj)
-                if self.note_terminating(&obj).await =>
-            {
+            WatchEvent::Added(obj) | WatchEvent::Modified(obj) if self.note_terminating(&obj) => {
                 // Deleted on the hub, held by a finalizer: the agent removes its resources now.
                 let Some(w) = desired_work(obj) else { return };
                 let removed = {
-                    let mut works = self.works.write().await;
+                    let mut works = write(&self.works);
                     works.get_mut(&w.namespace).and_then(|m| m.remove(&w.uid))
                 };
                 if removed.is_some() {
-                    registry.deliver(&w.namespace.clone(), deletion(&w)).await;
+                    registry.deliver(&w.namespace.clone(), deletion(&w));
                 }
             }
             WatchEvent::Added(obj) | WatchEvent::Modified(obj) => {
                 let Some(w) = desired_work(obj) else { return };
                 let changed = {
-                    let mut works = self.works.write().await;
+                    let mut works = write(&self.works);
                     let ns = works.entry(w.namespace.clone()).or_default();
                     let changed = ns.get(&w.uid).map(|o| &o.content_hash) != Some(&w.content_hash)
                         || ns.get(&w.uid).map(|o| o.generation) != Some(w.generation);
@@ -297,23 +281,20 @@ impl DesiredState {
                 };
                 // Status-only writes (ours, from agents) do not change the spec: nothing to send.
                 if changed {
-                    registry
-                        .deliver(&w.namespace.clone(), WorkChange::Upsert(w))
-                        .await;
+                    registry.deliver(&w.namespace.clone(), WorkChange::Upsert(w));
                 }
             }
             WatchEvent::Deleted(obj) => {
                 self.note_terminating(&serde_json::json!({"metadata": {
                     "namespace": obj["metadata"]["namespace"], "uid": obj["metadata"]["uid"],
-                    "name": obj["metadata"]["name"]}}))
-                    .await;
+                    "name": obj["metadata"]["name"]}}));
                 let Some(w) = desired_work(obj) else { return };
                 let removed = {
-                    let mut works = self.works.write().await;
+                    let mut works = write(&self.works);
                     works.get_mut(&w.namespace).and_then(|m| m.remove(&w.uid))
                 };
                 if removed.is_some() && gone(store, &w).await {
-                    registry.deliver(&w.namespace.clone(), deletion(&w)).await;
+                    registry.deliver(&w.namespace.clone(), deletion(&w));
                 }
             }
         }
@@ -484,14 +465,14 @@ mod tests {
             stop,
         ));
         desired.wait_ready().await;
-        assert_eq!(desired.snapshot("store-1").await.len(), 1);
+        assert_eq!(desired.snapshot("store-1").len(), 1);
 
         store
             .delete(Kind::ManifestWork, Some("store-1"), "held")
             .await
             .unwrap();
         eventually("the work leaves the desired state", || async {
-            desired.snapshot("store-1").await.is_empty()
+            desired.snapshot("store-1").is_empty()
         })
         .await;
         assert_eq!(
@@ -574,9 +555,9 @@ mod tests {
             stop,
         ));
         desired.wait_loaded(&a).await;
-        assert_eq!(desired.snapshot(&a).await.len(), 1);
+        assert_eq!(desired.snapshot(&a).len(), 1);
         assert!(
-            desired.snapshot(&b).await.is_empty(),
+            desired.snapshot(&b).is_empty(),
             "another shard's works are not cached"
         );
         assert_eq!(desired.cached(), Some(1));
@@ -584,18 +565,18 @@ mod tests {
         store.create(labelled_work(&a, "two")).await.unwrap();
         store.create(labelled_work(&b, "three")).await.unwrap();
         eventually("the held shard's new work arrives", || async {
-            desired.snapshot(&a).await.len() == 2
+            desired.snapshot(&a).len() == 2
         })
         .await;
-        assert!(desired.snapshot(&b).await.is_empty());
+        assert!(desired.snapshot(&b).is_empty());
 
         // The lease round hands shard a over and acquires shard b.
         views.send_replace(holding(&[shard_b]));
         eventually("shard b is loaded", || async { desired.load.has(&b) }).await;
         assert!(!desired.load.has(&a), "a lost shard is not loaded");
-        assert_eq!(desired.snapshot(&b).await.len(), 3);
+        assert_eq!(desired.snapshot(&b).len(), 3);
         assert!(
-            desired.snapshot(&a).await.is_empty(),
+            desired.snapshot(&a).is_empty(),
             "a lost shard's works leave the cache"
         );
         assert_eq!(desired.cached(), Some(3));
@@ -625,7 +606,7 @@ mod tests {
             let (desired, b) = (desired.clone(), b.clone());
             async move {
                 desired.wait_loaded(&b).await;
-                desired.snapshot(&b).await
+                desired.snapshot(&b)
             }
         });
         let synced = tokio::time::timeout(std::time::Duration::from_secs(10), session)
@@ -640,6 +621,56 @@ mod tests {
         assert!(
             desired.load.has(&a),
             "the shard held all along stays loaded"
+        );
+        let _ = stop_tx.send(true);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_late_renewal_keeps_the_shard_cached() {
+        use crate::shards::{Fence, ShardDirectory};
+        let ((a, shard_a), (b, shard_b)) = two_clusters();
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(SledStore::open(dir.path()).unwrap());
+        store.create(labelled_work(&a, "kept")).await.unwrap();
+        store.create(labelled_work(&b, "acquired")).await.unwrap();
+        let views = watch::Sender::new(holding(&[shard_a]));
+        let desired = DesiredState::new();
+        let (stop_tx, stop) = watch::channel(false);
+        tokio::spawn(desired.clone().run(
+            store.clone(),
+            Arc::new(Registry::default()),
+            views.subscribe(),
+            stop,
+        ));
+        desired.wait_loaded(&a).await;
+        // A lease round late under load: shard a's fence ran out (lapsed, not lost) in the
+        // round that acquires shard b.
+        let now = tokio::time::Instant::now();
+        let lapsed = Fence {
+            epoch: 1,
+            valid_until: now - std::time::Duration::from_secs(1),
+        };
+        let held = Fence {
+            epoch: 1,
+            valid_until: now + std::time::Duration::from_secs(3600),
+        };
+        views.send_replace(Arc::new(ShardView::leased(
+            SHARDS,
+            [(shard_a, lapsed), (shard_b, held)].into(),
+            ShardDirectory::default(),
+        )));
+        eventually("shard b is loaded", || async { desired.load.has(&b) }).await;
+        assert!(
+            desired.load.has(&a),
+            "a lapsed shard stays loaded: its sessions need no relist when the renewal lands"
+        );
+        assert_eq!(
+            desired
+                .snapshot(&a)
+                .iter()
+                .map(|w| w.name.as_str())
+                .collect::<Vec<_>>(),
+            ["kept"]
         );
         let _ = stop_tx.send(true);
     }

@@ -200,7 +200,7 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
                             if let Some(name) =
                                 shared.desired.lacks_cleanup_finalizer(&cluster, &uid).await
                             {
-                                shared.finalizers.hold(&cluster, &name, &uid).await;
+                                shared.finalizers.hold(&cluster, &name, &uid);
                             }
                             Done::Nothing
                         }));
@@ -211,10 +211,7 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
                     let (shared, cluster, reporter) =
                         (shared.clone(), cluster.clone(), mailbox.clone());
                     work.push(Box::pin(async move {
-                        shared
-                            .finalizers
-                            .release(&cluster, &uid, Some(&reporter))
-                            .await;
+                        shared.finalizers.release(&cluster, &uid, Some(&reporter));
                         Done::Nothing
                     }));
                 }
@@ -341,7 +338,7 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
                 Done::Nothing => {}
             },
             _ = mailbox.ready() => {
-                let delivery = mailbox.take().await;
+                let delivery = mailbox.take();
                 for change in delivery.works {
                     match change {
                         WorkChange::Upsert(work) => machine.upsert_work(work),
@@ -378,8 +375,11 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
     }
     drop(outbound);
     drop(open);
+    // The session's unfinished work goes first: a future nobody polls any more must not keep
+    // what it was waiting for (a channel slot, a write's turn) from everyone else.
+    drop(work);
     if established {
-        shared.registry.unregister(&cluster, &session_id).await;
+        shared.registry.unregister(&cluster, &session_id);
         shared
             .health
             .send(HealthReport::Disconnected {
@@ -406,14 +406,13 @@ async fn open_session(shared: Arc<Shared>, handle: SessionHandle, hello: wire::H
         return Done::Refused(refusal);
     }
     let (session, key) = (handle.session_id.clone(), handle.client_key_sha256.clone());
-    let mut had_one = shared.registry.departed(&cluster).await.is_some();
-    if let Some(older) = shared.registry.register(&cluster, handle).await {
+    let mut had_one = shared.registry.departed(&cluster).is_some();
+    if let Some(older) = shared.registry.register(&cluster, handle) {
         had_one = true;
         info!(older = %older.session_id, "replacing the cluster's older session");
         older
             .mailbox
-            .close("replaced by a newer session of the same cluster")
-            .await;
+            .close("replaced by a newer session of the same cluster");
     }
     // A revocation (or the shard moving away) between the checks above and the registration
     // found no session to close: look again now that it is registered.
@@ -425,7 +424,7 @@ async fn open_session(shared: Arc<Shared>, handle: SessionHandle, hello: wire::H
         return Done::Refused(refusal);
     }
     if let Some(elsewhere) = not_here(&shared, &cluster, &session) {
-        shared.registry.unregister(&cluster, &session).await;
+        shared.registry.unregister(&cluster, &session);
         return elsewhere;
     }
     // Works the agent holds are deleted over the sync, and those it is removing it releases
@@ -446,14 +445,14 @@ async fn open_session(shared: Arc<Shared>, handle: SessionHandle, hello: wire::H
     };
     for uid in unknown {
         debug!(work_uid = %uid, "deleted work the agent does not hold: released");
-        shared.finalizers.release(&cluster, &uid, None).await;
+        shared.finalizers.release(&cluster, &uid, None);
     }
     shared.desired.wait_loaded(&cluster).await;
-    let mut snapshot = shared.desired.snapshot(&cluster).await;
+    let mut snapshot = shared.desired.snapshot(&cluster);
     let held: Vec<&str> = hello.held.iter().map(|h| h.uid.as_str()).collect();
     if let Err(e) = keep_unseen_works(&shared, &cluster, &held, &mut snapshot).await {
         warn!(error = %e, "cannot confirm which of the cluster's works are gone: the session waits");
-        shared.registry.unregister(&cluster, &session).await;
+        shared.registry.unregister(&cluster, &session);
         return Done::Redirected {
             retry_after: spread_over(shared.config.drain_window, &session),
             redirect: None,

@@ -78,7 +78,7 @@ impl CleanupFinalizers {
 
     /// The agent of `cluster` acknowledged work `uid` (`name`), which has no cleanup finalizer
     /// yet: add it. Ignored while a release of the work is pending.
-    pub async fn hold(&self, cluster: &str, name: &str, uid: &str) {
+    pub fn hold(&self, cluster: &str, name: &str, uid: &str) {
         self.queue.submit(
             uid,
             Pending {
@@ -93,7 +93,7 @@ impl CleanupFinalizers {
 
     /// The agent of `cluster` released work `uid`: remove its cleanup finalizer and then
     /// acknowledge on `reporter`'s session (`None`: tell no one).
-    pub async fn release(&self, cluster: &str, uid: &str, reporter: Option<&Arc<Mailbox>>) {
+    pub fn release(&self, cluster: &str, uid: &str, reporter: Option<&Arc<Mailbox>>) {
         let reporter = reporter.map_or_else(Weak::new, Arc::downgrade);
         self.queue.submit(
             uid,
@@ -140,7 +140,7 @@ impl StoreWrite<Pending> for ToStore<'_> {
                 if done.is_ok()
                     && let Some(mailbox) = reporter.upgrade()
                 {
-                    mailbox.release_ack(&p.uid).await;
+                    mailbox.release_ack(&p.uid);
                 }
                 done
             }
@@ -304,7 +304,7 @@ mod tests {
             desired.lacks_cleanup_finalizer("store-1", &uid).await,
             Some("web".into())
         );
-        finalizers.hold("store-1", "web", &uid).await;
+        finalizers.hold("store-1", "web", &uid);
         eventually("the finalizer added", || async {
             desired
                 .lacks_cleanup_finalizer("store-1", &uid)
@@ -330,7 +330,7 @@ mod tests {
 
         // Another cluster's session cannot release it.
         let stranger = Arc::new(Mailbox::default());
-        finalizers.release("store-2", &uid, Some(&stranger)).await;
+        finalizers.release("store-2", &uid, Some(&stranger));
         tokio::time::timeout(Duration::from_secs(10), stranger.ready())
             .await
             .expect("an ack: nothing of store-2's to release");
@@ -338,11 +338,11 @@ mod tests {
 
         // Its agent releases it: the work goes, then the agent hears so.
         let reporter = Arc::new(Mailbox::default());
-        finalizers.release("store-1", &uid, Some(&reporter)).await;
+        finalizers.release("store-1", &uid, Some(&reporter));
         tokio::time::timeout(Duration::from_secs(10), reporter.ready())
             .await
             .expect("the release acknowledged");
-        assert_eq!(reporter.take().await.release_acks, [uid]);
+        assert_eq!(reporter.take().release_acks, [uid]);
         assert!(stored().await.is_none(), "gone once released");
         let _ = stop_tx.send(true);
     }

@@ -212,7 +212,7 @@ impl HealthWriter {
                     match report {
                         HealthReport::Connected { cluster, session, hello } => {
                             presence.connected(&cluster, &session);
-                            let recorded = self.admissions.get(&cluster).await.map(|a| a.health);
+                            let recorded = self.admissions.get(&cluster).map(|a| a.health);
                             if !marked_unknown.contains(&cluster)
                                 && recorded.is_some_and(|h| h.already_shows(&hello))
                             {
@@ -244,7 +244,7 @@ impl HealthWriter {
                             if last_info.get(&cluster) == Some(&*info) {
                                 continue;
                             }
-                            let recorded = self.admissions.get(&cluster).await.map(|a| a.health);
+                            let recorded = self.admissions.get(&cluster).map(|a| a.health);
                             if recorded.is_some_and(|h| h.shows_info(&info)) {
                                 debug!(cluster, "cluster info unchanged: nothing to write");
                                 continue;
@@ -759,7 +759,6 @@ mod tests {
         let cached_available = || async {
             admissions
                 .get("store-1")
-                .await
                 .is_some_and(|a| a.health.available)
         };
         let grace = Duration::from_millis(50);
@@ -860,7 +859,6 @@ mod tests {
         eventually("the cache sees the claims", || async {
             admissions
                 .get("store-1")
-                .await
                 .is_some_and(|a| a.health.claims.len() == 2)
         })
         .await;

@@ -21,6 +21,7 @@ pub mod desired;
 mod driver;
 pub mod finalizers;
 pub mod health;
+mod locks;
 pub mod mailbox;
 pub mod metrics;
 pub mod process;

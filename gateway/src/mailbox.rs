@@ -5,7 +5,9 @@
 use std::collections::{HashMap, HashSet};
 
 use flotilla_proto::session::DesiredWork;
-use tokio::sync::{Mutex, Notify};
+
+use crate::locks::{SyncMutex, lock};
+use tokio::sync::Notify;
 
 /// A change to one work, as the driver will hand it to the protocol machine.
 #[derive(Clone, Debug, PartialEq)]
@@ -61,24 +63,25 @@ pub struct Delivery {
     pub open_tunnels: Vec<String>,
 }
 
+/// A blocking lock (see [`crate::locks`]).
 #[derive(Default)]
 pub struct Mailbox {
-    pending: Mutex<Pending>,
+    pending: SyncMutex<Pending>,
     notify: Notify,
 }
 
 impl Mailbox {
-    pub async fn work(&self, change: WorkChange) {
+    pub fn work(&self, change: WorkChange) {
         let uid = match &change {
             WorkChange::Upsert(w) => w.uid.clone(),
             WorkChange::Delete { uid, .. } => uid.clone(),
         };
-        self.pending.lock().await.works.insert(uid, change);
+        lock(&self.pending).works.insert(uid, change);
         self.notify.notify_one();
     }
 
-    pub async fn status_ack(&self, uid: &str, seq: u64) {
-        let mut pending = self.pending.lock().await;
+    pub fn status_ack(&self, uid: &str, seq: u64) {
+        let mut pending = lock(&self.pending);
         let entry = pending.status_acks.entry(uid.to_string()).or_insert(seq);
         *entry = (*entry).max(seq);
         drop(pending);
@@ -86,34 +89,30 @@ impl Mailbox {
     }
 
     /// Acknowledges the agent's release of work `uid` (`ReleaseAck`).
-    pub async fn release_ack(&self, uid: &str) {
-        self.pending
-            .lock()
-            .await
-            .release_acks
-            .insert(uid.to_string());
+    pub fn release_ack(&self, uid: &str) {
+        lock(&self.pending).release_acks.insert(uid.to_string());
         self.notify.notify_one();
     }
 
-    pub async fn close(&self, reason: impl Into<String>) {
-        self.pending.lock().await.close = Some(Closing::Close(reason.into()));
+    pub fn close(&self, reason: impl Into<String>) {
+        lock(&self.pending).close = Some(Closing::Close(reason.into()));
         self.notify.notify_one();
     }
 
     /// Ends the session because its cluster is no longer admitted.
-    pub async fn refuse(&self, refusal: flotilla_proto::wire::Refusal, reason: impl Into<String>) {
-        self.pending.lock().await.close = Some(Closing::Refuse(refusal, reason.into()));
+    pub fn refuse(&self, refusal: flotilla_proto::wire::Refusal, reason: impl Into<String>) {
+        lock(&self.pending).close = Some(Closing::Refuse(refusal, reason.into()));
         self.notify.notify_one();
     }
 
     /// Ends the session because this gateway no longer acts for its shard (see [`Closing::Drain`]).
-    pub async fn drain(
+    pub fn drain(
         &self,
         retry_after: std::time::Duration,
         redirect: Option<String>,
         reason: impl Into<String>,
     ) {
-        self.pending.lock().await.close = Some(Closing::Drain {
+        lock(&self.pending).close = Some(Closing::Drain {
             retry_after,
             redirect,
             reason: reason.into(),
@@ -121,14 +120,14 @@ impl Mailbox {
         self.notify.notify_one();
     }
 
-    pub async fn trust_bundle(&self, ca_bundle_pem: String) {
-        self.pending.lock().await.trust_bundle = Some(ca_bundle_pem);
+    pub fn trust_bundle(&self, ca_bundle_pem: String) {
+        lock(&self.pending).trust_bundle = Some(ca_bundle_pem);
         self.notify.notify_one();
     }
 
     /// Asks the agent to open tunnel `id` (`OpenTunnel`).
-    pub async fn open_tunnel(&self, id: impl Into<String>) {
-        self.pending.lock().await.open_tunnels.push(id.into());
+    pub fn open_tunnel(&self, id: impl Into<String>) {
+        lock(&self.pending).open_tunnels.push(id.into());
         self.notify.notify_one();
     }
 
@@ -137,8 +136,8 @@ impl Mailbox {
         self.notify.notified().await;
     }
 
-    pub async fn take(&self) -> Delivery {
-        let mut pending = self.pending.lock().await;
+    pub fn take(&self) -> Delivery {
+        let mut pending = lock(&self.pending);
         Delivery {
             works: pending.works.drain().map(|(_, c)| c).collect(),
             status_acks: pending.status_acks.drain().collect(),
@@ -166,19 +165,18 @@ mod tests {
     async fn coalesces_per_work_and_keeps_the_highest_ack() {
         let mb = Mailbox::default();
         for g in 1..=10 {
-            mb.work(update("a", g)).await;
+            mb.work(update("a", g));
         }
-        mb.work(update("b", 1)).await;
+        mb.work(update("b", 1));
         mb.work(WorkChange::Delete {
             uid: "b".into(),
             namespace: "c".into(),
             name: "w".into(),
-        })
-        .await;
-        mb.status_ack("a", 7).await;
-        mb.status_ack("a", 5).await;
+        });
+        mb.status_ack("a", 7);
+        mb.status_ack("a", 5);
         mb.ready().await; // a permit is stored: returns at once
-        let mut got = mb.take().await;
+        let mut got = mb.take();
         got.works.sort_by_key(|c| format!("{c:?}"));
         assert_eq!(got.works.len(), 2);
         assert!(got.works.contains(&update("a", 10)));
@@ -188,6 +186,6 @@ mod tests {
                 .any(|c| matches!(c, WorkChange::Delete { uid, .. } if uid == "b"))
         );
         assert_eq!(got.status_acks, vec![("a".to_string(), 7)]);
-        assert!(mb.take().await.works.is_empty());
+        assert!(mb.take().works.is_empty());
     }
 }

@@ -1,11 +1,10 @@
 //! The live session of each cluster on this gateway, reachable through its mailbox.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::SystemTime;
 
-use tokio::sync::RwLock;
-
+use crate::locks::{read, write};
 use crate::mailbox::{Mailbox, WorkChange};
 
 #[derive(Clone)]
@@ -39,6 +38,7 @@ pub enum SessionPresence {
 
 /// One session per cluster: a newer session of the same cluster replaces the older one (the
 /// agent restarted, or its old TCP connection is a zombie the agent gave up on).
+/// Blocking locks (see [`crate::locks`]).
 #[derive(Default)]
 pub struct Registry {
     sessions: RwLock<HashMap<String, SessionHandle>>,
@@ -55,23 +55,23 @@ pub const MAX_DEPARTURES: usize = 1_000_000;
 
 impl Registry {
     /// Registers a session and returns the one it replaces, if any.
-    pub async fn register(&self, cluster: &str, handle: SessionHandle) -> Option<SessionHandle> {
-        self.departed.write().await.remove(cluster);
-        self.sessions
-            .write()
-            .await
-            .insert(cluster.to_string(), handle)
+    pub fn register(&self, cluster: &str, handle: SessionHandle) -> Option<SessionHandle> {
+        let mut sessions = write(&self.sessions);
+        write(&self.departed).remove(cluster);
+        sessions.insert(cluster.to_string(), handle)
     }
 
     /// Removes the cluster's entry if it is still this session.
-    pub async fn unregister(&self, cluster: &str, session_id: &str) {
-        let mut sessions = self.sessions.write().await;
+    pub fn unregister(&self, cluster: &str, session_id: &str) {
+        let mut sessions = write(&self.sessions);
         if sessions
             .get(cluster)
             .is_some_and(|h| h.session_id == session_id)
         {
             sessions.remove(cluster);
-            let mut departed = self.departed.write().await;
+            // Both locks, sessions first, as in `register`: a cluster is never both present
+            // and departed.
+            let mut departed = write(&self.departed);
             if departed.len() < MAX_DEPARTURES {
                 departed.insert(cluster.to_string(), SystemTime::now());
             }
@@ -80,46 +80,47 @@ impl Registry {
 
     /// When `cluster`'s last session here ended, if it has none now and had one since this
     /// gateway started.
-    pub async fn departed(&self, cluster: &str) -> Option<SystemTime> {
-        self.departed.read().await.get(cluster).copied()
+    pub fn departed(&self, cluster: &str) -> Option<SystemTime> {
+        read(&self.departed).get(cluster).copied()
     }
 
     /// Whether `cluster` has a session here, or when its last one ended; `None` when it has had
     /// none since this gateway started.
-    pub async fn presence(&self, cluster: &str) -> Option<SessionPresence> {
-        if let Some(h) = self.sessions.read().await.get(cluster) {
-            return Some(SessionPresence::Connected {
+    pub fn presence(&self, cluster: &str) -> Option<SessionPresence> {
+        let connected = read(&self.sessions)
+            .get(cluster)
+            .map(|h| SessionPresence::Connected {
                 carrier: h.carrier,
                 since: h.established,
             });
-        }
-        self.departed(cluster)
-            .await
-            .map(|at| SessionPresence::Departed { at })
+        connected.or_else(|| {
+            self.departed(cluster)
+                .map(|at| SessionPresence::Departed { at })
+        })
     }
 
-    pub async fn get(&self, cluster: &str) -> Option<SessionHandle> {
-        self.sessions.read().await.get(cluster).cloned()
+    pub fn get(&self, cluster: &str) -> Option<SessionHandle> {
+        read(&self.sessions).get(cluster).cloned()
     }
 
     /// Hands a desired-state change to the cluster's session, if it has one here. Clusters
     /// without a session get it at their next hello (resume), from the watch cache.
-    pub async fn deliver(&self, cluster: &str, change: WorkChange) {
-        if let Some(h) = self.get(cluster).await {
-            h.mailbox.work(change).await;
+    pub fn deliver(&self, cluster: &str, change: WorkChange) {
+        if let Some(h) = self.get(cluster) {
+            h.mailbox.work(change);
         }
     }
 
-    pub async fn is_empty(&self) -> bool {
-        self.sessions.read().await.is_empty()
+    pub fn is_empty(&self) -> bool {
+        read(&self.sessions).is_empty()
     }
 
-    pub async fn len(&self) -> usize {
-        self.sessions.read().await.len()
+    pub fn len(&self) -> usize {
+        read(&self.sessions).len()
     }
 
     /// Every live session, for shutdown.
-    pub async fn all(&self) -> Vec<SessionHandle> {
-        self.sessions.read().await.values().cloned().collect()
+    pub fn all(&self) -> Vec<SessionHandle> {
+        read(&self.sessions).values().cloned().collect()
     }
 }

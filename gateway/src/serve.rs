@@ -284,13 +284,13 @@ impl Gateway {
     }
 
     /// Sends the hub's current CA bundle to every live session (after a CA rotation).
-    pub async fn push_trust_bundle(&self) {
+    pub fn push_trust_bundle(&self) {
         let Some(certs) = &self.shared.certificates else {
             return;
         };
         let bundle = certs.ca_bundle();
-        for h in self.shared.registry.all().await {
-            h.mailbox.trust_bundle(bundle.clone()).await;
+        for h in self.shared.registry.all() {
+            h.mailbox.trust_bundle(bundle.clone());
         }
     }
 
@@ -345,17 +345,14 @@ impl Gateway {
     }
 
     /// Number of live sessions.
-    pub async fn session_count(&self) -> usize {
-        self.shared.registry.len().await
+    pub fn session_count(&self) -> usize {
+        self.shared.registry.len()
     }
 
     /// Whether `cluster` holds a session on this gateway (and on which carrier, since when), or
     /// when its last one here ended.
-    pub async fn session_presence(
-        &self,
-        cluster: &str,
-    ) -> Option<crate::registry::SessionPresence> {
-        self.shared.registry.presence(cluster).await
+    pub fn session_presence(&self, cluster: &str) -> Option<crate::registry::SessionPresence> {
+        self.shared.registry.presence(cluster)
     }
 
     /// Replaces the shard view, as a lease round would.
@@ -373,8 +370,8 @@ impl Gateway {
     /// stream, or a `Fleet.Tunnel` call the session asks the agent to open).
     pub async fn open_tunnel(&self, cluster: &str, id: &str) -> Result<TunnelStream, TunnelError> {
         let registry = &self.shared.registry;
-        let Some(handle) = registry.get(cluster).await else {
-            let away = match registry.departed(cluster).await {
+        let Some(handle) = registry.get(cluster) else {
+            let away = match registry.departed(cluster) {
                 Some(at) => Away::Since(at),
                 None => Away::NotSince(self.shared.started),
             };
@@ -386,7 +383,8 @@ impl Gateway {
         let within = self.shared.config.tunnel_open_timeout;
         let opening = handle.tunnels.open(id, within);
         if handle.tunnels.needs_open_tunnel_frame() {
-            let ask = handle.mailbox.open_tunnel(id);
+            // The tunnel is awaited (first poll) before the agent is asked to open it.
+            let ask = async { handle.mailbox.open_tunnel(id) };
             let (opened, ()) = tokio::join!(opening, ask);
             opened
         } else {

@@ -9,10 +9,11 @@ use std::time::Duration;
 
 use flotilla_proto::api::{Kind, ManifestWorkStatus};
 use flotilla_store::{Store, StoreError};
-use tokio::sync::{Mutex, watch};
+use tokio::sync::watch;
 use tracing::{debug, warn};
 
 use crate::desired::DesiredState;
+use crate::locks::{SyncMutex, lock};
 use crate::mailbox::Mailbox;
 use crate::shards::ShardViews;
 use crate::writes::{Coalesce, Outcome, StoreWrite, WriteBudget, WriteQueue};
@@ -62,7 +63,7 @@ pub struct StatusWriter {
     queue: WriteQueue<PendingStatus>,
     /// Highest seq stored per work uid (with the work's cluster), to drop stale reports (a
     /// reconnecting agent resends its outbox). Pruned of deleted works every [`PRUNE_EVERY`].
-    written: Mutex<HashMap<String, Written>>,
+    written: SyncMutex<HashMap<String, Written>>,
     prune_every: Duration,
     /// The shards this gateway acts for: a status of any other shard's cluster is not written
     /// nor acknowledged, so the agent keeps it and reports it to the shard's owner.
@@ -89,7 +90,7 @@ impl StatusWriter {
     ) -> Arc<StatusWriter> {
         Arc::new(StatusWriter {
             queue: WriteQueue::new("work status", budget, concurrency, shards.clone()),
-            written: Mutex::new(HashMap::new()),
+            written: SyncMutex::new(HashMap::new()),
             prune_every: PRUNE_EVERY,
             shards,
         })
@@ -128,19 +129,14 @@ impl StatusWriter {
             status,
             reporter: Arc::downgrade(reporter),
         };
-        let stored = self
-            .written
-            .lock()
-            .await
-            .get(uid)
-            .is_some_and(|w| w.seq >= seq);
+        let stored = lock(&self.written).get(uid).is_some_and(|w| w.seq >= seq);
         if stored
             && self
                 .shards
                 .borrow()
                 .holds_cluster(cluster, tokio::time::Instant::now())
         {
-            ack(&pending).await;
+            ack(&pending);
             return Ok(());
         }
         self.queue.submit(uid, pending);
@@ -178,20 +174,17 @@ impl StatusWriter {
 /// Writes statuses to the store and records the seqs stored.
 struct ToStore<'a> {
     store: &'a dyn Store,
-    written: &'a Mutex<HashMap<String, Written>>,
+    written: &'a SyncMutex<HashMap<String, Written>>,
 }
 
 impl StoreWrite<PendingStatus> for ToStore<'_> {
     async fn write(&self, _uid: &str, p: &PendingStatus) -> Outcome {
-        if self
-            .written
-            .lock()
-            .await
+        if lock(self.written)
             .get(&p.uid)
             .is_some_and(|w| w.seq >= p.seq)
         {
             // Already stored (a resend after reconnect): just acknowledge again.
-            ack(p).await;
+            ack(p);
             return Outcome::Done;
         }
         match self
@@ -210,15 +203,15 @@ impl StoreWrite<PendingStatus> for ToStore<'_> {
                     cluster: p.cluster.clone(),
                     seq: p.seq,
                 };
-                self.written.lock().await.insert(p.uid.clone(), written);
+                lock(self.written).insert(p.uid.clone(), written);
                 debug!(cluster = %p.cluster, work = %p.name, seq = p.seq, "work status stored");
-                ack(p).await;
+                ack(p);
                 Outcome::Done
             }
             Err(StoreError::NotFound { .. }) => {
                 // The work was deleted meanwhile: its status has nowhere to go. Acknowledge
                 // so the agent stops resending it.
-                ack(p).await;
+                ack(p);
                 Outcome::Done
             }
             Err(e) => {
@@ -233,7 +226,7 @@ impl StatusWriter {
     /// Forgets the stored seqs of works the desired state no longer has.
     async fn prune(&self, desired: &DesiredState) {
         let entries: Vec<(String, Written)> = {
-            let written = self.written.lock().await;
+            let written = lock(&self.written);
             written
                 .iter()
                 .map(|(uid, w)| (uid.clone(), w.clone()))
@@ -246,7 +239,7 @@ impl StatusWriter {
             }
         }
         if !gone.is_empty() {
-            let mut written = self.written.lock().await;
+            let mut written = lock(&self.written);
             for uid in &gone {
                 written.remove(uid);
             }
@@ -259,8 +252,8 @@ impl StatusWriter {
 
     /// Works whose stored seq is remembered (for tests).
     #[cfg(test)]
-    async fn remembered(&self) -> Vec<String> {
-        let mut uids: Vec<String> = self.written.lock().await.keys().cloned().collect();
+    fn remembered(&self) -> Vec<String> {
+        let mut uids: Vec<String> = lock(&self.written).keys().cloned().collect();
         uids.sort();
         uids
     }
@@ -268,9 +261,9 @@ impl StatusWriter {
 
 /// Acknowledges `p` on the session that reported it, if that session is still alive; if not,
 /// the agent reports the status again on its next session and gets the ack there.
-async fn ack(p: &PendingStatus) {
+fn ack(p: &PendingStatus) {
     if let Some(mailbox) = p.reporter.upgrade() {
-        mailbox.status_ack(&p.uid, p.seq).await;
+        mailbox.status_ack(&p.uid, p.seq);
     }
 }
 
@@ -345,8 +338,8 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(10), ours.ready())
             .await
             .expect("the held shard's status acknowledged");
-        assert_eq!(ours.take().await.status_acks, vec![(uids[0].clone(), 1)]);
-        assert!(theirs.take().await.status_acks.is_empty(), "not acked");
+        assert_eq!(ours.take().status_acks, vec![(uids[0].clone(), 1)]);
+        assert!(theirs.take().status_acks.is_empty(), "not acked");
         assert_eq!(writer.pending_len(), 0, "dropped, not kept for later");
         let stored = |cluster: String| {
             let store = store.clone();
@@ -405,7 +398,7 @@ mod tests {
             both
         };
         eventually("both statuses stored", || async {
-            writer.remembered().await == both
+            writer.remembered() == both
         })
         .await;
 
@@ -423,7 +416,7 @@ mod tests {
             .await
             .unwrap();
         eventually("the deleted work is forgotten", || async {
-            writer.remembered().await == [kept.clone()]
+            writer.remembered() == [kept.clone()]
         })
         .await;
         let _ = stop_tx.send(true);
@@ -471,8 +464,8 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(10), second.ready())
             .await
             .expect("the second session got an ack");
-        assert_eq!(second.take().await.status_acks, vec![(uid.clone(), 3)]);
-        assert!(first.take().await.status_acks.is_empty());
+        assert_eq!(second.take().status_acks, vec![(uid.clone(), 3)]);
+        assert!(first.take().status_acks.is_empty());
         // A later report of a stored seq (the agent's third session) is acked again, there.
         let third = Arc::new(Mailbox::default());
         writer
@@ -482,7 +475,7 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(10), third.ready())
             .await
             .expect("the third session got an ack");
-        assert_eq!(third.take().await.status_acks, vec![(uid, 3)]);
+        assert_eq!(third.take().status_acks, vec![(uid, 3)]);
         let _ = stop_tx.send(true);
     }
 }

@@ -30,6 +30,7 @@ use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 use tracing::debug;
 
+use crate::locks::{SyncMutex, lock};
 use crate::shards::ShardViews;
 
 /// Default of `--status-writes-per-second`: the gateway's store writes per second, all queues.
@@ -91,10 +92,6 @@ pub struct WriteQueue<V> {
     shards: ShardViews,
 }
 
-/// Held for a few map operations, never across an await.
-#[allow(clippy::disallowed_types)]
-type SyncMutex<T> = std::sync::Mutex<T>;
-
 struct State<V> {
     /// The value waiting per key: ready, or waiting for a retry.
     pending: HashMap<String, V>,
@@ -136,9 +133,7 @@ impl<V: Coalesce> WriteQueue<V> {
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State<V>> {
-        self.state
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.state)
     }
 
     /// Queues `value` for `key`, folded into the value already waiting, if any.
@@ -357,7 +352,7 @@ mod tests {
             }
         }
         fn seen(&self) -> std::sync::MutexGuard<'_, Seen> {
-            self.seen.lock().unwrap()
+            lock(&self.seen)
         }
     }
 

@@ -519,7 +519,7 @@ async fn follow_ca_rotation(
                     tracing::error!(error = %e, "cannot give QUIC the new CA's TLS configuration");
                 }
                 agent_tls.send_replace(tls);
-                gateway.push_trust_bundle().await;
+                gateway.push_trust_bundle();
                 info!("agents' listener now serves from the new CA; sessions told the new bundle");
             }
             Err(e) => {

@@ -186,7 +186,7 @@ impl JoinService {
         let mut changes = self.admissions.changes();
         let mut told_pending = false;
         loop {
-            let admission = match self.admissions.get(&cluster).await {
+            let admission = match self.admissions.get(&cluster) {
                 Some(a) => Some(a),
                 // The cache may not have seen our own write yet: ask the store.
                 None => self

@@ -41,12 +41,13 @@ pub enum ShardSet {
 }
 
 impl ShardSet {
-    /// What a gateway with `view` should read at `now`.
-    pub fn of(view: &ShardView, now: Instant) -> ShardSet {
+    /// What a gateway with `view` should read: the shards it keeps (held, or lapsed and not
+    /// yet dropped), so a renewal that comes late does not narrow the caches and relist.
+    pub fn of(view: &ShardView) -> ShardSet {
         if view.is_leased() {
             ShardSet::Held {
                 shards: view.shards,
-                held: view.held(now).into_iter().collect(),
+                held: view.kept().into_iter().collect(),
             }
         } else {
             ShardSet::All
@@ -181,7 +182,7 @@ pub async fn follow_shards(
     mut views: ShardViews,
     mut stop: watch::Receiver<bool>,
 ) {
-    let mut set = ShardSet::of(&views.borrow_and_update(), Instant::now());
+    let mut set = ShardSet::of(&views.borrow_and_update());
     loop {
         cache.load().narrow(&set);
         cache.retain(&set).await;
@@ -214,7 +215,7 @@ async fn next_set(
             let _ = stop.wait_for(|s| *s).await;
             return None;
         }
-        if ShardSet::of(&views.borrow_and_update(), Instant::now()) == *current {
+        if ShardSet::of(&views.borrow_and_update()) == *current {
             continue;
         }
         let latest = Instant::now() + RESELECT_MAX_DELAY;
@@ -226,7 +227,7 @@ async fn next_set(
                 _ = stop.wait_for(|s| *s) => return None,
             }
         }
-        let settled = ShardSet::of(&views.borrow_and_update(), Instant::now());
+        let settled = ShardSet::of(&views.borrow_and_update());
         if settled != *current {
             return Some(settled);
         }

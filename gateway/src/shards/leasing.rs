@@ -95,12 +95,7 @@ impl ShardLeasing {
                         shard,
                         "handing the shard over (fair share): draining its sessions"
                     );
-                    bounded(
-                        bound,
-                        "draining a handed-over shard",
-                        drain_shard(&registry, &view, shard, drain_window),
-                    )
-                    .await;
+                    drain_shard(&registry, &view, shard, drain_window);
                 }
             }
             // Writes cut short leave their shards' fences as they were: a renewal not known to
@@ -112,12 +107,7 @@ impl ShardLeasing {
             )
             .await;
             publish(&owner, &view);
-            bounded(
-                bound,
-                "draining sessions of shards not held",
-                drain_not_held(&registry, &view, drain_window),
-            )
-            .await;
+            drain_not_held(&registry, &view, drain_window);
         }
         // Shutdown: the gateway has drained its sessions; give the shards up for the others.
         let releases = owner.release_all();
@@ -201,7 +191,9 @@ fn publish(owner: &ShardOwner, view: &watch::Sender<Arc<ShardView>>) {
     let now = Instant::now();
     let next = ShardView::leased(owner.config().shards, owner.fences(), owner.directory(now));
     view.send_if_modified(|current| {
-        let changed = current.held(now) != next.held(now) || current.directory != next.directory;
+        let changed = current.held(now) != next.held(now)
+            || current.kept() != next.kept()
+            || current.directory != next.directory;
         *current = Arc::new(next);
         changed
     });
@@ -209,66 +201,51 @@ fn publish(owner: &ShardOwner, view: &watch::Sender<Arc<ShardView>>) {
 
 /// Drains the sessions of `shard` (handover), each told to come back after its share of the
 /// window: by then the new owner holds it.
-async fn drain_shard(
+fn drain_shard(
     registry: &Registry,
     view: &watch::Sender<Arc<ShardView>>,
     shard: u32,
     window: Duration,
 ) {
     let shards = view.borrow().shards;
-    for handle in registry.all().await {
+    for handle in registry.all() {
         if flotilla_proto::contract::shard_of(&handle.cluster, shards) == shard {
             let retry_after = crate::driver::spread_over(window, &handle.session_id);
-            handle
-                .mailbox
-                .drain(
-                    retry_after,
-                    None,
-                    format!("shard {shard} is moving to another gateway"),
-                )
-                .await;
+            handle.mailbox.drain(
+                retry_after,
+                None,
+                format!("shard {shard} is moving to another gateway"),
+            );
         }
     }
 }
 
 /// Drains every session this gateway no longer acts for (a lease lost or expired), pointing
 /// each to its shard's owner when known.
-async fn drain_not_held(
-    registry: &Registry,
-    view: &watch::Sender<Arc<ShardView>>,
-    window: Duration,
-) {
+fn drain_not_held(registry: &Registry, view: &watch::Sender<Arc<ShardView>>, window: Duration) {
     let current = view.borrow().clone();
     let now = Instant::now();
-    for handle in registry.all().await {
+    for handle in registry.all() {
         match current.route(&handle.cluster, now) {
             Route::Here { .. } => {}
             Route::Elsewhere {
                 shard,
                 owner,
                 address,
-            } => {
-                handle
-                    .mailbox
-                    .drain(
-                        Duration::ZERO,
-                        Some(address),
-                        format!("shard {shard} is now held by gateway {owner}"),
-                    )
-                    .await
-            }
+            } => handle.mailbox.drain(
+                Duration::ZERO,
+                Some(address),
+                format!("shard {shard} is now held by gateway {owner}"),
+            ),
             // A renewal late, not lost: the next round renews it or drops it.
             Route::Unowned { .. } if current.lapsed(&handle.cluster, now) => {}
             Route::Unowned { shard } => {
                 let retry_after = crate::driver::spread_over(window, &handle.session_id);
-                handle
-                    .mailbox
-                    .drain(
-                        retry_after,
-                        None,
-                        format!("this gateway no longer holds shard {shard}"),
-                    )
-                    .await
+                handle.mailbox.drain(
+                    retry_after,
+                    None,
+                    format!("this gateway no longer holds shard {shard}"),
+                )
             }
         }
     }

@@ -181,6 +181,16 @@ impl ShardView {
         }
     }
 
+    /// The shards this gateway has claimed and not lost: held, or lapsed (a renewal late) and
+    /// still to be renewed or dropped by the next lease round (every shard without leases).
+    /// The watch caches keep these: a late renewal must not cost a relist of its shards.
+    pub fn kept(&self) -> Vec<u32> {
+        match &self.fences {
+            None => (0..self.shards).collect(),
+            Some(fences) => fences.keys().copied().collect(),
+        }
+    }
+
     /// The shards held at `now` (every shard without leases).
     pub fn held(&self, now: Instant) -> Vec<u32> {
         (0..self.shards)

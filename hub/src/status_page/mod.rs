@@ -68,7 +68,7 @@ pub trait LiveSessions: Send + Sync {
 #[async_trait]
 impl LiveSessions for flotilla_gateway::Gateway {
     async fn presence(&self, cluster: &str) -> Option<SessionPresence> {
-        self.session_presence(cluster).await
+        self.session_presence(cluster)
     }
 }
 
