@@ -342,6 +342,7 @@ pub async fn run(
             store,
             Some(registration),
             Some(status_page),
+            config.shards.shards,
             stopped(stop_rx.clone()),
         )
         .err_into(),

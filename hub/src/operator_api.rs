@@ -30,6 +30,10 @@ use crate::tokens::{BootstrapTokens, TokenRecord};
 struct ApiState {
     store: Arc<dyn Store>,
     registration: Option<Arc<RegistrationApi>>,
+    /// Virtual shards of the fleet: ManagedClusters and ManifestWorks written here carry their
+    /// shard label from the first write, so no gateway's selected watch misses them and the
+    /// labeller has nothing to correct.
+    shards: u32,
 }
 
 /// What the registration endpoints (`/registration/v1/...`: tokens, accept, deny, CA
@@ -46,7 +50,7 @@ pub struct RegistrationApi {
 
 /// The routes, independent of transport (tests call them in-process).
 pub fn router(store: Arc<dyn Store>) -> Router {
-    router_with(store, None, None)
+    router_with(store, None, None, flotilla_proto::contract::DEFAULT_SHARDS)
 }
 
 /// The routes, with the registration endpoints when `registration` is given and the fleet
@@ -55,6 +59,7 @@ pub fn router_with(
     store: Arc<dyn Store>,
     registration: Option<Arc<RegistrationApi>>,
     status_page: Option<StatusPage>,
+    shards: u32,
 ) -> Router {
     let api = Router::new()
         .route("/healthz", get(|| async { "ok" }))
@@ -112,6 +117,7 @@ pub fn router_with(
         .with_state(ApiState {
             store,
             registration,
+            shards,
         });
     let app = match status_page {
         Some(page) => api.merge(page.router()),
@@ -131,9 +137,10 @@ pub async fn serve(
     store: Arc<dyn Store>,
     registration: Option<Arc<RegistrationApi>>,
     status_page: Option<StatusPage>,
+    shards: u32,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ServeError> {
-    let app = router_with(store, registration, status_page);
+    let app = router_with(store, registration, status_page, shards);
     // Every connection is owned here: on shutdown, requests in flight get a moment to finish
     // and the rest are cut, so the hub's exit never waits on an idle keep-alive connection.
     let mut connections = JoinSet::new();
@@ -523,6 +530,7 @@ async fn write(
     {
         return store_error(e);
     }
+    crate::controllers::shard_labels::stamp(&mut body, s.shards);
     let result = match how {
         Write::Create => s.store.create(body).await,
         Write::Replace => s.store.update_spec(body).await,
@@ -856,7 +864,9 @@ async fn register_dev_key(
         );
     }
     warn!(cluster = %name, "cluster registered with a development certificate (no join)");
-    cluster_op(registration::register_dev_key(s.store.as_ref(), &name, &body.key_sha256).await)
+    cluster_op(
+        registration::register_dev_key(s.store.as_ref(), &name, &body.key_sha256, s.shards).await,
+    )
 }
 
 fn ca_view(ca: &crate::ca::Ca) -> Value {
@@ -945,5 +955,95 @@ async fn ca_change(
         }
         Err(e @ crate::ca::CaError::BadRequest(_)) => error(StatusCode::CONFLICT, e.to_string()),
         Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use flotilla_proto::contract::{SHARD_LABEL, shard_label_value, shard_of};
+    use flotilla_store::SledStore;
+    use serde_json::json;
+
+    use super::*;
+
+    const SHARDS: u32 = 64;
+
+    fn state(dir: &std::path::Path) -> ApiState {
+        ApiState {
+            store: Arc::new(SledStore::open(dir).unwrap()),
+            registration: None,
+            shards: SHARDS,
+        }
+    }
+
+    fn work(name: &str, labels: Value) -> Value {
+        json!({
+            "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
+            "metadata": {"name": name, "labels": labels},
+            "spec": {"workload": {"manifests": [
+                {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "namespace": "default"}}
+            ]}},
+        })
+    }
+
+    async fn shard_label_of(s: &ApiState, name: &str) -> Option<String> {
+        let stored = s
+            .store
+            .get(Kind::ManifestWork, Some("store-7"), name)
+            .await
+            .unwrap()
+            .expect("stored");
+        stored["metadata"]["labels"][SHARD_LABEL]
+            .as_str()
+            .map(str::to_owned)
+    }
+
+    /// A work written through the API carries its cluster's shard label from its first write,
+    /// whatever the body said: a gateway's selected watch sees it at once, and the labeller has
+    /// no second write to make.
+    #[tokio::test]
+    async fn works_written_here_carry_their_shard_label() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = state(dir.path());
+        s.store.ensure_namespace("store-7").await.unwrap();
+        let want = shard_label_value(shard_of("store-7", SHARDS));
+        let (group, version, plural) = ("work.open-cluster-management.io", "v1", "manifestworks");
+
+        let created = write(
+            s.clone(),
+            Write::Create,
+            group,
+            version,
+            plural,
+            Some("store-7"),
+            None,
+            work("web", json!({"app": "web"})),
+        )
+        .await;
+        assert_eq!(created.status(), StatusCode::CREATED);
+        assert_eq!(
+            shard_label_of(&s, "web").await.as_deref(),
+            Some(want.as_str())
+        );
+
+        // A replace that drops the label, or names another shard, gets the right one back.
+        for labels in [json!({"app": "web"}), json!({SHARD_LABEL: "99"})] {
+            let replaced = write(
+                s.clone(),
+                Write::Replace,
+                group,
+                version,
+                plural,
+                Some("store-7"),
+                Some("web"),
+                work("web", labels),
+            )
+            .await;
+            assert_eq!(replaced.status(), StatusCode::OK);
+            assert_eq!(
+                shard_label_of(&s, "web").await.as_deref(),
+                Some(want.as_str())
+            );
+        }
     }
 }

@@ -493,13 +493,15 @@ pub async fn register_dev_key(
     store: &dyn Store,
     cluster: &str,
     key_sha256: &str,
+    shards: u32,
 ) -> Result<Value, ClusterOpError> {
-    let mc = json!({
+    let mut mc = json!({
         "apiVersion": Kind::ManagedCluster.api_version(),
         "kind": "ManagedCluster",
         "metadata": { "name": cluster, "annotations": { KEY_PINS_ANNOTATION: key_sha256 } },
         "spec": { "hubAcceptsClient": true, "leaseDurationSeconds": 60 },
     });
+    shard_labels::stamp(&mut mc, shards);
     store.ensure_namespace(cluster).await?;
     match store.create(mc).await {
         Ok(created) => return Ok(created),
