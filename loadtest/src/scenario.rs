@@ -351,25 +351,35 @@ impl Run {
         r.poll_interval_ms = Some(self.args.poll_interval.as_secs_f64() * 1000.0);
         let acked_before = self.sample().works_acked;
         let t0 = clock.t();
-        let created = self.create_everywhere(&name).await?;
-        r.create_s = Some(clock.t() - t0);
+        // Applied is watched from the first create on: a work applied while later ones are
+        // still being created is stamped when the hub shows it, not once all are created.
+        let creating = async {
+            let created = self.create_everywhere(&name).await?;
+            anyhow::Ok((created, clock.t() - t0))
+        };
         let bar = self.bar("fanout", n);
-        let mut applied_at: HashMap<String, Stamp> = HashMap::new();
-        let mut done = false;
-        while !clock.expired() {
-            let now = clock::now();
-            for cluster in self.applied_on_hub(&name).await? {
-                applied_at.entry(cluster).or_insert(now);
+        let watching = async {
+            let mut applied_at: HashMap<String, Stamp> = HashMap::new();
+            while !clock.expired() {
+                // Stamped when the list has come back: never earlier than the hub showed it.
+                let applied = self.applied_on_hub(&name).await?;
+                let now = clock::now();
+                for cluster in applied {
+                    applied_at.entry(cluster).or_insert(now);
+                }
+                let acked = self.sample().works_acked - acked_before;
+                bar.set_position(applied_at.len() as u64);
+                bar.set_message(format!("Applied on the hub, {acked} acked by agents"));
+                if acked >= n && applied_at.len() as u64 >= n {
+                    return anyhow::Ok((applied_at, true));
+                }
+                tokio::time::sleep(self.args.poll_interval).await;
             }
-            let acked = self.sample().works_acked - acked_before;
-            bar.set_position(applied_at.len() as u64);
-            bar.set_message(format!("Applied on the hub, {acked} acked by agents"));
-            if acked >= n && applied_at.len() as u64 >= n {
-                done = true;
-                break;
-            }
-            tokio::time::sleep(self.args.poll_interval).await;
-        }
+            anyhow::Ok((applied_at, false))
+        };
+        let ((created, create_s), (applied_at, done)) =
+            futures::future::try_join(creating, watching).await?;
+        r.create_s = Some(create_s);
         bar.finish_and_clear();
         let records = self.records().await?;
         let mut ack_us = Vec::new();
