@@ -186,6 +186,17 @@ pub async fn follow_shards(
     loop {
         cache.load().narrow(&set);
         cache.retain(&set).await;
+        if set.count() == Some(0) {
+            // Nothing held yet (a gateway starting, before its first lease round): nothing to
+            // read, and a list and watch of nothing would still cost the apiserver two requests.
+            cache.replace(Vec::new(), &set).await;
+            cache.load().loaded_now(&set);
+            match next_set(&mut views, &set, &mut stop).await {
+                Some(next) => set = next,
+                None => return,
+            }
+            continue;
+        }
         let selection = set.selection();
         info!(%kind, %selection, shards = ?set.count(), "watching the store for this gateway's shards");
         let reader = Loading { cache, set: &set };
