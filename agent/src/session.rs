@@ -13,7 +13,7 @@ use flotilla_proto::wire;
 use rand::{Rng as _, SeedableRng as _};
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
-use tracing::{error, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::AgentConfig;
 use crate::apply::{ApplyTarget, KubeApplyTarget};
@@ -102,6 +102,9 @@ pub trait Observer: Send + Sync {
     /// A dial or session open failed before Welcome (the hub unreachable, a certificate or
     /// the cluster refused); the agent backs off.
     fn connection_failed(&self, _refusal: &Refusal) {}
+    /// The gateway reached named the gateway that owns this cluster's shard, `to`; the agent
+    /// goes there next.
+    fn redirected(&self, _to: &str) {}
     /// A frame arrived from the hub.
     fn frame_received(&self, _frame: &wire::HubFrame) {}
     /// A frame was queued for the hub.
@@ -376,6 +379,11 @@ async fn hold_session(
     };
     // A redirect and the delay before it, to go to once that delay has passed.
     let mut redirect: Option<(String, u32)> = None;
+    // The gateway a redirect brought the last session to: the next session dials it first
+    // (a gateway restarted in place still owns the shard), saving the configured address's
+    // redirect, a second TLS handshake per agent in a storm. Forgotten when a dial to it does
+    // not establish; then the configured address again.
+    let mut home: Option<String> = None;
     tokio::pin!(shutdown);
     loop {
         match link {
@@ -383,7 +391,12 @@ async fn hold_session(
                 tokio::select! {
                     _ = tokio::time::sleep(delay) => link = match redirect.take() {
                         Some((to, redirects)) => Link::Connecting { redirect: Some(to), redirects },
-                        None => Link::Connecting { redirect: None, redirects: 0 },
+                        None => {
+                            if let Some(home) = &home {
+                                debug!(gateway = %home, "dialling the gateway of the last session first");
+                            }
+                            Link::Connecting { redirect: home.clone(), redirects: 0 }
+                        }
                     },
                     _ = &mut shutdown => return,
                 }
@@ -428,6 +441,11 @@ async fn hold_session(
                 } else {
                     redirects
                 };
+                if established_at.is_some() {
+                    home = target;
+                } else if matches!(ended, Ended::Lost { .. }) {
+                    home = None;
+                }
                 link = match ended {
                     Ended::Shutdown => return,
                     // The gateway reached does not own this cluster's shard and named the one
@@ -439,6 +457,7 @@ async fn hold_session(
                         redirect: Some(to),
                     } if redirects < MAX_REDIRECTS => {
                         info!(gateway = %to, ?retry_after, "redirected to the gateway that owns this cluster's shard");
+                        spoke.observer.redirected(&to);
                         redirect = Some((to, redirects + 1));
                         Link::Disconnected { delay: retry_after }
                     }

@@ -161,6 +161,10 @@ pub struct ScenarioReport {
     pub handshakes_per_s: Option<f64>,
     pub peak_handshakes_per_s: Option<f64>,
     pub failed_attempts: Option<u64>,
+    /// Redirects to a shard's owner the agents followed (scale-out mode): in `connect` from
+    /// the start, in `storm`/`outage` from the stop.
+    #[serde(default)]
+    pub redirects: Option<u64>,
     pub hub_rss_before_bytes: Option<u64>,
     pub hub_rss_after_bytes: Option<u64>,
     pub hub_rss_per_session_bytes: Option<f64>,
@@ -588,6 +592,9 @@ pub fn table(report: &Report) -> String {
                     ),
                 );
                 row("failed attempts", opt(s.failed_attempts));
+                if s.redirects.is_some_and(|r| r > 0) {
+                    row("redirects followed", opt(s.redirects));
+                }
                 row(
                     "hub RSS before → after",
                     match (s.hub_rss_before_bytes, s.hub_rss_after_bytes) {
@@ -832,6 +839,9 @@ pub fn table(report: &Report) -> String {
                 row(&format!("{what} down for"), secs(s.hub_down_s));
                 row("time to 100% back", secs(s.time_to_all_back_s));
                 row("sessions re-established", opt(s.sessions_reestablished));
+                if s.redirects.is_some_and(|r| r > 0) {
+                    row("redirects followed", opt(s.redirects));
+                }
                 row(
                     "peak accept rate",
                     s.peak_accept_per_s

@@ -250,6 +250,7 @@ impl Run {
         r.connected = Some(s.connected);
         r.available_on_hub = Some(available);
         r.failed_attempts = Some(s.failed_attempts);
+        r.redirects = Some(s.redirects);
         r.handshakes_per_s = r
             .time_to_all_connected_s
             .map(|t| s.established_total as f64 / t.max(1e-3));
@@ -580,6 +581,7 @@ impl Run {
             // kill yet.
             let renewed = s.established_total - before.established_total;
             r.sessions_reestablished = Some(renewed);
+            r.redirects = Some(s.redirects - before.redirects);
             if renewed >= n && s.connected >= n && r.time_to_all_back_s.is_none() {
                 r.time_to_all_back_s = Some(stopped.elapsed().as_secs_f64());
                 back = true;

@@ -157,6 +157,9 @@ pub struct Sample {
     pub established_total: u64,
     /// Dials or session opens that failed.
     pub failed_attempts: u64,
+    /// Redirects to a shard's owning gateway followed (scale-out mode).
+    #[serde(default)]
+    pub redirects: u64,
     pub frames_in: u64,
     pub bytes_in: u64,
     pub frames_out: u64,
@@ -268,6 +271,7 @@ impl Sample {
         self.connected += o.connected;
         self.established_total += o.established_total;
         self.failed_attempts += o.failed_attempts;
+        self.redirects += o.redirects;
         self.frames_in += o.frames_in;
         self.bytes_in += o.bytes_in;
         self.frames_out += o.frames_out;
@@ -291,6 +295,7 @@ struct Tally {
     connected: AtomicI64,
     established_total: AtomicU64,
     failed_attempts: AtomicU64,
+    redirects: AtomicU64,
     frames_in: AtomicU64,
     bytes_in: AtomicU64,
     frames_out: AtomicU64,
@@ -387,6 +392,10 @@ impl Observer for SimAgent {
         debug!(agent = %self.name, %refusal, "connection failed");
         self.tally.failed_attempts.fetch_add(1, Ordering::Relaxed);
         self.set_failure(Some(FailureKind::of(refusal)));
+    }
+
+    fn redirected(&self, _to: &str) {
+        self.tally.redirects.fetch_add(1, Ordering::Relaxed);
     }
 
     fn frame_received(&self, frame: &wire::HubFrame) {
@@ -572,6 +581,7 @@ impl Swarm {
             connected: t.connected.load(Ordering::Relaxed).max(0) as u64,
             established_total: t.established_total.load(Ordering::Relaxed),
             failed_attempts: t.failed_attempts.load(Ordering::Relaxed),
+            redirects: t.redirects.load(Ordering::Relaxed),
             frames_in: t.frames_in.load(Ordering::Relaxed),
             bytes_in: t.bytes_in.load(Ordering::Relaxed),
             frames_out: t.frames_out.load(Ordering::Relaxed),

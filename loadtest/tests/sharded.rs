@@ -123,6 +123,14 @@ fn check_run(report: &Report, agents: u64) -> u64 {
         gw.each
     );
     assert_eq!(gw.each.iter().map(|g| g.sessions).sum::<u64>(), agents);
+    // Agents dial the gateway of their last session first: restarted in place, it still owns
+    // their shards, so few come back through the balancer's pick and its redirect (two in
+    // three did on the ramp).
+    let (ramp, back) = (connect.redirects.unwrap(), storm.redirects.unwrap());
+    assert!(
+        ramp > 0 && back * 2 < ramp,
+        "{agents} agents: {ramp} redirects on the ramp, {back} in the storm"
+    );
 
     // The apiserver's side of the storm.
     let load = gw.storm_apiserver.as_ref().expect("storm window measured");
