@@ -625,13 +625,11 @@ pub fn table(report: &Report) -> String {
                     row("create → durable ack", pct(p));
                 }
                 if let Some(p) = &s.applied_latency {
-                    row(
-                        &format!(
-                            "create → Applied (±{:.0} ms)",
-                            s.poll_interval_ms.unwrap_or(0.0)
-                        ),
-                        pct(p),
-                    );
+                    let how = match s.poll_interval_ms {
+                        Some(ms) => format!("(±{ms:.0} ms)"),
+                        None => "(watched)".to_owned(),
+                    };
+                    row(&format!("create → Applied {how}"), pct(p));
                 }
             }
             "baseline-klusterlet" => {

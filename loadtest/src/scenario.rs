@@ -359,7 +359,22 @@ impl Run {
             anyhow::Ok((created, clock.t() - t0))
         };
         let bar = self.bar("fanout", n);
+        // On the kube backend the works are watched on the hub apiserver (only this work's
+        // name, every namespace): each is stamped as the event arrives. Otherwise the hub is
+        // polled every --poll-interval.
+        let apiserver = match self.hub.apiserver() {
+            Some(a) => Some(a.client().await?),
+            None => None,
+        };
+        if apiserver.is_some() {
+            r.poll_interval_ms = None;
+        }
         let watching = async {
+            if let Some(client) = apiserver {
+                return self
+                    .applied_by_watch(client, &name, clock, &bar, acked_before)
+                    .await;
+            }
             let mut applied_at: HashMap<String, Stamp> = HashMap::new();
             while !clock.expired() {
                 // Stamped when the list has come back: never earlier than the hub showed it.
@@ -402,6 +417,48 @@ impl Run {
         r.ack_latency = Some(Percentiles::from_micros(&ack_us));
         r.applied_latency = Some(Percentiles::from_micros(&applied_us));
         Ok(done)
+    }
+
+    /// When each cluster's work `name` showed Applied=True on the hub apiserver, from a watch
+    /// of that name in every namespace; done once every agent acked and every work is Applied.
+    async fn applied_by_watch(
+        &self,
+        client: kube::Client,
+        name: &str,
+        clock: &Clock,
+        bar: &ProgressBar,
+        acked_before: u64,
+    ) -> anyhow::Result<(HashMap<String, Stamp>, bool)> {
+        use flotilla_proto::api::ManifestWork;
+        use kube::runtime::{WatchStreamExt, watcher};
+        let n = self.n();
+        let api = kube::Api::<ManifestWork>::all(client);
+        let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+        let mut events = watcher(api, config).default_backoff().boxed();
+        let mut applied_at: HashMap<String, Stamp> = HashMap::new();
+        while !clock.expired() {
+            let event = tokio::time::timeout(self.args.poll_interval, events.next()).await;
+            let now = clock::now();
+            match event {
+                Ok(Some(Ok(watcher::Event::Apply(w) | watcher::Event::InitApply(w)))) => {
+                    let applied = serde_json::to_value(&w)
+                        .is_ok_and(|v| condition(&v, WORK_APPLIED) == Some("True"));
+                    if let (true, Some(ns)) = (applied, w.metadata.namespace) {
+                        applied_at.entry(ns).or_insert(now);
+                    }
+                }
+                Ok(Some(Ok(_))) | Err(_) => {}
+                Ok(Some(Err(e))) => tracing::warn!(error = %e, "watching ManifestWorks {name}"),
+                Ok(None) => anyhow::bail!("the watch of ManifestWorks {name} ended"),
+            }
+            let acked = self.sample().works_acked - acked_before;
+            bar.set_position(applied_at.len() as u64);
+            bar.set_message(format!("Applied on the hub, {acked} acked by agents"));
+            if acked >= n && applied_at.len() as u64 >= n {
+                return Ok((applied_at, true));
+            }
+        }
+        Ok((applied_at, false))
     }
 
     async fn records(&mut self) -> anyhow::Result<Vec<AgentRecord>> {
