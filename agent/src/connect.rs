@@ -23,10 +23,13 @@ use tracing::info;
 /// before it counts as a failed attempt and the agent backs off: without it a SYN into a black
 /// hole waits for the kernel's retries (minutes).
 pub const DIAL_TIMEOUT: Duration = Duration::from_secs(20);
-/// How long a dial to a redirect target (a gateway named by another as its shard's owner) may
-/// take: one that does not answer quickly may have just died, and the agent is better off back
-/// at its configured address, where the directory will have caught up.
-pub const REDIRECT_DIAL_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long a dial to a redirect target (a gateway named by another as its shard's owner, or
+/// the gateway of the last session) may take: one that does not answer may have died, and the
+/// agent is better off back at its configured address, where the directory will have caught
+/// up. Not much shorter: a gateway busy with a storm takes seconds over a handshake, and one
+/// abandoned is work both ends did for nothing (3 s turned a 50,000-agent ramp on two cores
+/// into a loop of abandoned handshakes).
+pub const REDIRECT_DIAL_TIMEOUT: Duration = Duration::from_secs(10);
 /// With `--transport auto`: how long QUIC gets before the agent takes gRPC instead.
 pub const QUIC_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(3);
 /// With `--transport auto`: how long gRPC is used after QUIC failed before QUIC is tried again.
