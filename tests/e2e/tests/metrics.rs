@@ -311,15 +311,17 @@ async fn a_gateway_replica_serves_its_metrics_and_probes() -> anyhow::Result<()>
         v == 16.0
     })
     .await?;
+    // Its store requests: once it holds shards, its two caches list them (nothing before).
+    wait_value(
+        &metrics,
+        "flotilla_gateway_store_requests_total",
+        &[("verb", "list")],
+        |v| v >= 2.0,
+    )
+    .await?;
     let page = scrape(&metrics).await?;
     has_families(&page, &HUB_FAMILIES[..8]);
     has_families(&page, &KUBE_API_FAMILIES);
-    // Its store requests: the lists and watches of its caches, at least.
-    assert!(
-        page.value("flotilla_gateway_store_requests_total", &[("verb", "list")])
-            .unwrap_or(0.0)
-            >= 2.0
-    );
     let hub_metrics = hub.metrics_addr.clone().context("no hub metrics address")?;
     assert_eq!(
         value(&hub_metrics, "flotilla_gateway_shards_owned", &[]).await?,
