@@ -426,13 +426,7 @@ mod tests {
             let (desired, uid) = (desired.clone(), uid.clone());
             async move { desired.owned_by("store-1", &uid).await }
         });
-        let (stop_tx, stop) = watch::channel(false);
-        tokio::spawn(desired.clone().run(
-            store.clone(),
-            Arc::new(Registry::default()),
-            ShardView::all_views(),
-            stop,
-        ));
+        let stop_tx = follow(&desired, &store, ShardView::all_views());
         assert_eq!(asked.await.unwrap().as_deref(), Some("early"));
         assert_eq!(
             desired.owned_by("store-2", &uid).await,
@@ -457,13 +451,7 @@ mod tests {
             .unwrap();
         let uid = stored["metadata"]["uid"].as_str().unwrap().to_owned();
         let desired = DesiredState::new();
-        let (stop_tx, stop) = watch::channel(false);
-        tokio::spawn(desired.clone().run(
-            store.clone(),
-            Arc::new(Registry::default()),
-            ShardView::all_views(),
-            stop,
-        ));
+        let stop_tx = follow(&desired, &store, ShardView::all_views());
         desired.wait_ready().await;
         assert_eq!(desired.snapshot("store-1").len(), 1);
 
@@ -523,6 +511,22 @@ mod tests {
         })
     }
 
+    /// Runs `desired` on `store` with the shard views `views`, until the sender says stop.
+    fn follow(
+        desired: &Arc<DesiredState>,
+        store: &Arc<dyn Store>,
+        views: ShardViews,
+    ) -> watch::Sender<bool> {
+        let (stop_tx, stop) = watch::channel(false);
+        tokio::spawn(desired.clone().run(
+            store.clone(),
+            Arc::new(Registry::default()),
+            views,
+            stop,
+        ));
+        stop_tx
+    }
+
     /// A leased view holding `held` (for an hour).
     fn holding(held: &[u32]) -> Arc<ShardView> {
         use crate::shards::{Fence, ShardDirectory};
@@ -547,13 +551,7 @@ mod tests {
         store.create(labelled_work(&b, "two")).await.unwrap();
         let views = watch::Sender::new(holding(&[shard_a]));
         let desired = DesiredState::new();
-        let (stop_tx, stop) = watch::channel(false);
-        tokio::spawn(desired.clone().run(
-            store.clone(),
-            Arc::new(Registry::default()),
-            views.subscribe(),
-            stop,
-        ));
+        let stop_tx = follow(&desired, &store, views.subscribe());
         desired.wait_loaded(&a).await;
         assert_eq!(desired.snapshot(&a).len(), 1);
         assert!(
@@ -591,13 +589,7 @@ mod tests {
         store.create(labelled_work(&b, "baseline")).await.unwrap();
         let views = watch::Sender::new(holding(&[shard_a]));
         let desired = DesiredState::new();
-        let (stop_tx, stop) = watch::channel(false);
-        tokio::spawn(desired.clone().run(
-            store.clone(),
-            Arc::new(Registry::default()),
-            views.subscribe(),
-            stop,
-        ));
+        let stop_tx = follow(&desired, &store, views.subscribe());
         desired.wait_loaded(&a).await;
         // A session of b's cluster arrives as the gateway acquires b: it syncs as the driver
         // does (wait for the cluster's load, then take the snapshot).
@@ -635,13 +627,7 @@ mod tests {
         store.create(labelled_work(&b, "acquired")).await.unwrap();
         let views = watch::Sender::new(holding(&[shard_a]));
         let desired = DesiredState::new();
-        let (stop_tx, stop) = watch::channel(false);
-        tokio::spawn(desired.clone().run(
-            store.clone(),
-            Arc::new(Registry::default()),
-            views.subscribe(),
-            stop,
-        ));
+        let stop_tx = follow(&desired, &store, views.subscribe());
         desired.wait_loaded(&a).await;
         // A lease round late under load: shard a's fence ran out (lapsed, not lost) in the
         // round that acquires shard b.
