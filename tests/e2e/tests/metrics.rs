@@ -7,8 +7,8 @@ use std::time::Duration;
 use anyhow::Context as _;
 use flotilla_e2e::spoke::Spoke;
 use flotilla_e2e::{
-    Fleet, GatewayProc, bin, free_port, http_get, hub_apiserver, on_both_carriers, scrape,
-    start_agent, wait_for,
+    Fleet, GatewayProc, free_port, http_get, hub_apiserver, on_both_carriers, scrape, start_agent,
+    wait_for,
 };
 use flotilla_ops::exposition::{Exposition, FamilyType};
 use flotilla_testenv::workspace_root;
@@ -279,20 +279,7 @@ async fn a_gateway_replica_serves_its_metrics_and_probes() -> anyhow::Result<()>
     ];
     hub_flags.extend(shards);
     let hub = flotilla_e2e::Hub::start(d, &hub_flags).await?;
-    let certs = d.join("gateway-cert");
-    let out = std::process::Command::new(bin("flotilla-hub"))
-        .arg("gateway-cert")
-        .arg("--data-dir")
-        .arg(&hub.data_dir)
-        .args(["--server-name", "localhost"])
-        .arg("--out")
-        .arg(&certs)
-        .output()?;
-    anyhow::ensure!(
-        out.status.success(),
-        "gateway-cert: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let certs = hub.gateway_cert(d)?;
     let metrics = format!("127.0.0.1:{}", free_port()?);
     let mut flags = vec![
         format!("--metrics-addr={metrics}"),
