@@ -143,6 +143,11 @@ impl Admissions {
         self.ready.subscribe()
     }
 
+    /// The shards loaded, as they change.
+    pub fn loaded_shards(&self) -> watch::Receiver<Option<crate::shards::cache::ShardSet>> {
+        self.load.subscribe()
+    }
+
     /// Whether a session for `cluster` authenticated with key `key_sha256` may open.
     pub async fn check(&self, cluster: &str, key_sha256: &str) -> Result<(), AdmissionRefusal> {
         self.load.wait_for(cluster).await;

@@ -47,6 +47,11 @@ impl DesiredState {
         self.ready.subscribe()
     }
 
+    /// The shards loaded, as they change.
+    pub fn loaded_shards(&self) -> watch::Receiver<Option<crate::shards::cache::ShardSet>> {
+        self.load.subscribe()
+    }
+
     /// Waits until the first list is loaded.
     pub async fn wait_ready(&self) {
         let mut rx = self.ready.subscribe();

@@ -127,7 +127,9 @@ impl GatewayMetrics {
             "new_connections",
             "New connections on the agents' listener, counted before their TLS handshake, by \
              what the new-session rate (--session-rate, --session-burst) said: admitted, or \
-             over_rate (drained at once with a retry-after), and by carrier",
+             over_rate (drained at once with a retry-after); or not_ready (closed before TLS: \
+             the gateway has not read the shard leases, or loaded none of its shards yet); \
+             and by carrier",
             self.new_connections.clone(),
         );
         r.register(
@@ -151,10 +153,10 @@ impl GatewayMetrics {
         }
     }
 
-    /// The series of `new_connections`, by outcome (admitted, over_rate) then carrier (grpc,
-    /// quic), for the session gate to count into without a lookup.
-    pub(crate) fn new_connection_counters(&self) -> [[Counter; 2]; 2] {
-        ["admitted", "over_rate"].map(|outcome| {
+    /// The series of `new_connections`, by outcome (admitted, over_rate, not_ready) then
+    /// carrier (grpc, quic), for the session gate to count into without a lookup.
+    pub(crate) fn new_connection_counters(&self) -> [[Counter; 2]; 3] {
+        ["admitted", "over_rate", "not_ready"].map(|outcome| {
             CARRIERS.map(|c| {
                 self.new_connections
                     .get_or_create_owned(&[("outcome", outcome), ("transport", transport(c))])

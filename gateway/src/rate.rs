@@ -20,6 +20,7 @@ use std::time::Duration;
 use flotilla_transport::Carrier;
 use flotilla_transport::gate::{ConnectionGate, Entry};
 use prometheus_client::metrics::counter::Counter;
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 /// The longest retry-after the bucket gives. A herd larger than the rate can serve within it
@@ -92,27 +93,44 @@ impl SessionRate {
     }
 }
 
-/// The gate both carriers ask: the bucket, and the count of what it said
+/// The gate both carriers ask: whether the gateway serves at all yet
+/// ([`crate::shards::cache::serving`]), then the bucket; and the count of what it said
 /// (`flotilla_gateway_new_connections_total`).
 #[derive(Debug)]
 pub struct SessionGate {
     rate: SessionRate,
-    /// By outcome (admitted, over_rate) and carrier (grpc, quic), resolved once.
-    counted: [[Counter; 2]; 2],
+    /// False while the gateway cannot serve any session: connections are closed before TLS
+    /// and take no token.
+    serving: watch::Receiver<bool>,
+    /// By outcome (admitted, over_rate, not_ready) and carrier (grpc, quic), resolved once.
+    counted: [[Counter; 2]; 3],
 }
 
 impl SessionGate {
-    pub(crate) fn new(rate: SessionRate, counted: [[Counter; 2]; 2]) -> Arc<SessionGate> {
-        Arc::new(SessionGate { rate, counted })
+    pub(crate) fn new(
+        rate: SessionRate,
+        serving: watch::Receiver<bool>,
+        counted: [[Counter; 2]; 3],
+    ) -> Arc<SessionGate> {
+        Arc::new(SessionGate {
+            rate,
+            serving,
+            counted,
+        })
     }
 }
 
 impl ConnectionGate for SessionGate {
     fn arrived(&self, carrier: Carrier) -> Entry {
-        let entry = self.rate.attempt(Instant::now());
+        let entry = if *self.serving.borrow() {
+            self.rate.attempt(Instant::now())
+        } else {
+            Entry::NotReady
+        };
         let outcome = match entry {
             Entry::Admitted => 0,
             Entry::OverRate { .. } => 1,
+            Entry::NotReady => 2,
         };
         let transport = match carrier {
             Carrier::Grpc => 0,
@@ -136,7 +154,7 @@ mod tests {
     fn retry_after(entry: Entry) -> Duration {
         match entry {
             Entry::OverRate { retry_after } => retry_after,
-            Entry::Admitted => panic!("admitted, expected over the rate"),
+            other => panic!("{other:?}, expected over the rate"),
         }
     }
 
@@ -241,8 +259,9 @@ mod tests {
     /// The gate counts each attempt once, by outcome and carrier.
     #[test]
     fn the_gate_counts_by_outcome_and_carrier() {
-        let counted: [[Counter; 2]; 2] = Default::default();
-        let gate = SessionGate::new(SessionRate::new(1, 2), counted.clone());
+        let counted: [[Counter; 2]; 3] = Default::default();
+        let (_serving, serving_rx) = watch::channel(true);
+        let gate = SessionGate::new(SessionRate::new(1, 2), serving_rx, counted.clone());
         assert_eq!(gate.arrived(Carrier::Grpc), Entry::Admitted);
         assert_eq!(gate.arrived(Carrier::Quic), Entry::Admitted);
         assert!(matches!(
@@ -250,6 +269,24 @@ mod tests {
             Entry::OverRate { .. }
         ));
         let got = counted.map(|by| by.map(|c| c.get()));
-        assert_eq!(got, [[1, 1], [0, 1]]);
+        assert_eq!(got, [[1, 1], [0, 1], [0, 0]]);
+    }
+
+    /// A gateway not serving yet closes connections before TLS and spends no token on them:
+    /// once it serves, the bucket is as full as it was.
+    #[test]
+    fn a_gateway_not_serving_closes_connections_without_taking_tokens() {
+        let counted: [[Counter; 2]; 3] = Default::default();
+        let (serving, serving_rx) = watch::channel(false);
+        let gate = SessionGate::new(SessionRate::new(1, 2), serving_rx, counted.clone());
+        for _ in 0..5 {
+            assert_eq!(gate.arrived(Carrier::Grpc), Entry::NotReady);
+        }
+        assert_eq!(gate.arrived(Carrier::Quic), Entry::NotReady);
+        serving.send_replace(true);
+        assert_eq!(gate.arrived(Carrier::Grpc), Entry::Admitted);
+        assert_eq!(gate.arrived(Carrier::Grpc), Entry::Admitted);
+        let got = counted.map(|by| by.map(|c| c.get()));
+        assert_eq!(got, [[2, 0], [0, 0], [5, 1]]);
     }
 }

@@ -185,6 +185,9 @@ pub(crate) struct Shared {
     pub(crate) metrics: GatewayMetrics,
     /// The new-session rate both carriers ask before each handshake.
     gate: Arc<SessionGate>,
+    /// Whether the gateway serves new connections at all ([`crate::shards::cache::serving`]);
+    /// the gate closes them before TLS while it does not.
+    serving: watch::Sender<bool>,
 }
 
 impl Gateway {
@@ -232,8 +235,12 @@ impl Gateway {
             config.status_write_concurrency,
             shards.subscribe(),
         );
+        // Without leases the gateway serves from the start (sessions wait for the first load);
+        // `lease_shards` turns this off until the shards it holds are loaded.
+        let serving = watch::Sender::new(true);
         let gate = SessionGate::new(
             SessionRate::new(config.session_rate, config.session_burst),
+            serving.subscribe(),
             metrics.new_connection_counters(),
         );
         // Within the same budget as status writes: a fleet-wide rollout acknowledged at once
@@ -259,6 +266,7 @@ impl Gateway {
                 leasing: tokio::sync::Mutex::new(None),
                 metrics,
                 gate,
+                serving,
             }),
         }
     }
@@ -270,6 +278,7 @@ impl Gateway {
         self.shared
             .shards
             .send_replace(Arc::new(leasing.initial_view()));
+        self.shared.serving.send_replace(false);
         *self.shared.leasing.lock().await = Some(leasing);
     }
 
@@ -340,6 +349,11 @@ impl Gateway {
             flotilla_ops::ReadyFlag::watching(
                 "the ManifestWork watch cache (desired state) has not listed from the store yet",
                 self.shared.desired.ready(),
+            ),
+            flotilla_ops::ReadyFlag::watching(
+                "the gateway has not read the shard leases yet, or has loaded none of the shards \
+                 it holds: new connections are closed before TLS",
+                self.shared.serving.subscribe(),
             ),
         ]
     }
@@ -476,6 +490,17 @@ impl Gateway {
                     .map(Ok),
             );
         }
+        tasks.spawn(
+            "the serving flag",
+            crate::shards::cache::follow_serving(
+                shared.shards.subscribe(),
+                shared.admissions.loaded_shards(),
+                shared.desired.loaded_shards(),
+                shared.serving.clone(),
+                stop_rx.clone(),
+            )
+            .map(Ok),
+        );
         let health = shared.health_writer.lock().await.take();
         if let Some(health) = health {
             tasks.spawn("the health writer", health.run(stop_rx.clone()).map(Ok));

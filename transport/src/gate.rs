@@ -9,6 +9,11 @@
 //! needs a TLS session to travel in), and the session on it is drained at once with the
 //! retry-after the gate chose, before any admission or sync work.
 //!
+//! A gateway that cannot serve any session yet (it has not read who owns what, or has loaded
+//! none of the shards it holds) says [`Entry::NotReady`]: the connection is closed at once,
+//! before any TLS work. Its agent backs off as after any failed dial; a handshake spent on a
+//! refusal would cost both ends the CPU a cold start under a herd cannot spare.
+//!
 //! [`ConnInfo::over_rate`]: crate::tls::ConnInfo::over_rate
 
 use std::time::Duration;
@@ -23,6 +28,8 @@ pub enum Entry {
     /// Over the rate: the connection gets its handshake, and a session opened on it is
     /// drained at once, its agent told to come back after `retry_after`.
     OverRate { retry_after: Duration },
+    /// Nothing could be served on it yet: the connection is closed before its handshake.
+    NotReady,
 }
 
 /// Decides, before any TLS work, whether a new connection may open a session now.

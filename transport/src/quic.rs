@@ -216,6 +216,11 @@ impl QuicListener {
                     let over_rate = match self.gate.as_ref().map(|g| g.arrived(Carrier::Quic)) {
                         Some(Entry::OverRate { retry_after }) => Some(retry_after),
                         Some(Entry::Admitted) | None => None,
+                        Some(Entry::NotReady) => {
+                            debug!(peer = %incoming.remote_address(), "QUIC connection refused before its handshake: not serving yet");
+                            incoming.refuse();
+                            continue;
+                        }
                     };
                     let (sessions, settings) = (sessions.clone(), self.settings.clone());
                     if let Ok(permit) = permits.clone().try_acquire_owned() {

@@ -378,6 +378,10 @@ pub fn accept_authenticated(
             let over_rate = match limits.gate.as_ref().map(|g| g.arrived(Carrier::Grpc)) {
                 Some(Entry::OverRate { retry_after }) => Some(retry_after),
                 Some(Entry::Admitted) | None => None,
+                Some(Entry::NotReady) => {
+                    debug!(listener = what, peer = %remote, "connection closed before TLS: not serving yet");
+                    continue;
+                }
             };
             let acceptor = TlsAcceptor::from(source.current());
             let tx = tx.clone();

@@ -1,12 +1,16 @@
 //! Both carriers through the seam, on loopback with real TLS: the gateway's side receives the
 //! agent's session with its identity from the certificate, frames flow both ways, an
 //! oversized frame ends only that session, a tunnel carries bytes both ways, and the agent's
-//! QUIC socket can move to a new port under a live session.
+//! QUIC socket can move to a new port under a live session, and a gateway that does not serve
+//! yet closes connections before any TLS work.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use flotilla_proto::wire::{self, agent_frame, hub_frame};
+use flotilla_transport::gate::{ConnectionGate, Entry};
 use flotilla_transport::grpc::{FleetService, GrpcSettings};
 use flotilla_transport::identity::Peer;
 use flotilla_transport::quic::{QuicClient, QuicListener, QuicSettings};
@@ -86,6 +90,16 @@ async fn gateway_with(
     carrier: Carrier,
     quic_handshakes: usize,
 ) -> (SocketAddr, mpsc::Receiver<Incoming>, watch::Sender<bool>) {
+    gateway_gated(pki, carrier, quic_handshakes, None).await
+}
+
+/// [`gateway_with`] asking `gate` about each new connection before its handshake.
+async fn gateway_gated(
+    pki: &Pki,
+    carrier: Carrier,
+    quic_handshakes: usize,
+    gate: Option<Arc<dyn ConnectionGate>>,
+) -> (SocketAddr, mpsc::Receiver<Incoming>, watch::Sender<bool>) {
     let server_tls = tls::agent_server_config(
         pki.ca.as_bytes(),
         pki.server.0.as_bytes(),
@@ -98,8 +112,11 @@ async fn gateway_with(
         Carrier::Grpc => {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let addr = listener.local_addr().unwrap();
-            let (conns, accept) =
-                tls::accept_authenticated(listener, server_tls, Default::default(), "agents");
+            let limits = tls::AcceptLimits {
+                gate: gate.clone(),
+                ..Default::default()
+            };
+            let (conns, accept) = tls::accept_authenticated(listener, server_tls, limits, "agents");
             tokio::spawn(accept);
             let routes =
                 tonic::service::Routes::new(FleetService::new(sessions_tx).into_server(MAX_FRAME));
@@ -116,7 +133,10 @@ async fn gateway_with(
         }
         Carrier::Quic => {
             let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-            let listener = QuicListener::bind(socket, &server_tls, quic_settings()).unwrap();
+            let mut listener = QuicListener::bind(socket, &server_tls, quic_settings()).unwrap();
+            if let Some(gate) = gate {
+                listener = listener.gated(gate);
+            }
             let addr = listener.local_addr().unwrap();
             tokio::spawn(listener.serve(sessions_tx, quic_handshakes, drain));
             addr
@@ -393,6 +413,86 @@ async fn a_client_of_another_ca_is_refused_by_both_carriers() {
         assert!(
             sessions.try_recv().is_err(),
             "{carrier}: no session reached the gateway"
+        );
+    }
+}
+
+/// A gate that says the gateway does not serve yet until switched on, counting what it is asked.
+#[derive(Debug, Default)]
+struct Warming {
+    serving: AtomicBool,
+    asked: AtomicUsize,
+}
+
+impl ConnectionGate for Warming {
+    fn arrived(&self, _carrier: Carrier) -> Entry {
+        self.asked.fetch_add(1, Ordering::SeqCst);
+        if self.serving.load(Ordering::SeqCst) {
+            Entry::Admitted
+        } else {
+            Entry::NotReady
+        }
+    }
+}
+
+/// A gateway that does not serve yet closes a new connection before its TLS handshake, on
+/// either carrier: the agent's dial fails as a transport failure (no TLS alert, no session),
+/// and once the gateway serves, the same agent's next dial opens its session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_not_serving_yet_closes_connections_before_tls() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let pki = pki();
+    for carrier in [Carrier::Grpc, Carrier::Quic] {
+        let gate = Arc::new(Warming::default());
+        let (addr, mut sessions, _drain) =
+            gateway_gated(&pki, carrier, 16, Some(gate.clone())).await;
+        let client_tls = tls::client_config(
+            pki.ca.as_bytes(),
+            pki.agent.0.as_bytes(),
+            pki.agent.1.as_bytes(),
+            &[],
+        )
+        .unwrap();
+        let refused = match carrier {
+            Carrier::Grpc => flotilla_transport::grpc::connect(
+                &addr.to_string(),
+                ServerName::try_from("localhost").unwrap(),
+                client_tls,
+                None,
+                None,
+            )
+            .await
+            .err(),
+            Carrier::Quic => {
+                let client =
+                    QuicClient::bind("127.0.0.1:0".parse().unwrap(), quic_settings()).unwrap();
+                client
+                    .open_session(addr, "localhost", &client_tls, hello())
+                    .await
+                    .err()
+            }
+        };
+        let refused = refused
+            .unwrap_or_else(|| panic!("{carrier}: a gateway not serving took the connection"));
+        assert!(
+            !matches!(refused, LinkError::Tls { .. }),
+            "{carrier}: closed before TLS, not refused in it: {refused:?}"
+        );
+        assert_eq!(
+            gate.asked.load(Ordering::SeqCst),
+            1,
+            "{carrier}: the gate was asked once"
+        );
+        assert!(
+            sessions.try_recv().is_err(),
+            "{carrier}: no session reached the gateway"
+        );
+        gate.serving.store(true, Ordering::SeqCst);
+        let (_agent, _client, _hub) = open(&pki, carrier, addr, &mut sessions).await;
+        assert_eq!(
+            gate.asked.load(Ordering::SeqCst),
+            2,
+            "{carrier}: the second dial was asked too"
         );
     }
 }

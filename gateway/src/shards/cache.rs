@@ -85,6 +85,14 @@ impl ShardSet {
         }
     }
 
+    /// Whether `shard` is in the set.
+    pub fn has_shard(&self, shard: u32) -> bool {
+        match self {
+            ShardSet::All => true,
+            ShardSet::Held { held, .. } => held.contains(&shard),
+        }
+    }
+
     /// How many shards (`None`: all).
     pub fn count(&self) -> Option<usize> {
         match self {
@@ -155,6 +163,71 @@ impl ShardLoad {
     /// `set` is loaded: a list of it has replaced the cache.
     fn loaded_now(&self, set: &ShardSet) {
         self.loaded.send_replace(Some(set.clone()));
+    }
+}
+
+/// Whether a gateway with `view`, whose caches have loaded `clusters` and `works`, serves new
+/// connections at all; one that does not closes them before their TLS handshake (see
+/// [`flotilla_transport::gate::Entry::NotReady`]).
+///
+/// Without leases it always does: its sessions wait for the one load of the store. With
+/// leases it does not before its first lease round has written its claims (it knows neither
+/// its shards nor who holds the others), nor while it keeps shards of which either cache has
+/// loaded none: a restart under a herd, where every agent let in would cost a handshake and
+/// then wait on the same relist. A gateway with some of its shards loaded serves while it
+/// loads shards it has just acquired (their sessions wait for their shard), so a handover
+/// does not turn the agents it sends over into refusals.
+pub fn serving(view: &ShardView, clusters: Option<&ShardSet>, works: Option<&ShardSet>) -> bool {
+    if !view.is_leased() {
+        return true;
+    }
+    if !view.is_read() {
+        return false;
+    }
+    let kept = view.kept();
+    let some_loaded =
+        |load: Option<&ShardSet>| load.is_some_and(|l| kept.iter().any(|s| l.has_shard(*s)));
+    kept.is_empty() || (some_loaded(clusters) && some_loaded(works))
+}
+
+/// Keeps `serving` equal to [`serving`] of the gateway's view and its two caches' loads, until
+/// `stop` turns true.
+pub async fn follow_serving(
+    mut views: ShardViews,
+    mut clusters: watch::Receiver<Option<ShardSet>>,
+    mut works: watch::Receiver<Option<ShardSet>>,
+    serving_tx: watch::Sender<bool>,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        let now = serving(
+            &views.borrow_and_update(),
+            clusters.borrow_and_update().as_ref(),
+            works.borrow_and_update().as_ref(),
+        );
+        serving_tx.send_if_modified(|was| {
+            let changed = *was != now;
+            if changed {
+                info!(
+                    serving = now,
+                    "new connections {}",
+                    if now {
+                        "served"
+                    } else {
+                        "closed before TLS until the shards held are loaded"
+                    }
+                );
+            }
+            *was = now;
+            changed
+        });
+        tokio::select! {
+            Ok(()) = views.changed() => {}
+            Ok(()) = clusters.changed() => {}
+            Ok(()) = works.changed() => {}
+            _ = stop.wait_for(|s| *s) => return,
+            else => return,
+        }
     }
 }
 
@@ -260,5 +333,95 @@ impl Reflector for Loading<'_> {
 
     async fn apply(&self, event: WatchEvent) {
         self.cache.apply(event, self.set).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::shards::{Fence, ShardDirectory};
+
+    const SHARDS: u32 = 8;
+
+    fn holding(shards: &[u32]) -> ShardView {
+        let fences: BTreeMap<u32, Fence> = shards
+            .iter()
+            .map(|s| {
+                let fence = Fence {
+                    epoch: 1,
+                    valid_until: Instant::now() + Duration::from_secs(15),
+                };
+                (*s, fence)
+            })
+            .collect();
+        ShardView::leased(SHARDS, fences, ShardDirectory::default())
+    }
+
+    fn loaded(shards: &[u32]) -> Option<ShardSet> {
+        Some(ShardSet::Held {
+            shards: SHARDS,
+            held: shards.iter().copied().collect(),
+        })
+    }
+
+    #[test]
+    fn a_leased_gateway_serves_once_it_has_read_the_leases_and_loaded_some_of_its_shards() {
+        // Without leases: always (its sessions wait for the one load).
+        assert!(serving(&ShardView::all(SHARDS), None, None));
+        // Before the first lease round it knows neither its shards nor their owners.
+        assert!(!serving(&ShardView::unread(SHARDS), None, None));
+        assert!(!serving(
+            &holding(&[1, 2]).not_read_yet(),
+            loaded(&[1, 2]).as_ref(),
+            loaded(&[1, 2]).as_ref()
+        ));
+        // Holding nothing, it redirects: that needs the directory only.
+        assert!(serving(&holding(&[]), None, None));
+        // A restart: shards held, neither cache (or only one) has loaded any of them.
+        assert!(!serving(&holding(&[1, 2]), None, None));
+        assert!(!serving(&holding(&[1, 2]), loaded(&[1, 2]).as_ref(), None));
+        assert!(!serving(
+            &holding(&[1, 2]),
+            loaded(&[]).as_ref(),
+            loaded(&[1, 2]).as_ref()
+        ));
+        assert!(!serving(
+            &holding(&[1, 2]),
+            loaded(&[3]).as_ref(),
+            loaded(&[3]).as_ref()
+        ));
+        // Loaded: it serves, and goes on serving while it loads a shard it has just acquired.
+        assert!(serving(
+            &holding(&[1, 2]),
+            loaded(&[1, 2]).as_ref(),
+            loaded(&[1, 2]).as_ref()
+        ));
+        assert!(serving(
+            &holding(&[1, 2, 3]),
+            loaded(&[1, 2]).as_ref(),
+            loaded(&[1, 2]).as_ref()
+        ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_serving_flag_follows_the_view_and_the_loads() {
+        let (views_tx, views) = watch::channel(Arc::new(ShardView::unread(SHARDS)));
+        let (clusters_tx, clusters) = watch::channel(None);
+        let (works_tx, works) = watch::channel(None);
+        let (serving_tx, mut serving_rx) = watch::channel(false);
+        let (stop_tx, stop) = watch::channel(false);
+        let follow = tokio::spawn(follow_serving(views, clusters, works, serving_tx, stop));
+        views_tx.send_replace(Arc::new(holding(&[4])));
+        clusters_tx.send_replace(loaded(&[4]));
+        works_tx.send_replace(loaded(&[4]));
+        serving_rx.wait_for(|s| *s).await.unwrap();
+        // Restarted under its name: the view is unread again until the round is written.
+        views_tx.send_replace(Arc::new(ShardView::unread(SHARDS)));
+        serving_rx.wait_for(|s| !*s).await.unwrap();
+        stop_tx.send_replace(true);
+        follow.await.unwrap();
     }
 }

@@ -33,11 +33,7 @@ pub struct ShardLeasing {
 impl ShardLeasing {
     /// The view before the first round: nothing held, nobody known.
     pub fn initial_view(&self) -> ShardView {
-        ShardView::leased(
-            self.owner.shards,
-            Default::default(),
-            super::ShardDirectory::default(),
-        )
+        ShardView::unread(self.owner.shards)
     }
 
     /// Runs lease rounds until `stop`, then releases what it holds so others take over at
@@ -87,8 +83,10 @@ impl ShardLeasing {
                 }
             }
             let writes = owner.plan(now);
-            // Shards being released are no longer acted for from here on.
-            publish(&owner, &view);
+            // Shards being released are no longer acted for from here on. Until the first
+            // round's claims are written the view stays unread: the gateway is not serving yet.
+            let read = view.borrow().is_read();
+            publish(&owner, &view, read);
             for w in &writes {
                 if let Intent::Release(shard) = w.intent {
                     info!(
@@ -106,7 +104,7 @@ impl ShardLeasing {
                 write_all(&leases, &mut owner, writes),
             )
             .await;
-            publish(&owner, &view);
+            publish(&owner, &view, true);
             drain_not_held(&registry, &view, drain_window);
         }
         // Shutdown: the gateway has drained its sessions; give the shards up for the others.
@@ -187,13 +185,15 @@ async fn write_all(leases: &KubeLeases, owner: &mut ShardOwner, writes: Vec<Leas
     }
 }
 
-fn publish(owner: &ShardOwner, view: &watch::Sender<Arc<ShardView>>) {
+fn publish(owner: &ShardOwner, view: &watch::Sender<Arc<ShardView>>, read: bool) {
     let now = Instant::now();
     let next = ShardView::leased(owner.config().shards, owner.fences(), owner.directory(now));
+    let next = if read { next } else { next.not_read_yet() };
     view.send_if_modified(|current| {
         let changed = current.held(now) != next.held(now)
             || current.kept() != next.kept()
-            || current.directory != next.directory;
+            || current.directory != next.directory
+            || current.is_read() != next.is_read();
         *current = Arc::new(next);
         changed
     });

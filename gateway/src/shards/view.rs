@@ -84,6 +84,9 @@ pub struct ShardView {
     fences: Option<BTreeMap<u32, Fence>>,
     /// Who holds the others.
     pub directory: ShardDirectory,
+    /// Whether a lease round has read the leases and written its claims (`false` only for
+    /// the view a leased gateway starts with: it knows neither its shards nor their owners).
+    read: bool,
 }
 
 /// The shard view as gateway parts receive it.
@@ -96,6 +99,7 @@ impl ShardView {
             shards,
             fences: None,
             directory: ShardDirectory::default(),
+            read: true,
         }
     }
 
@@ -109,7 +113,29 @@ impl ShardView {
             shards,
             fences: Some(fences),
             directory,
+            read: true,
         }
+    }
+
+    /// The view of a leased gateway before its first lease round: nothing held, nobody known.
+    pub fn unread(shards: u32) -> ShardView {
+        ShardView {
+            read: false,
+            ..ShardView::leased(shards, BTreeMap::new(), ShardDirectory::default())
+        }
+    }
+
+    /// This view, marked as not read yet (a first round's view before its claims are written).
+    pub(crate) fn not_read_yet(self) -> ShardView {
+        ShardView {
+            read: false,
+            ..self
+        }
+    }
+
+    /// Whether a lease round has read the leases (always, without leases).
+    pub fn is_read(&self) -> bool {
+        self.read
     }
 
     /// Views of a gateway holding every shard without leases, for tests.

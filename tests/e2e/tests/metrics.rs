@@ -261,7 +261,9 @@ async fn readyz_waits_for_the_first_list_from_the_store() -> anyhow::Result<()> 
 
 /// A `flotilla-gateway` replica serves the same page: it owns every shard once its leases are
 /// claimed (the only gateway), while the hub's in-process gateway (`--gateways external`)
-/// owns none. Its `/readyz` follows its watch caches.
+/// owns none. Its `/readyz` follows its watch caches and its shards: started while the store
+/// answers nothing, it is alive, not ready, and closes agents' connections before TLS (a
+/// herd arriving at a cold gateway costs it no handshake), counted as `not_ready`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_replica_serves_its_metrics_and_probes() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
@@ -287,7 +289,40 @@ async fn a_gateway_replica_serves_its_metrics_and_probes() -> anyhow::Result<()>
     ];
     flags.extend(shards.iter().map(|s| s.to_string()));
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let gateway = GatewayProc::start(d, "gw-1", &kubeconfig, &certs, &flags)?;
+    // The store answers nothing until SIGCONT: the gateway cannot read the shard leases.
+    let apiserver = Pid::from_raw(env.apiserver_pid() as i32);
+    kill(apiserver, Signal::SIGSTOP)?;
+    let started = GatewayProc::start(d, "gw-1", &kubeconfig, &certs, &flags);
+    let cold = async {
+        let gateway = started?;
+        wait_for("the gateway alive", WAIT, || async {
+            Ok((http_get(&metrics, "/healthz").await.ok().map(|r| r.0) == Some(200)).then_some(()))
+        })
+        .await
+        .with_context(|| gateway.proc.log())?;
+        let (status, body) = http_get(&metrics, "/readyz").await?;
+        assert_eq!(status, 503, "{body}");
+        assert!(
+            body.contains("shard leases"),
+            "/readyz does not say why: {body}"
+        );
+        // A cold gateway closes the connection at once; one that served would wait for the
+        // ClientHello until its handshake timeout.
+        closed_before_tls(&gateway.address).await?;
+        let refused = [("outcome", "not_ready"), ("transport", "grpc")];
+        wait_value(
+            &metrics,
+            "flotilla_gateway_new_connections_total",
+            &refused,
+            |v| v >= 1.0,
+        )
+        .await?;
+        anyhow::Ok(gateway)
+    }
+    .await;
+    // Never leave the apiserver stopped, whatever failed.
+    let _ = kill(apiserver, Signal::SIGCONT);
+    let gateway = cold?;
 
     wait_for("the gateway ready", WAIT, || async {
         Ok((http_get(&metrics, "/readyz").await?.0 == 200).then_some(()))
@@ -316,6 +351,21 @@ async fn a_gateway_replica_serves_its_metrics_and_probes() -> anyhow::Result<()>
         "gateway owns {owned}"
     );
     Ok(())
+}
+
+/// Connects to `address` and expects the connection closed (end of stream or reset) before a
+/// byte of TLS is sent either way.
+async fn closed_before_tls(address: &str) -> anyhow::Result<()> {
+    use tokio::io::AsyncReadExt as _;
+    let mut tcp = tokio::net::TcpStream::connect(address)
+        .await
+        .with_context(|| format!("connecting to {address}"))?;
+    let mut byte = [0u8; 1];
+    match tokio::time::timeout(Duration::from_secs(5), tcp.read(&mut byte)).await {
+        Ok(Ok(0)) | Ok(Err(_)) => Ok(()),
+        Ok(Ok(_)) => anyhow::bail!("{address} sent bytes to a client that sent none"),
+        Err(_) => anyhow::bail!("{address} kept the connection open for a TLS handshake"),
+    }
 }
 
 /// The hub's placement and rollout gauges: a Placement that selects nobody is counted until a
