@@ -61,6 +61,11 @@ pub enum RunError {
 /// between them forever).
 pub const MAX_REDIRECTS: u32 = 3;
 
+/// Dials in a row to the gateway of the last session that may fail before the agent goes back
+/// to its configured address: a gateway restarted in place refuses connections until it has
+/// loaded its shards, and going elsewhere would only cost a redirect back to it.
+pub const HOME_DIAL_ATTEMPTS: u32 = 3;
+
 /// Where the connection to the hub stands. Each transition is logged once.
 #[derive(Debug)]
 enum Link {
@@ -381,9 +386,12 @@ async fn hold_session(
     let mut redirect: Option<(String, u32)> = None;
     // The gateway a redirect brought the last session to: the next session dials it first
     // (a gateway restarted in place still owns the shard), saving the configured address's
-    // redirect, a second TLS handshake per agent in a storm. Forgotten when a dial to it does
-    // not establish; then the configured address again.
+    // redirect, a second TLS handshake per agent in a storm. Forgotten after
+    // HOME_DIAL_ATTEMPTS dials to it in a row that do not establish (a gateway restarting under
+    // a herd closes connections until it has loaded its shards; one that is gone fails them
+    // all); then the configured address again.
     let mut home: Option<String> = None;
+    let mut home_misses = 0u32;
     tokio::pin!(shutdown);
     loop {
         match link {
@@ -443,8 +451,14 @@ async fn hold_session(
                 };
                 if established_at.is_some() {
                     home = target;
-                } else if matches!(ended, Ended::Lost { .. }) {
-                    home = None;
+                    home_misses = 0;
+                } else if matches!(ended, Ended::Lost { .. }) && home.is_some() && target == home {
+                    home_misses += 1;
+                    if home_misses >= HOME_DIAL_ATTEMPTS {
+                        debug!(gateway = ?home, attempts = home_misses, "the gateway of the last session did not take a session; back to the configured address");
+                        home = None;
+                        home_misses = 0;
+                    }
                 }
                 link = match ended {
                     Ended::Shutdown => return,

@@ -30,6 +30,8 @@ pub const SAMPLE_EVERY: Duration = Duration::from_millis(100);
 const RATE_WINDOW: Duration = Duration::from_secs(1);
 /// Mismatches quoted in a status audit.
 const AUDIT_EXAMPLES: usize = 5;
+/// Objects per page when the harness lists the hub apiserver itself.
+const HUB_LIST_PAGE: u32 = 1000;
 /// How long a scenario may run past its `--timeout` (its accounting, a hub stop or start that
 /// is itself bounded) before the harness stops it and says what it found wrong: no scenario
 /// outlives `--timeout` plus this.
@@ -468,12 +470,44 @@ impl Run {
         }
     }
 
+    /// Every ManifestWork on the hub, as stored. On the kube backend read from its apiserver a
+    /// page at a time: one list of 50,000 works through the operator API outlasts the API's
+    /// 60 s bound on an apiserver busy with a storm. Otherwise through the operator API.
+    async fn hub_works(&self) -> anyhow::Result<Vec<Value>> {
+        use kube::api::{ApiResource, DynamicObject, ListParams};
+        let Some(apiserver) = self.hub.apiserver() else {
+            return self.api.works().await;
+        };
+        let resource = ApiResource {
+            group: "work.open-cluster-management.io".into(),
+            version: "v1".into(),
+            api_version: "work.open-cluster-management.io/v1".into(),
+            kind: "ManifestWork".into(),
+            plural: "manifestworks".into(),
+        };
+        let api = kube::Api::<DynamicObject>::all_with(apiserver.client().await?, &resource);
+        let mut works = Vec::new();
+        let mut page = ListParams::default().limit(HUB_LIST_PAGE);
+        loop {
+            let list = api
+                .list(&page)
+                .await
+                .context("listing the ManifestWorks on the hub apiserver")?;
+            for work in list.items {
+                works.push(serde_json::to_value(work)?);
+            }
+            match list.metadata.continue_ {
+                Some(token) if !token.is_empty() => page = page.continue_token(&token),
+                _ => return Ok(works),
+            }
+        }
+    }
+
     /// Compares what each agent last reported with what the hub stored.
     async fn audit(&mut self, duplicates: u64) -> anyhow::Result<StatusAudit> {
         let records = self.records().await?;
         let hub: HashMap<(String, String), u64> = self
-            .api
-            .works()
+            .hub_works()
             .await?
             .iter()
             .filter_map(|w| {
@@ -688,7 +722,7 @@ impl Run {
     async fn wait_finalizers_held(&self, clock: &Clock) -> anyhow::Result<()> {
         let ours: HashSet<&str> = self.identities.iter().map(|i| i.name.as_str()).collect();
         loop {
-            let works = self.api.works().await?;
+            let works = self.hub_works().await?;
             let pending = works
                 .iter()
                 .filter(|w| {
