@@ -40,6 +40,19 @@ const UPDATE_ATTEMPTS: usize = 5;
 /// Items per list page: large lists come in pages from one consistent snapshot.
 const LIST_PAGE_SIZE: u32 = 500;
 
+/// How a list is asked for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Paging {
+    /// In pages of [`LIST_PAGE_SIZE`]: every page after the first is read from etcd, a range
+    /// of the whole kind filtered by the selector (the apiserver's watch cache serves only
+    /// the first page).
+    Paged,
+    /// In one response, consistent, which the apiserver serves from its watch cache. For the
+    /// selected lists of a gateway's shards: at 50,000 clusters a gateway's paged list of its
+    /// 8,300 ManagedClusters took minutes on a busy apiserver, one unpaged list seconds.
+    Whole,
+}
+
 /// Consecutive failures to (re)open a watch before the stream gives up with `Backend`.
 const WATCH_REOPEN_ATTEMPTS: u32 = 5;
 
@@ -220,6 +233,7 @@ impl KubeStore {
         kind: Kind,
         namespace: Option<&str>,
         selection: &Selection,
+        paging: Paging,
     ) -> Result<ObjectList, StoreError> {
         check_scope(kind, namespace, "", false)?;
         let selector = selection.label_selector();
@@ -228,7 +242,10 @@ impl KubeStore {
         let mut revision = None;
         let mut token: Option<String> = None;
         loop {
-            let mut params = ListParams::default().limit(LIST_PAGE_SIZE);
+            let mut params = match paging {
+                Paging::Paged => ListParams::default().limit(LIST_PAGE_SIZE),
+                Paging::Whole => ListParams::default(),
+            };
             if let Some(selector) = &selector {
                 params = params.labels(selector);
             }
@@ -271,7 +288,9 @@ impl KubeStore {
         let (pending, last) = match from {
             Some(from) => (VecDeque::new(), from.as_str().to_owned()),
             None => {
-                let list = self.list_in(kind, namespace, selection).await?;
+                let list = self
+                    .list_in(kind, namespace, selection, Paging::Paged)
+                    .await?;
                 let added = list.items.into_iter().map(WatchEvent::Added).collect();
                 (added, list.revision.as_str().to_owned())
             }
@@ -325,7 +344,8 @@ impl Store for KubeStore {
     }
 
     async fn list(&self, kind: Kind, namespace: Option<&str>) -> Result<ObjectList, StoreError> {
-        self.list_in(kind, namespace, &Selection::Everything).await
+        self.list_in(kind, namespace, &Selection::Everything, Paging::Paged)
+            .await
     }
 
     async fn watch(
@@ -343,7 +363,7 @@ impl Store for KubeStore {
         kind: Kind,
         selection: &Selection,
     ) -> Result<ObjectList, StoreError> {
-        self.list_in(kind, None, selection).await
+        self.list_in(kind, None, selection, Paging::Whole).await
     }
 
     async fn watch_selected(
