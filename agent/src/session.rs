@@ -24,7 +24,7 @@ use crate::driver::{Ended, session_once};
 use crate::identity::Identity;
 use crate::metrics::AgentMetrics;
 use crate::reconcile::{ReconcileHandle, Reconciler};
-use crate::refusal::Refusal;
+use crate::refusal::{Refusal, RefusalKind};
 use crate::spoke_api::{KubeSpoke, SpokeApi};
 use crate::tunnel::{TunnelHandle, TunnelServer};
 use flotilla_ops::ReadyFlag;
@@ -62,8 +62,9 @@ pub enum RunError {
 pub const MAX_REDIRECTS: u32 = 3;
 
 /// Dials in a row to the gateway of the last session that may fail before the agent goes back
-/// to its configured address: a gateway restarted in place refuses connections until it has
-/// loaded its shards, and going elsewhere would only cost a redirect back to it.
+/// to its configured address: a gateway restarted in place closes connections until it has
+/// loaded its shards, and going elsewhere would only cost a redirect back to it. A dial that
+/// finds nothing listening there gives up on it at once.
 pub const HOME_DIAL_ATTEMPTS: u32 = 3;
 
 /// Where the connection to the hub stands. Each transition is logged once.
@@ -452,9 +453,17 @@ async fn hold_session(
                 if established_at.is_some() {
                     home = target;
                     home_misses = 0;
-                } else if matches!(ended, Ended::Lost { .. }) && home.is_some() && target == home {
+                } else if let Ended::Lost { refusal, .. } = &ended
+                    && home.is_some()
+                    && target == home
+                {
+                    // Nothing listening (or answering) there: the gateway is gone, not cold.
+                    let gone = matches!(
+                        refusal.kind,
+                        RefusalKind::HubUnreachable | RefusalKind::HubTimedOut
+                    );
                     home_misses += 1;
-                    if home_misses >= HOME_DIAL_ATTEMPTS {
+                    if gone || home_misses >= HOME_DIAL_ATTEMPTS {
                         debug!(gateway = ?home, attempts = home_misses, "the gateway of the last session did not take a session; back to the configured address");
                         home = None;
                         home_misses = 0;
