@@ -152,16 +152,53 @@ fn quic_settings() -> QuicSettings {
     }
 }
 
-/// The agent's side of `carrier` to `addr`, saying hello. Its own frame bound is four times
-/// the gateway's, so a test can send what the gateway must refuse.
-async fn dial(pki: &Pki, carrier: Carrier, addr: SocketAddr) -> (Dialed, Option<QuicClient>) {
-    let client_tls = tls::client_config(
+/// The agent's client TLS configuration from `pki`.
+fn agent_tls(pki: &Pki) -> std::sync::Arc<rustls::ClientConfig> {
+    tls::client_config(
         pki.ca.as_bytes(),
         pki.agent.0.as_bytes(),
         pki.agent.1.as_bytes(),
         &[],
     )
-    .unwrap();
+    .unwrap()
+}
+
+/// A dial of `carrier` to `addr` with `client_tls` that must fail: its error.
+async fn refused_dial(
+    carrier: Carrier,
+    addr: SocketAddr,
+    client_tls: std::sync::Arc<rustls::ClientConfig>,
+) -> LinkError {
+    match carrier {
+        Carrier::Grpc => match flotilla_transport::grpc::connect(
+            &addr.to_string(),
+            ServerName::try_from("localhost").unwrap(),
+            client_tls,
+            None,
+            None,
+        )
+        .await
+        {
+            Err(e) => e,
+            Ok(_) => panic!("grpc: the dial got a connection"),
+        },
+        Carrier::Quic => {
+            let client = QuicClient::bind("127.0.0.1:0".parse().unwrap(), quic_settings()).unwrap();
+            match client
+                .open_session(addr, "localhost", &client_tls, hello())
+                .await
+            {
+                Err(e) => e,
+                Ok(_) => panic!("quic: the dial got a session"),
+            }
+        }
+    }
+}
+
+/// The agent's side of `carrier` to `addr`, saying hello. Its own frame bound is four times
+/// the gateway's, so a test can send what the gateway must refuse.
+async fn dial(pki: &Pki, carrier: Carrier, addr: SocketAddr) -> (Dialed, Option<QuicClient>) {
+    let client_tls = agent_tls(pki);
     match carrier {
         Carrier::Grpc => {
             let channel = flotilla_transport::grpc::connect(
@@ -363,40 +400,7 @@ async fn a_client_of_another_ca_is_refused_by_both_carriers() {
     stranger.ca = hub_pki.ca.clone();
     for carrier in [Carrier::Grpc, Carrier::Quic] {
         let (addr, mut sessions, _drain) = gateway(&hub_pki, carrier).await;
-        let client_tls = tls::client_config(
-            stranger.ca.as_bytes(),
-            stranger.agent.0.as_bytes(),
-            stranger.agent.1.as_bytes(),
-            &[],
-        )
-        .unwrap();
-        let refused: LinkError = match carrier {
-            Carrier::Grpc => {
-                match flotilla_transport::grpc::connect(
-                    &addr.to_string(),
-                    ServerName::try_from("localhost").unwrap(),
-                    client_tls,
-                    None,
-                    None,
-                )
-                .await
-                {
-                    Err(e) => e,
-                    Ok(_) => panic!("grpc: a foreign certificate got a connection"),
-                }
-            }
-            Carrier::Quic => {
-                let client =
-                    QuicClient::bind("127.0.0.1:0".parse().unwrap(), quic_settings()).unwrap();
-                match client
-                    .open_session(addr, "localhost", &client_tls, hello())
-                    .await
-                {
-                    Err(e) => e,
-                    Ok(_) => panic!("quic: a foreign certificate got a session"),
-                }
-            }
-        };
+        let refused = refused_dial(carrier, addr, agent_tls(&stranger)).await;
         // The hub's TLS alert 48, "unknown CA": the agent can say its certificate is not the
         // hub's, on either carrier.
         assert!(
@@ -446,34 +450,7 @@ async fn a_gateway_not_serving_yet_closes_connections_before_tls() {
         let gate = Arc::new(Warming::default());
         let (addr, mut sessions, _drain) =
             gateway_gated(&pki, carrier, 16, Some(gate.clone())).await;
-        let client_tls = tls::client_config(
-            pki.ca.as_bytes(),
-            pki.agent.0.as_bytes(),
-            pki.agent.1.as_bytes(),
-            &[],
-        )
-        .unwrap();
-        let refused = match carrier {
-            Carrier::Grpc => flotilla_transport::grpc::connect(
-                &addr.to_string(),
-                ServerName::try_from("localhost").unwrap(),
-                client_tls,
-                None,
-                None,
-            )
-            .await
-            .err(),
-            Carrier::Quic => {
-                let client =
-                    QuicClient::bind("127.0.0.1:0".parse().unwrap(), quic_settings()).unwrap();
-                client
-                    .open_session(addr, "localhost", &client_tls, hello())
-                    .await
-                    .err()
-            }
-        };
-        let refused = refused
-            .unwrap_or_else(|| panic!("{carrier}: a gateway not serving took the connection"));
+        let refused = refused_dial(carrier, addr, agent_tls(&pki)).await;
         assert!(
             !matches!(refused, LinkError::Tls { .. }),
             "{carrier}: closed before TLS, not refused in it: {refused:?}"
