@@ -58,6 +58,9 @@ impl ShardLeasing {
         let mut tick = tokio::time::interval(owner.renew_period);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut owner = ShardOwner::new(owner);
+        // Until a round has read the leases the gateway knows neither its shards nor their
+        // owners: its view stays unread (it serves no one).
+        let mut read = false;
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
@@ -69,7 +72,10 @@ impl ShardLeasing {
             let bound = owner.config().renew_period;
             let now = Instant::now();
             match tokio::time::timeout(bound, leases.list()).await {
-                Ok(Ok(records)) => owner.observe(now, records),
+                Ok(Ok(records)) => {
+                    owner.observe(now, records);
+                    read = true;
+                }
                 Ok(Err(e)) => {
                     warn!(error = %e, "cannot read the shard leases; held shards stay valid until their leases would expire");
                     owner.expire(now);
@@ -85,8 +91,8 @@ impl ShardLeasing {
             let writes = owner.plan(now);
             // Shards being released are no longer acted for from here on. Until the first
             // round's claims are written the view stays unread: the gateway is not serving yet.
-            let read = view.borrow().is_read();
-            publish(&owner, &view, read);
+            let written_before = view.borrow().is_read();
+            publish(&owner, &view, written_before);
             for w in &writes {
                 if let Intent::Release(shard) = w.intent {
                     info!(
@@ -104,7 +110,7 @@ impl ShardLeasing {
                 write_all(&leases, &mut owner, writes),
             )
             .await;
-            publish(&owner, &view, true);
+            publish(&owner, &view, read);
             drain_not_held(&registry, &view, drain_window);
         }
         // Shutdown: the gateway has drained its sessions; give the shards up for the others.
