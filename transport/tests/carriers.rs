@@ -163,6 +163,15 @@ fn agent_tls(pki: &Pki) -> std::sync::Arc<rustls::ClientConfig> {
     .unwrap()
 }
 
+/// The agent's gRPC channel to the gateway at `addr` (named `localhost` in its certificate).
+async fn grpc_channel(
+    addr: SocketAddr,
+    client_tls: std::sync::Arc<rustls::ClientConfig>,
+) -> Result<tonic::transport::Channel, LinkError> {
+    let server = ServerName::try_from("localhost").unwrap();
+    flotilla_transport::grpc::connect(&addr.to_string(), server, client_tls, None, None).await
+}
+
 /// A dial of `carrier` to `addr` with `client_tls` that must fail: its error.
 async fn refused_dial(
     carrier: Carrier,
@@ -170,15 +179,7 @@ async fn refused_dial(
     client_tls: std::sync::Arc<rustls::ClientConfig>,
 ) -> LinkError {
     match carrier {
-        Carrier::Grpc => match flotilla_transport::grpc::connect(
-            &addr.to_string(),
-            ServerName::try_from("localhost").unwrap(),
-            client_tls,
-            None,
-            None,
-        )
-        .await
-        {
+        Carrier::Grpc => match grpc_channel(addr, client_tls).await {
             Err(e) => e,
             Ok(_) => panic!("grpc: the dial got a connection"),
         },
@@ -201,15 +202,7 @@ async fn dial(pki: &Pki, carrier: Carrier, addr: SocketAddr) -> (Dialed, Option<
     let client_tls = agent_tls(pki);
     match carrier {
         Carrier::Grpc => {
-            let channel = flotilla_transport::grpc::connect(
-                &addr.to_string(),
-                ServerName::try_from("localhost").unwrap(),
-                client_tls,
-                None,
-                None,
-            )
-            .await
-            .unwrap();
+            let channel = grpc_channel(addr, client_tls).await.unwrap();
             (
                 flotilla_transport::grpc::open_session(channel, 4 * MAX_FRAME, hello())
                     .await
