@@ -263,6 +263,23 @@ impl Agents {
         }
     }
 
+    /// CPU seconds the agents' processes have used so far: the workers', or this process's
+    /// when the agents run in it.
+    pub fn cpu_seconds(&self) -> f64 {
+        let read = |pid: Option<u32>| {
+            let pid = pid.map_or_else(|| "self".to_string(), |p| p.to_string());
+            crate::machine::ProcStats::read(&pid).map_or(0.0, |s| s.cpu_seconds)
+        };
+        match self {
+            Agents::Local(_) => read(None),
+            Agents::Workers(ws) => ws
+                .iter()
+                .filter_map(|w| w.child.id())
+                .map(|pid| read(Some(pid)))
+                .sum(),
+        }
+    }
+
     /// Stops every agent and waits for them (workers exit).
     pub async fn stop(self) {
         match self {

@@ -371,6 +371,13 @@ pub struct RunArgs {
     #[arg(long, default_value_t = DEFAULT_CONNECT_RATE)]
     pub connect_rate: f64,
 
+    /// connect: once every agent is up (and on its shard's owner), hold the sessions idle this
+    /// long and report what that cost: CPU of the session side and of the agents, apiserver
+    /// requests. 0 skips it.
+    #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
+    #[serde(with = "humantime_serde_compat", default)]
+    pub hold: Duration,
+
     /// Longest time any one scenario may take; it then stops and reports what it saw.
     #[arg(long, default_value = DEFAULT_TIMEOUT, value_parser = humantime::parse_duration)]
     #[serde(with = "humantime_serde_compat")]
@@ -518,6 +525,11 @@ impl RunArgs {
     /// Checks what clap cannot; every message names the flag and the fix.
     pub fn validate(&self) -> anyhow::Result<()> {
         anyhow::ensure!(self.agents >= 1, "--agents must be at least 1");
+        anyhow::ensure!(
+            self.hold <= Duration::from_secs(3600),
+            "--hold {} is above an hour; hold the sessions for at most 1h",
+            humantime::format_duration(self.hold)
+        );
         anyhow::ensure!(
             self.agents <= 99_999,
             "--agents {} is above 99,999, the most cluster names <prefix>-NNNNN can tell apart",

@@ -140,6 +140,32 @@ pub struct StatusAudit {
     pub examples: Vec<String>,
 }
 
+/// `connect --hold`: the cost of the sessions held idle (heartbeats only) for a while, from the
+/// processes' CPU counters over the window.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct IdleReport {
+    pub window_s: f64,
+    /// Sessions at the start and at the end of the window.
+    pub sessions_before: u64,
+    pub sessions_after: u64,
+    /// CPU seconds over the window: the session side (the gateways, or the hub's in-process
+    /// gateway) and the agents' processes (the harness's, when the agents run in it).
+    pub sessions_cpu_s: f64,
+    pub agents_cpu_s: f64,
+    /// The hub apiserver's requests in the window (`--store kube`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub apiserver_requests: Option<u64>,
+}
+
+impl IdleReport {
+    /// Share of one core the session side spent per 10,000 sessions held.
+    pub fn core_share_per_10k(&self) -> Option<f64> {
+        let held = self.sessions_before.min(self.sessions_after);
+        (held > 0 && self.window_s > 0.0)
+            .then(|| self.sessions_cpu_s / self.window_s * 10_000.0 / held as f64)
+    }
+}
+
 /// One scenario's results. Which fields are set depends on the scenario.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct ScenarioReport {
@@ -172,6 +198,9 @@ pub struct ScenarioReport {
     pub harness_cpu_s: Option<f64>,
     /// Hub RSS (bytes) against sessions connected, sampled during the ramp.
     pub rss_curve: Vec<(u64, u64)>,
+    /// `--hold`: what holding every session idle cost, once all were up.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle: Option<IdleReport>,
 
     // fanout
     pub work: Option<String>,
@@ -609,6 +638,31 @@ pub fn table(report: &Report) -> String {
                 );
                 row("hub CPU", secs(s.hub_cpu_s));
                 row("harness CPU", secs(s.harness_cpu_s));
+                if let Some(idle) = &s.idle {
+                    row(
+                        "held idle",
+                        format!(
+                            "{:.0} s, {} → {} sessions",
+                            idle.window_s, idle.sessions_before, idle.sessions_after
+                        ),
+                    );
+                    row(
+                        "idle CPU: sessions, agents",
+                        format!(
+                            "{:.1} %, {:.1} % of a core ({} per 10,000 sessions)",
+                            idle.sessions_cpu_s / idle.window_s.max(1e-3) * 100.0,
+                            idle.agents_cpu_s / idle.window_s.max(1e-3) * 100.0,
+                            idle.core_share_per_10k()
+                                .map_or("-".into(), |c| format!("{:.1} %", c * 100.0)),
+                        ),
+                    );
+                    if let Some(n) = idle.apiserver_requests {
+                        row(
+                            "idle apiserver requests",
+                            format!("{n} ({:.1}/s)", n as f64 / idle.window_s.max(1e-3)),
+                        );
+                    }
+                }
             }
             "fanout" => {
                 row("ManifestWork", opt(s.work.clone()));
@@ -1071,6 +1125,26 @@ fn mib(b: u64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn idle_core_share_is_per_ten_thousand_sessions_held_throughout() {
+        let idle = IdleReport {
+            window_s: 30.0,
+            sessions_before: 20_000,
+            sessions_after: 19_000,
+            sessions_cpu_s: 3.8,
+            agents_cpu_s: 4.0,
+            apiserver_requests: None,
+        };
+        // 3.8 s over 30 s is 12.7 % of a core for the 19,000 sessions held throughout.
+        let share = idle.core_share_per_10k().unwrap();
+        assert!((share - 3.8 / 30.0 * 10_000.0 / 19_000.0).abs() < 1e-9, "{share}");
+        let none_held = IdleReport {
+            sessions_after: 0,
+            ..idle
+        };
+        assert_eq!(none_held.core_share_per_10k(), None);
+    }
 
     #[test]
     fn percentiles_are_ordered_and_in_milliseconds() {

@@ -21,7 +21,7 @@ use crate::clock::{self, Stamp};
 use crate::fleet::{Hub, Identity};
 use crate::machine::ProcStats;
 use crate::operator::{OperatorApi, POOL_SIZE, condition};
-use crate::report::{GatewaysReport, Outcome, Percentiles, Point, ScenarioReport, StatusAudit};
+use crate::report::{GatewaysReport, IdleReport, Outcome, Percentiles, Point, ScenarioReport, StatusAudit};
 use crate::swarm::{AgentRecord, Sample, SwarmSpec, status_digest};
 
 /// How often sessions are counted for the curves.
@@ -172,8 +172,58 @@ impl Run {
         let mut r = ScenarioReport::new("connect", self.identities.len());
         let clock = Clock::new(self.args.timeout);
         let result = bounded(&clock, self.connect_inner(&clock, &mut r)).await;
+        let hold = matches!(result, Ok(true)) && !self.args.hold.is_zero();
         self.conclude(&mut r, &clock, result).await;
+        if hold {
+            r.idle = Some(self.hold_idle().await);
+        }
         r
+    }
+
+    /// `--hold`: keeps every session up and idle for the hold, and reads what that cost from
+    /// the processes' CPU counters and the apiserver's request counters.
+    async fn hold_idle(&mut self) -> IdleReport {
+        let bar = self.bar("hold", self.args.hold.as_secs());
+        let sessions_before = self.sample().connected;
+        let side_before = self.session_side_cpu().await;
+        let agents_before = self.agents.as_ref().map_or(0.0, Agents::cpu_seconds);
+        let api_before = self.apiserver_snapshot().await;
+        let t0 = Instant::now();
+        let end = t0 + self.args.hold;
+        while Instant::now() < end {
+            bar.set_position(t0.elapsed().as_secs());
+            tokio::time::sleep_until(end.min(Instant::now() + Duration::from_secs(1))).await;
+        }
+        let window_s = t0.elapsed().as_secs_f64();
+        let sessions_after = self.sample().connected;
+        let side_after = self.session_side_cpu().await;
+        let agents_after = self.agents.as_ref().map_or(0.0, Agents::cpu_seconds);
+        let own = self.hub.apiserver().map_or(0, Apiserver::own_watches);
+        let apiserver_requests = match (api_before, self.apiserver_snapshot().await) {
+            (Some(b), Some(a)) => Some(a.load_since(&b, own).requests),
+            _ => None,
+        };
+        bar.finish_and_clear();
+        IdleReport {
+            window_s,
+            sessions_before,
+            sessions_after,
+            sessions_cpu_s: side_after - side_before,
+            agents_cpu_s: agents_after - agents_before,
+            apiserver_requests,
+        }
+    }
+
+    /// CPU seconds of the processes holding the sessions: the gateways, else the hub child
+    /// (0 when neither can be read).
+    async fn session_side_cpu(&self) -> f64 {
+        if self.hub.gateways().is_some() {
+            return match self.gateways_report().await {
+                Ok(Some(g)) => g.cpu_seconds,
+                _ => 0.0,
+            };
+        }
+        self.hub.stats().map_or(0.0, |s| s.cpu_seconds)
     }
 
     async fn connect_inner(
@@ -192,21 +242,30 @@ impl Run {
         self.start_agents().await?;
         let bar = self.bar("connect", n);
         let mut established = Vec::new();
-        // Listing every ManagedCluster takes a while at 10k; it runs beside the 100 ms sampling.
+        // Available is counted beside the 100 ms sampling: on the kube backend from a watch of
+        // the hub apiserver's ManagedClusters (one list, then events: listing 100,000 clusters
+        // every poll interval would load the apiserver more than the fleet does), otherwise by
+        // listing them through the operator API every --poll-interval.
         let (available_tx, available_rx) = tokio::sync::watch::channel((0u64, clock.t()));
-        let poller = {
-            let api = self.api.clone();
-            let ours: HashSet<String> = self.identities.iter().map(|i| i.name.clone()).collect();
-            let every = self.args.poll_interval;
-            let start = clock.start;
-            tokio::spawn(async move {
-                loop {
-                    if let Ok(count) = available_among(&api, &ours).await {
-                        let _ = available_tx.send((count, start.elapsed().as_secs_f64()));
+        let ours: HashSet<String> = self.identities.iter().map(|i| i.name.clone()).collect();
+        let start = clock.start;
+        let poller = match self.hub.apiserver() {
+            Some(a) => {
+                let client = a.client().await?;
+                tokio::spawn(available_by_watch(client, ours, start, available_tx))
+            }
+            None => {
+                let api = self.api.clone();
+                let every = self.args.poll_interval;
+                tokio::spawn(async move {
+                    loop {
+                        if let Ok(count) = available_among(&api, &ours).await {
+                            let _ = available_tx.send((count, start.elapsed().as_secs_f64()));
+                        }
+                        tokio::time::sleep(every).await;
                     }
-                    tokio::time::sleep(every).await;
-                }
-            })
+                })
+            }
         };
         let mut available = 0;
         let mut done = false;
@@ -790,6 +849,61 @@ async fn available_among(api: &OperatorApi, ours: &HashSet<String>) -> anyhow::R
                 && condition(c, MANAGED_CLUSTER_CONDITION_AVAILABLE) == Some("True")
         })
         .count() as u64)
+}
+
+/// Counts `ours` among the hub apiserver's ManagedClusters that are Available, from a watch, and
+/// sends the count (with the seconds since `start`) whenever it changes. The initial list is
+/// served from the apiserver's watch cache in one piece; runs until aborted.
+async fn available_by_watch(
+    client: kube::Client,
+    ours: HashSet<String>,
+    start: Instant,
+    counts: tokio::sync::watch::Sender<(u64, f64)>,
+) {
+    use flotilla_proto::api::ManagedCluster;
+    use kube::runtime::{WatchStreamExt, watcher};
+    let api = kube::Api::<ManagedCluster>::all(client);
+    let mut events = watcher(api, watcher::Config::default().any_semantic())
+        .default_backoff()
+        .boxed();
+    let mut available: HashSet<String> = HashSet::new();
+    // A (re)list is counted whole: no partial count is sent while it arrives.
+    let mut listing = false;
+    while let Some(event) = events.next().await {
+        let (name, up) = match event {
+            Ok(watcher::Event::Apply(c) | watcher::Event::InitApply(c)) => {
+                let up = serde_json::to_value(&c)
+                    .is_ok_and(|v| condition(&v, MANAGED_CLUSTER_CONDITION_AVAILABLE) == Some("True"));
+                (c.metadata.name.unwrap_or_default(), up)
+            }
+            Ok(watcher::Event::Delete(c)) => (c.metadata.name.unwrap_or_default(), false),
+            Ok(watcher::Event::Init) => {
+                available.clear();
+                listing = true;
+                continue;
+            }
+            Ok(watcher::Event::InitDone) => {
+                listing = false;
+                let _ = counts.send((available.len() as u64, start.elapsed().as_secs_f64()));
+                continue;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "watching ManagedClusters");
+                continue;
+            }
+        };
+        if !ours.contains(&name) {
+            continue;
+        }
+        let changed = if up {
+            available.insert(name)
+        } else {
+            available.remove(&name)
+        };
+        if changed && !listing {
+            let _ = counts.send((available.len() as u64, start.elapsed().as_secs_f64()));
+        }
+    }
 }
 
 /// Runs a scenario's body with the whole-scenario deadline: `--timeout` plus [`OVERRUN`].
