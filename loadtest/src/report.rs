@@ -1138,7 +1138,10 @@ mod tests {
         };
         // 3.8 s over 30 s is 12.7 % of a core for the 19,000 sessions held throughout.
         let share = idle.core_share_per_10k().unwrap();
-        assert!((share - 3.8 / 30.0 * 10_000.0 / 19_000.0).abs() < 1e-9, "{share}");
+        assert!(
+            (share - 3.8 / 30.0 * 10_000.0 / 19_000.0).abs() < 1e-9,
+            "{share}"
+        );
         let none_held = IdleReport {
             sessions_after: 0,
             ..idle

@@ -21,7 +21,9 @@ use crate::clock::{self, Stamp};
 use crate::fleet::{Hub, Identity};
 use crate::machine::ProcStats;
 use crate::operator::{OperatorApi, POOL_SIZE, condition};
-use crate::report::{GatewaysReport, IdleReport, Outcome, Percentiles, Point, ScenarioReport, StatusAudit};
+use crate::report::{
+    GatewaysReport, IdleReport, Outcome, Percentiles, Point, ScenarioReport, StatusAudit,
+};
 use crate::swarm::{AgentRecord, Sample, SwarmSpec, status_digest};
 
 /// How often sessions are counted for the curves.
@@ -872,8 +874,9 @@ async fn available_by_watch(
     while let Some(event) = events.next().await {
         let (name, up) = match event {
             Ok(watcher::Event::Apply(c) | watcher::Event::InitApply(c)) => {
-                let up = serde_json::to_value(&c)
-                    .is_ok_and(|v| condition(&v, MANAGED_CLUSTER_CONDITION_AVAILABLE) == Some("True"));
+                let up = serde_json::to_value(&c).is_ok_and(|v| {
+                    condition(&v, MANAGED_CLUSTER_CONDITION_AVAILABLE) == Some("True")
+                });
                 (c.metadata.name.unwrap_or_default(), up)
             }
             Ok(watcher::Event::Delete(c)) => (c.metadata.name.unwrap_or_default(), false),

@@ -214,10 +214,16 @@ async fn gateways_in_network_namespaces_serve_agents_from_their_own_addresses() 
     check_run(&report, 200);
     // --hold: every session stayed up through the idle window, whose cost was read from the
     // gateways' counters and the apiserver's (the 1 s lease renewals at least).
-    let idle = report.scenarios[0].idle.as_ref().expect("connect --hold reports idle");
+    let idle = report.scenarios[0]
+        .idle
+        .as_ref()
+        .expect("connect --hold reports idle");
     assert!(idle.window_s >= 2.0, "{idle:?}");
     assert_eq!((idle.sessions_before, idle.sessions_after), (200, 200));
-    assert!(idle.sessions_cpu_s >= 0.0 && idle.agents_cpu_s >= 0.0, "{idle:?}");
+    assert!(
+        idle.sessions_cpu_s >= 0.0 && idle.agents_cpu_s >= 0.0,
+        "{idle:?}"
+    );
     assert!(idle.apiserver_requests.is_some_and(|n| n > 0), "{idle:?}");
     let gw = report.scenarios[1].gateways.as_ref().unwrap();
     // The first two listen on their namespaces' addresses (10.213.x.y), the third on loopback,
