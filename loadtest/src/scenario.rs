@@ -854,8 +854,8 @@ async fn available_among(api: &OperatorApi, ours: &HashSet<String>) -> anyhow::R
 }
 
 /// Counts `ours` among the hub apiserver's ManagedClusters that are Available, from a watch, and
-/// sends the count (with the seconds since `start`) whenever it changes. The initial list is
-/// served from the apiserver's watch cache in one piece; runs until aborted.
+/// sends the count (with the seconds since `start`) whenever it changes. The initial list asks
+/// for any resourceVersion, which the apiserver serves from its watch cache; runs until aborted.
 async fn available_by_watch(
     client: kube::Client,
     ours: HashSet<String>,
