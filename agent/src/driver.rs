@@ -11,7 +11,7 @@ use std::time::{Duration, SystemTime};
 use flotilla_proto::api::ManifestWork;
 use flotilla_proto::api::content::ContentRef;
 use flotilla_proto::session::{
-    AgentConfig as SessionConfig, AgentEvent, AgentSession, DEFAULT_WELCOME_TIMEOUT,
+    AgentConfig as SessionConfig, AgentEvent, AgentSession, DEFAULT_WELCOME_TIMEOUT, Reconnect,
 };
 use flotilla_proto::wire::{self, AgentFrame};
 use flotilla_transport::{Dialed, Link};
@@ -43,22 +43,18 @@ pub(crate) enum Ended {
         redirect: Option<String>,
     },
     /// The dial failed, the hub refused, or the session closed; back off.
-    Lost {
-        refusal: Refusal,
-        /// Whether the session got as far as Welcome.
-        established: bool,
-    },
+    Lost { refusal: Refusal },
     /// Our own shutdown.
     Shutdown,
 }
 
-/// One session from dial to end. `established_at` is set when the hub welcomes it.
+/// One session from dial to end. `reconnect` is told when the hub welcomes it.
 pub(crate) async fn session_once(
     dialer: &Dialer,
     config: &AgentConfig,
     spoke: &Spoke,
     mut stop: watch::Receiver<bool>,
-    established_at: &mut Option<Instant>,
+    reconnect: &mut Reconnect,
 ) -> Ended {
     // Tell the hub what we hold so it sends only what differs. If the cache cannot say, an
     // empty list is safe: the hub then sends everything, and storing is idempotent.
@@ -121,7 +117,6 @@ pub(crate) async fn session_once(
         Err(e) => {
             return Ended::Lost {
                 refusal: Refusal::from_link(dialer.hub(), &e),
-                established: false,
             };
         }
     };
@@ -163,7 +158,7 @@ pub(crate) async fn session_once(
         while let Some(event) = machine.poll_event() {
             match event {
                 AgentEvent::Established { session_id, .. } => {
-                    *established_at = Some(Instant::now());
+                    reconnect.established(Instant::now());
                     info!(session = %session_id, %carrier, "session established");
                     spoke.observer.session_established();
                     _connected = Some(spoke.metrics.connected(carrier));
@@ -485,7 +480,6 @@ pub(crate) async fn session_once(
                     &flotilla_proto::session::CloseReason::Local("session ended".into()),
                 ),
             },
-            established: established_at.is_some(),
         },
     }
 }

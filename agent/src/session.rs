@@ -1,6 +1,7 @@
 //! The agent's reconnect loop: connect, drive one session until it ends (`driver`), back off,
-//! reconnect. Everything that needs a decision lives in `flotilla_proto::session`; this file
-//! holds the explicit reconnect state and the parts the driver works on.
+//! reconnect. Everything that needs a decision lives in `flotilla_proto::session` (the
+//! reconnect policy in its `Reconnect` machine); this file holds the loop and the parts the
+//! driver works on.
 //!
 //! The reconciler runs beside the session loop, not inside it, so the spoke is kept as desired
 //! whether or not a hub is there.
@@ -8,7 +9,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use flotilla_proto::session::{Backoff, BackoffConfig, Jitter};
+use flotilla_proto::session::{Jitter, Reconnect, SessionEnd, Target};
 use flotilla_proto::wire;
 use rand::{Rng as _, SeedableRng as _};
 use tokio::sync::{Notify, watch};
@@ -54,31 +55,6 @@ pub enum RunError {
     /// The spoke client cannot be built from its kubeconfig. Not retryable.
     #[error("cannot build a client for the spoke apiserver: {0}")]
     SpokeClient(String),
-}
-
-/// Redirects followed in a row without a session established: past it the agent goes back
-/// to its configured address (two gateways that disagree on ownership must not bounce it
-/// between them forever).
-pub const MAX_REDIRECTS: u32 = 3;
-
-/// Dials in a row to the gateway of the last session that may fail before the agent goes back
-/// to its configured address: a gateway restarted in place closes connections until it has
-/// loaded its shards, and going elsewhere would only cost a redirect back to it. A dial that
-/// finds nothing listening there gives up on it at once.
-pub const HOME_DIAL_ATTEMPTS: u32 = 3;
-
-/// Where the connection to the hub stands. Each transition is logged once.
-#[derive(Debug)]
-enum Link {
-    /// Waiting before the next attempt; the delay comes from the backoff policy or the hub's
-    /// retry-after.
-    Disconnected { delay: Duration },
-    /// Dialling and saying hello: the configured address, or `redirect`, the gateway that owns
-    /// this cluster's shard as the last one named it (`redirects` in a row so far).
-    Connecting {
-        redirect: Option<String>,
-        redirects: u32,
-    },
 }
 
 /// `rand` behind the protocol's jitter interface.
@@ -364,7 +340,10 @@ async fn read_spoke_version(client: kube::Client, version: watch::Sender<String>
     }
 }
 
-/// The reconnect loop, until `shutdown`.
+/// The reconnect loop, until `shutdown`: wait, dial, drive one session until it ends
+/// (`driver`), and ask the protocol's [`Reconnect`] machine where and when to dial next. Every
+/// decision (the backoff, redirects and their bound, the home gateway and its misses) is the
+/// machine's; this loop moves between it and the network and says in the log what was decided.
 async fn hold_session(
     config: &AgentConfig,
     dialer: &Dialer,
@@ -374,141 +353,107 @@ async fn hold_session(
     stop_rx: watch::Receiver<bool>,
     shutdown: impl Future<Output = ()> + Send,
 ) {
-    let mut backoff = Backoff::new(BackoffConfig {
-        max: config.max_backoff,
-        initial: config.max_backoff.min(BackoffConfig::default().initial),
-        startup_jitter: config.initial_jitter,
-        ..BackoffConfig::default()
-    });
-    let mut link = Link::Disconnected {
-        delay: backoff.startup_delay(&mut jitter),
-    };
-    // A redirect and the delay before it, to go to once that delay has passed.
-    let mut redirect: Option<(String, u32)> = None;
-    // The gateway a redirect brought the last session to: the next session dials it first
-    // (a gateway restarted in place still owns the shard), saving the configured address's
-    // redirect, a second TLS handshake per agent in a storm. Forgotten after
-    // HOME_DIAL_ATTEMPTS dials to it in a row that do not establish (a gateway restarting under
-    // a herd closes connections until it has loaded its shards; one that is gone fails them
-    // all); then the configured address again.
-    let mut home: Option<String> = None;
-    let mut home_misses = 0u32;
+    let mut reconnect = Reconnect::new(Instant::now(), config.backoff(), &mut jitter);
     tokio::pin!(shutdown);
     loop {
-        match link {
-            Link::Disconnected { delay } => {
-                tokio::select! {
-                    _ = tokio::time::sleep(delay) => link = match redirect.take() {
-                        Some((to, redirects)) => Link::Connecting { redirect: Some(to), redirects },
-                        None => {
-                            if let Some(home) = &home {
-                                debug!(gateway = %home, "dialling the gateway of the last session first");
-                            }
-                            Link::Connecting { redirect: home.clone(), redirects: 0 }
-                        }
-                    },
-                    _ = &mut shutdown => return,
+        // Disconnected: wait out the delay the machine chose.
+        if let Some(until) = reconnect.poll_timeout() {
+            tokio::select! {
+                _ = tokio::time::sleep_until(until) => {}
+                _ = &mut shutdown => return,
+            }
+        }
+        let Some(target) = reconnect.connect(Instant::now()) else {
+            continue;
+        };
+        if let Target::Home(home) = &target {
+            debug!(gateway = %home, "dialling the gateway of the last session first");
+        }
+        let redirected = target.address().map(|to| dialer.redirected(to));
+        let ended = {
+            let mut session = std::pin::pin!(session_once(
+                redirected.as_ref().unwrap_or(dialer),
+                config,
+                spoke,
+                stop_rx.clone(),
+                &mut reconnect,
+            ));
+            tokio::select! {
+                ended = &mut session => ended,
+                _ = &mut shutdown => {
+                    // Let the session say goodbye before we exit.
+                    let _ = stop_tx.send(true);
+                    session.await
                 }
             }
-            Link::Connecting {
-                redirect: target,
-                redirects,
-            } => {
-                let mut established_at = None;
-                let redirected = target.as_deref().map(|to| dialer.redirected(to));
-                let ended = {
-                    let mut session = std::pin::pin!(session_once(
-                        redirected.as_ref().unwrap_or(dialer),
-                        config,
-                        spoke,
-                        stop_rx.clone(),
-                        &mut established_at
-                    ));
-                    tokio::select! {
-                        ended = &mut session => ended,
-                        _ = &mut shutdown => {
-                            // Let the session say goodbye before we exit.
-                            let _ = stop_tx.send(true);
-                            session.await
-                        }
-                    }
-                };
-                // Only a session that got as far as Welcome counts towards a stable connection.
-                if let Some(at) = established_at {
-                    backoff.connected(at);
-                    spoke.observer.session_closed(&match &ended {
-                        Ended::Shutdown => "agent shutting down".to_string(),
-                        Ended::Drained { .. } => "hub draining".to_string(),
-                        Ended::Lost { refusal, .. } => refusal.to_string(),
-                    });
-                } else if let Ended::Lost { refusal, .. } = &ended {
-                    spoke.observer.connection_failed(refusal);
-                }
-                // Redirects count in a row until a session establishes.
-                let redirects = if established_at.is_some() {
-                    0
-                } else {
-                    redirects
-                };
-                if established_at.is_some() {
-                    home = target;
-                    home_misses = 0;
-                } else if let Ended::Lost { refusal, .. } = &ended
-                    && home.is_some()
-                    && target == home
-                {
-                    // Nothing listening (or answering) there: the gateway is gone, not cold.
-                    let gone = matches!(
-                        refusal.kind,
-                        RefusalKind::HubUnreachable | RefusalKind::HubTimedOut
-                    );
-                    home_misses += 1;
-                    if gone || home_misses >= HOME_DIAL_ATTEMPTS {
-                        debug!(gateway = ?home, attempts = home_misses, "the gateway of the last session did not take a session; back to the configured address");
-                        home = None;
-                        home_misses = 0;
-                    }
-                }
-                link = match ended {
-                    Ended::Shutdown => return,
-                    // The gateway reached does not own this cluster's shard and named the one
-                    // that does: go there after its (short) delay, no backoff, unless this has
-                    // happened too often in a row. A failure there brings the agent back to its
-                    // configured address (below: no redirect is kept).
-                    Ended::Drained {
-                        retry_after,
-                        redirect: Some(to),
-                    } if redirects < MAX_REDIRECTS => {
-                        info!(gateway = %to, ?retry_after, "redirected to the gateway that owns this cluster's shard");
-                        spoke.observer.redirected(&to);
-                        redirect = Some((to, redirects + 1));
-                        Link::Disconnected { delay: retry_after }
-                    }
-                    Ended::Drained { retry_after, .. } => {
-                        let delay =
-                            backoff.next_delay(Instant::now(), Some(retry_after), &mut jitter);
-                        info!(
-                            ?delay,
-                            "the hub is draining this session (shutting down, moving it, or over its new-session rate); reconnecting after its delay"
-                        );
-                        Link::Disconnected { delay }
-                    }
-                    Ended::Lost {
-                        refusal,
-                        established,
-                    } => {
-                        let delay = backoff.next_delay(Instant::now(), None, &mut jitter);
-                        let _ = established;
-                        if refusal.kind.is_retryable() {
-                            warn!(retry_in = ?delay, "{refusal}");
-                        } else {
-                            // Someone has to act; the agent keeps trying meanwhile.
-                            error!(retry_in = ?delay, "{refusal}");
-                        }
-                        Link::Disconnected { delay }
-                    }
-                };
+        };
+        let Some(end) = observe(spoke, &ended, reconnect.is_connected()) else {
+            return;
+        };
+        let home = reconnect.home().map(str::to_owned);
+        let next = reconnect.ended(Instant::now(), end, &mut jitter);
+        if let Some(home) = home
+            && reconnect.home().is_none()
+        {
+            debug!(gateway = %home, "the gateway of the last session did not take a session; back to the configured address");
+        }
+        match (&ended, &next.target) {
+            (Ended::Drained { retry_after, .. }, Target::Redirect(to)) => {
+                info!(gateway = %to, ?retry_after, "redirected to the gateway that owns this cluster's shard");
+                spoke.observer.redirected(to);
             }
+            (Ended::Drained { .. }, _) => info!(
+                delay = ?next.delay,
+                "the hub is draining this session (shutting down, moving it, or over its new-session rate); reconnecting after its delay"
+            ),
+            (Ended::Lost { refusal }, _) if refusal.kind.is_retryable() => {
+                warn!(retry_in = ?next.delay, "{refusal}")
+            }
+            // Someone has to act; the agent keeps trying meanwhile.
+            (Ended::Lost { refusal }, _) => error!(retry_in = ?next.delay, "{refusal}"),
+            (Ended::Shutdown, _) => {}
+        }
+    }
+}
+
+/// Tells the observer how the session ended, and the reconnect machine's view of it: `None`
+/// for the agent's own shutdown.
+fn observe(spoke: &Spoke, ended: &Ended, established: bool) -> Option<SessionEnd> {
+    match ended {
+        Ended::Shutdown => {
+            if established {
+                spoke.observer.session_closed("agent shutting down");
+            }
+            None
+        }
+        Ended::Drained {
+            retry_after,
+            redirect,
+        } => {
+            if established {
+                spoke.observer.session_closed("hub draining");
+            }
+            Some(SessionEnd::Drained {
+                retry_after: *retry_after,
+                redirect: redirect.clone(),
+            })
+        }
+        Ended::Lost { refusal } => {
+            if established {
+                spoke.observer.session_closed(&refusal.to_string());
+            } else {
+                spoke.observer.connection_failed(refusal);
+            }
+            // Nothing listening (or answering) there: that gateway is gone, not cold.
+            let gone = matches!(
+                refusal.kind,
+                RefusalKind::HubUnreachable | RefusalKind::HubTimedOut
+            );
+            Some(if gone {
+                SessionEnd::Unreachable
+            } else {
+                SessionEnd::Lost
+            })
         }
     }
 }
