@@ -44,6 +44,7 @@
 mod agent;
 mod backoff;
 mod error;
+mod fetch;
 mod hub;
 mod presence;
 mod queue;
@@ -61,6 +62,7 @@ pub use backoff::{
     DEFAULT_STABLE_AFTER, DEFAULT_STARTUP_JITTER, Jitter,
 };
 pub use error::{CloseReason, ProtocolError};
+pub use fetch::{CHUNK_RETRY_INITIAL, CHUNK_RETRY_MAX};
 pub use hub::{
     DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_HELLO_TIMEOUT,
     DEFAULT_MAX_PENDING_WORKS, HubConfig, HubEvent, HubSession, MAX_CSR_BYTES,
