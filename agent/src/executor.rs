@@ -18,7 +18,7 @@
 use flotilla_proto::api::ManifestWorkExecutor;
 use serde_json::Value;
 
-use crate::apply::{
+use crate::apply::target::{
     AccessCheck, ApplyError, ApplyTarget, FIELD_MANAGER, ManifestFailure, REASON_APPLY_FAILED,
 };
 use crate::cache::AppliedResource;

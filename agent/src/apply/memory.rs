@@ -11,7 +11,7 @@ use futures::stream::{self, BoxStream, StreamExt as _};
 use serde_json::Value;
 use tokio::sync::{Mutex, broadcast};
 
-use super::{AccessCheck, ApplyError, ApplyTarget, Deletion, ObjectEvent, ResourceKind};
+use super::target::{AccessCheck, ApplyError, ApplyTarget, Deletion, ObjectEvent, ResourceKind};
 use crate::cache::AppliedResource;
 
 /// Changes buffered per watcher; one that falls further behind is sent the whole kind again.
@@ -153,7 +153,7 @@ impl MemoryCluster {
 
 impl State {
     fn add_kind(&mut self, api_version: &str, kind: &str, resource: &str, namespaced: bool) {
-        let (group, version) = super::split_api_version(api_version);
+        let (group, version) = super::target::split_api_version(api_version);
         self.kinds
             .entry(api_version.to_owned())
             .or_default()
