@@ -188,7 +188,7 @@ fn qualified(resource: &AppliedResource) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::apply::MemoryCluster;
+    use crate::apply::memory::MemoryCluster;
     use flotilla_proto::api::{ManifestWorkExecutorSubject, ServiceAccountSubject};
 
     fn executor(type_: &str, sa: Option<(&str, &str)>) -> ManifestWorkExecutor {

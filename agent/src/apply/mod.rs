@@ -13,7 +13,7 @@
 
 mod engine;
 mod kube;
-mod memory;
+pub(crate) mod memory;
 pub(crate) mod target;
 #[cfg(test)]
 mod tests;

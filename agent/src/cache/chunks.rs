@@ -5,142 +5,10 @@
 
 use std::collections::HashSet;
 
-use redb::{Durability, ReadableTable};
+use redb::ReadableTable;
 
-use super::db::{CHUNKS, ClusterCache, FETCHES, Tables, encode};
-use super::{CacheError, WorkCache, storage};
-
-/// The chunk operations of [`WorkCache`] for one cluster; its implementation calls these.
-impl ClusterCache {
-    pub(super) fn chunk_data(&self, sha256: &str) -> Result<Option<Vec<u8>>, CacheError> {
-        let key = self.key(sha256);
-        self.db.read(CHUNKS, |t| {
-            Ok(t.get(key.as_slice())
-                .map_err(storage)?
-                .map(|v| v.value().to_vec()))
-        })
-    }
-
-    pub(super) fn put_named_chunk(&self, sha256: &str, data: &[u8]) -> Result<bool, CacheError> {
-        let (key, data) = (self.key(sha256), data.to_vec());
-        let (prefix, sha256) = (self.prefix.clone(), sha256.to_owned());
-        self.db.write(Durability::Immediate, move |t| {
-            if !named_chunks(t, &prefix)?.contains(&sha256) {
-                return Ok(false);
-            }
-            t.chunks
-                .insert(key.as_slice(), data.as_slice())
-                .map_err(storage)?;
-            Ok(true)
-        })
-    }
-
-    pub(super) fn record_fetch(
-        &self,
-        uid: &str,
-        chunks: &[String],
-    ) -> Result<Vec<String>, CacheError> {
-        let key = self.key(uid);
-        let record = encode(FETCHES.0, uid, &chunks)?;
-        let (prefix, chunks) = (self.prefix.clone(), chunks.to_vec());
-        self.db.write(Durability::Immediate, move |t| {
-            let earlier = t
-                .fetches
-                .insert(key.as_slice(), record.as_slice())
-                .map_err(storage)?
-                .is_some();
-            if earlier {
-                release_unnamed(t, &prefix)?;
-            }
-            let mut missing = Vec::new();
-            for sha in chunks {
-                let mut chunk_key = prefix.clone();
-                chunk_key.extend_from_slice(sha.as_bytes());
-                if t.chunks
-                    .get(chunk_key.as_slice())
-                    .map_err(storage)?
-                    .is_none()
-                    && !missing.contains(&sha)
-                {
-                    missing.push(sha);
-                }
-            }
-            Ok(missing)
-        })
-    }
-
-    pub(super) fn fetch_uids(&self) -> Result<Vec<String>, CacheError> {
-        self.uids_in(FETCHES)
-    }
-
-    pub(super) fn end_fetch_of(&self, uid: &str) -> Result<u64, CacheError> {
-        if !self.fetch_uids()?.iter().any(|u| u == uid) {
-            return Ok(0);
-        }
-        let key = self.key(uid);
-        self.end_fetches_where(move |k| k == key.as_slice())
-    }
-
-    pub(super) fn end_fetches_except(&self, keep: &[String]) -> Result<u64, CacheError> {
-        // Read first: every session's sync asks, and almost never is there a transfer to end;
-        // a write would cost a durable commit each time.
-        if self.fetch_uids()?.iter().all(|uid| keep.contains(uid)) {
-            return Ok(0);
-        }
-        let keep: HashSet<Vec<u8>> = keep.iter().map(|uid| self.key(uid)).collect();
-        self.end_fetches_where(move |k| !keep.contains(k))
-    }
-
-    pub(super) fn chunk_sizes(&self) -> Result<(u64, u64), CacheError> {
-        self.db.read(CHUNKS, |t| {
-            let (mut count, mut bytes) = (0, 0);
-            for entry in t
-                .range::<&[u8]>(self.prefix.as_slice()..)
-                .map_err(storage)?
-            {
-                let (key, value) = entry.map_err(storage)?;
-                if !key.value().starts_with(&self.prefix) {
-                    break;
-                }
-                count += 1;
-                bytes += value.value().len() as u64;
-            }
-            Ok((count, bytes))
-        })
-    }
-
-    /// Gives up the transfers whose keys `ended_by` picks, releasing what nothing else names.
-    fn end_fetches_where(
-        &self,
-        ended_by: impl Fn(&[u8]) -> bool + Send + 'static,
-    ) -> Result<u64, CacheError> {
-        let prefix = self.prefix.clone();
-        self.db.write(Durability::Immediate, move |t| {
-            let mut ended = Vec::new();
-            for entry in t
-                .fetches
-                .range::<&[u8]>(prefix.as_slice()..)
-                .map_err(storage)?
-            {
-                let (key, _) = entry.map_err(storage)?;
-                let key = key.value();
-                if !key.starts_with(&prefix) {
-                    break;
-                }
-                if ended_by(key) {
-                    ended.push(key.to_vec());
-                }
-            }
-            if ended.is_empty() {
-                return Ok(0);
-            }
-            for key in &ended {
-                t.fetches.remove(key.as_slice()).map_err(storage)?;
-            }
-            release_unnamed(t, &prefix)
-        })
-    }
-}
+use super::tables::Tables;
+use super::work_cache::{CacheError, WorkCache, storage};
 
 /// Whether stored ManifestWork JSON may name chunks (holds a `ChunkedManifests` reference): a
 /// byte search, so works without one are never parsed when chunks are released.
@@ -241,8 +109,11 @@ pub fn joined_manifest_work(
 
 #[cfg(test)]
 mod tests {
+    use super::super::db::{CacheDb, ClusterCache};
+    use super::super::records::CachedWork;
     use super::super::test_support::work;
-    use super::super::{CacheDb, CachedWork, ClusterCache, WorkCache, joined_manifest_work};
+    use super::super::work_cache::WorkCache;
+    use super::joined_manifest_work;
     use serde_json::json;
 
     #[test]

@@ -3,55 +3,25 @@
 //! protocol relies on it), and [`ClusterCache`], one cluster's records, implementing
 //! [`WorkCache`].
 
+use std::collections::HashSet;
 use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
 
 use redb::backends::InMemoryBackend;
-use redb::{
-    Database, Durability, ReadOnlyTable, ReadableDatabase as _, ReadableTable, TableDefinition,
-    WriteTransaction,
-};
+use redb::{Database, Durability, ReadOnlyTable, ReadableDatabase as _, ReadableTable};
 use serde::Serialize;
 use tracing::warn;
 
-use super::chunks::{names_chunks, release_unnamed};
+use super::chunks::{named_chunks, names_chunks, release_unnamed};
 use super::group::GroupCommitter;
 use super::records::{AppliedResource, CachedWork, PendingStatus, StatusRecord};
-use super::{CacheError, WorkCache, storage};
+use super::tables::{CHUNKS, FETCHES, LEDGER, MANIFESTS, RELEASED, STATUS, Table, Tables, WORKS};
+use super::work_cache::{CacheError, WorkCache, storage};
 
 /// redb's page cache. Its default (1 GiB) is sized for a server; an agent on a small edge node
 /// holds a few MiB of works, and a load-test database is opened once for all its agents.
 const PAGE_CACHE_BYTES: usize = 64 * 1024 * 1024;
-
-/// A table of the cache. Each holds every cluster's records, keyed by `cluster \0 uid`.
-#[derive(Clone, Copy)]
-pub(super) struct Table(pub(super) &'static str);
-
-impl Table {
-    pub(super) fn def(self) -> TableDefinition<'static, &'static [u8], &'static [u8]> {
-        TableDefinition::new(self.0)
-    }
-}
-
-/// uid → [`CachedWork`] (JSON).
-const WORKS: Table = Table("works");
-/// uid → the ManifestWork JSON as received. Apart from `works` so listing stays cheap.
-const MANIFESTS: Table = Table("manifests");
-/// hex SHA-256 → a chunk of large-work content (raw bytes), shared by every work naming it.
-pub(super) const CHUNKS: Table = Table("chunks");
-/// uid → the hex digests (JSON list) of a large work's content being fetched: the chunks a
-/// transfer under way keeps until the work is stored, or the transfer is given up.
-pub(super) const FETCHES: Table = Table("fetches");
-/// uid → `Vec<AppliedResource>` (JSON).
-const LEDGER: Table = Table("ledger");
-/// uid → [`StatusRecord`] (JSON): the latest status and the outbox in one record, so a new
-/// status and an ack meet on one key only.
-const STATUS: Table = Table("status");
-/// uid → nothing: works released from the spoke whose release the hub has not acknowledged.
-const RELEASED: Table = Table("released");
-// The agent's identity (key, certificate, CA bundle) is files in its own directory, written
-// atomically (`identity`), not records here.
 
 /// How a [`CacheDb`] commits writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -202,31 +172,6 @@ impl CacheDb {
     }
 }
 
-/// The cache's tables, open in one write transaction.
-pub(super) struct Tables<'t> {
-    pub(super) works: redb::Table<'t, &'static [u8], &'static [u8]>,
-    pub(super) manifests: redb::Table<'t, &'static [u8], &'static [u8]>,
-    pub(super) ledger: redb::Table<'t, &'static [u8], &'static [u8]>,
-    pub(super) status: redb::Table<'t, &'static [u8], &'static [u8]>,
-    pub(super) chunks: redb::Table<'t, &'static [u8], &'static [u8]>,
-    pub(super) fetches: redb::Table<'t, &'static [u8], &'static [u8]>,
-    pub(super) released: redb::Table<'t, &'static [u8], &'static [u8]>,
-}
-
-impl<'t> Tables<'t> {
-    pub(super) fn open(txn: &'t WriteTransaction) -> Result<Self, CacheError> {
-        Ok(Tables {
-            works: txn.open_table(WORKS.def()).map_err(storage)?,
-            manifests: txn.open_table(MANIFESTS.def()).map_err(storage)?,
-            ledger: txn.open_table(LEDGER.def()).map_err(storage)?,
-            status: txn.open_table(STATUS.def()).map_err(storage)?,
-            chunks: txn.open_table(CHUNKS.def()).map_err(storage)?,
-            fetches: txn.open_table(FETCHES.def()).map_err(storage)?,
-            released: txn.open_table(RELEASED.def()).map_err(storage)?,
-        })
-    }
-}
-
 /// Removes the cache directory an agent before redb left (sled's format, which this agent
 /// cannot read), saying so. The agent then starts with an empty cache: the hub resends every
 /// work on the first session, and statuses the hub had not acknowledged are computed again by
@@ -279,6 +224,38 @@ trait Readable: ReadableTable<&'static [u8], &'static [u8]> {}
 impl<T: ReadableTable<&'static [u8], &'static [u8]>> Readable for T {}
 
 impl ClusterCache {
+    /// Gives up the transfers whose keys `ended_by` picks, releasing what nothing else names.
+    fn end_fetches_where(
+        &self,
+        ended_by: impl Fn(&[u8]) -> bool + Send + 'static,
+    ) -> Result<u64, CacheError> {
+        let prefix = self.prefix.clone();
+        self.db.write(Durability::Immediate, move |t| {
+            let mut ended = Vec::new();
+            for entry in t
+                .fetches
+                .range::<&[u8]>(prefix.as_slice()..)
+                .map_err(storage)?
+            {
+                let (key, _) = entry.map_err(storage)?;
+                let key = key.value();
+                if !key.starts_with(&prefix) {
+                    break;
+                }
+                if ended_by(key) {
+                    ended.push(key.to_vec());
+                }
+            }
+            if ended.is_empty() {
+                return Ok(0);
+            }
+            for key in &ended {
+                t.fetches.remove(key.as_slice()).map_err(storage)?;
+            }
+            release_unnamed(t, &prefix)
+        })
+    }
+
     pub(super) fn key(&self, uid: &str) -> Vec<u8> {
         let mut key = Vec::with_capacity(self.prefix.len() + uid.len());
         key.extend_from_slice(&self.prefix);
@@ -360,11 +337,7 @@ fn decode<T: serde::de::DeserializeOwned>(
     })
 }
 
-pub(super) fn encode<T: Serialize>(
-    tree: &'static str,
-    uid: &str,
-    value: &T,
-) -> Result<Vec<u8>, CacheError> {
+fn encode<T: Serialize>(tree: &'static str, uid: &str, value: &T) -> Result<Vec<u8>, CacheError> {
     serde_json::to_vec(value).map_err(|source| CacheError::Encode {
         tree,
         uid: uid.to_owned(),
@@ -374,31 +347,96 @@ pub(super) fn encode<T: Serialize>(
 
 impl WorkCache for ClusterCache {
     fn chunk(&self, sha256: &str) -> Result<Option<Vec<u8>>, CacheError> {
-        self.chunk_data(sha256)
+        let key = self.key(sha256);
+        self.db.read(CHUNKS, |t| {
+            Ok(t.get(key.as_slice())
+                .map_err(storage)?
+                .map(|v| v.value().to_vec()))
+        })
     }
 
     fn put_chunk(&self, sha256: &str, data: &[u8]) -> Result<bool, CacheError> {
-        self.put_named_chunk(sha256, data)
+        let (key, data) = (self.key(sha256), data.to_vec());
+        let (prefix, sha256) = (self.prefix.clone(), sha256.to_owned());
+        self.db.write(Durability::Immediate, move |t| {
+            if !named_chunks(t, &prefix)?.contains(&sha256) {
+                return Ok(false);
+            }
+            t.chunks
+                .insert(key.as_slice(), data.as_slice())
+                .map_err(storage)?;
+            Ok(true)
+        })
     }
 
     fn begin_fetch(&self, uid: &str, chunks: &[String]) -> Result<Vec<String>, CacheError> {
-        self.record_fetch(uid, chunks)
+        let key = self.key(uid);
+        let record = encode(FETCHES.0, uid, &chunks)?;
+        let (prefix, chunks) = (self.prefix.clone(), chunks.to_vec());
+        self.db.write(Durability::Immediate, move |t| {
+            let earlier = t
+                .fetches
+                .insert(key.as_slice(), record.as_slice())
+                .map_err(storage)?
+                .is_some();
+            if earlier {
+                release_unnamed(t, &prefix)?;
+            }
+            let mut missing = Vec::new();
+            for sha in chunks {
+                let mut chunk_key = prefix.clone();
+                chunk_key.extend_from_slice(sha.as_bytes());
+                if t.chunks
+                    .get(chunk_key.as_slice())
+                    .map_err(storage)?
+                    .is_none()
+                    && !missing.contains(&sha)
+                {
+                    missing.push(sha);
+                }
+            }
+            Ok(missing)
+        })
     }
 
     fn fetches(&self) -> Result<Vec<String>, CacheError> {
-        self.fetch_uids()
+        self.uids_in(FETCHES)
     }
 
     fn end_fetch(&self, uid: &str) -> Result<u64, CacheError> {
-        self.end_fetch_of(uid)
+        if !self.fetches()?.iter().any(|u| u == uid) {
+            return Ok(0);
+        }
+        let key = self.key(uid);
+        self.end_fetches_where(move |k| k == key.as_slice())
     }
 
     fn end_fetches(&self, keep: &[String]) -> Result<u64, CacheError> {
-        self.end_fetches_except(keep)
+        // Read first: every session's sync asks, and almost never is there a transfer to end;
+        // a write would cost a durable commit each time.
+        if self.fetches()?.iter().all(|uid| keep.contains(uid)) {
+            return Ok(0);
+        }
+        let keep: HashSet<Vec<u8>> = keep.iter().map(|uid| self.key(uid)).collect();
+        self.end_fetches_where(move |k| !keep.contains(k))
     }
 
     fn chunk_totals(&self) -> Result<(u64, u64), CacheError> {
-        self.chunk_sizes()
+        self.db.read(CHUNKS, |t| {
+            let (mut count, mut bytes) = (0, 0);
+            for entry in t
+                .range::<&[u8]>(self.prefix.as_slice()..)
+                .map_err(storage)?
+            {
+                let (key, value) = entry.map_err(storage)?;
+                if !key.value().starts_with(&self.prefix) {
+                    break;
+                }
+                count += 1;
+                bytes += value.value().len() as u64;
+            }
+            Ok((count, bytes))
+        })
     }
 
     fn works(&self) -> Result<Vec<CachedWork>, CacheError> {

@@ -1,4 +1,4 @@
-//! Group commit: with [`CommitMode::Group`], one thread commits the writes of many agents'
+//! Group commit: with `CommitMode::Group`, one thread commits the writes of many agents'
 //! threads together, one durable transaction (one fsync) for all that arrived while the
 //! previous one was on the disk, each writer answered with its own result once its transaction
 //! is durable.
@@ -7,10 +7,8 @@ use std::sync::{Arc, mpsc};
 
 use redb::Database;
 
-use super::CacheError;
-#[cfg(doc)]
-use super::db::CommitMode;
-use super::db::Tables;
+use super::tables::Tables;
+use super::work_cache::CacheError;
 
 /// Most writes one group commit puts in a transaction. Writers wait for their commit, so the
 /// queue never holds more than there are blocked writers (tokio's blocking pool, 512 by
@@ -29,7 +27,7 @@ struct GroupDone {
     answer: Box<dyn FnOnce(Result<(), Arc<redb::Error>>) + Send>,
 }
 
-/// The thread that commits a [`CommitMode::Group`] database's writes: it takes every write
+/// The thread that commits a `CommitMode::Group` database's writes: it takes every write
 /// queued while the previous transaction was committing (at most [`MAX_GROUP`]) into one
 /// transaction, commits it durably, then answers each writer.
 pub(super) struct GroupCommitter {
@@ -136,8 +134,10 @@ fn commit_group(db: &Database, group: Vec<GroupJob>) {
 
 #[cfg(test)]
 mod tests {
+    use super::super::db::{CacheDb, CommitMode};
     use super::super::test_support::work;
-    use super::super::{CacheDb, CommitMode, WorkCache, storage};
+    use super::super::work_cache::WorkCache;
+    use super::super::work_cache::storage;
     use redb::Durability;
     use serde_json::json;
 

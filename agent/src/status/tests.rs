@@ -1,0 +1,372 @@
+use super::*;
+use crate::apply::{ManifestFailure, StatusRules};
+use flotilla_proto::api::{ConditionRule, FeedbackRule, FeedbackType};
+use k8s_openapi::jiff::Timestamp;
+use serde_json::json;
+
+fn at(second: i64) -> Time {
+    Time(Timestamp::from_second(second).unwrap())
+}
+
+/// `"apps/v1 Deployment default/web"` → an outcome for ordinal `ordinal`.
+fn outcome(
+    ordinal: i32,
+    what: &str,
+    applied: Result<(), &str>,
+    available: Availability,
+) -> ManifestOutcome {
+    let mut parts = what.split(' ');
+    let api = parts.next().unwrap_or("");
+    let kind = parts.next().unwrap_or("");
+    let object = parts.next().unwrap_or("");
+    let (group, version) = api.split_once('/').unwrap_or(("", api));
+    let (namespace, name) = object.split_once('/').unwrap_or(("", object));
+    ManifestOutcome {
+        meta: ManifestResourceMeta {
+            ordinal,
+            group: group.into(),
+            version: version.into(),
+            kind: kind.into(),
+            resource: format!("{}s", kind.to_lowercase()),
+            name: name.into(),
+            namespace: namespace.into(),
+        },
+        resource: None,
+        applied: applied.map_err(|m| ManifestFailure {
+            message: m.into(),
+            retryable: false,
+            reason: "AppliedManifestFailed",
+        }),
+        available,
+        object: None,
+        resource_version: None,
+        rules: StatusRules::default(),
+        owned: true,
+    }
+}
+
+/// One line per condition: `Type Status Reason: message`, work conditions first, then
+/// `#ordinal Type Status Reason: message` per manifest.
+fn summary(status: &ManifestWorkStatus) -> Vec<String> {
+    let line = |prefix: String, c: &Condition| {
+        format!(
+            "{prefix}{} {} {}: {}",
+            c.type_, c.status, c.reason, c.message
+        )
+    };
+    let mut lines: Vec<String> = status
+        .conditions
+        .iter()
+        .map(|c| line(String::new(), c))
+        .collect();
+    for m in &status.resource_status.manifests {
+        for c in &m.conditions {
+            lines.push(line(format!("#{} ", m.resource_meta.ordinal), c));
+        }
+    }
+    lines
+}
+
+fn check(outcomes: Vec<ManifestOutcome>, expected: &[&str]) {
+    let status = work_status(7, &outcomes, &at(1000));
+    assert_eq!(summary(&status), expected);
+    for c in &status.conditions {
+        assert_eq!(
+            c.observed_generation,
+            Some(7),
+            "work conditions carry the generation"
+        );
+    }
+}
+
+#[test]
+fn everything_applied() {
+    check(
+        vec![
+            outcome(
+                0,
+                "v1 ServiceAccount default/my-sa",
+                Ok(()),
+                Availability::Exists,
+            ),
+            outcome(
+                1,
+                "apps/v1 Deployment default/nginx-deployment",
+                Ok(()),
+                Availability::Exists,
+            ),
+        ],
+        &[
+            "Applied True AppliedManifestWorkComplete: Apply manifest work complete",
+            "Progressing False Completed: All resources are applied and available",
+            "Available True ResourcesAvailable: All resources are available",
+            "Degraded False ManifestsApplied: All manifests are applied",
+            "#0 Applied True AppliedManifestComplete: Apply manifest complete",
+            "#0 Available True ResourceAvailable: Resource is available",
+            "#1 Applied True AppliedManifestComplete: Apply manifest complete",
+            "#1 Available True ResourceAvailable: Resource is available",
+        ],
+    );
+}
+
+#[test]
+fn one_manifest_rejected_by_the_spoke() {
+    check(
+        vec![
+            outcome(
+                1,
+                "apps/v1 Deployment default/web",
+                Err("Deployment.apps \"web\" is invalid: spec.replicas: Invalid value: -1"),
+                Availability::Missing,
+            ),
+            outcome(0, "v1 ConfigMap default/cfg", Ok(()), Availability::Exists),
+        ],
+        &[
+            "Applied False AppliedManifestWorkFailed: Failed to apply manifest work: 1 of 2 manifests failed",
+            "Progressing False Failed: 1 of 2 manifests failed to apply",
+            "Available False ResourcesNotAvailable: 1 of 2 resources are not available",
+            "Degraded True ManifestsFailed: manifest #1 (apps/v1 Deployment default/web): Deployment.apps \"web\" is invalid: spec.replicas: Invalid value: -1",
+            "#0 Applied True AppliedManifestComplete: Apply manifest complete",
+            "#0 Available True ResourceAvailable: Resource is available",
+            "#1 Applied False AppliedManifestFailed: Deployment.apps \"web\" is invalid: spec.replicas: Invalid value: -1",
+            "#1 Available False ResourceNotAvailable: Resource is not available",
+        ],
+    );
+}
+
+#[test]
+fn a_failed_update_of_an_existing_object_is_still_available() {
+    check(
+        vec![outcome(
+            0,
+            "v1 ConfigMap default/cfg",
+            Err("conflict"),
+            Availability::Exists,
+        )],
+        &[
+            "Applied False AppliedManifestWorkFailed: Failed to apply manifest work: 1 of 1 manifests failed",
+            "Progressing False Failed: 1 of 1 manifests failed to apply",
+            "Available True ResourcesAvailable: All resources are available",
+            "Degraded True ManifestsFailed: manifest #0 (v1 ConfigMap default/cfg): conflict",
+            "#0 Applied False AppliedManifestFailed: conflict",
+            "#0 Available True ResourceAvailable: Resource is available",
+        ],
+    );
+}
+
+#[test]
+fn unresolvable_manifests_are_named_by_what_they_say() {
+    check(
+        vec![
+            outcome(
+                0,
+                "v1  default/my-sa",
+                Err("manifest has no kind"),
+                Availability::Unknown("unresolved".into()),
+            ),
+            outcome(
+                1,
+                "example.com/v1 Widget w",
+                Err("the spoke cluster serves no kind Widget in example.com/v1: gone"),
+                Availability::Unknown("unresolved".into()),
+            ),
+        ],
+        &[
+            "Applied False AppliedManifestWorkFailed: Failed to apply manifest work: 2 of 2 manifests failed",
+            "Progressing False Failed: 2 of 2 manifests failed to apply",
+            "Available Unknown ResourcesStatusUnknown: 2 of 2 resources have unknown status",
+            "Degraded True ManifestsFailed: manifest #0 (v1 default/my-sa): manifest has no kind; manifest #1 (example.com/v1 Widget w): the spoke cluster serves no kind Widget in example.com/v1: gone",
+            "#0 Applied False AppliedManifestFailed: manifest has no kind",
+            "#0 Available Unknown ResourceStatusUnknown: unresolved",
+            "#1 Applied False AppliedManifestFailed: the spoke cluster serves no kind Widget in example.com/v1: gone",
+            "#1 Available Unknown ResourceStatusUnknown: unresolved",
+        ],
+    );
+}
+
+#[test]
+fn a_refused_work_says_why() {
+    let status = refused_status(
+        3,
+        "the ManifestWork is 3000000 bytes, more than the agent's limit of 2097152",
+        &at(5),
+    );
+    assert_eq!(
+        summary(&status),
+        [
+            "Applied False AppliedManifestWorkFailed: the ManifestWork is 3000000 bytes, more than the agent's limit of 2097152",
+            "Available Unknown ResourcesStatusUnknown: The work was not applied",
+            "Degraded True WorkRefused: the ManifestWork is 3000000 bytes, more than the agent's limit of 2097152",
+        ]
+    );
+}
+
+#[test]
+fn labels_leave_out_what_is_missing() {
+    let label = |what: &str| manifest_label(&outcome(2, what, Ok(()), Availability::Exists).meta);
+    assert_eq!(
+        label("apps/v1 Deployment default/web"),
+        "manifest #2 (apps/v1 Deployment default/web)"
+    );
+    assert_eq!(
+        label("v1 Namespace prod"),
+        "manifest #2 (v1 Namespace prod)"
+    );
+    assert_eq!(
+        label("v1 ConfigMap default/"),
+        "manifest #2 (v1 ConfigMap in default)"
+    );
+    assert_eq!(label(""), "manifest #2");
+}
+
+#[test]
+fn an_unchanged_status_compares_equal_once_transition_times_are_carried() {
+    let outcomes = vec![outcome(
+        0,
+        "v1 ConfigMap default/cfg",
+        Ok(()),
+        Availability::Exists,
+    )];
+    let first = work_status(1, &outcomes, &at(100));
+    let mut again = work_status(1, &outcomes, &at(200));
+    assert_ne!(first, again);
+    carry_transition_times(&first, &mut again);
+    assert_eq!(first, again);
+
+    // A changed condition takes the new time; unchanged ones keep theirs.
+    let failed = vec![outcome(
+        0,
+        "v1 ConfigMap default/cfg",
+        Err("boom"),
+        Availability::Exists,
+    )];
+    let mut third = work_status(1, &failed, &at(300));
+    carry_transition_times(&first, &mut third);
+    let applied = third
+        .conditions
+        .iter()
+        .find(|c| c.type_ == WORK_APPLIED)
+        .unwrap();
+    assert_eq!(applied.last_transition_time, at(300));
+    let available = third
+        .conditions
+        .iter()
+        .find(|c| c.type_ == WORK_AVAILABLE)
+        .unwrap();
+    assert_eq!(available.last_transition_time, at(100));
+
+    // A new generation is a new status even when nothing else changed.
+    let mut next_gen = work_status(2, &outcomes, &at(400));
+    carry_transition_times(&first, &mut next_gen);
+    assert_ne!(first, next_gen);
+}
+
+fn job(name: &str, complete: bool) -> ManifestOutcome {
+    let mut o = outcome(
+        0,
+        &format!("batch/v1 Job default/{name}"),
+        Ok(()),
+        Availability::Exists,
+    );
+    o.object = Some(
+        json!({"status": {"succeeded": u8::from(complete), "conditions": [
+            {"type": "Complete", "status": if complete { "True" } else { "False" }}
+        ]}}),
+    );
+    o.rules = StatusRules {
+        feedback: vec![FeedbackRule {
+            type_: FeedbackType::WellKnownStatus,
+            json_paths: Vec::new(),
+        }],
+        conditions: vec![ConditionRule {
+            type_: "WellKnownConditions".into(),
+            ..ConditionRule::default()
+        }],
+    };
+    o
+}
+
+#[test]
+fn feedback_and_rule_conditions_reach_the_manifest_and_complete_the_work() {
+    let mut second = job("b", false);
+    second.meta.ordinal = 1;
+    let status = work_status(4, &[job("a", true), second.clone()], &at(10));
+    let lines = summary(&status);
+    assert!(
+        lines.contains(
+            &"Complete False ManifestsNotComplete: 1 of 2 completable manifests are complete"
+                .to_string()
+        ),
+        "{lines:#?}"
+    );
+    assert!(lines.contains(&"#0 StatusFeedbackSynced True StatusFeedbackSynced: ".to_string()));
+    assert!(
+        lines.contains(&"#0 Complete True ConditionRuleEvaluated: Job is finished".to_string())
+    );
+    assert!(
+        lines
+            .contains(&"#1 Complete False ConditionRuleEvaluated: Job is not finished".to_string())
+    );
+    let values = &status.resource_status.manifests[0].status_feedback.values;
+    assert_eq!(values[0].name, "JobComplete");
+    assert_eq!(values[0].field_value.string.as_deref(), Some("True"));
+    assert_eq!(values[1].field_value.integer, Some(1));
+    let rule_condition = status.resource_status.manifests[0]
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Complete")
+        .unwrap();
+    assert_eq!(rule_condition.observed_generation, Some(4));
+
+    second.object = job("b", true).object;
+    let done = work_status(4, &[job("a", true), second], &at(10));
+    assert!(summary(&done).contains(
+        &"Complete True ManifestsComplete: 2 of 2 completable manifests are complete".to_string()
+    ),);
+    // A missing object has no feedback and no rule conditions.
+    let mut gone = job("a", true);
+    gone.available = Availability::Missing;
+    let status = work_status(4, &[gone], &at(10));
+    assert!(
+        status.resource_status.manifests[0]
+            .status_feedback
+            .values
+            .is_empty()
+    );
+    assert!(
+        summary(&status)
+            .iter()
+            .all(|l| !l.starts_with("Complete") && !l.starts_with("#0 Complete")),
+        "{:?}",
+        summary(&status)
+    );
+}
+
+#[test]
+fn a_work_being_deleted_says_so() {
+    let applied = work_status(3, &[job("a", true)], &at(10));
+    let deleting = deleting_status(Some(applied), 3, 2, &at(20));
+    let c = deleting
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Deleting")
+        .unwrap();
+    assert_eq!(
+        (c.status.as_str(), c.reason.as_str(), c.message.as_str()),
+        (
+            "True",
+            "WorkDeleting",
+            "ManifestWork is being deleted; 2 resources are not removed yet"
+        )
+    );
+    assert!(deleting.conditions.iter().any(|c| c.type_ == "Applied"));
+}
+
+#[test]
+fn long_messages_are_cut_to_what_the_apiserver_accepts() {
+    let long = "é".repeat(MAX_CONDITION_MESSAGE);
+    let cut = bounded(&long);
+    assert!(cut.len() <= MAX_CONDITION_MESSAGE);
+    assert!(cut.ends_with(" ..."));
+    assert_eq!(bounded("short"), "short");
+}
