@@ -4,6 +4,7 @@ use clap::{Args, Parser, Subcommand};
 use flotilla_agent::AgentConfig;
 use flotilla_agent::identity::Identity;
 use flotilla_agent::join::{BootstrapToken, JoinParams};
+use flotilla_ops::shutdown_signal;
 
 #[derive(Parser)]
 #[command(
@@ -97,15 +98,6 @@ async fn join_then_run(args: JoinArgs) -> anyhow::Result<()> {
     }
     flotilla_agent::run(config, shutdown_signal()).await?;
     Ok(())
-}
-
-async fn shutdown_signal() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .expect("installing a SIGTERM handler");
-    tokio::select! {
-        _ = term.recv() => {},
-        _ = tokio::signal::ctrl_c() => {},
-    }
 }
 
 /// Variables an earlier release read, and that now mean the hub's settings to `flotilla-hub`:

@@ -8,7 +8,7 @@
 //! budget (`statuses`, `finalizers`, both through `writes`), relays
 //! certificate renewals to the hub's CA (`certificates`), opens tunnels to agents for the hub's
 //! proxy front (`route`: the one seam the front reaches clusters through), owns every one
-//! of its tasks (`supervise`), and counts what it does for `/metrics` (`metrics`).
+//! of its tasks (`flotilla_ops::supervise`), and counts what it does for `/metrics` (`metrics`).
 //!
 //! Not for: deciding anything about the fleet (placement, acceptance, rollouts: the hub), or
 //! talking to spoke apiservers (agents). Gateways hold no state beyond caches: kill one and its
@@ -31,7 +31,6 @@ pub mod route;
 mod serve;
 pub mod shards;
 pub mod statuses;
-pub mod supervise;
 pub mod writes;
 
 pub use route::{Away, ShardRoute, TunnelError, TunnelRoute};

@@ -1,7 +1,7 @@
 //! `flotilla-gateway` as a process: its flags, parsed and checked once, and [`run`], which
 //! serves agents on TCP (gRPC) and UDP (QUIC) with the hub CA's certificate, on the hub's
-//! kube-apiserver as store, holding the shards its leases give it. Also what every flotilla
-//! binary shares for running as a process: [`init_tracing`] and [`shutdown_signal`].
+//! kube-apiserver as store, holding the shards its leases give it. Also [`init_tracing`], which
+//! the hub's binaries share.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -413,7 +413,7 @@ pub async fn run(
         .lease_shards(config.shards.leasing(client, &config.name, &address, true))
         .await;
     info!(gateway = %config.name, listen = %bound, advertise = %address, "gateway serving");
-    let mut tasks = crate::supervise::Tasks::new();
+    let mut tasks = flotilla_ops::Tasks::new();
     tasks.spawn(
         "the agents' listener",
         accept.map(|r| r.map_err(Into::into)),
@@ -479,20 +479,10 @@ pub async fn serve_endpoint(
     address: SocketAddr,
     endpoint: flotilla_ops::Endpoint,
     stop: impl Future<Output = ()> + Send + 'static,
-) -> anyhow::Result<impl Future<Output = crate::supervise::TaskResult> + Send + 'static> {
+) -> anyhow::Result<impl Future<Output = flotilla_ops::TaskResult> + Send + 'static> {
     let listener = flotilla_ops::endpoint::bind(address).await?;
     info!(address = %listener.local_addr()?, "serving /metrics, /healthz and /readyz");
     Ok(flotilla_ops::serve(listener, Arc::new(endpoint), stop).map(Ok))
-}
-
-/// Completes on SIGTERM or Ctrl-C: the one shutdown trigger of every flotilla server binary.
-pub async fn shutdown_signal() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .expect("installing a SIGTERM handler");
-    tokio::select! {
-        _ = term.recv() => {},
-        _ = tokio::signal::ctrl_c() => {},
-    }
 }
 
 /// Logs to stderr in `format`; `RUST_LOG` filters (default info).

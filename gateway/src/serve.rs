@@ -30,8 +30,8 @@ use crate::registry::Registry;
 use crate::route::{Away, TunnelError};
 use crate::shards::{ShardLeasing, ShardView};
 use crate::statuses::StatusWriter;
-use crate::supervise::{TaskEnded, Tasks};
 use crate::writes::WriteBudget;
+use flotilla_ops::{TaskEnded, Tasks};
 
 /// Knobs of the session tier; every queue and size has a bound.
 #[derive(Clone, Debug)]

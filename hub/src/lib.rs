@@ -28,8 +28,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use flotilla_gateway::supervise::Tasks;
 use flotilla_gateway::{Gateway, GatewayConfig, Listeners};
+use flotilla_ops::Tasks;
 use flotilla_store::Store;
 use flotilla_transport::listen::AgentSockets;
 use flotilla_transport::quic::{QuicListener, QuicTlsUpdater};
@@ -194,7 +194,7 @@ pub async fn run(
     )
     .with_shards(config.shards.shards);
     // Every long-lived task of the hub, with one owner: one that ends while the hub serves
-    // makes it exit non-zero (see `supervise`).
+    // makes it exit non-zero (see `flotilla_ops::supervise`).
     let mut tasks = Tasks::new();
     let gateway_config = gateway_config(&config);
     let quic = match agents.udp {
@@ -599,4 +599,4 @@ fn write_operator_config(
     Ok(())
 }
 
-pub use flotilla_gateway::process::{init_tracing, shutdown_signal};
+pub use flotilla_gateway::process::init_tracing;

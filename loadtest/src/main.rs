@@ -21,13 +21,13 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Hub(config) => {
             flotilla_loadtest::machine::raise_open_files_limit();
-            runtime.block_on(flotilla_hub::run(*config, flotilla_hub::shutdown_signal()))
+            runtime.block_on(flotilla_hub::run(*config, flotilla_ops::shutdown_signal()))
         }
         Command::Gateway(config) => {
             flotilla_loadtest::machine::raise_open_files_limit();
             runtime.block_on(flotilla_gateway::process::run(
                 *config,
-                flotilla_gateway::process::shutdown_signal(),
+                flotilla_ops::shutdown_signal(),
             ))
         }
         Command::BareServer(args) => runtime.block_on(flotilla_loadtest::bare::serve(args)),

@@ -4,7 +4,8 @@
 
 use anyhow::Context as _;
 use clap::Parser;
-use flotilla_gateway::process::{GatewayProcessConfig, init_tracing, run, shutdown_signal};
+use flotilla_gateway::process::{GatewayProcessConfig, init_tracing, run};
+use flotilla_ops::shutdown_signal;
 
 /// A flotilla gateway replica (scale-out mode): serves agent sessions for the shards it
 /// holds through coordination.k8s.io Leases on the hub apiserver, and redirects agents of

@@ -149,7 +149,7 @@ fn main() -> anyhow::Result<()> {
                 return Ok(());
             }
             let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
-            runtime.block_on(flotilla_hub::run(config, flotilla_hub::shutdown_signal()))
+            runtime.block_on(flotilla_hub::run(config, flotilla_ops::shutdown_signal()))
         }
     }
 }

@@ -1,13 +1,18 @@
 //! The lifecycle of ManifestChunks: a chunk that no ManifestWork in its namespace names is
 //! deleted once it has been unnamed for the grace period.
 //!
-//! `flotilla work create -f` stores a large work's chunks first and the work that names them
-//! after, so a chunk is unnamed for a moment in every healthy create; the grace period
-//! (`--chunk-grace-period`) is that moment's bound. It counts from the latest of the chunk's
-//! creation, the last time the CLI stored it again (a second work with the same content finds
-//! the chunk there and marks it with [`STORED_AT_ANNOTATION`] before creating its work), and
-//! the moment this controller saw the last work naming it go. A chunk named by any work in its
-//! namespace, whatever that work's state, stays.
+//! `flotilla work create -f` stores a large work's chunks first, one after another, and the
+//! work that names them last, so a chunk is unnamed for a while in every healthy create. The
+//! grace period (`--chunk-grace-period`) bounds the pause between two steps of a create, not the
+//! whole create: a chunk's grace counts from the latest of its creation, the last time the CLI
+//! stored it again (a second work with the same content finds the chunk there and marks it with
+//! [`STORED_AT_ANNOTATION`] before creating its work), the moment this controller saw the last
+//! work naming it go, and the newest of these among the unnamed chunks of its namespace: while
+//! a create keeps storing chunks, none of them is collected. (Counting each chunk on its own
+//! made the grace a bound on the whole create, which grows with the work's size and the
+//! operator's link: 8 chunks stored on a loaded machine took longer than a test's 3 s grace,
+//! and the first ones were deleted before the work naming them existed.) A chunk named by any
+//! work in its namespace, whatever that work's state, stays.
 //!
 //! The controller keeps two watch caches (ManifestWorks: only the chunks each one names;
 //! ManifestChunks: when each one's grace starts) and decides nothing before the works have been
@@ -168,6 +173,29 @@ impl Model {
         self.named.contains_key(key)
     }
 
+    /// When the grace of unnamed chunks in each namespace starts at the earliest: the newest
+    /// start among them (a create under way there stores one after another).
+    fn newest_unnamed(&self) -> HashMap<&str, Timestamp> {
+        let mut newest: HashMap<&str, Timestamp> = HashMap::new();
+        for (key, since) in &self.chunks {
+            if !self.is_named(key) {
+                let at = newest.entry(key.0.as_str()).or_insert(*since);
+                *at = (*at).max(*since);
+            }
+        }
+        newest
+    }
+
+    /// When an unnamed chunk's grace ends; `None` for a named or unknown one.
+    pub fn grace_ends(&self, key: &Key, grace: SignedDuration) -> Option<Timestamp> {
+        if self.is_named(key) {
+            return None;
+        }
+        self.chunks.get(key)?;
+        let since = self.newest_unnamed().get(key.0.as_str()).copied()?;
+        Some(since.saturating_add(grace).unwrap_or(since))
+    }
+
     /// The unnamed chunks whose grace has ended by `now` (at most `limit`, oldest first by
     /// key order), and when the next one's ends.
     pub fn due(
@@ -179,13 +207,15 @@ impl Model {
         if !self.works_listed {
             return (Vec::new(), None);
         }
+        let newest = self.newest_unnamed();
         let mut due = Vec::new();
         let mut next: Option<Timestamp> = None;
         for (key, since) in &self.chunks {
             if self.is_named(key) {
                 continue;
             }
-            let at = since.saturating_add(grace).unwrap_or(*since);
+            let since = newest.get(key.0.as_str()).copied().unwrap_or(*since);
+            let at = since.saturating_add(grace).unwrap_or(since);
             if at <= now {
                 if due.len() < limit {
                     due.push(key.clone());
@@ -362,10 +392,13 @@ async fn delete_if_unnamed(
     if model.is_named(&key) {
         return Ok(false);
     }
-    // Stored again since the cache saw it: its grace starts again.
+    // Stored again since the cache saw it, or another chunk of its namespace stored since
+    // the pass began: its grace starts again.
+    let now = Timestamp::now();
     let fresh = stored_at(&current)
         .and_then(|at| at.saturating_add(grace).ok())
-        .is_some_and(|at| at > Timestamp::now());
+        .is_some_and(|at| at > now)
+        || model.grace_ends(&key, grace).is_some_and(|at| at > now);
     if fresh {
         debug!(chunk = %format!("{ns}/{name}"), "stored again; its grace starts again");
         model.set_chunk(&current, Timestamp::now());
@@ -467,6 +500,62 @@ mod tests {
         let (due, next) = m.due(at("2026-01-01T02:05:00Z"), grace, 1);
         assert_eq!(due.len(), 1);
         assert_eq!(next, Some(at("2026-01-01T02:05:00Z")));
+    }
+
+    /// The large-works e2e test's stall on a loaded machine: `work create -f` stored a work's
+    /// 8 chunks over more than the 3 s grace, and the first ones were collected before the work
+    /// naming them was created; the agent was refused them.
+    #[test]
+    fn a_create_slower_than_the_grace_keeps_every_chunk_until_its_work_names_them() {
+        const C: &str = "cccccccccccccccccccccccccccccccccccccccccccccccccccccccccccccccc";
+        const D: &str = "dddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddd";
+        let grace = SignedDuration::from_secs(3);
+        let mut m = Model::default();
+        m.replace_works(&[], at("2026-01-01T00:00:00Z"));
+        // One chunk stored a second: the first is older than the grace before the last lands.
+        for (i, sha) in [A, B, C].iter().enumerate() {
+            let stored = format!("2026-01-01T00:00:0{i}Z");
+            m.set_chunk(&chunk("c1", sha, &stored), at(&stored));
+        }
+        assert!(m.due(at("2026-01-01T00:00:04Z"), grace, 10).0.is_empty());
+        // Another cluster's namespace keeps its own time.
+        m.set_chunk(
+            &chunk("c2", D, "2026-01-01T00:00:00Z"),
+            at("2026-01-01T00:00:00Z"),
+        );
+        assert_eq!(
+            names(&m.due(at("2026-01-01T00:00:04Z"), grace, 10).0),
+            [format!("c2/sha256-{D}")]
+        );
+        // The work is created naming them: none is ever due.
+        m.set_work(
+            ("c1".into(), "w".into()),
+            Some([A, B, C].map(chunk_object_name).to_vec()),
+            at("2026-01-01T00:00:04Z"),
+        );
+        assert!(
+            !m.due(at("2026-01-02T00:00:00Z"), grace, 10)
+                .0
+                .iter()
+                .any(|(ns, _)| ns == "c1")
+        );
+        // A create abandoned half-way (the CLI killed): its chunks go a grace after its last.
+        m.set_work(("c1".into(), "w".into()), None, at("2026-01-01T00:01:00Z"));
+        m.set_chunk(
+            &chunk("c1", D, "2026-01-01T00:01:02Z"),
+            at("2026-01-01T00:01:02Z"),
+        );
+        assert_eq!(
+            m.grace_ends(&("c1".into(), chunk_object_name(A)), grace),
+            Some(at("2026-01-01T00:01:05Z"))
+        );
+        assert!(
+            !m.due(at("2026-01-01T00:01:04Z"), grace, 10)
+                .0
+                .iter()
+                .any(|(ns, _)| ns == "c1")
+        );
+        assert_eq!(m.due(at("2026-01-01T00:01:05Z"), grace, 10).0.len(), 5);
     }
 
     #[test]

@@ -1,12 +1,13 @@
-//! The long-lived tasks of a process (accept loops, servers, watch caches, writers), each with a
-//! name and one owner that notices when it ends. A serving task that ends while the process is
-//! not shutting down is an error: [`Tasks::first_end`] reports it with its cause, and the
-//! binary exits non-zero so that its supervisor (systemd, Kubernetes) restarts it, rather than
-//! running on without a listener.
+//! The long-lived tasks of a process (accept loops, servers, watch caches, writers, the agent's
+//! reconciler and tunnel server), each with a name and one owner that notices when it ends. A
+//! serving task that ends while the process is not shutting down is an error:
+//! [`Tasks::first_end`] reports it with its cause at once, and the binary exits non-zero so
+//! that its supervisor (systemd, Kubernetes) restarts it, rather than running on without a
+//! listener or a reconciler.
 //!
-//! Shutdown is one pattern everywhere: the owner tells the tasks to stop (a watch channel each
-//! of them selects on), then [`Tasks::stop_within`] waits for them with a bound and aborts what
-//! is left.
+//! Shutdown is one pattern in every flotilla process: [`shutdown_signal`] (or a test's future)
+//! completes, the owner tells the tasks to stop (a watch channel each of them selects on), then
+//! [`Tasks::stop_within`] waits for them with a bound and aborts what is left.
 
 use std::panic::AssertUnwindSafe;
 use std::time::Duration;
@@ -135,6 +136,16 @@ impl Tasks {
         );
         self.set.shutdown().await;
         left
+    }
+}
+
+/// Completes on SIGTERM or Ctrl-C: the one shutdown trigger of every flotilla binary.
+pub async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("installing a SIGTERM handler");
+    tokio::select! {
+        _ = term.recv() => {},
+        _ = tokio::signal::ctrl_c() => {},
     }
 }
 
