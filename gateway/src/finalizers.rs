@@ -80,7 +80,7 @@ impl CleanupFinalizers {
     /// yet: add it. Ignored while a release of the work is pending.
     pub fn hold(&self, cluster: &str, name: &str, uid: &str) {
         self.queue.submit(
-            uid,
+            &queue_key(cluster, uid),
             Pending {
                 cluster: cluster.to_owned(),
                 uid: uid.to_owned(),
@@ -96,7 +96,7 @@ impl CleanupFinalizers {
     pub fn release(&self, cluster: &str, uid: &str, reporter: Option<&Arc<Mailbox>>) {
         let reporter = reporter.map_or_else(Weak::new, Arc::downgrade);
         self.queue.submit(
-            uid,
+            &queue_key(cluster, uid),
             Pending {
                 cluster: cluster.to_owned(),
                 uid: uid.to_owned(),
@@ -123,6 +123,14 @@ impl CleanupFinalizers {
         };
         self.queue.run(writer, stop).await;
     }
+}
+
+/// A work's key in the queue: its cluster and its uid. A session may report the release of any
+/// uid (it is checked against the cluster's own works only when written), so by uid alone a
+/// release another cluster's agent names would fold into the owning cluster's pending hold or
+/// release and replace it.
+fn queue_key(cluster: &str, uid: &str) -> String {
+    format!("{cluster}/{uid}")
 }
 
 /// Writes finalizer changes to the store.
@@ -344,6 +352,60 @@ mod tests {
             .expect("the release acknowledged");
         assert_eq!(reporter.take().release_acks, [uid]);
         assert!(stored().await.is_none(), "gone once released");
+        let _ = stop_tx.send(true);
+    }
+
+    /// A release that another cluster's agent reports for a work's uid, arriving while the
+    /// owner's hold of that work waits to be written, leaves the hold alone: the work gets its
+    /// finalizer, and the stranger its ack (there was nothing of its own to release).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn another_clusters_release_does_not_displace_a_pending_hold() {
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(SledStore::open(dir.path()).unwrap());
+        let created = store
+            .create(json!({
+                "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
+                "metadata": {"name": "web", "namespace": "store-1"},
+                "spec": {"workload": {"manifests": [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"}}]}},
+            }))
+            .await
+            .unwrap();
+        let uid = created["metadata"]["uid"].as_str().unwrap().to_owned();
+        let desired = DesiredState::new();
+        let (stop_tx, stop) = watch::channel(false);
+        tokio::spawn(desired.clone().run(
+            store.clone(),
+            Arc::new(Registry::default()),
+            ShardView::all_views(),
+            stop.clone(),
+        ));
+        let finalizers = CleanupFinalizers::new(
+            Arc::new(WriteBudget::new(1000.0, 1000)),
+            4,
+            watch::channel(Arc::new(ShardView::all(64))).1,
+        );
+        // Both wait in the queue before its writer starts.
+        finalizers.hold("store-1", "web", &uid);
+        let stranger = Arc::new(Mailbox::default());
+        finalizers.release("store-2", &uid, Some(&stranger));
+        tokio::spawn(
+            finalizers
+                .clone()
+                .run(store.clone(), desired.clone(), stop.clone()),
+        );
+
+        tokio::time::timeout(Duration::from_secs(10), stranger.ready())
+            .await
+            .expect("the stranger's release answered");
+        eventually("store-1's work holds its cleanup finalizer", || async {
+            let stored = store
+                .get(Kind::ManifestWork, Some("store-1"), "web")
+                .await
+                .unwrap()
+                .unwrap();
+            super::finalizers(&stored) == [WORK_CLEANUP_FINALIZER]
+        })
+        .await;
         let _ = stop_tx.send(true);
     }
 }

@@ -7,7 +7,9 @@
 
 pub mod browser;
 pub mod faults;
+pub mod https;
 pub mod proxy;
+pub mod scripted;
 pub mod spoke;
 
 pub use flotilla_transport::Carrier;
