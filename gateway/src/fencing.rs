@@ -151,10 +151,11 @@ impl Fencing {
     }
 
     /// This gateway's own check right before a write found it no longer holds `cluster`'s
-    /// shard: the write (`what`, of `key`) is dropped. Counted and logged once.
+    /// shard: the write (`what`, of `key`) is dropped. Counted; logged at debug, for every
+    /// handover drops some (the grace periods of the sessions it drained run out here).
     pub(crate) fn not_held(&self, what: &str, cluster: &str, key: &str, shard: u32) {
         self.dropped.dropped("not_held");
-        warn!(
+        debug!(
             cluster,
             shard,
             what,

@@ -255,12 +255,23 @@ async fn a_stopped_gateways_late_status_write_is_refused_by_the_store() -> anyho
     kill(a_pid, Signal::SIGCONT)?;
     std::fs::write(fault.join("release"), "")?;
     let stale = [("reason", "stale_epoch")];
-    wait_for("A counting its write refused", WAIT, || async {
+    let refused = || async {
         let page = scrape(&metrics_a).await?;
-        Ok((page.value("flotilla_gateway_fenced_writes_total", &stale) >= Some(1.0)).then_some(()))
+        anyhow::Ok(page.value("flotilla_gateway_fenced_writes_total", &stale) >= Some(1.0))
+    };
+    let now = wait_for("A's write refused, or stored", WAIT, || async {
+        let now = hub.work(&cluster, WORK)?.context("the work is gone")?;
+        let overwritten = fence(&now) != Some(("gw-b".into(), epoch_b));
+        Ok((refused().await? || overwritten).then_some(now))
     })
     .await
     .with_context(|| logs(&a, &b))?;
+    assert_eq!(
+        fence(&now),
+        Some(("gw-b".into(), epoch_b)),
+        "A's write landed over B's: {now}"
+    );
+    assert!(refused().await?, "A counted its write refused");
 
     // A says so once, naming the shard, both epochs and the object; its write log has it.
     let log = a.proc.log();
