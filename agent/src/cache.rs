@@ -1093,7 +1093,15 @@ impl WorkCache for ClusterCache {
         self.db.write(Durability::Immediate, move |t| {
             let (seq, acked_seq) = match get_json::<StatusRecord>(&t.status, STATUS, &key, &uid)? {
                 Some(prev) => (prev.seq + 1, prev.acked_seq),
-                None => (1, 0),
+                // No record (a new work, or a cache lost with a rebuilt spoke): start at the wall
+                // clock in microseconds, above what an earlier life reported, which the hub
+                // keeps and refuses older reports than. A session's TLS keeps the clock right.
+                None => (
+                    std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(1, |d| d.as_micros() as u64),
+                    0,
+                ),
             };
             let record = StatusRecord {
                 generation,
@@ -1571,13 +1579,17 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("agent").join("cache.redb");
         let reopen = || CacheDb::open(&path).expect("reopening the cache");
+        let first;
         {
             let db = CacheDb::open(&path).unwrap();
             let cache = db.cluster("store-7");
             cache.put_work(&work("a", 3), Some(b"{}")).unwrap();
             cache.set_ledger("a", &[deployment("web")]).unwrap();
-            assert_eq!(cache.push_status("a", 3, &json!({"n": 1})).unwrap(), 1);
-            assert_eq!(cache.push_status("a", 3, &json!({"n": 2})).unwrap(), 2);
+            first = cache.push_status("a", 3, &json!({"n": 1})).unwrap();
+            assert_eq!(
+                cache.push_status("a", 3, &json!({"n": 2})).unwrap(),
+                first + 1
+            );
         }
         let db = reopen();
         let cache = db.cluster("store-7");
@@ -1585,16 +1597,19 @@ mod tests {
         assert_eq!(cache.ledger("a").unwrap(), vec![deployment("web")]);
         let pending = cache.pending_statuses().unwrap();
         assert_eq!(pending.len(), 1);
-        assert_eq!((pending[0].seq, pending[0].generation), (2, 3));
+        assert_eq!((pending[0].seq, pending[0].generation), (first + 1, 3));
         assert_eq!(pending[0].status_json, br#"{"n":2}"#);
         // The seq keeps counting from where it was, even after the hub acked everything.
-        assert!(cache.ack_status("a", 2).unwrap());
+        assert!(cache.ack_status("a", first + 1).unwrap());
         drop(cache);
         drop(db);
         let db = reopen();
         let cache = db.cluster("store-7");
         assert!(cache.pending_statuses().unwrap().is_empty());
-        assert_eq!(cache.push_status("a", 4, &json!({"n": 3})).unwrap(), 3);
+        assert_eq!(
+            cache.push_status("a", 4, &json!({"n": 3})).unwrap(),
+            first + 2
+        );
     }
 
     #[test]
@@ -1629,31 +1644,44 @@ mod tests {
         let path = dir.path().join("cache.redb");
         const CLUSTERS: usize = 16;
         const STATUSES: u64 = 20;
-        {
+        // Each cluster's first seq, as its writer was answered.
+        let firsts: Vec<u64> = {
             let db = CacheDb::open_with(&path, CommitMode::Group).unwrap();
             std::thread::scope(|s| {
-                for c in 0..CLUSTERS {
-                    let cache = db.cluster(&format!("store-{c}"));
-                    s.spawn(move || {
-                        cache.put_work(&work("a", 1), Some(b"{}")).unwrap();
-                        for n in 1..=STATUSES {
-                            // Seqs count per work even with other clusters' writes in the
-                            // same transactions.
-                            assert_eq!(cache.push_status("a", 1, &json!({ "n": n })).unwrap(), n);
-                        }
-                        assert!(!cache.ack_status("a", STATUSES - 1).unwrap());
-                        assert!(!cache.mark_deleting("missing").unwrap());
-                    });
-                }
-            });
-        }
+                let writers: Vec<_> = (0..CLUSTERS)
+                    .map(|c| {
+                        let cache = db.cluster(&format!("store-{c}"));
+                        s.spawn(move || {
+                            cache.put_work(&work("a", 1), Some(b"{}")).unwrap();
+                            let first = cache.push_status("a", 1, &json!({ "n": 1 })).unwrap();
+                            for n in 2..=STATUSES {
+                                // Seqs count per work even with other clusters' writes in the
+                                // same transactions.
+                                assert_eq!(
+                                    cache.push_status("a", 1, &json!({ "n": n })).unwrap(),
+                                    first + n - 1
+                                );
+                            }
+                            assert!(!cache.ack_status("a", first + STATUSES - 2).unwrap());
+                            assert!(!cache.mark_deleting("missing").unwrap());
+                            first
+                        })
+                    })
+                    .collect();
+                writers.into_iter().map(|w| w.join().unwrap()).collect()
+            })
+        };
         let db = CacheDb::open(&path).unwrap();
-        for c in 0..CLUSTERS {
+        for (c, first) in firsts.into_iter().enumerate() {
             let cache = db.cluster(&format!("store-{c}"));
             assert_eq!(cache.work("a").unwrap(), Some(work("a", 1)));
             let pending = cache.pending_statuses().unwrap();
             assert_eq!(pending.len(), 1, "store-{c}: {pending:?}");
-            assert_eq!(pending[0].seq, STATUSES);
+            assert_eq!(pending[0].seq, first + STATUSES - 1);
+            assert!(
+                first > 1_600_000_000_000_000,
+                "the first seq is the wall clock in microseconds: {first}"
+            );
             assert_eq!(
                 pending[0].status_json,
                 format!(r#"{{"n":{STATUSES}}}"#).as_bytes()
@@ -1678,7 +1706,8 @@ mod tests {
         .unwrap();
         let err = cache.push_status("bad", 1, &json!({})).unwrap_err();
         assert!(err.to_string().contains("status/bad"), "{err}");
-        assert_eq!(cache.push_status("good", 1, &json!({})).unwrap(), 1);
+        let good = cache.push_status("good", 1, &json!({})).unwrap();
+        assert_eq!(cache.last_status("good").unwrap().unwrap().seq, good);
         cache.put_work(&work("a", 1), None).unwrap();
         assert_eq!(cache.work("a").unwrap(), Some(work("a", 1)));
     }
@@ -1727,13 +1756,17 @@ mod tests {
     fn the_outbox_keeps_the_latest_status_per_work_with_increasing_seq() {
         let db = CacheDb::temporary().unwrap();
         let cache = db.cluster("c");
-        assert_eq!(cache.push_status("a", 1, &json!({"v": 1})).unwrap(), 1);
-        assert_eq!(cache.push_status("a", 2, &json!({"v": 2})).unwrap(), 2);
-        assert_eq!(cache.push_status("b", 1, &json!({"v": 9})).unwrap(), 1);
+        let a1 = cache.push_status("a", 1, &json!({"v": 1})).unwrap();
+        assert_eq!(cache.push_status("a", 2, &json!({"v": 2})).unwrap(), a1 + 1);
+        let b1 = cache.push_status("b", 1, &json!({"v": 9})).unwrap();
+        assert!(
+            b1 >= a1,
+            "a new work starts at the clock, never below an older one"
+        );
         let pending = cache.pending_statuses().unwrap();
         assert_eq!(pending.len(), 2, "coalesced per work: {pending:?}");
         let a = pending.iter().find(|p| p.uid == "a").unwrap();
-        assert_eq!((a.generation, a.seq), (2, 2));
+        assert_eq!((a.generation, a.seq), (2, a1 + 1));
         assert_eq!(a.status_json, br#"{"v":2}"#);
     }
 
@@ -1741,14 +1774,14 @@ mod tests {
     fn an_ack_for_an_older_seq_keeps_the_newer_status_pending() {
         let db = CacheDb::temporary().unwrap();
         let cache = db.cluster("c");
-        cache.push_status("a", 1, &json!({"v": 1})).unwrap();
+        let first = cache.push_status("a", 1, &json!({"v": 1})).unwrap();
         cache.push_status("a", 1, &json!({"v": 2})).unwrap();
-        assert!(!cache.ack_status("a", 1).unwrap());
-        assert_eq!(cache.pending_statuses().unwrap()[0].seq, 2);
-        assert!(cache.ack_status("a", 2).unwrap());
+        assert!(!cache.ack_status("a", first).unwrap());
+        assert_eq!(cache.pending_statuses().unwrap()[0].seq, first + 1);
+        assert!(cache.ack_status("a", first + 1).unwrap());
         assert!(cache.pending_statuses().unwrap().is_empty());
         // A late duplicate ack changes nothing; an unknown work is not an error.
-        assert!(cache.ack_status("a", 1).unwrap());
+        assert!(cache.ack_status("a", first).unwrap());
         assert!(!cache.ack_status("zzz", 1).unwrap());
         // The last status stays for comparison after the ack.
         assert_eq!(
@@ -1761,9 +1794,12 @@ mod tests {
     fn an_ack_past_our_seq_does_not_hide_later_statuses() {
         let db = CacheDb::temporary().unwrap();
         let cache = db.cluster("c");
-        cache.push_status("a", 1, &json!({})).unwrap();
-        assert!(cache.ack_status("a", 7).unwrap());
-        assert_eq!(cache.push_status("a", 1, &json!({"v": 2})).unwrap(), 2);
+        let first = cache.push_status("a", 1, &json!({})).unwrap();
+        assert!(cache.ack_status("a", first + 6).unwrap());
+        assert_eq!(
+            cache.push_status("a", 1, &json!({"v": 2})).unwrap(),
+            first + 1
+        );
         assert_eq!(cache.pending_statuses().unwrap().len(), 1);
     }
 

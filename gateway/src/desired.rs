@@ -63,6 +63,11 @@ impl DesiredState {
         self.load.wait_for(cluster).await;
     }
 
+    /// Whether `cluster`'s shard is loaded now (never waits).
+    pub fn has_loaded(&self, cluster: &str) -> bool {
+        self.load.has(cluster)
+    }
+
     /// How many works the cache holds (desired, and deleted but held by a finalizer); `None`
     /// if it is being written at this instant.
     pub fn cached(&self) -> Option<usize> {
