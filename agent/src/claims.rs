@@ -219,18 +219,20 @@ fn format_list(list: BTreeMap<String, Milli>) -> BTreeMap<String, String> {
         .collect()
 }
 
-/// Keeps the spoke's report current until the returned task is aborted: watches Nodes and
-/// ClusterClaims, reads the cluster id once, follows `version`, and publishes each new report.
-/// A spoke without the ClusterClaim CRD reports only built-in claims (said once in the log).
+/// What the agent reports about its spoke, and the task that keeps it current until it is
+/// dropped: watches Nodes and ClusterClaims, reads the cluster id once, follows `version`, and
+/// publishes each new report. A spoke without the ClusterClaim CRD reports only built-in
+/// claims (said once in the log). The task ends on its own only if a watch stream ends, which
+/// its owner reports.
 pub fn collect(
     client: kube::Client,
     version: watch::Receiver<String>,
 ) -> (
     watch::Receiver<wire::ClusterInfo>,
-    tokio::task::JoinHandle<()>,
+    impl Future<Output = ()> + Send + 'static,
 ) {
     let (tx, rx) = watch::channel(wire::ClusterInfo::default());
-    let task = tokio::spawn(async move {
+    let task = async move {
         let mut version = version;
         let mut facts = ClusterFacts {
             kubernetes_version: version.borrow().clone(),
@@ -315,7 +317,7 @@ pub fn collect(
                 }
             });
         }
-    });
+    };
     (rx, task)
 }
 

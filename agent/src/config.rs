@@ -7,6 +7,7 @@ use clap::Args;
 
 use crate::connect::Transport;
 use crate::reconcile::{DEFAULT_APPLY_CONCURRENCY, DEFAULT_RETRY_INITIAL, ReconcilerConfig};
+use flotilla_proto::session::BackoffConfig;
 use flotilla_transport::dial::ProxyUrl;
 
 /// Upper bound of the random delay before the first connection after process start, so a site
@@ -271,6 +272,17 @@ impl AgentConfig {
     }
 
     /// The tunnel end's settings from the flags.
+    /// The reconnect backoff: `--max-backoff` caps it (and its first step), `--initial-jitter`
+    /// spreads the first dial after start.
+    pub fn backoff(&self) -> BackoffConfig {
+        BackoffConfig {
+            max: self.max_backoff,
+            initial: self.max_backoff.min(BackoffConfig::default().initial),
+            startup_jitter: self.initial_jitter,
+            ..BackoffConfig::default()
+        }
+    }
+
     pub fn tunnels(&self) -> crate::tunnel::TunnelConfig {
         crate::tunnel::TunnelConfig {
             cluster: self.cluster_name.clone(),

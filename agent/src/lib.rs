@@ -3,9 +3,13 @@
 //! ManifestWorks it receives to its own cluster, from a durable cache that lets it keep working
 //! while the hub is away.
 //!
-//! * [`session`]: the reconnect loop; `driver`: the thin driver of one session's protocol
-//!   machine, on either carrier; [`connect`]: dialling gRPC, QUIC, or QUIC with a fallback;
-//!   [`refusal`]: every way a session fails, in words for the spoke's operator.
+//! * [`run`] and [`run_with`]: the agent's parts and every long-lived task of it under one
+//!   owner (`flotilla_ops::supervise`): the reconciler, the tunnel server, the claims watcher,
+//!   the metrics endpoint; one that ends is said at once and stops the agent.
+//! * `session`: the reconnect loop, on the protocol's `Reconnect` machine; `driver`: the thin
+//!   driver of one session's protocol machine, on either carrier, its cache work in `delivery`
+//!   and what it works on in `spoke`; [`connect`]: dialling gRPC, QUIC, or QUIC with a
+//!   fallback; [`refusal`]: every way a session fails, in words for the spoke's operator.
 //! * [`cache`]: the durable state behind [`WorkCache`] (redb): works, ledger, status outbox.
 //! * [`reconcile`]: the task that makes the spoke match the cache (start, changes, resync).
 //! * [`apply`]: the apply engine behind [`ApplyTarget`] (kube-rs server-side apply, or an
@@ -33,6 +37,7 @@ pub mod claims;
 pub mod condition_rules;
 pub mod config;
 pub mod connect;
+mod delivery;
 mod driver;
 pub mod executor;
 pub mod feedback;
@@ -42,7 +47,9 @@ pub mod jsonpath;
 pub mod metrics;
 pub mod reconcile;
 pub mod refusal;
-pub mod session;
+mod run;
+mod session;
+mod spoke;
 pub mod spoke_api;
 pub mod status;
 pub mod tunnel;
@@ -52,5 +59,6 @@ pub use apply::{ApplyTarget, KubeApplyTarget, MemoryCluster};
 pub use cache::{CacheDb, ClusterCache, WorkCache};
 pub use config::AgentConfig;
 pub use reconcile::{ReconcileHandle, Reconciler, ReconcilerConfig};
-pub use session::{Observer, Parts, RunError, Unobserved, run, run_with};
+pub use run::{Parts, RunError, run, run_with};
+pub use spoke::{Observer, Unobserved};
 pub use spoke_api::{KubeSpoke, SimulatedApi, SpokeApi};

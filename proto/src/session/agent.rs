@@ -1,15 +1,15 @@
 //! The agent's side of its one session.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
 
-use super::CHUNK_WINDOW;
 use super::error::{CloseReason, ProtocolError};
+use super::fetch::{ContentFetch, Received};
 use super::queue::CoalescingQueue;
 use crate::PROTOCOL_VERSION;
-use crate::api::content::{CHUNK_BYTES, is_sha256_hex, sha256_hex};
+use crate::api::content::{CHUNK_BYTES, ContentRef, is_sha256_hex, sha256_hex};
 use crate::wire::{self, agent_frame, hub_frame};
 
 /// Default for [`AgentConfig::welcome_timeout`].
@@ -54,23 +54,49 @@ pub enum AgentEvent {
         /// The work, as the hub sent it.
         work: wire::WorkUpdate,
     },
-    /// A chunk asked for with [`AgentSession::fetch_chunks`] arrived, and its bytes hash to its
-    /// digest (a chunk that does not closes the session). The driver stores it durably.
+    /// New desired state for a large work, whose manifests are content in chunks: the driver
+    /// records the transfer in its cache (so the chunks it stores are kept) and answers with
+    /// the chunks the cache does not hold, [`AgentSession::content_missing`]. The work itself
+    /// follows as [`AgentEvent::ContentHeld`] once every chunk is durable.
+    ContentWanted {
+        /// The work's uid.
+        uid: String,
+        /// Its namespace, for logs.
+        namespace: String,
+        /// Its name, for logs.
+        name: String,
+        /// The content its manifests are.
+        content: ContentRef,
+        /// Which transfer of the work this is: pass it back with the answer.
+        transfer: u64,
+    },
+    /// Every chunk of a large work's content is durable: store the work, then ack it, as for
+    /// [`AgentEvent::WorkReceived`].
+    ContentHeld {
+        /// The work, as the hub sent it.
+        work: wire::WorkUpdate,
+    },
+    /// A chunk the session asked for arrived, and its bytes hash to its digest (a chunk that
+    /// does not closes the session). The driver stores it durably and says so,
+    /// [`AgentSession::chunk_stored`] (or [`AgentSession::chunk_not_stored`]).
     ChunkReceived {
         /// Hex SHA-256 of the chunk.
         chunk_sha256: String,
         /// Its bytes, at most [`CHUNK_BYTES`].
         data: Vec<u8>,
     },
-    /// The hub cannot serve a chunk of `uid`'s content; the session gives up fetching the
-    /// rest of that work's chunks (the next session asks again).
+    /// The hub cannot serve a chunk asked for in `uid`'s name. The session asks for it again
+    /// after `retry_in` if a transfer still misses it; the other chunks keep coming meanwhile.
     ChunkRefused {
-        /// The work.
+        /// The work named in the request.
         uid: String,
         /// The chunk.
         chunk_sha256: String,
         /// Why, in the hub's words.
         reason: String,
+        /// When the chunk is asked for again; `None` when no transfer misses it any more (its
+        /// work was replaced or deleted).
+        retry_in: Option<Duration>,
     },
     /// The work is gone from the hub: remove it (honouring its deleteOption). Keyed by uid;
     /// `namespace` and `name` are empty when the hub learned of the work only from the hello.
@@ -206,12 +232,8 @@ pub struct AgentSession {
     events: VecDeque<AgentEvent>,
     /// Where certificate renewal stands; see [`Renewal`].
     renewal: Renewal,
-    /// Chunks to fetch, in the order asked for: (work uid, chunk digest). Only what the driver
-    /// found missing from its cache is here, which is what makes a transfer resume from the
-    /// last chunk stored rather than from zero.
-    chunks_wanted: VecDeque<(String, String)>,
-    /// Chunk digest → work uid, for requests sent and not answered: at most [`CHUNK_WINDOW`].
-    chunks_in_flight: HashMap<String, String>,
+    /// Large works' content: transfers under way and the chunk requests they make.
+    content: ContentFetch,
 }
 
 /// Shortest time between two renewals: however short-lived a certificate, never back to back.
@@ -282,8 +304,7 @@ impl AgentSession {
             data: CoalescingQueue::default(),
             events: VecDeque::new(),
             renewal: Renewal::Unscheduled,
-            chunks_wanted: VecDeque::new(),
-            chunks_in_flight: HashMap::new(),
+            content: ContentFetch::default(),
         }
     }
 
@@ -443,10 +464,26 @@ impl AgentSession {
             }),
             hub_frame::Frame::Heartbeat(_) => Ok(()),
             hub_frame::Frame::WorkUpdate(work) => {
-                self.events.push_back(AgentEvent::WorkReceived { work });
+                let (namespace, name) = (work.namespace.clone(), work.name.clone());
+                let event = match self.content.work_received(work) {
+                    Received::Store(work) => AgentEvent::WorkReceived { work },
+                    Received::Record {
+                        uid,
+                        content,
+                        transfer,
+                    } => AgentEvent::ContentWanted {
+                        uid,
+                        namespace,
+                        name,
+                        content,
+                        transfer,
+                    },
+                };
+                self.events.push_back(event);
                 Ok(())
             }
             hub_frame::Frame::WorkDelete(delete) => {
+                self.content.work_deleted(&delete.uid);
                 self.events.push_back(AgentEvent::WorkDeleted {
                     uid: delete.uid,
                     namespace: delete.namespace,
@@ -522,17 +559,13 @@ impl AgentSession {
             }
             hub_frame::Frame::Chunk(chunk) => self.on_chunk(chunk),
             hub_frame::Frame::ChunkRefused(refused) => {
-                if self
-                    .chunks_in_flight
-                    .remove(&refused.chunk_sha256)
-                    .is_some()
-                {
-                    let uid = refused.work_uid;
-                    self.chunks_wanted.retain(|(u, _)| *u != uid);
+                if self.content.is_in_flight(&refused.chunk_sha256) {
+                    let retry_in = self.content.refused(now, &refused.chunk_sha256);
                     self.events.push_back(AgentEvent::ChunkRefused {
-                        uid,
+                        uid: refused.work_uid,
                         chunk_sha256: refused.chunk_sha256,
                         reason: refused.reason,
+                        retry_in,
                     });
                     self.request_chunks();
                 }
@@ -541,36 +574,65 @@ impl AgentSession {
         }
     }
 
-    /// Fetches the chunks of `uid`'s content that the driver does not hold (`missing`, in
-    /// order), at most [`CHUNK_WINDOW`] requests at a time; each arrives as
-    /// [`AgentEvent::ChunkReceived`]. A chunk already wanted or in flight (another work with
-    /// the same content) is asked for once. Ignored unless established: the next session's
-    /// sync resends the work, and the driver asks again for what is still missing then.
-    pub fn fetch_chunks(&mut self, uid: &str, missing: impl IntoIterator<Item = String>) {
-        if !self.is_established() {
-            return;
+    /// Answers [`AgentEvent::ContentWanted`]: transfer `transfer` of `uid` is recorded and the
+    /// cache lacks `missing`. Those chunks are asked for, at most
+    /// [`CHUNK_WINDOW`](super::CHUNK_WINDOW) requests at a time, each once however many works
+    /// miss it; each arrives as [`AgentEvent::ChunkReceived`]. With nothing missing the work
+    /// is ready at once ([`AgentEvent::ContentHeld`]). Returns whether the transfer is the
+    /// work's latest: the answer for one replaced or deleted since is not used. Ignored after
+    /// close (the next session's sync sends the work again).
+    pub fn content_missing(&mut self, uid: &str, transfer: u64, missing: Vec<String>) -> bool {
+        if self.is_closed() {
+            return false;
         }
-        for sha in missing {
-            let known = self.chunks_in_flight.contains_key(&sha)
-                || self.chunks_wanted.iter().any(|(_, s)| *s == sha);
-            if !known {
-                self.chunks_wanted.push_back((uid.to_string(), sha));
-            }
+        let latest = self.content.is_latest(uid, transfer);
+        if let Some(work) = self.content.recorded(uid, transfer, missing) {
+            self.events.push_back(AgentEvent::ContentHeld { work });
         }
         self.request_chunks();
+        latest
     }
 
-    /// Chunks asked for and not received yet, sent or waiting for a slot in the window.
-    pub fn chunks_pending(&self) -> usize {
-        self.chunks_wanted.len() + self.chunks_in_flight.len()
+    /// The driver could not record transfer `transfer` of `uid`: it is given up for this
+    /// session. The work is not acked, so the next session's sync sends it again.
+    pub fn content_not_recorded(&mut self, uid: &str, transfer: u64) {
+        self.content.not_recorded(uid, transfer);
+    }
+
+    /// A chunk from [`AgentEvent::ChunkReceived`] is durable: works whose content it completes
+    /// follow as [`AgentEvent::ContentHeld`].
+    pub fn chunk_stored(&mut self, chunk_sha256: &str) {
+        if self.is_closed() {
+            return;
+        }
+        for work in self.content.stored(chunk_sha256) {
+            self.events.push_back(AgentEvent::ContentHeld { work });
+        }
+    }
+
+    /// A chunk from [`AgentEvent::ChunkReceived`] could not be stored: if a transfer still
+    /// misses it, it is asked for again after a delay, returned.
+    pub fn chunk_not_stored(&mut self, now: Instant, chunk_sha256: &str) -> Option<Duration> {
+        if self.is_closed() {
+            return None;
+        }
+        self.content.not_stored(now, chunk_sha256)
+    }
+
+    /// Chunks the transfers under way miss, asked for or not.
+    pub fn chunks_missing(&self) -> usize {
+        self.content.missing()
+    }
+
+    /// The works the hub sent in this session, by uid: after [`AgentEvent::Synced`], a transfer
+    /// the cache recorded for any other work (cut off before a restart, its work deleted on
+    /// the hub meanwhile) can be given up.
+    pub fn works_received(&self) -> Vec<String> {
+        self.content.received()
     }
 
     fn request_chunks(&mut self) {
-        while self.chunks_in_flight.len() < CHUNK_WINDOW {
-            let Some((uid, sha)) = self.chunks_wanted.pop_front() else {
-                return;
-            };
-            self.chunks_in_flight.insert(sha.clone(), uid.clone());
+        while let Some((uid, sha)) = self.content.next_request() {
             self.data.put(
                 Key::Chunk(sha.clone()),
                 agent_frame::Frame::ChunkRequest(wire::ChunkRequest {
@@ -582,7 +644,7 @@ impl AgentSession {
     }
 
     fn on_chunk(&mut self, chunk: wire::Chunk) -> Result<(), ProtocolError> {
-        if !self.chunks_in_flight.contains_key(&chunk.chunk_sha256) {
+        if !self.content.is_in_flight(&chunk.chunk_sha256) {
             return self.fail(ProtocolError::UnexpectedFrame {
                 frame: "Chunk",
                 state: "no such chunk requested",
@@ -604,7 +666,7 @@ impl AgentSession {
                 detail: format!("the bytes of chunk {} hash to {got}", chunk.chunk_sha256),
             });
         }
-        self.chunks_in_flight.remove(&chunk.chunk_sha256);
+        self.content.arrived(&chunk.chunk_sha256);
         self.events.push_back(AgentEvent::ChunkReceived {
             chunk_sha256: chunk.chunk_sha256,
             data: chunk.data,
@@ -617,6 +679,10 @@ impl AgentSession {
     /// when one is due, closes if the welcome or the hub is overdue. Calling it early does
     /// nothing.
     pub fn handle_timeout(&mut self, now: Instant) {
+        if self.is_established() {
+            self.content.handle_timeout(now);
+            self.request_chunks();
+        }
         if let Renewal::Scheduled { due, expires } = self.renewal
             && now >= due
             && self.is_established()
@@ -671,6 +737,10 @@ impl AgentSession {
                 ..
             } => {
                 let next = next_heartbeat.min(self.last_heard + timeout);
+                let next = match self.content.poll_timeout() {
+                    Some(retry) => next.min(retry),
+                    None => next,
+                };
                 Some(match self.renewal {
                     Renewal::Scheduled { due, .. } => next.min(due),
                     _ => next,
@@ -842,8 +912,7 @@ impl AgentSession {
         self.data.clear();
         // Chunks already received are the driver's; the rest are asked for again, by what the
         // driver finds missing, on the next session.
-        self.chunks_wanted.clear();
-        self.chunks_in_flight.clear();
+        self.content = ContentFetch::default();
         if !by_peer {
             self.control
                 .push_back(agent(agent_frame::Frame::Goodbye(wire::Goodbye {
@@ -883,6 +952,7 @@ fn hub_frame_name(frame: &hub_frame::Frame) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::session::CHUNK_WINDOW;
 
     fn established() -> (Instant, AgentSession) {
         let now = Instant::now();
@@ -932,34 +1002,93 @@ mod tests {
         (sha, wire::HubFrame { frame: Some(frame) })
     }
 
+    /// The hub sends large work `uid` whose content is `shas`; the session asks the driver to
+    /// record it, and the driver answers that `missing` are not in its cache.
+    fn fetch(
+        session: &mut AgentSession,
+        now: Instant,
+        uid: &str,
+        shas: &[String],
+        missing: &[String],
+    ) {
+        let reference = ContentRef {
+            sha256: sha256_hex(shas.concat().as_bytes()),
+            bytes: (shas.len() * CHUNK_BYTES) as u64,
+            chunks: shas.to_vec(),
+        };
+        let work = serde_json::json!({
+            "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
+            "metadata": {"name": uid, "namespace": "c1", "uid": uid, "generation": 1},
+            "spec": {"workload": {"manifests": [reference.manifest().0]}},
+        });
+        let update = hub_frame::Frame::WorkUpdate(wire::WorkUpdate {
+            uid: uid.into(),
+            namespace: "c1".into(),
+            name: uid.into(),
+            generation: 1,
+            content_hash: "h".into(),
+            manifest_work_json: serde_json::to_vec(&work).unwrap(),
+        });
+        session
+            .handle_frame(
+                now,
+                wire::HubFrame {
+                    frame: Some(update),
+                },
+            )
+            .unwrap();
+        let Some(AgentEvent::ContentWanted {
+            uid: wanted,
+            content,
+            transfer,
+            ..
+        }) = session.poll_event()
+        else {
+            panic!("a large work asks for its content first");
+        };
+        assert_eq!((wanted.as_str(), &content), (uid, &reference));
+        assert!(session.content_missing(uid, transfer, missing.to_vec()));
+    }
+
     #[test]
     fn only_missing_chunks_are_asked_for_two_at_a_time() {
         let (now, mut session) = established();
         let chunks: Vec<(String, wire::HubFrame)> = (0..5u8).map(|i| chunk(&[i; 16])).collect();
+        let shas: Vec<String> = chunks.iter().map(|(s, _)| s.clone()).collect();
         // The first two were stored before a disconnect: the driver names only the rest.
-        let missing: Vec<String> = chunks[2..].iter().map(|(s, _)| s.clone()).collect();
-        session.fetch_chunks("w", missing.clone());
+        let missing = shas[2..].to_vec();
+        fetch(&mut session, now, "w", &shas, &missing);
         assert_eq!(requests(&mut session), missing[..CHUNK_WINDOW].to_vec());
-        assert_eq!(session.chunks_pending(), 3);
-        // Each chunk received frees a slot for the next.
+        assert_eq!(session.chunks_missing(), 3);
+        // Each chunk received frees a slot for the next; each stored is no longer missing.
         session.handle_frame(now, chunks[2].1.clone()).unwrap();
         assert!(matches!(
             session.poll_event(),
             Some(AgentEvent::ChunkReceived { chunk_sha256, .. }) if chunk_sha256 == missing[0]
         ));
         assert_eq!(requests(&mut session), vec![missing[2].clone()]);
+        session.chunk_stored(&missing[0]);
         session.handle_frame(now, chunks[3].1.clone()).unwrap();
         session.handle_frame(now, chunks[4].1.clone()).unwrap();
-        assert_eq!(session.chunks_pending(), 0);
         assert!(requests(&mut session).is_empty());
+        session.chunk_stored(&missing[1]);
+        assert_eq!(session.chunks_missing(), 1);
+        while session.poll_event().is_some() {}
+        // The last one durable: the work is whole, and stored.
+        session.chunk_stored(&missing[2]);
+        assert_eq!(session.chunks_missing(), 0);
+        assert!(matches!(
+            session.poll_event(),
+            Some(AgentEvent::ContentHeld { work }) if work.uid == "w"
+        ));
     }
 
     #[test]
     fn a_chunk_wanted_by_two_works_is_asked_for_once() {
-        let (_, mut session) = established();
+        let (now, mut session) = established();
         let (sha, _) = chunk(b"shared");
-        session.fetch_chunks("a", [sha.clone()]);
-        session.fetch_chunks("b", [sha.clone()]);
+        fetch(&mut session, now, "a", &[sha.clone()], &[sha.clone()]);
+        fetch(&mut session, now, "b", &[sha.clone()], &[sha.clone()]);
         assert_eq!(requests(&mut session), vec![sha]);
     }
 
@@ -967,7 +1096,7 @@ mod tests {
     fn a_chunk_whose_bytes_do_not_match_its_digest_closes_the_session() {
         let (now, mut session) = established();
         let (sha, _) = chunk(b"right");
-        session.fetch_chunks("w", [sha.clone()]);
+        fetch(&mut session, now, "w", &[sha.clone()], &[sha.clone()]);
         let forged = hub_frame::Frame::Chunk(wire::Chunk {
             work_uid: "w".into(),
             chunk_sha256: sha,

@@ -23,6 +23,10 @@
 //! hub echoes, and either side closes after hearing nothing for the heartbeat timeout. A
 //! draining gateway sends `Drain` with a retry-after, which [`Backoff`] honours.
 //!
+//! Between sessions, [`Reconnect`] (`reconnect`) decides where and when the agent dials next:
+//! the backoff, the drain's redirect to the shard's owner and its bound, and the gateway of the
+//! last session dialled first, as one state machine.
+//!
 //! Certificates rotate over the live session: told the certificate's validity, the agent's
 //! session emits `RenewalDue` at [`renew_at`] (and schedules retries after a refusal itself),
 //! the agent sends `RenewCertificate` with a request for a key it made, the hub answers
@@ -40,9 +44,11 @@
 mod agent;
 mod backoff;
 mod error;
+mod fetch;
 mod hub;
 mod presence;
 mod queue;
+pub mod reconnect;
 mod renewal;
 
 use std::time::Duration;
@@ -56,11 +62,13 @@ pub use backoff::{
     DEFAULT_STABLE_AFTER, DEFAULT_STARTUP_JITTER, Jitter,
 };
 pub use error::{CloseReason, ProtocolError};
+pub use fetch::{CHUNK_RETRY_INITIAL, CHUNK_RETRY_MAX};
 pub use hub::{
     DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_HELLO_TIMEOUT,
     DEFAULT_MAX_PENDING_WORKS, HubConfig, HubEvent, HubSession, MAX_CSR_BYTES,
 };
 pub use presence::{Presence, PresenceEvent};
+pub use reconnect::{HOME_DIAL_ATTEMPTS, MAX_REDIRECTS, Next, Reconnect, SessionEnd, Target};
 pub use renewal::{RENEW_AT_FRACTION, renew_at};
 
 /// The desired state of one ManifestWork for the cluster, as the gateway hands it to
