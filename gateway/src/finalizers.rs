@@ -445,6 +445,8 @@ mod tests {
             Arc::new(WriteBudget::new(1000.0, 1000)),
             4,
             watch::channel(Arc::new(ShardView::all(64))).1,
+            Fencing::default(),
+            WorkBases::new(),
         );
         // Both wait in the queue before its writer starts.
         finalizers.hold("store-1", "web", &uid);

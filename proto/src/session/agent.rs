@@ -1087,8 +1087,20 @@ mod tests {
     fn a_chunk_wanted_by_two_works_is_asked_for_once() {
         let (now, mut session) = established();
         let (sha, _) = chunk(b"shared");
-        fetch(&mut session, now, "a", &[sha.clone()], &[sha.clone()]);
-        fetch(&mut session, now, "b", &[sha.clone()], &[sha.clone()]);
+        fetch(
+            &mut session,
+            now,
+            "a",
+            std::slice::from_ref(&sha),
+            std::slice::from_ref(&sha),
+        );
+        fetch(
+            &mut session,
+            now,
+            "b",
+            std::slice::from_ref(&sha),
+            std::slice::from_ref(&sha),
+        );
         assert_eq!(requests(&mut session), vec![sha]);
     }
 
@@ -1096,7 +1108,13 @@ mod tests {
     fn a_chunk_whose_bytes_do_not_match_its_digest_closes_the_session() {
         let (now, mut session) = established();
         let (sha, _) = chunk(b"right");
-        fetch(&mut session, now, "w", &[sha.clone()], &[sha.clone()]);
+        fetch(
+            &mut session,
+            now,
+            "w",
+            std::slice::from_ref(&sha),
+            std::slice::from_ref(&sha),
+        );
         let forged = hub_frame::Frame::Chunk(wire::Chunk {
             work_uid: "w".into(),
             chunk_sha256: sha,
