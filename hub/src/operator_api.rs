@@ -516,12 +516,7 @@ async fn write(
             ),
         );
     }
-    if kind == Kind::ManifestWork
-        && let Err(message) = validate_work(&body)
-    {
-        return error(StatusCode::UNPROCESSABLE_ENTITY, message);
-    }
-    if let Err(message) = validate_typed(kind, &body) {
+    if let Err(message) = check_object(kind, &body) {
         return error(StatusCode::UNPROCESSABLE_ENTITY, message);
     }
     if how == Write::Replace
@@ -568,6 +563,15 @@ async fn keep_finalizers(
         meta.insert("finalizers".into(), finalizers.clone());
     }
     Ok(())
+}
+
+/// The checks an object of `kind` passes before it is stored (created or replaced); the
+/// message names the object and what is wrong with it.
+pub(crate) fn check_object(kind: Kind, body: &Value) -> Result<(), String> {
+    if kind == Kind::ManifestWork {
+        validate_work(body)?;
+    }
+    validate_typed(kind, body)
 }
 
 /// What the kube backend's CRD schema refuses, refused here too: an object of a placement kind

@@ -9,6 +9,8 @@
 //!   sans-IO state machine shared by the gateway and the agent.
 //! * [`tunnel`]: what travels inside a tunnel stream (one HTTP/1.1 request with the hub
 //!   user's impersonation headers) and the header rules both ends apply to it.
+//! * `fuzzing` (hidden): the bodies of the fuzz targets of proto's parsers and machines, and
+//!   the input reader the other crates' targets share (see `fuzz/` at the repository root).
 //!
 //! Not for: IO of any kind. Nothing here opens a socket, reads a file or a clock: callers pass
 //! frames and `now` in and take frames, events and deadlines out.
@@ -16,6 +18,8 @@
 
 pub mod api;
 pub mod contract;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod session;
 pub mod tunnel;
 
