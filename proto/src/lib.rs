@@ -31,10 +31,14 @@ pub mod wire {
     impl std::fmt::Debug for JoinRequest {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
             // `<id>.<secret>`: the id names the token in logs and `flotilla token list`.
-            let id = self.token.split('.').next().unwrap_or_default();
+            // Without a dot nothing tells the id from the secret, so none of it is shown.
+            let token = match self.token.split_once('.') {
+                Some((id, _)) => format!("{id}.<redacted>"),
+                None => "<malformed>".to_string(),
+            };
             f.debug_struct("JoinRequest")
                 .field("cluster_name", &self.cluster_name)
-                .field("token", &format_args!("{id}.<redacted>"))
+                .field("token", &format_args!("{token}"))
                 .field("csr_pem", &format_args!("<{} bytes>", self.csr_pem.len()))
                 .field("labels", &self.labels)
                 .finish()

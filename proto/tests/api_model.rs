@@ -419,3 +419,16 @@ fn a_join_request_never_shows_its_token_secret_in_debug_output() {
         "{shown}"
     );
 }
+
+#[test]
+fn a_join_request_whose_token_has_no_dot_shows_none_of_it() {
+    // A secret pasted alone, or a token that lost its dot: all of it may be the secret.
+    let request = flotilla_proto::wire::JoinRequest {
+        cluster_name: "store-1".into(),
+        token: "s3cr3tvaluewithoutadot".into(),
+        ..Default::default()
+    };
+    let shown = format!("{request:?}");
+    assert!(!shown.contains("s3cr3t"), "{shown}");
+    assert!(shown.contains("token: <malformed>"), "{shown}");
+}
