@@ -376,6 +376,28 @@ fn validation_names_the_work_and_the_manifest() {
 }
 
 #[test]
+fn a_work_without_a_name_is_refused_as_unnamed() {
+    let mut w = work(Some("store-7"), vec![json!({"kind": "ConfigMap"})]);
+    w.metadata.name = None;
+    check_messages(
+        &w,
+        &[
+            "ManifestWork store-7/<unnamed>: manifest #0 has no apiVersion",
+            "ManifestWork store-7/<unnamed>: manifest #0 has no metadata.name",
+        ],
+    );
+    w.metadata.name = Some(String::new());
+    w.metadata.namespace = None;
+    check_messages(
+        &w,
+        &[
+            "ManifestWork <unnamed>: manifest #0 has no apiVersion",
+            "ManifestWork <unnamed>: manifest #0 has no metadata.name",
+        ],
+    );
+}
+
+#[test]
 fn empty_and_oversized_works_are_refused() {
     check_messages(
         &work(Some("store-7"), vec![]),
