@@ -41,6 +41,8 @@ apt_install_for() {
 apt_install_for tinyproxy tinyproxy
 # Headless Chromium for the status page's browser test (status_page.rs).
 apt_install_for chromium chromium
+# nftables for the chaos scenario's partitions (loadtest/tests/chaos.rs).
+apt_install_for nftables nft
 if ! command -v cargo-deny >/dev/null; then
   step "installing cargo-deny"
   cargo install --locked cargo-deny@0.20.2 2>&1 | tail -n 3

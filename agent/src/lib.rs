@@ -24,6 +24,7 @@
 //!   back, upgrades relayed.
 //! * [`join`], [`identity`]: joining with a bootstrap token (key made here, CSR sent, CA pinned)
 //!   and the identity on disk, renewed over the session.
+//! * `fuzzing` (hidden): the fuzz targets of the CEL rules and JSONPaths works carry.
 //!
 //! Not for: anything the hub decides, and it links no hub code: what both ends agree on lives in
 //! `flotilla-proto`. The agent opens outbound connections only; it listens only where an
@@ -41,6 +42,8 @@ mod delivery;
 mod driver;
 pub mod executor;
 pub mod feedback;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod identity;
 pub mod join;
 pub mod jsonpath;

@@ -161,6 +161,7 @@ pub fn work_status(
     ManifestWorkStatus {
         conditions,
         resource_status: ManifestResourceStatus { manifests },
+        fence: None,
     }
 }
 
@@ -269,6 +270,7 @@ pub fn refused_status(generation: i64, reason: &str, now: &Time) -> ManifestWork
     ManifestWorkStatus {
         conditions,
         resource_status: ManifestResourceStatus::default(),
+        fence: None,
     }
 }
 

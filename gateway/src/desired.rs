@@ -63,6 +63,11 @@ impl DesiredState {
         self.load.wait_for(cluster).await;
     }
 
+    /// Whether `cluster`'s shard is loaded now (never waits).
+    pub fn has_loaded(&self, cluster: &str) -> bool {
+        self.load.has(cluster)
+    }
+
     /// How many works the cache holds (desired, and deleted but held by a finalizer); `None`
     /// if it is being written at this instant.
     pub fn cached(&self) -> Option<usize> {
@@ -485,6 +490,72 @@ mod tests {
             desired.owned_by("store-1", &uid).await.is_none()
         })
         .await;
+        let _ = stop_tx.send(true);
+    }
+
+    /// Every lookup a session's driver makes on behalf of its cluster (whose work a uid is,
+    /// whether its cleanup finalizer may be added, whether it names a chunk, which works are
+    /// being deleted) answers for that cluster only: another cluster's session naming the
+    /// same uid or digest learns nothing and can start no write.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_sessions_lookups_answer_for_its_own_cluster_only() {
+        use flotilla_proto::api::Manifest;
+        use flotilla_proto::api::content;
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(SledStore::open(dir.path()).unwrap());
+        let (reference, chunks) = content::split(&[Manifest(
+            json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "big"}}),
+        )]);
+        let chunked = store
+            .create(json!({
+                "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
+                "metadata": {"name": "chunked", "namespace": "store-1"},
+                "spec": {"workload": {"manifests": [reference.manifest().0]}},
+            }))
+            .await
+            .unwrap();
+        let uid = chunked["metadata"]["uid"].as_str().unwrap().to_owned();
+        let held = store
+            .create(json!({
+                "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
+                "metadata": {"name": "held", "namespace": "store-1",
+                             "finalizers": [WORK_CLEANUP_FINALIZER]},
+                "spec": {"workload": {"manifests": [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"}}]}},
+            }))
+            .await
+            .unwrap();
+        let held_uid = held["metadata"]["uid"].as_str().unwrap().to_owned();
+        store
+            .delete(Kind::ManifestWork, Some("store-1"), "held")
+            .await
+            .unwrap();
+        let desired = DesiredState::new();
+        let stop_tx = follow(&desired, &store, ShardView::all_views());
+        eventually("the deleted work is seen held", || async {
+            desired.terminating("store-1").await == [held_uid.clone()]
+        })
+        .await;
+        let sha = &chunks[0].sha256;
+
+        assert_eq!(
+            desired.owned_by("store-1", &uid).await.as_deref(),
+            Some("chunked")
+        );
+        assert_eq!(
+            desired
+                .lacks_cleanup_finalizer("store-1", &uid)
+                .await
+                .as_deref(),
+            Some("chunked")
+        );
+        assert!(desired.names_chunk("store-1", &uid, sha).await);
+
+        assert_eq!(desired.owned_by("store-2", &uid).await, None);
+        assert_eq!(desired.owned_by("store-2", &held_uid).await, None);
+        assert_eq!(desired.lacks_cleanup_finalizer("store-2", &uid).await, None);
+        assert!(!desired.names_chunk("store-2", &uid, sha).await);
+        assert!(desired.terminating("store-2").await.is_empty());
+        assert!(desired.snapshot("store-2").is_empty());
         let _ = stop_tx.send(true);
     }
 

@@ -8,9 +8,10 @@
 //! Writes go through the gateway's [`WriteQueue`], coalesced by work (a release replaces a
 //! pending add), within the gateway's write budget shared with status writes, each fenced
 //! right before it by the shard this gateway acts for: a gateway that lost the cluster's shard
-//! writes nothing, and the agent reports its release again to the shard's new owner. A release
-//! is acknowledged to the session that reported it only once the finalizer is gone (or the
-//! work is).
+//! writes nothing, and the agent reports its release again to the shard's new owner. The store
+//! enforces the same fence: each write is compared against the work's fencing record (a newer
+//! owner's write refuses it) without raising it. A release is acknowledged to the session that
+//! reported it only once the finalizer is gone (or the work is).
 
 use std::sync::{Arc, Weak};
 
@@ -22,8 +23,9 @@ use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
 use crate::desired::DesiredState;
+use crate::fencing::{Fencing, WorkBases};
 use crate::mailbox::Mailbox;
-use crate::shards::ShardViews;
+use crate::shards::{Held, ShardViews};
 use crate::writes::{Coalesce, Outcome, StoreWrite, WriteBudget, WriteQueue};
 
 /// What to do about one work's finalizer.
@@ -62,17 +64,32 @@ impl Coalesce for Pending {
 pub struct CleanupFinalizers {
     /// One pending change per work uid, and the writes in flight.
     queue: WriteQueue<Pending>,
+    /// How each write goes to the store under its fence.
+    fencing: Fencing,
+    /// Where a hold's result is left for the work's first status write.
+    bases: Arc<WorkBases>,
 }
 
 impl CleanupFinalizers {
-    /// A writer drawing from the gateway's `budget`, at most `concurrency` writes at once.
+    /// A writer drawing from the gateway's `budget`, at most `concurrency` writes at once,
+    /// each under the fence its queue checked (`fencing`), recording what it wrote in `bases`.
     pub fn new(
         budget: Arc<WriteBudget>,
         concurrency: usize,
         shards: ShardViews,
+        fencing: Fencing,
+        bases: Arc<WorkBases>,
     ) -> Arc<CleanupFinalizers> {
         Arc::new(CleanupFinalizers {
-            queue: WriteQueue::new("cleanup finalizer", budget, concurrency, shards),
+            queue: WriteQueue::new(
+                "cleanup finalizer",
+                budget,
+                concurrency,
+                shards,
+                fencing.clone(),
+            ),
+            fencing,
+            bases,
         })
     }
 
@@ -80,7 +97,7 @@ impl CleanupFinalizers {
     /// yet: add it. Ignored while a release of the work is pending.
     pub fn hold(&self, cluster: &str, name: &str, uid: &str) {
         self.queue.submit(
-            uid,
+            &queue_key(cluster, uid),
             Pending {
                 cluster: cluster.to_owned(),
                 uid: uid.to_owned(),
@@ -96,7 +113,7 @@ impl CleanupFinalizers {
     pub fn release(&self, cluster: &str, uid: &str, reporter: Option<&Arc<Mailbox>>) {
         let reporter = reporter.map_or_else(Weak::new, Arc::downgrade);
         self.queue.submit(
-            uid,
+            &queue_key(cluster, uid),
             Pending {
                 cluster: cluster.to_owned(),
                 uid: uid.to_owned(),
@@ -120,23 +137,47 @@ impl CleanupFinalizers {
         let writer = ToStore {
             store: store.as_ref(),
             desired: &desired,
+            fencing: &self.fencing,
+            bases: &self.bases,
         };
         self.queue.run(writer, stop).await;
     }
+}
+
+/// A work's key in the queue: its cluster and its uid. A session may report the release of any
+/// uid (it is checked against the cluster's own works only when written), so by uid alone a
+/// release another cluster's agent names would fold into the owning cluster's pending hold or
+/// release and replace it.
+fn queue_key(cluster: &str, uid: &str) -> String {
+    format!("{cluster}/{uid}")
 }
 
 /// Writes finalizer changes to the store.
 struct ToStore<'a> {
     store: &'a dyn Store,
     desired: &'a DesiredState,
+    fencing: &'a Fencing,
+    bases: &'a WorkBases,
 }
 
 impl StoreWrite<Pending> for ToStore<'_> {
-    async fn write(&self, _uid: &str, p: &Pending) -> Outcome {
+    async fn write(&self, _uid: &str, p: &Pending, held: Held) -> Outcome {
+        let fenced = Fenced {
+            store: self.store,
+            fencing: self.fencing,
+            held,
+        };
         let written = match &p.change {
-            Change::Hold { name } => hold(self.store, &p.cluster, name, &p.uid).await,
+            Change::Hold { name } => {
+                let held = hold(&fenced, &p.cluster, name, &p.uid).await;
+                if let Ok(Some(work)) = &held {
+                    self.bases.record(&p.uid, &p.cluster, work);
+                }
+                held.map(|_| ())
+            }
             Change::Release { reporter } => {
-                let done = release(self.store, self.desired, &p.cluster, &p.uid).await;
+                let done = release(&fenced, self.desired, &p.cluster, &p.uid).await;
+                self.bases.forget(&p.uid);
                 if done.is_ok()
                     && let Some(mailbox) = reporter.upgrade()
                 {
@@ -149,6 +190,10 @@ impl StoreWrite<Pending> for ToStore<'_> {
             Ok(()) => Outcome::Done,
             // Retried at once on a fresh read.
             Err(StoreError::Conflict { .. }) => Outcome::Conflict,
+            // Another gateway took the shard and wrote the work since this one checked its
+            // fence (logged and counted): a release is not acknowledged, so the agent reports
+            // it to the shard's owner.
+            Err(StoreError::Fenced { .. }) => Outcome::Refused,
             Err(e) => {
                 warn!(cluster = %p.cluster, work_uid = %p.uid, error = %e, "writing the work's cleanup finalizer failed; will retry");
                 Outcome::Failed
@@ -157,34 +202,56 @@ impl StoreWrite<Pending> for ToStore<'_> {
     }
 }
 
-/// Adds the finalizer to the work, read fresh, with its resourceVersion as the precondition.
-/// Nothing to do when the work is gone, is another work of the same name (a new uid), is being
-/// deleted already (no finalizer may be added then), or has the finalizer.
-async fn hold(store: &dyn Store, cluster: &str, name: &str, uid: &str) -> Result<(), StoreError> {
+/// The store and the fence one write is made under.
+struct Fenced<'a> {
+    store: &'a dyn Store,
+    fencing: &'a Fencing,
+    held: Held,
+}
+
+impl Fenced<'_> {
+    async fn write(&self, work: Value, cluster: &str) -> Result<Value, StoreError> {
+        self.fencing
+            .write_spec(self.store, work, cluster, self.held)
+            .await
+    }
+}
+
+/// Adds the finalizer to the work, read fresh, with its resourceVersion as the precondition,
+/// and returns the work as written. Nothing to do when the work is gone, is another work of the
+/// same name (a new uid), is being deleted already (no finalizer may be added then), or has the
+/// finalizer.
+async fn hold(
+    fenced: &Fenced<'_>,
+    cluster: &str,
+    name: &str,
+    uid: &str,
+) -> Result<Option<Value>, StoreError> {
+    let store = fenced.store;
     let Some(mut work) = store.get(Kind::ManifestWork, Some(cluster), name).await? else {
-        return Ok(());
+        return Ok(None);
     };
     if work["metadata"]["uid"].as_str() != Some(uid)
         || !work["metadata"]["deletionTimestamp"].is_null()
     {
-        return Ok(());
+        return Ok(None);
     }
     let mut finalizers = finalizers(&work);
     if finalizers.iter().any(|f| f == WORK_CLEANUP_FINALIZER) {
-        return Ok(());
+        return Ok(Some(work));
     }
     finalizers.push(WORK_CLEANUP_FINALIZER.to_owned());
     set_finalizers(&mut work, finalizers);
-    match store.update_spec(work).await {
-        Ok(_) => {
+    match fenced.write(work, cluster).await {
+        Ok(written) => {
             debug!(cluster, work = %name, "cleanup finalizer added");
-            Ok(())
+            Ok(Some(written))
         }
-        Err(StoreError::NotFound { .. }) => Ok(()),
+        Err(StoreError::NotFound { .. }) => Ok(None),
         // Deleted between the read and the write: it is on its way out without us.
         Err(StoreError::Invalid { reason, .. }) => {
             debug!(cluster, work = %name, %reason, "cleanup finalizer not added");
-            Ok(())
+            Ok(None)
         }
         Err(e) => Err(e),
     }
@@ -195,11 +262,12 @@ async fn hold(store: &dyn Store, cluster: &str, name: &str, uid: &str) -> Result
 /// finalizer: its agent released something the hub still wants, which only a stale session
 /// can say, and the finalizer must then still hold the work's next deletion.
 async fn release(
-    store: &dyn Store,
+    fenced: &Fenced<'_>,
     desired: &DesiredState,
     cluster: &str,
     uid: &str,
 ) -> Result<(), StoreError> {
+    let store = fenced.store;
     // Only this cluster's works: the name comes from the cluster's own namespace.
     let Some(name) = desired.owned_by(cluster, uid).await else {
         return Ok(());
@@ -223,7 +291,7 @@ async fn release(
         .filter(|f| f != WORK_CLEANUP_FINALIZER)
         .collect();
     set_finalizers(&mut work, after);
-    match store.update_spec(work).await {
+    match fenced.write(work, cluster).await {
         Ok(_) | Err(StoreError::NotFound { .. }) => {
             info!(cluster, work = %name, "work released by its agent; cleanup finalizer removed");
             Ok(())
@@ -286,6 +354,8 @@ mod tests {
             Arc::new(WriteBudget::new(1000.0, 1000)),
             4,
             watch::channel(Arc::new(ShardView::all(64))).1,
+            Fencing::default(),
+            WorkBases::new(),
         );
         tokio::spawn(
             finalizers
@@ -344,6 +414,62 @@ mod tests {
             .expect("the release acknowledged");
         assert_eq!(reporter.take().release_acks, [uid]);
         assert!(stored().await.is_none(), "gone once released");
+        let _ = stop_tx.send(true);
+    }
+
+    /// A release that another cluster's agent reports for a work's uid, arriving while the
+    /// owner's hold of that work waits to be written, leaves the hold alone: the work gets its
+    /// finalizer, and the stranger its ack (there was nothing of its own to release).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn another_clusters_release_does_not_displace_a_pending_hold() {
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(SledStore::open(dir.path()).unwrap());
+        let created = store
+            .create(json!({
+                "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
+                "metadata": {"name": "web", "namespace": "store-1"},
+                "spec": {"workload": {"manifests": [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"}}]}},
+            }))
+            .await
+            .unwrap();
+        let uid = created["metadata"]["uid"].as_str().unwrap().to_owned();
+        let desired = DesiredState::new();
+        let (stop_tx, stop) = watch::channel(false);
+        tokio::spawn(desired.clone().run(
+            store.clone(),
+            Arc::new(Registry::default()),
+            ShardView::all_views(),
+            stop.clone(),
+        ));
+        let finalizers = CleanupFinalizers::new(
+            Arc::new(WriteBudget::new(1000.0, 1000)),
+            4,
+            watch::channel(Arc::new(ShardView::all(64))).1,
+            Fencing::default(),
+            WorkBases::new(),
+        );
+        // Both wait in the queue before its writer starts.
+        finalizers.hold("store-1", "web", &uid);
+        let stranger = Arc::new(Mailbox::default());
+        finalizers.release("store-2", &uid, Some(&stranger));
+        tokio::spawn(
+            finalizers
+                .clone()
+                .run(store.clone(), desired.clone(), stop.clone()),
+        );
+
+        tokio::time::timeout(Duration::from_secs(10), stranger.ready())
+            .await
+            .expect("the stranger's release answered");
+        eventually("store-1's work holds its cleanup finalizer", || async {
+            let stored = store
+                .get(Kind::ManifestWork, Some("store-1"), "web")
+                .await
+                .unwrap()
+                .unwrap();
+            super::finalizers(&stored) == [WORK_CLEANUP_FINALIZER]
+        })
+        .await;
         let _ = stop_tx.send(true);
     }
 }

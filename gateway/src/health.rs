@@ -14,6 +14,11 @@
 //! nothing and reads nothing: a hub restarted under every session costs the store no request
 //! for health. The agent's reports of its spoke (claims, version, capacity) are written when
 //! they differ from what the store records, so a report repeated costs the store nothing.
+//!
+//! Every write is fenced twice: this gateway checks it holds the cluster's shard right before
+//! it, and the store refuses it if another gateway wrote the ManagedCluster under a newer epoch
+//! of the shard since (`crate::fencing`): a gateway that stalled between the two never lands an
+//! Unknown over the new owner's Available.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -26,7 +31,7 @@ use flotilla_proto::api::conditions::{
 use flotilla_proto::contract::check_cluster_info;
 use flotilla_proto::session::{Presence, PresenceEvent};
 use flotilla_proto::wire;
-use flotilla_store::{Store, StoreError};
+use flotilla_store::{Basis, Store, StoreError};
 use futures::StreamExt as _;
 use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
@@ -37,7 +42,8 @@ use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use crate::admission::Admissions;
-use crate::shards::ShardViews;
+use crate::fencing::{Fencing, Target};
+use crate::shards::{Held, ShardViews};
 
 pub use flotilla_proto::contract::UNREACHABLE_TAINT;
 
@@ -93,6 +99,8 @@ pub struct HealthWriter {
     /// The shards this gateway acts for: a write for a cluster of any other shard is not
     /// made, and a shard newly taken starts its clusters' grace periods.
     shards: ShardViews,
+    /// How each write goes to the store under its fence.
+    fencing: Fencing,
 }
 
 /// The outcome of one health write, back to the task.
@@ -161,6 +169,7 @@ impl HealthWriter {
         grace_period: Duration,
         admissions: Arc<Admissions>,
         shards: ShardViews,
+        fencing: Fencing,
     ) -> (HealthWriter, HealthReports) {
         let (tx, reports) = mpsc::channel(REPORT_BUFFER);
         (
@@ -170,6 +179,7 @@ impl HealthWriter {
                 admissions,
                 reports,
                 shards,
+                fencing,
             },
             HealthReports(tx),
         )
@@ -191,6 +201,7 @@ impl HealthWriter {
             store: self.store.clone(),
             grace_period: self.grace_period,
             shards: self.shards.clone(),
+            fencing: self.fencing.clone(),
         });
         // Shards held at the last look: a shard that appears here was just taken over.
         let mut held: HashSet<u32> = HashSet::new();
@@ -253,10 +264,12 @@ impl HealthWriter {
                             let w = this.clone();
                             queued.push(cluster.clone(), Box::pin(async move {
                                 let ok = match w.write_cluster_info(&cluster, &info).await {
-                                    Ok(()) => {
+                                    Ok(true) => {
                                         info!(cluster, claims = info.claims.len(), "cluster info updated");
                                         true
                                     }
+                                    // Not this gateway's to write (any more): said where dropped.
+                                    Ok(false) => true,
                                     Err(e) => {
                                         warn!(cluster, error = %e, "could not record the cluster's info");
                                         false
@@ -341,32 +354,35 @@ struct Writes {
     store: Arc<dyn Store>,
     grace_period: Duration,
     shards: ShardViews,
+    fencing: Fencing,
 }
 
 impl Writes {
-    /// Whether this gateway may not write `cluster`'s health now: it does not act for the
-    /// cluster's shard (its lease is not held, or no longer valid). Asked right before each
-    /// write. A shard whose fence ran out while its renewal is late is waited for (see
+    /// The fence of `cluster`'s shard this gateway's write (`what`) is made under now, or
+    /// `None` when it does not act for the shard (its lease is not held, or no longer valid):
+    /// then the write is dropped, counted as `not_held`. Asked right before each write. A
+    /// shard whose fence ran out while its renewal is late is waited for (see
     /// [`ShardView::lapsed`](crate::shards::ShardView::lapsed)): the next lease round renews
     /// it or drops it, and a write refused in that gap would be lost while the session stays.
-    async fn fenced(&self, cluster: &str) -> bool {
+    async fn held(&self, cluster: &str, what: &str) -> Option<Held> {
         let mut views = self.shards.clone();
         let give_up = Instant::now() + LAPSE_WAIT_MAX;
         loop {
             let now = Instant::now();
-            let (held, lapsed) = {
+            let (held, lapsed, shard) = {
                 let view = views.borrow_and_update();
-                (view.holds_cluster(cluster, now), view.lapsed(cluster, now))
+                (
+                    view.held_for(cluster, now),
+                    view.lapsed(cluster, now),
+                    view.shard_of(cluster),
+                )
             };
-            if held {
-                return false;
+            if held.is_some() {
+                return held;
             }
             if !lapsed || now >= give_up {
-                debug!(
-                    cluster,
-                    "not this gateway's shard (any more): health not written"
-                );
-                return true;
+                self.fencing.not_held(what, cluster, cluster, shard);
+                return None;
             }
             // A new view, or a look again soon: a renewal does not always change the view's
             // shards, only their fences.
@@ -375,7 +391,7 @@ impl Writes {
     }
 
     async fn mark_available(&self, cluster: &str, hello: &wire::Hello) -> Result<(), StoreError> {
-        if self.fenced(cluster).await {
+        if self.held(cluster, "cluster health").await.is_none() {
             return Ok(());
         }
         let current = self.existing_cluster(cluster).await?;
@@ -411,63 +427,91 @@ impl Writes {
                 .map(|c| json!({ "name": c.name, "value": c.value }))
                 .collect();
         }
-        let updated = self
-            .store
-            .update_status(Kind::ManagedCluster, None, cluster, status, None)
-            .await?;
+        let Some(held) = self.held(cluster, "cluster health").await else {
+            return Ok(());
+        };
+        let Some(updated) = self.write_status(cluster, status, held, &current).await? else {
+            return Ok(());
+        };
         // Remove the unreachable taint the cluster may carry from an earlier outage.
-        self.set_unreachable_taint(updated, false).await?;
+        self.set_unreachable_taint(updated, false, held).await?;
         info!(cluster, "cluster available");
         Ok(())
     }
 
-    /// Writes claims, version, capacity and allocatable into the status, from a fresh read and
-    /// with its version as precondition: other writers of the same status lose nothing, and a
-    /// conflict is redone from a new read.
+    /// Writes `status` as `cluster`'s under `held`, on `current` (what it was computed from):
+    /// the stored cluster as written, or `None` when the store refused the write (another
+    /// gateway wrote it under a newer epoch since: logged and counted where it was refused).
+    /// Should another writer change it between the read and the write, the store reads it
+    /// again and writes `status` over that, as long as the fence allows.
+    async fn write_status(
+        &self,
+        cluster: &str,
+        status: Value,
+        held: Held,
+        current: &Value,
+    ) -> Result<Option<Value>, StoreError> {
+        let target = Target {
+            kind: Kind::ManagedCluster,
+            namespace: None,
+            name: cluster,
+            cluster,
+        };
+        match self
+            .fencing
+            .write_status(
+                self.store.as_ref(),
+                target,
+                status,
+                held,
+                None,
+                Basis::of(current).as_ref(),
+            )
+            .await
+        {
+            Ok(written) => Ok(Some(written)),
+            Err(StoreError::Fenced { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Writes claims, version, capacity and allocatable into the status, from a fresh read,
+    /// compared against and conditioned on it (see [`Writes::write_status`]); `false` when the
+    /// write was dropped by either fence.
     async fn write_cluster_info(
         &self,
         cluster: &str,
         info: &wire::ClusterInfo,
-    ) -> Result<(), StoreError> {
-        const ATTEMPTS: usize = 5;
-        for attempt in 1..=ATTEMPTS {
-            let current = self.existing_cluster(cluster).await?;
-            let mut status = current.get("status").cloned().unwrap_or_else(|| json!({}));
-            status["clusterClaims"] = info
-                .claims
-                .iter()
-                .map(|c| json!({ "name": c.name, "value": c.value }))
-                .collect();
-            if !info.kubernetes_version.is_empty() {
-                status["version"] = json!({ "kubernetes": info.kubernetes_version });
-            }
-            // Like OCM's agent: capacity entries others added stay; allocatable is the agent's.
-            let mut capacity = resource_list(&status["capacity"]);
-            capacity.extend(info.capacity.clone());
-            status["capacity"] = json!(capacity);
-            status["allocatable"] = json!(info.allocatable);
-            let expected = flotilla_store::Revision::of(&current);
-            match self
-                .store
-                .update_status(
-                    Kind::ManagedCluster,
-                    None,
-                    cluster,
-                    status,
-                    expected.as_ref(),
-                )
-                .await
-            {
-                Ok(_) => return Ok(()),
-                Err(StoreError::Conflict { .. }) if attempt < ATTEMPTS => continue,
-                Err(e) => return Err(e),
-            }
+    ) -> Result<bool, StoreError> {
+        if self.held(cluster, "cluster info").await.is_none() {
+            return Ok(false);
         }
-        Ok(())
+        let current = self.existing_cluster(cluster).await?;
+        let mut status = current.get("status").cloned().unwrap_or_else(|| json!({}));
+        status["clusterClaims"] = info
+            .claims
+            .iter()
+            .map(|c| json!({ "name": c.name, "value": c.value }))
+            .collect();
+        if !info.kubernetes_version.is_empty() {
+            status["version"] = json!({ "kubernetes": info.kubernetes_version });
+        }
+        // Like OCM's agent: capacity entries others added stay; allocatable is the agent's.
+        let mut capacity = resource_list(&status["capacity"]);
+        capacity.extend(info.capacity.clone());
+        status["capacity"] = json!(capacity);
+        status["allocatable"] = json!(info.allocatable);
+        let Some(held) = self.held(cluster, "cluster info").await else {
+            return Ok(false);
+        };
+        Ok(self
+            .write_status(cluster, status, held, &current)
+            .await?
+            .is_some())
     }
 
     async fn mark_unknown(&self, cluster: &str) -> Result<(), StoreError> {
-        if self.fenced(cluster).await {
+        if self.held(cluster, "cluster health").await.is_none() {
             return Ok(());
         }
         let Some(current) = self.store.get(Kind::ManagedCluster, None, cluster).await? else {
@@ -488,14 +532,13 @@ impl Writes {
             now(),
         );
         status["conditions"] = serde_json::to_value(&conds).unwrap_or_default();
-        if self.fenced(cluster).await {
+        let Some(held) = self.held(cluster, "cluster health").await else {
             return Ok(());
-        }
-        let updated = self
-            .store
-            .update_status(Kind::ManagedCluster, None, cluster, status, None)
-            .await?;
-        self.set_unreachable_taint(updated, true).await?;
+        };
+        let Some(updated) = self.write_status(cluster, status, held, &current).await? else {
+            return Ok(());
+        };
+        self.set_unreachable_taint(updated, true, held).await?;
         info!(cluster, grace = ?self.grace_period, "cluster unknown: no session within the grace period");
         Ok(())
     }
@@ -514,10 +557,17 @@ impl Writes {
             })
     }
 
-    /// Adds or removes OCM's unreachable taint. Other writers (registration's key pins,
-    /// operators' taints) change the same object, so the write carries the version it read and
-    /// is redone from a fresh read on conflict: nothing another writer stored is lost.
-    async fn set_unreachable_taint(&self, mut mc: Value, present: bool) -> Result<(), StoreError> {
+    /// Adds or removes OCM's unreachable taint, under `held` (the fence of the status write it
+    /// follows). Other writers (registration's key pins, operators' taints) change the same
+    /// object, so the write carries the version it read and is redone from a fresh read on
+    /// conflict: nothing another writer stored is lost. A write the store refuses (another
+    /// gateway wrote the cluster under a newer epoch since) is dropped.
+    async fn set_unreachable_taint(
+        &self,
+        mut mc: Value,
+        present: bool,
+        held: Held,
+    ) -> Result<(), StoreError> {
         const ATTEMPTS: usize = 5;
         for attempt in 1..=ATTEMPTS {
             let taints = mc["spec"]["taints"].as_array().cloned().unwrap_or_default();
@@ -541,8 +591,12 @@ impl Writes {
                 .unwrap_or_default()
                 .to_string();
             mc["spec"]["taints"] = Value::Array(taints);
-            match self.store.update_spec(mc).await {
-                Ok(_) => return Ok(()),
+            match self
+                .fencing
+                .write_spec(self.store.as_ref(), mc, &name, held)
+                .await
+            {
+                Ok(_) | Err(StoreError::Fenced { .. }) => return Ok(()),
                 Err(StoreError::Conflict { .. }) if attempt < ATTEMPTS => {
                     let Some(fresh) = self.store.get(Kind::ManagedCluster, None, &name).await?
                     else {
@@ -769,8 +823,13 @@ mod tests {
         };
         let rv = |v: &str| v.parse::<u64>().unwrap();
 
-        let (writer, reports) =
-            HealthWriter::new(store.clone(), grace, admissions.clone(), all_shards());
+        let (writer, reports) = HealthWriter::new(
+            store.clone(),
+            grace,
+            admissions.clone(),
+            all_shards(),
+            Fencing::default(),
+        );
         let first_run = tokio::spawn(writer.run(stop.clone()));
         reports.send(connected("s1", "v1.36.3")).await;
         eventually("Available is written", || async {
@@ -783,8 +842,13 @@ mod tests {
 
         // A restarted hub (a new writer) meeting the same agent again: nothing to write. Then
         // the spoke is upgraded: one write, so the version moves by exactly one.
-        let (writer, reports) =
-            HealthWriter::new(store.clone(), grace, admissions.clone(), all_shards());
+        let (writer, reports) = HealthWriter::new(
+            store.clone(),
+            grace,
+            admissions.clone(),
+            all_shards(),
+            Fencing::default(),
+        );
         tokio::spawn(writer.run(stop.clone()));
         reports.send(connected("s2", "v1.36.3")).await;
         reports.send(connected("s3", "v1.37.0")).await;
@@ -837,8 +901,13 @@ mod tests {
         };
         let rv = |v: &str| v.parse::<u64>().unwrap();
 
-        let (writer, reports) =
-            HealthWriter::new(store.clone(), grace, admissions.clone(), all_shards());
+        let (writer, reports) = HealthWriter::new(
+            store.clone(),
+            grace,
+            admissions.clone(),
+            all_shards(),
+            Fencing::default(),
+        );
         let first_run = tokio::spawn(writer.run(stop.clone()));
         reports.send(report(&info)).await;
         eventually("the claims are written", || async {
@@ -867,8 +936,13 @@ mod tests {
         // A restarted hub (a new writer) given the same report: nothing written. Thousands of
         // claims: refused, what is stored stays. Then a claim changes on the spoke: written,
         // so the version moves by exactly one.
-        let (writer, reports) =
-            HealthWriter::new(store.clone(), grace, admissions.clone(), all_shards());
+        let (writer, reports) = HealthWriter::new(
+            store.clone(),
+            grace,
+            admissions.clone(),
+            all_shards(),
+            Fencing::default(),
+        );
         tokio::spawn(writer.run(stop.clone()));
         reports.send(report(&info)).await;
         let mut flood = info.clone();

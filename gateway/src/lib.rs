@@ -5,7 +5,9 @@
 //! clusters with registered keys and closes the sessions of revoked ones (`admission`), lets
 //! new sessions in at a bounded rate and turns the excess away with a retry-after (`rate`), writes
 //! work statuses and cleanup finalizers to the store coalesced, fenced and within one write
-//! budget (`statuses`, `finalizers`, both through `writes`), relays
+//! budget (`statuses`, `finalizers`, both through `writes`), every write for a cluster under
+//! the fence of its shard that the store enforces (`fencing`, with a test's hold point before
+//! the store call in `fault`), relays
 //! certificate renewals to the hub's CA (`certificates`), opens tunnels to agents for the hub's
 //! proxy front (`route`: the one seam the front reaches clusters through), owns every one
 //! of its tasks (`flotilla_ops::supervise`), and counts what it does for `/metrics` (`metrics`).
@@ -19,6 +21,8 @@ pub mod admission;
 pub mod certificates;
 pub mod desired;
 mod driver;
+pub mod fault;
+pub mod fencing;
 pub mod finalizers;
 pub mod health;
 mod locks;
@@ -34,7 +38,10 @@ pub mod statuses;
 pub mod writes;
 
 pub use route::{Away, ShardRoute, TunnelError, TunnelRoute};
-pub use serve::{DEFAULT_CHUNK_BYTES_PER_SECOND, Gateway, GatewayConfig, GatewayError, Listeners};
+pub use serve::{
+    DEFAULT_CHUNK_BYTES_PER_SECOND, DEFAULT_GATEWAY_NAME, Gateway, GatewayConfig, GatewayError,
+    Listeners,
+};
 
 #[cfg(test)]
 mod test_support {

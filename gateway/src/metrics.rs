@@ -11,7 +11,9 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use flotilla_proto::api::Kind;
 use flotilla_proto::wire::Refusal;
-use flotilla_store::{Object, ObjectList, Revision, Selection, Store, StoreError, WatchStream};
+use flotilla_store::{
+    Basis, Object, ObjectList, Revision, Selection, Store, StoreError, WatchStream, WriteFence,
+};
 use flotilla_transport::Carrier;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -44,6 +46,43 @@ pub struct GatewayMetrics {
     pub(crate) chunk_bytes_sent: Counter,
     /// New connections on the agents' listener, by what the session rate said and carrier.
     new_connections: Family<[(&'static str, &'static str); 2], Counter>,
+    /// Fenced writes dropped, by reason: refused by the store, or by this gateway's own check.
+    fenced_writes: Family<Labels, Counter>,
+}
+
+/// The reasons a fenced write is dropped, as `flotilla_gateway_fenced_writes_total` labels
+/// them: the store refused it (`stale_epoch`, `stale_report`, see
+/// `flotilla_proto::contract::fence`), or this gateway's own check before the write found it no
+/// longer holds the cluster's shard (`not_held`).
+pub const FENCED_WRITE_REASONS: [&str; 3] = ["stale_epoch", "stale_report", "not_held"];
+
+/// The series of `flotilla_gateway_fenced_writes_total`, one per [`FENCED_WRITE_REASONS`]
+/// entry, resolved once. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct FencedWriteCounters([Counter; FENCED_WRITE_REASONS.len()]);
+
+impl FencedWriteCounters {
+    /// Counts one write dropped for `reason` (one of [`FENCED_WRITE_REASONS`]).
+    pub(crate) fn dropped(&self, reason: &str) {
+        if let Some(i) = FENCED_WRITE_REASONS.iter().position(|r| *r == reason) {
+            self.0[i].inc();
+        }
+    }
+
+    /// How many were dropped for `reason`.
+    pub fn count(&self, reason: &str) -> u64 {
+        FENCED_WRITE_REASONS
+            .iter()
+            .position(|r| *r == reason)
+            .map_or(0, |i| self.0[i].get())
+    }
+}
+
+impl Default for FencedWriteCounters {
+    /// Counters of no registry, for writers built outside a gateway (tests).
+    fn default() -> Self {
+        FencedWriteCounters(std::array::from_fn(|_| Counter::default()))
+    }
 }
 
 impl GatewayMetrics {
@@ -67,7 +106,9 @@ impl GatewayMetrics {
             cached_objects,
             chunk_bytes_sent: Counter::default(),
             new_connections: Family::default(),
+            fenced_writes: Family::default(),
         };
+        let _ = metrics.fenced_write_counters();
         let _ = metrics.new_connection_counters();
         // Every series from the start: a rate() over a series that appears late misses its
         // first increase, and a dashboard shows 0 rather than nothing.
@@ -139,6 +180,15 @@ impl GatewayMetrics {
             self.cached_objects.clone(),
         );
         r.register(
+            "fenced_writes",
+            "Fenced writes (cluster health, work statuses, cleanup finalizers, the unreachable \
+             taint) dropped, by reason: the store refused them because another gateway wrote \
+             the object under a newer epoch of its shard (stale_epoch) or a newer report of the \
+             agent is stored (stale_report), or this gateway's own check before the write found \
+             it no longer holds the cluster's shard (not_held). None is retried",
+            self.fenced_writes.clone(),
+        );
+        r.register(
             "shards_owned",
             "Virtual shards this gateway acts for (all of them without leases)",
             self.shards_owned.clone(),
@@ -162,6 +212,13 @@ impl GatewayMetrics {
                     .get_or_create_owned(&[("outcome", outcome), ("transport", transport(c))])
             })
         })
+    }
+
+    /// The series of `fenced_writes`, for the gateway's writers to count into.
+    pub fn fenced_write_counters(&self) -> FencedWriteCounters {
+        FencedWriteCounters(
+            FENCED_WRITE_REASONS.map(|r| self.fenced_writes.get_or_create_owned(&[("reason", r)])),
+        )
     }
 
     pub(crate) fn reconnected(&self) {
@@ -375,6 +432,34 @@ impl Store for MeteredStore {
                 .update_status(kind, namespace, name, status, expected),
         )
         .await
+    }
+
+    async fn update_status_fenced(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        name: &str,
+        status: serde_json::Value,
+        fence: &WriteFence,
+        basis: Option<&Basis>,
+    ) -> Result<Object, StoreError> {
+        // One request as counted here; on the kube backend a read before it when the basis was
+        // missing or stale.
+        self.counted(
+            Verb::UpdateStatus,
+            self.inner
+                .update_status_fenced(kind, namespace, name, status, fence, basis),
+        )
+        .await
+    }
+
+    async fn update_spec_fenced(
+        &self,
+        object: Object,
+        fence: &WriteFence,
+    ) -> Result<Object, StoreError> {
+        self.counted(Verb::Update, self.inner.update_spec_fenced(object, fence))
+            .await
     }
 
     async fn delete(

@@ -339,6 +339,7 @@ impl GatewayProcessConfig {
 
     fn gateway_config(&self) -> GatewayConfig {
         let mut config = GatewayConfig {
+            name: self.name.clone(),
             heartbeat_interval: self.heartbeat_interval,
             heartbeat_timeout: self.heartbeat_timeout,
             grace_period: self.grace_period,
@@ -352,6 +353,28 @@ impl GatewayProcessConfig {
         self.status_writes.apply(&mut config);
         config
     }
+}
+
+/// The fault point of fenced writes (see [`crate::fault`]): in a build with
+/// `debug_assertions`, armed from the directory the environment variable
+/// [`FAULT_DIR_ENV`](crate::fault::FAULT_DIR_ENV) names, for the end-to-end tests that hold a
+/// gateway's write between its fence check and its store call. A release build has no such
+/// code: no flag or variable arms it.
+#[cfg(debug_assertions)]
+fn fault_point() -> crate::fault::FaultPoint {
+    use crate::fault::{FAULT_DIR_ENV, HoldPoint};
+    match std::env::var_os(FAULT_DIR_ENV) {
+        Some(dir) => {
+            tracing::warn!(dir = %std::path::Path::new(&dir).display(), "{FAULT_DIR_ENV} is set: fenced writes of the clusters it names will be held (a test's fault point)");
+            HoldPoint::in_directory(dir).point()
+        }
+        None => crate::fault::FaultPoint::default(),
+    }
+}
+
+#[cfg(not(debug_assertions))]
+fn fault_point() -> crate::fault::FaultPoint {
+    crate::fault::FaultPoint::default()
 }
 
 /// Runs a gateway until `shutdown` completes, then drains its sessions and releases its
@@ -389,7 +412,8 @@ pub async fn run(
         .advertise_address
         .clone()
         .unwrap_or_else(|| bound.to_string());
-    let gateway_config = config.gateway_config();
+    let mut gateway_config = config.gateway_config();
+    gateway_config.fault = fault_point();
     let quic = match sockets.udp {
         Some(udp) => Some(
             QuicListener::bind(udp, &tls, gateway_config.quic())

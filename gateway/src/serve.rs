@@ -22,6 +22,8 @@ use crate::admission::Admissions;
 use crate::certificates::ClusterCertificates;
 use crate::desired::DesiredState;
 use crate::driver::drive;
+use crate::fault::FaultPoint;
+use crate::fencing::{Fencing, WorkBases};
 use crate::finalizers::CleanupFinalizers;
 use crate::health::{HealthReports, HealthWriter};
 use crate::metrics::GatewayMetrics;
@@ -33,9 +35,16 @@ use crate::statuses::StatusWriter;
 use crate::writes::WriteBudget;
 use flotilla_ops::{TaskEnded, Tasks};
 
+/// The name of a gateway that was given none: the single-node hub's in-process gateway. A
+/// gateway's name goes into the fencing record of every write it makes.
+pub const DEFAULT_GATEWAY_NAME: &str = "hub";
+
 /// Knobs of the session tier; every queue and size has a bound.
 #[derive(Clone, Debug)]
 pub struct GatewayConfig {
+    /// This gateway's name, unique in the fleet (`--name` of `flotilla-gateway`; the hub's
+    /// in-process gateway is [`DEFAULT_GATEWAY_NAME`]): the gateway its fenced writes name.
+    pub name: String,
     pub heartbeat_interval: Duration,
     pub heartbeat_timeout: Duration,
     /// A connection that has not said Hello by then is closed.
@@ -75,6 +84,9 @@ pub struct GatewayConfig {
     /// Bytes per second of large works' chunks one session is sent at most: a 10 MiB work
     /// fanned out to a thousand clusters must not take the gateway's whole uplink at once.
     pub chunk_bytes_per_second: u64,
+    /// Where a test may hold fenced writes before their store calls (see [`crate::fault`]):
+    /// holds nothing unless a test armed it, and cannot be armed in a release build.
+    pub fault: FaultPoint,
 }
 
 /// Default for [`GatewayConfig::chunk_bytes_per_second`]: 16 MiB/s per session.
@@ -83,6 +95,7 @@ pub const DEFAULT_CHUNK_BYTES_PER_SECOND: u64 = 16 * 1024 * 1024;
 impl Default for GatewayConfig {
     fn default() -> Self {
         GatewayConfig {
+            name: DEFAULT_GATEWAY_NAME.to_owned(),
             heartbeat_interval: Duration::from_secs(10),
             heartbeat_timeout: Duration::from_secs(30),
             hello_timeout: Duration::from_secs(10),
@@ -100,6 +113,7 @@ impl Default for GatewayConfig {
             tunnel_open_timeout: Duration::from_secs(10),
             relay_idle_timeout: Duration::from_secs(2 * 3600),
             chunk_bytes_per_second: DEFAULT_CHUNK_BYTES_PER_SECOND,
+            fault: FaultPoint::default(),
         }
     }
 }
@@ -218,11 +232,21 @@ impl Gateway {
         let shards = watch::Sender::new(Arc::new(ShardView::all(
             flotilla_proto::contract::DEFAULT_SHARDS,
         )));
+        // Every write the gateway makes for a cluster carries its fence, under its name.
+        let fencing = Fencing::new(
+            config.name.as_str(),
+            metrics.fenced_write_counters(),
+            config.fault.clone(),
+        );
+        // What the last write of each work returned, shared by the writers of works: a
+        // finalizer's write is the basis of the work's first status write.
+        let bases = WorkBases::new();
         let (health_writer, health) = HealthWriter::new(
             store.clone(),
             config.grace_period,
             admissions.clone(),
             shards.subscribe(),
+            fencing.clone(),
         );
         // One budget for every writer of the gateway: the hub apiserver sees at most this
         // many writes per second from it, whatever mix of statuses and finalizers.
@@ -234,6 +258,8 @@ impl Gateway {
             budget.clone(),
             config.status_write_concurrency,
             shards.subscribe(),
+            fencing.clone(),
+            bases.clone(),
         );
         // Without leases the gateway serves from the start (sessions wait for the first load);
         // `lease_shards` turns this off until the shards it holds are loaded.
@@ -245,8 +271,13 @@ impl Gateway {
         );
         // Within the same budget as status writes: a fleet-wide rollout acknowledged at once
         // must not turn into a burst of work updates on the hub apiserver.
-        let finalizers =
-            CleanupFinalizers::new(budget, config.status_write_concurrency, shards.subscribe());
+        let finalizers = CleanupFinalizers::new(
+            budget,
+            config.status_write_concurrency,
+            shards.subscribe(),
+            fencing,
+            bases,
+        );
         Gateway {
             shared: Arc::new(Shared {
                 store,

@@ -2,20 +2,28 @@
 //! seq wins), written through the gateway's [`WriteQueue`] (bounded concurrency, the gateway's
 //! write budget, fenced by shard ownership, retried), and the agent's status acknowledged only
 //! once it is stored, on the session that reported it.
+//!
+//! Each write carries the fence the queue checked and the agent's report sequence, so the store
+//! refuses it when another gateway wrote the work under a newer epoch since (not acknowledged:
+//! the agent reports it to the shard's new owner) or a newer report of the agent is stored
+//! (acknowledged: something newer is there). It is compared against and conditioned on the
+//! object the previous write of the work returned ([`WorkBases`]), so a status costs the store
+//! one request while nobody else wrote the work.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use flotilla_proto::api::{Kind, ManifestWorkStatus};
-use flotilla_store::{Store, StoreError};
+use flotilla_store::{Stale, Store, StoreError};
 use tokio::sync::watch;
 use tracing::{debug, warn};
 
 use crate::desired::DesiredState;
+use crate::fencing::{Fencing, Target, WorkBases};
 use crate::locks::{SyncMutex, lock};
 use crate::mailbox::Mailbox;
-use crate::shards::ShardViews;
+use crate::shards::{Held, ShardViews};
 use crate::writes::{Coalesce, Outcome, StoreWrite, WriteBudget, WriteQueue};
 
 /// How often the record of stored seqs forgets works that no longer exist, so it holds the
@@ -68,6 +76,10 @@ pub struct StatusWriter {
     /// The shards this gateway acts for: a status of any other shard's cluster is not written
     /// nor acknowledged, so the agent keeps it and reports it to the shard's owner.
     shards: ShardViews,
+    /// How each write goes to the store under its fence.
+    fencing: Fencing,
+    /// What the last write of each work returned: the next one's basis.
+    bases: Arc<WorkBases>,
 }
 
 /// Why a reported status was refused; none is retryable with the same frame.
@@ -82,17 +94,29 @@ pub enum StatusError {
 }
 
 impl StatusWriter {
-    /// A writer drawing from the gateway's `budget`, at most `concurrency` writes at once.
+    /// A writer drawing from the gateway's `budget`, at most `concurrency` writes at once,
+    /// each under the fence its queue checked (`fencing`), on the last basis of its work
+    /// (`bases`, shared with the gateway's other writers of works).
     pub fn new(
         budget: Arc<WriteBudget>,
         concurrency: usize,
         shards: ShardViews,
+        fencing: Fencing,
+        bases: Arc<WorkBases>,
     ) -> Arc<StatusWriter> {
         Arc::new(StatusWriter {
-            queue: WriteQueue::new("work status", budget, concurrency, shards.clone()),
+            queue: WriteQueue::new(
+                "work status",
+                budget,
+                concurrency,
+                shards.clone(),
+                fencing.clone(),
+            ),
             written: SyncMutex::new(HashMap::new()),
             prune_every: PRUNE_EVERY,
             shards,
+            fencing,
+            bases,
         })
     }
 
@@ -118,8 +142,10 @@ impl StatusWriter {
             name: name.into(),
             reason,
         };
-        let parsed: ManifestWorkStatus =
+        let mut parsed: ManifestWorkStatus =
             serde_json::from_slice(status_json).map_err(|e| malformed(e.to_string()))?;
+        // The fencing record is the store's to write, from the gateway's fence: never an agent's.
+        parsed.fence = None;
         let status = serde_json::to_value(parsed).map_err(|e| malformed(e.to_string()))?;
         let pending = PendingStatus {
             cluster: cluster.into(),
@@ -154,6 +180,8 @@ impl StatusWriter {
             ToStore {
                 store: store.as_ref(),
                 written: &self.written,
+                fencing: &self.fencing,
+                bases: &self.bases,
             },
             stop.clone(),
         );
@@ -175,10 +203,12 @@ impl StatusWriter {
 struct ToStore<'a> {
     store: &'a dyn Store,
     written: &'a SyncMutex<HashMap<String, Written>>,
+    fencing: &'a Fencing,
+    bases: &'a WorkBases,
 }
 
 impl StoreWrite<PendingStatus> for ToStore<'_> {
-    async fn write(&self, _uid: &str, p: &PendingStatus) -> Outcome {
+    async fn write(&self, _uid: &str, p: &PendingStatus, held: Held) -> Outcome {
         if lock(self.written)
             .get(&p.uid)
             .is_some_and(|w| w.seq >= p.seq)
@@ -187,18 +217,27 @@ impl StoreWrite<PendingStatus> for ToStore<'_> {
             ack(p);
             return Outcome::Done;
         }
+        let target = Target {
+            kind: Kind::ManifestWork,
+            namespace: Some(&p.cluster),
+            name: &p.name,
+            cluster: &p.cluster,
+        };
+        let basis = self.bases.get(&p.uid);
         match self
-            .store
-            .update_status(
-                Kind::ManifestWork,
-                Some(&p.cluster),
-                &p.name,
+            .fencing
+            .write_status(
+                self.store,
+                target,
                 p.status.clone(),
-                None,
+                held,
+                Some(p.seq),
+                basis.as_ref(),
             )
             .await
         {
-            Ok(_) => {
+            Ok(stored) => {
+                self.bases.record(&p.uid, &p.cluster, &stored);
                 let written = Written {
                     cluster: p.cluster.clone(),
                     seq: p.seq,
@@ -211,11 +250,33 @@ impl StoreWrite<PendingStatus> for ToStore<'_> {
             Err(StoreError::NotFound { .. }) => {
                 // The work was deleted meanwhile: its status has nowhere to go. Acknowledge
                 // so the agent stops resending it.
+                self.bases.forget(&p.uid);
                 ack(p);
                 Outcome::Done
             }
+            // A newer report of the agent is stored (through another gateway, or this one
+            // before a restart): this one is done with.
+            Err(StoreError::Fenced {
+                reason: Stale::Report,
+                ..
+            }) => {
+                ack(p);
+                Outcome::Refused
+            }
+            // Another gateway took the shard and wrote since this one checked its fence: not
+            // acknowledged, so the agent reports it to the shard's owner.
+            Err(StoreError::Fenced { .. }) => {
+                self.bases.forget(&p.uid);
+                Outcome::Refused
+            }
+            Err(e @ StoreError::Conflict { .. }) => {
+                debug!(cluster = %p.cluster, work = %p.name, error = %e, "work status kept losing races; trying again");
+                self.bases.forget(&p.uid);
+                Outcome::Conflict
+            }
             Err(e) => {
                 warn!(cluster = %p.cluster, work = %p.name, error = %e, "storing work status failed; will retry");
+                self.bases.forget(&p.uid);
                 Outcome::Failed
             }
         }
@@ -223,7 +284,9 @@ impl StoreWrite<PendingStatus> for ToStore<'_> {
 }
 
 impl StatusWriter {
-    /// Forgets the stored seqs of works the desired state no longer has.
+    /// Forgets the stored seqs and the bases of works the desired state no longer has, and of
+    /// clusters whose shard it no longer holds (handed over: asking about them would wait for
+    /// a load that never comes).
     async fn prune(&self, desired: &DesiredState) {
         let entries: Vec<(String, Written)> = {
             let written = lock(&self.written);
@@ -234,8 +297,14 @@ impl StatusWriter {
         };
         let mut gone = Vec::new();
         for (uid, w) in entries {
-            if desired.owned_by(&w.cluster, &uid).await.is_none() {
+            if !desired.has_loaded(&w.cluster) || desired.owned_by(&w.cluster, &uid).await.is_none()
+            {
                 gone.push(uid);
+            }
+        }
+        for (uid, cluster) in self.bases.works() {
+            if !desired.has_loaded(&cluster) || desired.owned_by(&cluster, &uid).await.is_none() {
+                self.bases.forget(&uid);
             }
         }
         if !gone.is_empty() {
@@ -322,7 +391,13 @@ mod tests {
         .1;
         let desired = DesiredState::new();
         let (stop_tx, stop) = watch::channel(false);
-        let writer = StatusWriter::new(Arc::new(WriteBudget::new(1000.0, 1000)), 4, views);
+        let writer = StatusWriter::new(
+            Arc::new(WriteBudget::new(1000.0, 1000)),
+            4,
+            views,
+            Fencing::default(),
+            WorkBases::new(),
+        );
         let status = json!({"conditions": []}).to_string();
         let (ours, theirs) = (Arc::new(Mailbox::default()), Arc::new(Mailbox::default()));
         // The other shard's first: the queue takes them in order.
@@ -380,6 +455,8 @@ mod tests {
                 Arc::new(WriteBudget::new(1000.0, 1000)),
                 4,
                 tokio::sync::watch::channel(Arc::new(crate::shards::ShardView::all(64))).1,
+                Fencing::default(),
+                WorkBases::new(),
             ))
             .unwrap()
         });
@@ -445,6 +522,8 @@ mod tests {
             Arc::new(WriteBudget::new(1000.0, 1000)),
             4,
             tokio::sync::watch::channel(Arc::new(crate::shards::ShardView::all(64))).1,
+            Fencing::default(),
+            WorkBases::new(),
         );
         let status = json!({"conditions": []}).to_string();
         // The first session reports, goes away unacked; the next one reports the same status;

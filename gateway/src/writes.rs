@@ -11,7 +11,11 @@
 //!   queues share, so the store sees at most `rate·t + burst` writes in any `t` seconds.
 //! * Fenced: right before each write the queue asks whether this gateway still acts for the
 //!   value's cluster; a value it no longer holds is dropped (neither written nor acknowledged:
-//!   its agent reports again to the shard's new owner).
+//!   its agent reports again to the shard's new owner), counted as `not_held`. The fence it
+//!   checked ([`Held`]: the shard and this gateway's epoch of it) goes to the writer with the
+//!   value, and the store refuses the write if the object was written under a newer epoch
+//!   since: a write that stalled past the check is never the one that lands last (see
+//!   `fencing`). A refused write is dropped, never retried.
 //! * Retried: a write that failed is tried again after a delay that grows with each failure of
 //!   the key, up to [`MAX_RETRY_DELAY`], with the newest value by then (a newer submission
 //!   replaces the failed one as `absorb` says); a conflict is retried at once, on a fresh read.
@@ -30,8 +34,9 @@ use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 use tracing::debug;
 
+use crate::fencing::Fencing;
 use crate::locks::{SyncMutex, lock};
-use crate::shards::ShardViews;
+use crate::shards::{Held, ShardViews};
 
 /// Default of `--status-writes-per-second`: the gateway's store writes per second, all queues.
 pub const DEFAULT_WRITES_PER_SECOND: u32 = 500;
@@ -67,6 +72,9 @@ pub trait Coalesce: Send + 'static {
 pub enum Outcome {
     /// Done: written, or found to need no write. Nothing is retried.
     Done,
+    /// The store refused it: the object holds something newer (another gateway's write under
+    /// a newer epoch, or a newer report). Dropped, never retried.
+    Refused,
     /// Lost a race with another writer of the object: tried again at once (it reads fresh).
     Conflict,
     /// The store failed: tried again after a delay.
@@ -75,8 +83,8 @@ pub enum Outcome {
 
 /// How a queue writes its values to the store.
 pub trait StoreWrite<V>: Send + Sync {
-    /// Writes `value` (of `key`), which the queue has just fenced.
-    fn write(&self, key: &str, value: &V) -> impl Future<Output = Outcome> + Send;
+    /// Writes `value` (of `key`), which the queue has just fenced: under `held`.
+    fn write(&self, key: &str, value: &V, held: Held) -> impl Future<Output = Outcome> + Send;
 }
 
 /// A queue of fenced, coalesced, budgeted writes; see the module docs.
@@ -90,6 +98,8 @@ pub struct WriteQueue<V> {
     concurrency: usize,
     /// The shards this gateway acts for: no write for any other shard's cluster.
     shards: ShardViews,
+    /// Counts and logs what the fence check drops.
+    fencing: Fencing,
 }
 
 struct State<V> {
@@ -114,6 +124,7 @@ impl<V: Coalesce> WriteQueue<V> {
         budget: Arc<WriteBudget>,
         concurrency: usize,
         shards: ShardViews,
+        fencing: Fencing,
     ) -> WriteQueue<V> {
         WriteQueue {
             what,
@@ -129,6 +140,7 @@ impl<V: Coalesce> WriteQueue<V> {
             budget,
             concurrency: concurrency.max(1),
             shards,
+            fencing,
         }
     }
 
@@ -183,9 +195,9 @@ impl<V: Coalesce> WriteQueue<V> {
                 }
                 _ = async { token.as_mut().expect("reserved").await }, if can_start => {
                     token = None;
-                    if let Some((key, value)) = self.take_next() {
+                    if let Some((key, value, held)) = self.take_next() {
                         in_flight.push(async move {
-                            let outcome = writer.write(&key, &value).await;
+                            let outcome = writer.write(&key, &value, held).await;
                             (key, value, outcome)
                         });
                     }
@@ -196,9 +208,10 @@ impl<V: Coalesce> WriteQueue<V> {
         }
     }
 
-    /// The next ready value, marked in flight, if this gateway still acts for its cluster;
-    /// one it does not is dropped (and the next one looked at).
-    fn take_next(&self) -> Option<(String, V)> {
+    /// The next ready value, marked in flight, with the fence it is written under, if this
+    /// gateway still acts for its cluster; one it does not is dropped (and the next one looked
+    /// at).
+    fn take_next(&self) -> Option<(String, V, Held)> {
         let mut state = self.state();
         while let Some(key) = state.ready.pop_front() {
             let Some(value) = state.pending.remove(&key) else {
@@ -209,14 +222,15 @@ impl<V: Coalesce> WriteQueue<V> {
             // value waits for the next lease round rather than being dropped while its session
             // stays here.
             let now = Instant::now();
-            let (held, lapsed) = {
+            let (held, lapsed, shard) = {
                 let view = self.shards.borrow();
                 (
-                    view.holds_cluster(value.cluster(), now),
+                    view.held_for(value.cluster(), now),
                     view.lapsed(value.cluster(), now),
+                    view.shard_of(value.cluster()),
                 )
             };
-            if !held && lapsed {
+            if held.is_none() && lapsed {
                 debug!(cluster = %value.cluster(), key = %key, what = self.what, "shard's renewal is late: write waits");
                 state.pending.insert(key.clone(), value);
                 let n = state.next_retry;
@@ -224,13 +238,14 @@ impl<V: Coalesce> WriteQueue<V> {
                 state.retries.insert((now + LAPSE_RETRY, n), key);
                 continue;
             }
-            if !held {
-                debug!(cluster = %value.cluster(), key = %key, what = self.what, "not this gateway's shard (any more): left to its owner");
+            let Some(held) = held else {
+                self.fencing
+                    .not_held(self.what, value.cluster(), &key, shard);
                 state.failures.remove(&key);
                 continue;
-            }
+            };
             state.in_flight.insert(key.clone());
-            return Some((key, value));
+            return Some((key, value, held));
         }
         None
     }
@@ -241,7 +256,7 @@ impl<V: Coalesce> WriteQueue<V> {
         let state = &mut *state;
         state.in_flight.remove(&key);
         match outcome {
-            Outcome::Done => {
+            Outcome::Done | Outcome::Refused => {
                 state.failures.remove(&key);
                 if state.pending.contains_key(&key) {
                     state.ready.push_back(key);
@@ -336,6 +351,8 @@ mod tests {
         doubled: Vec<String>,
         /// Keys (with the seq) whose next write fails, once per entry.
         fail: Vec<(String, u64)>,
+        /// Keys (with the seq) whose writes the store refuses.
+        refuse: Vec<(String, u64)>,
     }
 
     #[derive(Clone)]
@@ -357,8 +374,8 @@ mod tests {
     }
 
     impl StoreWrite<Seq> for Stub {
-        async fn write(&self, key: &str, value: &Seq) -> Outcome {
-            let fails = {
+        async fn write(&self, key: &str, value: &Seq, _held: Held) -> Outcome {
+            let (fails, refused) = {
                 let mut seen = self.seen();
                 seen.writes.push((key.to_owned(), value.seq));
                 if !seen.in_flight.insert(key.to_owned()) {
@@ -366,17 +383,21 @@ mod tests {
                 }
                 seen.most_in_flight = seen.most_in_flight.max(seen.in_flight.len());
                 let failing = (key.to_owned(), value.seq);
-                match seen.fail.iter().position(|f| *f == failing) {
+                let refused = seen.refuse.contains(&failing);
+                let fails = match seen.fail.iter().position(|f| *f == failing) {
                     Some(i) => {
                         seen.fail.remove(i);
                         true
                     }
                     None => false,
-                }
+                };
+                (fails, refused)
             };
             tokio::time::sleep(self.takes).await;
             self.seen().in_flight.remove(key);
-            if fails {
+            if refused {
+                Outcome::Refused
+            } else if fails {
                 Outcome::Failed
             } else {
                 Outcome::Done
@@ -390,7 +411,13 @@ mod tests {
 
     fn queue(rate: u32, burst: u32, concurrency: usize) -> Arc<WriteQueue<Seq>> {
         let budget = Arc::new(WriteBudget::new(f64::from(rate), burst));
-        Arc::new(WriteQueue::new("test", budget, concurrency, all_shards()))
+        Arc::new(WriteQueue::new(
+            "test",
+            budget,
+            concurrency,
+            all_shards(),
+            Fencing::default(),
+        ))
     }
 
     /// Runs `queue` with `stub` in a task; stops it when the returned sender drops.
@@ -489,7 +516,15 @@ mod tests {
     async fn queues_share_the_gateway_budget() {
         let budget = Arc::new(WriteBudget::new(50.0, 10));
         let queues: Vec<Arc<WriteQueue<Seq>>> = (0..2)
-            .map(|_| Arc::new(WriteQueue::new("test", budget.clone(), 16, all_shards())))
+            .map(|_| {
+                Arc::new(WriteQueue::new(
+                    "test",
+                    budget.clone(),
+                    16,
+                    all_shards(),
+                    Fencing::default(),
+                ))
+            })
             .collect();
         let stub = Stub::new(Duration::from_millis(1));
         let _stops: Vec<_> = queues.iter().map(|q| start(q, &stub)).collect();
@@ -557,7 +592,8 @@ mod tests {
     async fn fencing_drops_what_is_no_longer_ours() {
         let (views_tx, views) = watch::channel(Arc::new(ShardView::all(64)));
         let budget = Arc::new(WriteBudget::new(1000.0, 1000));
-        let queue = Arc::new(WriteQueue::new("test", budget, 4, views));
+        let fencing = Fencing::default();
+        let queue = Arc::new(WriteQueue::new("test", budget, 4, views, fencing.clone()));
         let ours = "store-1";
         let shard = ShardView::all(64).shard_of(ours);
         let theirs = (0..)
@@ -587,6 +623,30 @@ mod tests {
         pass(Duration::from_millis(100)).await;
         assert_eq!(stub.seen().writes, [("ours".into(), 1)]);
         assert_eq!(queue.pending_len(), 0, "dropped, not kept");
+        assert_eq!(fencing.dropped().count("not_held"), 1, "counted");
+    }
+
+    /// A write the store refused (the object holds something newer) is dropped, never
+    /// retried; a value submitted meanwhile is still written after it.
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_write_is_dropped_not_retried() {
+        let queue = queue(1000, 1000, 4);
+        let stub = Stub::new(Duration::from_millis(50));
+        stub.seen().refuse = vec![("r".into(), 1), ("s".into(), 1)];
+        let _stop = start(&queue, &stub);
+        queue.submit("r", seq(1));
+        queue.submit("s", seq(1));
+        pass(Duration::from_millis(10)).await;
+        queue.submit("s", seq(2));
+        pass(MAX_RETRY_DELAY * 2).await;
+        let mut writes = stub.seen().writes.clone();
+        writes.sort();
+        assert_eq!(
+            writes,
+            [("r".into(), 1), ("s".into(), 1), ("s".into(), 2)],
+            "r once, s's newer value after its refusal"
+        );
+        assert_eq!(queue.pending_len(), 0);
     }
 
     /// A value whose shard's fence ran out while the renewal is late waits for the next lease
@@ -611,7 +671,13 @@ mod tests {
         };
         let (views_tx, views) = watch::channel(view(Some(Duration::ZERO)));
         let budget = Arc::new(WriteBudget::new(1000.0, 1000));
-        let queue = Arc::new(WriteQueue::new("test", budget, 4, views));
+        let queue = Arc::new(WriteQueue::new(
+            "test",
+            budget,
+            4,
+            views,
+            Fencing::default(),
+        ));
         let stub = Stub::new(Duration::from_millis(1));
         let _stop = start(&queue, &stub);
         let value = |seq| Seq {

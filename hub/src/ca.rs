@@ -114,19 +114,10 @@ impl Ca {
                     path: dir.into(),
                     source,
                 })?;
-                // A name of its own, so a certificate from another hub's CA is refused as
-                // "unknown CA" rather than as a bad signature from a namesake.
-                let suffix: u32 = rand::random();
-                let (params, key) = ca_params(&format!("flotilla hub CA {suffix:08x}"))?;
-                let cert = params.self_signed(&key)?;
-                write(&key_path, &key.serialize_pem(), true)?;
-                write(&cert_path, &cert.pem(), false)?;
-                Ok(Ca {
-                    cert_pem: cert.pem(),
-                    issuer: Issuer::new(params, key),
-                    previous_pem: None,
-                    cross_pem: None,
-                })
+                let (ca, key_pem) = Ca::generate()?;
+                write(&key_path, &key_pem, true)?;
+                write(&cert_path, &ca.cert_pem, false)?;
+                Ok(ca)
             }
             (true, false) => Err(CaError::Incomplete {
                 dir: dir.into(),
@@ -137,6 +128,24 @@ impl Ca {
                 missing: "ca.crt",
             }),
         }
+    }
+
+    /// A new CA, held in memory, and its key as PEM (written to disk before the CA signs
+    /// anything that must outlive the process).
+    pub(crate) fn generate() -> Result<(Ca, String), CaError> {
+        // A name of its own, so a certificate from another hub's CA is refused as "unknown
+        // CA" rather than as a bad signature from a namesake.
+        let suffix: u32 = rand::random();
+        let (params, key) = ca_params(&format!("flotilla hub CA {suffix:08x}"))?;
+        let cert = params.self_signed(&key)?;
+        let key_pem = key.serialize_pem();
+        let ca = Ca {
+            cert_pem: cert.pem(),
+            issuer: Issuer::new(params, key),
+            previous_pem: None,
+            cross_pem: None,
+        };
+        Ok((ca, key_pem))
     }
 
     pub fn cert_pem(&self) -> &str {

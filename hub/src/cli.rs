@@ -62,15 +62,22 @@ pub fn read_documents(path: &Path) -> anyhow::Result<Vec<Value>> {
     for file in files {
         let text = std::fs::read_to_string(&file)
             .with_context(|| format!("reading {}", file.display()))?;
-        for (i, doc) in yaml_serde::Deserializer::from_str(&text).enumerate() {
-            let value = Value::deserialize(doc).with_context(|| {
-                format!("{}: document {} is not valid YAML", file.display(), i + 1)
-            })?;
-            match value {
-                Value::Null => continue,
-                Value::Object(_) => docs.push(value),
-                _ => bail!("{}: document {} is not an object", file.display(), i + 1),
-            }
+        docs.extend(parse_documents(&text, &file.display().to_string())?);
+    }
+    Ok(docs)
+}
+
+/// Every YAML or JSON document in `text` (read from `source`, which errors name), skipping
+/// empty documents.
+pub fn parse_documents(text: &str, source: &str) -> anyhow::Result<Vec<Value>> {
+    let mut docs = Vec::new();
+    for (i, doc) in yaml_serde::Deserializer::from_str(text).enumerate() {
+        let value = Value::deserialize(doc)
+            .with_context(|| format!("{source}: document {} is not valid YAML", i + 1))?;
+        match value {
+            Value::Null => continue,
+            Value::Object(_) => docs.push(value),
+            _ => bail!("{source}: document {} is not an object", i + 1),
         }
     }
     Ok(docs)

@@ -1,7 +1,8 @@
 //! flotilla's control plane: the hub CA, the operator API, the controllers (placement
 //! scheduling, cluster sets, ManifestWorkReplicaSet rollouts), and (in single-node mode) the
 //! gateway running in-process on the embedded store. Binaries: `flotilla-hub` (the server) and
-//! `flotilla` (the operator CLI).
+//! `flotilla` (the operator CLI). `fuzzing` (hidden) holds the fuzz targets of the hub's
+//! parsers.
 //!
 //! Not for: holding agent sessions itself (that is `flotilla-gateway`), or talking to spokes'
 //! apiservers (agents do that).
@@ -15,6 +16,8 @@ pub mod controllers;
 pub mod dashboard;
 pub mod decommission;
 pub mod fleet_metrics;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod operator_api;
 pub mod proxy;
 pub mod registration;

@@ -516,12 +516,7 @@ async fn write(
             ),
         );
     }
-    if kind == Kind::ManifestWork
-        && let Err(message) = validate_work(&body)
-    {
-        return error(StatusCode::UNPROCESSABLE_ENTITY, message);
-    }
-    if let Err(message) = validate_typed(kind, &body) {
+    if let Err(message) = check_object(kind, &body) {
         return error(StatusCode::UNPROCESSABLE_ENTITY, message);
     }
     if how == Write::Replace
@@ -570,6 +565,15 @@ async fn keep_finalizers(
     Ok(())
 }
 
+/// The checks an object of `kind` passes before it is stored (created or replaced); the
+/// message names the object and what is wrong with it.
+pub(crate) fn check_object(kind: Kind, body: &Value) -> Result<(), String> {
+    if kind == Kind::ManifestWork {
+        validate_work(body)?;
+    }
+    validate_typed(kind, body)
+}
+
 /// What the kube backend's CRD schema refuses, refused here too: an object of a placement kind
 /// whose fields do not have OCM's types, and a ManifestWorkReplicaSet whose template would make
 /// invalid ManifestWorks. The message names the object and the field.
@@ -578,13 +582,7 @@ fn validate_typed(kind: Kind, body: &Value) -> Result<(), String> {
         AddOnPlacementScore, ManagedClusterSet, ManagedClusterSetBinding, ManifestWorkReplicaSet,
         Placement,
     };
-    let name = || {
-        let name = body["metadata"]["name"].as_str().unwrap_or("<unnamed>");
-        match body["metadata"]["namespace"].as_str() {
-            Some(ns) => format!("{ns}/{name}"),
-            None => name.to_string(),
-        }
-    };
+    let name = || body_name(body);
     let parse = |result: Result<(), serde_json::Error>| {
         result.map_err(|e| format!("{kind} {}: does not parse: {e}", name()))
     };
@@ -632,14 +630,18 @@ fn validate_typed(kind: Kind, body: &Value) -> Result<(), String> {
     }
 }
 
+/// The object a body is, as refusals name it.
+fn body_name(body: &Value) -> String {
+    flotilla_proto::api::object_name(
+        body["metadata"]["namespace"].as_str(),
+        body["metadata"]["name"].as_str(),
+    )
+}
+
 /// OCM's rules for a ManifestWork, all problems in one message.
 fn validate_work(body: &Value) -> Result<(), String> {
-    let work: ManifestWork = serde_json::from_value(body.clone()).map_err(|e| {
-        format!(
-            "ManifestWork {}: does not parse: {e}",
-            body["metadata"]["name"].as_str().unwrap_or("<unnamed>")
-        )
-    })?;
+    let work: ManifestWork = serde_json::from_value(body.clone())
+        .map_err(|e| format!("ManifestWork {}: does not parse: {e}", body_name(body)))?;
     validate_manifest_work(&work).map_err(|errors| {
         errors
             .iter()
@@ -1045,5 +1047,36 @@ mod tests {
                 Some(want.as_str())
             );
         }
+    }
+
+    /// A refusal names the object even when it has no name: `<unnamed>`, never an empty one.
+    #[test]
+    fn refusals_of_objects_without_a_name_say_unnamed() {
+        let placement = json!({
+            "apiVersion": "cluster.open-cluster-management.io/v1beta1", "kind": "Placement",
+            "metadata": {"name": "", "namespace": "default"},
+            "spec": {"numberOfClusters": "three"},
+        });
+        let message = check_object(Kind::Placement, &placement).unwrap_err();
+        assert!(
+            message.starts_with("Placement default/<unnamed>: does not parse"),
+            "{message}"
+        );
+        let mut unnamed = work("", json!({}));
+        unnamed["metadata"]["namespace"] = "store-7".into();
+        let message = check_object(Kind::ManifestWork, &unnamed).unwrap_err();
+        assert!(
+            message.starts_with("ManifestWork store-7/<unnamed>: manifest #0 has no metadata.name"),
+            "{message}"
+        );
+        let chunk = json!({
+            "apiVersion": "work.flotilla.io/v1alpha1", "kind": "ManifestChunk",
+            "metadata": {"namespace": "store-7"}, "spec": {"data": "aGVsbG8="},
+        });
+        let message = check_object(Kind::ManifestChunk, &chunk).unwrap_err();
+        assert!(
+            message.starts_with("ManifestChunk store-7/<unnamed>: the name must be"),
+            "{message}"
+        );
     }
 }

@@ -218,15 +218,10 @@ impl BootstrapTokens {
             .checked_add(jiff::SignedDuration::try_from(ttl).unwrap_or(jiff::SignedDuration::MAX))
             .unwrap_or(Timestamp::MAX);
         let record = TokenRecord {
-            id: id.clone(),
-            secret_sha256: sha256(&secret),
-            created: now,
-            expires,
             max_uses,
-            uses: 0,
-            revoked: None,
             auto_accept,
             labels,
+            ..record_of(&id, &secret, now, expires)
         };
         let mut next = records.clone();
         // Forget tokens that expired or were revoked more than a day ago: the list stays short.
@@ -268,22 +263,8 @@ impl BootstrapTokens {
 
     /// Checks `token` and, for [`Use::Spend`], spends one use durably before returning.
     pub async fn redeem(&self, token: &str, how: Use) -> Result<Grant, TokenError> {
-        let (id, secret) = token.split_once('.').ok_or(TokenError::Malformed)?;
-        if id.len() != ID_LEN || secret.is_empty() {
-            return Err(TokenError::Malformed);
-        }
         let mut records = self.records.lock().await;
-        let unknown = || TokenError::Unknown { id: id.to_string() };
-        let index = records
-            .iter()
-            .position(|r| r.id == id)
-            .ok_or_else(unknown)?;
-        // Hashes of a 128-bit random secret: comparing them in variable time leaks nothing an
-        // attacker can use to find a preimage.
-        if records[index].secret_sha256 != sha256(secret) {
-            return Err(unknown());
-        }
-        records[index].check(Timestamp::now(), how)?;
+        let index = admitting(&records, token, Timestamp::now(), how)?;
         if how == Use::Spend {
             let mut next = records.clone();
             next[index].uses += 1;
@@ -308,6 +289,51 @@ impl BootstrapTokens {
         }
         let text = serde_json::to_string_pretty(records).map_err(|e| storage(e.to_string()))?;
         ca::write(&self.path, &text, true).map_err(|e| storage(e.to_string()))
+    }
+}
+
+/// The record of `token` if it admits a join at `now`, by its index in `records`.
+pub(crate) fn admitting(
+    records: &[TokenRecord],
+    token: &str,
+    now: Timestamp,
+    how: Use,
+) -> Result<usize, TokenError> {
+    let (id, secret) = token.split_once('.').ok_or(TokenError::Malformed)?;
+    if id.len() != ID_LEN || secret.is_empty() {
+        return Err(TokenError::Malformed);
+    }
+    let unknown = || TokenError::Unknown { id: id.to_string() };
+    let index = records
+        .iter()
+        .position(|r| r.id == id)
+        .ok_or_else(unknown)?;
+    // Hashes of a 128-bit random secret: comparing them in variable time leaks nothing an
+    // attacker can use to find a preimage.
+    if records[index].secret_sha256 != sha256(secret) {
+        return Err(unknown());
+    }
+    records[index].check(now, how)?;
+    Ok(index)
+}
+
+/// A fresh record for token `<id>.<secret>`: unused, unlimited, nothing granted.
+pub(crate) fn record_of(
+    id: &str,
+    secret: &str,
+    created: Timestamp,
+    expires: Timestamp,
+) -> TokenRecord {
+    TokenRecord {
+        id: id.to_string(),
+        secret_sha256: sha256(secret),
+        created,
+        expires,
+        max_uses: None,
+        uses: 0,
+        revoked: None,
+        auto_accept: false,
+        labels: BTreeMap::new(),
     }
 }
 

@@ -104,6 +104,8 @@ pub async fn run_worker(spec: &Path) -> anyhow::Result<()> {
         }
     }
     sampler.abort();
+    // The sampler holds the swarm until it has really ended, not when it is told to.
+    let _ = sampler.await;
     match Arc::try_unwrap(swarm) {
         Ok(s) => s.stop().await,
         Err(_) => bail!("the swarm is still shared at shutdown"),
@@ -112,11 +114,91 @@ pub async fn run_worker(spec: &Path) -> anyhow::Result<()> {
 }
 
 pub struct Worker {
+    /// Its number among the workers, and how often it has been started.
+    index: usize,
+    starts: usize,
+    exe: PathBuf,
+    spec_path: PathBuf,
+    log_dir: PathBuf,
     child: Child,
     stdin: ChildStdin,
     sample: watch::Receiver<Sample>,
     records: mpsc::Receiver<Result<Vec<AgentRecord>, String>>,
     flapped: mpsc::Receiver<u64>,
+}
+
+impl Worker {
+    /// Starts worker `index` on the spec at `spec_path`; its log is `worker-<index>.log`, and
+    /// `worker-<index>-<start>.log` for a later start.
+    fn spawn(
+        exe: &Path,
+        spec_path: PathBuf,
+        log_dir: &Path,
+        index: usize,
+        starts: usize,
+    ) -> anyhow::Result<Worker> {
+        let log_name = match starts {
+            1 => format!("worker-{index}.log"),
+            n => format!("worker-{index}-{n}.log"),
+        };
+        let log = std::fs::File::create(log_dir.join(log_name))?;
+        let mut child = Command::new(exe)
+            .arg("worker")
+            .arg("--spec")
+            .arg(&spec_path)
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()
+            .context("starting a worker process")?;
+        let stdin = child.stdin.take().expect("piped stdin");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (sample_tx, sample) = watch::channel(Sample::default());
+        let (records_tx, records) = mpsc::channel(1);
+        let (flapped_tx, flapped) = mpsc::channel(1);
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stdout).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                match serde_json::from_str::<WorkerLine>(&line) {
+                    Ok(WorkerLine::Sample(s)) => {
+                        let _ = sample_tx.send(s);
+                    }
+                    Ok(WorkerLine::Records(r)) => {
+                        let _ = records_tx.send(Ok(r)).await;
+                    }
+                    Ok(WorkerLine::Failed(e)) => {
+                        let _ = records_tx.send(Err(e)).await;
+                    }
+                    Ok(WorkerLine::Flapped(steps)) => {
+                        let _ = flapped_tx.send(steps).await;
+                    }
+                    Err(e) => tracing::warn!(error = %e, "unreadable worker line"),
+                }
+            }
+        });
+        Ok(Worker {
+            index,
+            starts,
+            exe: exe.to_path_buf(),
+            spec_path,
+            log_dir: log_dir.to_path_buf(),
+            child,
+            stdin,
+            sample,
+            records,
+            flapped,
+        })
+    }
+
+    /// Its pid while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
 }
 
 /// Where the agents run.
@@ -145,6 +227,7 @@ impl Agents {
             swarm.first_index = spec.first_index + w * per;
             swarm.connect_rate = spec.connect_rate / processes as f64;
             swarm.cache_dir = spec.cache_dir.join(format!("worker-{w}"));
+            swarm.transport = spec.transport.of_worker(w);
             let spec_path: PathBuf = run_dir.join(format!("worker-{w}.json"));
             std::fs::write(
                 &spec_path,
@@ -153,53 +236,7 @@ impl Agents {
                     identities: chunk.to_vec(),
                 })?,
             )?;
-            let log = std::fs::File::create(run_dir.join(format!("worker-{w}.log")))?;
-            let mut child = Command::new(&exe)
-                .arg("worker")
-                .arg("--spec")
-                .arg(&spec_path)
-                .env(
-                    "RUST_LOG",
-                    std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
-                )
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .stderr(log)
-                .kill_on_drop(true)
-                .spawn()
-                .context("starting a worker process")?;
-            let stdin = child.stdin.take().expect("piped stdin");
-            let stdout = child.stdout.take().expect("piped stdout");
-            let (sample_tx, sample) = watch::channel(Sample::default());
-            let (records_tx, records) = mpsc::channel(1);
-            let (flapped_tx, flapped) = mpsc::channel(1);
-            tokio::spawn(async move {
-                let mut lines = BufReader::new(stdout).lines();
-                while let Ok(Some(line)) = lines.next_line().await {
-                    match serde_json::from_str::<WorkerLine>(&line) {
-                        Ok(WorkerLine::Sample(s)) => {
-                            let _ = sample_tx.send(s);
-                        }
-                        Ok(WorkerLine::Records(r)) => {
-                            let _ = records_tx.send(Ok(r)).await;
-                        }
-                        Ok(WorkerLine::Failed(e)) => {
-                            let _ = records_tx.send(Err(e)).await;
-                        }
-                        Ok(WorkerLine::Flapped(steps)) => {
-                            let _ = flapped_tx.send(steps).await;
-                        }
-                        Err(e) => tracing::warn!(error = %e, "unreadable worker line"),
-                    }
-                }
-            });
-            workers.push(Worker {
-                child,
-                stdin,
-                sample,
-                records,
-                flapped,
-            });
+            workers.push(Worker::spawn(&exe, spec_path, run_dir, w, 1)?);
         }
         Ok(Agents::Workers(workers))
     }
@@ -278,6 +315,103 @@ impl Agents {
                 .map(|pid| read(Some(pid)))
                 .sum(),
         }
+    }
+
+    /// Worker processes running the agents (0: they run in this process).
+    pub fn workers(&self) -> usize {
+        match self {
+            Agents::Local(_) => 0,
+            Agents::Workers(ws) => ws.len(),
+        }
+    }
+
+    /// Worker `w`, when the agents run in workers.
+    fn worker(&mut self, w: usize) -> anyhow::Result<&mut Worker> {
+        match self {
+            Agents::Local(_) => bail!("the agents run in this process, not in workers"),
+            Agents::Workers(ws) => ws.get_mut(w).context("no such worker"),
+        }
+    }
+
+    /// Sends `signal` to worker `w` (SIGSTOP and SIGCONT: its agents pause).
+    pub fn signal_worker(
+        &mut self,
+        w: usize,
+        signal: nix::sys::signal::Signal,
+    ) -> anyhow::Result<()> {
+        let pid = self
+            .worker(w)?
+            .pid()
+            .with_context(|| format!("worker {w} has exited"))?;
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal)
+            .with_context(|| format!("sending {} to worker {w}", signal.as_str()))
+    }
+
+    /// Kills worker `w` with SIGKILL (its agents vanish without a goodbye, their caches stay on
+    /// disk) and starts it again on the same spec: the same agents, identities and caches.
+    /// Returns once it is killed; `start_worker` starts it.
+    pub async fn kill_worker(&mut self, w: usize) -> anyhow::Result<std::process::ExitStatus> {
+        let worker = self.worker(w)?;
+        worker.child.start_kill()?;
+        Ok(
+            tokio::time::timeout(Duration::from_secs(30), worker.child.wait())
+                .await
+                .with_context(|| format!("worker {w} outlived SIGKILL"))??,
+        )
+    }
+
+    /// Starts worker `w` again after [`Agents::kill_worker`].
+    pub fn start_worker(&mut self, w: usize) -> anyhow::Result<()> {
+        let worker = self.worker(w)?;
+        let again = Worker::spawn(
+            &worker.exe.clone(),
+            worker.spec_path.clone(),
+            &worker.log_dir.clone(),
+            worker.index,
+            worker.starts + 1,
+        )?;
+        *worker = again;
+        Ok(())
+    }
+
+    /// Stops every agent and waits for them (workers exit); returns each worker's exit, or
+    /// that it had to be killed, and whether it exited successfully.
+    pub async fn stop_reporting(self) -> Vec<(String, bool)> {
+        let mut exits = Vec::new();
+        if let Agents::Workers(ws) = self {
+            for mut w in ws {
+                let _ = w.stdin.write_all(b"stop\n").await;
+                let _ = w.stdin.flush().await;
+                drop(w.stdin);
+                let started = tokio::time::Instant::now();
+                match tokio::time::timeout(Duration::from_secs(30), w.child.wait()).await {
+                    Ok(status) => exits.push((
+                        format!(
+                            "worker {} exited in {:.1} s ({})",
+                            w.index,
+                            started.elapsed().as_secs_f64(),
+                            status
+                                .as_ref()
+                                .map_or_else(|e| e.to_string(), |s| s.to_string())
+                        ),
+                        status.is_ok_and(|s| s.success()),
+                    )),
+                    Err(_) => {
+                        let _ = w.child.kill().await;
+                        exits.push((
+                            format!(
+                                "worker {} did not exit within 30 s of stop; killed",
+                                w.index
+                            ),
+                            false,
+                        ));
+                    }
+                }
+            }
+        } else {
+            self.stop().await;
+        }
+        exits
     }
 
     /// Stops every agent and waits for them (workers exit).

@@ -117,6 +117,17 @@ impl Apiserver {
             .with_context(|| format!("/metrics of the apiserver at {}", self.url()))
     }
 
+    /// Stops kube-apiserver alone (etcd keeps the data) and waits until it has exited.
+    pub fn stop_apiserver(&mut self) {
+        // Blocking for at most the test environment's grace period.
+        tokio::task::block_in_place(|| self.env.stop_apiserver());
+    }
+
+    /// Starts kube-apiserver again on the same port and etcd; returns once it is ready.
+    pub async fn start_apiserver(&mut self) -> anyhow::Result<()> {
+        self.env.start_apiserver().await
+    }
+
     /// Stops kube-apiserver and etcd and waits until both have exited, off the runtime's
     /// threads (dropping an [`Apiserver`] does the same, blocking).
     pub async fn stop(self) {

@@ -253,7 +253,8 @@ mod scenario {
             let mut r = ScenarioReport::new("baseline-bare", self.identities.len());
             let clock = Clock::new(self.args.timeout);
             let carrier = match self.args.transport {
-                AgentTransport::Grpc => "grpc",
+                // `--transport both` is refused with baseline-bare: one bare carrier at a time.
+                AgentTransport::Grpc | AgentTransport::Both => "grpc",
                 AgentTransport::Quic | AgentTransport::Auto => "quic",
             };
             let mut b = BareReport {

@@ -7,6 +7,8 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde::{Deserialize, Serialize};
 
+use crate::chaos::schedule::FaultKind;
+
 /// Default of `--agents` for `run`: a CI-sized fleet.
 pub const DEFAULT_AGENTS: usize = 200;
 /// Default of `--agents` for `demo`.
@@ -29,6 +31,14 @@ fn default_proxy_lists() -> u32 {
     DEFAULT_PROXY_LISTS
 }
 
+fn default_chaos_duration() -> Duration {
+    humantime::parse_duration(DEFAULT_CHAOS_DURATION).expect("a valid default")
+}
+
+fn default_chaos_faults() -> Vec<FaultKind> {
+    FaultKind::ALL.to_vec()
+}
+
 fn default_feedback_every() -> Duration {
     Duration::from_secs(1)
 }
@@ -49,6 +59,13 @@ pub const DEFAULT_OUTAGE: &str = "5s";
 pub const DEFAULT_MAX_BACKOFF: &str = "5s";
 /// Default of `--poll-interval`: how often the hub's objects are listed while waiting.
 pub const DEFAULT_POLL_INTERVAL: &str = "250ms";
+/// Default of `--chaos-duration`: how long the chaos scenario injects faults.
+pub const DEFAULT_CHAOS_DURATION: &str = "10m";
+/// The chaos scenario's fleet when the flags leave it out: agents, gateways and worker
+/// processes (the agents' groups for group faults; half of them on each carrier).
+pub const CHAOS_AGENTS: usize = 1000;
+pub const CHAOS_GATEWAYS: usize = 3;
+pub const CHAOS_PROCESSES: usize = 4;
 /// Default of `--cluster-prefix`.
 pub const DEFAULT_CLUSTER_PREFIX: &str = "lt";
 /// Default of `--hub-listen` and `--hub-api-listen`: any free loopback port.
@@ -164,6 +181,13 @@ pub enum Scenario {
     /// session bytes per cluster per second, statuses per cluster per second against the
     /// agents' bound, the hub's store writes per second, the latest value on the hub at the end.
     Feedback,
+    /// (--store kube, --gateways) Faults at random from --chaos-seed for --chaos-duration
+    /// (gateways, hub and groups of agents killed or paused, partitions, an apiserver restart)
+    /// while a fan-out and a progressive rollout run; then invariants checked, each with its
+    /// evidence: convergence, no status lost, no stale write accepted, no epoch backwards,
+    /// every process stopping when asked. Unless given, it runs --store kube, --gateways 3,
+    /// 1,000 agents in 4 processes, half on each carrier (--transport both).
+    Chaos,
     /// kubectl-shaped requests through the hub's proxy front and the agents' tunnels beside
     /// the same requests sent directly: small-GET latency added (p50, p99), a large list's
     /// throughput ratio, and one request to every cluster at once.
@@ -226,6 +250,9 @@ pub enum AgentTransport {
     Quic,
     /// QUIC, falling back to gRPC per agent when UDP does not get through.
     Auto,
+    /// Both carriers: the even worker processes gRPC, the odd ones QUIC (needs --processes 2
+    /// or more).
+    Both,
 }
 
 impl AgentTransport {
@@ -235,6 +262,18 @@ impl AgentTransport {
             AgentTransport::Grpc => flotilla_agent::connect::Transport::Grpc,
             AgentTransport::Quic => flotilla_agent::connect::Transport::Quic,
             AgentTransport::Auto => flotilla_agent::connect::Transport::Auto,
+            // Split per worker before it gets here; a swarm given it whole takes QUIC's
+            // fallback.
+            AgentTransport::Both => flotilla_agent::connect::Transport::Auto,
+        }
+    }
+
+    /// The carrier of worker process `w`.
+    pub fn of_worker(self, w: usize) -> AgentTransport {
+        match self {
+            AgentTransport::Both if w.is_multiple_of(2) => AgentTransport::Grpc,
+            AgentTransport::Both => AgentTransport::Quic,
+            other => other,
         }
     }
 }
@@ -478,6 +517,28 @@ pub struct RunArgs {
     #[serde(default)]
     pub rollout_failures: usize,
 
+    /// chaos: the seed of the fault schedule, printed at the start; the same seed (with the
+    /// same --chaos-duration, --chaos-faults, --gateways and --processes) replays the same
+    /// faults. Default: a random seed.
+    #[arg(long)]
+    #[serde(default)]
+    pub chaos_seed: Option<u64>,
+
+    /// chaos: how long faults are injected; every fault is undone within it.
+    #[arg(long, default_value = DEFAULT_CHAOS_DURATION, value_parser = humantime::parse_duration)]
+    #[serde(with = "humantime_serde_compat", default = "default_chaos_duration")]
+    pub chaos_duration: Duration,
+
+    /// chaos: the kinds of fault to draw from (comma-separated; default all).
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "gateway-kill,gateway-stop,hub-kill,hub-stop,agents-kill,agents-stop,gateway-apiserver-partition,agents-gateway-partition,apiserver-restart"
+    )]
+    #[serde(default = "default_chaos_faults")]
+    pub chaos_faults: Vec<FaultKind>,
+
     /// schedule: placements to create.
     #[arg(long, default_value_t = DEFAULT_PLACEMENTS)]
     #[serde(default)]
@@ -522,9 +583,59 @@ impl RunArgs {
         Only::parse_from(["run"]).args
     }
 
+    /// The chaos scenario's fleet where the command line left it out: `given(flag id)` says
+    /// whether a flag was on it. Runs before [`RunArgs::validate`].
+    pub fn apply_chaos_defaults(&mut self, given: impl Fn(&str) -> bool) {
+        if !self.scenarios.contains(&Scenario::Chaos) {
+            return;
+        }
+        if !given("store") {
+            self.store = HubStore::Kube;
+        }
+        if !given("gateways") {
+            self.gateways = Some(CHAOS_GATEWAYS);
+        }
+        if !given("agents") {
+            self.agents = CHAOS_AGENTS;
+        }
+        if !given("processes") {
+            self.processes = CHAOS_PROCESSES.min(self.agents);
+        }
+        if !given("transport") && self.processes >= 2 {
+            self.transport = AgentTransport::Both;
+        }
+    }
+
     /// Checks what clap cannot; every message names the flag and the fix.
     pub fn validate(&self) -> anyhow::Result<()> {
         anyhow::ensure!(self.agents >= 1, "--agents must be at least 1");
+        anyhow::ensure!(
+            self.transport != AgentTransport::Both || self.processes >= 2,
+            "--transport both puts the even worker processes on gRPC and the odd ones on QUIC, which needs --processes 2 or more"
+        );
+        anyhow::ensure!(
+            self.transport != AgentTransport::Both
+                || !self.scenarios.contains(&Scenario::BaselineBare),
+            "scenario baseline-bare compares one carrier with its bare server; use --transport grpc or quic with it"
+        );
+        if self.scenarios.contains(&Scenario::Chaos) {
+            anyhow::ensure!(
+                self.store == HubStore::Kube && self.gateways.is_some(),
+                "scenario chaos needs --store kube and --gateways N (leave both out for its defaults: kube, 3 gateways)"
+            );
+            anyhow::ensure!(
+                self.scenarios.last() == Some(&Scenario::Chaos),
+                "scenario chaos stops every process at its end (that is one of its checks), so it must come last in --scenario"
+            );
+            anyhow::ensure!(
+                self.gateway_netns == 0,
+                "scenario chaos partitions gateways with firewall rules on loopback, not with --gateway-netns; leave it out"
+            );
+            anyhow::ensure!(
+                !self.chaos_duration.is_zero() && !self.chaos_faults.is_empty(),
+                "--chaos-duration must be positive and --chaos-faults must name at least one kind"
+            );
+        }
         anyhow::ensure!(
             self.hold <= Duration::from_secs(3600),
             "--hold {} is above an hour; hold the sessions for at most 1h",
@@ -971,6 +1082,66 @@ mod tests {
                 "--gateway-arg=--renew-period=1s",
             ],
             Ok(()),
+        );
+    }
+
+    #[test]
+    fn chaos_checks_its_flags_and_fills_in_its_fleet() {
+        check(
+            &["--scenario", "chaos"],
+            Err("scenario chaos needs --store kube and --gateways N"),
+        );
+        check(
+            &[
+                "--scenario",
+                "chaos,connect",
+                "--store",
+                "kube",
+                "--gateways",
+                "3",
+            ],
+            Err("must come last"),
+        );
+        check(&["--transport", "both"], Err("--transport both"));
+        check(
+            &[
+                "--scenario",
+                "chaos",
+                "--store",
+                "kube",
+                "--gateways",
+                "3",
+                "--chaos-faults",
+                "gateway-stop,apiserver-restart",
+                "--processes",
+                "2",
+                "--transport",
+                "both",
+            ],
+            Ok(()),
+        );
+        // Left out, the chaos scenario picks its fleet; given, the flags win.
+        let mut args = RunArgs::parse_defaults();
+        args.scenarios = vec![Scenario::Chaos];
+        args.agents = 300;
+        args.apply_chaos_defaults(|id| id == "agents");
+        assert_eq!(
+            (
+                args.store,
+                args.gateways,
+                args.agents,
+                args.processes,
+                args.transport
+            ),
+            (HubStore::Kube, Some(3), 300, 4, AgentTransport::Both)
+        );
+        args.validate().unwrap();
+        let mut other = RunArgs::parse_defaults();
+        other.apply_chaos_defaults(|_| false);
+        assert_eq!(
+            other.store,
+            HubStore::Sled,
+            "only the chaos scenario changes them"
         );
     }
 

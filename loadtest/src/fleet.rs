@@ -101,6 +101,11 @@ pub struct Hub {
     /// The hub's kube-apiserver with `--store kube`. Declared after `running` so that, when a
     /// `Hub` is dropped, the hub goes before the apiserver it talks to.
     apiserver: Option<Apiserver>,
+    /// The chaos scenario's relays from each gateway to the apiserver (see
+    /// [`crate::chaos::partition`]).
+    relays: Option<crate::chaos::partition::Relays>,
+    /// How the child hub last exited when the harness stopped it.
+    pub last_exit: Option<std::process::ExitStatus>,
 }
 
 impl Hub {
@@ -125,6 +130,8 @@ impl Hub {
                 log_dir: run_dir.to_path_buf(),
                 starts: 1,
                 apiserver: None,
+                relays: None,
+                last_exit: None,
             });
         }
         let data_dir = run_dir.join("hub-data");
@@ -174,6 +181,8 @@ impl Hub {
                     log_dir: run_dir.to_path_buf(),
                     starts: 1,
                     apiserver,
+                    relays: None,
+                    last_exit: None,
                 })
             }
             HubMode::Child => {
@@ -203,6 +212,8 @@ impl Hub {
                     log_dir: run_dir.to_path_buf(),
                     starts: 0,
                     apiserver,
+                    relays: None,
+                    last_exit: None,
                 };
                 hub.start_again().await?;
                 if let (Some(n), Some(a)) = (args.gateways, &hub.apiserver) {
@@ -218,6 +229,32 @@ impl Hub {
                             .await?,
                         ),
                     };
+                    // The chaos scenario: a relay per gateway (to partition each from the
+                    // apiserver on its own) and the fenced writes in their JSON logs.
+                    let chaos = args.scenarios.contains(&crate::cli::Scenario::Chaos);
+                    if chaos {
+                        hub.relays = Some(
+                            crate::chaos::partition::Relays::start(
+                                n,
+                                a.address()?,
+                                a.kubeconfig_path(),
+                                run_dir,
+                            )
+                            .await?,
+                        );
+                    }
+                    let log = chaos.then(|| crate::gateways::GatewayLog {
+                        filter: format!(
+                            "warn,{}=debug",
+                            crate::chaos::fencing::FENCED_WRITE_TARGET
+                        ),
+                        json: true,
+                    });
+                    let kubeconfigs = hub
+                        .relays
+                        .as_ref()
+                        .map(|r| r.kubeconfigs())
+                        .unwrap_or_default();
                     hub.gateways = Some(
                         Gateways::start(
                             args,
@@ -226,6 +263,7 @@ impl Hub {
                             a.kubeconfig_path(),
                             namespaces,
                             run_dir,
+                            crate::gateways::ChaosSetup { log, kubeconfigs },
                         )
                         .await?,
                     );
@@ -246,6 +284,15 @@ impl Hub {
     }
 
     /// The hub's kube-apiserver (`--store kube`).
+    pub fn apiserver_mut(&mut self) -> Option<&mut Apiserver> {
+        self.apiserver.as_mut()
+    }
+
+    /// The chaos scenario's relays from the gateways to the apiserver.
+    pub fn relays(&self) -> Option<&crate::chaos::partition::Relays> {
+        self.relays.as_ref()
+    }
+
     pub fn apiserver(&self) -> Option<&Apiserver> {
         self.apiserver.as_ref()
     }
@@ -286,6 +333,7 @@ impl Hub {
             Ok(status) => {
                 let status = status?;
                 info!(?signal, %status, "hub stopped");
+                self.last_exit = Some(status);
                 Ok(())
             }
             Err(_) => {

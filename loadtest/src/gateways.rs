@@ -32,7 +32,7 @@ use crate::machine::ProcStats;
 /// address (with `--gateway-netns`, the namespaces' addresses are added).
 const SERVER_NAMES: [&str; 2] = ["localhost", "127.0.0.1"];
 /// The label of shard Leases (`flotilla-shard-NN`) among the gateways' Leases.
-const SHARD_LEASE_SELECTOR: &str = "flotilla.io/lease=shard";
+pub(crate) const SHARD_LEASE_SELECTOR: &str = "flotilla.io/lease=shard";
 /// How long reading one gateway's `/metrics` may take.
 const SCRAPE_TIMEOUT: Duration = Duration::from_secs(5);
 /// The most bytes of one `/metrics` page read.
@@ -96,10 +96,49 @@ pub struct Gateways {
     /// Virtual shards and the Leases' namespace, as the gateways were told.
     shards: u32,
     lease_namespace: String,
+    /// The gateways' log filter and whether they log JSON lines (the chaos scenario reads
+    /// their fenced writes from them); otherwise `FLOTILLA_LOADTEST_GATEWAY_LOG` or warnings.
+    log: Option<GatewayLog>,
+    /// Every start of a gateway and every exit seen, in order.
+    pub lifecycle: Vec<Lifecycle>,
     /// `--gateway-netns`: the namespaces of the first gateways, held until the gateways are
     /// gone (deleted when dropped). Declared last, so that on a
     /// drop the gateways are killed (in `Drop::drop`) before their namespaces are deleted.
     _namespaces: Option<crate::netns::Namespaces>,
+}
+
+/// What the chaos scenario changes about the gateways: how they log, and a kubeconfig each
+/// (through its own relay to the apiserver). The default changes nothing.
+#[derive(Clone, Debug, Default)]
+pub struct ChaosSetup {
+    pub log: Option<GatewayLog>,
+    /// Gateway k's kubeconfig, when given; else the apiserver's own.
+    pub kubeconfigs: Vec<PathBuf>,
+}
+
+/// How the gateways log.
+#[derive(Clone, Debug)]
+pub struct GatewayLog {
+    /// `RUST_LOG` of every gateway.
+    pub filter: String,
+    /// JSON lines (one object per event) rather than text.
+    pub json: bool,
+}
+
+/// A gateway started or seen to exit, as the chaos scenario's evidence of every process
+/// stopping when asked.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Lifecycle {
+    pub gateway: String,
+    /// Seconds since the Unix epoch.
+    pub at_unix_ms: u64,
+    pub event: String,
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// What the harness learns from one gateway's `/metrics` and `/proc`.
@@ -130,7 +169,9 @@ impl Gateways {
         kubeconfig: &Path,
         namespaces: Option<crate::netns::Namespaces>,
         run_dir: &Path,
+        setup: ChaosSetup,
     ) -> anyhow::Result<Gateways> {
+        let ChaosSetup { log, kubeconfigs } = setup;
         let config = args.gateway_process_config("lt-gw-0")?;
         let cert_dir = run_dir.join("gateway-cert");
         let mut names: Vec<String> = SERVER_NAMES.iter().map(|n| n.to_string()).collect();
@@ -161,7 +202,11 @@ impl Gateways {
                 None => GatewayChild {
                     name,
                     netns: None,
-                    kubeconfig: kubeconfig.to_path_buf(),
+                    // Its own kubeconfig when given one (the chaos scenario's relays).
+                    kubeconfig: kubeconfigs
+                        .get(k)
+                        .cloned()
+                        .unwrap_or_else(|| kubeconfig.to_path_buf()),
                     address: free_loopback_port()?,
                     metrics: free_loopback_port()?,
                     child: None,
@@ -175,6 +220,8 @@ impl Gateways {
             log_dir: run_dir.to_path_buf(),
             shards: config.shards.shards,
             lease_namespace: config.shards.lease_namespace,
+            log,
+            lifecycle: Vec::new(),
             _namespaces: namespaces,
         };
         gateways.start_all().await?;
@@ -216,8 +263,19 @@ impl Gateways {
                 .arg(format!("--metrics-addr={}", g.metrics))
                 .env(
                     "RUST_LOG",
-                    std::env::var("FLOTILLA_LOADTEST_GATEWAY_LOG")
-                        .unwrap_or_else(|_| "warn".into()),
+                    match &self.log {
+                        Some(log) => log.filter.clone(),
+                        None => std::env::var("FLOTILLA_LOADTEST_GATEWAY_LOG")
+                            .unwrap_or_else(|_| "warn".into()),
+                    },
+                )
+                .env(
+                    crate::LOG_FORMAT_ENV,
+                    if self.log.as_ref().is_some_and(|l| l.json) {
+                        "json"
+                    } else {
+                        "text"
+                    },
                 )
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
@@ -230,6 +288,11 @@ impl Gateways {
                 cmd.spawn()
                     .with_context(|| format!("starting gateway {}", g.name))?,
             );
+            self.lifecycle.push(Lifecycle {
+                gateway: g.name.clone(),
+                at_unix_ms: unix_ms(),
+                event: "started".into(),
+            });
         }
         let deadline = Instant::now() + HUB_START_TIMEOUT;
         for g in &mut self.list {
@@ -279,13 +342,29 @@ impl Gateways {
         let deadline = Instant::now() + HUB_STOP_TIMEOUT;
         let mut hung = Vec::new();
         for (name, mut c) in children {
-            if tokio::time::timeout_at(deadline, c.wait()).await.is_err() {
-                if let Some(pid) = c.id() {
-                    let _ = killpg(Pid::from_raw(pid as i32), Signal::SIGKILL);
+            let event = match tokio::time::timeout_at(deadline, c.wait()).await {
+                Ok(status) => format!(
+                    "exited after {} ({})",
+                    signal.as_str(),
+                    status.map_or_else(|e| e.to_string(), |s| s.to_string())
+                ),
+                Err(_) => {
+                    if let Some(pid) = c.id() {
+                        let _ = killpg(Pid::from_raw(pid as i32), Signal::SIGKILL);
+                    }
+                    let _ = c.wait().await;
+                    hung.push(name.clone());
+                    format!(
+                        "did not exit within {HUB_STOP_TIMEOUT:?} of {}; killed",
+                        signal.as_str()
+                    )
                 }
-                let _ = c.wait().await;
-                hung.push(name);
-            }
+            };
+            self.lifecycle.push(Lifecycle {
+                gateway: name,
+                at_unix_ms: unix_ms(),
+                event,
+            });
         }
         anyhow::ensure!(
             hung.is_empty(),
@@ -295,6 +374,51 @@ impl Gateways {
         );
         info!(?signal, "gateways stopped");
         Ok(())
+    }
+
+    /// Sends `signal` to gateway `k` alone (SIGSTOP and SIGCONT: a pause).
+    pub fn signal(&self, k: usize, signal: Signal) -> anyhow::Result<()> {
+        let g = self.list.get(k).context("no such gateway")?;
+        let pid = g
+            .child
+            .as_ref()
+            .and_then(Child::id)
+            .with_context(|| format!("gateway {} is not running", g.name))?;
+        kill(Pid::from_raw(pid as i32), signal)
+            .with_context(|| format!("sending {} to gateway {}", signal.as_str(), g.name))
+    }
+
+    /// Kills gateway `k` with SIGKILL and waits for it; [`Gateways::start_all`] starts it
+    /// again on its address.
+    pub async fn kill(&mut self, k: usize) -> anyhow::Result<()> {
+        let g = self.list.get_mut(k).context("no such gateway")?;
+        let mut c = g
+            .child
+            .take()
+            .with_context(|| format!("gateway {} is not running", g.name))?;
+        c.start_kill()?;
+        let status = tokio::time::timeout(HUB_STOP_TIMEOUT, c.wait())
+            .await
+            .with_context(|| format!("gateway {} outlived SIGKILL", g.name))??;
+        self.lifecycle.push(Lifecycle {
+            gateway: g.name.clone(),
+            at_unix_ms: unix_ms(),
+            event: format!("killed ({status})"),
+        });
+        Ok(())
+    }
+
+    /// Every log a gateway has written in this run, one per start.
+    pub fn logs(&self) -> Vec<PathBuf> {
+        self.list
+            .iter()
+            .flat_map(|g| (1..=g.starts).map(|n| self.log_dir.join(format!("{}-{n}.log", g.name))))
+            .collect()
+    }
+
+    /// The namespace of the shard Leases.
+    pub fn lease_namespace(&self) -> &str {
+        &self.lease_namespace
     }
 
     /// Gateways that exited on their own, with their log.

@@ -33,6 +33,7 @@ pub mod apiserver;
 pub mod bare;
 pub mod baseline;
 pub mod bench;
+pub mod chaos;
 pub mod cli;
 pub mod clock;
 pub mod feedback;
@@ -65,6 +66,10 @@ use crate::report::{HubInfo, Report, SCHEMA};
 use crate::scenario::Run;
 use crate::swarm::{JoinSpec, SwarmSpec};
 
+/// The environment variable that makes a process of the harness (the hub or a gateway it
+/// re-executes) log JSON lines, one object per event, instead of text.
+pub const LOG_FORMAT_ENV: &str = "FLOTILLA_LOADTEST_LOG_FORMAT";
+
 /// Where a run's outputs go: `--out`, or a fresh `./loadtest-<time>`.
 pub fn out_dir(args: &RunArgs) -> PathBuf {
     args.out.clone().unwrap_or_else(|| {
@@ -75,8 +80,13 @@ pub fn out_dir(args: &RunArgs) -> PathBuf {
 
 /// Runs the scenarios of `args`; writes `report.json` and the plots into the output directory
 /// and returns the report with that directory.
-pub async fn run(args: RunArgs) -> anyhow::Result<(Report, PathBuf)> {
+pub async fn run(mut args: RunArgs) -> anyhow::Result<(Report, PathBuf)> {
     args.validate()?;
+    if args.scenarios.contains(&Scenario::Chaos) {
+        let seed = *args.chaos_seed.get_or_insert_with(rand::random);
+        // Printed before anything can fail, so a run that dies can still be replayed.
+        eprintln!("chaos seed {seed} (replay with --chaos-seed {seed})");
+    }
     let out = out_dir(&args);
     preflight::check(&args).await?;
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
@@ -160,8 +170,14 @@ pub async fn run(args: RunArgs) -> anyhow::Result<(Report, PathBuf)> {
             Scenario::BaselineBare => run.baseline_bare(&scenarios).await,
             Scenario::Feedback => run.feedback().await,
             Scenario::Proxy => run.proxy().await,
+            Scenario::Chaos => run.chaos().await,
         };
-        if let (Some(before), Some(after)) = (before, apiserver_snapshot(&run.hub).await) {
+        // The chaos scenario restarts the apiserver, whose counters then start again: it counts
+        // its requests itself, window by window.
+        let restarts = *s == Scenario::Chaos;
+        if let (false, Some(before), Some(after)) =
+            (restarts, before, apiserver_snapshot(&run.hub).await)
+        {
             let own = run.hub.apiserver().map_or(0, Apiserver::own_watches);
             report.apiserver = Some(after.load_since(&before, own));
         }

@@ -1,11 +1,19 @@
 //! `flotilla-loadtest`: see `--help`, and the crate docs of `flotilla_loadtest`.
 #![forbid(unsafe_code)]
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 use flotilla_loadtest::cli::{Cli, Command, RunArgs};
 
 fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if let (Command::Run(args), Some(("run", run))) = (&mut cli.command, matches.subcommand()) {
+        // A flag left at its default is one the chaos scenario may choose.
+        args.apply_chaos_defaults(|id| {
+            run.value_source(id)
+                .is_some_and(|s| s != clap::parser::ValueSource::DefaultValue)
+        });
+    }
     init_tracing();
     // Rustls needs one process-wide crypto provider; ring only.
     let _ = rustls::crypto::ring::default_provider().install_default();
@@ -67,10 +75,14 @@ fn init_tracing() {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| EnvFilter::new("warn,flotilla_agent=error"));
-    tracing_subscriber::fmt()
+    let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(std::io::stderr);
+    if std::env::var(flotilla_loadtest::LOG_FORMAT_ENV).as_deref() == Ok("json") {
+        fmt.json().init();
+    } else {
         // Colours for a terminal only: log files and collectors get plain text.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+        fmt.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init();
+    }
 }

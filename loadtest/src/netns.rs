@@ -194,7 +194,7 @@ fn run(args: &[&str]) -> anyhow::Result<()> {
 }
 
 /// Forwards each connection on `listener` to `target`, at most [`RELAY_CONNECTIONS`] at once.
-async fn serve_relay(listener: TcpListener, target: SocketAddr) {
+pub(crate) async fn serve_relay(listener: TcpListener, target: SocketAddr) {
     let slots = Arc::new(Semaphore::new(RELAY_CONNECTIONS));
     loop {
         let Ok(permit) = slots.clone().acquire_owned().await else {

@@ -28,13 +28,13 @@ use crate::report::{Percentiles, RolloutReport, ScenarioReport, ScheduleReport};
 use crate::scenario::{Clock, Run, finish};
 
 /// Namespace of the scenarios' placements and replica sets (it exists on every backend).
-const NAMESPACE: &str = "default";
+pub(crate) const NAMESPACE: &str = "default";
 /// The rollout scenario's placement and replica set.
-const ROLLOUT: &str = "flotilla-loadtest-rollout";
+pub(crate) const ROLLOUT: &str = "flotilla-loadtest-rollout";
 /// Label on the schedule scenario's clusters that its placements select by.
 const REGION_LABEL: &str = "loadtest.flotilla.dev/region";
 /// Label on the rollout's works naming their replica set.
-const REPLICA_SET_LABEL: &str = "work.open-cluster-management.io/manifestworkreplicaset";
+pub(crate) const REPLICA_SET_LABEL: &str = "work.open-cluster-management.io/manifestworkreplicaset";
 /// Failing clusters named at most in the report.
 const NAMED: usize = 10;
 
@@ -415,7 +415,7 @@ async fn follow(
     Ok(f)
 }
 
-fn replica_set(revision: u32, max_concurrency: &str) -> Value {
+pub(crate) fn replica_set(revision: u32, max_concurrency: &str) -> Value {
     json!({
         "apiVersion": Kind::ManifestWorkReplicaSet.api_version(), "kind": "ManifestWorkReplicaSet",
         "metadata": { "name": ROLLOUT, "namespace": NAMESPACE },
@@ -446,7 +446,7 @@ fn placement(name: &str, region: &str, clusters: usize) -> Value {
 }
 
 /// `clusteradm clusterset bind global --namespace default`.
-async fn bind_global(api: &OperatorApi) -> anyhow::Result<()> {
+pub(crate) async fn bind_global(api: &OperatorApi) -> anyhow::Result<()> {
     api.apply(&json!({
         "apiVersion": Kind::ManagedClusterSetBinding.api_version(), "kind": "ManagedClusterSetBinding",
         "metadata": { "name": "global", "namespace": NAMESPACE },

@@ -282,6 +282,9 @@ pub struct ScenarioReport {
     /// `schedule`: the placement scheduler at scale.
     #[serde(default)]
     pub schedule: Option<ScheduleReport>,
+    /// `chaos`: the faults injected and the invariants judged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chaos: Option<crate::chaos::ChaosReport>,
 }
 
 /// `rollout`: what the Progressive rollout did with a failing cluster, and after the fix.
@@ -689,6 +692,11 @@ pub fn table(report: &Report) -> String {
             "baseline-klusterlet" => {
                 if let Some(b) = &s.baseline {
                     baseline_rows(b, &mut row);
+                }
+            }
+            "chaos" => {
+                if let Some(c) = &s.chaos {
+                    crate::chaos::table_rows(c, &mut row);
                 }
             }
             "rollout" => {

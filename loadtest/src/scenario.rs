@@ -524,7 +524,7 @@ impl Run {
         Ok((applied_at, false))
     }
 
-    async fn records(&mut self) -> anyhow::Result<Vec<AgentRecord>> {
+    pub(crate) async fn records(&mut self) -> anyhow::Result<Vec<AgentRecord>> {
         match self.agents.as_mut() {
             Some(a) => a.records().await,
             None => Ok(Vec::new()),
@@ -534,7 +534,7 @@ impl Run {
     /// Every ManifestWork on the hub, as stored. On the kube backend read from its apiserver a
     /// page at a time: one list of 50,000 works through the operator API outlasts the API's
     /// 60 s bound on an apiserver busy with a storm. Otherwise through the operator API.
-    async fn hub_works(&self) -> anyhow::Result<Vec<Value>> {
+    pub(crate) async fn hub_works(&self) -> anyhow::Result<Vec<Value>> {
         use kube::api::{ApiResource, DynamicObject, ListParams};
         let Some(apiserver) = self.hub.apiserver() else {
             return self.api.works().await;
@@ -615,7 +615,7 @@ impl Run {
 
     /// Waits until no agent has an unacknowledged status and the hub holds each agent's
     /// latest status, then audits; on the deadline, audits what is there.
-    async fn converge_and_audit(
+    pub(crate) async fn converge_and_audit(
         &mut self,
         clock: &Clock,
         duplicates_before: u64,
@@ -819,7 +819,7 @@ impl Run {
     }
 
     /// The hub apiserver's counters now (`--store kube`); `None` (logged) when unreadable.
-    async fn apiserver_snapshot(&self) -> Option<crate::apiserver::ApiserverSnapshot> {
+    pub(crate) async fn apiserver_snapshot(&self) -> Option<crate::apiserver::ApiserverSnapshot> {
         match self.hub.apiserver()?.snapshot().await {
             Ok(s) => Some(s),
             Err(e) => {

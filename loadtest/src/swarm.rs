@@ -321,7 +321,14 @@ pub struct AgentRecord {
     pub statuses: Vec<StatusDigest>,
     /// Works held for which the agent has produced no status yet.
     pub works_without_status: Vec<String>,
+    /// The agent's latest session changes: (Unix ms, whether a session began or ended), at
+    /// most [`SESSION_LOG`] of them, oldest first.
+    #[serde(default)]
+    pub session_log: Vec<(u64, bool)>,
 }
+
+/// Session changes each agent remembers, for the chaos scenario's judgement of Unknown marks.
+pub const SESSION_LOG: usize = 256;
 
 /// The latest status an agent produced for one work, as a digest to compare with the hub's.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -366,6 +373,8 @@ struct SimAgent {
     acks: SyncMutex<BTreeMap<String, Stamp>>,
     /// Highest status seq the hub acked per work uid, to notice a status acked twice.
     acked: SyncMutex<HashMap<String, u64>>,
+    /// Its latest session changes (see [`AgentRecord::session_log`]).
+    session_log: SyncMutex<std::collections::VecDeque<(u64, bool)>>,
 }
 
 /// The observer's maps are touched for one insert at a time, never across an await, from the
@@ -375,6 +384,7 @@ type SyncMutex<T> = std::sync::Mutex<T>;
 
 impl Observer for SimAgent {
     fn session_established(&self) {
+        self.log_session(true);
         self.set_failure(None);
         self.connected.store(true, Ordering::Relaxed);
         self.sessions.fetch_add(1, Ordering::Relaxed);
@@ -384,6 +394,7 @@ impl Observer for SimAgent {
 
     fn session_closed(&self, reason: &str) {
         debug!(agent = %self.name, %reason, "session ended");
+        self.log_session(false);
         self.connected.store(false, Ordering::Relaxed);
         self.tally.connected.fetch_sub(1, Ordering::Relaxed);
     }
@@ -437,6 +448,18 @@ impl Observer for SimAgent {
 }
 
 impl SimAgent {
+    /// Notes a session beginning (`up`) or ending now, keeping the latest [`SESSION_LOG`].
+    fn log_session(&self, up: bool) {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        let mut log = lock(&self.session_log);
+        if log.len() == SESSION_LOG {
+            log.pop_front();
+        }
+        log.push_back((now, up));
+    }
+
     /// Records the kind of the agent's last failure (`None`: it has a session now).
     fn set_failure(&self, kind: Option<FailureKind>) {
         let new = kind.map_or(0, |k| k as u8);
@@ -506,6 +529,7 @@ impl Swarm {
                 last_failure: AtomicU8::new(0),
                 acks: SyncMutex::new(BTreeMap::new()),
                 acked: SyncMutex::new(HashMap::new()),
+                session_log: SyncMutex::new(Default::default()),
             }));
         }
         let (stop, stop_rx) = watch::channel(false);
@@ -646,6 +670,7 @@ impl Swarm {
                 acks: lock(&a.acks).clone(),
                 statuses,
                 works_without_status,
+                session_log: lock(&a.session_log).iter().copied().collect(),
             });
         }
         out

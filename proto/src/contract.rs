@@ -1,8 +1,11 @@
 //! The rules hub, gateways and agents must agree on, written once: what a cluster name may be,
 //! which certificate groups mean what, how a CA bundle is fingerprinted in the hello, and the
-//! annotation and taint keys the hub writes on a ManagedCluster.
+//! annotation and taint keys the hub writes on a ManagedCluster, and the fencing record every
+//! gateway write carries with the rule the store refuses stale writes by ([`fence`]).
 
 use sha2::Digest;
+
+pub mod fence;
 
 /// Organization (O) of every agent certificate: `CN=<cluster>, O=flotilla:clusters`.
 pub const CLUSTER_GROUP: &str = "flotilla:clusters";

@@ -9,6 +9,8 @@
 //!   sans-IO state machine shared by the gateway and the agent.
 //! * [`tunnel`]: what travels inside a tunnel stream (one HTTP/1.1 request with the hub
 //!   user's impersonation headers) and the header rules both ends apply to it.
+//! * `fuzzing` (hidden): the bodies of the fuzz targets of proto's parsers and machines, and
+//!   the input reader the other crates' targets share (see `fuzz/` at the repository root).
 //!
 //! Not for: IO of any kind. Nothing here opens a socket, reads a file or a clock: callers pass
 //! frames and `now` in and take frames, events and deadlines out.
@@ -16,6 +18,8 @@
 
 pub mod api;
 pub mod contract;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod session;
 pub mod tunnel;
 
@@ -27,10 +31,14 @@ pub mod wire {
     impl std::fmt::Debug for JoinRequest {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
             // `<id>.<secret>`: the id names the token in logs and `flotilla token list`.
-            let id = self.token.split('.').next().unwrap_or_default();
+            // Without a dot nothing tells the id from the secret, so none of it is shown.
+            let token = match self.token.split_once('.') {
+                Some((id, _)) => format!("{id}.<redacted>"),
+                None => "<malformed>".to_string(),
+            };
             f.debug_struct("JoinRequest")
                 .field("cluster_name", &self.cluster_name)
-                .field("token", &format_args!("{id}.<redacted>"))
+                .field("token", &format_args!("{token}"))
                 .field("csr_pem", &format_args!("<{} bytes>", self.csr_pem.len()))
                 .field("labels", &self.labels)
                 .finish()

@@ -376,6 +376,28 @@ fn validation_names_the_work_and_the_manifest() {
 }
 
 #[test]
+fn a_work_without_a_name_is_refused_as_unnamed() {
+    let mut w = work(Some("store-7"), vec![json!({"kind": "ConfigMap"})]);
+    w.metadata.name = None;
+    check_messages(
+        &w,
+        &[
+            "ManifestWork store-7/<unnamed>: manifest #0 has no apiVersion",
+            "ManifestWork store-7/<unnamed>: manifest #0 has no metadata.name",
+        ],
+    );
+    w.metadata.name = Some(String::new());
+    w.metadata.namespace = None;
+    check_messages(
+        &w,
+        &[
+            "ManifestWork <unnamed>: manifest #0 has no apiVersion",
+            "ManifestWork <unnamed>: manifest #0 has no metadata.name",
+        ],
+    );
+}
+
+#[test]
 fn empty_and_oversized_works_are_refused() {
     check_messages(
         &work(Some("store-7"), vec![]),
@@ -418,4 +440,17 @@ fn a_join_request_never_shows_its_token_secret_in_debug_output() {
         shown.contains("store-1") && shown.contains("region=eu"),
         "{shown}"
     );
+}
+
+#[test]
+fn a_join_request_whose_token_has_no_dot_shows_none_of_it() {
+    // A secret pasted alone, or a token that lost its dot: all of it may be the secret.
+    let request = flotilla_proto::wire::JoinRequest {
+        cluster_name: "store-1".into(),
+        token: "s3cr3tvaluewithoutadot".into(),
+        ..Default::default()
+    };
+    let shown = format!("{request:?}");
+    assert!(!shown.contains("s3cr3t"), "{shown}");
+    assert!(shown.contains("token: <malformed>"), "{shown}");
 }

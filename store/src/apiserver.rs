@@ -1,8 +1,9 @@
 //! The scale-out backend: the OCM CRDs on a real kube-apiserver (`deploy/crds`).
 //!
 //! Each call maps onto one REST call (two for an unconditional spec update, which reads the
-//! current resourceVersion first): objects stay exactly what `kubectl get -o json` shows, minus
-//! managedFields, which kubectl hides too.
+//! current resourceVersion first, and for a status write of a fenced kind without a current
+//! basis, which reads the stored fencing record first): objects stay exactly what `kubectl get
+//! -o json` shows, minus managedFields, which kubectl hides too.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -11,6 +12,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use flotilla_proto::api::Kind;
+use flotilla_proto::contract::fence;
 use futures::StreamExt;
 use futures::stream::BoxStream;
 use k8s_openapi::api::core::v1::Namespace;
@@ -23,18 +25,23 @@ use kube::api::{
 use serde_json::{Value, json};
 use tracing::{debug, info, warn};
 
+use crate::fence as fencing;
 use crate::object::{
     self, ObjectKey, check_scope, check_size, json_len, remove_meta, resource_version, set_meta,
 };
-use crate::{Object, ObjectList, Revision, Selection, Store, StoreError, WatchEvent, WatchStream};
+use crate::{
+    Basis, Object, ObjectList, Revision, Selection, Store, StoreError, WatchEvent, WatchStream,
+    WriteFence,
+};
 
 /// How long the apiserver keeps one watch request open before closing it; the stream then
 /// re-establishes itself from the last revision it saw. 290 s is kube-rs' and client-go's
 /// default: under the apiserver's 5-minute cap, long enough to cost next to nothing.
 pub const DEFAULT_WATCH_TIMEOUT_SECS: u32 = 290;
 
-/// Get + replace rounds an unconditional `update_spec` tries before giving up with `Conflict`:
-/// more than this many writers racing on one object is a bug upstream, not load.
+/// Read + write rounds an unconditional `update_spec`, a fenced write or a fenced kind's status
+/// write tries before giving up with `Conflict`: more than this many writers racing on one
+/// object is a bug upstream, not load.
 const UPDATE_ATTEMPTS: usize = 5;
 
 /// Items per list page: large lists come in pages from one consistent snapshot.
@@ -325,6 +332,103 @@ impl KubeStore {
     }
 }
 
+impl KubeStore {
+    async fn read(&self, key: &ObjectKey) -> Result<Option<Object>, StoreError> {
+        self.api(key.kind, key.namespace())
+            .get_opt(&key.name)
+            .await
+            .map_err(|e| object_error(e, key, "reading"))?
+            .map(|o| from_dynamic(key.kind, o))
+            .transpose()
+    }
+
+    /// One JSON patch on /status: "add" replaces the whole status, and a resourceVersion in
+    /// the patched object makes the apiserver check it (409 Conflict when stale).
+    async fn patch_status(
+        &self,
+        key: &ObjectKey,
+        status: Value,
+        expected: Option<&Revision>,
+    ) -> Result<Object, StoreError> {
+        let mut ops = Vec::with_capacity(2);
+        if let Some(expected) = expected {
+            ops.push(json!({"op": "add", "path": "/metadata/resourceVersion", "value": expected.as_str()}));
+        }
+        ops.push(json!({"op": "add", "path": "/status", "value": status}));
+        let patch = serde_json::from_value(Value::Array(ops))
+            .map_err(|e| StoreError::backend(format!("building the status patch of {key}"), e))?;
+        let updated = self
+            .api(key.kind, key.namespace())
+            .patch_status(
+                &key.name,
+                &PatchParams::default(),
+                &Patch::Json::<()>(patch),
+            )
+            .await
+            .map_err(|e| object_error(e, key, "writing the status of"))?;
+        debug!(kind = %key.kind, namespace = key.namespace(), name = %key.name, conditional = expected.is_some(), "status updated");
+        from_dynamic(key.kind, updated)
+    }
+
+    /// [`Store::update_spec`], with the fencing rule applied to what the write replaces when
+    /// `fence` is given: to `object`'s own record when it carries the resourceVersion the write
+    /// is conditioned on, or to the record read with the version it replaces.
+    async fn replace_spec(
+        &self,
+        object: Object,
+        fence: Option<&WriteFence>,
+    ) -> Result<Object, StoreError> {
+        let key = object::validate(&object)?;
+        if fence.is_some() {
+            fencing::check_kind(&key)?;
+        }
+        let api = self.api(key.kind, key.namespace());
+        let conditional = resource_version(&object).is_some();
+        if conditional && let Some(fence) = fence {
+            fencing::judge(&key, fence, WriteFence::of_object(&object).as_ref())?;
+        }
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let mut candidate = object.clone();
+            if !conditional {
+                // CRs refuse updates without a resourceVersion: read the current one, and
+                // retry if another writer slips in between.
+                let current = self.read(&key).await?.ok_or_else(|| key.not_found())?;
+                if let Some(fence) = fence {
+                    fencing::judge(&key, fence, WriteFence::of_object(&current).as_ref())?;
+                }
+                set_meta(
+                    &mut candidate,
+                    "resourceVersion",
+                    json!(resource_version(&current)),
+                );
+            }
+            let candidate = to_dynamic(&key, candidate)?;
+            match api
+                .replace(&key.name, &PostParams::default(), &candidate)
+                .await
+            {
+                Ok(updated) => {
+                    debug!(kind = %key.kind, namespace = key.namespace(), name = %key.name, attempt, fenced = fence.is_some(), "spec updated");
+                    return from_dynamic(key.kind, updated);
+                }
+                Err(e) => {
+                    let err = object_error(e, &key, "updating");
+                    if !conditional
+                        && attempt < UPDATE_ATTEMPTS
+                        && matches!(err, StoreError::Conflict { .. })
+                    {
+                        debug!(kind = %key.kind, namespace = key.namespace(), name = %key.name, attempt, "update raced another writer; retrying");
+                        continue;
+                    }
+                    return Err(err);
+                }
+            }
+        }
+    }
+}
+
 #[async_trait]
 impl Store for KubeStore {
     async fn get(
@@ -334,13 +438,7 @@ impl Store for KubeStore {
         name: &str,
     ) -> Result<Option<Object>, StoreError> {
         check_scope(kind, namespace, name, true)?;
-        let key = ObjectKey::new(kind, namespace, name);
-        self.api(kind, namespace)
-            .get_opt(name)
-            .await
-            .map_err(|e| object_error(e, &key, "reading"))?
-            .map(|o| from_dynamic(kind, o))
-            .transpose()
+        self.read(&ObjectKey::new(kind, namespace, name)).await
     }
 
     async fn list(&self, kind: Kind, namespace: Option<&str>) -> Result<ObjectList, StoreError> {
@@ -397,49 +495,15 @@ impl Store for KubeStore {
     }
 
     async fn update_spec(&self, object: Object) -> Result<Object, StoreError> {
-        let key = object::validate(&object)?;
-        let api = self.api(key.kind, key.namespace());
-        let conditional = resource_version(&object).is_some();
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            let mut candidate = object.clone();
-            if !conditional {
-                // CRs refuse updates without a resourceVersion: read the current one, and
-                // retry if another writer slips in between.
-                let current = api
-                    .get_opt(&key.name)
-                    .await
-                    .map_err(|e| object_error(e, &key, "reading"))?
-                    .ok_or_else(|| key.not_found())?;
-                set_meta(
-                    &mut candidate,
-                    "resourceVersion",
-                    json!(current.metadata.resource_version),
-                );
-            }
-            let candidate = to_dynamic(&key, candidate)?;
-            match api
-                .replace(&key.name, &PostParams::default(), &candidate)
-                .await
-            {
-                Ok(updated) => {
-                    debug!(kind = %key.kind, namespace = key.namespace(), name = %key.name, attempt, "spec updated");
-                    return from_dynamic(key.kind, updated);
-                }
-                Err(e) => {
-                    let err = object_error(e, &key, "updating");
-                    if !conditional
-                        && attempt < UPDATE_ATTEMPTS
-                        && matches!(err, StoreError::Conflict { .. })
-                    {
-                        debug!(kind = %key.kind, namespace = key.namespace(), name = %key.name, attempt, "update raced another writer; retrying");
-                        continue;
-                    }
-                    return Err(err);
-                }
-            }
-        }
+        self.replace_spec(object, None).await
+    }
+
+    async fn update_spec_fenced(
+        &self,
+        object: Object,
+        fence: &WriteFence,
+    ) -> Result<Object, StoreError> {
+        self.replace_spec(object, Some(fence)).await
     }
 
     async fn update_status(
@@ -456,22 +520,84 @@ impl Store for KubeStore {
             return Err(key.invalid("status must be a JSON map"));
         }
         check_size(json_len(&status), || key.clone())?;
-        // One JSON patch on /status: "add" replaces the whole status, and a resourceVersion in
-        // the patched object makes the apiserver check it (409 Conflict when stale).
-        let mut ops = Vec::with_capacity(2);
-        if let Some(expected) = expected {
-            ops.push(json!({"op": "add", "path": "/metadata/resourceVersion", "value": expected.as_str()}));
+        if !fence::is_fenced(kind) {
+            return self.patch_status(&key, status, expected).await;
         }
-        ops.push(json!({"op": "add", "path": "/status", "value": status}));
-        let patch = serde_json::from_value(Value::Array(ops))
-            .map_err(|e| StoreError::backend(format!("building the status patch of {key}"), e))?;
-        let updated = self
-            .api(kind, namespace)
-            .patch_status(name, &PatchParams::default(), &Patch::Json::<()>(patch))
-            .await
-            .map_err(|e| object_error(e, &key, "writing the status of"))?;
-        debug!(%kind, namespace, name, "status updated");
-        from_dynamic(kind, updated)
+        // The fencing record stays as stored, which only a read can tell; the write is
+        // conditioned on that read, so no fenced write lands in between unseen.
+        let mut status = status;
+        for attempt in 1..=UPDATE_ATTEMPTS {
+            let current = self.read(&key).await?.ok_or_else(|| key.not_found())?;
+            let read = Revision::of(&current);
+            if let Some(expected) = expected
+                && read.as_ref() != Some(expected)
+            {
+                return Err(key.conflict(format!(
+                    "resourceVersion {expected} is stale: the object changed since it was read; \
+                     get it again and reapply the status"
+                )));
+            }
+            fencing::keep_stored(&key, &mut status, Some(&current));
+            match self.patch_status(&key, status.clone(), read.as_ref()).await {
+                Err(StoreError::Conflict { .. })
+                    if expected.is_none() && attempt < UPDATE_ATTEMPTS =>
+                {
+                    debug!(kind = %key.kind, namespace = key.namespace(), name = %key.name, attempt, "status write raced another writer; reading again");
+                }
+                other => return other,
+            }
+        }
+        Err(key.conflict(format!(
+            "the status changed under {UPDATE_ATTEMPTS} writes in a row; try again"
+        )))
+    }
+
+    async fn update_status_fenced(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        name: &str,
+        status: Value,
+        fence: &WriteFence,
+        basis: Option<&Basis>,
+    ) -> Result<Object, StoreError> {
+        check_scope(kind, namespace, name, true)?;
+        let key = ObjectKey::new(kind, namespace, name);
+        if !status.is_object() {
+            return Err(key.invalid("status must be a JSON map"));
+        }
+        fencing::check_kind(&key)?;
+        let mut status = status;
+        fence.set_in(&mut status);
+        check_size(json_len(&status), || key.clone())?;
+        let mut basis = basis.cloned();
+        for attempt in 1..=UPDATE_ATTEMPTS {
+            let seen = match basis.take() {
+                Some(seen) => seen,
+                None => {
+                    let current = self.read(&key).await?.ok_or_else(|| key.not_found())?;
+                    Basis::of(&current).ok_or_else(|| {
+                        StoreError::backend(
+                            format!("reading {key}"),
+                            "the apiserver returned it without a resourceVersion",
+                        )
+                    })?
+                }
+            };
+            fencing::judge(&key, fence, seen.fence.as_ref())?;
+            match self
+                .patch_status(&key, status.clone(), Some(&seen.revision))
+                .await
+            {
+                Err(StoreError::Conflict { .. }) if attempt < UPDATE_ATTEMPTS => {
+                    debug!(kind = %key.kind, namespace = key.namespace(), name = %key.name, attempt, "fenced status write: the object changed since its basis; reading again");
+                }
+                other => return other,
+            }
+        }
+        Err(key.conflict(format!(
+            "the status changed under {UPDATE_ATTEMPTS} fenced writes in a row; try again"
+        )))
     }
 
     async fn delete(

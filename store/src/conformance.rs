@@ -20,8 +20,8 @@ use futures::future::BoxFuture;
 use serde_json::{Value, json};
 
 use crate::{
-    MAX_OBJECT_BYTES, Object, Revision, Selection, Store, StoreError, WatchEvent, WatchStream,
-    generation_of, name_of, namespace_of, resource_version,
+    Basis, MAX_OBJECT_BYTES, Object, Revision, Selection, Stale, Store, StoreError, WatchEvent,
+    WatchStream, WriteFence, generation_of, name_of, namespace_of, resource_version,
 };
 
 /// How long a check waits for a watch event before failing.
@@ -59,6 +59,10 @@ checks![
     finalizers_hold_deletion_until_removed,
     selected_list_reads_only_the_chosen_label_values,
     selected_watch_follows_objects_into_and_out_of_the_selection,
+    fenced_status_writes_refuse_what_is_stale,
+    fenced_writes_on_an_outdated_basis_read_again,
+    fenced_spec_writes_are_compared_but_raise_nothing,
+    unfenced_writes_keep_the_fencing_record,
 ];
 
 /// Runs every check against `store`, each with its own prefix (`{prefix}-{index}`), and fails
@@ -1262,5 +1266,413 @@ pub async fn selected_watch_follows_objects_into_and_out_of_the_selection(
         ],
     )
     .await?;
+    Ok(())
+}
+
+// ---- fencing (flotilla_proto::contract::fence) ----
+
+/// `status.fence` of `object`.
+fn stored_fence(object: &Object) -> Option<WriteFence> {
+    WriteFence::of_object(object)
+}
+
+fn fenced(reason: Stale) -> impl FnOnce(&StoreError) -> bool {
+    move |e| matches!(e, StoreError::Fenced { reason: r, .. } if *r == reason)
+}
+
+/// A fenced status write sets the record; one under an older epoch of the same shard, or of
+/// an older report, is refused with an error naming the object, both epochs and sequences and
+/// the gateway that wrote the newer one, and leaves the object as it was; a newer epoch, or the
+/// same report again under an equal or newer epoch, is written.
+pub async fn fenced_status_writes_refuse_what_is_stale(
+    store: &dyn Store,
+    prefix: &str,
+) -> Result<()> {
+    let ns = format!("{prefix}-store");
+    store.create(manifest_work(&ns, "web", "v1")).await?;
+    let write = |status: Value, fence: WriteFence| {
+        let ns = ns.clone();
+        async move {
+            store
+                .update_status_fenced(Kind::ManifestWork, Some(&ns), "web", status, &fence, None)
+                .await
+        }
+    };
+    let a1 = WriteFence::new(3, 1, "gw-a");
+    let b2 = WriteFence::new(3, 2, "gw-b");
+
+    let written = write(work_status("Applied", 1), a1.clone().with_report(10))
+        .await
+        .context("the first fenced write")?;
+    ensure!(
+        stored_fence(&written) == Some(a1.clone().with_report(10)),
+        "the record is not the write's fence: {written}"
+    );
+    ensure!(
+        written["status"]["conditions"] == work_status("Applied", 1)["conditions"],
+        "the status is not the written one: {written}"
+    );
+    let by_b = write(work_status("Available", 1), b2.clone().with_report(11))
+        .await
+        .context("a newer epoch's write")?;
+
+    // A's write lands late, under the old epoch, even with a newer report: refused.
+    let err = expect_err(
+        write(work_status("Degraded", 1), a1.clone().with_report(12)).await,
+        "a write under an older epoch",
+        fenced(Stale::Epoch),
+    )?;
+    let message = err.to_string();
+    for part in [
+        format!("{ns}/web"),
+        "stale_epoch".into(),
+        "epoch 1".into(),
+        "epoch 2".into(),
+        "\"gw-b\"".into(),
+        "report 12".into(),
+        "report 11".into(),
+    ] {
+        ensure!(
+            message.contains(&part),
+            "the refusal does not say {part:?}: {message}"
+        );
+    }
+    let got = store
+        .get(Kind::ManifestWork, Some(&ns), "web")
+        .await?
+        .context("object gone")?;
+    ensure!(got == by_b, "a refused write changed the object: {got}");
+
+    // An older report is refused whoever writes it, even under a newer epoch.
+    expect_err(
+        write(
+            work_status("Applied", 1),
+            WriteFence::new(3, 5, "gw-c").with_report(10),
+        )
+        .await,
+        "an older report under a newer epoch",
+        fenced(Stale::Report),
+    )?;
+    // The same report again under the same epoch, or under a newer one: written.
+    write(work_status("Available", 1), b2.clone().with_report(11))
+        .await
+        .context("the same report again")?;
+    let c3 = write(
+        work_status("Available", 1),
+        WriteFence::new(3, 3, "gw-c").with_report(11),
+    )
+    .await
+    .context("the same report under a newer epoch")?;
+    ensure!(
+        stored_fence(&c3).map(|f| (f.epoch, f.gateway)) == Some((3, "gw-c".into())),
+        "{c3}"
+    );
+    // A health-style write without a sequence over a record with one: only epochs count.
+    write(work_status("Available", 1), WriteFence::new(3, 3, "gw-c"))
+        .await
+        .context("a write without a report sequence")?;
+
+    // Another shard number (the fleet's --shards changed): written whatever the epochs.
+    write(work_status("Available", 1), WriteFence::new(9, 1, "gw-d"))
+        .await
+        .context("a write of another shard number")?;
+
+    // Missing objects and kinds without a record.
+    expect_err(
+        store
+            .update_status_fenced(
+                Kind::ManifestWork,
+                Some(&ns),
+                "missing",
+                work_status("Applied", 1),
+                &b2,
+                None,
+            )
+            .await,
+        "a fenced status write of a missing object",
+        |e| matches!(e, StoreError::NotFound { .. }),
+    )?;
+    expect_err(
+        store
+            .update_status_fenced(Kind::Placement, Some(&ns), "web", json!({}), &b2, None)
+            .await,
+        "a fenced write of a kind without a record",
+        |e| matches!(e, StoreError::Invalid { .. }),
+    )?;
+    Ok(())
+}
+
+/// A fenced write compares against the basis it is given and is conditioned on it: when the
+/// object changed since (another gateway took the shard and wrote), it is read again and
+/// compared again, so a basis read before the takeover never lets a stale write through, and a
+/// merely outdated basis costs a read, not the write. The object a write returns is a current
+/// basis for the next.
+pub async fn fenced_writes_on_an_outdated_basis_read_again(
+    store: &dyn Store,
+    prefix: &str,
+) -> Result<()> {
+    let name = format!("{prefix}-cluster");
+    store.create(managed_cluster(&name)).await?;
+    let status = |available: &str| {
+        json!({"conditions": [{
+            "type": "ManagedClusterConditionAvailable", "status": available,
+            "reason": "R", "message": "", "lastTransitionTime": "2025-01-01T00:00:00Z",
+        }]})
+    };
+    let write = |status: Value, fence: WriteFence, basis: Option<Basis>| {
+        let name = name.clone();
+        async move {
+            store
+                .update_status_fenced(
+                    Kind::ManagedCluster,
+                    None,
+                    &name,
+                    status,
+                    &fence,
+                    basis.as_ref(),
+                )
+                .await
+        }
+    };
+    let a1 = WriteFence::new(5, 1, "gw-a");
+    let b2 = WriteFence::new(5, 2, "gw-b");
+    let first = write(status("True"), a1.clone(), None).await?;
+    let basis = Basis::of(&first).context("the written object has no resourceVersion")?;
+    ensure!(basis.fence == Some(a1.clone()), "{basis:?}");
+
+    // The returned object is a current basis.
+    let second = write(status("True"), a1.clone(), Some(basis.clone()))
+        .await
+        .context("a write on the basis the previous one returned")?;
+    // An outdated basis (the object changed since, its record the same): read again, written.
+    let third = write(status("Unknown"), a1.clone(), Some(basis.clone()))
+        .await
+        .context("a write on an outdated basis")?;
+    ensure!(
+        resource_version(&third) != resource_version(&second),
+        "not written: {third}"
+    );
+
+    // A read its basis before B took the shard and wrote Available; its Unknown lands after:
+    // refused, and B's Available stays.
+    let a_basis = Basis::of(&third).context("no resourceVersion")?;
+    let by_b = write(status("True"), b2.clone(), None).await?;
+    expect_err(
+        write(status("Unknown"), a1.clone(), Some(a_basis)).await,
+        "a stale owner's write on a basis from before the takeover",
+        fenced(Stale::Epoch),
+    )?;
+    let got = store
+        .get(Kind::ManagedCluster, None, &name)
+        .await?
+        .context("object gone")?;
+    ensure!(got == by_b, "a refused write changed the object: {got}");
+    ensure!(
+        got["status"]["conditions"][0]["status"] == "True",
+        "B's Available was undone: {got}"
+    );
+    Ok(())
+}
+
+/// A fenced spec write (a finalizer, a taint) is compared against the record and refused when
+/// stale, but never raises it: status stays as stored. On an object read with its
+/// resourceVersion the rule is applied to what was read, and a change since is a conflict.
+pub async fn fenced_spec_writes_are_compared_but_raise_nothing(
+    store: &dyn Store,
+    prefix: &str,
+) -> Result<()> {
+    let ns = format!("{prefix}-store");
+    store.create(manifest_work(&ns, "web", "v1")).await?;
+    let a1 = WriteFence::new(3, 1, "gw-a");
+    let b2 = WriteFence::new(3, 2, "gw-b");
+    let read = || async {
+        store
+            .get(Kind::ManifestWork, Some(&ns), "web")
+            .await?
+            .context("object gone")
+    };
+    let with_finalizer = |mut work: Object, finalizer: &str| {
+        work["metadata"]["finalizers"] = json!([finalizer]);
+        work
+    };
+
+    // No record yet: a spec write under any fence goes through, and sets none.
+    let held = store
+        .update_spec_fenced(with_finalizer(read().await?, "example.com/one"), &a1)
+        .await
+        .context("a fenced spec write of an object no gateway wrote")?;
+    ensure!(
+        stored_fence(&held).is_none(),
+        "a spec write set a record: {held}"
+    );
+
+    store
+        .update_status_fenced(
+            Kind::ManifestWork,
+            Some(&ns),
+            "web",
+            work_status("Applied", 1),
+            &b2,
+            None,
+        )
+        .await?;
+    // Read after B's write: A's spec write is refused, on the record it read.
+    expect_err(
+        store
+            .update_spec_fenced(with_finalizer(read().await?, "example.com/two"), &a1)
+            .await,
+        "a stale owner's spec write",
+        fenced(Stale::Epoch),
+    )?;
+    // Without a resourceVersion: read, compared, refused all the same.
+    let mut unconditional = with_finalizer(read().await?, "example.com/two");
+    if let Some(meta) = unconditional["metadata"].as_object_mut() {
+        meta.remove("resourceVersion");
+    }
+    expect_err(
+        store.update_spec_fenced(unconditional, &a1).await,
+        "a stale owner's spec write without a resourceVersion",
+        fenced(Stale::Epoch),
+    )?;
+    ensure!(
+        read().await?["metadata"]["finalizers"] == json!(["example.com/one"]),
+        "a refused spec write changed the object"
+    );
+
+    // A read from before a change is a conflict, not a silent overwrite.
+    let before = read().await?;
+    let by_b = store
+        .update_spec_fenced(with_finalizer(read().await?, "example.com/three"), &b2)
+        .await
+        .context("the owner's spec write")?;
+    ensure!(
+        stored_fence(&by_b) == Some(b2.clone()),
+        "a spec write changed the record: {by_b}"
+    );
+    expect_err(
+        store
+            .update_spec_fenced(with_finalizer(before, "example.com/four"), &b2)
+            .await,
+        "a fenced spec write on an outdated read",
+        |e| matches!(e, StoreError::Conflict { .. }),
+    )?;
+    let mut missing = manifest_work(&ns, "missing", "v1");
+    missing["metadata"]["finalizers"] = json!(["example.com/one"]);
+    expect_err(
+        store.update_spec_fenced(missing, &b2).await,
+        "a fenced spec write of a missing object",
+        |e| matches!(e, StoreError::NotFound { .. }),
+    )?;
+    Ok(())
+}
+
+/// Writers that carry no fence (the operator API, the hub's controllers, kubectl through the
+/// operator API) never drop or lower the record: a status without it keeps the stored one, a
+/// status that carries another gets the stored one, a spec write keeps it; and none invents one
+/// on an object no gateway wrote.
+pub async fn unfenced_writes_keep_the_fencing_record(
+    store: &dyn Store,
+    prefix: &str,
+) -> Result<()> {
+    let ns = format!("{prefix}-store");
+    store.create(manifest_work(&ns, "web", "v1")).await?;
+    let b2 = WriteFence::new(3, 2, "gw-b").with_report(7);
+    let forged = json!({"shard": 3, "epoch": 0, "gateway": "someone"});
+
+    // No record: an unfenced status that carries one does not create it.
+    let mut with_forged = work_status("Applied", 1);
+    with_forged["fence"] = forged.clone();
+    let unfenced = store
+        .update_status(
+            Kind::ManifestWork,
+            Some(&ns),
+            "web",
+            with_forged.clone(),
+            None,
+        )
+        .await?;
+    ensure!(
+        stored_fence(&unfenced).is_none(),
+        "an unfenced write set a record: {unfenced}"
+    );
+
+    store
+        .update_status_fenced(
+            Kind::ManifestWork,
+            Some(&ns),
+            "web",
+            work_status("Applied", 1),
+            &b2,
+            None,
+        )
+        .await?;
+    let kept = store
+        .update_status(
+            Kind::ManifestWork,
+            Some(&ns),
+            "web",
+            work_status("Available", 1),
+            None,
+        )
+        .await
+        .context("an unfenced status without a record")?;
+    ensure!(
+        stored_fence(&kept) == Some(b2.clone()),
+        "an unfenced status write dropped the record: {kept}"
+    );
+    ensure!(
+        kept["status"]["conditions"] == work_status("Available", 1)["conditions"],
+        "the unfenced status was not written: {kept}"
+    );
+    let kept = store
+        .update_status(
+            Kind::ManifestWork,
+            Some(&ns),
+            "web",
+            with_forged,
+            Revision::of(&kept).as_ref(),
+        )
+        .await
+        .context("an unfenced status carrying a lower record, on the current version")?;
+    ensure!(
+        stored_fence(&kept) == Some(b2.clone()),
+        "an unfenced status write lowered the record: {kept}"
+    );
+    expect_err(
+        store
+            .update_status(
+                Kind::ManifestWork,
+                Some(&ns),
+                "web",
+                work_status("Applied", 1),
+                Some(&revision(&unfenced)?),
+            )
+            .await,
+        "an unfenced status write on a stale version",
+        |e| matches!(e, StoreError::Conflict { .. }),
+    )?;
+    let respecced = store
+        .update_spec(manifest_work(&ns, "web", "v2"))
+        .await
+        .context("a spec write")?;
+    ensure!(
+        stored_fence(&respecced) == Some(b2.clone()),
+        "a spec write dropped the record: {respecced}"
+    );
+    // And the stale owner is still refused after all of them.
+    expect_err(
+        store
+            .update_status_fenced(
+                Kind::ManifestWork,
+                Some(&ns),
+                "web",
+                work_status("Applied", 1),
+                &WriteFence::new(3, 1, "gw-a").with_report(8),
+                None,
+            )
+            .await,
+        "a stale owner's write after unfenced writes",
+        fenced(Stale::Epoch),
+    )?;
     Ok(())
 }

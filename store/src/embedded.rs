@@ -17,11 +17,15 @@ use sled::transaction::{ConflictableTransactionError, TransactionError};
 use tokio::sync::{Mutex, broadcast};
 use tracing::{debug, warn};
 
+use crate::fence as fencing;
 use crate::object::{
     self, ObjectKey, check_scope, check_size, generation_of, remove_meta, resource_version,
     set_meta, spec_changed,
 };
-use crate::{Object, ObjectList, Revision, Selection, Store, StoreError, WatchEvent, WatchStream};
+use crate::{
+    Basis, Object, ObjectList, Revision, Selection, Store, StoreError, WatchEvent, WatchStream,
+    WriteFence,
+};
 
 /// How many recent events the store keeps in memory so a watch can resume from a revision.
 /// A watcher that resumes from further back, or falls further behind, gets `Gone` and relists,
@@ -418,84 +422,29 @@ impl SledStore {
             |mut w| async move { w.next().await.map(|item| (item, w)) },
         )))
     }
-}
 
-#[async_trait]
-impl Store for SledStore {
-    async fn get(
+    /// [`Store::update_spec`], with the fencing rule applied first when `fence` is given: to
+    /// `object`'s own record when it carries the resourceVersion the write is conditioned on
+    /// (as the kube backend does), else to the stored one; under the write lock, so nothing
+    /// lands between the compare and the write.
+    async fn replace_spec(
         &self,
-        kind: Kind,
-        namespace: Option<&str>,
-        name: &str,
-    ) -> Result<Option<Object>, StoreError> {
-        check_scope(kind, namespace, name, true)?;
-        self.inner.read(&ObjectKey::new(kind, namespace, name))
-    }
-
-    async fn list(&self, kind: Kind, namespace: Option<&str>) -> Result<ObjectList, StoreError> {
-        self.list_in(kind, namespace, &Selection::Everything).await
-    }
-
-    async fn watch(
-        &self,
-        kind: Kind,
-        namespace: Option<&str>,
-        from: Option<Revision>,
-    ) -> Result<WatchStream, StoreError> {
-        self.watch_in(kind, namespace, Selection::Everything, from)
-            .await
-    }
-
-    async fn list_selected(
-        &self,
-        kind: Kind,
-        selection: &Selection,
-    ) -> Result<ObjectList, StoreError> {
-        self.list_in(kind, None, selection).await
-    }
-
-    async fn watch_selected(
-        &self,
-        kind: Kind,
-        selection: &Selection,
-        from: Option<Revision>,
-    ) -> Result<WatchStream, StoreError> {
-        self.watch_in(kind, None, selection.clone(), from).await
-    }
-
-    async fn create(&self, mut object: Object) -> Result<Object, StoreError> {
+        mut object: Object,
+        fence: Option<&WriteFence>,
+    ) -> Result<Object, StoreError> {
         let key = object::validate(&object)?;
-        // What the apiserver sets on create, and what it ignores (status comes only through
-        // the status subresource).
-        set_meta(&mut object, "uid", json!(uuid::Uuid::new_v4().to_string()));
-        set_meta(&mut object, "creationTimestamp", json!(now_rfc3339()));
-        set_meta(&mut object, "generation", json!(1));
-        remove_meta(&mut object, "deletionTimestamp");
-        remove_meta(&mut object, "deletionGracePeriodSeconds");
-        if let Some(map) = object.as_object_mut() {
-            map.remove("status");
+        if fence.is_some() {
+            fencing::check_kind(&key)?;
         }
-        let mut log = self.inner.log.lock().await;
-        if self.inner.read(&key)?.is_some() {
-            return Err(key.already_exists());
-        }
-        set_meta(
-            &mut object,
-            "resourceVersion",
-            json!((log.revision + 1).to_string()),
-        );
-        let revision = self
-            .inner
-            .commit(&mut log, &key, Some(&object), WatchEvent::Added, None, None)
-            .await?;
-        debug!(kind = %key.kind, namespace = key.namespace(), name = %key.name, revision, "created");
-        Ok(object)
-    }
-
-    async fn update_spec(&self, mut object: Object) -> Result<Object, StoreError> {
-        let key = object::validate(&object)?;
         let mut log = self.inner.log.lock().await;
         let current = self.inner.read(&key)?.ok_or_else(|| key.not_found())?;
+        if let Some(fence) = fence {
+            let judged = match resource_version(&object) {
+                Some(_) => &object,
+                None => &current,
+            };
+            fencing::judge(&key, fence, WriteFence::of_object(judged).as_ref())?;
+        }
         let stored_rv = resource_version(&current).unwrap_or("").to_owned();
         if let Some(given) = resource_version(&object)
             && given != stored_rv
@@ -587,21 +536,35 @@ impl Store for SledStore {
         Ok(object)
     }
 
-    async fn update_status(
+    /// [`Store::update_status`] (`fence` = `None`: the stored fencing record stays) or
+    /// [`Store::update_status_fenced`] (compared against the stored record and setting it,
+    /// under the write lock, so nothing lands between the compare and the write).
+    async fn write_status(
         &self,
         kind: Kind,
         namespace: Option<&str>,
         name: &str,
-        status: Value,
+        mut status: Value,
         expected: Option<&Revision>,
+        fence: Option<&WriteFence>,
     ) -> Result<Object, StoreError> {
         check_scope(kind, namespace, name, true)?;
         let key = ObjectKey::new(kind, namespace, name);
         if !status.is_object() {
             return Err(key.invalid("status must be a JSON map"));
         }
+        if fence.is_some() {
+            fencing::check_kind(&key)?;
+        }
         let mut log = self.inner.log.lock().await;
         let mut object = self.inner.read(&key)?.ok_or_else(|| key.not_found())?;
+        match fence {
+            Some(fence) => {
+                fencing::judge(&key, fence, WriteFence::of_object(&object).as_ref())?;
+                fence.set_in(&mut status);
+            }
+            None => fencing::keep_stored(&key, &mut status, Some(&object)),
+        }
         let stored_rv = resource_version(&object).unwrap_or("").to_owned();
         if let Some(expected) = expected
             && expected.as_str() != stored_rv
@@ -630,10 +593,120 @@ impl Store for SledStore {
                 None,
             )
             .await?;
-        debug!(%kind, namespace, name, revision, "status updated");
+        debug!(%kind, namespace, name, revision, fenced = fence.is_some(), "status updated");
+        Ok(object)
+    }
+}
+
+#[async_trait]
+impl Store for SledStore {
+    async fn get(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        name: &str,
+    ) -> Result<Option<Object>, StoreError> {
+        check_scope(kind, namespace, name, true)?;
+        self.inner.read(&ObjectKey::new(kind, namespace, name))
+    }
+
+    async fn list(&self, kind: Kind, namespace: Option<&str>) -> Result<ObjectList, StoreError> {
+        self.list_in(kind, namespace, &Selection::Everything).await
+    }
+
+    async fn watch(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        from: Option<Revision>,
+    ) -> Result<WatchStream, StoreError> {
+        self.watch_in(kind, namespace, Selection::Everything, from)
+            .await
+    }
+
+    async fn list_selected(
+        &self,
+        kind: Kind,
+        selection: &Selection,
+    ) -> Result<ObjectList, StoreError> {
+        self.list_in(kind, None, selection).await
+    }
+
+    async fn watch_selected(
+        &self,
+        kind: Kind,
+        selection: &Selection,
+        from: Option<Revision>,
+    ) -> Result<WatchStream, StoreError> {
+        self.watch_in(kind, None, selection.clone(), from).await
+    }
+
+    async fn create(&self, mut object: Object) -> Result<Object, StoreError> {
+        let key = object::validate(&object)?;
+        // What the apiserver sets on create, and what it ignores (status comes only through
+        // the status subresource).
+        set_meta(&mut object, "uid", json!(uuid::Uuid::new_v4().to_string()));
+        set_meta(&mut object, "creationTimestamp", json!(now_rfc3339()));
+        set_meta(&mut object, "generation", json!(1));
+        remove_meta(&mut object, "deletionTimestamp");
+        remove_meta(&mut object, "deletionGracePeriodSeconds");
+        if let Some(map) = object.as_object_mut() {
+            map.remove("status");
+        }
+        let mut log = self.inner.log.lock().await;
+        if self.inner.read(&key)?.is_some() {
+            return Err(key.already_exists());
+        }
+        set_meta(
+            &mut object,
+            "resourceVersion",
+            json!((log.revision + 1).to_string()),
+        );
+        let revision = self
+            .inner
+            .commit(&mut log, &key, Some(&object), WatchEvent::Added, None, None)
+            .await?;
+        debug!(kind = %key.kind, namespace = key.namespace(), name = %key.name, revision, "created");
         Ok(object)
     }
 
+    async fn update_spec(&self, object: Object) -> Result<Object, StoreError> {
+        self.replace_spec(object, None).await
+    }
+
+    async fn update_spec_fenced(
+        &self,
+        object: Object,
+        fence: &WriteFence,
+    ) -> Result<Object, StoreError> {
+        self.replace_spec(object, Some(fence)).await
+    }
+
+    async fn update_status(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        name: &str,
+        status: Value,
+        expected: Option<&Revision>,
+    ) -> Result<Object, StoreError> {
+        self.write_status(kind, namespace, name, status, expected, None)
+            .await
+    }
+
+    async fn update_status_fenced(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        name: &str,
+        status: Value,
+        fence: &WriteFence,
+        // The compare happens on the stored object under the write lock: no basis needed.
+        _basis: Option<&Basis>,
+    ) -> Result<Object, StoreError> {
+        self.write_status(kind, namespace, name, status, None, Some(fence))
+            .await
+    }
     async fn delete(
         &self,
         kind: Kind,

@@ -1,6 +1,7 @@
 //! The one error type every backend returns.
 
 use flotilla_proto::api::Kind;
+use flotilla_proto::contract::fence::{Stale, WriteFence};
 
 use crate::Revision;
 
@@ -51,6 +52,26 @@ pub enum StoreError {
         namespace: Option<String>,
         name: String,
         reason: String,
+    },
+
+    /// A fenced write refused: the object's fencing record is newer than the write's (another
+    /// gateway wrote it under a newer epoch of the shard, or a newer report of the agent is
+    /// stored; see `flotilla_proto::contract::fence`). Not retryable: the write is stale for
+    /// good, and repeating it changes nothing; drop it.
+    #[error(
+        "{kind} {}: {reason} write refused: it was made under {attempted}, and the object holds \
+         {stored}",
+        display_key(.namespace.as_deref(), .name)
+    )]
+    Fenced {
+        kind: Kind,
+        namespace: Option<String>,
+        name: String,
+        reason: Stale,
+        /// The fence the refused write was made under.
+        attempted: Box<WriteFence>,
+        /// The record the object holds, written by the gateway it names.
+        stored: Box<WriteFence>,
     },
 
     /// IO or apiserver trouble (disk, connection, timeout, 5xx). Retryable with backoff; the
@@ -128,6 +149,19 @@ mod tests {
                     "metadata.name is required",
                 ),
                 "ManifestWork store-7/(no name): metadata.name is required",
+            ),
+            (
+                StoreError::Fenced {
+                    kind: Kind::ManifestWork,
+                    namespace: Some("store-7".into()),
+                    name: "baseline".into(),
+                    reason: Stale::Epoch,
+                    attempted: Box::new(WriteFence::new(3, 1, "gw-a").with_report(41)),
+                    stored: Box::new(WriteFence::new(3, 2, "gw-b").with_report(40)),
+                },
+                "ManifestWork store-7/baseline: stale_epoch write refused: it was made under \
+                 shard 3 epoch 1 by gateway \"gw-a\", report 41, and the object holds shard 3 \
+                 epoch 2 by gateway \"gw-b\", report 40",
             ),
             (
                 StoreError::Gone {

@@ -10,6 +10,12 @@
 //! * [`SledStore`] — an embedded sled database for the single-node hub (nothing to install);
 //! * [`KubeStore`] — the OCM CRDs on a real kube-apiserver, for hubs that scale out.
 //!
+//! Gateways' writes for a cluster are *fenced* ([`Store::update_status_fenced`],
+//! [`Store::update_spec_fenced`]): each carries the writer's [`WriteFence`] (shard, lease epoch,
+//! gateway, report sequence), and the store refuses one the object's stored record makes stale
+//! ([`StoreError::Fenced`]), comparing and writing in one step, so a gateway that stalled
+//! between its own check and the write never lands it over a newer owner's.
+//!
 //! For: controllers, gateways and the operator API reading and writing hub state, one code path
 //! for both modes, and the one list-then-watch loop ([`reflect`]) every watch cache runs on. Also, beside the trait, the
 //! coordination Leases shard ownership is decided on (`leases`: their IO only) and
@@ -24,6 +30,7 @@
 mod apiserver;
 mod embedded;
 mod error;
+mod fence;
 pub mod leases;
 mod object;
 pub mod reflect;
@@ -40,6 +47,8 @@ use futures::stream::BoxStream;
 pub use apiserver::{ConnectError, DEFAULT_WATCH_TIMEOUT_SECS, KubeStore, connect};
 pub use embedded::{DEFAULT_EVENT_BUFFER, DEFAULT_LIVE_BUFFER, SledOptions, SledStore};
 pub use error::StoreError;
+pub use fence::Basis;
+pub use flotilla_proto::contract::fence::{Stale, WriteFence};
 pub use object::{
     MAX_OBJECT_BYTES, Object, ObjectList, Revision, WatchEvent, generation_of, name_of,
     namespace_of, resource_version,
@@ -113,6 +122,9 @@ pub trait Store: Send + Sync + 'static {
 
     /// Replaces `status` (a JSON map) and nothing else: `generation` and spec stay. With
     /// `expected`, the stored resourceVersion must match it ([`StoreError::Conflict`] otherwise).
+    /// The fencing record of a fenced kind's status (`status.fence`, see [`WriteFence`]) stays
+    /// as stored, whatever `status` says of it: only [`Store::update_status_fenced`] changes it.
+    /// On the kube backend that costs a fenced kind's write a read first.
     async fn update_status(
         &self,
         kind: Kind,
@@ -120,6 +132,41 @@ pub trait Store: Send + Sync + 'static {
         name: &str,
         status: serde_json::Value,
         expected: Option<&Revision>,
+    ) -> Result<Object, StoreError>;
+
+    /// A gateway's write of a fenced kind's status (ManagedCluster, ManifestWork) under
+    /// `fence`: refused with [`StoreError::Fenced`] when the object's stored record makes it
+    /// stale (`flotilla_proto::contract::fence::judge`), otherwise `status` replaces the
+    /// stored one with `status.fence` set to `fence`. The compare and the write are one step:
+    /// on the kube backend the write is conditioned on the resourceVersion of the `basis` the
+    /// rule was applied to (the object as the caller last saw it); without a basis, or when the
+    /// object changed since it, the object is read again and the rule applied again, a bounded
+    /// number of times ([`StoreError::Conflict`] beyond). On sled both happen under the lock
+    /// every write takes, and the basis is not needed. [`StoreError::NotFound`] when there is
+    /// no such object.
+    async fn update_status_fenced(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        name: &str,
+        status: serde_json::Value,
+        fence: &WriteFence,
+        basis: Option<&Basis>,
+    ) -> Result<Object, StoreError>;
+
+    /// [`Store::update_spec`] of a fenced kind under `fence` (a cleanup finalizer, the
+    /// unreachable taint): refused with [`StoreError::Fenced`] when the object's fencing record
+    /// makes it stale. The record is compared, never raised: a spec write leaves `status`,
+    /// and so the epoch an older owner is measured by, as stored. With
+    /// `metadata.resourceVersion` set, the rule is applied to `object`'s own `status.fence`
+    /// (as the caller read it) and the write conditioned on that version
+    /// ([`StoreError::Conflict`] if it changed: the caller redoes its change on a fresh read);
+    /// without it, the object is read, compared and replaced on the version read, as
+    /// [`Store::update_spec`] does.
+    async fn update_spec_fenced(
+        &self,
+        object: Object,
+        fence: &WriteFence,
     ) -> Result<Object, StoreError>;
 
     /// Deletes the object; [`StoreError::NotFound`] if there is none.

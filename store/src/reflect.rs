@@ -323,6 +323,26 @@ mod tests {
                 .update_status(kind, namespace, name, status, expected)
                 .await
         }
+        async fn update_status_fenced(
+            &self,
+            kind: Kind,
+            namespace: Option<&str>,
+            name: &str,
+            status: serde_json::Value,
+            fence: &crate::WriteFence,
+            basis: Option<&crate::Basis>,
+        ) -> Result<Object, StoreError> {
+            self.inner
+                .update_status_fenced(kind, namespace, name, status, fence, basis)
+                .await
+        }
+        async fn update_spec_fenced(
+            &self,
+            object: Object,
+            fence: &crate::WriteFence,
+        ) -> Result<Object, StoreError> {
+            self.inner.update_spec_fenced(object, fence).await
+        }
         async fn delete(
             &self,
             kind: Kind,

@@ -50,6 +50,10 @@ sled_checks![
     finalizers_hold_deletion_until_removed,
     selected_list_reads_only_the_chosen_label_values,
     selected_watch_follows_objects_into_and_out_of_the_selection,
+    fenced_status_writes_refuse_what_is_stale,
+    fenced_writes_on_an_outdated_basis_read_again,
+    fenced_spec_writes_are_compared_but_raise_nothing,
+    unfenced_writes_keep_the_fencing_record,
 ];
 
 /// All checks in sequence on one store, as the kube suite runs them: checks must not see each

@@ -200,9 +200,18 @@ impl Fleet for FleetService {
             })) => id,
             _ => return Err(Status::invalid_argument("a tunnel call starts with its id")),
         };
-        let waiting = self.tunnels.lock().remove(&id);
-        // Only the agent the tunnel was asked of may answer it.
-        let Some(waiting) = waiting.filter(|w| w.cluster == cluster) else {
+        // Only the agent the tunnel was asked of may answer it, and another cluster's call
+        // leaves it waiting: ids are a per-hub prefix and a counter, so an agent that has seen
+        // its own tunnels' ids can name the next ones, and taking such an entry out would
+        // break another cluster's kubectl request.
+        let waiting = {
+            let mut tunnels = self.tunnels.lock();
+            match tunnels.get(&id) {
+                Some(w) if w.cluster == cluster => tunnels.remove(&id),
+                _ => None,
+            }
+        };
+        let Some(waiting) = waiting else {
             return Err(Status::not_found(format!(
                 "no tunnel {id} is waiting for cluster {cluster}"
             )));

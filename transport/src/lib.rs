@@ -11,7 +11,7 @@
 //! tunnels ([`relay`]), the relay hop that carries a tunnel to the gateway holding its
 //! cluster's session ([`hop`]), the hook the agents' listeners ask about each new
 //! connection before its handshake ([`gate`]), and TLS material written to disk
-//! atomically and durably ([`files`]).
+//! atomically and durably ([`files`]). `fuzzing` (hidden) holds the frame codec's fuzz target.
 //!
 //! Not for: anything the session protocol decides (proto's sans-IO machines do), or what a
 //! process does with a session once it has one (gateway and agent drivers).
@@ -20,6 +20,8 @@
 pub mod codec;
 pub mod dial;
 pub mod files;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod gate;
 pub mod grpc;
 pub mod hop;

@@ -23,11 +23,13 @@ use tokio::sync::{mpsc, watch};
 
 const MAX_FRAME: usize = 64 * 1024;
 
-/// A CA, the gateway's serving certificate, and one agent's client certificate, as PEM.
+/// A CA, the gateway's serving certificate, and two agents' client certificates (store-1's
+/// and its neighbour store-2's), as PEM.
 struct Pki {
     ca: String,
     server: (String, String),
     agent: (String, String),
+    neighbour: (String, String),
 }
 
 fn pki() -> Pki {
@@ -46,17 +48,21 @@ fn pki_named(ca_name: &str) -> Pki {
         .unwrap()
         .signed_by(&server_key, &issuer)
         .unwrap();
-    let agent_key = KeyPair::generate().unwrap();
-    let mut agent = CertificateParams::default();
-    agent.distinguished_name.push(DnType::CommonName, "store-1");
-    agent
-        .distinguished_name
-        .push(DnType::OrganizationName, "flotilla:clusters");
-    let agent = agent.signed_by(&agent_key, &issuer).unwrap();
+    let agent = |cluster: &str| {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::default();
+        params.distinguished_name.push(DnType::CommonName, cluster);
+        params
+            .distinguished_name
+            .push(DnType::OrganizationName, "flotilla:clusters");
+        let cert = params.signed_by(&key, &issuer).unwrap();
+        (cert.pem(), key.serialize_pem())
+    };
     Pki {
         ca: ca_cert.pem(),
         server: (server.pem(), server_key.serialize_pem()),
-        agent: (agent.pem(), agent_key.serialize_pem()),
+        agent: agent("store-1"),
+        neighbour: agent("store-2"),
     }
 }
 
@@ -158,6 +164,17 @@ fn agent_tls(pki: &Pki) -> std::sync::Arc<rustls::ClientConfig> {
         pki.ca.as_bytes(),
         pki.agent.0.as_bytes(),
         pki.agent.1.as_bytes(),
+        &[],
+    )
+    .unwrap()
+}
+
+/// The neighbour agent's (store-2's) client TLS configuration from `pki`.
+fn neighbour_tls(pki: &Pki) -> std::sync::Arc<rustls::ClientConfig> {
+    tls::client_config(
+        pki.ca.as_bytes(),
+        pki.neighbour.0.as_bytes(),
+        pki.neighbour.1.as_bytes(),
         &[],
     )
     .unwrap()
@@ -412,6 +429,51 @@ async fn a_client_of_another_ca_is_refused_by_both_carriers() {
             "{carrier}: no session reached the gateway"
         );
     }
+}
+
+/// Over gRPC an agent answers `OpenTunnel` with a `Fleet.Tunnel` call naming the tunnel's id,
+/// and ids are a counter an agent can guess from its own. Another cluster's agent naming a
+/// tunnel that waits for store-1 is refused, and the tunnel goes on waiting for store-1's
+/// agent, which then opens it and carries its bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tunnel_call_naming_another_clusters_tunnel_leaves_it_waiting() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let pki = pki();
+    let (addr, mut sessions, _drain) = gateway(&pki, Carrier::Grpc).await;
+    let (agent, _client, hub) = open(&pki, Carrier::Grpc, addr, &mut sessions).await;
+    let neighbour_hello = wire::AgentFrame {
+        frame: Some(agent_frame::Frame::Hello(wire::Hello {
+            cluster_name: "store-2".into(),
+            ..Default::default()
+        })),
+    };
+    let channel = grpc_channel(addr, neighbour_tls(&pki)).await.unwrap();
+    let neighbour = flotilla_transport::grpc::open_session(channel, MAX_FRAME, neighbour_hello)
+        .await
+        .unwrap();
+
+    let opening = hub.tunnels.open("t-1", Duration::from_secs(10));
+    // Polled after the gateway's side has registered its wait (join! polls in order).
+    let answers = async {
+        let taken = neighbour.tunnels.open_requested("t-1").await.expect("grpc");
+        let own = agent.tunnels.open_requested("t-1").await.expect("grpc");
+        (taken, own)
+    };
+    let (opened, (taken, own)) = futures::join!(opening, answers);
+    let refused = taken.expect_err("store-2's agent answered store-1's tunnel");
+    assert!(
+        refused
+            .to_string()
+            .contains("no tunnel t-1 is waiting for cluster store-2"),
+        "{refused}"
+    );
+    let mut own = own.expect("store-1's agent still opens its tunnel");
+    let mut opened = opened.expect("the gateway's side still gets store-1's tunnel");
+    opened.write_all(b"ping").await.unwrap();
+    opened.shutdown().await.unwrap();
+    let mut got = Vec::new();
+    own.read_to_end(&mut got).await.unwrap();
+    assert_eq!(got, b"ping");
 }
 
 /// A gate that says the gateway does not serve yet until switched on, counting what it is asked.

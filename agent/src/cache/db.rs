@@ -581,7 +581,15 @@ impl WorkCache for ClusterCache {
         self.db.write(Durability::Immediate, move |t| {
             let (seq, acked_seq) = match get_json::<StatusRecord>(&t.status, STATUS, &key, &uid)? {
                 Some(prev) => (prev.seq + 1, prev.acked_seq),
-                None => (1, 0),
+                // No record (a new work, or a cache lost with a rebuilt spoke): start at the wall
+                // clock in microseconds, above what an earlier life reported, which the hub
+                // keeps and refuses older reports than. A session's TLS keeps the clock right.
+                None => (
+                    std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(1, |d| d.as_micros() as u64),
+                    0,
+                ),
             };
             let record = StatusRecord {
                 generation,

@@ -147,31 +147,44 @@ mod tests {
         let path = dir.path().join("cache.redb");
         const CLUSTERS: usize = 16;
         const STATUSES: u64 = 20;
-        {
+        // Each cluster's first seq, as its writer was answered.
+        let firsts: Vec<u64> = {
             let db = CacheDb::open_with(&path, CommitMode::Group).unwrap();
             std::thread::scope(|s| {
-                for c in 0..CLUSTERS {
-                    let cache = db.cluster(&format!("store-{c}"));
-                    s.spawn(move || {
-                        cache.put_work(&work("a", 1), Some(b"{}")).unwrap();
-                        for n in 1..=STATUSES {
-                            // Seqs count per work even with other clusters' writes in the
-                            // same transactions.
-                            assert_eq!(cache.push_status("a", 1, &json!({ "n": n })).unwrap(), n);
-                        }
-                        assert!(!cache.ack_status("a", STATUSES - 1).unwrap());
-                        assert!(!cache.mark_deleting("missing").unwrap());
-                    });
-                }
-            });
-        }
+                let writers: Vec<_> = (0..CLUSTERS)
+                    .map(|c| {
+                        let cache = db.cluster(&format!("store-{c}"));
+                        s.spawn(move || {
+                            cache.put_work(&work("a", 1), Some(b"{}")).unwrap();
+                            let first = cache.push_status("a", 1, &json!({ "n": 1 })).unwrap();
+                            for n in 2..=STATUSES {
+                                // Seqs count per work even with other clusters' writes in the
+                                // same transactions.
+                                assert_eq!(
+                                    cache.push_status("a", 1, &json!({ "n": n })).unwrap(),
+                                    first + n - 1
+                                );
+                            }
+                            assert!(!cache.ack_status("a", first + STATUSES - 2).unwrap());
+                            assert!(!cache.mark_deleting("missing").unwrap());
+                            first
+                        })
+                    })
+                    .collect();
+                writers.into_iter().map(|w| w.join().unwrap()).collect()
+            })
+        };
         let db = CacheDb::open(&path).unwrap();
-        for c in 0..CLUSTERS {
+        for (c, first) in firsts.into_iter().enumerate() {
             let cache = db.cluster(&format!("store-{c}"));
             assert_eq!(cache.work("a").unwrap(), Some(work("a", 1)));
             let pending = cache.pending_statuses().unwrap();
             assert_eq!(pending.len(), 1, "store-{c}: {pending:?}");
-            assert_eq!(pending[0].seq, STATUSES);
+            assert_eq!(pending[0].seq, first + STATUSES - 1);
+            assert!(
+                first > 1_600_000_000_000_000,
+                "the first seq is the wall clock in microseconds: {first}"
+            );
             assert_eq!(
                 pending[0].status_json,
                 format!(r#"{{"n":{STATUSES}}}"#).as_bytes()
@@ -196,7 +209,8 @@ mod tests {
         .unwrap();
         let err = cache.push_status("bad", 1, &json!({})).unwrap_err();
         assert!(err.to_string().contains("status/bad"), "{err}");
-        assert_eq!(cache.push_status("good", 1, &json!({})).unwrap(), 1);
+        let good = cache.push_status("good", 1, &json!({})).unwrap();
+        assert_eq!(cache.last_status("good").unwrap().unwrap().seq, good);
         cache.put_work(&work("a", 1), None).unwrap();
         assert_eq!(cache.work("a").unwrap(), Some(work("a", 1)));
     }

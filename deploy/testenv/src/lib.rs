@@ -71,6 +71,10 @@ pub struct TestEnv {
     config: kube::Config,
     /// Data, certificates, kubeconfig and logs (`etcd.log`, `kube-apiserver.log`).
     workdir: tempfile::TempDir,
+    /// The kube-apiserver binary and its flags, to start it again on the same port and etcd.
+    apiserver_command: (PathBuf, Vec<String>),
+    /// Starts of kube-apiserver so far; each start after the first logs to its own file.
+    apiserver_starts: usize,
 }
 
 impl TestEnv {
@@ -157,6 +161,41 @@ impl TestEnv {
     /// The apiserver's `GET /metrics` text (Prometheus exposition format).
     pub async fn metrics(&self) -> anyhow::Result<String> {
         self.get_text("/metrics").await
+    }
+
+    /// Stops kube-apiserver (SIGTERM, then SIGKILL after a grace period) and waits until it has
+    /// exited; etcd keeps running. Blocking, as dropping does.
+    pub fn stop_apiserver(&mut self) {
+        self.apiserver.stop();
+    }
+
+    /// Starts kube-apiserver again with the same flags, port, certificates and etcd, and waits
+    /// until it is ready; its log is `kube-apiserver-<n>.log`. Clients keep their kubeconfig.
+    pub async fn start_apiserver(&mut self) -> anyhow::Result<()> {
+        if let Some(status) = self.etcd.try_exited()? {
+            bail!(
+                "etcd exited ({status}), so kube-apiserver cannot start again\n--- last lines of its log ---\n{}",
+                self.etcd.log_tail(LOG_TAIL_LINES)
+            );
+        }
+        self.apiserver_starts += 1;
+        let (program, args) = &self.apiserver_command;
+        let log = self
+            .workdir
+            .path()
+            .join(format!("kube-apiserver-{}.log", self.apiserver_starts));
+        // The old process is reaped by `stop`; stopping it again is a no-op.
+        self.apiserver.stop();
+        self.apiserver = ChildProcess::spawn("kube-apiserver", program, args, log)?;
+        let client = self.client().await?;
+        wait_apiserver_ready(&mut self.apiserver, &client)
+            .await
+            .map_err(|e| match e {
+                StartError::PortTaken(e) | StartError::Other(e) => e.context(format!(
+                    "starting kube-apiserver again on {}",
+                    self.server_url
+                )),
+            })
     }
 
     /// The kube-apiserver's process id, e.g. to check that it is gone after drop.
@@ -371,6 +410,8 @@ async fn start_once(
         kubeconfig_path,
         config,
         workdir,
+        apiserver_command: (bin.join("kube-apiserver"), args),
+        apiserver_starts: 1,
     })
 }
 

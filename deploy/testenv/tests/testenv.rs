@@ -164,6 +164,35 @@ async fn two_apiservers_side_by_side() -> anyhow::Result<()> {
 }
 
 #[tokio::test]
+async fn the_apiserver_restarts_on_its_port_with_its_data() -> anyhow::Result<()> {
+    trace_init();
+    let mut env = TestEnv::start().await?;
+    let (old_pid, etcd) = (env.apiserver_pid(), env.etcd_pid());
+    let client = env.client().await?;
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    namespaces
+        .create(&PostParams::default(), &namespace("before-restart"))
+        .await?;
+
+    env.stop_apiserver();
+    assert!(
+        !process_exists(old_pid),
+        "the old kube-apiserver is still there"
+    );
+    assert!(
+        namespaces.get_opt("before-restart").await.is_err(),
+        "a request was answered with the apiserver stopped"
+    );
+
+    env.start_apiserver().await?;
+    assert_ne!(env.apiserver_pid(), old_pid);
+    assert_eq!(env.etcd_pid(), etcd, "etcd kept running");
+    // The client made before the restart, on the same URL, finds the data kept in etcd.
+    assert!(namespaces.get_opt("before-restart").await?.is_some());
+    Ok(())
+}
+
+#[tokio::test]
 async fn kubectl_talks_to_it() -> anyhow::Result<()> {
     trace_init();
     let env = TestEnv::start().await?;

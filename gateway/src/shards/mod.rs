@@ -17,4 +17,4 @@ pub mod view;
 
 pub use leasing::ShardLeasing;
 pub use owner::{OwnerConfig, ShardOwner};
-pub use view::{DirectoryEntry, Fence, Route, ShardDirectory, ShardView, ShardViews};
+pub use view::{DirectoryEntry, Fence, Held, Route, ShardDirectory, ShardView, ShardViews};

@@ -19,6 +19,15 @@ pub struct Fence {
     pub valid_until: Instant,
 }
 
+/// What a gateway's write for a cluster is fenced by: the cluster's shard and the epoch this
+/// gateway holds it at, as its view said right before the write. The store refuses the write if
+/// the object it writes was written under a newer epoch since (`flotilla_proto::contract::fence`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Held {
+    pub shard: u32,
+    pub epoch: u32,
+}
+
 /// One shard's owner as the leases say.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DirectoryEntry {
@@ -185,6 +194,13 @@ impl ShardView {
     /// Whether this gateway may act for `cluster` at `now`.
     pub fn holds_cluster(&self, cluster: &str, now: Instant) -> bool {
         self.holds(self.shard_of(cluster), now).is_some()
+    }
+
+    /// The shard and epoch this gateway's writes for `cluster` are fenced by at `now`, if it
+    /// may act for the cluster (epoch 0 without leases).
+    pub fn held_for(&self, cluster: &str, now: Instant) -> Option<Held> {
+        let shard = self.shard_of(cluster);
+        self.holds(shard, now).map(|epoch| Held { shard, epoch })
     }
 
     /// Where `cluster`'s session belongs at `now`.

@@ -243,21 +243,19 @@ async fn handle(
         failure(status, reason, &message)
     };
 
-    let Some((cluster, path)) = cluster_path(request.uri().path()) else {
-        return refuse(
-            line,
-            StatusCode::NOT_FOUND,
-            "NotFound",
-            format!(
-                "{} is not a cluster path; the proxy front serves /clusters/NAME/<Kubernetes API path> (flotilla kubeconfig --cluster NAME writes a kubeconfig for it)",
-                request.uri().path()
-            ),
-        );
+    let head = match RequestHead::read(request.method(), request.uri(), request.headers()) {
+        Ok(head) => head,
+        Err(message) => return refuse(line, StatusCode::NOT_FOUND, "NotFound", message),
     };
+    let RequestHead {
+        cluster,
+        path,
+        verb,
+        upgrade,
+    } = head;
     line.cluster = cluster.clone();
     line.path = path.clone();
-    let upgrade = tunnel::is_upgrade(request.headers());
-    line.verb = audit::verb(request.method(), &path, request.uri().query());
+    line.verb = verb;
 
     let user = match front.tokens.authenticate(&info.peer, request.headers()) {
         Ok(user) => user,
@@ -348,17 +346,9 @@ async fn handle(
         }
     };
 
-    // The user's credentials and impersonation never pass; the hub's identity does.
-    let headers = request.headers_mut();
-    tunnel::strip_credentials(headers);
-    tunnel::remove_hop_by_hop(headers);
-    if let Err(e) = tunnel::set_identity(headers, &user.user, &user.groups) {
+    if let Err(e) = forwarded_headers(request.headers_mut(), &user, &tunnel_id) {
         return refuse(line, StatusCode::BAD_REQUEST, "BadRequest", e);
     }
-    headers.insert(
-        tunnel::TUNNEL_ID,
-        http::HeaderValue::from_str(&tunnel_id).expect("tunnel ids are header-safe"),
-    );
     let forwarded = async {
         let stream = match front.route.open(&cluster, &tunnel_id).await {
             Ok(stream) => stream,
@@ -455,12 +445,7 @@ async fn forward(
     let upgrade = tunnel::is_upgrade(request.headers());
     let from_user = upgrade.then(|| hyper::upgrade::on(&mut request));
     let (mut parts, body) = request.into_parts();
-    parts.uri = match parts.uri.query() {
-        Some(q) => format!("{path}?{q}"),
-        None => path,
-    }
-    .parse()
-    .map_err(|e| (StatusCode::BAD_REQUEST, format!("bad request path: {e}")))?;
+    parts.uri = cluster_uri(&path, parts.uri.query()).map_err(|e| (StatusCode::BAD_REQUEST, e))?;
     let bytes_in = Arc::new(AtomicU64::new(0));
     let bytes_out = Arc::new(AtomicU64::new(0));
     let body = Counted {
@@ -520,6 +505,70 @@ async fn forward(
         .map_err(BoxError::from)
         .boxed()
     }))
+}
+
+/// What the front reads from a request's head before it knows who sent it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct RequestHead {
+    /// The cluster the request is for.
+    pub(crate) cluster: String,
+    /// The Kubernetes API path on that cluster (what follows `/clusters/NAME`).
+    pub(crate) path: String,
+    /// The Kubernetes verb, for the audit line and read-only access.
+    pub(crate) verb: String,
+    /// Whether it asks to switch protocols (exec, attach, port-forward).
+    pub(crate) upgrade: bool,
+}
+
+impl RequestHead {
+    /// Reads the cluster, path and verb, or says (for a 404) why the path is not a cluster's.
+    pub(crate) fn read(
+        method: &http::Method,
+        uri: &http::Uri,
+        headers: &http::HeaderMap,
+    ) -> Result<RequestHead, String> {
+        let Some((cluster, path)) = cluster_path(uri.path()) else {
+            return Err(format!(
+                "{} is not a cluster path; the proxy front serves /clusters/NAME/<Kubernetes API path> (flotilla kubeconfig --cluster NAME writes a kubeconfig for it)",
+                uri.path()
+            ));
+        };
+        let verb = audit::verb(method, &path, uri.query());
+        Ok(RequestHead {
+            cluster,
+            path,
+            verb,
+            upgrade: tunnel::is_upgrade(headers),
+        })
+    }
+}
+
+/// The request's headers as they travel to the agent: the user's credentials and
+/// impersonation never pass (nor hop-by-hop headers); the hub user's identity and the tunnel's
+/// id do. An error names a user or group that cannot travel in a header.
+pub(crate) fn forwarded_headers(
+    headers: &mut http::HeaderMap,
+    user: &ProxyUser,
+    tunnel_id: &str,
+) -> Result<(), String> {
+    tunnel::strip_credentials(headers);
+    tunnel::remove_hop_by_hop(headers);
+    tunnel::set_identity(headers, &user.user, &user.groups)?;
+    headers.insert(
+        tunnel::TUNNEL_ID,
+        http::HeaderValue::from_str(tunnel_id).expect("tunnel ids are header-safe"),
+    );
+    Ok(())
+}
+
+/// The request's URI on the cluster: `path` there, with the user's query.
+pub(crate) fn cluster_uri(path: &str, query: Option<&str>) -> Result<http::Uri, String> {
+    match query {
+        Some(q) => format!("{path}?{q}"),
+        None => path.to_string(),
+    }
+    .parse()
+    .map_err(|e| format!("bad request path: {e}"))
 }
 
 /// `/clusters/NAME/rest` as (NAME, `/rest`), NAME a valid cluster name.

@@ -12,6 +12,7 @@ use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize};
 
 use super::serde_util::{is_default, null_as_default};
+use crate::contract::fence::WriteFence;
 
 /// Label on a ManagedCluster naming the ManagedClusterSet it belongs to
 /// (`selectorType: ExclusiveClusterSetLabel`).
@@ -149,6 +150,11 @@ pub struct ManagedClusterStatus {
     /// ClusterClaims the agent collected on the spoke, projected here read-only.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub cluster_claims: Vec<ManagedClusterClaim>,
+    /// flotilla's addition to OCM's status: the fencing record of the last gateway write of
+    /// this cluster's health (shard, lease epoch, gateway). The store refuses a gateway's write
+    /// under an older epoch of the same shard; other writers keep the record as stored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fence: Option<WriteFence>,
 }
 
 /// Reads a resource list whose quantities may be written as YAML numbers (`cpu: 24`), as the

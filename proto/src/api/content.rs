@@ -331,11 +331,8 @@ pub fn named_chunk_digests(work: &serde_json::Value) -> Vec<String> {
 /// Checks a [`ManifestChunk`] object before it is stored: its name must be `sha256-<hex>` of
 /// its data. The error names the chunk and both digests and says how to fix it.
 pub fn check_chunk_object(object: &serde_json::Value) -> Result<(), String> {
-    let name = object["metadata"]["name"].as_str().unwrap_or("<unnamed>");
-    let qualified = match object["metadata"]["namespace"].as_str() {
-        Some(ns) => format!("{ns}/{name}"),
-        None => name.to_string(),
-    };
+    let name = object["metadata"]["name"].as_str().unwrap_or("");
+    let qualified = super::object_name(object["metadata"]["namespace"].as_str(), Some(name));
     let chunk: ManifestChunk = serde_json::from_value(object.clone())
         .map_err(|e| format!("ManifestChunk {qualified}: does not parse: {e}"))?;
     let got = sha256_hex(&chunk.spec.data.0);

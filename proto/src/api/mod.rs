@@ -66,6 +66,16 @@ pub use work::{
     UpdateStrategy, UpdateStrategyType,
 };
 
+/// How a refusal names an object: `namespace/name`, or `name` when it has no namespace, with
+/// `<unnamed>` for a name that is missing or empty (which the stores refuse too).
+pub fn object_name(namespace: Option<&str>, name: Option<&str>) -> String {
+    let name = name.filter(|n| !n.is_empty()).unwrap_or("<unnamed>");
+    match namespace {
+        Some(ns) => format!("{ns}/{name}"),
+        None => name.to_string(),
+    }
+}
+
 /// A kind the hub stores, typed. Store backends keep objects as JSON keyed by [`Kind`]; this
 /// trait lets typed code (controllers, the gateway) go between the two:
 /// `serde_json::to_value(&work)` and `serde_json::from_value::<ManifestWork>(json)`, with

@@ -1,8 +1,6 @@
 //! Checks on a ManifestWork before it is stored or delivered, so that a bad manifest is refused
 //! with a message naming the work and the manifest instead of failing later on the spoke.
 
-use kube::ResourceExt;
-
 use super::content::ContentRef;
 use super::work::{Manifest, ManifestConfigOption, ManifestWork};
 
@@ -223,8 +221,8 @@ fn check_manifest(
 
 /// `namespace/name` as people write it; just `name` when the work has no namespace yet.
 fn work_name(work: &ManifestWork) -> String {
-    match work.namespace() {
-        Some(ns) => format!("{ns}/{}", work.name_any()),
-        None => work.name_any(),
-    }
+    super::object_name(
+        work.metadata.namespace.as_deref(),
+        work.metadata.name.as_deref(),
+    )
 }

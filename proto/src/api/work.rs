@@ -10,6 +10,7 @@ use schemars::{JsonSchema, Schema, SchemaGenerator, json_schema};
 use serde::{Deserialize, Serialize};
 
 use super::serde_util::{is_default, null_as_default};
+use crate::contract::fence::WriteFence;
 
 /// Finalizer on a ManifestWork until its resources are gone from the managed cluster.
 pub const MANIFEST_WORK_CLEANUP_FINALIZER: &str =
@@ -359,6 +360,12 @@ pub struct ManifestWorkStatus {
     /// Per-resource status.
     #[serde(default, skip_serializing_if = "is_default")]
     pub resource_status: ManifestResourceStatus,
+    /// flotilla's addition to OCM's status: the fencing record of the last gateway write of
+    /// this status (shard, lease epoch, gateway, the agent's report sequence). The store
+    /// refuses a gateway's write under an older epoch of the same shard, or of an older report;
+    /// other writers keep the record as stored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fence: Option<WriteFence>,
 }
 
 /// Per-resource status of a work (OCM's `ManifestResourceStatus`).

@@ -7,7 +7,9 @@
 
 pub mod browser;
 pub mod faults;
+pub mod https;
 pub mod proxy;
+pub mod scripted;
 pub mod spoke;
 
 pub use flotilla_transport::Carrier;
@@ -490,6 +492,19 @@ impl GatewayProc {
         cert_dir: &Path,
         extra: &[&str],
     ) -> anyhow::Result<GatewayProc> {
+        GatewayProc::start_with_env(dir, name, kubeconfig, cert_dir, extra, &[])
+    }
+
+    /// [`GatewayProc::start`] with environment variables `env` set for it (replacing the
+    /// defaults of the same name, such as `RUST_LOG`).
+    pub fn start_with_env(
+        dir: &Path,
+        name: &str,
+        kubeconfig: &Path,
+        cert_dir: &Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<GatewayProc> {
         let address = format!("127.0.0.1:{}", free_port()?);
         let mut cmd = Command::new(bin("flotilla-gateway"));
         cmd.args(["--name", name])
@@ -500,7 +515,8 @@ impl GatewayProc {
             .arg(cert_dir)
             .args(fast_health_unless(extra))
             .args(extra)
-            .env("RUST_LOG", "info,flotilla_gateway=debug");
+            .env("RUST_LOG", "info,flotilla_gateway=debug")
+            .envs(env.iter().copied());
         let proc = Proc::spawn(name, cmd, dir.join(format!("{name}.log")))?;
         Ok(GatewayProc {
             proc,

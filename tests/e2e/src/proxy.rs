@@ -21,18 +21,24 @@ pub async fn hub_with_proxy(
     tokens: &str,
     extra: &[&str],
 ) -> anyhow::Result<Hub> {
+    let mut args = proxy_flags(dir, rules, tokens)?;
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    Hub::start(dir, &args).await
+}
+
+/// The hub flags of a proxy front on a free port with `rules` (YAML) as its access rules and
+/// `tokens` (kube-apiserver token file lines) as its bearer tokens, written into `dir`.
+pub fn proxy_flags(dir: &Path, rules: &str, tokens: &str) -> anyhow::Result<Vec<String>> {
     let rules_path = dir.join("access-rules.yaml");
     std::fs::write(&rules_path, rules)?;
     let tokens_path = dir.join("proxy-tokens.csv");
     std::fs::write(&tokens_path, tokens)?;
-    let mut args = vec![
+    Ok(vec![
         "--proxy-listen=127.0.0.1:0".to_string(),
         format!("--proxy-access-rules={}", rules_path.display()),
         format!("--proxy-token-file={}", tokens_path.display()),
-    ];
-    args.extend(extra.iter().map(|s| s.to_string()));
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    Hub::start(dir, &args).await
+    ])
 }
 
 impl Hub {

@@ -102,13 +102,17 @@ fn everything_survives_reopening() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("agent").join("cache.redb");
     let reopen = || CacheDb::open(&path).expect("reopening the cache");
+    let first;
     {
         let db = CacheDb::open(&path).unwrap();
         let cache = db.cluster("store-7");
         cache.put_work(&work("a", 3), Some(b"{}")).unwrap();
         cache.set_ledger("a", &[deployment("web")]).unwrap();
-        assert_eq!(cache.push_status("a", 3, &json!({"n": 1})).unwrap(), 1);
-        assert_eq!(cache.push_status("a", 3, &json!({"n": 2})).unwrap(), 2);
+        first = cache.push_status("a", 3, &json!({"n": 1})).unwrap();
+        assert_eq!(
+            cache.push_status("a", 3, &json!({"n": 2})).unwrap(),
+            first + 1
+        );
     }
     let db = reopen();
     let cache = db.cluster("store-7");
@@ -116,16 +120,19 @@ fn everything_survives_reopening() {
     assert_eq!(cache.ledger("a").unwrap(), vec![deployment("web")]);
     let pending = cache.pending_statuses().unwrap();
     assert_eq!(pending.len(), 1);
-    assert_eq!((pending[0].seq, pending[0].generation), (2, 3));
+    assert_eq!((pending[0].seq, pending[0].generation), (first + 1, 3));
     assert_eq!(pending[0].status_json, br#"{"n":2}"#);
     // The seq keeps counting from where it was, even after the hub acked everything.
-    assert!(cache.ack_status("a", 2).unwrap());
+    assert!(cache.ack_status("a", first + 1).unwrap());
     drop(cache);
     drop(db);
     let db = reopen();
     let cache = db.cluster("store-7");
     assert!(cache.pending_statuses().unwrap().is_empty());
-    assert_eq!(cache.push_status("a", 4, &json!({"n": 3})).unwrap(), 3);
+    assert_eq!(
+        cache.push_status("a", 4, &json!({"n": 3})).unwrap(),
+        first + 2
+    );
 }
 
 #[test]
@@ -198,13 +205,17 @@ fn clusters_in_one_database_are_isolated() {
 fn the_outbox_keeps_the_latest_status_per_work_with_increasing_seq() {
     let db = CacheDb::temporary().unwrap();
     let cache = db.cluster("c");
-    assert_eq!(cache.push_status("a", 1, &json!({"v": 1})).unwrap(), 1);
-    assert_eq!(cache.push_status("a", 2, &json!({"v": 2})).unwrap(), 2);
-    assert_eq!(cache.push_status("b", 1, &json!({"v": 9})).unwrap(), 1);
+    let a1 = cache.push_status("a", 1, &json!({"v": 1})).unwrap();
+    assert_eq!(cache.push_status("a", 2, &json!({"v": 2})).unwrap(), a1 + 1);
+    let b1 = cache.push_status("b", 1, &json!({"v": 9})).unwrap();
+    assert!(
+        b1 >= a1,
+        "a new work starts at the clock, never below an older one"
+    );
     let pending = cache.pending_statuses().unwrap();
     assert_eq!(pending.len(), 2, "coalesced per work: {pending:?}");
     let a = pending.iter().find(|p| p.uid == "a").unwrap();
-    assert_eq!((a.generation, a.seq), (2, 2));
+    assert_eq!((a.generation, a.seq), (2, a1 + 1));
     assert_eq!(a.status_json, br#"{"v":2}"#);
 }
 
@@ -212,14 +223,14 @@ fn the_outbox_keeps_the_latest_status_per_work_with_increasing_seq() {
 fn an_ack_for_an_older_seq_keeps_the_newer_status_pending() {
     let db = CacheDb::temporary().unwrap();
     let cache = db.cluster("c");
-    cache.push_status("a", 1, &json!({"v": 1})).unwrap();
+    let first = cache.push_status("a", 1, &json!({"v": 1})).unwrap();
     cache.push_status("a", 1, &json!({"v": 2})).unwrap();
-    assert!(!cache.ack_status("a", 1).unwrap());
-    assert_eq!(cache.pending_statuses().unwrap()[0].seq, 2);
-    assert!(cache.ack_status("a", 2).unwrap());
+    assert!(!cache.ack_status("a", first).unwrap());
+    assert_eq!(cache.pending_statuses().unwrap()[0].seq, first + 1);
+    assert!(cache.ack_status("a", first + 1).unwrap());
     assert!(cache.pending_statuses().unwrap().is_empty());
     // A late duplicate ack changes nothing; an unknown work is not an error.
-    assert!(cache.ack_status("a", 1).unwrap());
+    assert!(cache.ack_status("a", first).unwrap());
     assert!(!cache.ack_status("zzz", 1).unwrap());
     // The last status stays for comparison after the ack.
     assert_eq!(
@@ -232,9 +243,12 @@ fn an_ack_for_an_older_seq_keeps_the_newer_status_pending() {
 fn an_ack_past_our_seq_does_not_hide_later_statuses() {
     let db = CacheDb::temporary().unwrap();
     let cache = db.cluster("c");
-    cache.push_status("a", 1, &json!({})).unwrap();
-    assert!(cache.ack_status("a", 7).unwrap());
-    assert_eq!(cache.push_status("a", 1, &json!({"v": 2})).unwrap(), 2);
+    let first = cache.push_status("a", 1, &json!({})).unwrap();
+    assert!(cache.ack_status("a", first + 6).unwrap());
+    assert_eq!(
+        cache.push_status("a", 1, &json!({"v": 2})).unwrap(),
+        first + 1
+    );
     assert_eq!(cache.pending_statuses().unwrap().len(), 1);
 }
 
