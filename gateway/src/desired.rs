@@ -11,7 +11,7 @@ use flotilla_proto::api::content::ContentRef;
 use flotilla_proto::api::{Kind, ManifestWork, content_hash};
 use flotilla_proto::contract::WORK_CLEANUP_FINALIZER;
 use flotilla_proto::session::DesiredWork;
-use flotilla_store::{Object, Store, WatchEvent, namespace_of};
+use flotilla_store::{Basis, Object, Store, WatchEvent, namespace_of};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
@@ -29,6 +29,10 @@ pub struct DesiredState {
     /// agents were told to delete them, and may still report their status (`Deleting`) until
     /// the finalizer goes. Namespace → uid → name.
     terminating: RwLock<HashMap<String, HashMap<String, String>>>,
+    /// What each work (by uid) was as last listed or watched, with its namespace: its
+    /// resourceVersion and fencing record, the basis a status write of it is compared against
+    /// when this gateway has written nothing of it yet (see `crate::fencing`).
+    bases: RwLock<HashMap<String, (String, Basis)>>,
     /// Set once the first list has been loaded (readiness; sessions wait on `load`).
     ready: watch::Sender<bool>,
     /// The shards listed so far: a session waits for its cluster's shard before syncing, so a
@@ -63,9 +67,34 @@ impl DesiredState {
         self.load.wait_for(cluster).await;
     }
 
-    /// Whether `cluster`'s shard is loaded now (never waits).
-    pub fn has_loaded(&self, cluster: &str) -> bool {
+    /// Work `uid` as this cache last saw it: its resourceVersion and fencing record. Never
+    /// waits.
+    pub fn basis(&self, uid: &str) -> Option<Basis> {
+        read(&self.bases).get(uid).map(|(_, basis)| basis.clone())
+    }
+
+    /// Records `obj`'s basis, as listed or watched.
+    fn note_basis(&self, obj: &Object) {
+        if let (Some(ns), Some(uid), Some(basis)) = (
+            namespace_of(obj),
+            obj["metadata"]["uid"].as_str(),
+            Basis::of(obj),
+        ) {
+            write(&self.bases).insert(uid.to_owned(), (ns.to_owned(), basis));
+        }
+    }
+
+    /// Whether `cluster`'s work `uid` is in the cache now, desired or deleted and held by a
+    /// finalizer; `false` while the cluster's shard is not loaded (not yet, or handed over).
+    /// Never waits.
+    pub fn has_work(&self, cluster: &str, uid: &str) -> bool {
         self.load.has(cluster)
+            && (read(&self.works)
+                .get(cluster)
+                .is_some_and(|m| m.contains_key(uid))
+                || read(&self.terminating)
+                    .get(cluster)
+                    .is_some_and(|m| m.contains_key(uid)))
     }
 
     /// How many works the cache holds (desired, and deleted but held by a finalizer); `None`
@@ -212,12 +241,14 @@ impl DesiredState {
     ) {
         let mut fresh: HashMap<String, HashMap<String, DesiredWork>> = HashMap::new();
         write(&self.terminating).clear();
+        write(&self.bases).clear();
         for obj in items {
             // Labelled with a held shard but of another shard's cluster (a label not yet
             // corrected by the hub): not this gateway's to serve.
             if !namespace_of(&obj).is_some_and(|ns| set.has_cluster(ns)) {
                 continue;
             }
+            self.note_basis(&obj);
             if self.note_terminating(&obj) {
                 continue;
             }
@@ -264,9 +295,18 @@ impl DesiredState {
     async fn retain(&self, set: &ShardSet) {
         write(&self.works).retain(|ns, _| set.has_cluster(ns));
         write(&self.terminating).retain(|ns, _| set.has_cluster(ns));
+        write(&self.bases).retain(|_, (ns, _)| set.has_cluster(ns));
     }
 
     async fn apply(&self, event: WatchEvent, registry: &Registry, store: &dyn Store) {
+        match &event {
+            WatchEvent::Added(obj) | WatchEvent::Modified(obj) => self.note_basis(obj),
+            WatchEvent::Deleted(obj) => {
+                if let Some(uid) = obj["metadata"]["uid"].as_str() {
+                    write(&self.bases).remove(uid);
+                }
+            }
+        }
         match event {
             WatchEvent::Added(obj) | WatchEvent::Modified(obj) if self.note_terminating(&obj) => {
                 // Deleted on the hub, held by a finalizer: the agent removes its resources now.

@@ -256,43 +256,161 @@ fn unix_ms() -> u64 {
 }
 
 /// The last [`Basis`] this gateway saw of each work it wrote (by uid, with the work's
-/// cluster): what the object its previous fenced write returned says, so the next write of the
-/// work (a status after the finalizer went on, the next status) costs the store one request, not
-/// a read and a write. An entry that is out of date costs a read when used (the store reads
-/// again on a conflict). Bounded by the works of the shards held: forgotten with the work, and
-/// pruned of deleted works and handed-over shards with the status record.
+/// cluster), and whose turn it is to write the work. Its writers of works (statuses, cleanup
+/// finalizers) take turns per work ([`WorkBases::turn`]), and each write is compared against
+/// and conditioned on what the previous one returned: an agent acknowledging a work and then
+/// reporting its status makes the finalizer's write and the status write, and the status write
+/// then costs one request on the object the finalizer's returned, where racing each other they
+/// would conflict and read again. An entry that is out of date costs a read when used (the
+/// store reads again on a conflict). Bounded by the works of the shards held: forgotten with
+/// the work, and pruned of deleted works and handed-over shards with the status record.
 #[derive(Default)]
-pub struct WorkBases(crate::locks::SyncMutex<std::collections::HashMap<String, (String, Basis)>>);
+pub struct WorkBases {
+    works: crate::locks::SyncMutex<std::collections::HashMap<String, WorkBasis>>,
+    /// Woken whenever a turn ends.
+    turn_ended: tokio::sync::Notify,
+}
+
+struct WorkBasis {
+    cluster: String,
+    basis: Option<Basis>,
+    /// A write of the work is in flight (its [`Turn`] lives).
+    busy: bool,
+}
+
+/// One writer's turn to write a work: no other write of it is in flight until it is dropped.
+pub(crate) struct Turn<'a> {
+    bases: &'a WorkBases,
+    uid: String,
+    /// What the previous write of the work returned, if this gateway knows.
+    pub basis: Option<Basis>,
+}
 
 impl WorkBases {
     pub fn new() -> Arc<WorkBases> {
         Arc::new(WorkBases::default())
     }
 
-    /// The basis last recorded for work `uid`.
-    pub(crate) fn get(&self, uid: &str) -> Option<Basis> {
-        crate::locks::lock(&self.0)
-            .get(uid)
-            .map(|(_, basis)| basis.clone())
-    }
-
-    /// Records `object`, as a write of work `uid` of `cluster` returned it.
-    pub(crate) fn record(&self, uid: &str, cluster: &str, object: &Object) {
-        if let Some(basis) = Basis::of(object) {
-            crate::locks::lock(&self.0).insert(uid.to_owned(), (cluster.to_owned(), basis));
+    /// Waits until no other write of work `uid` (of `cluster`) is in flight, and takes the
+    /// turn, with the basis the last write left.
+    pub(crate) async fn turn(&self, uid: &str, cluster: &str) -> Turn<'_> {
+        loop {
+            let ended = self.turn_ended.notified();
+            tokio::pin!(ended);
+            // Registered before the look, so a turn ending right after it still wakes us.
+            ended.as_mut().enable();
+            {
+                let mut works = crate::locks::lock(&self.works);
+                let entry = works.entry(uid.to_owned()).or_insert_with(|| WorkBasis {
+                    cluster: cluster.to_owned(),
+                    basis: None,
+                    busy: false,
+                });
+                if !entry.busy {
+                    entry.busy = true;
+                    return Turn {
+                        bases: self,
+                        uid: uid.to_owned(),
+                        basis: entry.basis.clone(),
+                    };
+                }
+            }
+            ended.await;
         }
     }
 
-    /// Forgets work `uid`'s basis: it is gone, or known to be out of date.
+    /// Forgets work `uid`'s basis: it is gone, or its shard is no longer held.
     pub(crate) fn forget(&self, uid: &str) {
-        crate::locks::lock(&self.0).remove(uid);
+        let mut works = crate::locks::lock(&self.works);
+        match works.get_mut(uid) {
+            Some(entry) if entry.busy => entry.basis = None,
+            Some(_) => {
+                works.remove(uid);
+            }
+            None => {}
+        }
     }
 
-    /// Every work with a basis: (uid, cluster).
+    /// Every work with an entry: (uid, cluster).
     pub(crate) fn works(&self) -> Vec<(String, String)> {
-        crate::locks::lock(&self.0)
+        crate::locks::lock(&self.works)
             .iter()
-            .map(|(uid, (cluster, _))| (uid.clone(), cluster.clone()))
+            .map(|(uid, w)| (uid.clone(), w.cluster.clone()))
             .collect()
+    }
+
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        crate::locks::lock(&self.works).len()
+    }
+}
+
+impl Turn<'_> {
+    /// The write returned `object`: the next write's basis.
+    pub(crate) fn record(&mut self, object: &Object) {
+        self.basis = Basis::of(object);
+    }
+
+    /// The basis is out of date or the work gone: the next write reads it afresh.
+    pub(crate) fn forget(&mut self) {
+        self.basis = None;
+    }
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        {
+            let mut works = crate::locks::lock(&self.bases.works);
+            match (works.get_mut(&self.uid), self.basis.take()) {
+                (Some(entry), Some(basis)) => {
+                    entry.busy = false;
+                    entry.basis = Some(basis);
+                }
+                (Some(_), None) => {
+                    works.remove(&self.uid);
+                }
+                (None, _) => {}
+            }
+        }
+        self.bases.turn_ended.notify_waiters();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+    use std::time::Duration;
+
+    /// Writers of one work take turns, each starting from what the previous one returned;
+    /// writers of other works do not wait; a work whose last write left nothing is forgotten.
+    #[tokio::test]
+    async fn writes_of_one_work_take_turns_on_the_last_basis() {
+        let bases = WorkBases::new();
+        let mut first = bases.turn("w1", "store-1").await;
+        assert_eq!(first.basis, None);
+        let second = tokio::spawn({
+            let bases = bases.clone();
+            async move { bases.turn("w1", "store-1").await.basis.clone() }
+        });
+        let other = tokio::time::timeout(Duration::from_secs(10), bases.turn("w2", "store-1"))
+            .await
+            .expect("another work's writer does not wait");
+        drop(other);
+        tokio::task::yield_now().await;
+        assert!(!second.is_finished(), "waits while the first writes");
+        first.record(&json!({"metadata": {"resourceVersion": "7"}, "status": {}}));
+        drop(first);
+        let seen = tokio::time::timeout(Duration::from_secs(10), second)
+            .await
+            .expect("its turn comes")
+            .unwrap();
+        assert_eq!(
+            seen.map(|b| b.revision.as_str().to_owned()),
+            Some("7".into())
+        );
+        assert_eq!(bases.len(), 1, "w2 left nothing: forgotten");
+        bases.forget("w1");
+        assert_eq!(bases.len(), 0);
     }
 }

@@ -66,7 +66,8 @@ pub struct CleanupFinalizers {
     queue: WriteQueue<Pending>,
     /// How each write goes to the store under its fence.
     fencing: Fencing,
-    /// Where a hold's result is left for the work's first status write.
+    /// Whose turn it is to write each work, and what the last write returned: a hold's result
+    /// is the work's first status write's basis.
     bases: Arc<WorkBases>,
 }
 
@@ -167,17 +168,21 @@ impl StoreWrite<Pending> for ToStore<'_> {
             fencing: self.fencing,
             held,
         };
+        // After any other write of the work (its status); what this one writes is the basis of
+        // the next (the work's first status follows its finalizer).
+        let mut turn = self.bases.turn(&p.uid, &p.cluster).await;
         let written = match &p.change {
             Change::Hold { name } => {
                 let held = hold(&fenced, &p.cluster, name, &p.uid).await;
-                if let Ok(Some(work)) = &held {
-                    self.bases.record(&p.uid, &p.cluster, work);
+                match &held {
+                    Ok(Some(work)) => turn.record(work),
+                    _ => turn.forget(),
                 }
                 held.map(|_| ())
             }
             Change::Release { reporter } => {
                 let done = release(&fenced, self.desired, &p.cluster, &p.uid).await;
-                self.bases.forget(&p.uid);
+                turn.forget();
                 if done.is_ok()
                     && let Some(mailbox) = reporter.upgrade()
                 {

@@ -6,9 +6,11 @@
 //! Each write carries the fence the queue checked and the agent's report sequence, so the store
 //! refuses it when another gateway wrote the work under a newer epoch since (not acknowledged:
 //! the agent reports it to the shard's new owner) or a newer report of the agent is stored
-//! (acknowledged: something newer is there). It is compared against and conditioned on the
-//! object the previous write of the work returned ([`WorkBases`]), so a status costs the store
-//! one request while nobody else wrote the work.
+//! (acknowledged: something newer is there). It waits for the turn of its work (never two
+//! writes of one work at once, its cleanup finalizer's included) and is compared against and
+//! conditioned on the object the previous write returned ([`WorkBases`]), or the work as the
+//! gateway's watch cache last saw it, so a status costs the store one request while nobody
+//! else wrote the work since.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
@@ -182,6 +184,7 @@ impl StatusWriter {
                 written: &self.written,
                 fencing: &self.fencing,
                 bases: &self.bases,
+                desired: &desired,
             },
             stop.clone(),
         );
@@ -192,7 +195,7 @@ impl StatusWriter {
                     _ = tokio::time::sleep(self.prune_every.max(Duration::from_millis(10))) => {}
                     _ = stop.changed() => return,
                 }
-                self.prune(&desired).await;
+                self.prune(&desired);
             }
         };
         tokio::join!(writes, pruning);
@@ -205,6 +208,8 @@ struct ToStore<'a> {
     written: &'a SyncMutex<HashMap<String, Written>>,
     fencing: &'a Fencing,
     bases: &'a WorkBases,
+    /// The watch cache of works: a basis for a work this gateway has not written yet.
+    desired: &'a DesiredState,
 }
 
 impl StoreWrite<PendingStatus> for ToStore<'_> {
@@ -223,7 +228,12 @@ impl StoreWrite<PendingStatus> for ToStore<'_> {
             name: &p.name,
             cluster: &p.cluster,
         };
-        let basis = self.bases.get(&p.uid);
+        // After any other write of the work (its finalizer), on what that one returned, or on
+        // the work as the watch cache last saw it.
+        let mut turn = self.bases.turn(&p.uid, &p.cluster).await;
+        if turn.basis.is_none() {
+            turn.basis = self.desired.basis(&p.uid);
+        }
         match self
             .fencing
             .write_status(
@@ -232,12 +242,12 @@ impl StoreWrite<PendingStatus> for ToStore<'_> {
                 p.status.clone(),
                 held,
                 Some(p.seq),
-                basis.as_ref(),
+                turn.basis.as_ref(),
             )
             .await
         {
             Ok(stored) => {
-                self.bases.record(&p.uid, &p.cluster, &stored);
+                turn.record(&stored);
                 let written = Written {
                     cluster: p.cluster.clone(),
                     seq: p.seq,
@@ -250,7 +260,7 @@ impl StoreWrite<PendingStatus> for ToStore<'_> {
             Err(StoreError::NotFound { .. }) => {
                 // The work was deleted meanwhile: its status has nowhere to go. Acknowledge
                 // so the agent stops resending it.
-                self.bases.forget(&p.uid);
+                turn.forget();
                 ack(p);
                 Outcome::Done
             }
@@ -266,17 +276,17 @@ impl StoreWrite<PendingStatus> for ToStore<'_> {
             // Another gateway took the shard and wrote since this one checked its fence: not
             // acknowledged, so the agent reports it to the shard's owner.
             Err(StoreError::Fenced { .. }) => {
-                self.bases.forget(&p.uid);
+                turn.forget();
                 Outcome::Refused
             }
             Err(e @ StoreError::Conflict { .. }) => {
                 debug!(cluster = %p.cluster, work = %p.name, error = %e, "work status kept losing races; trying again");
-                self.bases.forget(&p.uid);
+                turn.forget();
                 Outcome::Conflict
             }
             Err(e) => {
                 warn!(cluster = %p.cluster, work = %p.name, error = %e, "storing work status failed; will retry");
-                self.bases.forget(&p.uid);
+                turn.forget();
                 Outcome::Failed
             }
         }
@@ -285,9 +295,9 @@ impl StoreWrite<PendingStatus> for ToStore<'_> {
 
 impl StatusWriter {
     /// Forgets the stored seqs and the bases of works the desired state no longer has, and of
-    /// clusters whose shard it no longer holds (handed over: asking about them would wait for
-    /// a load that never comes).
-    async fn prune(&self, desired: &DesiredState) {
+    /// clusters whose shard it no longer holds (handed over: nothing will be written for them
+    /// here, and waiting for their shard's load would wait for ever).
+    fn prune(&self, desired: &DesiredState) {
         let entries: Vec<(String, Written)> = {
             let written = lock(&self.written);
             written
@@ -297,13 +307,12 @@ impl StatusWriter {
         };
         let mut gone = Vec::new();
         for (uid, w) in entries {
-            if !desired.has_loaded(&w.cluster) || desired.owned_by(&w.cluster, &uid).await.is_none()
-            {
+            if !desired.has_work(&w.cluster, &uid) {
                 gone.push(uid);
             }
         }
         for (uid, cluster) in self.bases.works() {
-            if !desired.has_loaded(&cluster) || desired.owned_by(&cluster, &uid).await.is_none() {
+            if !desired.has_work(&cluster, &uid) {
                 self.bases.forget(&uid);
             }
         }
