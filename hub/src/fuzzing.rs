@@ -137,8 +137,8 @@ pub fn proxy_head(data: &[u8]) {
 
     let head = match RequestHead::read(&method, &uri, &map) {
         Ok(head) => head,
-        Err(message) => {
-            assert!(message.contains(uri.path()), "{message}");
+        Err(refusal) => {
+            assert!(refusal.message.contains(uri.path()), "{refusal:?}");
             return;
         }
     };
