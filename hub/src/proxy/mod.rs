@@ -278,7 +278,8 @@ async fn handle(
 
     match authorize(&front, &user, &cluster).await {
         Ok(Decision::Allowed { access, rule }) => {
-            if access == Access::ReadOnly && !access::is_read_only(&line.verb, &path, upgrade) {
+            if access == Access::ReadOnly && !access::is_read_only(request.method(), &path, upgrade)
+            {
                 let what = if upgrade {
                     "an upgraded stream (exec, attach, port-forward)".to_string()
                 } else {
