@@ -137,8 +137,8 @@ pub fn proxy_head(data: &[u8]) {
 
     let head = match RequestHead::read(&method, &uri, &map) {
         Ok(head) => head,
-        Err(message) => {
-            assert!(message.contains(uri.path()), "{message}");
+        Err(refusal) => {
+            assert!(refusal.message.contains(uri.path()), "{refusal:?}");
             return;
         }
     };
@@ -161,7 +161,7 @@ pub fn proxy_head(data: &[u8]) {
         head.cluster
     );
     assert_eq!(head.upgrade, tunnel::is_upgrade(&map));
-    if access::is_read_only(&head.verb, &head.path, head.upgrade) {
+    if access::is_read_only(&method, &head.path, head.upgrade) {
         assert!(!head.upgrade, "read-only access let an upgrade through");
         let resource = head.path.trim_end_matches('/').rsplit('/').next();
         let self_review = matches!(

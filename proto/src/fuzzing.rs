@@ -528,17 +528,19 @@ fn agent_session(mut input: FuzzInput<'_>, start: Instant) {
                 }
             }
             4 => {
-                // The hub answers a chunk asked for: with its bytes, or with one bit changed.
+                // The hub answers a chunk asked for: with its bytes, or with one more byte or
+                // one bit changed.
                 let Some(sha) = watch.wanted.keys().min().cloned() else {
                     continue;
                 };
                 let mut data = watch.wanted[&sha].clone();
                 let flip = input.byte();
-                let at = usize::from(flip) % data.len().max(1);
-                if flip % 2 == 1
-                    && let Some(b) = data.get_mut(at)
-                {
-                    *b ^= 1;
+                if flip % 2 == 1 {
+                    let at = usize::from(flip) % (data.len() + 1);
+                    match data.get_mut(at) {
+                        Some(b) => *b ^= 1,
+                        None => data.push(flip),
+                    }
                 }
                 let chunk = hub_frame::Frame::Chunk(wire::Chunk {
                     work_uid: "w0".into(),

@@ -14,9 +14,10 @@
 //! ```
 //!
 //! Nothing is allowed unless a rule allows it; rules add up, and full access wins over
-//! read-only. Read-only lets through what cannot change a cluster: `get`, `list` and `watch`,
-//! and the self-reviews `kubectl auth can-i` and `kubectl auth whoami` create; never an upgrade
-//! (exec, attach, port-forward). The spoke's RBAC still decides everything a rule lets through.
+//! read-only. Read-only lets through what cannot change a cluster: `get`, `list` and `watch`
+//! (`GET` and `HEAD` requests), and the self-reviews `kubectl auth can-i` and `kubectl auth
+//! whoami` create; never an upgrade (exec, attach, port-forward). The spoke's RBAC still
+//! decides everything a rule lets through.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -206,16 +207,18 @@ pub fn selects(selector: &LabelSelector, labels: &BTreeMap<String, String>) -> b
     pairs && requirements
 }
 
-/// Whether a request only reads: `get`, `list`, `watch` (the audit's verbs), or one of the
-/// self-reviews that answer "what may I do" (`kubectl auth can-i`, `auth whoami`). Upgrades
-/// never are: exec, attach and port-forward act on the cluster.
-pub fn is_read_only(verb: &str, path: &str, upgrade: bool) -> bool {
+/// Whether a request only reads: a `GET` or `HEAD` (Kubernetes' `get`, `list` and `watch`),
+/// or a `POST` of one of the self-reviews that answer "what may I do" (`kubectl auth can-i`,
+/// `auth whoami`). Decided on the method itself, not on the audit's verb, which names other
+/// methods by their own name (a method `get` is not a `GET`). Upgrades never are: exec, attach
+/// and port-forward act on the cluster.
+pub fn is_read_only(method: &http::Method, path: &str, upgrade: bool) -> bool {
     if upgrade {
         return false;
     }
-    match verb {
-        "get" | "list" | "watch" => true,
-        "create" => {
+    match *method {
+        http::Method::GET | http::Method::HEAD => true,
+        http::Method::POST => {
             let resource = path.trim_end_matches('/').rsplit('/').next().unwrap_or("");
             matches!(
                 resource,
@@ -344,27 +347,49 @@ rules:
 
     #[test]
     fn read_only_lets_reads_and_self_reviews_through() {
-        assert!(is_read_only("list", "/api/v1/namespaces", false));
-        assert!(is_read_only("watch", "/api/v1/pods", false));
+        use http::Method;
+        assert!(is_read_only(&Method::GET, "/api/v1/namespaces", false));
+        assert!(is_read_only(&Method::HEAD, "/api/v1/pods", false));
         assert!(is_read_only(
-            "create",
+            &Method::POST,
             "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
             false
         ));
         assert!(!is_read_only(
-            "create",
+            &Method::POST,
             "/api/v1/namespaces/default/configmaps",
             false
         ));
         assert!(!is_read_only(
-            "patch",
+            &Method::PATCH,
             "/api/v1/namespaces/default/configmaps/x",
             false
         ));
         assert!(!is_read_only(
-            "get",
+            &Method::GET,
             "/api/v1/namespaces/default/pods/p/exec",
             true
         ));
+    }
+
+    /// Methods are case-sensitive: one spelled like a read verb is not a read.
+    #[test]
+    fn a_method_named_like_a_read_verb_is_not_a_read() {
+        for name in ["get", "list", "watch", "create", "Get"] {
+            let method = http::Method::from_bytes(name.as_bytes()).unwrap();
+            assert!(
+                !is_read_only(
+                    &method,
+                    "/apis/authorization.k8s.io/v1/selfsubjectreviews",
+                    false
+                ),
+                "{name}"
+            );
+            assert!(!is_read_only(
+                &method,
+                "/api/v1/namespaces/default/configmaps",
+                false
+            ));
+        }
     }
 }

@@ -245,7 +245,11 @@ async fn handle(
 
     let head = match RequestHead::read(request.method(), request.uri(), request.headers()) {
         Ok(head) => head,
-        Err(message) => return refuse(line, StatusCode::NOT_FOUND, "NotFound", message),
+        Err(HeadRefusal {
+            status,
+            reason,
+            message,
+        }) => return refuse(line, status, reason, message),
     };
     let RequestHead {
         cluster,
@@ -274,7 +278,8 @@ async fn handle(
 
     match authorize(&front, &user, &cluster).await {
         Ok(Decision::Allowed { access, rule }) => {
-            if access == Access::ReadOnly && !access::is_read_only(&line.verb, &path, upgrade) {
+            if access == Access::ReadOnly && !access::is_read_only(request.method(), &path, upgrade)
+            {
                 let what = if upgrade {
                     "an upgraded stream (exec, attach, port-forward)".to_string()
                 } else {
@@ -520,19 +525,45 @@ pub(crate) struct RequestHead {
     pub(crate) upgrade: bool,
 }
 
+/// Why a request head is refused before anything else is read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct HeadRefusal {
+    pub(crate) status: StatusCode,
+    pub(crate) reason: &'static str,
+    /// What is wrong, naming the path.
+    pub(crate) message: String,
+}
+
 impl RequestHead {
-    /// Reads the cluster, path and verb, or says (for a 404) why the path is not a cluster's.
+    /// Reads the cluster, path and verb, or says why the path is not a cluster's.
     pub(crate) fn read(
         method: &http::Method,
         uri: &http::Uri,
         headers: &http::HeaderMap,
-    ) -> Result<RequestHead, String> {
+    ) -> Result<RequestHead, HeadRefusal> {
         let Some((cluster, path)) = cluster_path(uri.path()) else {
-            return Err(format!(
-                "{} is not a cluster path; the proxy front serves /clusters/NAME/<Kubernetes API path> (flotilla kubeconfig --cluster NAME writes a kubeconfig for it)",
-                uri.path()
-            ));
+            return Err(HeadRefusal {
+                status: StatusCode::NOT_FOUND,
+                reason: "NotFound",
+                message: format!(
+                    "{} is not a cluster path; the proxy front serves /clusters/NAME/<Kubernetes API path> (flotilla kubeconfig --cluster NAME writes a kubeconfig for it)",
+                    uri.path()
+                ),
+            });
         };
+        // Normalized by anything on the way (a client library, a proxy, the spoke), a `.` or
+        // `..` segment takes the path out of the cluster's API: to another cluster's path, or
+        // the hub's own, while the front routed and authorised it for this cluster.
+        if path.split('/').any(is_dot_segment) {
+            return Err(HeadRefusal {
+                status: StatusCode::BAD_REQUEST,
+                reason: "BadRequest",
+                message: format!(
+                    "{}: a path with a `.` or `..` segment is refused; normalized, it would leave cluster {cluster}'s API",
+                    uri.path()
+                ),
+            });
+        }
         let verb = audit::verb(method, &path, uri.query());
         Ok(RequestHead {
             cluster,
@@ -579,6 +610,14 @@ fn cluster_path(path: &str) -> Option<(String, String)> {
         None => (rest, "/"),
     };
     flotilla_proto::contract::is_dns1123_label(name).then(|| (name.to_string(), rest.to_string()))
+}
+
+/// A `.` or `..` path segment, spelled plainly or percent-encoded (`%2e`, `%2E`).
+fn is_dot_segment(segment: &str) -> bool {
+    matches!(
+        segment.to_ascii_lowercase().replace("%2e", ".").as_str(),
+        "." | ".."
+    )
 }
 
 /// A failure of the hub's own, as a Kubernetes Status kubectl prints.
@@ -733,6 +772,32 @@ mod tests {
         );
         assert_eq!(cluster_path("/clusters/Store_1/api"), None);
         assert_eq!(cluster_path("/api/v1/namespaces"), None);
+    }
+
+    #[test]
+    fn paths_that_leave_the_cluster_once_normalized_are_refused() {
+        let read = |path: &str| {
+            let uri: http::Uri = path.parse().unwrap();
+            RequestHead::read(&http::Method::GET, &uri, &http::HeaderMap::new())
+        };
+        for path in [
+            "/clusters/store-1/../store-2/api/v1/secrets",
+            "/clusters/store-1/api/%2e%2E/%2E%2e/store-2/api",
+            "/clusters/store-1/api/./v1",
+            "/clusters/store-1/..",
+        ] {
+            let refusal = read(path).unwrap_err();
+            assert_eq!(refusal.status, StatusCode::BAD_REQUEST, "{path}");
+            assert!(refusal.message.starts_with(path), "{}", refusal.message);
+            assert!(
+                refusal.message.contains("cluster store-1"),
+                "{}",
+                refusal.message
+            );
+        }
+        // Dots inside a segment are names like any other.
+        let head = read("/clusters/store-1/api/v1/namespaces/a..b/configmaps/.x").unwrap();
+        assert_eq!(head.path, "/api/v1/namespaces/a..b/configmaps/.x");
     }
 
     /// A cluster's tunnels, all stalled, must leave the session's connection window room for
