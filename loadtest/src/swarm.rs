@@ -341,11 +341,13 @@ pub struct StatusDigest {
 }
 
 /// A stable digest of a ManifestWork status, after the same normalisation the gateway applies
-/// before storing it (parse as `ManifestWorkStatus`, serialise again).
+/// before storing it (parse as `ManifestWorkStatus`, serialise again), without its fence.
 pub fn status_digest(status: &serde_json::Value) -> u64 {
     use std::hash::{Hash, Hasher};
+    // The fence is the gateway's record of who wrote the status, not what the agent reported.
     let normal = serde_json::from_value::<ManifestWorkStatus>(status.clone())
         .ok()
+        .map(|s| ManifestWorkStatus { fence: None, ..s })
         .and_then(|s| serde_json::to_string(&s).ok())
         .unwrap_or_else(|| status.to_string());
     // SipHash with fixed keys: the same in every process of the same build.
