@@ -306,6 +306,9 @@ enum Leads {
     A,
     /// Nowhere: not a cluster path (404 before anyone is asked who they are).
     Nowhere,
+    /// Nowhere: a cluster path with a `.` or `..` segment, which normalized would leave the
+    /// cluster's API (400 before anyone is asked who they are).
+    Refused,
 }
 
 struct ProxyRow {
@@ -465,17 +468,17 @@ const PROXY_ROWS: &[ProxyRow] = &[
     get(
         "B's path climbing to A (..)",
         "/clusters/store-b/../store-a/api/v1/namespaces",
-        Leads::B,
+        Leads::Refused,
     ),
     get(
         "A's path climbing to B (..)",
         "/clusters/store-a/../store-b/api/v1/namespaces",
-        Leads::A,
+        Leads::Refused,
     ),
     get(
         "A's path climbing to B (%2e%2e)",
         "/clusters/store-a/%2e%2e/store-b/api/v1/namespaces",
-        Leads::A,
+        Leads::Refused,
     ),
     get(
         "A's path naming B after //",
@@ -1682,6 +1685,7 @@ async fn proxy_rows(s: &mut Sweep) -> anyhow::Result<()> {
             let allowed_on_a = matches!(who, Who::UserA | Who::TokenA);
             let (status, user, cluster) = match row.leads {
                 Leads::Nowhere => (404, "", ""),
+                Leads::Refused => (400, "", ""),
                 _ if user.is_empty() => (401, "", cluster_of(row.leads)),
                 Leads::A if allowed_on_a => (200, user, A),
                 _ => (403, user, cluster_of(row.leads)),
@@ -1762,7 +1766,7 @@ fn cluster_of(leads: Leads) -> &'static str {
     match leads {
         Leads::A => A,
         Leads::B => B,
-        Leads::Nowhere => "",
+        Leads::Nowhere | Leads::Refused => "",
     }
 }
 
@@ -2111,7 +2115,7 @@ fn every_verb_of_the_proxy_front_has_a_row() {
             "an upgrade row for {upgrade}"
         );
     }
-    for leads in [Leads::A, Leads::B, Leads::Nowhere] {
+    for leads in [Leads::A, Leads::B, Leads::Nowhere, Leads::Refused] {
         assert!(
             PROXY_ROWS.iter().any(|r| r.leads == leads),
             "a row leading to {leads:?}"
