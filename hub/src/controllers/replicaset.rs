@@ -248,10 +248,18 @@ pub fn plan(inputs: &Inputs<'_>) -> Plan {
             {
                 continue;
             }
-            plan.actions.push(Action::ApplyWork {
-                cluster: c.cluster.clone(),
-                placement: r.name.clone(),
-            });
+            // A work already the template's waits for its agent: writing it again changes
+            // nothing (OCM's applier compares before it writes, too).
+            let current = inputs
+                .works
+                .get(&c.cluster)
+                .is_some_and(|w| w.placement == r.name && w.is_of(template) && !w.deleting);
+            if !current {
+                plan.actions.push(Action::ApplyWork {
+                    cluster: c.cluster.clone(),
+                    placement: r.name.clone(),
+                });
+            }
             existing.insert(c.cluster.clone());
         }
         for c in &result.removed {
@@ -529,7 +537,7 @@ pub async fn run(store: Arc<dyn Store>, config: ControllerConfig, stop: watch::R
                 jobs.push((key, set.clone(), p.actions));
             }
         }
-        let results: Vec<(Key, Option<ManifestWorkReplicaSet>)> = futures::stream::iter(jobs)
+        let results: Vec<(Key, Executed)> = futures::stream::iter(jobs)
             .map(|(key, set, actions)| {
                 let store = store.clone();
                 let shards = config.shards;
@@ -542,7 +550,9 @@ pub async fn run(store: Arc<dyn Store>, config: ControllerConfig, stop: watch::R
             .collect()
             .await;
         for (key, written) in results {
-            match written {
+            // The works written are as stored now, before the watch shows them.
+            model.wrote_works(&key, written.works);
+            match written.set {
                 // The status written is the replica set as stored now.
                 Some(set) => {
                     model.sets.insert(key, set);
@@ -559,6 +569,20 @@ pub async fn run(store: Arc<dyn Store>, config: ControllerConfig, stop: watch::R
 }
 
 impl Model {
+    /// Takes the works this controller wrote into its view, so that a plan made before the
+    /// watch shows them does not apply them again. The watch's event for each write comes
+    /// later and replaces the view with the same work.
+    fn wrote_works(&mut self, key: &Key, written: Vec<(String, Object)>) {
+        for (cluster, obj) in written {
+            if let Ok(w) = serde_json::from_value::<ManifestWork>(obj) {
+                self.works
+                    .entry(key.clone())
+                    .or_default()
+                    .insert(cluster, WorkView::from_work(&w));
+            }
+        }
+    }
+
     fn groups(&self, placement: &Key) -> ClusterGroups {
         let mut groups = ClusterGroups::new();
         for (group, clusters) in self
@@ -681,16 +705,24 @@ impl Model {
     }
 }
 
-/// Carries out one replica set's actions; the replica set as stored after them, or `None` if
-/// one failed.
+/// What carrying out one replica set's actions left in the store.
+struct Executed {
+    /// The replica set as stored after them, or `None` if one failed.
+    set: Option<ManifestWorkReplicaSet>,
+    /// The works brought to the template, by cluster, as stored.
+    works: Vec<(String, Object)>,
+}
+
+/// Carries out one replica set's actions.
 async fn execute(
     store: &dyn Store,
     key: &Key,
     mut set: ManifestWorkReplicaSet,
     actions: Vec<Action>,
     shards: u32,
-) -> Option<ManifestWorkReplicaSet> {
+) -> Executed {
     let mut ok = true;
+    let mut works = Vec::new();
     for action in actions {
         let result = match &action {
             Action::AddFinalizer | Action::RemoveFinalizer => {
@@ -700,12 +732,18 @@ async fn execute(
                         set = updated;
                         Ok(())
                     }
-                    Ok(None) => return None,
+                    Ok(None) => return Executed { set: None, works },
                     Err(e) => Err(e),
                 }
             }
             Action::ApplyWork { cluster, placement } => {
-                apply_work(store, key, &set, cluster, placement, shards).await
+                match apply_work(store, key, &set, cluster, placement, shards).await {
+                    Ok(stored) => {
+                        works.extend(stored.map(|w| (cluster.clone(), w)));
+                        Ok(())
+                    }
+                    Err(e) => Err(e),
+                }
             }
             Action::DeleteWork { cluster, name } => {
                 match store.delete(Kind::ManifestWork, Some(cluster), name).await {
@@ -741,7 +779,10 @@ async fn execute(
             ok = false;
         }
     }
-    ok.then_some(set)
+    Executed {
+        set: ok.then_some(set),
+        works,
+    }
 }
 
 /// Adds or removes the replica set's finalizer on a fresh read, with its version as
@@ -793,6 +834,9 @@ async fn set_finalizer(
 
 /// Creates the replica set's work in `cluster`, or brings an existing one of this replica set
 /// to the template. A work of that name that this replica set does not own is left alone.
+/// Answers the work as stored once it is the template's (`None` when left alone), for the
+/// controller's own view: the watch shows the write later, and a plan made before it would
+/// otherwise apply the same work again (a create refused as existing, a read and a write).
 async fn apply_work(
     store: &dyn Store,
     key: &Key,
@@ -800,7 +844,7 @@ async fn apply_work(
     cluster: &str,
     placement: &str,
     shards: u32,
-) -> Result<(), StoreError> {
+) -> Result<Option<Object>, StoreError> {
     let owner = format!("{}.{}", key.namespace, key.name);
     let labels: BTreeMap<&str, &str> = [
         (REPLICA_SET_LABEL, owner.as_str()),
@@ -818,9 +862,9 @@ async fn apply_work(
     // the shard labeller.
     super::shard_labels::stamp(&mut work, shards);
     match store.create(work).await {
-        Ok(_) => {
+        Ok(created) => {
             debug!(replica_set = %key, cluster, "ManifestWork created");
-            return Ok(());
+            return Ok(Some(created));
         }
         Err(StoreError::AlreadyExists { .. }) => {}
         Err(e) => return Err(e),
@@ -829,7 +873,7 @@ async fn apply_work(
         .get(Kind::ManifestWork, Some(cluster), &key.name)
         .await?
     else {
-        return Ok(());
+        return Ok(None);
     };
     if existing
         .pointer(&format!(
@@ -844,7 +888,14 @@ async fn apply_work(
             work = %format!("{cluster}/{}", key.name),
             "a ManifestWork of this name exists and belongs to no ManifestWorkReplicaSet of this name; left alone"
         );
-        return Ok(());
+        return Ok(None);
+    }
+    let labelled = existing["metadata"]["labels"][PLACEMENT_NAME_LABEL] == placement;
+    let current = serde_json::from_value::<ManifestWork>(existing.clone())
+        .is_ok_and(|w| WorkView::from_work(&w).is_of(&set.spec.manifest_work_template));
+    if current && labelled {
+        // Already the template: the plan was made before the watch showed it.
+        return Ok(Some(existing));
     }
     let kept_delete_option = existing["metadata"]["annotations"]
         .get(DECOMMISSION_ANNOTATION)
@@ -855,9 +906,9 @@ async fn apply_work(
         existing["spec"]["deleteOption"] = option;
     }
     existing["metadata"]["labels"][PLACEMENT_NAME_LABEL] = placement.into();
-    store.update_spec(existing).await?;
+    let updated = store.update_spec(existing).await?;
     debug!(replica_set = %key, cluster, "ManifestWork updated to the template");
-    Ok(())
+    Ok(Some(updated))
 }
 
 #[cfg(test)]
@@ -987,6 +1038,24 @@ mod tests {
     }
 
     #[test]
+    fn a_work_already_the_templates_is_not_written_again_while_its_agent_applies_it() {
+        let s = set(json!({"type": "All"}), true);
+        // c00's agent has not said Applied yet; c01's work is of an older template.
+        let mut works: BTreeMap<String, WorkView> = [("c00".to_string(), work(&s, &[]))].into();
+        let mut older = work(&s, &[]);
+        older.spec.delete_option =
+            Some(serde_json::from_value(json!({"propagationPolicy": "Orphan"})).unwrap());
+        works.insert("c01".into(), older);
+        let p = plan_for(&s, 3, &works, true);
+        assert_eq!(applied(&p), ["c01", "c02"]);
+        assert_eq!(
+            status(&p).placement_summary[0].available_decision_groups,
+            "1 (3 / 3 clusters applied)",
+            "c00 still counts as rolled out to"
+        );
+    }
+
+    #[test]
     fn a_delete_option_written_by_a_decommission_is_not_rolled_back() {
         let s = set(json!({"type": "All"}), true);
         let mut works = available_works(&s, 2);
@@ -1092,5 +1161,208 @@ mod tests {
             cluster: "c01".into(),
             name: "web".into()
         }));
+    }
+
+    /// The store as a controller sees it when its watch of ManifestWorks has fallen behind its
+    /// own writes: no work ever arrives, and each create is told, in order, as `<cluster>`.
+    struct WorksUnseen {
+        inner: flotilla_store::SledStore,
+        creates: mpsc::Sender<String>,
+    }
+
+    #[async_trait::async_trait]
+    impl Store for WorksUnseen {
+        async fn get(
+            &self,
+            kind: Kind,
+            namespace: Option<&str>,
+            name: &str,
+        ) -> Result<Option<Object>, StoreError> {
+            self.inner.get(kind, namespace, name).await
+        }
+        async fn list(
+            &self,
+            kind: Kind,
+            namespace: Option<&str>,
+        ) -> Result<flotilla_store::ObjectList, StoreError> {
+            let mut list = self.inner.list(kind, namespace).await?;
+            if kind == Kind::ManifestWork {
+                list.items.clear();
+            }
+            Ok(list)
+        }
+        async fn watch(
+            &self,
+            kind: Kind,
+            namespace: Option<&str>,
+            from: Option<Revision>,
+        ) -> Result<flotilla_store::WatchStream, StoreError> {
+            if kind == Kind::ManifestWork {
+                return Ok(futures::stream::pending().boxed());
+            }
+            self.inner.watch(kind, namespace, from).await
+        }
+        async fn list_selected(
+            &self,
+            kind: Kind,
+            selection: &flotilla_store::Selection,
+        ) -> Result<flotilla_store::ObjectList, StoreError> {
+            let mut list = self.inner.list_selected(kind, selection).await?;
+            if kind == Kind::ManifestWork {
+                list.items.clear();
+            }
+            Ok(list)
+        }
+        async fn watch_selected(
+            &self,
+            kind: Kind,
+            selection: &flotilla_store::Selection,
+            from: Option<Revision>,
+        ) -> Result<flotilla_store::WatchStream, StoreError> {
+            if kind == Kind::ManifestWork {
+                return Ok(futures::stream::pending().boxed());
+            }
+            self.inner.watch_selected(kind, selection, from).await
+        }
+        async fn create(&self, object: Object) -> Result<Object, StoreError> {
+            if object["kind"] == Kind::ManifestWork.name() {
+                let cluster = namespace_of(&object).unwrap_or_default().to_string();
+                let _ = self.creates.send(cluster).await;
+            }
+            self.inner.create(object).await
+        }
+        async fn update_spec(&self, object: Object) -> Result<Object, StoreError> {
+            self.inner.update_spec(object).await
+        }
+        async fn update_status(
+            &self,
+            kind: Kind,
+            namespace: Option<&str>,
+            name: &str,
+            status: Value,
+            expected: Option<&Revision>,
+        ) -> Result<Object, StoreError> {
+            self.inner
+                .update_status(kind, namespace, name, status, expected)
+                .await
+        }
+        async fn update_status_fenced(
+            &self,
+            kind: Kind,
+            namespace: Option<&str>,
+            name: &str,
+            status: Value,
+            fence: &flotilla_store::WriteFence,
+            basis: Option<&flotilla_store::Basis>,
+        ) -> Result<Object, StoreError> {
+            self.inner
+                .update_status_fenced(kind, namespace, name, status, fence, basis)
+                .await
+        }
+        async fn update_spec_fenced(
+            &self,
+            object: Object,
+            fence: &flotilla_store::WriteFence,
+        ) -> Result<Object, StoreError> {
+            self.inner.update_spec_fenced(object, fence).await
+        }
+        async fn delete(
+            &self,
+            kind: Kind,
+            namespace: Option<&str>,
+            name: &str,
+        ) -> Result<(), StoreError> {
+            self.inner.delete(kind, namespace, name).await
+        }
+        async fn ensure_namespace(&self, name: &str) -> Result<(), StoreError> {
+            self.inner.ensure_namespace(name).await
+        }
+    }
+
+    async fn decide(store: &dyn Store, clusters: &[&str]) {
+        let decisions: Vec<Value> = clusters
+            .iter()
+            .map(|c| json!({ "clusterName": c, "reason": "" }))
+            .collect();
+        store
+            .update_status(
+                Kind::PlacementDecision,
+                Some("default"),
+                "p-decision-1",
+                json!({ "decisions": decisions }),
+                None,
+            )
+            .await
+            .unwrap();
+    }
+
+    async fn next_create(creates: &mut mpsc::Receiver<String>) -> String {
+        tokio::time::timeout(std::time::Duration::from_secs(60), creates.recv())
+            .await
+            .expect("a ManifestWork created within a minute")
+            .expect("the store is still there")
+    }
+
+    /// A write the watch has not shown yet is not made again: with the works' watch behind,
+    /// a cluster added to the placement gets its work, and the clusters that have theirs are
+    /// not sent a second create (refused as existing), a read and a rewrite each.
+    #[tokio::test]
+    async fn works_written_and_not_yet_watched_are_not_applied_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let (tx, mut creates) = mpsc::channel(64);
+        let store = Arc::new(WorksUnseen {
+            inner: flotilla_store::SledStore::open(dir.path()).unwrap(),
+            creates: tx,
+        });
+        store
+            .create(json!({
+                "apiVersion": Kind::Placement.api_version(), "kind": "Placement",
+                "metadata": { "name": "p", "namespace": "default" }, "spec": {},
+            }))
+            .await
+            .unwrap();
+        store
+            .update_status(
+                Kind::Placement,
+                Some("default"),
+                "p",
+                json!({ "numberOfSelectedClusters": 4,
+                        "decisionGroups": [{ "decisionGroupIndex": 0, "clusterCount": 4 }] }),
+                None,
+            )
+            .await
+            .unwrap();
+        store
+            .create(json!({
+                "apiVersion": Kind::PlacementDecision.api_version(), "kind": "PlacementDecision",
+                "metadata": { "name": "p-decision-1", "namespace": "default",
+                              "labels": { PLACEMENT_LABEL: "p", DECISION_GROUP_INDEX_LABEL: "0" } },
+            }))
+            .await
+            .unwrap();
+        decide(store.as_ref(), &["c00", "c01", "c02"]).await;
+        let mut web = serde_json::to_value(set(json!({ "type": "All" }), false)).unwrap();
+        web["metadata"]["finalizers"] = json!([]);
+        store.create(web).await.unwrap();
+        let (stop_tx, stop) = watch::channel(false);
+        let controller = tokio::spawn(run(store.clone(), ControllerConfig::default(), stop));
+
+        let mut first = Vec::new();
+        for _ in 0..3 {
+            first.push(next_create(&mut creates).await);
+        }
+        first.sort();
+        assert_eq!(first, ["c00", "c01", "c02"]);
+        decide(store.as_ref(), &["c00", "c01", "c02", "c03"]).await;
+        assert_eq!(
+            next_create(&mut creates).await,
+            "c03",
+            "the next create is the new cluster's, not one the controller already made"
+        );
+        let works = store.inner.list(Kind::ManifestWork, None).await.unwrap();
+        assert_eq!(works.items.len(), 4, "one work per cluster");
+
+        stop_tx.send(true).unwrap();
+        controller.await.unwrap();
     }
 }
