@@ -128,6 +128,9 @@ pub enum Action {
     ApplyWork {
         cluster: String,
         placement: String,
+        /// The controller's view holds a work of that name there: update it without trying a
+        /// create first (which the store would refuse as existing).
+        exists: bool,
     },
     DeleteWork {
         cluster: String,
@@ -250,14 +253,14 @@ pub fn plan(inputs: &Inputs<'_>) -> Plan {
             }
             // A work already the template's waits for its agent: writing it again changes
             // nothing (OCM's applier compares before it writes, too).
-            let current = inputs
-                .works
-                .get(&c.cluster)
-                .is_some_and(|w| w.placement == r.name && w.is_of(template) && !w.deleting);
+            let work = inputs.works.get(&c.cluster);
+            let current =
+                work.is_some_and(|w| w.placement == r.name && w.is_of(template) && !w.deleting);
             if !current {
                 plan.actions.push(Action::ApplyWork {
                     cluster: c.cluster.clone(),
                     placement: r.name.clone(),
+                    exists: work.is_some(),
                 });
             }
             existing.insert(c.cluster.clone());
@@ -736,15 +739,17 @@ async fn execute(
                     Err(e) => Err(e),
                 }
             }
-            Action::ApplyWork { cluster, placement } => {
-                match apply_work(store, key, &set, cluster, placement, shards).await {
-                    Ok(stored) => {
-                        works.extend(stored.map(|w| (cluster.clone(), w)));
-                        Ok(())
-                    }
-                    Err(e) => Err(e),
+            Action::ApplyWork {
+                cluster,
+                placement,
+                exists,
+            } => match apply_work(store, key, &set, cluster, placement, *exists, shards).await {
+                Ok(stored) => {
+                    works.extend(stored.map(|w| (cluster.clone(), w)));
+                    Ok(())
                 }
-            }
+                Err(e) => Err(e),
+            },
             Action::DeleteWork { cluster, name } => {
                 match store.delete(Kind::ManifestWork, Some(cluster), name).await {
                     Ok(()) | Err(StoreError::NotFound { .. }) => Ok(()),
@@ -843,6 +848,7 @@ async fn apply_work(
     set: &ManifestWorkReplicaSet,
     cluster: &str,
     placement: &str,
+    exists: bool,
     shards: u32,
 ) -> Result<Option<Object>, StoreError> {
     let owner = format!("{}.{}", key.namespace, key.name);
@@ -861,19 +867,29 @@ async fn apply_work(
     // Labelled from the start: the gateway holding the cluster sees it without waiting for
     // the shard labeller.
     super::shard_labels::stamp(&mut work, shards);
-    match store.create(work).await {
-        Ok(created) => {
-            debug!(replica_set = %key, cluster, "ManifestWork created");
-            return Ok(Some(created));
+    if !exists {
+        match store.create(work).await {
+            Ok(created) => {
+                debug!(replica_set = %key, cluster, "ManifestWork created");
+                return Ok(Some(created));
+            }
+            Err(StoreError::AlreadyExists { .. }) => {}
+            Err(e) => return Err(e),
         }
-        Err(StoreError::AlreadyExists { .. }) => {}
-        Err(e) => return Err(e),
     }
     let Some(mut existing) = store
         .get(Kind::ManifestWork, Some(cluster), &key.name)
         .await?
     else {
-        return Ok(None);
+        // Deleted since the view saw it: looked at again shortly, when the view knows.
+        return match exists {
+            true => Err(StoreError::NotFound {
+                kind: Kind::ManifestWork,
+                namespace: Some(cluster.to_string()),
+                name: key.name.clone(),
+            }),
+            false => Ok(None),
+        };
     };
     if existing
         .pointer(&format!(
@@ -1048,6 +1064,19 @@ mod tests {
         works.insert("c01".into(), older);
         let p = plan_for(&s, 3, &works, true);
         assert_eq!(applied(&p), ["c01", "c02"]);
+        let exists: Vec<bool> = p
+            .actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::ApplyWork { exists, .. } => Some(*exists),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            exists,
+            [true, false],
+            "c01's is updated without a create first"
+        );
         assert_eq!(
             status(&p).placement_summary[0].available_decision_groups,
             "1 (3 / 3 clusters applied)",

@@ -595,6 +595,9 @@ impl Run {
                 else {
                     continue;
                 };
+                if w["metadata"]["labels"][REPLICA_SET_LABEL] == set_label.as_str() {
+                    c.rollout_works.insert(ns.to_string(), describe_work(w));
+                }
                 if !applied_at_generation(w) {
                     continue;
                 }
@@ -625,6 +628,8 @@ struct Convergence {
     fanout: HashSet<String>,
     rollout: HashSet<String>,
     missing: Vec<String>,
+    /// What the hub holds of each cluster's rollout work, for the evidence of one missing.
+    rollout_works: HashMap<String, String>,
 }
 
 impl Convergence {
@@ -636,11 +641,34 @@ impl Convergence {
             self.rollout.len()
         );
         if !self.missing.is_empty() {
-            let some: Vec<&str> = self.missing.iter().take(5).map(String::as_str).collect();
+            let some: Vec<String> = self
+                .missing
+                .iter()
+                .take(5)
+                .map(|n| {
+                    let work = self.rollout_works.get(n).map_or("none", String::as_str);
+                    format!("{n} (rollout work on the hub: {work})")
+                })
+                .collect();
             s.push_str(&format!("; missing on {}", some.join(", ")));
         }
         s
     }
+}
+
+/// A work as the hub holds it, for evidence: its first manifest's name, generation and Applied
+/// condition.
+fn describe_work(w: &Value) -> String {
+    let applied = w["status"]["conditions"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["type"] == "Applied"));
+    format!(
+        "{} at generation {}, Applied {} observed at {}",
+        w["spec"]["workload"]["manifests"][0]["metadata"]["name"],
+        w["metadata"]["generation"],
+        applied.map_or(Value::Null, |c| c["status"].clone()),
+        applied.map_or(Value::Null, |c| c["observedGeneration"].clone()),
+    )
 }
 
 /// Whether a work is Applied=True for its current generation.
