@@ -243,11 +243,18 @@ impl Hub {
                             .await?,
                         );
                     }
+                    // The fenced-write log the judgement reads, plus whatever the operator
+                    // asks for to follow a violation (FLOTILLA_LOADTEST_GATEWAY_LOG).
                     let log = chaos.then(|| crate::gateways::GatewayLog {
-                        filter: format!(
-                            "warn,{}=debug",
-                            crate::chaos::fencing::FENCED_WRITE_TARGET
-                        ),
+                        filter: match std::env::var("FLOTILLA_LOADTEST_GATEWAY_LOG") {
+                            Ok(more) => format!(
+                                "warn,{more},{}=debug",
+                                crate::chaos::fencing::FENCED_WRITE_TARGET
+                            ),
+                            Err(_) => {
+                                format!("warn,{}=debug", crate::chaos::fencing::FENCED_WRITE_TARGET)
+                            }
+                        },
                         json: true,
                     });
                     let kubeconfigs = hub
