@@ -209,6 +209,13 @@ impl ShardView {
         if let Some(epoch) = self.holds(shard, now) {
             return Route::Here { shard, epoch };
         }
+        if self.fences.as_ref().is_some_and(|f| f.contains_key(&shard)) {
+            // Claimed here and lapsed, not lost: the directory still names this gateway, from
+            // its own lease. Sent there, the session would come straight back, again and
+            // again until its agent gave up for a while; the next lease round renews the shard
+            // or says who took it.
+            return Route::Unowned { shard };
+        }
         match self.directory.owner(shard) {
             Some(DirectoryEntry {
                 owner,
@@ -293,6 +300,13 @@ mod tests {
         );
         let unreachable = ShardView::leased(64, BTreeMap::new(), owner(None));
         assert_eq!(unreachable.route(cluster, now), Route::Unowned { shard });
+        // This gateway's own lease still names it while its fence has run out.
+        let lapsed = ShardView::leased(64, [(shard, fence)].into(), owner(Some("10.0.0.2:9443")));
+        assert_eq!(
+            lapsed.route(cluster, now + Duration::from_secs(10)),
+            Route::Unowned { shard },
+            "a lapsed shard's sessions are not sent to the directory's owner: its own lease"
+        );
         assert_eq!(ShardView::all(64).held(now).len(), 64);
     }
 }
