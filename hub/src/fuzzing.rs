@@ -9,6 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use flotilla_cli::cli;
 use flotilla_proto::api::{Kind, ManifestWork, validate_manifest_work};
 use flotilla_proto::contract::{self, CLUSTER_GROUP};
 use flotilla_proto::fuzzing::FuzzInput;
@@ -21,7 +22,6 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use serde_json::Value;
 
 use crate::ca::{Ca, CaError};
-use crate::cli;
 use crate::operator_api;
 use crate::proxy::access::{self, AccessRules, Decision};
 use crate::proxy::authn::{ProxyTokens, ProxyUser};

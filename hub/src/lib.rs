@@ -1,20 +1,16 @@
 //! flotilla's control plane: the hub CA, the operator API, the controllers (placement
 //! scheduling, cluster sets, ManifestWorkReplicaSet rollouts), and (in single-node mode) the
-//! gateway running in-process on the embedded store. Binaries: `flotilla-hub` (the server) and
-//! `flotilla` (the operator CLI). `fuzzing` (hidden) holds the fuzz targets of the hub's
-//! parsers.
+//! gateway running in-process on the embedded store. Binary: `flotilla-hub` (the server).
+//! `fuzzing` (hidden) holds the fuzz targets of the hub's parsers.
 //!
-//! Not for: holding agent sessions itself (that is `flotilla-gateway`), or talking to spokes'
-//! apiservers (agents do that).
+//! Not for: holding agent sessions itself (that is `flotilla-gateway`), talking to spokes'
+//! apiservers (agents do that), or the operator CLI (`flotilla-cli`, whose config file format
+//! and client the hub borrows to write that file and for `flotilla-hub dev-cert`).
 #![forbid(unsafe_code)]
 
 pub mod ca;
-pub mod cli;
-pub mod client;
 pub mod config;
 pub mod controllers;
-pub mod dashboard;
-pub mod decommission;
 pub mod fleet_metrics;
 #[doc(hidden)]
 pub mod fuzzing;
@@ -23,7 +19,6 @@ pub mod proxy;
 pub mod registration;
 pub mod renewals;
 pub mod status_page;
-pub mod table;
 pub mod tokens;
 
 use std::path::{Path, PathBuf};
@@ -31,6 +26,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use flotilla_cli::client::OperatorConfig;
 use flotilla_gateway::{Gateway, GatewayConfig, Listeners};
 use flotilla_ops::Tasks;
 use flotilla_store::Store;
@@ -42,7 +38,6 @@ use tokio::net::TcpListener;
 use tracing::info;
 
 use crate::ca::Ca;
-use crate::client::OperatorConfig;
 use crate::config::{GatewayMode, HubConfig, StoreBackend};
 use crate::operator_api::RegistrationApi;
 use crate::registration::{Authority, HubCertificates, JoinService};

@@ -84,35 +84,29 @@ pub fn router_with(
             "/registration/v1/ca/finish-rotation",
             post(finish_ca_rotation),
         )
-        .route(
-            "/apis/{group}/{version}/{plural}",
-            get(list_all).post(create_cluster_scoped),
-        )
+        // Each verb has one handler for both forms of its path, cluster-scoped and namespaced.
+        .route("/apis/{group}/{version}/{plural}", get(list).post(create))
         .route(
             "/apis/{group}/{version}/namespaces/{ns}/{plural}",
-            get(list_namespaced).post(create_namespaced),
+            get(list).post(create),
         )
         .route(
             "/apis/{group}/{version}/{plural}/{name}",
-            get(get_cluster_scoped)
-                .put(replace_cluster_scoped)
-                .delete(delete_cluster_scoped),
+            get(get_one).put(replace).delete(delete),
         )
         .route(
             "/apis/{group}/{version}/namespaces/{ns}/{plural}/{name}",
-            get(get_namespaced)
-                .put(replace_namespaced)
-                .delete(delete_namespaced),
+            get(get_one).put(replace).delete(delete),
         )
         // The status subresource, as on an apiserver: how a score provider publishes an
         // AddOnPlacementScore, or a tool replaces any object's status.
         .route(
             "/apis/{group}/{version}/{plural}/{name}/status",
-            axum::routing::put(replace_status_cluster_scoped),
+            axum::routing::put(replace_status),
         )
         .route(
             "/apis/{group}/{version}/namespaces/{ns}/{plural}/{name}/status",
-            axum::routing::put(replace_status_namespaced),
+            axum::routing::put(replace_status),
         )
         .with_state(ApiState {
             store,
@@ -224,38 +218,57 @@ impl IntoResponse for Failure {
     }
 }
 
-fn kind_of(group: &str, version: &str, plural: &str) -> Result<Kind, Failure> {
-    Kind::ALL
-        .into_iter()
-        .find(|k| k.group() == group && k.version() == version && k.plural() == plural)
-        .ok_or_else(|| {
+/// What a Kubernetes-shaped path names, in whichever of its forms the route has:
+/// `/apis/{group}/{version}[/namespaces/{ns}]/{plural}[/{name}]`. The kind is resolved by the
+/// handler, after the body is read, so a request refused for its body says so first.
+#[derive(serde::Deserialize)]
+struct ResourcePath {
+    group: String,
+    version: String,
+    plural: String,
+    /// Absent on the cluster-scoped forms.
+    ns: Option<String>,
+    /// Absent on the collection routes (list, create).
+    name: Option<String>,
+}
+
+impl ResourcePath {
+    fn kind(&self) -> Result<Kind, Failure> {
+        let (group, version, plural) = (&self.group, &self.version, &self.plural);
+        Kind::ALL
+            .into_iter()
+            .find(|k| k.group() == group && k.version() == version && k.plural() == plural)
+            .ok_or_else(|| {
+                Failure(
+                    StatusCode::NOT_FOUND,
+                    format!("the hub serves no resource {plural} in {group}/{version}"),
+                )
+            })
+    }
+
+    fn ns(&self) -> Option<&str> {
+        self.ns.as_deref()
+    }
+
+    /// The kind and the object's name, for the routes that end in one.
+    fn object(&self) -> Result<(Kind, &str), Failure> {
+        let kind = self.kind()?;
+        let name = self.name.as_deref().ok_or_else(|| {
             Failure(
-                StatusCode::NOT_FOUND,
-                format!("the hub serves no resource {plural} in {group}/{version}"),
+                StatusCode::BAD_REQUEST,
+                format!("{kind}: the request's path names no object"),
             )
-        })
+        })?;
+        Ok((kind, name))
+    }
 }
 
-async fn list_all(
-    State(s): State<ApiState>,
-    Path((group, version, plural)): Path<(String, String, String)>,
-) -> Response {
-    list(s, &group, &version, &plural, None).await
-}
-
-async fn list_namespaced(
-    State(s): State<ApiState>,
-    Path((group, version, ns, plural)): Path<(String, String, String, String)>,
-) -> Response {
-    list(s, &group, &version, &plural, Some(&ns)).await
-}
-
-async fn list(s: ApiState, group: &str, version: &str, plural: &str, ns: Option<&str>) -> Response {
-    let kind = match kind_of(group, version, plural) {
+async fn list(State(s): State<ApiState>, Path(path): Path<ResourcePath>) -> Response {
+    let kind = match path.kind() {
         Ok(k) => k,
         Err(r) => return r.into_response(),
     };
-    match s.store.list(kind, ns).await {
+    match s.store.list(kind, path.ns()).await {
         Ok(list) => Json(ListBody {
             api_version: kind.api_version(),
             kind: format!("{}List", kind.name()),
@@ -287,32 +300,12 @@ struct ListMeta {
     resource_version: String,
 }
 
-async fn get_cluster_scoped(
-    State(s): State<ApiState>,
-    Path((group, version, plural, name)): Path<(String, String, String, String)>,
-) -> Response {
-    get_one(s, &group, &version, &plural, None, &name).await
-}
-
-async fn get_namespaced(
-    State(s): State<ApiState>,
-    Path((group, version, ns, plural, name)): Path<(String, String, String, String, String)>,
-) -> Response {
-    get_one(s, &group, &version, &plural, Some(&ns), &name).await
-}
-
-async fn get_one(
-    s: ApiState,
-    group: &str,
-    version: &str,
-    plural: &str,
-    ns: Option<&str>,
-    name: &str,
-) -> Response {
-    let kind = match kind_of(group, version, plural) {
+async fn get_one(State(s): State<ApiState>, Path(path): Path<ResourcePath>) -> Response {
+    let (kind, name) = match path.object() {
         Ok(k) => k,
         Err(r) => return r.into_response(),
     };
+    let ns = path.ns();
     match s.store.get(kind, ns, name).await {
         Ok(Some(obj)) => Json(obj).into_response(),
         Ok(None) => error(
@@ -323,109 +316,34 @@ async fn get_one(
     }
 }
 
-async fn create_cluster_scoped(
+async fn create(
     State(s): State<ApiState>,
-    Path((group, version, plural)): Path<(String, String, String)>,
+    Path(path): Path<ResourcePath>,
     Json(body): Json<Value>,
 ) -> Response {
-    write(
-        s,
-        Write::Create,
-        &group,
-        &version,
-        &plural,
-        None,
-        None,
-        body,
-    )
-    .await
+    write(s, Write::Create, &path, body).await
 }
 
-async fn create_namespaced(
+async fn replace(
     State(s): State<ApiState>,
-    Path((group, version, ns, plural)): Path<(String, String, String, String)>,
+    Path(path): Path<ResourcePath>,
     Json(body): Json<Value>,
 ) -> Response {
-    write(
-        s,
-        Write::Create,
-        &group,
-        &version,
-        &plural,
-        Some(&ns),
-        None,
-        body,
-    )
-    .await
-}
-
-async fn replace_cluster_scoped(
-    State(s): State<ApiState>,
-    Path((group, version, plural, name)): Path<(String, String, String, String)>,
-    Json(body): Json<Value>,
-) -> Response {
-    write(
-        s,
-        Write::Replace,
-        &group,
-        &version,
-        &plural,
-        None,
-        Some(&name),
-        body,
-    )
-    .await
-}
-
-async fn replace_namespaced(
-    State(s): State<ApiState>,
-    Path((group, version, ns, plural, name)): Path<(String, String, String, String, String)>,
-    Json(body): Json<Value>,
-) -> Response {
-    write(
-        s,
-        Write::Replace,
-        &group,
-        &version,
-        &plural,
-        Some(&ns),
-        Some(&name),
-        body,
-    )
-    .await
-}
-
-async fn replace_status_cluster_scoped(
-    State(s): State<ApiState>,
-    Path((group, version, plural, name)): Path<(String, String, String, String)>,
-    Json(body): Json<Value>,
-) -> Response {
-    replace_status(s, &group, &version, &plural, None, &name, body).await
-}
-
-async fn replace_status_namespaced(
-    State(s): State<ApiState>,
-    Path((group, version, ns, plural, name)): Path<(String, String, String, String, String)>,
-    Json(body): Json<Value>,
-) -> Response {
-    replace_status(s, &group, &version, &plural, Some(&ns), &name, body).await
+    write(s, Write::Replace, &path, body).await
 }
 
 /// `PUT .../status`: the body is the object; only its `status` is stored, and its
 /// `metadata.resourceVersion`, when given, must be the stored one.
 async fn replace_status(
-    s: ApiState,
-    group: &str,
-    version: &str,
-    plural: &str,
-    ns: Option<&str>,
-    name: &str,
-    body: Value,
+    State(s): State<ApiState>,
+    Path(path): Path<ResourcePath>,
+    Json(body): Json<Value>,
 ) -> Response {
-    let kind = match kind_of(group, version, plural) {
+    let (kind, name) = match path.object() {
         Ok(k) => k,
         Err(r) => return r.into_response(),
     };
+    let ns = path.ns();
     let body_name = body["metadata"]["name"].as_str().unwrap_or(name);
     if body_name != name {
         return error(
@@ -455,41 +373,19 @@ async fn replace_status(
     }
 }
 
-async fn delete_cluster_scoped(
-    State(s): State<ApiState>,
-    Path((group, version, plural, name)): Path<(String, String, String, String)>,
-) -> Response {
-    delete(s, &group, &version, &plural, None, &name).await
-}
-
-async fn delete_namespaced(
-    State(s): State<ApiState>,
-    Path((group, version, ns, plural, name)): Path<(String, String, String, String, String)>,
-) -> Response {
-    delete(s, &group, &version, &plural, Some(&ns), &name).await
-}
-
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Write {
     Create,
     Replace,
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn write(
-    s: ApiState,
-    how: Write,
-    group: &str,
-    version: &str,
-    plural: &str,
-    ns: Option<&str>,
-    name: Option<&str>,
-    mut body: Value,
-) -> Response {
-    let kind = match kind_of(group, version, plural) {
+/// Creates or replaces the object `body` at `path` (which names it when replacing).
+async fn write(s: ApiState, how: Write, path: &ResourcePath, mut body: Value) -> Response {
+    let kind = match path.kind() {
         Ok(k) => k,
         Err(r) => return r.into_response(),
     };
+    let (ns, name) = (path.ns(), path.name.as_deref());
     // The path decides where the object goes; a body that says otherwise is a mistake.
     let body_ns = body["metadata"]["namespace"].as_str().map(str::to_string);
     if let (Some(path_ns), Some(body_ns)) = (ns, body_ns.as_deref())
@@ -651,19 +547,12 @@ fn validate_work(body: &Value) -> Result<(), String> {
     })
 }
 
-async fn delete(
-    s: ApiState,
-    group: &str,
-    version: &str,
-    plural: &str,
-    ns: Option<&str>,
-    name: &str,
-) -> Response {
-    let kind = match kind_of(group, version, plural) {
+async fn delete(State(s): State<ApiState>, Path(path): Path<ResourcePath>) -> Response {
+    let (kind, name) = match path.object() {
         Ok(k) => k,
         Err(r) => return r.into_response(),
     };
-    match s.store.delete(kind, ns, name).await {
+    match s.store.delete(kind, path.ns(), name).await {
         Ok(()) => Json(json!({
             "apiVersion": "v1", "kind": "Status", "status": "Success",
             "details": { "name": name, "kind": kind.plural() },
@@ -1009,16 +898,18 @@ mod tests {
         let s = state(dir.path());
         s.store.ensure_namespace("store-7").await.unwrap();
         let want = shard_label_value(shard_of("store-7", SHARDS));
-        let (group, version, plural) = ("work.open-cluster-management.io", "v1", "manifestworks");
+        let path = |name: Option<&str>| ResourcePath {
+            group: "work.open-cluster-management.io".into(),
+            version: "v1".into(),
+            plural: "manifestworks".into(),
+            ns: Some("store-7".into()),
+            name: name.map(str::to_owned),
+        };
 
         let created = write(
             s.clone(),
             Write::Create,
-            group,
-            version,
-            plural,
-            Some("store-7"),
-            None,
+            &path(None),
             work("web", json!({"app": "web"})),
         )
         .await;
@@ -1033,11 +924,7 @@ mod tests {
             let replaced = write(
                 s.clone(),
                 Write::Replace,
-                group,
-                version,
-                plural,
-                Some("store-7"),
-                Some("web"),
+                &path(Some("web")),
                 work("web", labels),
             )
             .await;
@@ -1047,6 +934,135 @@ mod tests {
                 Some(want.as_str())
             );
         }
+    }
+
+    /// One request through the routes as the operator, answering its status and JSON body.
+    async fn call(
+        s: &ApiState,
+        method: &str,
+        uri: &str,
+        body: Option<Value>,
+    ) -> (StatusCode, Value) {
+        use http_body_util::BodyExt as _;
+        use tower::ServiceExt as _;
+        let operator = ConnInfo {
+            peer: Peer::Operator {
+                user: "admin".into(),
+                groups: Vec::new(),
+            },
+            remote: ([127, 0, 0, 1], 1).into(),
+            client_key_sha256: None,
+            over_rate: None,
+        };
+        let app = router_with(s.store.clone(), None, None, SHARDS).layer(Extension(operator));
+        let request = axum::http::Request::builder()
+            .method(method)
+            .uri(uri)
+            .header("content-type", "application/json")
+            .body(axum::body::Body::from(
+                body.map(|b| b.to_string()).unwrap_or_default(),
+            ))
+            .expect("a request");
+        let response = app.oneshot(request).await.expect("the router answers");
+        let status = response.status();
+        let bytes = response
+            .into_body()
+            .collect()
+            .await
+            .expect("a body")
+            .to_bytes();
+        (
+            status,
+            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+        )
+    }
+
+    /// Every verb reaches the object its path names, in the cluster-scoped form of the path
+    /// and the namespaced one alike, status subresource included.
+    #[tokio::test]
+    async fn each_verb_serves_both_forms_of_its_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = state(dir.path());
+        s.store.ensure_namespace("store-7").await.unwrap();
+        let clusters = "/apis/cluster.open-cluster-management.io/v1/managedclusters";
+        let works = "/apis/work.open-cluster-management.io/v1/namespaces/store-7/manifestworks";
+        let cluster = json!({
+            "apiVersion": "cluster.open-cluster-management.io/v1", "kind": "ManagedCluster",
+            "metadata": {"name": "store-7"}, "spec": {"hubAcceptsClient": true},
+        });
+
+        let (status, _) = call(&s, "POST", clusters, Some(cluster)).await;
+        assert_eq!(status, StatusCode::CREATED);
+        let (status, _) = call(&s, "POST", works, Some(work("web", json!({})))).await;
+        assert_eq!(status, StatusCode::CREATED);
+
+        let (status, got) = call(&s, "GET", &format!("{clusters}/store-7"), None).await;
+        assert_eq!(
+            (status, &got["metadata"]["name"]),
+            (StatusCode::OK, &json!("store-7"))
+        );
+        let (status, got) = call(&s, "GET", &format!("{works}/web"), None).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(got["metadata"]["namespace"], "store-7");
+        let (status, list) = call(&s, "GET", works, None).await;
+        assert_eq!(
+            (status, list["items"].as_array().map(Vec::len)),
+            (StatusCode::OK, Some(1))
+        );
+        let (status, list) = call(&s, "GET", clusters, None).await;
+        assert_eq!(
+            (status, list["kind"].as_str()),
+            (StatusCode::OK, Some("ManagedClusterList"))
+        );
+
+        let mut edited = work("web", json!({"app": "web"}));
+        edited["metadata"]["namespace"] = "store-7".into();
+        let (status, got) = call(&s, "PUT", &format!("{works}/web"), Some(edited)).await;
+        assert_eq!(
+            (status, &got["metadata"]["labels"]["app"]),
+            (StatusCode::OK, &json!("web"))
+        );
+        let (status, got) = call(
+            &s,
+            "PUT",
+            &format!("{works}/web"),
+            Some(work("other", json!({}))),
+        )
+        .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{got}");
+
+        let reported = json!({"conditions": [{"type": "Applied", "status": "True"}]});
+        let (status, got) = call(
+            &s,
+            "PUT",
+            &format!("{clusters}/store-7/status"),
+            Some(json!({"metadata": {"name": "store-7"}, "status": reported})),
+        )
+        .await;
+        assert_eq!((status, &got["status"]), (StatusCode::OK, &reported));
+        let (status, got) = call(
+            &s,
+            "PUT",
+            &format!("{works}/web/status"),
+            Some(json!({"metadata": {"name": "web"}, "status": reported})),
+        )
+        .await;
+        assert_eq!((status, &got["status"]), (StatusCode::OK, &reported));
+
+        let (status, _) = call(&s, "DELETE", &format!("{works}/web"), None).await;
+        assert_eq!(status, StatusCode::OK);
+        let (status, got) = call(&s, "GET", &format!("{works}/web"), None).await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        assert_eq!(got["message"], "ManifestWork store-7/web not found");
+        let (status, _) = call(&s, "DELETE", &format!("{clusters}/store-7"), None).await;
+        assert_eq!(status, StatusCode::OK);
+
+        let (status, got) = call(&s, "GET", "/apis/example.com/v1/widgets/w", None).await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        assert_eq!(
+            got["message"],
+            "the hub serves no resource widgets in example.com/v1"
+        );
     }
 
     /// A refusal names the object even when it has no name: `<unnamed>`, never an empty one.

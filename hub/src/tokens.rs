@@ -27,8 +27,6 @@ const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
 pub const ID_LEN: usize = 6;
 /// Length of a token secret: 25 characters of 36 symbols, just over 128 bits.
 pub const SECRET_LEN: usize = 25;
-/// Default lifetime of a token (`flotilla token create --ttl`).
-pub const DEFAULT_TOKEN_TTL: &str = "1h";
 
 /// Why a token does not admit a join. Every message names the token by id (never the secret)
 /// and the fix; none is retryable with the same token.

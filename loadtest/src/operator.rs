@@ -6,14 +6,14 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{Context, anyhow};
-use flotilla_hub::cli::{collection_path, object_path};
-use flotilla_hub::client::{ApiError, OperatorClient, OperatorConfig};
+use flotilla_cli::cli::{collection_path, object_path};
+use flotilla_cli::client::{ApiError, OperatorClient, OperatorConfig};
 use flotilla_proto::api::Kind;
 use serde_json::Value;
 
 /// Requests the harness keeps in flight against the operator API: as many as the client keeps
 /// connections for.
-pub const POOL_SIZE: usize = flotilla_hub::client::IDLE_CONNECTIONS;
+pub const POOL_SIZE: usize = flotilla_cli::client::IDLE_CONNECTIONS;
 
 /// A client of one hub's operator API: the CLI's client plus the calls the harness makes.
 pub struct OperatorApi {

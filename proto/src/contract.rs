@@ -91,6 +91,12 @@ pub const UNREACHABLE_TAINT: &str = "cluster.open-cluster-management.io/unreacha
 /// by removing this finalizer by hand.
 pub const WORK_CLEANUP_FINALIZER: &str = "cluster.open-cluster-management.io/manifest-work-cleanup";
 
+/// Annotation on the ManagedCluster recording a decommission in progress (`flotilla cluster
+/// decommission`): `policy=<orphan|clean>,step=<next step>`. On a ManifestWork, the policy the
+/// decommission wrote into its deleteOption, which the hub's ManifestWorkReplicaSet controller
+/// keeps when it rewrites the work.
+pub const DECOMMISSION_ANNOTATION: &str = "flotilla.io/decommission";
+
 /// Longest ManifestWork uid a session frame may carry (`WorkReleased`, `Hello.releasing`). An
 /// apiserver uid is 36 characters; the bound leaves room for other stores and refuses garbage.
 pub const MAX_UID_BYTES: usize = 128;

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use flotilla_cli::client::{OperatorClient, OperatorConfig};
 use flotilla_hub::ca::{self, Ca};
-use flotilla_hub::client::{OperatorClient, OperatorConfig};
 use flotilla_hub::config::HubConfig;
 
 #[derive(Parser)]

@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use flotilla_proto::api::Kind;
-use flotilla_proto::api::content::{chunk_object_name, named_chunk_digests};
+use flotilla_proto::api::content::{STORED_AT_ANNOTATION, chunk_object_name, named_chunk_digests};
 use flotilla_store::reflect::{Reflector, reflect};
 use flotilla_store::{Object, Store, StoreError, WatchEvent, name_of, namespace_of};
 use jiff::{SignedDuration, Timestamp};
@@ -38,11 +38,6 @@ use tracing::{debug, info, warn};
 
 /// Default of `flotilla-hub --chunk-grace-period`.
 pub const DEFAULT_CHUNK_GRACE_PERIOD: &str = "5m";
-
-/// Annotation on a ManifestChunk: when `flotilla work create -f` or `apply -f` last stored it
-/// (RFC 3339). Set when the chunk was there already, so that its grace starts again before the
-/// new work naming it is created.
-pub const STORED_AT_ANNOTATION: &str = "work.flotilla.io/stored-at";
 
 /// Most chunks one pass deletes; the next pass follows at once when more are due.
 pub const MAX_DELETES_PER_PASS: usize = 64;

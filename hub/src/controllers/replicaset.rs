@@ -24,6 +24,7 @@ use flotilla_proto::api::{
     ManifestWorkReplicaSetSummary, ManifestWorkSpec, PLACEMENT_LABEL, Placement, PlacementDecision,
     PlacementSummary,
 };
+use flotilla_proto::contract::DECOMMISSION_ANNOTATION;
 use flotilla_store::{Object, Revision, Store, StoreError, WatchEvent, name_of, namespace_of};
 use futures::StreamExt;
 use jiff::Timestamp;
@@ -37,7 +38,6 @@ use super::feed::{self, Known, Readiness};
 use super::rollout::{self, ClusterGroups, GroupKey, Status};
 use super::scheduling::fleet::Key;
 use super::{ControllerConfig, delay_until, stopped};
-use crate::decommission::DECOMMISSION_ANNOTATION;
 
 /// Label on a ManifestWork naming its replica set as `<namespace>.<name>`.
 pub const REPLICA_SET_LABEL: &str = "work.open-cluster-management.io/manifestworkreplicaset";

@@ -36,6 +36,11 @@ pub const DEFAULT_MAX_WORK_BYTES: u64 = 64 * 1024 * 1024;
 /// `apiVersion` of the reference manifest and of [`ManifestChunk`].
 pub const CONTENT_API_VERSION: &str = "work.flotilla.io/v1alpha1";
 
+/// Annotation on a [`ManifestChunk`]: when `flotilla work create -f` or `apply -f` last stored
+/// it (RFC 3339). Set when the chunk was there already, so that its grace before the hub
+/// collects it starts again before the new work naming it is created.
+pub const STORED_AT_ANNOTATION: &str = "work.flotilla.io/stored-at";
+
 /// `kind` of the reference manifest that stands for a work's chunked manifests.
 pub const CONTENT_KIND: &str = "ChunkedManifests";
 

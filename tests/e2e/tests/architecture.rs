@@ -67,9 +67,9 @@ fn set(names: &[&str]) -> BTreeSet<String> {
 fn dependencies_point_one_way() {
     let (deps, _) = graph();
     // Invariant: `hub → gateway → store → proto`, `gateway/agent → transport → proto`,
-    // `agent → proto`, `hub/gateway/agent/store → ops` (which links no other flotilla crate:
-    // the store's kube client takes its request budget from it); the
-    // agent links no hub, gateway or store code.
+    // `agent → proto`, `hub → cli → transport → proto`, `hub/gateway/agent/store → ops` (which
+    // links no other flotilla crate: the store's kube client takes its request budget from it);
+    // the agent and the CLI link no hub, gateway or store code.
     let allowed: &[(&str, &[&str])] = &[
         ("flotilla-proto", &[]),
         ("flotilla-ops", &[]),
@@ -92,8 +92,10 @@ fn dependencies_point_one_way() {
                 "flotilla-transport",
                 "flotilla-gateway",
                 "flotilla-ops",
+                "flotilla-cli",
             ],
         ),
+        ("flotilla-cli", &["flotilla-proto", "flotilla-transport"]),
         (
             "flotilla-agent",
             &["flotilla-proto", "flotilla-transport", "flotilla-ops"],

@@ -22,11 +22,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context as _, bail, ensure};
+use flotilla_cli::cli::{collection_path, object_path};
 use flotilla_e2e::https::{self, Answer, Request};
 use flotilla_e2e::proxy::proxy_flags;
 use flotilla_e2e::scripted::{Script, ScriptedAgent, anonymous_tls, dial, identity_tls};
 use flotilla_e2e::{Carrier, Fleet, condition_status, current_carrier, on_both_carriers, wait_for};
-use flotilla_hub::cli::{collection_path, object_path};
 use flotilla_proto::api::{Kind, Manifest, content};
 use flotilla_proto::contract::{DENIED_ANNOTATION, KEY_PINS_ANNOTATION, WORK_CLEANUP_FINALIZER};
 use flotilla_proto::wire::{self, AgentFrame, agent_frame, hub_frame};

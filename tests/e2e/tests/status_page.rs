@@ -8,9 +8,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use flotilla_cli::client::{OperatorClient, OperatorConfig};
 use flotilla_e2e::browser::{Browser, png_size};
 use flotilla_e2e::{Fleet, Hub, Proc, bin, free_port, http_get, start_agent, wait_for};
-use flotilla_hub::client::{OperatorClient, OperatorConfig};
 use futures::{StreamExt as _, TryStreamExt as _};
 use jiff::Timestamp;
 use serde_json::{Value, json};

@@ -36,7 +36,7 @@ use std::time::Duration;
 
 use flotilla_proto::api::Kind;
 use flotilla_proto::api::conditions::MANAGED_CLUSTER_CONDITION_AVAILABLE;
-use flotilla_proto::contract::WORK_CLEANUP_FINALIZER;
+use flotilla_proto::contract::{DECOMMISSION_ANNOTATION, WORK_CLEANUP_FINALIZER};
 use http::{Method, StatusCode};
 use serde_json::{Value, json};
 use tokio::time::Instant;
@@ -44,10 +44,6 @@ use tokio::time::Instant;
 use crate::cli::{collection_path, modify_cluster, modify_object, object_path};
 use crate::client::{ApiError, OperatorClient};
 
-/// Annotation on the ManagedCluster recording a decommission in progress:
-/// `policy=<orphan|clean>,step=<next step>`. On a ManifestWork, the policy the decommission
-/// wrote into its deleteOption (the ManifestWorkReplicaSet controller keeps it).
-pub const DECOMMISSION_ANNOTATION: &str = "flotilla.io/decommission";
 /// The taint that takes the cluster out of every placement that does not tolerate it.
 pub const DECOMMISSION_TAINT: &str = "flotilla.io/decommissioning";
 /// Default of `--timeout`: how long one waiting step waits for the agent or the scheduler.

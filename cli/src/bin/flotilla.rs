@@ -5,14 +5,15 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
-use flotilla_hub::cli::{
+use flotilla_cli::cli::{
     apply_label_changes, apply_taint_changes, collection_path, kind_of_document, manifest_work,
     modify_cluster, namespaced_name, object_path, parse_label_changes, parse_taint_changes,
     read_documents, replica_set,
 };
-use flotilla_hub::client::{ApiError, OperatorClient, OperatorConfig};
-use flotilla_hub::table;
+use flotilla_cli::client::{ApiError, OperatorClient, OperatorConfig};
+use flotilla_cli::table;
 use flotilla_proto::api::Kind;
+use flotilla_transport::files::Access;
 use http::{Method, StatusCode};
 use serde_json::Value;
 
@@ -86,7 +87,7 @@ enum Command {
     /// lists the clusters failing right now, and since when. Read-only; Ctrl-C stops it.
     Dashboard {
         /// Port to listen on (0: any free port, printed).
-        #[arg(short, long, default_value_t = flotilla_hub::dashboard::DEFAULT_PORT)]
+        #[arg(short, long, default_value_t = flotilla_cli::dashboard::DEFAULT_PORT)]
         port: u16,
         /// Loopback address to listen on: whoever reaches the dashboard acts as the operator,
         /// so other addresses are refused.
@@ -133,7 +134,7 @@ enum UserAction {
 }
 
 /// Default of `flotilla token create --ttl`.
-const DEFAULT_TOKEN_TTL: &str = flotilla_hub::tokens::DEFAULT_TOKEN_TTL;
+const DEFAULT_TOKEN_TTL: &str = "1h";
 
 #[derive(Subcommand)]
 enum TokenAction {
@@ -209,12 +210,12 @@ enum ClusterAction {
         /// of workloads is the failure this command exists to prevent, and a surprise orphan
         /// leaves them unmanaged); optional when resuming, where it must match.
         #[arg(long, value_enum)]
-        policy: Option<flotilla_hub::decommission::Policy>,
+        policy: Option<flotilla_cli::decommission::Policy>,
         /// How long each waiting step waits: for the agent to report the policy, for
         /// placements to drop the cluster, for its works to go. With `orphan`, an agent that
         /// does not report in time is revoked first; with `clean`, the command stops and says
         /// how to go on.
-        #[arg(long, default_value = flotilla_hub::decommission::DEFAULT_TIMEOUT,
+        #[arg(long, default_value = flotilla_cli::decommission::DEFAULT_TIMEOUT,
               value_parser = humantime::parse_duration)]
         timeout: std::time::Duration,
     },
@@ -453,7 +454,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             if let Some(placement) = placement {
                 let (ns, placement) = namespaced_name(&placement, "--placement")?;
                 // Before anything is stored: the set's template is one object.
-                flotilla_hub::cli::check_replica_set_size(&name, &ns, &manifests)?;
+                flotilla_cli::cli::check_replica_set_size(&name, &ns, &manifests)?;
                 client
                     .get_json(&object_path(Kind::Placement, Some(&ns), &placement))
                     .await
@@ -478,11 +479,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Cluster { action } => cluster(&client, action).await?,
         Command::Dashboard { port, address } => {
             let listener =
-                flotilla_hub::dashboard::bind(std::net::SocketAddr::new(address, port)).await?;
+                flotilla_cli::dashboard::bind(std::net::SocketAddr::new(address, port)).await?;
             let bound = listener.local_addr()?;
             println!("Starting to serve on {bound}");
             println!("Fleet status page: http://{bound}/ui/");
-            flotilla_hub::dashboard::serve(listener, std::sync::Arc::new(client), async {
+            flotilla_cli::dashboard::serve(listener, std::sync::Arc::new(client), async {
                 let _ = tokio::signal::ctrl_c().await;
             })
             .await?;
@@ -513,7 +514,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     out,
                 },
         } => {
-            let dir = flotilla_hub::cli::user_dir(&cli.config, &name);
+            let dir = flotilla_cli::cli::user_dir(&cli.config, &name);
             let key = rcgen::KeyPair::generate()?;
             let mut params = rcgen::CertificateParams::default();
             params
@@ -536,13 +537,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     .map(str::to_string)
                     .with_context(|| format!("the hub's answer has no {field}"))
             };
-            flotilla_hub::ca::write_bundle(
+            flotilla_cli::cli::write_credentials(
                 &dir,
                 &text("ca")?,
-                &flotilla_hub::ca::IssuedCert {
-                    cert_pem: text("certificate")?,
-                    key_pem: key.serialize_pem(),
-                },
+                &text("certificate")?,
+                &key.serialize_pem(),
             )?;
             println!("user {name} created; credentials in {}", dir.display());
             let clusters = fleet_clusters(&client).await?;
@@ -633,12 +632,12 @@ fn write_kubeconfig(
             client.address()
         )
     })?;
-    let (user, dir) = flotilla_hub::cli::find_user(config, user)?;
-    let kubeconfig = flotilla_hub::cli::kubeconfig(proxy, &user, &dir, clusters);
+    let (user, dir) = flotilla_cli::cli::find_user(config, user)?;
+    let kubeconfig = flotilla_cli::cli::kubeconfig(proxy, &user, &dir, clusters);
     let text = yaml_serde::to_string(&kubeconfig)?;
     match out {
         Some(path) => {
-            flotilla_hub::ca::write(path, &text, true)?;
+            flotilla_cli::cli::write_file(path, &text, Access::Private)?;
             println!(
                 "kubeconfig for user {user} with {} context(s) written to {} (kubectl --kubeconfig {} get namespaces)",
                 clusters.len(),
@@ -790,7 +789,7 @@ async fn cluster(client: &OperatorClient, action: ClusterAction) -> anyhow::Resu
             timeout,
         } => {
             let mut say = |line: String| println!("{line}");
-            flotilla_hub::decommission::run(client, &name, policy, timeout, &mut say).await?;
+            flotilla_cli::decommission::run(client, &name, policy, timeout, &mut say).await?;
         }
         ClusterAction::Delete { names } => {
             for name in names {
@@ -818,7 +817,7 @@ async fn store_chunks(
     doc: Value,
     cap: u64,
 ) -> anyhow::Result<(Value, String)> {
-    let Some((work, reference, chunks)) = flotilla_hub::cli::chunked_work(&doc, cap)? else {
+    let Some((work, reference, chunks)) = flotilla_cli::cli::chunked_work(&doc, cap)? else {
         return Ok((doc, String::new()));
     };
     let ns = work["metadata"]["namespace"]
@@ -846,7 +845,7 @@ async fn store_chunks(
             {
                 let mut object = object;
                 object["metadata"]["annotations"] = serde_json::json!({
-                    flotilla_hub::controllers::chunk_gc::STORED_AT_ANNOTATION:
+                    flotilla_proto::api::content::STORED_AT_ANNOTATION:
                         jiff::Timestamp::now().to_string(),
                 });
                 let name = flotilla_proto::api::content::chunk_object_name(&chunk.sha256);

@@ -8,6 +8,7 @@ use anyhow::{Context, bail};
 
 use crate::client::{ApiError, OperatorClient};
 use flotilla_proto::api::Kind;
+use flotilla_transport::files::{Access, write_atomic};
 use http::{Method, StatusCode};
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -122,6 +123,27 @@ pub fn user_dir(config: &Path, user: &str) -> PathBuf {
         .unwrap_or(Path::new("."))
         .join("users")
         .join(user)
+}
+
+/// Writes a user's credentials into `dir` as every flotilla component lays them out:
+/// `ca.crt`, `tls.crt`, and `tls.key` readable by its owner only.
+pub fn write_credentials(
+    dir: &Path,
+    ca_pem: &str,
+    cert_pem: &str,
+    key_pem: &str,
+) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    write_file(&dir.join("ca.crt"), ca_pem, Access::Public)?;
+    write_file(&dir.join("tls.key"), key_pem, Access::Private)?;
+    write_file(&dir.join("tls.crt"), cert_pem, Access::Public)
+}
+
+/// Writes `path` whole or not at all (a kubeconfig or a credential the operator relies on is
+/// never left half-written).
+pub fn write_file(path: &Path, contents: &str, access: Access) -> anyhow::Result<()> {
+    write_atomic(path, contents.as_bytes(), access)
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 /// The user whose credentials a kubeconfig uses, and their directory (absolute): `user`, or
