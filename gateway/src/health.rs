@@ -24,6 +24,7 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
+use flotilla_ops::error_chain;
 use flotilla_proto::api::Kind;
 use flotilla_proto::api::conditions::{
     self, ConditionStatus, MANAGED_CLUSTER_CONDITION_AVAILABLE, MANAGED_CLUSTER_JOINED,
@@ -235,7 +236,7 @@ impl HealthWriter {
                                 let ok = match w.mark_available(&cluster, &hello).await {
                                     Ok(()) => true,
                                     Err(e) => {
-                                        warn!(cluster, error = %e, "could not record the cluster as Available");
+                                        warn!(cluster, error = %error_chain(&e), "could not record the cluster as Available");
                                         false
                                     }
                                 };
@@ -271,7 +272,7 @@ impl HealthWriter {
                                     // Not this gateway's to write (any more): said where dropped.
                                     Ok(false) => true,
                                     Err(e) => {
-                                        warn!(cluster, error = %e, "could not record the cluster's info");
+                                        warn!(cluster, error = %error_chain(&e), "could not record the cluster's info");
                                         false
                                     }
                                 };
@@ -288,7 +289,7 @@ impl HealthWriter {
                         let w = this.clone();
                         queued.push(cluster.clone(), Box::pin(async move {
                             if let Err(e) = w.mark_unknown(&cluster).await {
-                                warn!(cluster, error = %e, "could not record the cluster as Unknown");
+                                warn!(cluster, error = %error_chain(&e), "could not record the cluster as Unknown");
                             }
                             Written::Unknown { cluster }
                         }));

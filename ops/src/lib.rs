@@ -23,7 +23,7 @@ pub mod readiness;
 pub mod supervise;
 
 pub use endpoint::{Endpoint, EndpointError, MetricsArgs, serve};
-pub use logging::{LogFormat, init_tracing};
+pub use logging::{LogFormat, error_chain, init_tracing};
 pub use rate::{KubeApiArgs, KubeApiRate, TokenBucket};
 pub use readiness::{Readiness, ReadyFlag};
 pub use supervise::{TaskEnded, TaskError, TaskResult, Tasks, shutdown_signal};

@@ -13,6 +13,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use flotilla_ops::error_chain;
 use flotilla_proto::api::Kind;
 use flotilla_proto::contract::{SHARD_LABEL, shard_label_value, shard_of};
 use flotilla_store::reflect::{Reflector, reflect};
@@ -141,7 +142,7 @@ pub async fn run(
         let (store, pending) = (store.clone(), pending.clone());
         writes.spawn(async move {
             if let Err(e) = relabel(store.as_ref(), &key, shards).await {
-                warn!(kind = %key.0, namespace = key.1.as_deref(), name = %key.2, error = %e, "labelling with the shard failed; retried at its next change or relist");
+                warn!(kind = %key.0, namespace = key.1.as_deref(), name = %key.2, error = %error_chain(&e), "labelling with the shard failed; retried at its next change or relist");
             }
             pending.lock().await.remove(&key);
             drop(permit);
