@@ -29,8 +29,8 @@ use crate::health::HealthReport;
 use crate::mailbox::{Closing, Mailbox, WorkChange};
 use crate::metrics::OpenSession;
 use crate::registry::SessionHandle;
-use crate::serve::Shared;
 use crate::shards::Route;
+use crate::shared::Shared;
 
 /// How long a closed session may take to hand its last frames (the goodbye) to a peer that
 /// stopped reading, before the driver gives up on it.
