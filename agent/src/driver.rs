@@ -10,6 +10,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, SystemTime};
 
 use flotilla_ops::error_chain;
+use flotilla_ops::sleep_until;
 use flotilla_proto::api::content::ContentRef;
 use flotilla_proto::session::{
     AgentConfig as SessionConfig, AgentEvent, AgentSession, CloseReason, DEFAULT_WELCOME_TIMEOUT,
@@ -592,12 +593,5 @@ fn flatten<T, E: Into<Failed>>(
         Ok(Ok(value)) => Ok(value),
         Ok(Err(e)) => Err(e.into()),
         Err(e) => Err(e.into()),
-    }
-}
-
-async fn sleep_until(deadline: Option<Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(d).await,
-        None => std::future::pending().await,
     }
 }

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use flotilla_ops::error_chain;
+use flotilla_ops::sleep_until;
 use flotilla_proto::api::Kind;
 use flotilla_proto::api::content::{CHUNK_BYTES, chunk_data, chunk_object_name};
 use flotilla_proto::contract::ca_bundle_sha256;
@@ -651,11 +652,4 @@ pub(crate) fn spread_over(window: Duration, session_id: &str) -> Duration {
     session_id.hash(&mut h);
     let window_ms = window.as_millis().max(1) as u64;
     Duration::from_millis(h.finish() % window_ms)
-}
-
-async fn sleep_until(deadline: Option<Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(d).await,
-        None => std::future::pending().await,
-    }
 }

@@ -25,6 +25,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use flotilla_ops::error_chain;
+use flotilla_ops::sleep_until;
 use flotilla_proto::api::Kind;
 use flotilla_proto::api::conditions::{
     self, ConditionStatus, MANAGED_CLUSTER_CONDITION_AVAILABLE, MANAGED_CLUSTER_JOINED,
@@ -344,12 +345,6 @@ impl HealthWriter {
     }
 }
 
-async fn sleep_until(deadline: Option<Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(d).await,
-        None => std::future::pending().await,
-    }
-}
 /// The store writes of cluster health.
 struct Writes {
     store: Arc<dyn Store>,

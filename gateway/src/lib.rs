@@ -53,12 +53,13 @@ mod test_support {
 
     use std::time::Duration;
 
-    /// Polls `check` until it holds, for at most 10 s; panics naming `what` otherwise.
+    /// Waits until `check` holds, for at most 10 s; panics naming `what` otherwise.
     pub async fn eventually<F: Future<Output = bool>>(what: &str, mut check: impl FnMut() -> F) {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while !check().await {
-            assert!(tokio::time::Instant::now() < deadline, "never: {what}");
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        flotilla_testenv::wait_for(what, Duration::from_secs(10), || {
+            let holds = check();
+            async { anyhow::Ok(holds.await.then_some(())) }
+        })
+        .await
+        .unwrap_or_else(|e| panic!("never: {e}"));
     }
 }

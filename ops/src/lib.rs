@@ -15,6 +15,7 @@
 //! each other.
 #![forbid(unsafe_code)]
 
+pub mod deadline;
 pub mod endpoint;
 pub mod exposition;
 pub mod logging;
@@ -22,6 +23,7 @@ pub mod rate;
 pub mod readiness;
 pub mod supervise;
 
+pub use deadline::sleep_until;
 pub use endpoint::{Endpoint, EndpointError, MetricsArgs, serve};
 pub use logging::{LogFormat, error_chain, init_tracing};
 pub use rate::{KubeApiArgs, KubeApiRate, TokenBucket};

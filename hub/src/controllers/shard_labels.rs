@@ -204,12 +204,13 @@ mod tests {
         o
     }
 
-    async fn until(what: &str, mut check: impl AsyncFnMut() -> bool) {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while !check().await {
-            assert!(tokio::time::Instant::now() < deadline, "never: {what}");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+    async fn until<F: Future<Output = bool>>(what: &str, mut check: impl FnMut() -> F) {
+        flotilla_testenv::wait_for(what, Duration::from_secs(10), || {
+            let holds = check();
+            async { anyhow::Ok(holds.await.then_some(())) }
+        })
+        .await
+        .unwrap_or_else(|e| panic!("never: {e}"));
     }
 
     async fn shard_label_of(store: &dyn Store, ns: &str, name: &str) -> Option<String> {
@@ -249,7 +250,7 @@ mod tests {
             .unwrap();
         let (stop_tx, stop) = watch::channel(false);
         let labeller = tokio::spawn(run(store.clone(), SHARDS, 4, 16, stop));
-        until("every object carries its shard", async || {
+        until("every object carries its shard", || async {
             shard_label_of(store.as_ref(), "store-1", "unlabelled")
                 .await
                 .as_ref()
@@ -260,7 +261,7 @@ mod tests {
                     == Some(&right)
         })
         .await;
-        until("the cluster carries its shard", async || {
+        until("the cluster carries its shard", || async {
             let c = store
                 .get(Kind::ManagedCluster, None, "store-1")
                 .await
@@ -271,7 +272,7 @@ mod tests {
         .await;
         // Created later, straight to the store (as `kubectl apply` would): labelled too.
         store.create(work("store-1", "later", None)).await.unwrap();
-        until("a later work is labelled", async || {
+        until("a later work is labelled", || async {
             shard_label_of(store.as_ref(), "store-1", "later")
                 .await
                 .as_ref()
