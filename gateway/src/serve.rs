@@ -26,6 +26,7 @@ use crate::driver::drive;
 use crate::fencing::{Fencing, WorkBases};
 use crate::finalizers::CleanupFinalizers;
 use crate::health::HealthWriter;
+use crate::locks::{SyncMutex, lock};
 use crate::metrics::GatewayMetrics;
 use crate::rate::{SessionGate, SessionRate};
 use crate::registry::Registry;
@@ -152,9 +153,9 @@ impl Gateway {
                 next_session: AtomicU64::new(1),
                 started: std::time::SystemTime::now(),
                 draining: watch::Sender::new(false),
-                health_writer: tokio::sync::Mutex::new(Some(health_writer)),
+                health_writer: SyncMutex::new(Some(health_writer)),
                 shards,
-                leasing: tokio::sync::Mutex::new(None),
+                leasing: SyncMutex::new(None),
                 metrics,
                 gate,
                 serving,
@@ -170,7 +171,7 @@ impl Gateway {
             .shards
             .send_replace(Arc::new(leasing.initial_view()));
         self.shared.serving.send_replace(false);
-        *self.shared.leasing.lock().await = Some(leasing);
+        *lock(&self.shared.leasing) = Some(leasing);
     }
 
     /// The shards this gateway acts for and the directory of the rest, as it changes.
@@ -380,7 +381,8 @@ impl Gateway {
                 )
                 .map(Ok),
         );
-        if let Some(leasing) = shared.leasing.lock().await.take() {
+        let leasing = lock(&shared.leasing).take();
+        if let Some(leasing) = leasing {
             tasks.spawn(
                 "the shard leases",
                 leasing
@@ -404,7 +406,7 @@ impl Gateway {
             )
             .map(Ok),
         );
-        let health = shared.health_writer.lock().await.take();
+        let health = lock(&shared.health_writer).take();
         if let Some(health) = health {
             tasks.spawn("the health writer", health.run(stop_rx.clone()).map(Ok));
         }

@@ -15,6 +15,7 @@ use crate::config::GatewayConfig;
 use crate::desired::DesiredState;
 use crate::finalizers::CleanupFinalizers;
 use crate::health::{HealthReports, HealthWriter};
+use crate::locks::SyncMutex;
 use crate::metrics::GatewayMetrics;
 use crate::rate::SessionGate;
 use crate::registry::Registry;
@@ -42,12 +43,12 @@ pub(crate) struct Shared {
     /// drained from then on.
     pub(crate) draining: watch::Sender<bool>,
     /// The health task, until `serve` takes it to run.
-    pub(crate) health_writer: tokio::sync::Mutex<Option<HealthWriter>>,
+    pub(crate) health_writer: SyncMutex<Option<HealthWriter>>,
     /// The shards this gateway acts for and who holds the others: every shard (single node)
     /// unless [`crate::Gateway::lease_shards`] put it on leases.
     pub(crate) shards: watch::Sender<Arc<ShardView>>,
     /// The lease driver, until `serve` takes it to run.
-    pub(crate) leasing: tokio::sync::Mutex<Option<ShardLeasing>>,
+    pub(crate) leasing: SyncMutex<Option<ShardLeasing>>,
     /// What `/metrics` shows of the gateway; the store above already counts into it.
     pub(crate) metrics: GatewayMetrics,
     /// The new-session rate both carriers ask before each handshake.
