@@ -148,10 +148,8 @@ pub struct AgentConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// `--cluster-name` is not a DNS label. Not retryable.
-    #[error(
-        "--cluster-name {0:?} is not a valid cluster name: use lower-case letters, digits and '-', at most 63 characters"
-    )]
-    ClusterName(String),
+    #[error("--cluster-name {0}")]
+    ClusterName(flotilla_proto::contract::InvalidClusterName),
     /// `--resync-interval` is too short. Not retryable.
     #[error("--resync-interval {got:?} is shorter than {min:?}; use e.g. 5m")]
     ResyncInterval { got: Duration, min: Duration },
@@ -220,10 +218,8 @@ impl AgentConfig {
 
     /// Checks what can be checked without touching the network or the disk.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let name = &self.cluster_name;
-        if !flotilla_proto::contract::is_dns1123_label(name) {
-            return Err(ConfigError::ClusterName(name.clone()));
-        }
+        flotilla_proto::contract::check_cluster_name(&self.cluster_name)
+            .map_err(ConfigError::ClusterName)?;
         if self.transport == Transport::Quic && self.proxy_url.is_some() {
             return Err(ConfigError::QuicBehindProxy);
         }

@@ -14,7 +14,7 @@ use flotilla_proto::wire;
 use futures::future::BoxFuture;
 use tracing::{debug, info, warn};
 
-use crate::cache::{CachedWork, MAX_MANIFEST_WORK_BYTES, durably};
+use crate::cache::{CacheError, CachedWork, MAX_MANIFEST_WORK_BYTES, durably};
 use crate::spoke::Spoke;
 
 /// Work on the durable cache, in order.
@@ -65,7 +65,7 @@ pub(crate) enum CacheDone {
         name: String,
         content: ContentRef,
         transfer: u64,
-        missing: Result<Vec<String>, String>,
+        missing: Result<Vec<String>, CacheError>,
     },
     /// Transfers given up (or not: the error is logged).
     FetchesEnded,
@@ -166,7 +166,7 @@ pub(crate) async fn run_cache_op(spoke: Spoke, op: CacheOp) -> CacheDone {
                 name,
                 content,
                 transfer,
-                missing: missing.map_err(|e| e.to_string()),
+                missing,
             }
         }
         CacheOp::EndFetches { keep } => {

@@ -9,6 +9,8 @@
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, SystemTime};
 
+use flotilla_ops::error_chain;
+use flotilla_ops::sleep_until;
 use flotilla_proto::api::content::ContentRef;
 use flotilla_proto::session::{
     AgentConfig as SessionConfig, AgentEvent, AgentSession, CloseReason, DEFAULT_WELCOME_TIMEOUT,
@@ -23,7 +25,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use crate::cache::durably;
+use crate::cache::{CacheError, durably};
 use crate::config::AgentConfig;
 use crate::connect::Dialer;
 use crate::delivery::{CacheDone, CacheOp, CacheQueue, report_outbox, report_releases};
@@ -205,14 +207,14 @@ struct Driver<'a> {
 /// The result of work done beside the loop.
 enum Done {
     /// A signing request for a new key, or why none could be made.
-    Request(Result<String, String>),
+    Request(Result<String, Failed>),
     /// A renewed certificate is stored: its validity, or why it could not be.
-    Stored(Result<(SystemTime, SystemTime), String>),
+    Stored(Result<(SystemTime, SystemTime), Failed>),
     /// A chunk is durable, with the cache's chunk count and bytes after it; `None` when it was
     /// dropped (the cache no longer names it).
     ChunkStored {
         chunk_sha256: String,
-        stored: Result<Option<(u64, u64)>, String>,
+        stored: Result<Option<(u64, u64)>, CacheError>,
     },
     Nothing,
 }
@@ -413,7 +415,7 @@ impl Driver<'_> {
                         Ok(()) => info!(
                             "the hub's CA bundle changed (CA rotation); stored for the next connection"
                         ),
-                        Err(e) => warn!(error = %e, "cannot store the hub's new CA bundle"),
+                        Err(e) => warn!(error = %error_chain(&*e), "cannot store the hub's new CA bundle"),
                     }
                     Done::Nothing
                 }));
@@ -474,7 +476,7 @@ impl Driver<'_> {
                 missing: Err(e),
                 ..
             } => {
-                warn!(work = %name, error = %e, "cannot record the content's transfer; the hub resends the work next session");
+                warn!(work = %name, error = %error_chain(&e), "cannot record the content's transfer; the hub resends the work next session");
                 self.machine.content_not_recorded(&uid, transfer);
             }
             _ => {}
@@ -491,7 +493,7 @@ impl Driver<'_> {
                 }
             }
             Done::Request(Err(e)) => {
-                warn!(error = %e, "cannot make a renewal request; trying again later");
+                warn!(error = %error_chain(&*e), "cannot make a renewal request; trying again later");
                 self.machine.renewal_failed(now);
             }
             Done::Stored(Ok((not_before, not_after))) => {
@@ -506,7 +508,7 @@ impl Driver<'_> {
                 );
             }
             Done::Stored(Err(e)) => {
-                warn!(error = %e, "cannot store the renewed certificate; asking again later");
+                warn!(error = %error_chain(&*e), "cannot store the renewed certificate; asking again later");
                 self.machine.renewal_failed(now);
             }
             Done::ChunkStored {
@@ -529,7 +531,7 @@ impl Driver<'_> {
                 stored: Err(e),
             } => {
                 let retry_in = self.machine.chunk_not_stored(now, &chunk_sha256);
-                warn!(chunk = %chunk_sha256, error = %e, ?retry_in, "cannot store a chunk; asking for it again later");
+                warn!(chunk = %chunk_sha256, error = %error_chain(&e), ?retry_in, "cannot store a chunk; asking for it again later");
             }
             Done::Nothing => {}
         }
@@ -565,7 +567,7 @@ async fn store_chunk(
     .await;
     Done::ChunkStored {
         chunk_sha256,
-        stored: stored.map_err(|e| e.to_string()),
+        stored,
     }
 }
 
@@ -580,20 +582,16 @@ fn need_bytes(content: &ContentRef, missing: &[String]) -> u64 {
         .sum()
 }
 
-/// A blocking task's result, its errors as words.
-fn flatten<T, E: std::fmt::Display>(
+/// Why work done beside the loop failed: its own error, or the blocking task's, with its causes.
+type Failed = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// A blocking task's result, whichever way it failed.
+fn flatten<T, E: Into<Failed>>(
     joined: Result<Result<T, E>, tokio::task::JoinError>,
-) -> Result<T, String> {
+) -> Result<T, Failed> {
     match joined {
         Ok(Ok(value)) => Ok(value),
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(e) => Err(e.to_string()),
-    }
-}
-
-async fn sleep_until(deadline: Option<Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(d).await,
-        None => std::future::pending().await,
+        Ok(Err(e)) => Err(e.into()),
+        Err(e) => Err(e.into()),
     }
 }

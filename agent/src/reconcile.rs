@@ -20,6 +20,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use flotilla_ops::sleep_until;
 use flotilla_proto::api::conditions::{WORK_COMPLETE, is_condition_true};
 use flotilla_proto::api::{
     DeleteOption, ManifestWork, ManifestWorkStatus, PropagationPolicy, SelectivelyOrphan,
@@ -452,13 +453,6 @@ struct Refreshes {
     last: HashMap<String, Instant>,
     /// Works waiting for their turn, and when it comes.
     deferred: HashMap<String, Instant>,
-}
-
-async fn sleep_until(deadline: Option<Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(d).await,
-        None => std::future::pending().await,
-    }
 }
 
 /// Reconciles one work: applies a live work and records its status, or removes a tombstone's

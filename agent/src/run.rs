@@ -49,15 +49,16 @@ pub enum RunError {
     /// `--metrics-addr` cannot be listened on. Not retryable without another address.
     #[error(transparent)]
     Metrics(#[from] flotilla_ops::EndpointError),
-    /// The certificates in `--cert-dir` cannot be used. Not retryable.
-    #[error("{0}")]
-    Certificates(String),
+    /// The certificates in `--cert-dir` cannot be used. Not retryable. The error says which
+    /// file and why, its sources the cause below.
+    #[error(transparent)]
+    Certificates(Box<dyn std::error::Error + Send + Sync + 'static>),
     /// The cache in `--data-dir` cannot be opened. Not retryable.
     #[error(transparent)]
     Cache(#[from] CacheError),
     /// The spoke client cannot be built from its kubeconfig. Not retryable.
     #[error("cannot build a client for the spoke apiserver: {0}")]
-    SpokeClient(String),
+    SpokeClient(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
     /// A task the agent cannot work without (the reconciler, the tunnel server, the claims
     /// watcher, the metrics endpoint) panicked or ended on its own. Not retryable in-process:
     /// the agent exits non-zero so that its supervisor starts it again.
@@ -102,15 +103,15 @@ pub async fn run(
     let identity = Identity::new(config.identity_dir());
     identity
         .recover()
-        .map_err(|e| RunError::Certificates(e.to_string()))?;
+        .map_err(|e| RunError::Certificates(e.into()))?;
     let dialer = Dialer::new(&config.hub, &config.server_name(), identity.dir())
-        .map_err(|e| RunError::Certificates(format!("{e:#}")))?
+        .map_err(|e| RunError::Certificates(e.into()))?
         .with_proxy(config.proxy_url.clone())
         .with_transport(config.transport);
     // Every request of the agent's own client takes a token of its spoke budget first.
     let spoke_kube_api = config.spoke_kube_api();
     let client = kube::client::ClientBuilder::try_from(config.spoke_kube_config().await?)
-        .map_err(|e| RunError::SpokeClient(e.to_string()))?
+        .map_err(|e| RunError::SpokeClient(e.into()))?
         .with_layer(&spoke_kube_api)
         .build();
     cache::retire_sled_cache(&config.sled_cache_dir());
@@ -119,7 +120,7 @@ pub async fn run(
     let target: Arc<dyn ApplyTarget> = Arc::new(KubeApplyTarget::new(client.clone()));
     let spoke_api: Arc<dyn SpokeApi> = Arc::new(
         KubeSpoke::new(&config.spoke_kube_config().await?)
-            .map_err(|e| RunError::SpokeClient(e.to_string()))?,
+            .map_err(|e| RunError::SpokeClient(e.into()))?,
     );
     let (stop, _) = watch::channel(false);
     let mut tasks = Tasks::new();

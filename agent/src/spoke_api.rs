@@ -103,25 +103,10 @@ impl SpokeApi for KubeSpoke {
             Box::pin(self.service.clone().oneshot(request));
         let response = sending.await.map_err(|e| SpokeError {
             server: self.server.clone(),
-            detail: chain(&*e),
+            detail: flotilla_ops::error_chain(&*e),
         })?;
         Ok(response.map(|body| body.map_err(BoxError::from).boxed()))
     }
-}
-
-/// An error and its causes, as one line.
-fn chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut cause = error.source();
-    while let Some(e) = cause {
-        let more = e.to_string();
-        if !text.contains(&more) {
-            text.push_str(": ");
-            text.push_str(&more);
-        }
-        cause = e.source();
-    }
-    text
 }
 
 /// An in-process stand-in for a spoke apiserver, for the load test's simulated clusters (which

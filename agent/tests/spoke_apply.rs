@@ -12,8 +12,8 @@ use flotilla_proto::api::conditions::{
     WORK_APPLIED, WORK_AVAILABLE, WORK_DEGRADED, find_condition,
 };
 use flotilla_proto::api::{ManifestWork, ManifestWorkStatus, content_hash};
-use flotilla_proto::session::Jitter;
-use flotilla_testenv::TestEnv;
+use flotilla_proto::session::NoJitter;
+use flotilla_testenv::{TestEnv, wait_for};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, ServiceAccount};
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
@@ -129,33 +129,6 @@ fn image(deployment: &Deployment) -> String {
         .image
         .clone()
         .unwrap_or_default()
-}
-
-/// Polls `check` until it holds or `timeout` passes.
-async fn eventually<F, Fut>(what: &str, timeout: Duration, mut check: F) -> anyhow::Result<()>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = anyhow::Result<bool>>,
-{
-    let deadline = Instant::now() + timeout;
-    loop {
-        if check().await? {
-            return Ok(());
-        }
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "timed out after {timeout:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-struct NoJitter;
-
-impl Jitter for NoJitter {
-    fn uniform(&mut self, _max: Duration) -> Duration {
-        Duration::ZERO
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -471,17 +444,17 @@ async fn with_no_hub_the_cache_is_applied_at_start_and_the_resync_repairs_drift(
     deployments
         .patch("nginx-deployment", &by_hand, &Patch::Apply(json!({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "nginx-deployment"}, "spec": {"replicas": 1}})))
         .await?;
-    eventually(
+    wait_for(
         "replicas restored to 3",
         Duration::from_secs(30),
         || async {
-            Ok(deployments
+            let replicas = deployments
                 .get("nginx-deployment")
                 .await?
                 .spec
                 .unwrap()
-                .replicas
-                == Some(3))
+                .replicas;
+            Ok((replicas == Some(3)).then_some(()))
         },
     )
     .await?;
@@ -490,8 +463,8 @@ async fn with_no_hub_the_cache_is_applied_at_start_and_the_resync_repairs_drift(
         .delete("nginx-deployment", &DeleteParams::default())
         .await?;
     assert!(deployments.get_opt("nginx-deployment").await?.is_none());
-    eventually("the Deployment back", Duration::from_secs(30), || async {
-        Ok(deployments.get_opt("nginx-deployment").await?.is_some())
+    wait_for("the Deployment back", Duration::from_secs(30), || async {
+        Ok(deployments.get_opt("nginx-deployment").await?.map(drop))
     })
     .await?;
 

@@ -24,8 +24,8 @@ use serde_json::Value;
 use tokio::sync::watch;
 use tracing::info;
 
-use crate::health::RecordedHealth;
 use crate::locks::{read, write};
+use crate::recorded_health::RecordedHealth;
 use crate::registry::Registry;
 use crate::shards::ShardViews;
 use crate::shards::cache::{ShardCache, ShardLoad, ShardSet, follow_shards};

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use flotilla_ops::error_chain;
 use flotilla_proto::contract::{
     RENEWAL_CLUSTER_LABEL, RENEWAL_SESSION_KEY_ANNOTATION, RENEWAL_SIGNER,
 };
@@ -256,7 +257,7 @@ impl ClusterCertificates for CsrRelay {
         // Answered or given up: the request has served its purpose either way (the hub also
         // collects requests nobody deleted).
         if let Err(e) = api.delete(&name, &DeleteParams::default()).await {
-            debug!(request = %name, error = %e, "deleting an answered renewal request failed");
+            debug!(request = %name, error = %error_chain(&e), "deleting an answered renewal request failed");
         }
         decided
     }

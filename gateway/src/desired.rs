@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
 use async_trait::async_trait;
+use flotilla_ops::error_chain;
 use flotilla_proto::api::content::ContentRef;
 use flotilla_proto::api::{Kind, ManifestWork, content_hash};
 use flotilla_proto::contract::WORK_CLEANUP_FINALIZER;
@@ -405,7 +406,7 @@ async fn gone(store: &dyn Store, w: &DesiredWork) -> bool {
         // Gone, or replaced by another work of the same name.
         Ok(_) => true,
         Err(e) => {
-            warn!(cluster = %w.namespace, work = %w.name, error = %e, "cannot confirm a work's deletion: its agent keeps it for now");
+            warn!(cluster = %w.namespace, work = %w.name, error = %error_chain(&e), "cannot confirm a work's deletion: its agent keeps it for now");
             false
         }
     }

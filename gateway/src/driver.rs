@@ -8,11 +8,14 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use flotilla_ops::error_chain;
+use flotilla_ops::sleep_until;
 use flotilla_proto::api::Kind;
 use flotilla_proto::api::content::{CHUNK_BYTES, chunk_data, chunk_object_name};
 use flotilla_proto::contract::ca_bundle_sha256;
 use flotilla_proto::session::{DesiredWork, HubConfig, HubEvent, HubSession};
 use flotilla_proto::wire::{self, HubFrame};
+use flotilla_store::StoreError;
 use flotilla_transport::identity::Peer;
 use flotilla_transport::{Incoming, Link, LinkError};
 use futures::StreamExt as _;
@@ -27,8 +30,8 @@ use crate::health::HealthReport;
 use crate::mailbox::{Closing, Mailbox, WorkChange};
 use crate::metrics::OpenSession;
 use crate::registry::SessionHandle;
-use crate::serve::Shared;
 use crate::shards::Route;
+use crate::shared::Shared;
 
 /// How long a closed session may take to hand its last frames (the goodbye) to a peer that
 /// stopped reading, before the driver gives up on it.
@@ -57,7 +60,7 @@ enum Done {
     Chunk {
         uid: String,
         chunk_sha256: String,
-        read: Result<Vec<u8>, String>,
+        read: Result<Vec<u8>, ChunkUnserved>,
     },
     /// Nothing for the machine (a status queued, a report sent).
     Nothing,
@@ -181,7 +184,7 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
                             .submit(&reporter, &cluster, &name, &uid, seq, &status_json)
                             .await
                         {
-                            warn!(error = %e, "status refused");
+                            warn!(error = %error_chain(&e), "status refused");
                         }
                         Done::Nothing
                     }));
@@ -331,9 +334,9 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
                     shared.metrics.chunk_bytes_sent.inc_by(data.len() as u64);
                     machine.send_chunk(uid, &chunk_sha256, data);
                 }
-                Done::Chunk { uid, chunk_sha256, read: Err(reason) } => {
-                    warn!(work_uid = %uid, chunk = %chunk_sha256, %reason, "chunk not served");
-                    machine.refuse_chunk(uid, &chunk_sha256, reason);
+                Done::Chunk { uid, chunk_sha256, read: Err(unserved) } => {
+                    warn!(work_uid = %uid, chunk = %chunk_sha256, reason = %error_chain(&unserved), "chunk not served");
+                    machine.refuse_chunk(uid, &chunk_sha256, unserved.to_string());
                 }
                 Done::Nothing => {}
             },
@@ -451,7 +454,7 @@ async fn open_session(shared: Arc<Shared>, handle: SessionHandle, hello: wire::H
     let mut snapshot = shared.desired.snapshot(&cluster);
     let held: Vec<&str> = hello.held.iter().map(|h| h.uid.as_str()).collect();
     if let Err(e) = keep_unseen_works(&shared, &cluster, &held, &mut snapshot).await {
-        warn!(error = %e, "cannot confirm which of the cluster's works are gone: the session waits");
+        warn!(error = %error_chain(&e), "cannot confirm which of the cluster's works are gone: the session waits");
         shared.registry.unregister(&cluster, &session);
         return Done::Redirected {
             retry_after: spread_over(shared.config.drain_window, &session),
@@ -539,9 +542,11 @@ async fn read_chunk(
         .names_chunk(&cluster, &uid, &chunk_sha256)
         .await
     {
-        Err(format!(
-            "no ManifestWork of cluster {cluster} with uid {uid} names chunk {chunk_sha256}"
-        ))
+        Err(ChunkUnserved::NotNamed {
+            cluster,
+            uid: uid.clone(),
+            chunk_sha256: chunk_sha256.clone(),
+        })
     } else {
         let name = chunk_object_name(&chunk_sha256);
         match shared
@@ -549,12 +554,19 @@ async fn read_chunk(
             .get(Kind::ManifestChunk, Some(&cluster), &name)
             .await
         {
-            Ok(Some(object)) => chunk_data(object, &chunk_sha256)
-                .map_err(|e| format!("ManifestChunk {cluster}/{name} {e}; re-create the work with `flotilla work create -f`")),
-            Ok(None) => Err(format!(
-                "ManifestChunk {cluster}/{name} is not stored; re-create the work with `flotilla work create -f`"
-            )),
-            Err(e) => Err(format!("cannot read ManifestChunk {cluster}/{name}: {e}")),
+            Ok(Some(object)) => {
+                chunk_data(object, &chunk_sha256).map_err(|problem| ChunkUnserved::Damaged {
+                    cluster,
+                    name,
+                    problem,
+                })
+            }
+            Ok(None) => Err(ChunkUnserved::NotStored { cluster, name }),
+            Err(source) => Err(ChunkUnserved::Unreadable {
+                cluster,
+                name,
+                source,
+            }),
         }
     };
     Done::Chunk {
@@ -562,6 +574,43 @@ async fn read_chunk(
         chunk_sha256,
         read,
     }
+}
+
+/// Why a chunk the agent asked for is not sent. The text is the refusal the agent sees, which
+/// names the chunk and the fix; the agent asks again after a delay whatever the reason.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ChunkUnserved {
+    /// No work of the session's cluster with that uid names the chunk. Not retryable: the
+    /// agent asked for what is not its cluster's (or the work has changed since).
+    #[error("no ManifestWork of cluster {cluster} with uid {uid} names chunk {chunk_sha256}")]
+    NotNamed {
+        cluster: String,
+        uid: String,
+        chunk_sha256: String,
+    },
+    /// The work names a chunk that is not stored. Not retryable until the work is stored again.
+    #[error(
+        "ManifestChunk {cluster}/{name} is not stored; re-create the work with `flotilla work create -f`"
+    )]
+    NotStored { cluster: String, name: String },
+    /// The stored chunk's data is missing, malformed or not of its digest. Not retryable until
+    /// the work is stored again.
+    #[error(
+        "ManifestChunk {cluster}/{name} {problem}; re-create the work with `flotilla work create -f`"
+    )]
+    Damaged {
+        cluster: String,
+        name: String,
+        problem: String,
+    },
+    /// The store could not be read. Retryable: the agent asks again after a delay.
+    #[error("cannot read ManifestChunk {cluster}/{name}: {source}")]
+    Unreadable {
+        cluster: String,
+        name: String,
+        #[source]
+        source: StoreError,
+    },
 }
 
 /// Where to send a session whose cluster's shard this gateway does not act for: to the owner
@@ -603,11 +652,4 @@ pub(crate) fn spread_over(window: Duration, session_id: &str) -> Duration {
     session_id.hash(&mut h);
     let window_ms = window.as_millis().max(1) as u64;
     Duration::from_millis(h.finish() % window_ms)
-}
-
-async fn sleep_until(deadline: Option<Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(d).await,
-        None => std::future::pending().await,
-    }
 }

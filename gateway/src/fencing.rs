@@ -24,6 +24,10 @@ use crate::fault::FaultPoint;
 use crate::metrics::FencedWriteCounters;
 use crate::shards::Held;
 
+/// The name of a gateway that was given none: the single-node hub's in-process gateway. A
+/// gateway's name goes into the fencing record of every write it makes.
+pub const DEFAULT_GATEWAY_NAME: &str = "hub";
+
 /// The `tracing` target of the write log: one `debug` event per fenced write sent. With
 /// `RUST_LOG=info,flotilla::fenced_write=debug` and `--log-format json`, one JSON line each.
 pub const WRITE_LOG_TARGET: &str = "flotilla::fenced_write";
@@ -234,7 +238,7 @@ impl Default for Fencing {
     /// for writers built outside a gateway (tests).
     fn default() -> Self {
         Fencing::new(
-            crate::serve::DEFAULT_GATEWAY_NAME,
+            DEFAULT_GATEWAY_NAME,
             FencedWriteCounters::default(),
             FaultPoint::default(),
         )

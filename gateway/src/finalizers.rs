@@ -15,6 +15,7 @@
 
 use std::sync::{Arc, Weak};
 
+use flotilla_ops::error_chain;
 use flotilla_proto::api::Kind;
 use flotilla_proto::contract::WORK_CLEANUP_FINALIZER;
 use flotilla_store::{Store, StoreError};
@@ -200,7 +201,7 @@ impl StoreWrite<Pending> for ToStore<'_> {
             // it to the shard's owner.
             Err(StoreError::Fenced { .. }) => Outcome::Refused,
             Err(e) => {
-                warn!(cluster = %p.cluster, work_uid = %p.uid, error = %e, "writing the work's cleanup finalizer failed; will retry");
+                warn!(cluster = %p.cluster, work_uid = %p.uid, error = %error_chain(&e), "writing the work's cleanup finalizer failed; will retry");
                 Outcome::Failed
             }
         }

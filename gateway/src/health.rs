@@ -20,10 +20,12 @@
 //! of the shard since (`crate::fencing`): a gateway that stalled between the two never lands an
 //! Unknown over the new owner's Available.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
+use flotilla_ops::error_chain;
+use flotilla_ops::sleep_until;
 use flotilla_proto::api::Kind;
 use flotilla_proto::api::conditions::{
     self, ConditionStatus, MANAGED_CLUSTER_CONDITION_AVAILABLE, MANAGED_CLUSTER_JOINED,
@@ -35,7 +37,7 @@ use flotilla_store::{Basis, Store, StoreError};
 use futures::StreamExt as _;
 use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
@@ -43,6 +45,7 @@ use tracing::{debug, info, warn};
 
 use crate::admission::Admissions;
 use crate::fencing::{Fencing, Target};
+use crate::recorded_health::{read_conditions, resource_list};
 use crate::shards::{Held, ShardViews};
 
 pub use flotilla_proto::contract::UNREACHABLE_TAINT;
@@ -235,7 +238,7 @@ impl HealthWriter {
                                 let ok = match w.mark_available(&cluster, &hello).await {
                                     Ok(()) => true,
                                     Err(e) => {
-                                        warn!(cluster, error = %e, "could not record the cluster as Available");
+                                        warn!(cluster, error = %error_chain(&e), "could not record the cluster as Available");
                                         false
                                     }
                                 };
@@ -271,7 +274,7 @@ impl HealthWriter {
                                     // Not this gateway's to write (any more): said where dropped.
                                     Ok(false) => true,
                                     Err(e) => {
-                                        warn!(cluster, error = %e, "could not record the cluster's info");
+                                        warn!(cluster, error = %error_chain(&e), "could not record the cluster's info");
                                         false
                                     }
                                 };
@@ -288,7 +291,7 @@ impl HealthWriter {
                         let w = this.clone();
                         queued.push(cluster.clone(), Box::pin(async move {
                             if let Err(e) = w.mark_unknown(&cluster).await {
-                                warn!(cluster, error = %e, "could not record the cluster as Unknown");
+                                warn!(cluster, error = %error_chain(&e), "could not record the cluster as Unknown");
                             }
                             Written::Unknown { cluster }
                         }));
@@ -339,13 +342,6 @@ impl HealthWriter {
                 _ = &mut stopped => return,
             }
         }
-    }
-}
-
-async fn sleep_until(deadline: Option<Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(d).await,
-        None => std::future::pending().await,
     }
 }
 
@@ -611,108 +607,6 @@ impl Writes {
     }
 }
 
-/// A ManagedCluster's health as stored: what a connect would otherwise write again.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct RecordedHealth {
-    /// Joined and Available are both True.
-    pub available: bool,
-    /// It carries the unreachable taint.
-    pub unreachable: bool,
-    /// `status.version.kubernetes`.
-    pub kubernetes_version: String,
-    /// `status.clusterClaims` as (name, value).
-    pub claims: Vec<(String, String)>,
-    /// `status.capacity` and `status.allocatable`, quantities as written.
-    pub capacity: BTreeMap<String, String>,
-    pub allocatable: BTreeMap<String, String>,
-}
-
-impl RecordedHealth {
-    /// Reads a stored ManagedCluster.
-    pub fn from_object(obj: &Value) -> RecordedHealth {
-        let conds = read_conditions(&obj["status"]);
-        let is_true = |t: &str| conditions::is_condition_true(&conds, t);
-        RecordedHealth {
-            available: is_true(MANAGED_CLUSTER_JOINED)
-                && is_true(MANAGED_CLUSTER_CONDITION_AVAILABLE),
-            unreachable: obj["spec"]["taints"]
-                .as_array()
-                .is_some_and(|t| t.iter().any(|t| t["key"] == UNREACHABLE_TAINT)),
-            kubernetes_version: obj["status"]["version"]["kubernetes"]
-                .as_str()
-                .unwrap_or_default()
-                .to_string(),
-            claims: obj["status"]["clusterClaims"]
-                .as_array()
-                .map(|claims| {
-                    claims
-                        .iter()
-                        .map(|c| {
-                            let field = |f: &str| c[f].as_str().unwrap_or_default().to_string();
-                            (field("name"), field("value"))
-                        })
-                        .collect()
-                })
-                .unwrap_or_default(),
-            capacity: resource_list(&obj["status"]["capacity"]),
-            allocatable: resource_list(&obj["status"]["allocatable"]),
-        }
-    }
-
-    /// Whether storing this report would change nothing.
-    fn shows_info(&self, info: &wire::ClusterInfo) -> bool {
-        let claims: Vec<(String, String)> = info
-            .claims
-            .iter()
-            .map(|c| (c.name.clone(), c.value.clone()))
-            .collect();
-        claims == self.claims
-            && (info.kubernetes_version.is_empty()
-                || info.kubernetes_version == self.kubernetes_version)
-            && info.capacity == self.capacity
-            && info.allocatable == self.allocatable
-    }
-
-    /// Whether marking the cluster Available for this hello would change nothing.
-    fn already_shows(&self, hello: &wire::Hello) -> bool {
-        let claims: Vec<(String, String)> = hello
-            .claims
-            .iter()
-            .map(|c| (c.name.clone(), c.value.clone()))
-            .collect();
-        self.available
-            && !self.unreachable
-            && (hello.kubernetes_version.is_empty()
-                || hello.kubernetes_version == self.kubernetes_version)
-            && (claims.is_empty() || claims == self.claims)
-    }
-}
-
-/// A stored resource list (`status.capacity`), quantities as strings (numbers as written).
-fn resource_list(list: &Value) -> BTreeMap<String, String> {
-    list.as_object()
-        .map(|m| {
-            m.iter()
-                .map(|(k, v)| {
-                    let q = match v {
-                        Value::String(s) => s.clone(),
-                        other => other.to_string(),
-                    };
-                    (k.clone(), q)
-                })
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-fn read_conditions(status: &Value) -> Vec<Condition> {
-    status
-        .get("conditions")
-        .cloned()
-        .and_then(|c| serde_json::from_value(c).ok())
-        .unwrap_or_default()
-}
-
 fn now() -> Time {
     Time(jiff::Timestamp::now())
 }
@@ -723,6 +617,7 @@ mod tests {
     //! store nothing, a changed version or a cluster marked Unknown is written.
 
     use super::*;
+    use crate::recorded_health::RecordedHealth;
     use crate::registry::Registry;
     use crate::test_support::eventually;
     use flotilla_store::SledStore;

@@ -19,6 +19,7 @@
 
 pub mod admission;
 pub mod certificates;
+mod config;
 pub mod desired;
 mod driver;
 pub mod fault;
@@ -30,18 +31,21 @@ pub mod mailbox;
 pub mod metrics;
 pub mod process;
 pub mod rate;
+pub mod recorded_health;
 pub mod registry;
 pub mod route;
 mod serve;
 pub mod shards;
+mod shared;
 pub mod statuses;
+mod tunnel;
 pub mod writes;
 
-pub use route::{Away, ShardRoute, TunnelError, TunnelRoute};
-pub use serve::{
-    DEFAULT_CHUNK_BYTES_PER_SECOND, DEFAULT_GATEWAY_NAME, Gateway, GatewayConfig, GatewayError,
-    Listeners,
-};
+pub use config::{DEFAULT_CHUNK_BYTES_PER_SECOND, GatewayConfig};
+pub use fencing::DEFAULT_GATEWAY_NAME;
+pub use route::{ShardRoute, TunnelRoute};
+pub use serve::{Gateway, GatewayError, Listeners};
+pub use tunnel::{Away, TunnelError};
 
 #[cfg(test)]
 mod test_support {
@@ -49,12 +53,13 @@ mod test_support {
 
     use std::time::Duration;
 
-    /// Polls `check` until it holds, for at most 10 s; panics naming `what` otherwise.
+    /// Waits until `check` holds, for at most 10 s; panics naming `what` otherwise.
     pub async fn eventually<F: Future<Output = bool>>(what: &str, mut check: impl FnMut() -> F) {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while !check().await {
-            assert!(tokio::time::Instant::now() < deadline, "never: {what}");
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        flotilla_testenv::wait_for(what, Duration::from_secs(10), || {
+            let holds = check();
+            async { anyhow::Ok(holds.await.then_some(())) }
+        })
+        .await
+        .unwrap_or_else(|e| panic!("never: {e}"));
     }
 }

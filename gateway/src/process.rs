@@ -20,6 +20,7 @@ use futures::FutureExt as _;
 use tracing::info;
 
 use crate::certificates::CsrRelay;
+use crate::rate::{DEFAULT_SESSION_BURST, DEFAULT_SESSION_RATE};
 use crate::shards::{OwnerConfig, ShardLeasing};
 use crate::writes::{DEFAULT_WRITE_BURST, DEFAULT_WRITE_CONCURRENCY, DEFAULT_WRITES_PER_SECOND};
 use crate::{Gateway, GatewayConfig, Listeners};
@@ -32,10 +33,6 @@ pub const DEFAULT_LEASE_DURATION: &str = "15s";
 /// How often leases are read and renewed (at most a third of the lease duration).
 pub const DEFAULT_RENEW_PERIOD: &str = "5s";
 
-/// Default of `--session-rate`: new sessions per second one process lets in.
-pub const DEFAULT_SESSION_RATE: u32 = 1000;
-/// Default of `--session-burst`.
-pub const DEFAULT_SESSION_BURST: u32 = 1000;
 /// The largest `--session-rate` and `--session-burst` accepted: beyond it the bucket is no
 /// bound at all (and a typo more likely than a plan).
 pub const MAX_SESSION_RATE: u32 = 1_000_000;
@@ -298,7 +295,7 @@ pub struct GatewayProcessConfig {
 
     /// Bytes per second of large works' content chunks sent to one agent at most (works over
     /// the store's object limit travel in 512 KiB chunks the agent asks for).
-    #[arg(long, default_value_t = crate::serve::DEFAULT_CHUNK_BYTES_PER_SECOND, value_parser = clap::value_parser!(u64).range(64 * 1024..))]
+    #[arg(long, default_value_t = crate::DEFAULT_CHUNK_BYTES_PER_SECOND, value_parser = clap::value_parser!(u64).range(64 * 1024..))]
     pub chunk_bytes_per_second: u64,
 
     /// Validate the configuration, print it, and exit without starting.
@@ -449,7 +446,7 @@ pub async fn run(
         let mut registry = flotilla_ops::registry();
         gateway.metrics().register(&mut registry);
         kube_api.register(&mut registry);
-        let endpoint = endpoint(&gateway, registry, gateway.readiness());
+        let endpoint = gateway.endpoint(registry, gateway.readiness());
         // Served until the process ends: through the drain, /readyz says "draining" and
         // /healthz still answers.
         tasks.spawn(
@@ -484,18 +481,6 @@ pub async fn run(
             }
         }
     }
-}
-
-/// What a process with gateway `gateway` serves on `--metrics-addr`: `registry` (with the
-/// gateway's metrics in it) refreshed from the gateway at each scrape, and `readiness`.
-pub fn endpoint(
-    gateway: &Gateway,
-    registry: prometheus_client::registry::Registry,
-    readiness: Vec<flotilla_ops::ReadyFlag>,
-) -> flotilla_ops::Endpoint {
-    let refreshed = gateway.clone();
-    flotilla_ops::Endpoint::new(registry, flotilla_ops::Readiness::new(readiness))
-        .refresh_with(move || refreshed.refresh_metrics())
 }
 
 /// Binds `address` and returns the task that serves `endpoint` there until `stop` completes.

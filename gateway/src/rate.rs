@@ -23,6 +23,11 @@ use prometheus_client::metrics::counter::Counter;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+/// Default of `--session-rate` (`GatewayConfig::session_rate`): new sessions per second one
+/// process lets in.
+pub const DEFAULT_SESSION_RATE: u32 = 1000;
+/// Default of `--session-burst` (`GatewayConfig::session_burst`).
+pub const DEFAULT_SESSION_BURST: u32 = 1000;
 /// The longest retry-after the bucket gives. A herd larger than the rate can serve within it
 /// is told this for the rest (their agents' own jitter spreads them), so that a mistaken
 /// tiny rate cannot park agents for hours.

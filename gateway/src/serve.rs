@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use flotilla_store::Store;
 use flotilla_transport::gate::ConnectionGate;
-use flotilla_transport::grpc::{FleetService, GrpcSettings};
+use flotilla_transport::grpc::FleetService;
 use flotilla_transport::hop::RelayService;
-use flotilla_transport::quic::{QuicListener, QuicSettings};
+use flotilla_transport::quic::QuicListener;
 use flotilla_transport::tls::AuthenticatedConn;
 use flotilla_transport::{Incoming, TunnelStream};
 use futures::FutureExt as _;
@@ -20,125 +20,22 @@ use tracing::{Instrument as _, info, info_span, warn};
 
 use crate::admission::Admissions;
 use crate::certificates::ClusterCertificates;
+use crate::config::GatewayConfig;
 use crate::desired::DesiredState;
 use crate::driver::drive;
-use crate::fault::FaultPoint;
 use crate::fencing::{Fencing, WorkBases};
 use crate::finalizers::CleanupFinalizers;
-use crate::health::{HealthReports, HealthWriter};
+use crate::health::HealthWriter;
+use crate::locks::{SyncMutex, lock};
 use crate::metrics::GatewayMetrics;
 use crate::rate::{SessionGate, SessionRate};
 use crate::registry::Registry;
-use crate::route::{Away, TunnelError};
 use crate::shards::{ShardLeasing, ShardView};
+use crate::shared::Shared;
 use crate::statuses::StatusWriter;
+use crate::tunnel::{Away, TunnelError};
 use crate::writes::WriteBudget;
 use flotilla_ops::{TaskEnded, Tasks};
-
-/// The name of a gateway that was given none: the single-node hub's in-process gateway. A
-/// gateway's name goes into the fencing record of every write it makes.
-pub const DEFAULT_GATEWAY_NAME: &str = "hub";
-
-/// Knobs of the session tier; every queue and size has a bound.
-#[derive(Clone, Debug)]
-pub struct GatewayConfig {
-    /// This gateway's name, unique in the fleet (`--name` of `flotilla-gateway`; the hub's
-    /// in-process gateway is [`DEFAULT_GATEWAY_NAME`]): the gateway its fenced writes name.
-    pub name: String,
-    pub heartbeat_interval: Duration,
-    pub heartbeat_timeout: Duration,
-    /// A connection that has not said Hello by then is closed.
-    pub hello_timeout: Duration,
-    /// Time without a session before a cluster turns Unknown.
-    pub grace_period: Duration,
-    /// Largest frame accepted from an agent; a larger one closes that session only.
-    pub max_frame_bytes: usize,
-    /// Distinct works that may wait in one session's outbound queue before it is reset.
-    pub session_queue_bound: usize,
-    /// Budget of the gateway's status writes to the store (work statuses and cleanup
-    /// finalizers together), per second (see [`crate::writes`]).
-    pub status_writes_per_second: u32,
-    /// Writes the budget lets through at once after a quiet spell.
-    pub status_write_burst: u32,
-    /// Writes in flight at once, per writer (statuses, finalizers); never two of one work.
-    pub status_write_concurrency: usize,
-    /// On shutdown each session is drained with a retry-after spread over this window.
-    pub drain_window: Duration,
-    /// On shutdown, how long drained sessions may take to end before the rest are closed.
-    pub drain_timeout: Duration,
-    /// New connections per second let through to a session, both carriers together; the
-    /// excess is drained at once with a retry-after (see [`crate::rate`]).
-    pub session_rate: u32,
-    /// New connections let through at once after a quiet spell (the bucket's depth).
-    pub session_burst: u32,
-    /// QUIC handshakes in progress at once; the excess waits for a slot (briefly, in bounded
-    /// numbers) and is refused beyond that, before any crypto.
-    pub max_quic_handshakes: usize,
-    /// How long the gateway waits for an agent to open a tunnel it asked for.
-    pub tunnel_open_timeout: Duration,
-    /// A tunnel relayed for another gateway or the hub (the relay hop) that moves no byte
-    /// either way for this long is closed. Only a backstop: the caller ends the relay as soon
-    /// as its user goes, so this must outlast the quietest legitimate stream (a watch with no
-    /// events, which the apiserver ends after at most an hour).
-    pub relay_idle_timeout: Duration,
-    /// Bytes per second of large works' chunks one session is sent at most: a 10 MiB work
-    /// fanned out to a thousand clusters must not take the gateway's whole uplink at once.
-    pub chunk_bytes_per_second: u64,
-    /// Where a test may hold fenced writes before their store calls (see [`crate::fault`]):
-    /// holds nothing unless a test armed it, and cannot be armed in a release build.
-    pub fault: FaultPoint,
-}
-
-/// Default for [`GatewayConfig::chunk_bytes_per_second`]: 16 MiB/s per session.
-pub const DEFAULT_CHUNK_BYTES_PER_SECOND: u64 = 16 * 1024 * 1024;
-
-impl Default for GatewayConfig {
-    fn default() -> Self {
-        GatewayConfig {
-            name: DEFAULT_GATEWAY_NAME.to_owned(),
-            heartbeat_interval: Duration::from_secs(10),
-            heartbeat_timeout: Duration::from_secs(30),
-            hello_timeout: Duration::from_secs(10),
-            grace_period: Duration::from_secs(40),
-            max_frame_bytes: 4 * 1024 * 1024,
-            session_queue_bound: 4096,
-            status_writes_per_second: crate::writes::DEFAULT_WRITES_PER_SECOND,
-            status_write_burst: crate::writes::DEFAULT_WRITE_BURST,
-            status_write_concurrency: crate::writes::DEFAULT_WRITE_CONCURRENCY,
-            drain_window: Duration::from_secs(5),
-            drain_timeout: Duration::from_secs(20),
-            session_rate: crate::process::DEFAULT_SESSION_RATE,
-            session_burst: crate::process::DEFAULT_SESSION_BURST,
-            max_quic_handshakes: 256,
-            tunnel_open_timeout: Duration::from_secs(10),
-            relay_idle_timeout: Duration::from_secs(2 * 3600),
-            chunk_bytes_per_second: DEFAULT_CHUNK_BYTES_PER_SECOND,
-            fault: FaultPoint::default(),
-        }
-    }
-}
-
-impl GatewayConfig {
-    /// The gRPC carrier's settings for these knobs.
-    pub fn grpc(&self) -> GrpcSettings {
-        GrpcSettings {
-            max_frame_bytes: self.max_frame_bytes,
-            // HTTP/2 pings find dead TCP connections even when the protocol is idle.
-            keepalive_interval: self.heartbeat_interval * 3,
-            ..GrpcSettings::default()
-        }
-    }
-
-    /// The QUIC carrier's settings for these knobs.
-    pub fn quic(&self) -> QuicSettings {
-        QuicSettings {
-            max_frame_bytes: self.max_frame_bytes,
-            // Never shorter than the protocol's own silence bound.
-            idle_timeout: (self.heartbeat_timeout * 2).max(QuicSettings::default().idle_timeout),
-            ..QuicSettings::default()
-        }
-    }
-}
 
 /// Errors that stop the whole gateway; sessions' own failures never surface here. Each is
 /// retryable by restarting the process (its supervisor does), none in-process.
@@ -166,42 +63,6 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 #[derive(Clone)]
 pub struct Gateway {
     shared: Arc<Shared>,
-}
-
-/// What every session driver shares.
-pub(crate) struct Shared {
-    pub(crate) store: Arc<dyn Store>,
-    pub(crate) config: GatewayConfig,
-    pub(crate) health: HealthReports,
-    pub(crate) registry: Arc<Registry>,
-    pub(crate) desired: Arc<DesiredState>,
-    pub(crate) statuses: Arc<StatusWriter>,
-    /// Adds and removes ManifestWorks' cleanup finalizers as agents acknowledge and release.
-    pub(crate) finalizers: Arc<CleanupFinalizers>,
-    pub(crate) admissions: Arc<Admissions>,
-    /// The hub's CA, for renewals over the session; `None` on a gateway that cannot sign.
-    pub(crate) certificates: Option<Arc<dyn ClusterCertificates>>,
-    next_session: AtomicU64,
-    /// When this gateway started (wall time): a cluster that has held no session since is
-    /// told so to a kubectl request.
-    started: std::time::SystemTime,
-    /// Turns true when the gateway starts draining: every session, whenever it opens, is
-    /// drained from then on.
-    pub(crate) draining: watch::Sender<bool>,
-    /// The health task, until `serve` takes it to run.
-    health_writer: tokio::sync::Mutex<Option<HealthWriter>>,
-    /// The shards this gateway acts for and who holds the others: every shard (single node)
-    /// unless [`Gateway::lease_shards`] put it on leases.
-    pub(crate) shards: watch::Sender<Arc<ShardView>>,
-    /// The lease driver, until `serve` takes it to run.
-    leasing: tokio::sync::Mutex<Option<ShardLeasing>>,
-    /// What `/metrics` shows of the gateway; the store above already counts into it.
-    pub(crate) metrics: GatewayMetrics,
-    /// The new-session rate both carriers ask before each handshake.
-    gate: Arc<SessionGate>,
-    /// Whether the gateway serves new connections at all ([`crate::shards::cache::serving`]);
-    /// the gate closes them before TLS while it does not.
-    serving: watch::Sender<bool>,
 }
 
 impl Gateway {
@@ -292,9 +153,9 @@ impl Gateway {
                 next_session: AtomicU64::new(1),
                 started: std::time::SystemTime::now(),
                 draining: watch::Sender::new(false),
-                health_writer: tokio::sync::Mutex::new(Some(health_writer)),
+                health_writer: SyncMutex::new(Some(health_writer)),
                 shards,
-                leasing: tokio::sync::Mutex::new(None),
+                leasing: SyncMutex::new(None),
                 metrics,
                 gate,
                 serving,
@@ -310,7 +171,7 @@ impl Gateway {
             .shards
             .send_replace(Arc::new(leasing.initial_view()));
         self.shared.serving.send_replace(false);
-        *self.shared.leasing.lock().await = Some(leasing);
+        *lock(&self.shared.leasing) = Some(leasing);
     }
 
     /// The shards this gateway acts for and the directory of the rest, as it changes.
@@ -362,6 +223,18 @@ impl Gateway {
         if let Some(clusters) = shared.admissions.cached() {
             shared.metrics.cached_clusters.set(clusters as i64);
         }
+    }
+
+    /// What a process with this gateway serves on `--metrics-addr`: `registry` (with the
+    /// gateway's metrics in it) refreshed from the gateway at each scrape, and `readiness`.
+    pub fn endpoint(
+        &self,
+        registry: prometheus_client::registry::Registry,
+        readiness: Vec<flotilla_ops::ReadyFlag>,
+    ) -> flotilla_ops::Endpoint {
+        let refreshed = self.clone();
+        flotilla_ops::Endpoint::new(registry, flotilla_ops::Readiness::new(readiness))
+            .refresh_with(move || refreshed.refresh_metrics())
     }
 
     /// What the gateway needs before it can serve sessions: both watch caches listed from the
@@ -508,7 +381,8 @@ impl Gateway {
                 )
                 .map(Ok),
         );
-        if let Some(leasing) = shared.leasing.lock().await.take() {
+        let leasing = lock(&shared.leasing).take();
+        if let Some(leasing) = leasing {
             tasks.spawn(
                 "the shard leases",
                 leasing
@@ -532,7 +406,7 @@ impl Gateway {
             )
             .map(Ok),
         );
-        let health = shared.health_writer.lock().await.take();
+        let health = lock(&shared.health_writer).take();
         if let Some(health) = health {
             tasks.spawn("the health writer", health.run(stop_rx.clone()).map(Ok));
         }
@@ -650,7 +524,7 @@ mod tests {
         }
         let mut registry = flotilla_ops::registry();
         gateway.metrics().register(&mut registry);
-        let endpoint = crate::process::endpoint(&gateway, registry, gateway.readiness());
+        let endpoint = gateway.endpoint(registry, gateway.readiness());
         let page = flotilla_ops::exposition::check(&endpoint.metrics_text()).unwrap();
         assert_eq!(
             page.value("flotilla_gateway_status_write_queue_depth", &[]),

@@ -16,6 +16,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use flotilla_ops::error_chain;
 use flotilla_proto::api::{Kind, ManifestWorkStatus};
 use flotilla_store::{Stale, Store, StoreError};
 use tokio::sync::watch;
@@ -280,12 +281,12 @@ impl StoreWrite<PendingStatus> for ToStore<'_> {
                 Outcome::Refused
             }
             Err(e @ StoreError::Conflict { .. }) => {
-                debug!(cluster = %p.cluster, work = %p.name, error = %e, "work status kept losing races; trying again");
+                debug!(cluster = %p.cluster, work = %p.name, error = %error_chain(&e), "work status kept losing races; trying again");
                 turn.forget();
                 Outcome::Conflict
             }
             Err(e) => {
-                warn!(cluster = %p.cluster, work = %p.name, error = %e, "storing work status failed; will retry");
+                warn!(cluster = %p.cluster, work = %p.name, error = %error_chain(&e), "storing work status failed; will retry");
                 turn.forget();
                 Outcome::Failed
             }

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context as _, bail, ensure};
+use anyhow::{Context as _, ensure};
 use flotilla_gateway::admission::Admissions;
 use flotilla_gateway::desired::DesiredState;
 use flotilla_gateway::fault::HoldPoint;
@@ -26,7 +26,7 @@ use flotilla_proto::api::Kind;
 use flotilla_proto::contract::{SHARD_LABEL, shard_label_value, shard_of};
 use flotilla_proto::wire;
 use flotilla_store::{KubeStore, SledStore, Store, WriteFence};
-use flotilla_testenv::{TestEnv, workspace_root};
+use flotilla_testenv::{TestEnv, wait_for, workspace_root};
 use serde_json::{Value, json};
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -39,23 +39,6 @@ fn trace_init() {
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_test_writer()
         .try_init();
-}
-
-/// Polls `check` until it gives a value, for at most [`DEADLINE`]; fails naming `what`.
-async fn wait_for<T, F: Future<Output = anyhow::Result<Option<T>>>>(
-    what: &str,
-    mut check: impl FnMut() -> F,
-) -> anyhow::Result<T> {
-    let deadline = Instant::now() + DEADLINE;
-    loop {
-        if let Some(v) = check().await? {
-            return Ok(v);
-        }
-        if Instant::now() >= deadline {
-            bail!("timed out after {DEADLINE:?} waiting for {what}");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// A gateway's view holding `shards` at `epoch` (none: it holds nothing).
@@ -214,7 +197,7 @@ async fn a_stale_owners_status_is_refused(store: Arc<dyn Store>) -> anyhow::Resu
 
     // A goes on: the store refuses it, A counts it, the work stays as B wrote it.
     hold.release(cluster);
-    let now = wait_for("A's write refused, or stored", || async {
+    let now = wait_for("A's write refused, or stored", DEADLINE, || async {
         let now = stored(store.as_ref(), Kind::ManifestWork, Some(cluster), "web").await?;
         Ok((a.dropped.count("stale_epoch") > 0 || now != by_b).then_some(now))
     })
@@ -325,7 +308,7 @@ async fn a_stale_owners_unknown_never_lands_over_available(
     let reports_b = writer(&b, Duration::from_secs(3600));
 
     reports_a.send(connected("a-1", "v1.36.3")).await;
-    wait_for("A records the cluster Available", || async {
+    wait_for("A records the cluster Available", DEADLINE, || async {
         let mc = stored(store.as_ref(), Kind::ManagedCluster, None, cluster).await?;
         Ok(available(&mc).then_some(()))
     })
@@ -348,7 +331,7 @@ async fn a_stale_owners_unknown_never_lands_over_available(
     a.views.send_replace(view(&[], 0));
     b.views.send_replace(view(&[shard], 2));
     reports_b.send(connected("b-1", "v1.37.0")).await;
-    let by_b = wait_for("B records the cluster Available", || async {
+    let by_b = wait_for("B records the cluster Available", DEADLINE, || async {
         let mc = stored(store.as_ref(), Kind::ManagedCluster, None, cluster).await?;
         let by_b = WriteFence::of_object(&mc).is_some_and(|f| f.gateway == "gw-b" && f.epoch == 2);
         Ok((by_b && available(&mc)).then_some(mc))
@@ -356,7 +339,7 @@ async fn a_stale_owners_unknown_never_lands_over_available(
     .await?;
 
     hold.release(cluster);
-    let now = wait_for("A's Unknown refused, or stored", || async {
+    let now = wait_for("A's Unknown refused, or stored", DEADLINE, || async {
         let now = stored(store.as_ref(), Kind::ManagedCluster, None, cluster).await?;
         Ok((a.dropped.count("stale_epoch") > 0 || now != by_b).then_some(now))
     })

@@ -297,7 +297,7 @@ pub async fn run(
              ManifestWorkReplicaSets) have not listed from the store yet",
             listed,
         ));
-        let endpoint = flotilla_gateway::process::endpoint(&gateway, registry, readiness);
+        let endpoint = gateway.endpoint(registry, readiness);
         // Served until `run` returns, through the drain: /readyz then says "draining" and
         // /healthz still answers. Not among `tasks`, which must all end for the hub to stop.
         Some(EndsWithRun(tokio::spawn(flotilla_ops::serve(

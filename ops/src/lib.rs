@@ -15,6 +15,7 @@
 //! each other.
 #![forbid(unsafe_code)]
 
+pub mod deadline;
 pub mod endpoint;
 pub mod exposition;
 pub mod logging;
@@ -22,8 +23,9 @@ pub mod rate;
 pub mod readiness;
 pub mod supervise;
 
+pub use deadline::sleep_until;
 pub use endpoint::{Endpoint, EndpointError, MetricsArgs, serve};
-pub use logging::{LogFormat, init_tracing};
+pub use logging::{LogFormat, error_chain, init_tracing};
 pub use rate::{KubeApiArgs, KubeApiRate, TokenBucket};
 pub use readiness::{Readiness, ReadyFlag};
 pub use supervise::{TaskEnded, TaskError, TaskResult, Tasks, shutdown_signal};

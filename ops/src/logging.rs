@@ -33,3 +33,57 @@ pub fn init_tracing(format: LogFormat) {
         LogFormat::Text => builder.init(),
     }
 }
+
+/// An error and its causes as one line ("writing x failed: connection reset: broken pipe"), for
+/// log fields and refusal texts, so whoever reads them sees why and not only what. A cause whose
+/// text the line already holds (an error that prints its own source) is not repeated.
+pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(e) = cause {
+        let more = e.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        cause = e.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::error_chain;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("{what}")]
+    struct Failed {
+        what: &'static str,
+        #[source]
+        cause: Option<Box<Failed>>,
+    }
+
+    fn failed(what: &'static str, cause: Option<Failed>) -> Failed {
+        Failed {
+            what,
+            cause: cause.map(Box::new),
+        }
+    }
+
+    #[test]
+    fn the_chain_names_every_cause_once() {
+        let io = failed("connection reset by peer", None);
+        let kube = failed("error trying to connect", Some(io));
+        // The outer error prints its source itself, as thiserror's `{source}` does.
+        let store = failed(
+            "store backend failed while listing ManifestWork: error trying to connect",
+            Some(kube),
+        );
+        assert_eq!(
+            error_chain(&store),
+            "store backend failed while listing ManifestWork: error trying to connect: \
+             connection reset by peer"
+        );
+        assert_eq!(error_chain(&failed("alone", None)), "alone");
+    }
+}

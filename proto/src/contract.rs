@@ -248,16 +248,23 @@ pub fn is_dns1123_label(s: &str) -> bool {
         && bytes.iter().all(|&b| alnum(b) || b == b'-')
 }
 
+/// A name that cannot be a cluster's, and what a valid one is: the one sentence every refusal
+/// of a cluster name says, whoever refuses it (the agent's and the hub's flags, a client
+/// certificate, the operator API), each naming where the name came from before it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{0:?} is not a valid cluster name: use lower-case letters, digits and '-', starting and \
+     ending with a letter or digit, at most 63 characters (it becomes the cluster's namespace \
+     on the hub)"
+)]
+pub struct InvalidClusterName(pub String);
+
 /// Checks a cluster name, with the sentence a person needs when it is wrong.
-pub fn check_cluster_name(name: &str) -> Result<(), String> {
+pub fn check_cluster_name(name: &str) -> Result<(), InvalidClusterName> {
     if is_dns1123_label(name) {
         Ok(())
     } else {
-        Err(format!(
-            "{name:?} is not a valid cluster name: use lower-case letters, digits and '-', \
-             starting and ending with a letter or digit, at most 63 characters (it becomes the \
-             cluster's namespace on the hub)"
-        ))
+        Err(InvalidClusterName(name.to_owned()))
     }
 }
 
@@ -312,7 +319,7 @@ mod tests {
         }
         for bad in ["", "-a", "a-", "Store", "a.b", "a_b", &"a".repeat(64)] {
             assert!(!is_dns1123_label(bad), "{bad}");
-            let msg = check_cluster_name(bad).unwrap_err();
+            let msg = check_cluster_name(bad).unwrap_err().to_string();
             assert!(msg.contains("not a valid cluster name"), "{msg}");
         }
     }

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use flotilla_ops::error_chain;
 use flotilla_proto::api::Kind;
 use flotilla_proto::contract::fence;
 use futures::StreamExt;
@@ -727,7 +728,7 @@ impl ApiWatcher {
             return Some(collection_error(err, self.kind, "watching"));
         }
         let backoff = Duration::from_millis(100 << self.failures.min(6));
-        warn!(kind = %self.kind, from = %self.last, error = %err, failures = self.failures, ?backoff, "watch failed; reopening");
+        warn!(kind = %self.kind, from = %self.last, error = %error_chain(&err), failures = self.failures, ?backoff, "watch failed; reopening");
         tokio::time::sleep(backoff).await;
         None
     }

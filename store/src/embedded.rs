@@ -248,7 +248,14 @@ impl Inner {
                 Ok::<_, ConflictableTransactionError<()>>(())
             })
             .map_err(|e: TransactionError<()>| {
-                StoreError::backend(format!("writing {key}"), format!("{e:?}"))
+                let context = format!("writing {key}");
+                match e {
+                    TransactionError::Storage(e) => StoreError::backend(context, e),
+                    // Nothing in the transaction aborts it.
+                    TransactionError::Abort(()) => {
+                        StoreError::backend(context, "the transaction was aborted")
+                    }
+                }
             })?;
         log.revision = revision;
         // The store is the hub's truth: a write is acknowledged only once it is on disk. This

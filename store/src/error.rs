@@ -5,6 +5,10 @@ use flotilla_proto::contract::fence::{Stale, WriteFence};
 
 use crate::Revision;
 
+/// The underlying error of a backend failure (kube's, sled's, serde's, or a sentence when the
+/// backend answered something it should not have), kept so that logs can say the whole cause.
+pub type BackendCause = Box<dyn std::error::Error + Send + Sync + 'static>;
+
 /// What went wrong in a store call. Each variant says whether retrying can help; messages name
 /// the object ("ManifestWork store-7/baseline not found") so they can be shown to a person as is.
 #[derive(Debug, thiserror::Error)]
@@ -76,8 +80,12 @@ pub enum StoreError {
 
     /// IO or apiserver trouble (disk, connection, timeout, 5xx). Retryable with backoff; the
     /// write may or may not have happened, so read before assuming either.
-    #[error("store backend failed while {context}: {message}")]
-    Backend { context: String, message: String },
+    #[error("store backend failed while {context}: {source}")]
+    Backend {
+        context: String,
+        #[source]
+        source: BackendCause,
+    },
 }
 
 impl StoreError {
@@ -87,10 +95,10 @@ impl StoreError {
         matches!(self, StoreError::Backend { .. })
     }
 
-    pub(crate) fn backend(context: impl Into<String>, err: impl std::fmt::Display) -> Self {
+    pub(crate) fn backend(context: impl Into<String>, source: impl Into<BackendCause>) -> Self {
         StoreError::Backend {
             context: context.into(),
-            message: err.to_string(),
+            source: source.into(),
         }
     }
 

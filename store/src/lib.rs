@@ -46,7 +46,7 @@ use futures::stream::BoxStream;
 
 pub use apiserver::{ConnectError, DEFAULT_WATCH_TIMEOUT_SECS, KubeStore, connect};
 pub use embedded::{DEFAULT_EVENT_BUFFER, DEFAULT_LIVE_BUFFER, SledOptions, SledStore};
-pub use error::StoreError;
+pub use error::{BackendCause, StoreError};
 pub use fence::Basis;
 pub use flotilla_proto::contract::fence::{Stale, WriteFence};
 pub use object::{

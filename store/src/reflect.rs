@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use flotilla_ops::error_chain;
 use flotilla_proto::api::Kind;
 use futures::StreamExt;
 use tokio::sync::watch;
@@ -75,7 +76,7 @@ pub async fn reflect_selected(
                 }
                 Err(e) => {
                     let delay = retry.failed();
-                    warn!(%kind, error = %e, ?delay, "listing failed; retrying");
+                    warn!(%kind, error = %error_chain(&e), ?delay, "listing failed; retrying");
                     if !pause(delay, &mut stop).await {
                         return;
                     }
@@ -97,7 +98,7 @@ pub async fn reflect_selected(
             }
             Err(e) => {
                 let delay = retry.failed();
-                warn!(%kind, error = %e, ?delay, "watching failed; retrying");
+                warn!(%kind, error = %error_chain(&e), ?delay, "watching failed; retrying");
                 next = Next::Watch(from);
                 if !pause(delay, &mut stop).await {
                     return;
@@ -149,7 +150,7 @@ pub async fn reflect_selected(
             }
             Ended::Failed(e) => {
                 let delay = retry.failed();
-                warn!(%kind, error = %e, ?delay, "watch failed; resuming after a pause");
+                warn!(%kind, error = %error_chain(&e), ?delay, "watch failed; resuming after a pause");
                 if !pause(delay, &mut stop).await {
                     return;
                 }

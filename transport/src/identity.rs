@@ -13,7 +13,7 @@
 
 use x509_parser::prelude::{FromDer, X509Certificate};
 
-use flotilla_proto::contract::is_dns1123_label;
+use flotilla_proto::contract::check_cluster_name;
 pub use flotilla_proto::contract::{CLUSTER_GROUP, GATEWAY_GROUP, OPERATOR_GROUP, USER_GROUP};
 
 /// The authenticated peer of a connection.
@@ -47,10 +47,8 @@ pub enum IdentityError {
     )]
     UnknownGroup { cn: String },
     /// A cluster name that is not a DNS-1123 label; not retryable.
-    #[error(
-        "client certificate names cluster {0:?}, which is not a valid cluster name (DNS-1123 label)"
-    )]
-    InvalidClusterName(String),
+    #[error("client certificate's common name: {0}")]
+    InvalidClusterName(flotilla_proto::contract::InvalidClusterName),
 }
 
 impl Peer {
@@ -71,9 +69,7 @@ impl Peer {
             .map(str::to_string)
             .collect();
         if groups.iter().any(|g| g == CLUSTER_GROUP) {
-            if !is_dns1123_label(&cn) {
-                return Err(IdentityError::InvalidClusterName(cn));
-            }
+            check_cluster_name(&cn).map_err(IdentityError::InvalidClusterName)?;
             Ok(Peer::Cluster(cn))
         } else if groups.iter().any(|g| g == OPERATOR_GROUP) {
             Ok(Peer::Operator { user: cn, groups })

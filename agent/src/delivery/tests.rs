@@ -9,20 +9,13 @@ use crate::cache::{CacheDb, WorkCache};
 use crate::reconcile::{Reconciler, ReconcilerConfig};
 use crate::spoke::Unobserved;
 use flotilla_proto::api::content_hash;
-use flotilla_proto::session::Jitter;
+use flotilla_proto::session::NoJitter;
 use flotilla_proto::session::{AgentConfig as SessionConfig, AgentEvent, DEFAULT_WELCOME_TIMEOUT};
 use flotilla_proto::session::{HubConfig, HubEvent, HubSession};
 use serde_json::json;
 use tokio::sync::Notify;
 use tokio::sync::watch;
 use tokio::time::Instant;
-
-struct NoJitter;
-impl Jitter for NoJitter {
-    fn uniform(&mut self, _max: Duration) -> Duration {
-        Duration::ZERO
-    }
-}
 
 /// One agent (cache, simulated cluster, reconciler task) and helpers to run sessions.
 struct Agent {

@@ -2,6 +2,7 @@ use super::*;
 use crate::apply::MemoryCluster;
 use crate::cache::CacheDb;
 use flotilla_proto::api::conditions::{WORK_APPLIED, is_condition_true};
+use flotilla_proto::session::NoJitter;
 use serde_json::{Value, json};
 
 fn cache() -> Arc<dyn WorkCache> {
@@ -199,13 +200,6 @@ fn retries_back_off_up_to_the_resync_interval() {
         .map(|n| reconciler.retry_delay(n).as_secs())
         .collect();
     assert_eq!(delays, [2, 4, 8, 16, 32, 60, 60]);
-}
-
-struct NoJitter;
-impl Jitter for NoJitter {
-    fn uniform(&mut self, _max: Duration) -> Duration {
-        Duration::ZERO
-    }
 }
 
 #[tokio::test(start_paused = true)]

@@ -13,6 +13,9 @@
 //! production code: it is a dev-dependency of the crates' tests, and a dependency of the load-test
 //! harness (`flotilla-loadtest --store kube`), a development tool itself.
 //!
+//! Beside it, [`wait_for`]: the one poller every crate's tests wait with (on the condition,
+//! with a deadline).
+//!
 //! The binaries are built from their Go modules by `deploy/testenv/build.sh` the first time a
 //! process needs them (minutes, once per machine; then cached outside the clone).
 //!
@@ -23,6 +26,7 @@
 #![forbid(unsafe_code)]
 
 mod pki;
+mod poll;
 mod process;
 
 use std::net::{Ipv4Addr, TcpListener};
@@ -39,6 +43,7 @@ use tokio::time::Instant;
 use tracing::instrument::WithSubscriber as _;
 
 pub use pki::{ADMIN_GROUP, ADMIN_USER};
+pub use poll::wait_for;
 
 use crate::pki::Pki;
 use crate::process::ChildProcess;

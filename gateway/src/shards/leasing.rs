@@ -8,6 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use flotilla_ops::error_chain;
 use flotilla_store::leases::{KubeLeases, LeaseError};
 use futures::StreamExt as _;
 use tokio::sync::watch;
@@ -77,7 +78,7 @@ impl ShardLeasing {
                     read = true;
                 }
                 Ok(Err(e)) => {
-                    warn!(error = %e, "cannot read the shard leases; held shards stay valid until their leases would expire");
+                    warn!(error = %error_chain(&e), "cannot read the shard leases; held shards stay valid until their leases would expire");
                     owner.expire(now);
                 }
                 Err(_) => {
@@ -183,7 +184,7 @@ async fn write_all(leases: &KubeLeases, owner: &mut ShardOwner, writes: Vec<Leas
                 WriteOutcome::Conflict
             }
             Err(e) => {
-                warn!(error = %e, "lease write failed");
+                warn!(error = %error_chain(&e), "lease write failed");
                 WriteOutcome::Failed
             }
         };

@@ -93,10 +93,8 @@ fn main() -> anyhow::Result<()> {
             out,
             lifetime,
         }) => {
-            anyhow::ensure!(
-                flotilla_proto::contract::is_dns1123_label(&cluster),
-                "--cluster {cluster:?} is not a valid cluster name: lower-case letters, digits and '-', at most 63"
-            );
+            flotilla_proto::contract::check_cluster_name(&cluster)
+                .map_err(|invalid| anyhow::anyhow!("--cluster {invalid}"))?;
             let ca = Ca::load_or_create(&data_dir.join("ca"))?;
             let issued = ca.issue_cluster(&cluster, lifetime)?;
             ca::write_bundle(&out, &ca.bundle_pem(), &issued)?;

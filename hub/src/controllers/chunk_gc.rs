@@ -26,6 +26,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use flotilla_ops::error_chain;
 use flotilla_proto::api::Kind;
 use flotilla_proto::api::content::{STORED_AT_ANNOTATION, chunk_object_name, named_chunk_digests};
 use flotilla_store::reflect::{Reflector, reflect};
@@ -344,7 +345,7 @@ async fn collect(
                 }
                 Ok(false) => {}
                 Err(e) => {
-                    warn!(chunk = %format!("{ns}/{name}"), error = %e, "cannot delete an unnamed ManifestChunk; retrying");
+                    warn!(chunk = %format!("{ns}/{name}"), error = %error_chain(&e), "cannot delete an unnamed ManifestChunk; retrying");
                     failed = true;
                 }
             }

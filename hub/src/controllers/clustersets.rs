@@ -14,6 +14,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
+use flotilla_ops::error_chain;
 use flotilla_proto::api::conditions::{
     CLUSTER_SET_BOUND, CLUSTER_SET_EMPTY, ConditionStatus, find_condition, set_condition,
 };
@@ -330,7 +331,7 @@ async fn write(store: Arc<dyn Store>, w: Write) -> Option<(Kind, Option<String>,
             Some(key)
         }
         Err(e) => {
-            warn!(write = ?w, error = %e, "cluster set bookkeeping failed; the next change retries");
+            warn!(write = ?w, error = %error_chain(&e), "cluster set bookkeeping failed; the next change retries");
             Some(key)
         }
     }

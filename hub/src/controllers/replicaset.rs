@@ -13,6 +13,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
+use flotilla_ops::error_chain;
 use flotilla_proto::api::conditions::{
     ConditionStatus, MANIFESTWORK_APPLIED, PLACEMENT_ROLLED_OUT, PLACEMENT_VERIFIED, WORK_APPLIED,
     WORK_AVAILABLE, WORK_DEGRADED, WORK_PROGRESSING, find_condition, is_condition_true,
@@ -779,7 +780,7 @@ async fn execute(
         };
         if let Err(e) = result {
             if !matches!(e, StoreError::NotFound { .. }) {
-                warn!(replica_set = %key, ?action, error = %e, "write failed; retrying shortly");
+                warn!(replica_set = %key, ?action, error = %error_chain(&e), "write failed; retrying shortly");
             }
             ok = false;
         }

@@ -13,6 +13,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use flotilla_ops::error_chain;
 use flotilla_proto::api::Kind;
 use flotilla_proto::contract::{SHARD_LABEL, shard_label_value, shard_of};
 use flotilla_store::reflect::{Reflector, reflect};
@@ -141,7 +142,7 @@ pub async fn run(
         let (store, pending) = (store.clone(), pending.clone());
         writes.spawn(async move {
             if let Err(e) = relabel(store.as_ref(), &key, shards).await {
-                warn!(kind = %key.0, namespace = key.1.as_deref(), name = %key.2, error = %e, "labelling with the shard failed; retried at its next change or relist");
+                warn!(kind = %key.0, namespace = key.1.as_deref(), name = %key.2, error = %error_chain(&e), "labelling with the shard failed; retried at its next change or relist");
             }
             pending.lock().await.remove(&key);
             drop(permit);
@@ -203,12 +204,13 @@ mod tests {
         o
     }
 
-    async fn until(what: &str, mut check: impl AsyncFnMut() -> bool) {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while !check().await {
-            assert!(tokio::time::Instant::now() < deadline, "never: {what}");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+    async fn until<F: Future<Output = bool>>(what: &str, mut check: impl FnMut() -> F) {
+        flotilla_testenv::wait_for(what, Duration::from_secs(10), || {
+            let holds = check();
+            async { anyhow::Ok(holds.await.then_some(())) }
+        })
+        .await
+        .unwrap_or_else(|e| panic!("never: {e}"));
     }
 
     async fn shard_label_of(store: &dyn Store, ns: &str, name: &str) -> Option<String> {
@@ -248,7 +250,7 @@ mod tests {
             .unwrap();
         let (stop_tx, stop) = watch::channel(false);
         let labeller = tokio::spawn(run(store.clone(), SHARDS, 4, 16, stop));
-        until("every object carries its shard", async || {
+        until("every object carries its shard", || async {
             shard_label_of(store.as_ref(), "store-1", "unlabelled")
                 .await
                 .as_ref()
@@ -259,7 +261,7 @@ mod tests {
                     == Some(&right)
         })
         .await;
-        until("the cluster carries its shard", async || {
+        until("the cluster carries its shard", || async {
             let c = store
                 .get(Kind::ManagedCluster, None, "store-1")
                 .await
@@ -270,7 +272,7 @@ mod tests {
         .await;
         // Created later, straight to the store (as `kubectl apply` would): labelled too.
         store.create(work("store-1", "later", None)).await.unwrap();
-        until("a later work is labelled", async || {
+        until("a later work is labelled", || async {
             shard_label_of(store.as_ref(), "store-1", "later")
                 .await
                 .as_ref()

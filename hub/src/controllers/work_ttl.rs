@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use flotilla_ops::error_chain;
 use flotilla_proto::api::Kind;
 use flotilla_proto::api::conditions::WORK_COMPLETE;
 use flotilla_store::reflect::{Reflector, reflect};
@@ -141,7 +142,7 @@ async fn expire(store: &dyn Store, due: &Due, mut stop: watch::Receiver<bool>) {
                     due.works.lock().await.remove(&(ns, name));
                 }
                 Err(e) => {
-                    warn!(work = %format!("{ns}/{name}"), error = %e, "cannot delete a work past its ttlSecondsAfterFinished; retrying");
+                    warn!(work = %format!("{ns}/{name}"), error = %error_chain(&e), "cannot delete a work past its ttlSecondsAfterFinished; retrying");
                     failed = true;
                 }
             }

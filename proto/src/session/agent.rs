@@ -915,10 +915,7 @@ impl AgentSession {
         self.content = ContentFetch::default();
         if !by_peer {
             self.control
-                .push_back(agent(agent_frame::Frame::Goodbye(wire::Goodbye {
-                    reason: reason.to_string(),
-                    refusal: wire::Refusal::Unspecified.into(),
-                })));
+                .push_back(agent(agent_frame::Frame::Goodbye(reason.goodbye())));
         }
         self.events
             .push_back(AgentEvent::Closed { reason, by_peer });

@@ -35,6 +35,16 @@ impl<F: FnMut(Duration) -> Duration> Jitter for F {
     }
 }
 
+/// No jitter: every delay is the bottom of its range, so a run repeats exactly (tests).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoJitter;
+
+impl Jitter for NoJitter {
+    fn uniform(&mut self, _max: Duration) -> Duration {
+        Duration::ZERO
+    }
+}
+
 /// The reconnect policy's settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BackoffConfig {

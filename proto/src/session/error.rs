@@ -128,6 +128,22 @@ pub enum CloseReason {
     Local(String),
 }
 
+impl CloseReason {
+    /// The goodbye an end sends when it closes for this reason itself (never for one its peer
+    /// gave). Both machines send it so: a refusal carries the hub's own sentence and its kind,
+    /// for the agent to word for its operator; any other reason, its text.
+    pub(crate) fn goodbye(&self) -> crate::wire::Goodbye {
+        let (reason, refusal) = match self {
+            CloseReason::Refused { refusal, reason } => (reason.clone(), *refusal),
+            other => (other.to_string(), crate::wire::Refusal::Unspecified),
+        };
+        crate::wire::Goodbye {
+            reason,
+            refusal: refusal.into(),
+        }
+    }
+}
+
 impl From<ProtocolError> for CloseReason {
     fn from(e: ProtocolError) -> Self {
         match e {

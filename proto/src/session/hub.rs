@@ -900,16 +900,8 @@ impl HubSession {
         self.chunks.clear();
         self.chunk_requests.clear();
         if !by_peer {
-            let (reason_text, refusal) = match &reason {
-                // The agent words it for its operator; it gets the hub's sentence as is.
-                CloseReason::Refused { refusal, reason } => (reason.clone(), *refusal),
-                other => (other.to_string(), wire::Refusal::Unspecified),
-            };
             self.control
-                .push_back(hub(hub_frame::Frame::Goodbye(wire::Goodbye {
-                    reason: reason_text,
-                    refusal: refusal.into(),
-                })));
+                .push_back(hub(hub_frame::Frame::Goodbye(reason.goodbye())));
         }
         self.events.push_back(HubEvent::Closed { reason, by_peer });
     }

@@ -96,26 +96,9 @@ pub fn torture_rng() -> (u64, rand::rngs::StdRng) {
     (seed, rand::rngs::StdRng::seed_from_u64(seed))
 }
 
-/// Waits until `check` returns `Some`, polling every 50 ms, failing after `timeout` with the
-/// last observation. This is how tests wait: on the condition, with a deadline.
-pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> anyhow::Result<T>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = anyhow::Result<Option<T>>>,
-{
-    let deadline = Instant::now() + timeout;
-    loop {
-        let last = match check().await {
-            Ok(Some(v)) => return Ok(v),
-            Ok(None) => "condition not met".to_string(),
-            Err(e) => format!("{e:#}"),
-        };
-        if Instant::now() >= deadline {
-            bail!("timed out after {timeout:?} waiting for {what}; last: {last}");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
+/// Waits until `check` returns `Some`, failing after `timeout` with the last observation. This
+/// is how tests wait: on the condition, with a deadline (the poller all crates' tests share).
+pub use flotilla_testenv::wait_for;
 
 /// A loopback port free now, for a process told to listen on it.
 pub fn free_port() -> anyhow::Result<u16> {

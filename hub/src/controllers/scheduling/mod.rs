@@ -19,6 +19,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
+use flotilla_ops::error_chain;
 use flotilla_proto::api::conditions::{ConditionStatus, set_condition};
 use flotilla_proto::api::{
     AddOnPlacementScore, DECISION_GROUP_INDEX_LABEL, DECISION_GROUP_NAME_LABEL, Kind,
@@ -452,7 +453,7 @@ impl Scheduler {
                 let delay = RETRY_MIN
                     .saturating_mul(1 << (*failures - 1).min(10))
                     .min(RETRY_MAX);
-                warn!(placement = %w.key, error = %e, retry_in = ?delay, "writing placement decisions failed");
+                warn!(placement = %w.key, error = %error_chain(&e), retry_in = ?delay, "writing placement decisions failed");
                 let at =
                     Timestamp::now() + jiff::SignedDuration::try_from(delay).unwrap_or_default();
                 let key = w.key.clone();
