@@ -398,15 +398,21 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
 /// treats it as newer than the snapshot.
 async fn open_session(shared: Arc<Shared>, handle: SessionHandle, hello: wire::Hello) -> Done {
     let cluster = handle.cluster.clone();
-    if let Some(elsewhere) = not_here(&shared, &cluster, &handle.session_id) {
-        return elsewhere;
-    }
-    if let Err(refusal) = shared
-        .admissions
-        .check_or_read(shared.store.as_ref(), &cluster, &handle.client_key_sha256)
-        .await
-    {
-        return Done::Refused(refusal);
+    // The check waits for the shard's clusters to load; a shard handed over or lost meanwhile
+    // never loads here, and a session not registered yet is in no registry a drain walks.
+    let checked = unless_moved(
+        &shared,
+        &cluster,
+        &handle.session_id,
+        shared
+            .admissions
+            .check_or_read(shared.store.as_ref(), &cluster, &handle.client_key_sha256),
+    )
+    .await;
+    match checked {
+        Err(elsewhere) => return elsewhere,
+        Ok(Err(refusal)) => return Done::Refused(refusal),
+        Ok(Ok(())) => {}
     }
     let (session, key) = (handle.session_id.clone(), handle.client_key_sha256.clone());
     let mut had_one = shared.registry.departed(&cluster).is_some();
@@ -613,6 +619,29 @@ pub(crate) enum ChunkUnserved {
     },
 }
 
+/// `step`'s answer, unless `cluster`'s shard stops being this gateway's before it comes (looked
+/// at now and at every change of the shard view): then where to send the session instead.
+async fn unless_moved<T>(
+    shared: &Shared,
+    cluster: &str,
+    session_id: &str,
+    step: impl std::future::Future<Output = T>,
+) -> Result<T, Done> {
+    let mut views = shared.shards.subscribe();
+    tokio::pin!(step);
+    loop {
+        if let Some(elsewhere) = not_here(shared, cluster, session_id) {
+            return Err(elsewhere);
+        }
+        tokio::select! {
+            answer = &mut step => return Ok(answer),
+            changed = views.changed() => if changed.is_err() {
+                return Ok(step.await);
+            },
+        }
+    }
+}
+
 /// Where to send a session whose cluster's shard this gateway does not act for: to the owner
 /// at once, or (no owner reachable: a handover or takeover under way) back after a spread
 /// delay. `None` when the shard is this gateway's.
@@ -652,4 +681,67 @@ pub(crate) fn spread_over(window: Duration, session_id: &str) -> Duration {
     session_id.hash(&mut h);
     let window_ms = window.as_millis().max(1) as u64;
     Duration::from_millis(h.finish() % window_ms)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::shards::{DirectoryEntry, Fence, ShardDirectory, ShardView};
+    use crate::{Gateway, GatewayConfig};
+    use flotilla_proto::contract::shard_of;
+
+    const CLUSTER: &str = "store-7";
+
+    /// A session admitted while its shard was here waits for the shard's clusters to load; a
+    /// shard handed over before that never loads here, and the session, not registered yet,
+    /// is in no registry a drain walks. It is sent to the new owner instead of waiting for
+    /// ever (an agent held there had a session the shard's owner knew nothing of: marked
+    /// Unknown, sent nothing).
+    #[tokio::test(start_paused = true)]
+    async fn a_session_waiting_for_its_shard_is_sent_on_when_the_shard_moves() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = flotilla_store::SledStore::open(dir.path().join("store")).unwrap();
+        let gateway = Gateway::new(Arc::new(store), GatewayConfig::default());
+        let shard = shard_of(CLUSTER, 64);
+        let fence = Fence {
+            epoch: 1,
+            valid_until: Instant::now() + Duration::from_secs(3600),
+        };
+        gateway.set_shard_view(ShardView::leased(
+            64,
+            [(shard, fence)].into(),
+            ShardDirectory::default(),
+        ));
+        let shared = gateway.shared().clone();
+        let waiting = tokio::spawn(async move {
+            unless_moved(&shared, CLUSTER, "s-1", std::future::pending::<()>()).await
+        });
+        tokio::task::yield_now().await;
+        let elsewhere = ShardDirectory::new(
+            64,
+            [(
+                shard,
+                DirectoryEntry {
+                    owner: "gw-2".into(),
+                    address: Some("10.0.0.2:9443".into()),
+                    epoch: 2,
+                },
+            )]
+            .into(),
+        );
+        gateway.set_shard_view(ShardView::leased(64, BTreeMap::new(), elsewhere));
+        let answer = tokio::time::timeout(Duration::from_secs(30), waiting)
+            .await
+            .expect("the session is not left waiting for a shard that moved")
+            .unwrap();
+        match answer {
+            Err(Done::Redirected { redirect, .. }) => {
+                assert_eq!(redirect.as_deref(), Some("10.0.0.2:9443"))
+            }
+            Err(_) => panic!("sent elsewhere, but not to the shard's owner"),
+            Ok(()) => panic!("a pending step cannot answer"),
+        }
+    }
 }

@@ -273,6 +273,12 @@ impl Gateway {
         self.shared.registry.presence(cluster)
     }
 
+    /// What the sessions' drivers share, for the crate's tests.
+    #[cfg(test)]
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
     /// Replaces the shard view, as a lease round would.
     #[cfg(test)]
     pub(crate) fn set_shard_view(&self, view: ShardView) {
