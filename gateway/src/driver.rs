@@ -31,6 +31,7 @@ use crate::mailbox::{Closing, Mailbox, WorkChange};
 use crate::metrics::OpenSession;
 use crate::registry::SessionHandle;
 use crate::shards::Route;
+use crate::shards::leasing::spread_over;
 use crate::shared::Shared;
 
 /// How long a closed session may take to hand its last frames (the goodbye) to a peer that
@@ -671,16 +672,6 @@ fn not_here(shared: &Shared, cluster: &str, session_id: &str) -> Option<Done> {
 /// A link failure as the session's close reason.
 fn describe(e: &LinkError) -> String {
     e.to_string()
-}
-
-/// This session's share of the drain window: spread by its id, so agents drained together
-/// come back apart.
-pub(crate) fn spread_over(window: Duration, session_id: &str) -> Duration {
-    use std::hash::{Hash as _, Hasher as _};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    session_id.hash(&mut h);
-    let window_ms = window.as_millis().max(1) as u64;
-    Duration::from_millis(h.finish() % window_ms)
 }
 
 #[cfg(test)]

@@ -217,7 +217,7 @@ fn drain_shard(
     let shards = view.borrow().shards;
     for handle in registry.all() {
         if flotilla_proto::contract::shard_of(&handle.cluster, shards) == shard {
-            let retry_after = crate::driver::spread_over(window, &handle.session_id);
+            let retry_after = spread_over(window, &handle.session_id);
             handle.mailbox.drain(
                 retry_after,
                 None,
@@ -247,7 +247,7 @@ fn drain_not_held(registry: &Registry, view: &watch::Sender<Arc<ShardView>>, win
             // A renewal late, not lost: the next round renews it or drops it.
             Route::Unowned { .. } if current.lapsed(&handle.cluster, now) => {}
             Route::Unowned { shard } => {
-                let retry_after = crate::driver::spread_over(window, &handle.session_id);
+                let retry_after = spread_over(window, &handle.session_id);
                 handle.mailbox.drain(
                     retry_after,
                     None,
@@ -256,4 +256,14 @@ fn drain_not_held(registry: &Registry, view: &watch::Sender<Arc<ShardView>>, win
             }
         }
     }
+}
+
+/// This session's share of the drain window: spread by its id, so agents drained together
+/// come back apart.
+pub(crate) fn spread_over(window: Duration, session_id: &str) -> Duration {
+    use std::hash::{Hash as _, Hasher as _};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    session_id.hash(&mut h);
+    let window_ms = window.as_millis().max(1) as u64;
+    Duration::from_millis(h.finish() % window_ms)
 }
