@@ -100,13 +100,17 @@ impl SessionRate {
 
 /// The gate both carriers ask: whether the gateway serves at all yet
 /// ([`crate::shards::cache::serving`]), then the bucket; and the count of what it said
-/// (`flotilla_gateway_new_connections_total`).
+/// (`flotilla_gateway_new_connections_total`). It also tells the carriers when to stop
+/// accepting ([`crate::shards::cache::accepting`]).
 #[derive(Debug)]
 pub struct SessionGate {
     rate: SessionRate,
     /// False while the gateway cannot serve any session: connections are closed before TLS
     /// and take no token.
     serving: watch::Receiver<bool>,
+    /// False while the gateway loads the shards it holds and serves in a moment: the carriers
+    /// leave new connections unaccepted.
+    accepting: watch::Receiver<bool>,
     /// By outcome (admitted, over_rate, not_ready) and carrier (grpc, quic), resolved once.
     counted: [[Counter; 2]; 3],
 }
@@ -115,11 +119,13 @@ impl SessionGate {
     pub(crate) fn new(
         rate: SessionRate,
         serving: watch::Receiver<bool>,
+        accepting: watch::Receiver<bool>,
         counted: [[Counter; 2]; 3],
     ) -> Arc<SessionGate> {
         Arc::new(SessionGate {
             rate,
             serving,
+            accepting,
             counted,
         })
     }
@@ -143,6 +149,10 @@ impl ConnectionGate for SessionGate {
         };
         self.counted[outcome][transport].inc();
         entry
+    }
+
+    fn accepting(&self) -> Option<watch::Receiver<bool>> {
+        Some(self.accepting.clone())
     }
 }
 
@@ -266,7 +276,13 @@ mod tests {
     fn the_gate_counts_by_outcome_and_carrier() {
         let counted: [[Counter; 2]; 3] = Default::default();
         let (_serving, serving_rx) = watch::channel(true);
-        let gate = SessionGate::new(SessionRate::new(1, 2), serving_rx, counted.clone());
+        let (_accepting, accepting_rx) = watch::channel(true);
+        let gate = SessionGate::new(
+            SessionRate::new(1, 2),
+            serving_rx,
+            accepting_rx,
+            counted.clone(),
+        );
         assert_eq!(gate.arrived(Carrier::Grpc), Entry::Admitted);
         assert_eq!(gate.arrived(Carrier::Quic), Entry::Admitted);
         assert!(matches!(
@@ -283,7 +299,13 @@ mod tests {
     fn a_gateway_not_serving_closes_connections_without_taking_tokens() {
         let counted: [[Counter; 2]; 3] = Default::default();
         let (serving, serving_rx) = watch::channel(false);
-        let gate = SessionGate::new(SessionRate::new(1, 2), serving_rx, counted.clone());
+        let (_accepting, accepting_rx) = watch::channel(true);
+        let gate = SessionGate::new(
+            SessionRate::new(1, 2),
+            serving_rx,
+            accepting_rx,
+            counted.clone(),
+        );
         for _ in 0..5 {
             assert_eq!(gate.arrived(Carrier::Grpc), Entry::NotReady);
         }

@@ -125,9 +125,11 @@ impl Gateway {
         // Without leases the gateway serves from the start (sessions wait for the first load);
         // `lease_shards` turns this off until the shards it holds are loaded.
         let serving = watch::Sender::new(true);
+        let accepting = watch::Sender::new(true);
         let gate = SessionGate::new(
             SessionRate::new(config.session_rate, config.session_burst),
             serving.subscribe(),
+            accepting.subscribe(),
             metrics.new_connection_counters(),
         );
         // Within the same budget as status writes: a fleet-wide rollout acknowledged at once
@@ -159,6 +161,7 @@ impl Gateway {
                 metrics,
                 gate,
                 serving,
+                accepting,
             }),
         }
     }
@@ -255,8 +258,8 @@ impl Gateway {
                 self.shared.desired.ready(),
             ),
             flotilla_ops::ReadyFlag::watching(
-                "the gateway has not read the shard leases yet, or has loaded none of the shards \
-                 it holds: new connections are closed before TLS",
+                "the gateway has not read the shard leases yet (new connections are closed before \
+                 TLS), or has loaded none of the shards it holds (they wait in the backlog)",
                 self.shared.serving.subscribe(),
             ),
         ]
@@ -407,7 +410,7 @@ impl Gateway {
                 shared.shards.subscribe(),
                 shared.admissions.loaded_shards(),
                 shared.desired.loaded_shards(),
-                shared.serving.clone(),
+                (shared.serving.clone(), shared.accepting.clone()),
                 stop_rx.clone(),
             )
             .map(Ok),

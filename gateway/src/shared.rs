@@ -56,4 +56,7 @@ pub(crate) struct Shared {
     /// Whether the gateway serves new connections at all ([`crate::shards::cache::serving`]);
     /// the gate closes them before TLS while it does not.
     pub(crate) serving: watch::Sender<bool>,
+    /// Whether the carriers accept new connections ([`crate::shards::cache::accepting`]):
+    /// not while the gateway loads the shards it holds, so they wait in the backlog.
+    pub(crate) accepting: watch::Sender<bool>,
 }

@@ -9,14 +9,25 @@
 //! needs a TLS session to travel in), and the session on it is drained at once with the
 //! retry-after the gate chose, before any admission or sync work.
 //!
-//! A gateway that cannot serve any session yet (it has not read who owns what, or has loaded
-//! none of the shards it holds) says [`Entry::NotReady`]: the connection is closed at once,
-//! before any TLS work. Its agent backs off as after any failed dial; a handshake spent on a
-//! refusal would cost both ends the CPU a cold start under a herd cannot spare.
+//! A gateway that cannot serve any session yet and cannot say when it will (it has not read who
+//! owns what) says [`Entry::NotReady`]: the connection is closed at once, before any TLS work.
+//! Its agent backs off as after any failed dial; a handshake spent on a refusal would cost both
+//! ends the CPU a cold start under a herd cannot spare.
+//!
+//! A gateway that knows it will serve in a moment (it is loading the shards it holds) says so
+//! through [`ConnectionGate::accepting`]: while that is `false` the carriers stop accepting, and
+//! new connections wait where they cost the gateway nothing, in the kernel's accept backlog
+//! (TCP) or quinn's queue of incoming connections (QUIC). Closing them instead would send each
+//! agent into a backoff that keeps growing while the load runs, so the herd would come back
+//! long after the gateway could serve it, and an agent that failed often enough at its home
+//! gateway would give that up and be redirected back to it. The agents' dial timeouts bound the
+//! wait from their side.
 //!
 //! [`ConnInfo::over_rate`]: crate::tls::ConnInfo::over_rate
 
 use std::time::Duration;
+
+use tokio::sync::watch;
 
 use crate::link::Carrier;
 
@@ -37,4 +48,21 @@ pub enum Entry {
 pub trait ConnectionGate: Send + Sync + std::fmt::Debug {
     /// A connection arrived on `carrier`.
     fn arrived(&self, carrier: Carrier) -> Entry;
+
+    /// `false` while the carriers should not accept at all (new connections wait unaccepted
+    /// until it turns `true`); `None`, the default, for a gate that always accepts.
+    fn accepting(&self) -> Option<watch::Receiver<bool>> {
+        None
+    }
+}
+
+/// Waits until `accepting` (from [`ConnectionGate::accepting`]) says the carrier may accept;
+/// at once when there is no such flag, or when its sender is gone (nothing will hold the
+/// connections back any more).
+pub(crate) async fn until_accepting(accepting: &mut Option<watch::Receiver<bool>>) {
+    if let Some(flag) = accepting
+        && flag.wait_for(|a| *a).await.is_err()
+    {
+        *accepting = None;
+    }
 }

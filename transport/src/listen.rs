@@ -9,6 +9,24 @@ use tokio::net::TcpListener;
 /// Tries when port 0 is asked for and the TCP port the kernel picked is taken for UDP.
 const BIND_ATTEMPTS: usize = 16;
 
+/// Connections the kernel completes and keeps for the gateway to accept: a reconnect herd
+/// waits here while the gateway loads its shards (see `crate::gate`) or while every handshake
+/// slot is taken. The kernel caps it at `net.core.somaxconn` (4,096 by default since Linux
+/// 5.4); beyond it new SYNs wait for the client's retransmission.
+pub const ACCEPT_BACKLOG: u32 = 4096;
+
+/// A TCP listener on `addr` with [`ACCEPT_BACKLOG`] (tokio's `bind` asks for 1,024).
+pub fn tcp_listener(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = match addr {
+        SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+        SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+    };
+    // As `TcpListener::bind` does: a restarted gateway rebinds its port at once.
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(ACCEPT_BACKLOG)
+}
+
 /// The agents' sockets on one address and port.
 #[derive(Debug)]
 pub struct AgentSockets {
@@ -24,7 +42,7 @@ impl AgentSockets {
     pub async fn bind(addr: SocketAddr, quic: bool) -> std::io::Result<AgentSockets> {
         let mut last = None;
         for _ in 0..BIND_ATTEMPTS {
-            let tcp = TcpListener::bind(addr).await?;
+            let tcp = tcp_listener(addr)?;
             if !quic {
                 return Ok(AgentSockets { tcp, udp: None });
             }

@@ -208,7 +208,13 @@ impl QuicListener {
         let permits = Arc::new(Semaphore::new(max_handshakes));
         let waiting = Arc::new(Semaphore::new(max_handshakes * WAITING_PER_SLOT));
         let mut connections = JoinSet::new();
+        let mut accepting = self.gate.as_ref().and_then(|g| g.accepting());
         loop {
+            // A gateway about to serve leaves new connections in quinn's queue meanwhile.
+            tokio::select! {
+                _ = crate::gate::until_accepting(&mut accepting) => {}
+                _ = drain.wait_for(|d| *d) => break,
+            }
             tokio::select! {
                 incoming = self.endpoint.accept() => {
                     let Some(incoming) = incoming else { break };

@@ -281,6 +281,7 @@ pub struct AcceptLimits {
     pub gate: Option<Arc<dyn ConnectionGate>>,
     /// Handshakes in progress at once; the excess waits in the kernel's accept backlog, so a
     /// reconnect storm costs queued SYNs rather than CPU spent on half-finished handshakes.
+    /// So does every new connection while the gate says it is not accepting.
     pub max_handshakes: usize,
     /// A client that has not finished its handshake by then is dropped (slowloris guard).
     pub handshake_timeout: Duration,
@@ -351,12 +352,18 @@ pub fn accept_authenticated(
         .unwrap_or_else(|_| "?".to_string());
     let accept_loop = async move {
         let mut handshakes = JoinSet::new();
+        let mut accepting = limits.gate.as_ref().and_then(|g| g.accepting());
         loop {
             // Reap finished handshakes so the set holds only those in flight.
             while handshakes.try_join_next().is_some() {}
             let Ok(permit) = permits.clone().acquire_owned().await else {
                 return Ok(());
             };
+            // A gateway about to serve keeps new connections in the backlog meanwhile.
+            tokio::select! {
+                _ = crate::gate::until_accepting(&mut accepting) => {}
+                _ = tx.closed() => return Ok(()),
+            }
             let (tcp, remote) = tokio::select! {
                 accepted = listener.accept() => match accepted {
                     Ok(a) => a,

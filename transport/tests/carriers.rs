@@ -2,7 +2,7 @@
 //! agent's session with its identity from the certificate, frames flow both ways, an
 //! oversized frame ends only that session, a tunnel carries bytes both ways, and the agent's
 //! QUIC socket can move to a new port under a live session, and a gateway that does not serve
-//! yet closes connections before any TLS work.
+//! yet closes connections before any TLS work, or holds them unaccepted while it loads.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -525,6 +525,98 @@ async fn a_gateway_not_serving_yet_closes_connections_before_tls() {
             gate.asked.load(Ordering::SeqCst),
             2,
             "{carrier}: the second dial was asked too"
+        );
+    }
+}
+
+/// A gate of a gateway loading its shards: it does not accept until switched on, and says
+/// "not ready" to any connection taken before that (as a gateway not serving yet does).
+#[derive(Debug)]
+struct Loading {
+    accepting: watch::Sender<bool>,
+    asked: AtomicUsize,
+}
+
+impl ConnectionGate for Loading {
+    fn arrived(&self, _carrier: Carrier) -> Entry {
+        self.asked.fetch_add(1, Ordering::SeqCst);
+        if *self.accepting.borrow() {
+            Entry::Admitted
+        } else {
+            Entry::NotReady
+        }
+    }
+
+    fn accepting(&self) -> Option<watch::Receiver<bool>> {
+        Some(self.accepting.subscribe())
+    }
+}
+
+/// A gateway loading its shards leaves new connections unaccepted instead of closing them:
+/// the agent's one dial waits, and opens its session as soon as the gateway accepts, with no
+/// failed attempt (which would cost it a backoff). Over TCP the connection is complete (the
+/// kernel's backlog holds it) before the gateway takes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_loading_its_shards_holds_new_connections_until_it_accepts() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let pki = pki();
+    for carrier in [Carrier::Grpc, Carrier::Quic] {
+        let gate = Arc::new(Loading {
+            accepting: watch::Sender::new(false),
+            asked: AtomicUsize::new(0),
+        });
+        let (addr, mut sessions, _drain) =
+            gateway_gated(&pki, carrier, 16, Some(gate.clone())).await;
+        let waiting = match carrier {
+            Carrier::Grpc => {
+                let tcp = tokio::net::TcpStream::connect(addr)
+                    .await
+                    .expect("the kernel completes the connection while the gateway loads");
+                let connector = tokio_rustls::TlsConnector::from(agent_tls(&pki));
+                let name = ServerName::try_from("localhost").unwrap();
+                tokio::spawn(async move { connector.connect(name, tcp).await.map(|_| ()) })
+            }
+            Carrier::Quic => {
+                let tls = agent_tls(&pki);
+                tokio::spawn(async move {
+                    let client =
+                        QuicClient::bind("127.0.0.1:0".parse().unwrap(), quic_settings()).unwrap();
+                    let dialed = client
+                        .open_session(addr, "localhost", &tls, hello())
+                        .await
+                        .map_err(std::io::Error::other)?;
+                    // Held until the gateway's side has the session.
+                    std::future::pending::<()>().await;
+                    drop((dialed, client));
+                    Ok(())
+                })
+            }
+        };
+        assert_eq!(
+            gate.asked.load(Ordering::SeqCst),
+            0,
+            "{carrier}: nothing was taken while the gateway loads"
+        );
+        assert!(sessions.try_recv().is_err(), "{carrier}: no session yet");
+        gate.accepting.send_replace(true);
+        match carrier {
+            Carrier::Grpc => waiting
+                .await
+                .unwrap()
+                .expect("grpc: the waiting connection's handshake completes"),
+            Carrier::Quic => {
+                tokio::time::timeout(Duration::from_secs(10), sessions.recv())
+                    .await
+                    .expect("quic: the waiting dial's session reaches the gateway")
+                    .unwrap();
+                assert!(!waiting.is_finished(), "quic: the dial did not fail");
+                waiting.abort();
+            }
+        }
+        assert_eq!(
+            gate.asked.load(Ordering::SeqCst),
+            1,
+            "{carrier}: the one connection was taken, once, after the gateway accepted"
         );
     }
 }

@@ -168,7 +168,8 @@ impl ShardLoad {
 
 /// Whether a gateway with `view`, whose caches have loaded `clusters` and `works`, serves new
 /// connections at all; one that does not closes them before their TLS handshake (see
-/// [`flotilla_transport::gate::Entry::NotReady`]).
+/// [`flotilla_transport::gate::Entry::NotReady`]) or, while [`accepting`] says no, leaves
+/// them unaccepted.
 ///
 /// Without leases it always does: its sessions wait for the one load of the store. With
 /// leases it does not before its first lease round has written its claims (it knows neither
@@ -190,37 +191,49 @@ pub fn serving(view: &ShardView, clusters: Option<&ShardSet>, works: Option<&Sha
     kept.is_empty() || (some_loaded(clusters) && some_loaded(works))
 }
 
-/// Keeps `serving` equal to [`serving`] of the gateway's view and its two caches' loads, until
-/// `stop` turns true.
+/// Whether the carriers accept new connections at all: not while the gateway knows its
+/// shards and is loading them ([`serving`] in a moment), so the connections of a herd wait in
+/// the backlog for it instead of being closed into backoffs that outgrow the load. Before the
+/// first lease round it accepts (and [`serving`] closes them before TLS): it cannot tell how
+/// long the store will keep it waiting.
+pub fn accepting(view: &ShardView, clusters: Option<&ShardSet>, works: Option<&ShardSet>) -> bool {
+    !view.is_leased() || !view.is_read() || serving(view, clusters, works)
+}
+
+/// Keeps the serving and accepting flags equal to [`serving`] and [`accepting`] of the
+/// gateway's view and its two caches' loads, until `stop` turns true.
 pub async fn follow_serving(
     mut views: ShardViews,
     mut clusters: watch::Receiver<Option<ShardSet>>,
     mut works: watch::Receiver<Option<ShardSet>>,
-    serving_tx: watch::Sender<bool>,
+    (serving_tx, accepting_tx): (watch::Sender<bool>, watch::Sender<bool>),
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
-        let now = serving(
-            &views.borrow_and_update(),
-            clusters.borrow_and_update().as_ref(),
-            works.borrow_and_update().as_ref(),
+        let (view, clusters_loaded, works_loaded) = (
+            views.borrow_and_update().clone(),
+            clusters.borrow_and_update().clone(),
+            works.borrow_and_update().clone(),
         );
-        serving_tx.send_if_modified(|was| {
-            let changed = *was != now;
-            if changed {
-                info!(
-                    serving = now,
-                    "new connections {}",
-                    if now {
-                        "served"
-                    } else {
-                        "closed before TLS until the shards held are loaded"
-                    }
-                );
-            }
-            *was = now;
-            changed
-        });
+        let now = serving(&view, clusters_loaded.as_ref(), works_loaded.as_ref());
+        let accept = accepting(&view, clusters_loaded.as_ref(), works_loaded.as_ref());
+        // Serving before accepting: a connection the carriers take once they accept again
+        // finds the gate open.
+        let served = serving_tx.send_if_modified(|was| std::mem::replace(was, now) != now);
+        let accepted =
+            accepting_tx.send_if_modified(|was| std::mem::replace(was, accept) != accept);
+        if served || accepted {
+            info!(
+                serving = now,
+                accepting = accept,
+                "new connections {}",
+                match (now, accept) {
+                    (true, _) => "served",
+                    (false, true) => "closed before TLS until the shard leases are read",
+                    (false, false) => "left in the backlog until the shards held are loaded",
+                }
+            );
+        }
         tokio::select! {
             Ok(()) = views.changed() => {}
             Ok(()) = clusters.changed() => {}
@@ -406,21 +419,60 @@ mod tests {
         ));
     }
 
+    /// A gateway holds new connections back (in the backlog) only while it loads the shards it
+    /// knows it holds; before it has read the leases it takes them and closes them before TLS,
+    /// and once it serves it takes them all.
+    #[test]
+    fn a_leased_gateway_leaves_connections_unaccepted_only_while_it_loads_its_shards() {
+        assert!(accepting(&ShardView::all(SHARDS), None, None));
+        assert!(accepting(&ShardView::unread(SHARDS), None, None));
+        assert!(accepting(&holding(&[]), None, None));
+        assert!(!accepting(&holding(&[1, 2]), None, None));
+        assert!(!accepting(
+            &holding(&[1, 2]),
+            loaded(&[1, 2]).as_ref(),
+            None
+        ));
+        assert!(accepting(
+            &holding(&[1, 2]),
+            loaded(&[1]).as_ref(),
+            loaded(&[2]).as_ref()
+        ));
+        assert!(accepting(
+            &holding(&[1, 2, 3]),
+            loaded(&[1, 2]).as_ref(),
+            loaded(&[1, 2]).as_ref()
+        ));
+    }
+
     #[tokio::test(start_paused = true)]
-    async fn the_serving_flag_follows_the_view_and_the_loads() {
+    async fn the_serving_and_accepting_flags_follow_the_view_and_the_loads() {
         let (views_tx, views) = watch::channel(Arc::new(ShardView::unread(SHARDS)));
         let (clusters_tx, clusters) = watch::channel(None);
         let (works_tx, works) = watch::channel(None);
         let (serving_tx, mut serving_rx) = watch::channel(false);
+        let (accepting_tx, mut accepting_rx) = watch::channel(true);
         let (stop_tx, stop) = watch::channel(false);
-        let follow = tokio::spawn(follow_serving(views, clusters, works, serving_tx, stop));
+        let follow = tokio::spawn(follow_serving(
+            views,
+            clusters,
+            works,
+            (serving_tx, accepting_tx),
+            stop,
+        ));
+        // Its shards known, none loaded: connections wait.
         views_tx.send_replace(Arc::new(holding(&[4])));
+        accepting_rx.wait_for(|a| !*a).await.unwrap();
+        assert!(!*serving_rx.borrow());
         clusters_tx.send_replace(loaded(&[4]));
         works_tx.send_replace(loaded(&[4]));
         serving_rx.wait_for(|s| *s).await.unwrap();
-        // Restarted under its name: the view is unread again until the round is written.
+        accepting_rx.wait_for(|a| *a).await.unwrap();
+        // Restarted under its name: the view is unread again until the round is written; it
+        // takes connections and closes them before TLS.
         views_tx.send_replace(Arc::new(ShardView::unread(SHARDS)));
         serving_rx.wait_for(|s| !*s).await.unwrap();
+        assert!(*accepting_rx.borrow());
         stop_tx.send_replace(true);
         follow.await.unwrap();
     }
