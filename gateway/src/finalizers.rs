@@ -335,34 +335,69 @@ mod tests {
     use flotilla_store::SledStore;
     use std::time::Duration;
 
+    /// Store-1's work "web" on a sled store, the desired-state cache following it, and
+    /// finalizers not started yet.
+    struct Fixture {
+        _dir: tempfile::TempDir,
+        store: Arc<dyn Store>,
+        uid: String,
+        desired: Arc<DesiredState>,
+        stop_tx: watch::Sender<bool>,
+        stop: watch::Receiver<bool>,
+        finalizers: Arc<CleanupFinalizers>,
+    }
+
+    impl Fixture {
+        async fn new() -> Fixture {
+            let dir = tempfile::tempdir().unwrap();
+            let store: Arc<dyn Store> = Arc::new(SledStore::open(dir.path()).unwrap());
+            let created = store
+                .create(json!({
+                    "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
+                    "metadata": {"name": "web", "namespace": "store-1"},
+                    "spec": {"workload": {"manifests": [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"}}]}},
+                }))
+                .await
+                .unwrap();
+            let uid = created["metadata"]["uid"].as_str().unwrap().to_owned();
+            let desired = DesiredState::new();
+            let (stop_tx, stop) = watch::channel(false);
+            tokio::spawn(desired.clone().run(
+                store.clone(),
+                Arc::new(Registry::default()),
+                ShardView::all_views(),
+                stop.clone(),
+            ));
+            let finalizers = CleanupFinalizers::new(
+                Arc::new(WriteBudget::new(1000.0, 1000)),
+                4,
+                watch::channel(Arc::new(ShardView::all(64))).1,
+                Fencing::default(),
+                WorkBases::new(),
+            );
+            Fixture {
+                _dir: dir,
+                store,
+                uid,
+                desired,
+                stop_tx,
+                stop,
+                finalizers,
+            }
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_held_work_is_deleted_only_once_its_agent_releases_it() {
-        let dir = tempfile::tempdir().unwrap();
-        let store: Arc<dyn Store> = Arc::new(SledStore::open(dir.path()).unwrap());
-        let created = store
-            .create(json!({
-                "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
-                "metadata": {"name": "web", "namespace": "store-1"},
-                "spec": {"workload": {"manifests": [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"}}]}},
-            }))
-            .await
-            .unwrap();
-        let uid = created["metadata"]["uid"].as_str().unwrap().to_owned();
-        let desired = DesiredState::new();
-        let (stop_tx, stop) = watch::channel(false);
-        tokio::spawn(desired.clone().run(
-            store.clone(),
-            Arc::new(Registry::default()),
-            ShardView::all_views(),
-            stop.clone(),
-        ));
-        let finalizers = CleanupFinalizers::new(
-            Arc::new(WriteBudget::new(1000.0, 1000)),
-            4,
-            watch::channel(Arc::new(ShardView::all(64))).1,
-            Fencing::default(),
-            WorkBases::new(),
-        );
+        let Fixture {
+            _dir,
+            store,
+            uid,
+            desired,
+            stop_tx,
+            stop,
+            finalizers,
+        } = Fixture::new().await;
         tokio::spawn(
             finalizers
                 .clone()
@@ -428,32 +463,15 @@ mod tests {
     /// finalizer, and the stranger its ack (there was nothing of its own to release).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn another_clusters_release_does_not_displace_a_pending_hold() {
-        let dir = tempfile::tempdir().unwrap();
-        let store: Arc<dyn Store> = Arc::new(SledStore::open(dir.path()).unwrap());
-        let created = store
-            .create(json!({
-                "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
-                "metadata": {"name": "web", "namespace": "store-1"},
-                "spec": {"workload": {"manifests": [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"}}]}},
-            }))
-            .await
-            .unwrap();
-        let uid = created["metadata"]["uid"].as_str().unwrap().to_owned();
-        let desired = DesiredState::new();
-        let (stop_tx, stop) = watch::channel(false);
-        tokio::spawn(desired.clone().run(
-            store.clone(),
-            Arc::new(Registry::default()),
-            ShardView::all_views(),
-            stop.clone(),
-        ));
-        let finalizers = CleanupFinalizers::new(
-            Arc::new(WriteBudget::new(1000.0, 1000)),
-            4,
-            watch::channel(Arc::new(ShardView::all(64))).1,
-            Fencing::default(),
-            WorkBases::new(),
-        );
+        let Fixture {
+            _dir,
+            store,
+            uid,
+            desired,
+            stop_tx,
+            stop,
+            finalizers,
+        } = Fixture::new().await;
         // Both wait in the queue before its writer starts.
         finalizers.hold("store-1", "web", &uid);
         let stranger = Arc::new(Mailbox::default());
