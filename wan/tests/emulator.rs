@@ -1,0 +1,129 @@
+//! The emulator checked from both ends of real links (namespaces, TUN devices, qdiscs and
+//! nftables rules): what each setting does to packets, not how fast this machine is. Needs
+//! root and the tools `check_available` names; where they are missing each test says it is
+//! skipped and why.
+
+use std::time::Duration;
+
+use flotilla_wan::probe::{bulk_transfer, round_trips};
+use flotilla_wan::{EmulatedLink, LinkSpec, check_available};
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// A link of `spec`, or `None` (the test skips, saying why) where links cannot be made.
+async fn link(spec: &str) -> Option<EmulatedLink> {
+    if let Err(e) = check_available() {
+        eprintln!("SKIPPED: {e}");
+        return None;
+    }
+    let spec: LinkSpec = spec.parse().unwrap();
+    Some(EmulatedLink::create(spec, 28).await.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_round_trip_beats_the_delay_and_nothing_is_lost_without_loss() {
+    let Some(link) = link("delay=60ms,jitter=20ms").await else {
+        return;
+    };
+    // Each direction holds 30 ms ± 10: no round trip under 40 ms.
+    assert_eq!(link.spec().min_round_trip(), ms(40));
+    let seen = round_trips(&link, 100, ms(5), Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert_eq!(seen.answered(), 100, "no loss was asked: {seen:?}");
+    assert!(seen.rtts[0] >= ms(40), "fastest {:?}", seen.rtts[0]);
+    // Both directions carried every probe through their delay lines.
+    assert!(link.inbound().delivered >= 100 && link.outbound().delivered >= 100);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loss_drops_packets_each_way() {
+    let Some(link) = link("loss=20%").await else {
+        return;
+    };
+    let seen = round_trips(&link, 500, ms(2), Duration::from_secs(2))
+        .await
+        .unwrap();
+    // 20 % each way loses 1 - 0.8² = 36 % of round trips; 500 probes put that within
+    // ±4 standard deviations of 27..45 %, and one way only (20 %) well outside.
+    let loss = seen.loss();
+    assert!((0.27..=0.45).contains(&loss), "round-trip loss {loss:.3}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_taken_down_drops_everything_and_passes_again_when_back() {
+    let Some(link) = link("delay=10ms").await else {
+        return;
+    };
+    link.set_down(true).await.unwrap();
+    assert!(link.is_down());
+    let before = link.outbound();
+    let seen = round_trips(&link, 50, ms(5), Duration::from_secs(1))
+        .await
+        .unwrap();
+    assert_eq!(seen.answered(), 0, "{seen:?}");
+    // Dropped on the way in: the echo inside never saw a probe to answer.
+    assert_eq!(link.outbound().offered, before.offered);
+    link.set_down(false).await.unwrap();
+    let seen = round_trips(&link, 50, ms(5), Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert_eq!(seen.answered(), 50, "{seen:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flap_schedule_takes_the_link_down_and_brings_it_back() {
+    // Up 1 s, down 1 s, over and over.
+    let Some(link) = link("flap=1s/2s").await else {
+        return;
+    };
+    // 4.5 s of probes every 20 ms spans two outages and the time up between them.
+    let seen = round_trips(&link, 225, ms(20), Duration::from_secs(1))
+        .await
+        .unwrap();
+    // An outage of about 50 probes; never the whole period (it came back each time).
+    assert!(
+        (25..100).contains(&seen.longest_gap),
+        "longest run of lost probes {} ({:?})",
+        seen.longest_gap,
+        seen.longest_outage()
+    );
+    assert!(seen.answered() >= 60, "{} answered", seen.answered());
+    assert!(seen.answered() < 225, "it never went down");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bulk_transfer_is_held_to_the_rate() {
+    let Some(link) = link("rate=2mbit").await else {
+        return;
+    };
+    let bulk = bulk_transfer(&link, Duration::from_secs(1), Duration::from_secs(2))
+        .await
+        .unwrap();
+    let bps = bulk.bits_per_second();
+    // The shaper never lets more through than the rate (its burst is 10 ms' worth); TCP
+    // fills most of it on a link without loss.
+    assert!((1.0e6..=2.2e6).contains(&bps), "{bps:.0} bit/s");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_delay_line_drops_and_bounds_what_is_in_flight() {
+    // Each direction holds 50 ms and at most 8 packets: at most 8 full-size packets per 50 ms
+    // cross, 1.92 Mbit/s, whatever TCP tries.
+    let Some(link) = link("delay=100ms,queue=8").await else {
+        return;
+    };
+    let bulk = bulk_transfer(&link, Duration::from_secs(1), Duration::from_secs(2))
+        .await
+        .unwrap();
+    let bound = 8.0 * 1_500.0 * 8.0 / 0.050;
+    assert!(
+        bulk.bits_per_second() <= bound * 1.1,
+        "{:.0} bit/s through a line of 8 packets",
+        bulk.bits_per_second()
+    );
+    assert!(bulk.bytes > 0);
+    assert!(link.inbound().dropped_full > 0, "{:?}", link.inbound());
+}
