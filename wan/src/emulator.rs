@@ -34,9 +34,13 @@
 //! the only route to each peer is its device, so the reverse path check (rp_filter) holds
 //! for both; and nothing is ever routed back into the device it came from.
 //!
-//! A process put in the namespace (`EmulatedLink::command`) reaches the root namespace's
-//! services at [`EmulatedLink::host`] (they must listen on it or on every address); a socket
-//! of this process can be made inside with [`EmulatedLink::inside`].
+//! A process put in the namespace (`EmulatedLink::command`) reaches this machine's loopback
+//! services at [`EmulatedLink::host`], same port: the root namespace's table sends a new
+//! connection (TCP or UDP) from the namespace to `host` on to 127.0.0.1 (DNAT, with
+//! `route_localnet` on `H` so the kernel routes loopback addresses there; answers are
+//! translated back by conntrack). Connections the root namespace opens into the namespace
+//! are not translated. A socket of this process can be made inside with
+//! [`EmulatedLink::inside`].
 //!
 //! Everything is removed on drop, and on every error while it is being made: the tasks, the
 //! nftables table, the namespace (`G` goes with it) and `H` (closed with its descriptor).
@@ -285,6 +289,10 @@ impl EmulatedLink {
                 Some(ns) => run("ip", &["netns", "exec", ns, "sysctl", "-qw", &knob], None)?,
             }
         }
+        // Connections from the namespace to `host` go on to this machine's loopback (the
+        // table's `to_loopback`), which the kernel routes only where this knob allows it.
+        let knob = format!("net.ipv4.conf.{}.route_localnet=1", p.host_if);
+        run("sysctl", &["-qw", &knob], None)?;
         for end in self.ends() {
             // The root namespace's table is marked made first: the namespace's goes with it.
             self.made_table |= end.namespace.is_none();
@@ -350,8 +358,11 @@ impl EmulatedLink {
              add chain inet {table} in {{ type filter hook input priority 0; policy accept; }}\n"
         );
         if end.namespace.is_none() {
+            let host = self.plan.host;
             s.push_str(&format!(
-                "add chain inet {table} through {{ type filter hook forward priority 0; policy accept; }}\n\
+                "add chain inet {table} to_loopback {{ type nat hook prerouting priority -100; }}\n\
+                 add rule inet {table} to_loopback iifname \"{dev}\" ip daddr {host} dnat ip to 127.0.0.1\n\
+                 add chain inet {table} through {{ type filter hook forward priority 0; policy accept; }}\n\
                  add rule inet {table} through iifname \"{dev}\" drop\n\
                  add rule inet {table} through oifname \"{dev}\" drop\n"
             ));
@@ -386,7 +397,8 @@ impl EmulatedLink {
         &self.plan.namespace
     }
 
-    /// The root namespace's end: what the namespace dials to reach this machine's services.
+    /// The root namespace's end: what the namespace dials to reach this machine's services,
+    /// those listening on loopback included (same port).
     pub fn host(&self) -> Ipv4Addr {
         self.plan.host
     }

@@ -127,3 +127,47 @@ async fn a_full_delay_line_drops_and_bounds_what_is_in_flight() {
     assert!(bulk.bytes > 0);
     assert!(link.inbound().dropped_full > 0, "{:?}", link.inbound());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_namespace_reaches_loopback_services_at_the_host_end() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Some(link) = link("delay=20ms,loss=0").await else {
+        return;
+    };
+    // A TCP and a UDP service on this machine's loopback, as the hub and gateways listen.
+    let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = tcp.local_addr().unwrap().port();
+    let udp = tokio::net::UdpSocket::bind(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let served = tokio::spawn(async move {
+        let (mut conn, from) = tcp.accept().await.unwrap();
+        conn.write_all(b"over tcp").await.unwrap();
+        let mut buf = [0u8; 16];
+        let (n, peer) = udp.recv_from(&mut buf).await.unwrap();
+        udp.send_to(&buf[..n], peer).await.unwrap();
+        (from.ip(), peer.ip())
+    });
+    let host = std::net::SocketAddr::from((link.host(), port));
+    let socket = link.inside(tokio::net::TcpSocket::new_v4).await.unwrap();
+    let mut conn = socket.connect(host).await.unwrap();
+    let mut got = [0u8; 8];
+    conn.read_exact(&mut got).await.unwrap();
+    assert_eq!(&got, b"over tcp");
+    let udp = link
+        .inside(|| {
+            let s = std::net::UdpSocket::bind("0.0.0.0:0")?;
+            s.set_nonblocking(true)?;
+            Ok(s)
+        })
+        .await
+        .unwrap();
+    let udp = tokio::net::UdpSocket::from_std(udp).unwrap();
+    udp.send_to(b"over udp", host).await.unwrap();
+    let mut buf = [0u8; 16];
+    let (n, from) = udp.recv_from(&mut buf).await.unwrap();
+    assert_eq!((&buf[..n], from), (&b"over udp"[..], host));
+    // The services saw the namespace's own address: the link, not a relay.
+    let inside = std::net::IpAddr::from(link.inside_address());
+    assert_eq!(served.await.unwrap(), (inside, inside));
+}
