@@ -50,7 +50,7 @@ use std::io;
 use std::net::Ipv4Addr;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use rand::SeedableRng;
@@ -72,9 +72,26 @@ pub const TBF_QUEUE: Duration = Duration::from_millis(200);
 /// The largest packet a delay line reads: the devices' MTU is 1500, this leaves room.
 const MAX_PACKET: usize = 65_536;
 
-/// Links made by this process so far: each takes the next slot, so links made at once (tests
-/// in one binary) never share a name or an address.
-static NEXT_SLOT: AtomicUsize = AtomicUsize::new(0);
+/// The slots (names and /30s) of this process's links, one bit each: a link takes the lowest
+/// free one and gives it back once its devices are closed, so links made at once (tests in one
+/// binary) never share a name or an address.
+static SLOTS: AtomicU64 = AtomicU64::new(0);
+
+fn take_slot() -> Option<usize> {
+    let mut taken = None;
+    SLOTS
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+            let free = (!used).trailing_zeros() as usize;
+            taken = (free < MAX_LINKS).then_some(free);
+            taken.map(|f| used | (1 << f))
+        })
+        .ok()?;
+    taken
+}
+
+fn give_back(slot: usize) {
+    SLOTS.fetch_and(!(1u64 << slot), Ordering::AcqRel);
+}
 
 /// Why a link could not be made or used.
 #[derive(Debug, thiserror::Error)]
@@ -115,8 +132,8 @@ pub enum LinkError {
         #[source]
         source: io::Error,
     },
-    /// This process already has [`MAX_LINKS`] links. Not retryable until some are dropped.
-    #[error("this process already made {MAX_LINKS} links; drop some before making more")]
+    /// This process already has [`MAX_LINKS`] links. Retryable once some are dropped.
+    #[error("this process already has {MAX_LINKS} links; drop some before making more")]
     TooMany,
 }
 
@@ -184,6 +201,7 @@ impl Plan {
 
 /// A network namespace behind a shaped link. See the module's doc for the packet path.
 pub struct EmulatedLink {
+    slot: usize,
     plan: Plan,
     spec: LinkSpec,
     /// What exists, so that drop removes exactly that.
@@ -206,16 +224,14 @@ impl EmulatedLink {
     /// made is removed again.
     pub async fn create(spec: LinkSpec, seed: u64) -> Result<EmulatedLink, LinkError> {
         check_available()?;
-        let slot = NEXT_SLOT.fetch_add(1, Ordering::Relaxed);
-        if slot >= MAX_LINKS {
-            return Err(LinkError::TooMany);
-        }
+        let slot = take_slot().ok_or(LinkError::TooMany)?;
         let plan = Plan::new(slot);
         // Whatever a crashed process of the same pid left.
         let _ = ip(&["netns", "del", &plan.namespace]);
         let _ = ip(&["link", "del", &plan.host_if]);
         let _ = nft(None, &format!("delete table inet {}\n", plan.table));
         let mut link = EmulatedLink {
+            slot,
             plan,
             spec,
             made_namespace: false,
@@ -457,8 +473,21 @@ impl EmulatedLink {
 
 impl Drop for EmulatedLink {
     fn drop(&mut self) {
-        for t in &self.tasks {
+        let tasks = std::mem::take(&mut self.tasks);
+        for t in &tasks {
             t.abort();
+        }
+        // The slot is free again once the tasks, which hold the TUN devices, are gone (the
+        // host end's device closes with them); without a runtime the process is ending and the
+        // slot is not needed again.
+        let slot = self.slot;
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                for t in tasks {
+                    let _ = t.await;
+                }
+                give_back(slot);
+            });
         }
         if self.made_table
             && let Err(e) = nft(None, &format!("delete table inet {}\n", self.plan.table))
@@ -682,6 +711,20 @@ pub fn check_available() -> Result<(), LinkError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_slot_is_held_until_given_back_and_there_are_at_most_max_links() {
+        let taken: Vec<usize> = std::iter::from_fn(take_slot).collect();
+        assert_eq!(taken, (0..MAX_LINKS).collect::<Vec<_>>());
+        assert_eq!(take_slot(), None);
+        give_back(17);
+        assert_eq!(take_slot(), Some(17));
+        for slot in taken {
+            give_back(slot);
+        }
+        assert_eq!(take_slot(), Some(0));
+        give_back(0);
+    }
 
     #[test]
     fn each_link_has_its_own_slash_30_and_short_interface_names() {
