@@ -149,7 +149,7 @@ impl Worker {
         // Behind a link, `ip netns exec` enters its namespace and execs the harness: the pid
         // is the worker's, so signals reach it.
         let mut command = match &link {
-            Some(link) => link.command(exe),
+            Some(link) => Command::from(link.command(exe)),
             None => Command::new(exe),
         };
         let mut child = command
