@@ -215,7 +215,11 @@ pub fn table(c: &LinkCheck) -> String {
                 Some(rate) => format!("{:.1} Mbit/s", rate.bits_per_second as f64 / 1e6),
                 None => "unshaped".into(),
             },
-            format!("{:.1} Mbit/s", c.bulk.bits_per_second() / 1e6),
+            format!(
+                "{:.1} Mbit/s ({:.1} from its start)",
+                c.bulk.bits_per_second() / 1e6,
+                c.bulk.average_bits_per_second() / 1e6
+            ),
         ),
     ];
     rows.push((
