@@ -182,12 +182,12 @@ struct Plan {
 }
 
 impl Plan {
-    fn new(slot: usize) -> Plan {
+    /// Slot `slot` of this process in 10.214.`third`.0/24, one /30 per link (10.213 is
+    /// `--gateway-netns`'s).
+    fn new(slot: usize, third: u8) -> Plan {
         let pid = std::process::id();
         let tag = pid % 100_000;
-        // 10.214.<pid mod 256>.0/24, one /30 per link (10.213 is `--gateway-netns`'s).
         let base = (slot * 4) as u8;
-        let third = (pid % 256) as u8;
         Plan {
             namespace: format!("flotilla-wan-{pid}-{slot}"),
             host_if: format!("fw{tag}h{slot}"),
@@ -225,7 +225,7 @@ impl EmulatedLink {
     pub async fn create(spec: LinkSpec, seed: u64) -> Result<EmulatedLink, LinkError> {
         check_available()?;
         let slot = take_slot().ok_or(LinkError::TooMany)?;
-        let plan = Plan::new(slot);
+        let plan = Plan::new(slot, free_subnet(slot));
         // Whatever a crashed process of the same pid left.
         let _ = ip(&["netns", "del", &plan.namespace]);
         let _ = ip(&["link", "del", &plan.host_if]);
@@ -599,6 +599,26 @@ async fn toggle_down(
     Ok(())
 }
 
+/// The third octet for slot `slot`: this process's own (its pid mod 256) unless another
+/// process (a pid 256 apart) has the slot's host address already, then the next free one, so
+/// two processes' links never share an address.
+fn free_subnet(slot: usize) -> u8 {
+    let assigned = Command::new("ip")
+        .args(["-4", "-o", "addr", "show"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    let pid = std::process::id();
+    (0..256)
+        .map(|k| ((pid + k) % 256) as u8)
+        .find(|third| {
+            let host = Plan::new(slot, *third).host;
+            !assigned.contains(&format!("inet {host}/"))
+                && !assigned.contains(&format!("inet {host} "))
+        })
+        .unwrap_or((pid % 256) as u8)
+}
+
 fn open_tun(name: &str) -> Result<Tun, LinkError> {
     let mut tuns = Tun::builder()
         .name(name)
@@ -732,7 +752,7 @@ mod tests {
     #[test]
     fn each_link_has_its_own_slash_30_and_short_interface_names() {
         for slot in 0..MAX_LINKS {
-            let p = Plan::new(slot);
+            let p = Plan::new(slot, 7);
             assert!(p.host_if.len() <= 15 && p.inside_if.len() <= 15, "{p:?}");
             let ([a, b, c, h], [.., i]) = (p.host.octets(), p.inside.octets());
             assert_eq!((a, b), (10, 214));
