@@ -946,6 +946,29 @@ mod tests {
     }
 
     #[test]
+    fn a_link_goes_with_the_in_process_gateway_and_not_with_unshaped_scenarios() {
+        check(&["--link", "congested", "--processes", "2"], Ok(()));
+        check(&["--link-spec", "lte,loss=2%"], Ok(()));
+        check(
+            &["--link", "lte", "--store", "kube", "--gateways", "2"],
+            Err("leave out --gateways"),
+        );
+        check(
+            &[
+                "--link",
+                "lte",
+                "--store",
+                "kube",
+                "--scenario",
+                "connect,baseline-klusterlet",
+            ],
+            Err("does not run behind --link yet"),
+        );
+        check(&["--link", "dialup"], Err("dialup"));
+        check(&["--link-spec", "loss=3"], Err("`loss=3`"));
+    }
+
+    #[test]
     fn bad_input_names_the_flag() {
         check(
             &[
