@@ -26,6 +26,8 @@ pub struct RoundTrips {
     pub rtts: Vec<Duration>,
     /// The longest run of consecutive unanswered probes, in probes: an outage is one long run.
     pub longest_gap: usize,
+    /// The first probe after that run, the first answered again (`sent` if none was).
+    pub longest_gap_end: usize,
     /// The time between probes.
     pub interval: Duration,
 }
@@ -129,10 +131,12 @@ async fn probe(
             () = sleep_until_some(deadline) => break,
         }
     }
-    let (mut longest_gap, mut gap) = (0, 0);
-    for r in &rtt {
+    let (mut longest_gap, mut longest_gap_end, mut gap) = (0, 0, 0);
+    for (seq, r) in rtt.iter().enumerate() {
         gap = if r.is_some() { 0 } else { gap + 1 };
-        longest_gap = longest_gap.max(gap);
+        if gap > longest_gap {
+            (longest_gap, longest_gap_end) = (gap, seq + 1);
+        }
     }
     let mut rtts: Vec<Duration> = rtt.into_iter().flatten().collect();
     rtts.sort_unstable();
@@ -140,6 +144,7 @@ async fn probe(
         sent: count,
         rtts,
         longest_gap,
+        longest_gap_end,
         interval,
     })
 }

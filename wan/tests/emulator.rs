@@ -75,23 +75,27 @@ async fn a_link_taken_down_drops_everything_and_passes_again_when_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flap_schedule_takes_the_link_down_and_brings_it_back() {
-    // Up 1 s, down 1 s, over and over.
-    let Some(link) = link("flap=1s/2s").await else {
+    // Up 2 s, then down 1 s, over and over.
+    let Some(link) = link("flap=1s/3s").await else {
         return;
     };
-    // 4.5 s of probes every 20 ms spans two outages and the time up between them.
-    let seen = round_trips(&link, 225, ms(20), Duration::from_secs(1))
+    // 4 s of probes every 20 ms span the first outage and the time up after it.
+    let seen = round_trips(&link, 200, ms(20), Duration::from_secs(1))
         .await
         .unwrap();
-    // An outage of about 50 probes; never the whole period (it came back each time).
+    // An outage of about 50 probes (less if the machine is slow to run the rule changes).
     assert!(
-        (25..100).contains(&seen.longest_gap),
+        seen.longest_gap >= 20,
         "longest run of lost probes {} ({:?})",
         seen.longest_gap,
         seen.longest_outage()
     );
-    assert!(seen.answered() >= 60, "{} answered", seen.answered());
-    assert!(seen.answered() < 225, "it never went down");
+    // Probes before it were answered, and after it again: it came back.
+    assert!(seen.longest_gap_end > seen.longest_gap, "{seen:?}");
+    assert!(
+        seen.longest_gap_end < seen.sent,
+        "never came back: {seen:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
