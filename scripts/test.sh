@@ -41,8 +41,11 @@ apt_install_for() {
 apt_install_for tinyproxy tinyproxy
 # Headless Chromium for the status page's browser test (status_page.rs).
 apt_install_for chromium chromium
-# nftables for the chaos scenario's partitions (loadtest/tests/chaos.rs).
+# nftables for the chaos scenario's partitions (loadtest/tests/chaos.rs) and the link
+# emulator's loss and outages (wan/tests, loadtest/tests/link.rs).
 apt_install_for nftables nft
+# iproute2 (ip, tc) for the link emulator's namespaces and rate shaping.
+apt_install_for iproute2 tc
 if ! command -v cargo-deny >/dev/null; then
   step "installing cargo-deny"
   cargo install --locked cargo-deny@0.20.2 2>&1 | tail -n 3

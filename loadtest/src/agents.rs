@@ -125,6 +125,9 @@ pub struct Worker {
     sample: watch::Receiver<Sample>,
     records: mpsc::Receiver<Result<Vec<AgentRecord>, String>>,
     flapped: mpsc::Receiver<u64>,
+    /// With `--link`: the link whose namespace the worker runs in, kept for its restarts and
+    /// removed after it (fields drop in order: the child is killed first).
+    link: Option<Arc<flotilla_wan::EmulatedLink>>,
 }
 
 impl Worker {
@@ -136,13 +139,20 @@ impl Worker {
         log_dir: &Path,
         index: usize,
         starts: usize,
+        link: Option<Arc<flotilla_wan::EmulatedLink>>,
     ) -> anyhow::Result<Worker> {
         let log_name = match starts {
             1 => format!("worker-{index}.log"),
             n => format!("worker-{index}-{n}.log"),
         };
         let log = std::fs::File::create(log_dir.join(log_name))?;
-        let mut child = Command::new(exe)
+        // Behind a link, `ip netns exec` enters its namespace and execs the harness: the pid
+        // is the worker's, so signals reach it.
+        let mut command = match &link {
+            Some(link) => Command::from(link.command(exe)),
+            None => Command::new(exe),
+        };
+        let mut child = command
             .arg("worker")
             .arg("--spec")
             .arg(&spec_path)
@@ -192,6 +202,7 @@ impl Worker {
             sample,
             records,
             flapped,
+            link,
         })
     }
 
@@ -209,17 +220,21 @@ pub enum Agents {
 
 impl Agents {
     /// Starts the agents: in this process when `processes` is 1, else split evenly over that
-    /// many workers, each ramping at its share of the rate.
+    /// many workers, each ramping at its share of the rate. Behind a `link`, always in
+    /// workers (at least one), each in the namespace of a link of its own made here, dialling
+    /// the hub and gateways through it.
     pub async fn start(
         spec: SwarmSpec,
         identities: Vec<Identity>,
         processes: usize,
         exe: PathBuf,
         run_dir: &Path,
+        link: Option<&flotilla_wan::LinkSpec>,
     ) -> anyhow::Result<Agents> {
-        if processes <= 1 {
+        if processes <= 1 && link.is_none() {
             return Ok(Agents::Local(Swarm::start(&spec, &identities)?));
         }
+        let processes = processes.max(1);
         let per = identities.len().div_ceil(processes);
         let mut workers = Vec::new();
         for (w, chunk) in identities.chunks(per).enumerate() {
@@ -228,6 +243,26 @@ impl Agents {
             swarm.connect_rate = spec.connect_rate / processes as f64;
             swarm.cache_dir = spec.cache_dir.join(format!("worker-{w}"));
             swarm.transport = spec.transport.of_worker(w);
+            let link = match link {
+                Some(link_spec) => {
+                    let made = flotilla_wan::EmulatedLink::create(
+                        link_spec.clone(),
+                        spec.seed.wrapping_add(w as u64),
+                    )
+                    .await
+                    .with_context(|| format!("the link of worker {w}"))?;
+                    swarm.hub = crate::link::through(&made, spec.hub)?;
+                    swarm.gateways = spec
+                        .gateways
+                        .iter()
+                        .map(|g| crate::link::through(&made, *g))
+                        .collect::<anyhow::Result<_>>()?;
+                    swarm.link_address = Some(made.inside_address());
+                    swarm.source_addresses = 1;
+                    Some(Arc::new(made))
+                }
+                None => None,
+            };
             let spec_path: PathBuf = run_dir.join(format!("worker-{w}.json"));
             std::fs::write(
                 &spec_path,
@@ -236,7 +271,7 @@ impl Agents {
                     identities: chunk.to_vec(),
                 })?,
             )?;
-            workers.push(Worker::spawn(&exe, spec_path, run_dir, w, 1)?);
+            workers.push(Worker::spawn(&exe, spec_path, run_dir, w, 1, link)?);
         }
         Ok(Agents::Workers(workers))
     }
@@ -369,6 +404,7 @@ impl Agents {
             &worker.log_dir.clone(),
             worker.index,
             worker.starts + 1,
+            worker.link.clone(),
         )?;
         *worker = again;
         Ok(())

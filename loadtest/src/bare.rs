@@ -332,6 +332,7 @@ mod scenario {
                 self.args.processes,
                 self.args.harness_exe()?,
                 &self.run_dir,
+                self.args.link.spec()?.as_ref(),
             )
             .await?;
             let mut all = false;

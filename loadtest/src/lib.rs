@@ -14,7 +14,9 @@
 //! * [`preflight`]: checks that fail before anything starts (file descriptors, ports, the hub).
 //! * [`fleet`]: the hub under test, and enrolling the agents with its CA and operator API;
 //!   [`gateways`]: with `--gateways N`, the gateway processes beside it (scale-out mode);
-//!   [`netns`]: with `--gateway-netns K`, network namespaces for some of them.
+//!   [`netns`]: with `--gateway-netns K`, network namespaces for some of them; [`link`]:
+//!   with `--link`, the agents' worker processes behind emulated wide-area links, and
+//!   `link-check`, which measures one.
 //! * [`swarm`]: many agents in one process; [`agents`]: one swarm here, or one per worker
 //!   process (`--processes`).
 //! * [`scenario`]: the scenarios; [`placement`]: the placement ones (`rollout`, `schedule`);
@@ -40,6 +42,7 @@ pub mod feedback;
 pub mod fleet;
 pub mod gateways;
 pub mod klusterlet;
+pub mod link;
 pub mod machine;
 pub mod netns;
 pub mod operator;

@@ -36,6 +36,11 @@ fn main() -> anyhow::Result<()> {
             report(runtime.block_on(flotilla_loadtest::run(RunArgs::demo(&demo))))
         }
         Command::Run(args) => report(runtime.block_on(flotilla_loadtest::run(*args))),
+        Command::LinkCheck(args) => {
+            let measured = runtime.block_on(flotilla_loadtest::link::check(&args))?;
+            print!("{}", flotilla_loadtest::link::table(&measured));
+            Ok(())
+        }
         Command::BenchScheduler(args) => {
             let result = flotilla_loadtest::bench::run(&args)?;
             if args.json {

@@ -143,6 +143,9 @@ pub fn check_port_free(flag: &str, addr: SocketAddr) -> anyhow::Result<()> {
 pub async fn check(args: &RunArgs) -> anyhow::Result<()> {
     let limit = raise_open_files_limit();
     check_fds(args, limit)?;
+    if args.link.spec()?.is_some() {
+        flotilla_wan::check_available()?;
+    }
     match (args.hub, &args.data_dir) {
         (Some(hub), Some(data_dir)) => {
             anyhow::ensure!(

@@ -585,6 +585,9 @@ pub fn table(report: &Report) -> String {
         m.kernel,
         m.load_average_1m
     );
+    if let Some(link) = report.parameters.link.describe() {
+        let _ = writeln!(t, "agents behind an emulated link: {link}");
+    }
     for s in &report.scenarios {
         let outcome = match s.outcome {
             Some(Outcome::Completed) => "completed".to_string(),

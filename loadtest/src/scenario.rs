@@ -144,6 +144,7 @@ impl Run {
                     self.args.processes,
                     self.args.harness_exe()?,
                     &self.run_dir,
+                    self.args.link.spec()?.as_ref(),
                 )
                 .await?,
             );

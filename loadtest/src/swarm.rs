@@ -62,6 +62,11 @@ pub struct SwarmSpec {
     /// Agents started per second by this swarm.
     pub connect_rate: f64,
     pub source_addresses: u32,
+    /// With `--link`: the address of the link's namespace this swarm runs in, which every
+    /// agent dials from (loopback addresses cannot leave the namespace); `hub` and
+    /// `gateways` are then the link's host end.
+    #[serde(default)]
+    pub link_address: Option<Ipv4Addr>,
     /// The carrier of the sessions.
     #[serde(default)]
     pub transport: crate::cli::AgentTransport,
@@ -102,6 +107,7 @@ impl SwarmSpec {
             first_index: 0,
             connect_rate: args.connect_rate,
             source_addresses: args.source_addresses,
+            link_address: None,
             transport: args.transport,
             seed: args.seed,
             max_backoff_ms: args.max_backoff.as_millis() as u64,
@@ -542,6 +548,7 @@ impl Swarm {
             gateways: spec.gateways.clone(),
             server_name: spec.server_name.clone(),
             source_addresses: spec.source_addresses,
+            link_address: spec.link_address,
             max_backoff: Duration::from_millis(spec.max_backoff_ms),
             feedback_interval: Duration::from_millis(spec.feedback_interval_ms),
             seed: spec.seed,
@@ -551,14 +558,17 @@ impl Swarm {
                 crate::cli::AgentTransport::Grpc => Vec::new(),
                 _ => (0..spec.source_addresses.max(1))
                     .map(|i| {
+                        let source = spec
+                            .link_address
+                            .map_or_else(|| source_address(i), IpAddr::V4);
                         QuicClient::bind(
-                            std::net::SocketAddr::new(source_address(i), 0),
+                            std::net::SocketAddr::new(source, 0),
                             QuicSettings {
                                 max_frame_bytes: flotilla_agent::connect::MAX_FRAME_BYTES,
                                 ..QuicSettings::default()
                             },
                         )
-                        .with_context(|| format!("a UDP socket on {}", source_address(i)))
+                        .with_context(|| format!("a UDP socket on {source}"))
                     })
                     .collect::<anyhow::Result<_>>()?,
             },
@@ -706,6 +716,8 @@ struct Shared {
     gateways: Vec<SocketAddr>,
     server_name: String,
     source_addresses: u32,
+    /// See [`SwarmSpec::link_address`].
+    link_address: Option<Ipv4Addr>,
     max_backoff: Duration,
     feedback_interval: Duration,
     seed: u64,
@@ -756,7 +768,10 @@ async fn run_agent(
         _ = stop.wait_for(|s| *s) => return,
     }
     agent.tally.started.fetch_add(1, Ordering::Relaxed);
-    let source = source_address(agent.index as u32 % shared.source_addresses);
+    let source = shared.link_address.map_or_else(
+        || source_address(agent.index as u32 % shared.source_addresses),
+        IpAddr::V4,
+    );
     if let Some(join) = &shared.join {
         match join_hub(&agent, &shared, join, source, &mut stop).await {
             Ok(()) => {

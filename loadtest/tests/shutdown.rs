@@ -50,9 +50,16 @@ async fn a_sigtermed_hub_exits_within_its_drain_deadline_while_agents_connect() 
         .await
         .expect("agents enrolled");
     let spec = SwarmSpec::for_run(&args, &hub, dir.path(), None).unwrap();
-    let agents = Agents::start(spec, identities, 1, args.harness_exe().unwrap(), dir.path())
-        .await
-        .unwrap();
+    let agents = Agents::start(
+        spec,
+        identities,
+        1,
+        args.harness_exe().unwrap(),
+        dir.path(),
+        None,
+    )
+    .await
+    .unwrap();
 
     let mut longest = Duration::ZERO;
     for (round, new_sessions) in ROUNDS.into_iter().enumerate() {

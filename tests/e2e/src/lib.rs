@@ -543,12 +543,55 @@ pub fn sessions_in_log(log: &str) -> std::collections::BTreeSet<String> {
 /// Starts `flotilla-agent run` for `cluster` with the certificates in `cert_dir`, for tests about
 /// sessions and health: its spoke kubeconfig points at nothing, so the session is all it does.
 pub fn start_agent(dir: &Path, hub: &Hub, cluster: &str, cert_dir: &Path) -> anyhow::Result<Proc> {
+    agent_process(
+        Command::new(bin("flotilla-agent")),
+        &hub.agents_addr,
+        dir,
+        hub,
+        cluster,
+        cert_dir,
+    )
+}
+
+/// [`start_agent`] in the namespace of `link`, so every packet of its session crosses the
+/// emulated link: it dials the hub's loopback port at the link's host end.
+pub fn start_agent_behind(
+    link: &flotilla_wan::EmulatedLink,
+    dir: &Path,
+    hub: &Hub,
+    cluster: &str,
+    cert_dir: &Path,
+) -> anyhow::Result<Proc> {
+    let port = hub
+        .agents_addr
+        .rsplit_once(':')
+        .and_then(|(_, p)| p.parse::<u16>().ok())
+        .with_context(|| format!("the hub's agent address {} has no port", hub.agents_addr))?;
+    let through = format!("{}:{port}", link.host());
+    agent_process(
+        link.command(bin("flotilla-agent")),
+        &through,
+        dir,
+        hub,
+        cluster,
+        cert_dir,
+    )
+}
+
+/// `flotilla-agent run` as `cmd` (the binary, or a wrapper that execs it) dialling `hub_addr`.
+fn agent_process(
+    mut cmd: Command,
+    hub_addr: &str,
+    dir: &Path,
+    hub: &Hub,
+    cluster: &str,
+    cert_dir: &Path,
+) -> anyhow::Result<Proc> {
     let kubeconfig = no_spoke_kubeconfig(dir)?;
-    let mut cmd = Command::new(bin("flotilla-agent"));
     cmd.arg("run")
         .args([
             "--hub",
-            &hub.agents_addr,
+            hub_addr,
             "--server-name",
             "localhost",
             "--cluster-name",

@@ -1,0 +1,181 @@
+//! The emulator checked from both ends of real links (namespaces, TUN devices, qdiscs and
+//! nftables rules): what each setting does to packets, not how fast this machine is. Needs
+//! root and the tools `check_available` names; where they are missing each test says it is
+//! skipped and why.
+
+use std::time::Duration;
+
+use flotilla_wan::probe::{bulk_transfer, round_trips};
+use flotilla_wan::{EmulatedLink, LinkSpec, check_available};
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// A link of `spec`, or `None` (the test skips, saying why) where links cannot be made.
+async fn link(spec: &str) -> Option<EmulatedLink> {
+    if let Err(e) = check_available() {
+        eprintln!("SKIPPED: {e}");
+        return None;
+    }
+    let spec: LinkSpec = spec.parse().unwrap();
+    Some(EmulatedLink::create(spec, 28).await.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_round_trip_beats_the_delay_and_nothing_is_lost_without_loss() {
+    let Some(link) = link("delay=60ms,jitter=20ms").await else {
+        return;
+    };
+    // Each direction holds 30 ms ± 10: no round trip under 40 ms.
+    assert_eq!(link.spec().min_round_trip(), ms(40));
+    let seen = round_trips(&link, 100, ms(5), Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert_eq!(seen.answered(), 100, "no loss was asked: {seen:?}");
+    assert!(seen.rtts[0] >= ms(40), "fastest {:?}", seen.rtts[0]);
+    // Both directions carried every probe through their delay lines.
+    assert!(link.inbound().delivered >= 100 && link.outbound().delivered >= 100);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loss_drops_packets_each_way() {
+    let Some(link) = link("loss=20%").await else {
+        return;
+    };
+    let seen = round_trips(&link, 500, ms(2), Duration::from_secs(2))
+        .await
+        .unwrap();
+    // 20 % each way loses 1 - 0.8² = 36 % of round trips; 500 probes put that within
+    // ±4 standard deviations of 27..45 %, and one way only (20 %) well outside.
+    let loss = seen.loss();
+    assert!((0.27..=0.45).contains(&loss), "round-trip loss {loss:.3}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_taken_down_drops_everything_and_passes_again_when_back() {
+    let Some(link) = link("delay=10ms").await else {
+        return;
+    };
+    link.set_down(true).await.unwrap();
+    assert!(link.is_down());
+    let before = link.outbound();
+    let seen = round_trips(&link, 50, ms(5), Duration::from_secs(1))
+        .await
+        .unwrap();
+    assert_eq!(seen.answered(), 0, "{seen:?}");
+    // Dropped on the way in: the echo inside never saw a probe to answer.
+    assert_eq!(link.outbound().offered, before.offered);
+    link.set_down(false).await.unwrap();
+    let seen = round_trips(&link, 50, ms(5), Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert_eq!(seen.answered(), 50, "{seen:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flap_schedule_takes_the_link_down_and_brings_it_back() {
+    // Up 2 s, then down 1 s, over and over.
+    let Some(link) = link("flap=1s/3s").await else {
+        return;
+    };
+    // 4 s of probes every 20 ms span the first outage and the time up after it.
+    let seen = round_trips(&link, 200, ms(20), Duration::from_secs(1))
+        .await
+        .unwrap();
+    // An outage of about 50 probes (less if the machine is slow to run the rule changes).
+    assert!(
+        seen.longest_gap >= 20,
+        "longest run of lost probes {} ({:?})",
+        seen.longest_gap,
+        seen.longest_outage()
+    );
+    // Probes before it were answered, and after it again: it came back.
+    assert!(seen.longest_gap_end > seen.longest_gap, "{seen:?}");
+    assert!(
+        seen.longest_gap_end < seen.sent,
+        "never came back: {seen:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bulk_transfer_is_held_to_the_rate() {
+    let Some(link) = link("rate=2mbit").await else {
+        return;
+    };
+    let bulk = bulk_transfer(&link, Duration::from_secs(1), Duration::from_secs(2))
+        .await
+        .unwrap();
+    // The shaper never lets more through than the rate (its burst is 10 ms' worth), counted
+    // from the transfer's start, which a receiver reading late cannot inflate; TCP fills most
+    // of it on a link without loss.
+    let bps = bulk.average_bits_per_second();
+    assert!(
+        (1.0e6..=2.0e6 * 1.02).contains(&bps),
+        "{bps:.0} bit/s: {bulk:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_delay_line_drops_and_bounds_what_is_in_flight() {
+    // Each direction holds 50 ms and at most 8 packets: at most 8 full-size packets per 50 ms
+    // cross, 1.92 Mbit/s, whatever TCP tries.
+    let Some(link) = link("delay=100ms,queue=8").await else {
+        return;
+    };
+    let bulk = bulk_transfer(&link, Duration::from_secs(1), Duration::from_secs(2))
+        .await
+        .unwrap();
+    let bound = 8.0 * 1_500.0 * 8.0 / 0.050;
+    assert!(
+        bulk.average_bits_per_second() <= bound,
+        "{:.0} bit/s through a line of 8 packets: {bulk:?}",
+        bulk.average_bits_per_second()
+    );
+    assert!(bulk.bytes > 0);
+    assert!(link.inbound().dropped_full > 0, "{:?}", link.inbound());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_namespace_reaches_loopback_services_at_the_host_end() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Some(link) = link("delay=20ms,loss=0").await else {
+        return;
+    };
+    // A TCP and a UDP service on this machine's loopback, as the hub and gateways listen.
+    let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = tcp.local_addr().unwrap().port();
+    let udp = tokio::net::UdpSocket::bind(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let served = tokio::spawn(async move {
+        let (mut conn, from) = tcp.accept().await.unwrap();
+        conn.write_all(b"over tcp").await.unwrap();
+        let mut buf = [0u8; 16];
+        let (n, peer) = udp.recv_from(&mut buf).await.unwrap();
+        udp.send_to(&buf[..n], peer).await.unwrap();
+        (from.ip(), peer.ip())
+    });
+    let host = std::net::SocketAddr::from((link.host(), port));
+    let socket = link.inside(tokio::net::TcpSocket::new_v4).await.unwrap();
+    let mut conn = socket.connect(host).await.unwrap();
+    let mut got = [0u8; 8];
+    conn.read_exact(&mut got).await.unwrap();
+    assert_eq!(&got, b"over tcp");
+    let udp = link
+        .inside(|| {
+            let s = std::net::UdpSocket::bind("0.0.0.0:0")?;
+            s.set_nonblocking(true)?;
+            Ok(s)
+        })
+        .await
+        .unwrap();
+    let udp = tokio::net::UdpSocket::from_std(udp).unwrap();
+    udp.send_to(b"over udp", host).await.unwrap();
+    let mut buf = [0u8; 16];
+    let (n, from) = udp.recv_from(&mut buf).await.unwrap();
+    assert_eq!((&buf[..n], from), (&b"over udp"[..], host));
+    // The services saw the namespace's own address: the link, not a relay.
+    let inside = std::net::IpAddr::from(link.inside_address());
+    assert_eq!(served.await.unwrap(), (inside, inside));
+}
