@@ -7,6 +7,8 @@
 # caches existing:
 #   CARGO_TARGET_DIR        default $HOME/.cache/flotilla/target
 #   FLOTILLA_TESTENV_BIN    default $HOME/.cache/flotilla/testenv/<versions> (deploy/testenv/build.sh)
+#   FLOTILLA_TESTENV_SPOKE_BIN  default $HOME/.cache/flotilla/testenv/spoke-<versions> (the full
+#                           spoke's controller-manager, scheduler and kwok: build.sh --spoke)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 root=$(pwd)
@@ -51,9 +53,11 @@ if ! command -v cargo-deny >/dev/null; then
   cargo install --locked cargo-deny@0.20.2 2>&1 | tail -n 3
 fi
 
-step "test kube-apiserver and etcd"
-FLOTILLA_TESTENV_BIN=$(deploy/testenv/build.sh | tail -n 1)
-export FLOTILLA_TESTENV_BIN
+step "test kube-apiserver, etcd, and the full spoke's controller-manager, scheduler and kwok"
+testenv_dirs=$(deploy/testenv/build.sh --spoke)
+FLOTILLA_TESTENV_BIN=$(echo "$testenv_dirs" | tail -n 2 | head -n 1)
+FLOTILLA_TESTENV_SPOKE_BIN=$(echo "$testenv_dirs" | tail -n 1)
+export FLOTILLA_TESTENV_BIN FLOTILLA_TESTENV_SPOKE_BIN
 
 step "format"
 cargo fmt --all --check
@@ -80,7 +84,7 @@ step "tests"
 cargo test --workspace --locked --no-fail-fast -- --test-threads="${FLOTILLA_TEST_THREADS:-4}"
 
 step "no stray test processes"
-strays=$(pgrep -a -f "$FLOTILLA_TESTENV_BIN/(kube-apiserver|etcd)|$CARGO_TARGET_DIR/debug/flotilla-(hub|agent)|tinyproxy -d -c /tmp/" || true)
+strays=$(pgrep -a -f "$FLOTILLA_TESTENV_BIN/(kube-apiserver|etcd)|$FLOTILLA_TESTENV_SPOKE_BIN/(kube-controller-manager|kube-scheduler|kwok)|$CARGO_TARGET_DIR/debug/flotilla-(hub|agent)|tinyproxy -d -c /tmp/" || true)
 if [ -n "$strays" ]; then
   echo "test processes left behind:" >&2
   echo "$strays" >&2

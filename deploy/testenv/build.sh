@@ -4,7 +4,16 @@
 # that holds them. Idempotent: a second run with the binaries present does nothing. Safe to run
 # concurrently: runs serialise on a lock file in the binary directory.
 #
-#   FLOTILLA_TESTENV_BIN   where the binaries go (default: $HOME/.cache/flotilla/testenv/<versions>)
+# With --spoke it also builds what makes a spoke a cluster (the testenv's full spoke):
+# kube-controller-manager and kube-scheduler from the apiserver's Kubernetes release
+# (go/kube-controllers), and kwok, whose simulated kubelets run the pods (go/kwok). They go to a
+# directory of their own, with a lock of its own, so that building them never holds up tests that
+# need only the apiserver; that directory is printed last, the apiserver's on the line before.
+#
+#   FLOTILLA_TESTENV_BIN         where etcd and kube-apiserver go
+#                                (default: $HOME/.cache/flotilla/testenv/<versions>)
+#   FLOTILLA_TESTENV_SPOKE_BIN   where the --spoke binaries go
+#                                (default: $HOME/.cache/flotilla/testenv/spoke-<versions>)
 #
 # Go's own module and build caches ($HOME/go/pkg/mod, $HOME/.cache/go-build) make a rebuild after
 # a version bump cheap; nothing here depends on them existing.
@@ -12,10 +21,23 @@ set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 kube_version=$(awk '$1 == "require" && $2 == "k8s.io/kubernetes" {print $3}' "$here/go/kube-apiserver/go.mod")
+controllers_kube_version=$(awk '$1 == "require" && $2 == "k8s.io/kubernetes" {print $3}' "$here/go/kube-controllers/go.mod")
+kwok_version=$(awk '$1 == "require" && $2 == "sigs.k8s.io/kwok" {print $3}' "$here/go/kwok/go.mod")
 etcd_version=$(awk '$1 == "require" && $2 == "go.etcd.io/etcd/server/v3" {print $3}' "$here/go/etcd/go.mod")
 # Bump when the way the binaries are built changes, so caches of older builds are not reused.
 recipe=2
 bin=${FLOTILLA_TESTENV_BIN:-$HOME/.cache/flotilla/testenv/kube-$kube_version-etcd-$etcd_version-r$recipe}
+
+spoke=false
+case "${1:-}" in
+  "") ;;
+  --spoke) spoke=true ;;
+  *) echo "usage: $0 [--spoke]" >&2; exit 2 ;;
+esac
+if [ "$controllers_kube_version" != "$kube_version" ]; then
+  echo "go/kube-controllers builds Kubernetes $controllers_kube_version but go/kube-apiserver builds $kube_version; a cluster runs one release" >&2
+  exit 1
+fi
 
 export GOTOOLCHAIN=local   # the toolchain on the machine; never download another
 export GOFLAGS=-mod=readonly
@@ -36,13 +58,40 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
   kube_ldflags+=" -X $pkg.gitTreeState=clean"
 done
 
-build() { # name, module dir, package, ldflags
+build() { # name, module dir, package, ldflags; into $bin
   local name=$1 dir=$2 pkg=$3 ldflags=$4
   if [ -x "$bin/$name" ]; then return; fi
   echo "building $name ($pkg) into $bin ..." >&2
+  local started=$SECONDS
   (cd "$dir" && go build -trimpath -tags providerless -ldflags="$ldflags" -o "$bin/$name.partial" "$pkg")
   mv "$bin/$name.partial" "$bin/$name"   # only a complete binary ever carries the final name
+  echo "built $name in $((SECONDS - started)) s" >&2
 }
 build etcd "$here/go/etcd" . "-s -w"
 build kube-apiserver "$here/go/kube-apiserver" k8s.io/kubernetes/cmd/kube-apiserver "$kube_ldflags"
 echo "$bin"
+exec 9>&-   # the apiserver's lock; tests that need only it go on while the rest builds
+
+if $spoke; then
+  # Bump when the way these binaries are built changes.
+  spoke_recipe=1
+  bin=${FLOTILLA_TESTENV_SPOKE_BIN:-$HOME/.cache/flotilla/testenv/spoke-kube-$kube_version-kwok-$kwok_version-r$spoke_recipe}
+  mkdir -p "$bin"
+  exec 9>"$bin/.build.lock"
+  flock 9
+  build kube-controller-manager "$here/go/kube-controllers" k8s.io/kubernetes/cmd/kube-controller-manager "$kube_ldflags"
+  build kube-scheduler "$here/go/kube-controllers" k8s.io/kubernetes/cmd/kube-scheduler "$kube_ldflags"
+  build kwok "$here/go/kwok" sigs.k8s.io/kwok/cmd/kwok "-s -w"
+  # The kwok binary has no stages of its own (kwokctl hands it these): kwok's own defaults, taken
+  # from the module that built it, so stages and binary always come from the same release.
+  if [ ! -f "$bin/kwok-stages.yaml" ]; then
+    kwok_dir=$(cd "$here/go/kwok" && go list -m -f '{{.Dir}}' sigs.k8s.io/kwok)
+    for stage in node/fast/node-initialize node/heartbeat-with-lease/node-heartbeat-with-lease \
+      pod/fast/pod-ready pod/fast/pod-complete pod/fast/pod-delete; do
+      echo "---"
+      cat "$kwok_dir/kustomize/stage/$stage.yaml"
+    done >"$bin/kwok-stages.yaml.partial"
+    mv "$bin/kwok-stages.yaml.partial" "$bin/kwok-stages.yaml"
+  fi
+  echo "$bin"
+fi

@@ -6,18 +6,21 @@
 //! validation, server-side apply, resource versions, watches, RBAC, metrics). A test can start
 //! several environments side by side, e.g. one hub and several spoke clusters.
 //!
-//! What it is not: a cluster. There is no kubelet, scheduler or controller-manager, so pods never
-//! run, Deployments never get ReplicaSets, namespaces stay `Terminating` once deleted (no namespace
-//! controller), nothing is garbage-collected, and no namespace gets a `default` ServiceAccount. A
-//! test that needs a workload's status writes it the way a controller would. It is also not for
+//! What a [`TestEnv`] is not: a cluster. There is no kubelet, scheduler or controller-manager, so
+//! pods never run, Deployments never get ReplicaSets, namespaces stay `Terminating` once deleted
+//! (no namespace controller), nothing is garbage-collected, and no namespace gets a `default`
+//! ServiceAccount. A [`TestCluster`] is one: the same apiserver and etcd with
+//! kube-controller-manager, kube-scheduler and kwok's simulated kubelets behind them, slower to
+//! build (once) and to start, for tests whose workloads must really run. Neither is for
 //! production code: it is a dev-dependency of the crates' tests, and a dependency of the load-test
 //! harness (`flotilla-loadtest --store kube`), a development tool itself.
 //!
 //! Beside it, [`wait_for`]: the one poller every crate's tests wait with (on the condition,
 //! with a deadline).
 //!
-//! The binaries are built from their Go modules by `deploy/testenv/build.sh` the first time a
-//! process needs them (minutes, once per machine; then cached outside the clone).
+//! The binaries are built from their Go modules by `deploy/testenv/build.sh` (`--spoke` for a
+//! [`TestCluster`]'s) the first time a process needs them (minutes, once per machine; then cached
+//! outside the clone).
 //!
 //! Cleanup: dropping a [`TestEnv`] (also while a test panics and unwinds) stops and reaps both
 //! processes and removes the directory. A test process that is SIGKILLed cannot clean up, and its
@@ -25,6 +28,7 @@
 
 #![forbid(unsafe_code)]
 
+mod cluster;
 mod pki;
 mod poll;
 mod process;
@@ -42,6 +46,7 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::time::Instant;
 use tracing::instrument::WithSubscriber as _;
 
+pub use cluster::{KWOK_NODE_ANNOTATION, TestCluster};
 pub use pki::{ADMIN_GROUP, ADMIN_USER};
 pub use poll::wait_for;
 
@@ -279,34 +284,40 @@ fn is_checkout(dir: &Path) -> bool {
 async fn binaries() -> anyhow::Result<&'static Path> {
     static BINARIES: tokio::sync::OnceCell<PathBuf> = tokio::sync::OnceCell::const_new();
     let dir = BINARIES
-        .get_or_try_init(|| async {
-            let script = workspace_root().join("deploy/testenv/build.sh");
-            let started = Instant::now();
-            // stderr is inherited: a first build takes minutes, and its progress should show.
-            let output = tokio::process::Command::new(&script)
-                .stdin(std::process::Stdio::null())
-                .stderr(std::process::Stdio::inherit())
-                .output()
-                .await
-                .with_context(|| format!("running {}", script.display()))?;
-            if !output.status.success() {
-                bail!(
-                    "{} failed ({}); its output is above",
-                    script.display(),
-                    output.status
-                );
-            }
-            let stdout = String::from_utf8_lossy(&output.stdout);
-            let dir = PathBuf::from(stdout.lines().last().unwrap_or_default().trim());
-            for name in ["etcd", "kube-apiserver"] {
-                if !dir.join(name).is_file() {
-                    bail!("{} printed {dir:?}, which has no {name}", script.display());
-                }
-            }
-            tracing::debug!(dir = %dir.display(), elapsed = ?started.elapsed(), "testenv binaries");
-            anyhow::Ok(dir)
-        })
+        .get_or_try_init(|| build_script(&[], &["etcd", "kube-apiserver"]))
         .await?;
+    Ok(dir)
+}
+
+/// Runs `build.sh` with `args` and returns the directory it printed last, checked to hold
+/// every file of `expected`.
+async fn build_script(args: &[&str], expected: &[&str]) -> anyhow::Result<PathBuf> {
+    let script = workspace_root().join("deploy/testenv/build.sh");
+    let started = Instant::now();
+    // stderr is inherited: a first build takes minutes, and its progress should show.
+    let output = tokio::process::Command::new(&script)
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .await
+        .with_context(|| format!("running {}", script.display()))?;
+    if !output.status.success() {
+        bail!(
+            "{} {} failed ({}); its output is above",
+            script.display(),
+            args.join(" "),
+            output.status
+        );
+    }
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let dir = PathBuf::from(stdout.lines().last().unwrap_or_default().trim());
+    for name in expected {
+        if !dir.join(name).is_file() {
+            bail!("{} printed {dir:?}, which has no {name}", script.display());
+        }
+    }
+    tracing::debug!(dir = %dir.display(), elapsed = ?started.elapsed(), "testenv binaries");
     Ok(dir)
 }
 
@@ -353,6 +364,8 @@ async fn start_once(
         std::fs::write(&path, pem)?;
         Ok(path.display().to_string())
     };
+    // Not the apiserver's: the controller-manager publishes it to pods (`--root-ca-file`).
+    write("serving-ca.crt", &pki.serving_ca_cert)?;
     let args = vec![
         format!("--etcd-servers=http://127.0.0.1:{etcd_port}"),
         "--bind-address=127.0.0.1".to_owned(),

@@ -57,6 +57,10 @@ impl ChildProcess {
         })
     }
 
+    pub(crate) fn name(&self) -> &'static str {
+        self.name
+    }
+
     pub(crate) fn pid(&self) -> u32 {
         self.pid
     }

@@ -1,0 +1,298 @@
+//! A [`TestEnv`] with a cluster behind it: kube-controller-manager, kube-scheduler and kwok's
+//! simulated kubelets on real Node objects, so workloads behave as on a real spoke. Pods are
+//! scheduled, run and become Ready, Deployments become Available, Jobs complete, namespaces are
+//! finalized and owned objects garbage-collected, all by Kubernetes' own controllers; only the
+//! containers are not real (kwok writes the status a kubelet would).
+
+use std::ops::Deref;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use k8s_openapi::api::core::v1::{Node, ServiceAccount};
+use kube::Api;
+use kube::api::PostParams;
+use tokio::time::Instant;
+
+use crate::process::ChildProcess;
+use crate::{LOG_TAIL_LINES, POLL_INTERVAL, TestEnv, build_script};
+
+/// The annotation kwok selects the nodes it plays the kubelet of by (`=fake`), as kwok's own
+/// documentation marks them.
+pub const KWOK_NODE_ANNOTATION: &str = "kwok.x-k8s.io/node";
+/// How long the controllers and kwok may take to make the cluster usable: every node Ready and
+/// the `default` ServiceAccount made. A few seconds on an idle machine; the margin is for a
+/// loaded 2-core runner starting several clusters at once.
+const CLUSTER_READY_TIMEOUT: Duration = Duration::from_secs(90);
+/// The controllers a spoke's workloads need, and nothing that needs a cloud or real volumes:
+/// Deployments and their ReplicaSets, Jobs, namespace deletion, owner-reference garbage
+/// collection, the ServiceAccounts (with their tokens and the root CA ConfigMap) that pod
+/// admission requires, and node lifecycle, which lifts the `not-ready` taint the apiserver puts on
+/// every new Node once kwok reports it Ready (no pod is scheduled onto a node before that).
+const CONTROLLERS: &[&str] = &[
+    "node-lifecycle-controller",
+    "deployment-controller",
+    "replicaset-controller",
+    "job-controller",
+    "namespace-controller",
+    "garbage-collector-controller",
+    "serviceaccount-controller",
+    "serviceaccount-token-controller",
+    "root-ca-certificate-publisher-controller",
+];
+
+/// An apiserver and etcd ([`TestEnv`], which this dereferences to) plus the controller-manager,
+/// the scheduler and kwok managing `nodes` Nodes; everything stops on drop.
+pub struct TestCluster {
+    // `Drop::drop` stops these before `env` (and its directory, which holds their logs) goes.
+    controller_manager: ChildProcess,
+    scheduler: ChildProcess,
+    kwok: ChildProcess,
+    nodes: Vec<String>,
+    env: TestEnv,
+}
+
+impl TestCluster {
+    /// Starts a cluster with two nodes (`kwok-node-0`, `kwok-node-1`).
+    pub async fn start() -> anyhow::Result<TestCluster> {
+        TestCluster::start_with_nodes(2).await
+    }
+
+    /// Builds the extra binaries if this machine lacks them (`build.sh --spoke`), starts a
+    /// [`TestEnv`], then the controller-manager, the scheduler and kwok, creates `nodes` Nodes,
+    /// and returns once every node is Ready and the `default` namespace has its ServiceAccount.
+    pub async fn start_with_nodes(nodes: usize) -> anyhow::Result<TestCluster> {
+        let bin = spoke_binaries().await?;
+        let env = TestEnv::start().await?;
+        let dir = env.workdir().to_path_buf();
+        let kubeconfig = env.kubeconfig_path().display().to_string();
+        let pki = dir.join("pki");
+
+        let controllers = CONTROLLERS.join(",");
+        let controller_manager = ChildProcess::spawn(
+            "kube-controller-manager",
+            &bin.join("kube-controller-manager"),
+            &[
+                format!("--kubeconfig={kubeconfig}"),
+                // One instance per cluster: electing a leader would only delay the start.
+                "--leader-elect=false".to_owned(),
+                // No health endpoint to serve: readiness is judged by what the controllers do.
+                "--secure-port=0".to_owned(),
+                format!("--controllers={controllers}"),
+                format!(
+                    "--service-account-private-key-file={}",
+                    pki.join("service-account.key").display()
+                ),
+                format!("--root-ca-file={}", pki.join("serving-ca.crt").display()),
+                "--profiling=false".to_owned(),
+            ],
+            dir.join("kube-controller-manager.log"),
+        )?;
+        let scheduler = ChildProcess::spawn(
+            "kube-scheduler",
+            &bin.join("kube-scheduler"),
+            &[
+                format!("--kubeconfig={kubeconfig}"),
+                "--leader-elect=false".to_owned(),
+                "--secure-port=0".to_owned(),
+                "--profiling=false".to_owned(),
+            ],
+            dir.join("kube-scheduler.log"),
+        )?;
+        let kwok = ChildProcess::spawn(
+            "kwok",
+            &bin.join("kwok"),
+            &[
+                format!("--kubeconfig={kubeconfig}"),
+                format!("--config={}", bin.join("kwok-stages.yaml").display()),
+                "--manage-all-nodes=false".to_owned(),
+                format!("--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake"),
+                // Pod IPs come from here; nothing routes to them.
+                "--cidr=10.0.128.0/17".to_owned(),
+                "--node-ip=127.0.0.1".to_owned(),
+                "--node-lease-duration-seconds=40".to_owned(),
+            ],
+            dir.join("kwok.log"),
+        )?;
+        let mut cluster = TestCluster {
+            controller_manager,
+            scheduler,
+            kwok,
+            nodes: (0..nodes).map(|i| format!("kwok-node-{i}")).collect(),
+            env,
+        };
+        let started = Instant::now();
+        cluster.create_nodes().await?;
+        cluster.wait_ready().await?;
+        tracing::info!(elapsed = ?started.elapsed(), nodes, "test cluster ready");
+        Ok(cluster)
+    }
+
+    /// The names of the nodes kwok manages.
+    pub fn nodes(&self) -> &[String] {
+        &self.nodes
+    }
+
+    /// Each process's name and id, the apiserver's and etcd's included, e.g. to check that all are
+    /// gone after drop.
+    pub fn pids(&self) -> Vec<(&'static str, u32)> {
+        [
+            &self.controller_manager,
+            &self.scheduler,
+            &self.kwok,
+            &self.env.apiserver,
+            &self.env.etcd,
+        ]
+        .iter()
+        .map(|p| (p.name(), p.pid()))
+        .collect()
+    }
+
+    /// The last lines of each cluster process's log, for a failing test's message (the whole
+    /// logs are in [`TestEnv::workdir`]).
+    pub fn log_tails(&self) -> String {
+        [
+            &self.controller_manager,
+            &self.scheduler,
+            &self.kwok,
+            &self.env.apiserver,
+        ]
+        .iter()
+        .map(|p| {
+            format!(
+                "--- last lines of {}'s log ---\n{}",
+                p.name(),
+                p.log_tail(LOG_TAIL_LINES)
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+    }
+
+    async fn create_nodes(&self) -> anyhow::Result<()> {
+        let api: Api<Node> = Api::all(self.env.client().await?);
+        for name in &self.nodes {
+            let node: Node = serde_json::from_value(serde_json::json!({
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {
+                    "name": name,
+                    "annotations": {KWOK_NODE_ANNOTATION: "fake"},
+                    "labels": {
+                        "kubernetes.io/hostname": name,
+                        "kubernetes.io/os": "linux",
+                        "kubernetes.io/arch": "amd64",
+                        "type": "kwok",
+                    },
+                },
+            }))?;
+            api.create(&PostParams::default(), &node)
+                .await
+                .with_context(|| format!("creating node {name}"))?;
+        }
+        Ok(())
+    }
+
+    /// Waits until every node is Ready (kwok runs) and namespace `default` has its
+    /// ServiceAccount (the controller-manager runs), failing early if a process exits.
+    async fn wait_ready(&mut self) -> anyhow::Result<()> {
+        let client = self.env.client().await?;
+        let nodes: Api<Node> = Api::all(client.clone());
+        let accounts: Api<ServiceAccount> = Api::namespaced(client, "default");
+        let deadline = Instant::now() + CLUSTER_READY_TIMEOUT;
+        loop {
+            for process in [
+                &mut self.controller_manager,
+                &mut self.scheduler,
+                &mut self.kwok,
+            ] {
+                if let Some(status) = process.try_exited()? {
+                    bail!(
+                        "{} exited ({status}) while the cluster started\n--- last lines of its log ---\n{}",
+                        process.name(),
+                        process.log_tail(LOG_TAIL_LINES)
+                    );
+                }
+            }
+            let mut waiting = Vec::new();
+            for name in &self.nodes {
+                let ready = nodes.get_opt(name).await?.is_some_and(|node| {
+                    node.status
+                        .and_then(|s| s.conditions)
+                        .unwrap_or_default()
+                        .iter()
+                        .any(|c| c.type_ == "Ready" && c.status == "True")
+                });
+                if !ready {
+                    waiting.push(format!("node {name} Ready"));
+                }
+            }
+            if accounts.get_opt("default").await?.is_none() {
+                waiting.push("serviceaccount default/default".to_owned());
+            }
+            if waiting.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "the test cluster was not ready after {CLUSTER_READY_TIMEOUT:?}; still waiting for {}\n{}",
+                    waiting.join(", "),
+                    self.log_tails()
+                );
+            }
+            tokio::time::sleep(POLL_INTERVAL).await;
+        }
+    }
+}
+
+impl Deref for TestCluster {
+    type Target = TestEnv;
+
+    fn deref(&self) -> &TestEnv {
+        &self.env
+    }
+}
+
+impl std::ops::DerefMut for TestCluster {
+    fn deref_mut(&mut self) -> &mut TestEnv {
+        &mut self.env
+    }
+}
+
+impl Drop for TestCluster {
+    fn drop(&mut self) {
+        // All three at once, then wait: each exits on SIGTERM within a second or two, so the
+        // grace periods need not add up. kwok first so no node status is written to a stopping
+        // apiserver; the apiserver and etcd stop after, when `env` drops.
+        for process in [
+            &mut self.kwok,
+            &mut self.scheduler,
+            &mut self.controller_manager,
+        ] {
+            process.terminate();
+        }
+        self.kwok.stop();
+        self.scheduler.stop();
+        self.controller_manager.stop();
+    }
+}
+
+/// The directory holding kube-controller-manager, kube-scheduler, kwok and kwok's stages,
+/// built on first use (`build.sh --spoke`, at most once per process).
+async fn spoke_binaries() -> anyhow::Result<&'static Path> {
+    static BINARIES: tokio::sync::OnceCell<PathBuf> = tokio::sync::OnceCell::const_new();
+    let dir = BINARIES
+        .get_or_try_init(|| {
+            build_script(
+                &["--spoke"],
+                &[
+                    "kube-controller-manager",
+                    "kube-scheduler",
+                    "kwok",
+                    "kwok-stages.yaml",
+                ],
+            )
+        })
+        .await?;
+    Ok(dir)
+}
