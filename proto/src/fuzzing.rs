@@ -10,7 +10,6 @@
 //! Not for: anything but fuzzing and its replay; nothing in flotilla calls these.
 
 use std::collections::{HashMap, HashSet};
-use std::path::Path;
 use std::time::Duration;
 
 use prost::Message;
@@ -28,29 +27,6 @@ use crate::session::{
     HeldWork, HubConfig, HubEvent, HubSession, MAX_CSR_BYTES,
 };
 use crate::wire::{self, agent_frame, hub_frame};
-
-/// Runs `body` on every file of `target`'s kept corpus (`<repository>/fuzz/corpus/<target>/`,
-/// found from the calling crate's `manifest_dir`), naming the file that fails. Each crate's
-/// `tests/fuzz_corpus.rs` replays its targets with it.
-pub fn replay_corpus(
-    manifest_dir: &str,
-    target: &str,
-    body: impl Fn(&[u8]) + std::panic::RefUnwindSafe,
-) {
-    let dir = Path::new(manifest_dir).join("../fuzz/corpus").join(target);
-    let mut files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-        .map(|entry| entry.expect("a directory entry").path())
-        .collect();
-    files.sort();
-    assert!(!files.is_empty(), "{} holds no inputs", dir.display());
-    for file in files {
-        let data = std::fs::read(&file).expect("a corpus file reads");
-        if std::panic::catch_unwind(|| body(&data)).is_err() {
-            panic!("{target}: {} fails", file.display());
-        }
-    }
-}
 
 /// Reads a fuzzer's bytes as a sequence of choices. Reading past the end yields zeros and empty
 /// runs, so every input, however short, is a complete scenario.
