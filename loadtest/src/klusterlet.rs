@@ -392,6 +392,7 @@ async fn client(
                     }
                 }
                 Some(Ok(watcher::Event::Init)) => {}
+                Some(Err(e)) if expired(&e) => tracing::debug!(cluster = %rec.name, "its ManifestWork watch expired; relisting"),
                 Some(Err(e)) => tally.failed(&mut rec, "watching its ManifestWorks", e).await,
                 None => break,
             },
@@ -407,6 +408,7 @@ async fn client(
                 // Its own status writes coming back; a real agent reacts to spec changes
                 // (acceptance, taints), which the scenario does not make.
                 Some(Ok(_)) => {}
+                Some(Err(e)) if expired(&e) => tracing::debug!(cluster = %rec.name, "its ManagedCluster watch expired; relisting"),
                 Some(Err(e)) => tally.failed(&mut rec, "watching its ManagedCluster", e).await,
                 None => break,
             },
@@ -714,6 +716,13 @@ pub async fn applied_works(admin: &kube::Client, work: &str) -> anyhow::Result<u
         .iter()
         .filter(|w| w.metadata.name.as_deref() == Some(work) && !needs_status(w))
         .count() as u64)
+}
+
+/// A watch the apiserver ended with 410 Gone ("too old resource version": its watch cache no
+/// longer holds the version asked for). kube's watcher lists again on the next poll, as
+/// client-go's reflector does; a real klusterlet counts that as a relist, not a failure.
+fn expired(e: &watcher::Error) -> bool {
+    matches!(e, watcher::Error::WatchError(status) if status.code == 410)
 }
 
 #[cfg(test)]
