@@ -200,6 +200,9 @@ impl HealthWriter {
         let mut last_info: HashMap<String, wire::ClusterInfo> = HashMap::new();
         let mut writes = FuturesUnordered::new();
         let mut queued = WriteQueue::default();
+        // Shards taken over whose clusters recorded Available are being read.
+        let mut takeovers: FuturesUnordered<BoxFuture<'static, (Instant, usize, Vec<String>)>> =
+            FuturesUnordered::new();
         let this = Arc::new(Writes {
             store: self.store.clone(),
             grace_period: self.grace_period,
@@ -329,14 +332,22 @@ impl HealthWriter {
                         continue;
                     }
                     // A new owner starts from what the store says: clusters recorded
-                    // Available with no session here get their grace period from now.
-                    let absent = self
-                        .admissions
-                        .available_where(|cluster| taken.contains(&view.shard_of(cluster)))
-                        .await;
-                    debug!(shards = taken.len(), clusters = absent.len(), "shards taken over: their clusters' grace periods start");
+                    // Available with no session here get their grace period from now. Read
+                    // once the admissions cache has its first list, in a branch of its own:
+                    // waiting for it here would stop the writes in flight, and on the
+                    // embedded store the list waits for the write that holds its log.
+                    let admissions = self.admissions.clone();
+                    takeovers.push(Box::pin(async move {
+                        let absent = admissions
+                            .available_where(|cluster| taken.contains(&view.shard_of(cluster)))
+                            .await;
+                        (now, taken.len(), absent)
+                    }));
+                }
+                Some((since, shards, absent)) = takeovers.next(), if !takeovers.is_empty() => {
+                    debug!(shards, clusters = absent.len(), "shards taken over: their clusters' grace periods start");
                     for cluster in absent {
-                        presence.absent(now, &cluster);
+                        presence.absent(since, &cluster);
                     }
                 }
                 _ = &mut stopped => return,
@@ -770,6 +781,72 @@ mod tests {
         eventually("Available again, untainted", || async {
             let health = stored(store.as_ref()).await.1;
             health.available && !health.unreachable
+        })
+        .await;
+        let _ = stop_tx.send(true);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_new_owner_writes_health_while_its_admissions_cache_loads() {
+        // A gateway that just took a shard over reads which of its clusters are recorded
+        // Available once its admissions cache has listed them; on a big fleet or a slow
+        // apiserver that list takes a while, and health writes must not wait for it. Here the
+        // cache never loads at all.
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(SledStore::open(dir.path()).unwrap());
+        store
+            .create(json!({
+                "apiVersion": "cluster.open-cluster-management.io/v1", "kind": "ManagedCluster",
+                "metadata": {"name": "store-1"}, "spec": {"hubAcceptsClient": true},
+            }))
+            .await
+            .unwrap();
+        let shard = crate::shards::ShardView::all(64).shard_of("store-1");
+        let fence = crate::shards::Fence {
+            epoch: 1,
+            valid_until: Instant::now() + Duration::from_secs(3600),
+        };
+        let (_views_tx, views) = watch::channel(Arc::new(crate::shards::ShardView::leased(
+            64,
+            [(shard, fence)].into(),
+            crate::shards::ShardDirectory::default(),
+        )));
+        let (stop_tx, stop) = watch::channel(false);
+        let (writer, reports) = HealthWriter::new(
+            store.clone(),
+            Duration::from_secs(60),
+            Admissions::new(),
+            views,
+            Fencing::default(),
+        );
+        tokio::spawn(writer.run(stop));
+
+        reports
+            .send(HealthReport::Connected {
+                cluster: "store-1".into(),
+                session: "s1".into(),
+                hello: Box::new(hello("v1.36.3")),
+            })
+            .await;
+        eventually("the cluster is recorded Available", || async {
+            stored(store.as_ref()).await.1.available
+        })
+        .await;
+        let info = wire::ClusterInfo {
+            claims: vec![wire::ClusterClaim {
+                name: "region".into(),
+                value: "eu".into(),
+            }],
+            ..Default::default()
+        };
+        reports
+            .send(HealthReport::ClusterInfo {
+                cluster: "store-1".into(),
+                info: Box::new(info),
+            })
+            .await;
+        eventually("its claims are written", || async {
+            stored(store.as_ref()).await.1.claims.len() == 1
         })
         .await;
         let _ = stop_tx.send(true);

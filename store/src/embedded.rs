@@ -69,7 +69,7 @@ pub struct SledStore {
 }
 
 struct Inner {
-    /// Kept for `flush_async`, which makes writes durable across both trees.
+    /// Kept for its flush, which makes writes durable across both trees.
     db: sled::Db,
     /// Objects by `kind/namespace/name` (`kind//name` for cluster-scoped kinds), as JSON.
     objects: sled::Tree,
@@ -263,7 +263,15 @@ impl Inner {
         // a single-node hub to some hundreds of writes per second; status writes are coalesced
         // upstream for that reason. The event is published even if the flush fails, so that
         // watchers and readers never disagree about what was committed in memory.
-        let flushed = self.db.flush_async().await;
+        // sled's own `flush_async` can leave its future never woken when flushes overlap
+        // (sled issue 1241): the write would then hold the log lock for good, and every later
+        // read, write and watch of the store would hang behind it. A blocking flush on the
+        // blocking pool always returns.
+        let db = self.db.clone();
+        let flushed = match tokio::task::spawn_blocking(move || db.flush()).await {
+            Ok(flushed) => flushed.map(|_| ()),
+            Err(e) => Err(sled::Error::ReportableBug(format!("the flush task failed: {e}"))),
+        };
         let payload = match (object, deleted) {
             (Some(o), _) => o.clone(),
             (None, Some(d)) => d,
@@ -1036,3 +1044,4 @@ mod tests {
         reopen(dir.path()).await;
     }
 }
+
