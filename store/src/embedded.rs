@@ -270,7 +270,9 @@ impl Inner {
         let db = self.db.clone();
         let flushed = match tokio::task::spawn_blocking(move || db.flush()).await {
             Ok(flushed) => flushed.map(|_| ()),
-            Err(e) => Err(sled::Error::ReportableBug(format!("the flush task failed: {e}"))),
+            Err(e) => Err(sled::Error::ReportableBug(format!(
+                "the flush task failed: {e}"
+            ))),
         };
         let payload = match (object, deleted) {
             (Some(o), _) => o.clone(),
@@ -1044,4 +1046,3 @@ mod tests {
         reopen(dir.path()).await;
     }
 }
-
