@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use flotilla_testenv::TestEnv;
+use flotilla_testenv::{TestCluster, TestEnv};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, ServiceAccount};
 use kube::Api;
@@ -15,15 +15,73 @@ use crate::{Hub, Proc, bin, wait_for};
 /// A managed cluster: its own apiserver, its agent's certificate and data directory.
 pub struct Spoke {
     pub name: String,
-    pub env: TestEnv,
+    pub env: SpokeEnv,
     pub certs: PathBuf,
     pub data: PathBuf,
+}
+
+/// What a spoke's apiserver has behind it; either way it is used as the [`TestEnv`] it
+/// dereferences to.
+pub enum SpokeEnv {
+    /// The apiserver and etcd alone: quick to start, enough for whatever the agent itself does.
+    Bare(Box<TestEnv>),
+    /// With controllers, scheduler and kwok's nodes: for workloads that must really run.
+    Full(Box<TestCluster>),
+}
+
+impl std::ops::Deref for SpokeEnv {
+    type Target = TestEnv;
+
+    fn deref(&self) -> &TestEnv {
+        match self {
+            SpokeEnv::Bare(env) => env,
+            SpokeEnv::Full(cluster) => cluster,
+        }
+    }
+}
+
+impl std::ops::DerefMut for SpokeEnv {
+    fn deref_mut(&mut self) -> &mut TestEnv {
+        match self {
+            SpokeEnv::Bare(env) => env,
+            SpokeEnv::Full(cluster) => cluster,
+        }
+    }
+}
+
+impl SpokeEnv {
+    /// The cluster processes' log tails, for a failing wait's message; empty for a bare spoke.
+    pub fn log_tails(&self) -> String {
+        match self {
+            SpokeEnv::Bare(_) => String::new(),
+            SpokeEnv::Full(cluster) => cluster.log_tails(),
+        }
+    }
 }
 
 impl Spoke {
     /// Starts an apiserver for cluster `name` and issues its agent a certificate from `hub`.
     pub async fn start(dir: &Path, hub: &Hub, name: &str) -> anyhow::Result<Spoke> {
-        let env = TestEnv::start().await?;
+        Spoke::with_env(
+            dir,
+            hub,
+            name,
+            SpokeEnv::Bare(Box::new(TestEnv::start().await?)),
+        )
+    }
+
+    /// [`Spoke::start`] with a whole cluster behind the apiserver ([`TestCluster`]): the spoke's
+    /// Deployments, Jobs and pods run and report status as on a real cluster.
+    pub async fn start_full(dir: &Path, hub: &Hub, name: &str) -> anyhow::Result<Spoke> {
+        Spoke::with_env(
+            dir,
+            hub,
+            name,
+            SpokeEnv::Full(Box::new(TestCluster::start().await?)),
+        )
+    }
+
+    fn with_env(dir: &Path, hub: &Hub, name: &str, env: SpokeEnv) -> anyhow::Result<Spoke> {
         let certs = dir.join(format!("{name}-certs"));
         hub.dev_cert(name, &certs)?;
         Ok(Spoke {
@@ -39,7 +97,7 @@ impl Spoke {
     pub async fn start_unregistered(dir: &Path, name: &str) -> anyhow::Result<Spoke> {
         Ok(Spoke {
             name: name.into(),
-            env: TestEnv::start().await?,
+            env: SpokeEnv::Bare(Box::new(TestEnv::start().await?)),
             certs: dir.join(format!("{name}-no-certs")),
             data: dir.join(format!("{name}-no-data")),
         })
