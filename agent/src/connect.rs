@@ -135,6 +135,11 @@ impl Dialer {
         &self.hub
     }
 
+    /// The carrier it dials with (`--transport`).
+    pub fn transport(&self) -> Transport {
+        self.transport
+    }
+
     /// Opens a session with the hub, `first` (the hello) being its first frame, within
     /// [`DIAL_TIMEOUT`] ([`REDIRECT_DIAL_TIMEOUT`] for a redirect target).
     pub async fn connect(&self, first: AgentFrame) -> Result<Dialed, LinkError> {

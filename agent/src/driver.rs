@@ -27,7 +27,7 @@ use tracing::{debug, info, warn};
 
 use crate::cache::{CacheError, durably};
 use crate::config::AgentConfig;
-use crate::connect::Dialer;
+use crate::connect::{Dialer, Transport};
 use crate::delivery::{CacheDone, CacheOp, CacheQueue, report_outbox, report_releases};
 use crate::identity::Identity;
 use crate::refusal::Refusal;
@@ -78,8 +78,13 @@ pub(crate) async fn session_once(
     } = match dialed {
         Ok(d) => d,
         Err(e) => {
+            let refusal = Refusal::from_link(dialer.hub(), &e);
             return Ended::Lost {
-                refusal: Refusal::from_link(dialer.hub(), &e),
+                refusal: if dialer.transport() == Transport::Quic {
+                    refusal.over_quic()
+                } else {
+                    refusal
+                },
             };
         }
     };

@@ -76,6 +76,9 @@ pub struct Refusal {
     pub hub: String,
     /// The underlying error or the hub's own words.
     pub detail: String,
+    /// The dial was over QUIC alone (`--transport quic`): a timeout may be UDP blocked on the
+    /// way, which the other carriers would get through.
+    pub over_quic: bool,
 }
 
 impl Refusal {
@@ -111,6 +114,15 @@ impl Refusal {
             kind,
             hub: hub.to_string(),
             detail: error.to_string(),
+            over_quic: false,
+        }
+    }
+
+    /// The same refusal of a dial made over QUIC alone.
+    pub fn over_quic(self) -> Refusal {
+        Refusal {
+            over_quic: true,
+            ..self
         }
     }
 
@@ -135,6 +147,7 @@ impl Refusal {
             kind,
             hub: hub.to_string(),
             detail,
+            over_quic: false,
         }
     }
 
@@ -144,6 +157,12 @@ impl Refusal {
             RefusalKind::HubUnreachable => {
                 "check that the hub is running and that --hub names its agents' address, and \
                  that no firewall blocks the way out"
+            }
+            RefusalKind::HubTimedOut if self.over_quic => {
+                "UDP to the hub may be blocked on the way (QUIC runs over UDP), or the network \
+                 or the hub is slow or dropping packets: `--transport auto` falls back to gRPC \
+                 over TCP when QUIC does not get through, `--transport grpc` uses TCP only; the \
+                 agent keeps trying"
             }
             RefusalKind::HubTimedOut => {
                 "the network or the hub is slow or dropping packets; the agent keeps trying"
@@ -276,6 +295,19 @@ mod tests {
             RefusalKind::ProxyRefused,
             "access list",
         );
+    }
+
+    #[test]
+    fn a_quic_timeout_says_udp_may_be_blocked_and_which_transport_gets_through() {
+        let timeout = || LinkError::TimedOut("no answer within 10s".into());
+        let over_quic = Refusal::from_link("hub:9443", &timeout()).over_quic();
+        assert_eq!(over_quic.kind, RefusalKind::HubTimedOut);
+        let line = over_quic.to_string();
+        assert!(line.contains("UDP to the hub may be blocked"), "{line}");
+        assert!(line.contains("--transport auto"), "{line}");
+        assert!(line.contains("--transport grpc"), "{line}");
+        let over_tcp = Refusal::from_link("hub:9443", &timeout()).to_string();
+        assert!(!over_tcp.contains("UDP"), "{over_tcp}");
     }
 
     #[test]

@@ -222,7 +222,7 @@ fn collection_error(err: kube::Error, kind: Kind, doing: &str) -> StoreError {
         return StoreError::backend(
             format!("{doing} {kind}"),
             format!(
-                "{} is not served by the apiserver: install the CRDs (kubectl apply -f deploy/crds)",
+                "{} is not served by the apiserver: install the CRDs (kubectl apply --server-side -k deploy/crds)",
                 kind.plural()
             ),
         );

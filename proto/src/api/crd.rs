@@ -1,5 +1,5 @@
 //! The CustomResourceDefinitions of the OCM kinds, generated from the Rust types, for the kube
-//! store backend (`kubectl apply -f deploy/crds/`).
+//! store backend (`kubectl apply --server-side -k deploy/crds`).
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::CustomResourceExt;
