@@ -257,6 +257,11 @@ impl Agents {
                         .iter()
                         .map(|g| crate::link::through(&made, *g))
                         .collect::<anyhow::Result<_>>()?;
+                    if !spec.gateways.is_empty() {
+                        // Redirects between gateways name their loopback addresses.
+                        made.send_loopback_to_host()
+                            .with_context(|| format!("the link of worker {w}"))?;
+                    }
                     swarm.link_address = Some(made.inside_address());
                     swarm.source_addresses = 1;
                     Some(Arc::new(made))

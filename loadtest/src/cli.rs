@@ -646,8 +646,8 @@ impl RunArgs {
         }
         if self.link.spec()?.is_some() {
             anyhow::ensure!(
-                self.gateways.is_none() && self.gateway_netns == 0,
-                "--link puts the agents behind an emulated link to the hub's in-process gateway; a scale-out redirect names a gateway's loopback address, which the link's namespace cannot reach: leave out --gateways and --gateway-netns"
+                self.gateway_netns == 0,
+                "--link puts the agents behind an emulated link to this machine's loopback, where the gateways must listen: leave out --gateway-netns"
             );
             for s in [Scenario::BaselineKlusterlet, Scenario::Chaos] {
                 anyhow::ensure!(
@@ -946,12 +946,25 @@ mod tests {
     }
 
     #[test]
-    fn a_link_goes_with_the_in_process_gateway_and_not_with_unshaped_scenarios() {
+    fn a_link_goes_with_gateways_on_loopback_and_not_with_unshaped_scenarios() {
         check(&["--link", "congested", "--processes", "2"], Ok(()));
         check(&["--link-spec", "lte,loss=2%"], Ok(()));
         check(
             &["--link", "lte", "--store", "kube", "--gateways", "2"],
-            Err("leave out --gateways"),
+            Ok(()),
+        );
+        check(
+            &[
+                "--link",
+                "lte",
+                "--store",
+                "kube",
+                "--gateways",
+                "2",
+                "--gateway-netns",
+                "2",
+            ],
+            Err("leave out --gateway-netns"),
         );
         check(
             &[

@@ -15,6 +15,7 @@ async fn agents_behind_a_link_reach_the_hub_through_it_on_both_carriers() {
         eprintln!("SKIPPED: {e}");
         return;
     }
+    let _alone = ONE_RUN_AT_A_TIME.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let run = args(
         &dir.path().join("out"),
@@ -44,7 +45,15 @@ async fn agents_behind_a_link_reach_the_hub_through_it_on_both_carriers() {
     let acks = fanout.ack_latency.as_ref().unwrap();
     let fastest = acks.cdf.first().unwrap().0;
     assert!(fastest >= 100.0, "fastest ack {fastest} ms: {acks:?}");
-    // The run's links are gone with it.
+    no_link_left();
+}
+
+/// Runs with links one at a time: each checks that its links are gone after it, and this
+/// process's links all have names of one pattern.
+static ONE_RUN_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// The run's links are gone with it.
+fn no_link_left() {
     let namespaces = std::process::Command::new("ip")
         .args(["netns", "list"])
         .output()
@@ -55,4 +64,53 @@ async fn agents_behind_a_link_reach_the_hub_through_it_on_both_carriers() {
         "{}",
         String::from_utf8_lossy(&namespaces.stdout)
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_behind_links_follow_redirects_to_gateways_on_loopback() {
+    trace_init();
+    if let Err(e) = flotilla_wan::check_available() {
+        eprintln!("SKIPPED: {e}");
+        return;
+    }
+    let _alone = ONE_RUN_AT_A_TIME.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let run = args(
+        &dir.path().join("out"),
+        &[
+            "--agents",
+            "20",
+            "--processes",
+            "2",
+            "--transport",
+            "both",
+            "--store",
+            "kube",
+            "--gateways",
+            "2",
+            "--gateway-arg=--shards=16",
+            "--scenario",
+            "connect,fanout",
+            "--link-spec",
+            "delay=40ms",
+            "--timeout",
+            "120s",
+        ],
+    );
+    let (report, _) = flotilla_loadtest::run(run).await.unwrap();
+    let [connect, fanout] = &report.scenarios[..] else {
+        panic!("two scenarios: {:?}", report.scenarios.len());
+    };
+    assert_eq!(connect.connected, Some(20));
+    assert_eq!(connect.available_on_hub, Some(20));
+    // Agents dial the gateways as a load balancer spreads them; those that reach a gateway
+    // not owning their shard are redirected to the owner's loopback address, across the link.
+    assert!(
+        connect.redirects.is_some_and(|r| r > 0),
+        "no redirect was followed: {:?}",
+        connect.redirects
+    );
+    assert_eq!(fanout.acked, Some(20));
+    assert_eq!(fanout.applied_on_hub, Some(20));
+    no_link_left();
 }

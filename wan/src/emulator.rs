@@ -420,6 +420,38 @@ impl EmulatedLink {
         self.plan.host
     }
 
+    /// From now on, what the namespace sends to 127.0.0.1 goes over the link to this
+    /// machine's loopback, same port, as if dialled at [`host`](Self::host): for clients that
+    /// are told loopback addresses by the services they reach (a gateway's redirect to another
+    /// gateway on this machine). The namespace's own loopback then serves nothing on
+    /// 127.0.0.1; the rest of 127.0.0.0/8 stays its own.
+    ///
+    /// Inside, an output NAT rule points 127.0.0.1 at `host` and a postrouting one gives such
+    /// packets the namespace's address as their source (`route_localnet` on `G` lets the
+    /// kernel route them out with their loopback source first); the root namespace's
+    /// `to_loopback` then takes them to 127.0.0.1 as any other connection to `host`.
+    pub fn send_loopback_to_host(&self) -> Result<(), LinkError> {
+        let p = &self.plan;
+        let knob = format!("net.ipv4.conf.{}.route_localnet=1", p.inside_if);
+        run(
+            "ip",
+            &["netns", "exec", &p.namespace, "sysctl", "-qw", &knob],
+            None,
+        )?;
+        let script = format!(
+            "add table ip loopback_to_host\n\
+             flush table ip loopback_to_host\n\
+             add chain ip loopback_to_host out {{ type nat hook output priority -100; }}\n\
+             add rule ip loopback_to_host out ip daddr 127.0.0.1 dnat to {host}\n\
+             add chain ip loopback_to_host post {{ type nat hook postrouting priority 100; }}\n\
+             add rule ip loopback_to_host post oifname \"{dev}\" ip saddr 127.0.0.0/8 snat to {inside}\n",
+            host = p.host,
+            dev = p.inside_if,
+            inside = p.inside,
+        );
+        nft(Some(&p.namespace), &script)
+    }
+
     /// The namespace's own address.
     pub fn inside_address(&self) -> Ipv4Addr {
         self.plan.inside

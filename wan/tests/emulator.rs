@@ -179,3 +179,59 @@ async fn the_namespace_reaches_loopback_services_at_the_host_end() {
     let inside = std::net::IpAddr::from(link.inside_address());
     assert_eq!(served.await.unwrap(), (inside, inside));
 }
+
+#[tokio::test]
+async fn loopback_inside_can_be_sent_to_the_host_ends_loopback() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Some(link) = link("delay=20ms,loss=0").await else {
+        return;
+    };
+    link.send_loopback_to_host().unwrap();
+    // A service on this machine's loopback, named to the namespace by its loopback address
+    // (as a gateway's redirect names another gateway).
+    let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = tcp.local_addr().unwrap().port();
+    let udp = tokio::net::UdpSocket::bind(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let served = tokio::spawn(async move {
+        let (mut conn, from) = tcp.accept().await.unwrap();
+        conn.write_all(b"over tcp").await.unwrap();
+        let mut buf = [0u8; 16];
+        let (n, peer) = udp.recv_from(&mut buf).await.unwrap();
+        udp.send_to(&buf[..n], peer).await.unwrap();
+        (from.ip(), peer.ip())
+    });
+    let loopback = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let before = link.outbound().delivered;
+    let socket = link.inside(tokio::net::TcpSocket::new_v4).await.unwrap();
+    let mut conn = socket.connect(loopback).await.unwrap();
+    let mut got = [0u8; 8];
+    conn.read_exact(&mut got).await.unwrap();
+    assert_eq!(&got, b"over tcp");
+    let udp = link
+        .inside(|| {
+            let s = std::net::UdpSocket::bind("0.0.0.0:0")?;
+            s.set_nonblocking(true)?;
+            Ok(s)
+        })
+        .await
+        .unwrap();
+    let udp = tokio::net::UdpSocket::from_std(udp).unwrap();
+    udp.send_to(b"over udp", loopback).await.unwrap();
+    let mut buf = [0u8; 16];
+    let (n, from) = udp.recv_from(&mut buf).await.unwrap();
+    assert_eq!(&buf[..n], b"over udp");
+    assert_eq!(
+        from, loopback,
+        "the answer comes back from the address dialled"
+    );
+    let (tcp_peer, udp_peer) = served.await.unwrap();
+    // Both came over the link, from the namespace's address, not its own loopback.
+    assert_eq!(tcp_peer, link.inside_address());
+    assert_eq!(udp_peer, link.inside_address());
+    assert!(
+        link.outbound().delivered > before,
+        "nothing crossed the link"
+    );
+}
