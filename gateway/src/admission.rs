@@ -14,7 +14,7 @@
 //! [`crate::shards::cache`]); when a cluster stops being admitted (deleted,
 //! denied, unaccepted, or the live session's key unlisted), its session here is closed at once.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, RwLock};
 
 use async_trait::async_trait;
@@ -200,6 +200,19 @@ impl Admissions {
             .filter(|(name, a)| a.health.available && !a.health.unreachable && pick(name))
             .map(|(name, _)| name.clone())
             .collect()
+    }
+
+    /// Waits until the cache has listed every shard of `shards` (a shard just taken over is
+    /// listed a moment after the view changes). Never returns for a shard that is not
+    /// listed again: callers bound the wait.
+    pub async fn wait_loaded(&self, shards: &HashSet<u32>) {
+        let mut loaded = self.load.subscribe();
+        let _ = loaded
+            .wait_for(|l| {
+                l.as_ref()
+                    .is_some_and(|set| shards.iter().all(|s| set.has_shard(*s)))
+            })
+            .await;
     }
 
     /// A receiver that changes whenever any cluster's admission may have changed.

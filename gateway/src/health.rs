@@ -325,7 +325,15 @@ impl HealthWriter {
                     let now = Instant::now();
                     let now_held: HashSet<u32> = view.held(now).into_iter().collect();
                     let taken: HashSet<u32> = now_held.difference(&held).copied().collect();
+                    let lost: HashSet<u32> = held.difference(&now_held).copied().collect();
                     held = now_held;
+                    // Grace periods running for a shard no longer held end here: should it
+                    // come back, they start again from that takeover. Left running, a grace
+                    // begun at an earlier takeover would mark clusters whose agents are still
+                    // being handed over from the gateway that held the shard in between.
+                    if !lost.is_empty() {
+                        presence.cancel_pending(|cluster| lost.contains(&view.shard_of(cluster)));
+                    }
                     // Without leases (single node) the gateway owns every shard from the
                     // start, and nothing is taken over from anyone.
                     if taken.is_empty() || !view.is_leased() {
@@ -337,7 +345,12 @@ impl HealthWriter {
                     // waiting for it here would stop the writes in flight, and on the
                     // embedded store the list waits for the write that holds its log.
                     let admissions = self.admissions.clone();
+                    // Read once the cache has listed the shards taken (within the grace
+                    // period: past it, whatever the cache holds), or their clusters would be
+                    // missed and never marked.
+                    let wait = self.grace_period;
                     takeovers.push(Box::pin(async move {
+                        let _ = tokio::time::timeout(wait, admissions.wait_loaded(&taken)).await;
                         let absent = admissions
                             .available_where(|cluster| taken.contains(&view.shard_of(cluster)))
                             .await;
@@ -346,8 +359,11 @@ impl HealthWriter {
                 }
                 Some((since, shards, absent)) = takeovers.next(), if !takeovers.is_empty() => {
                     debug!(shards, clusters = absent.len(), "shards taken over: their clusters' grace periods start");
-                    for cluster in absent {
-                        presence.absent(since, &cluster);
+                    // Only those still held: a shard lost again meanwhile starts nothing.
+                    let view = self.shards.borrow().clone();
+                    let now = Instant::now();
+                    for cluster in absent.iter().filter(|c| view.holds_cluster(c, now)) {
+                        presence.absent(since, cluster);
                     }
                 }
                 _ = &mut stopped => return,
@@ -849,6 +865,117 @@ mod tests {
             stored(store.as_ref()).await.1.claims.len() == 1
         })
         .await;
+        let _ = stop_tx.send(true);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_shard_lost_and_taken_again_gives_its_clusters_a_whole_grace_period_again() {
+        // A gateway takes a shard over: store-1 is recorded Available and its agent is not
+        // here, so its grace period starts. The shard is lost (another gateway took it, and
+        // the agent may be on its way there), then taken again: the agent gets a whole grace
+        // period from the second takeover, not what was left of the first.
+        let grace = Duration::from_secs(4);
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(SledStore::open(dir.path()).unwrap());
+        let shard = crate::shards::ShardView::all(64).shard_of("store-1");
+        // Labelled with its shard, as the hub labels clusters: what shard caches select.
+        let label = flotilla_proto::contract::shard_label_value(shard);
+        store
+            .create(json!({
+                "apiVersion": "cluster.open-cluster-management.io/v1", "kind": "ManagedCluster",
+                "metadata": {"name": "store-1",
+                             "labels": {flotilla_proto::contract::SHARD_LABEL: label}},
+                "spec": {"hubAcceptsClient": true},
+            }))
+            .await
+            .unwrap();
+        let condition = |kind: &str| {
+            json!({"type": kind, "status": "True", "reason": "R", "message": "",
+                   "lastTransitionTime": "2026-01-01T00:00:00Z"})
+        };
+        store
+            .update_status(
+                Kind::ManagedCluster,
+                None,
+                "store-1",
+                json!({"conditions": [
+                    condition(MANAGED_CLUSTER_JOINED),
+                    condition(MANAGED_CLUSTER_CONDITION_AVAILABLE),
+                ]}),
+                None,
+            )
+            .await
+            .unwrap();
+        let holding = |epoch: u32| {
+            let fence = crate::shards::Fence {
+                epoch,
+                valid_until: Instant::now() + Duration::from_secs(3600),
+            };
+            Arc::new(crate::shards::ShardView::leased(
+                64,
+                [(shard, fence)].into(),
+                crate::shards::ShardDirectory::default(),
+            ))
+        };
+        let nothing = Arc::new(crate::shards::ShardView::leased(
+            64,
+            Default::default(),
+            crate::shards::ShardDirectory::default(),
+        ));
+        let (views, _) = watch::channel(holding(1));
+        let (stop_tx, stop) = watch::channel(false);
+        let admissions = Admissions::new();
+        tokio::spawn(admissions.clone().run(
+            store.clone(),
+            Arc::new(Registry::default()),
+            views.subscribe(),
+            stop.clone(),
+        ));
+        let (writer, _reports) = HealthWriter::new(
+            store.clone(),
+            grace,
+            admissions,
+            views.subscribe(),
+            Fencing::default(),
+        );
+        tokio::spawn(writer.run(stop));
+
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        views.send_replace(nothing);
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let retaken = jiff::Timestamp::now();
+        views.send_replace(holding(2));
+
+        let unknown_since = flotilla_testenv::wait_for(
+            "store-1 marked Unknown",
+            Duration::from_secs(30),
+            || async {
+                let mc = store
+                    .get(Kind::ManagedCluster, None, "store-1")
+                    .await?
+                    .expect("stored");
+                let since = mc["status"]["conditions"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .find(|c| {
+                        c["type"] == MANAGED_CLUSTER_CONDITION_AVAILABLE && c["status"] == "Unknown"
+                    })
+                    .and_then(|c| c["lastTransitionTime"].as_str())
+                    .map(str::to_owned);
+                anyhow::Ok(since)
+            },
+        )
+        .await
+        .unwrap();
+        let marked: jiff::Timestamp = unknown_since.parse().unwrap();
+        // The condition's time has whole seconds; a grace period from the first takeover
+        // would have marked it 1.5 s after the second.
+        let earliest = retaken + jiff::SignedDuration::from_secs(3);
+        assert!(
+            marked >= earliest,
+            "marked Unknown at {marked}, before a whole grace period from the takeover at {retaken}"
+        );
         let _ = stop_tx.send(true);
     }
 

@@ -108,6 +108,23 @@ impl Presence {
         }
     }
 
+    /// Cancels the pending marks (grace periods running) of the clusters `gone_from` picks:
+    /// their shard was lost, so whatever this gateway saw of them no longer counts. Should
+    /// the shard come back, its clusters' grace periods start again from that takeover
+    /// ([`absent`](Self::absent)). Clusters with a session here keep it.
+    pub fn cancel_pending(&mut self, gone_from: impl Fn(&str) -> bool) {
+        let cancelled: Vec<(Instant, String)> = self
+            .expiring
+            .iter()
+            .filter(|(_, cluster)| gone_from(cluster))
+            .cloned()
+            .collect();
+        for (deadline, cluster) in cancelled {
+            self.expiring.remove(&(deadline, cluster.clone()));
+            self.clusters.remove(&cluster);
+        }
+    }
+
     /// Whether `cluster` has a session here now.
     pub fn is_connected(&self, cluster: &str) -> bool {
         matches!(self.clusters.get(cluster), Some(State::Connected { .. }))
@@ -191,6 +208,32 @@ mod tests {
         p.absent(t0 + GRACE / 2, "never"); // a second takeover does not restart the clock
         p.handle_timeout(t0 + GRACE);
         assert_eq!(marks(&mut p), ["never"]);
+    }
+
+    #[test]
+    fn a_shard_lost_and_taken_again_starts_its_clusters_grace_again() {
+        let t0 = Instant::now();
+        let mut p = Presence::new(GRACE);
+        p.connected("here", "s1");
+        p.absent(t0, "away");
+        p.absent(t0, "elsewhere");
+        // The shard of "away" and "here" is lost at t0 + 10 s and taken again at t0 + 30 s.
+        p.cancel_pending(|c| c == "away" || c == "here");
+        p.handle_timeout(t0 + GRACE);
+        assert_eq!(
+            marks(&mut p),
+            ["elsewhere"],
+            "the lost shard's mark is cancelled"
+        );
+        assert!(p.is_connected("here"), "a session here stays");
+        p.absent(t0 + Duration::from_secs(30), "away");
+        p.handle_timeout(t0 + Duration::from_secs(30) + GRACE - Duration::from_millis(1));
+        assert!(
+            marks(&mut p).is_empty(),
+            "a full grace period from the second takeover"
+        );
+        p.handle_timeout(t0 + Duration::from_secs(30) + GRACE);
+        assert_eq!(marks(&mut p), ["away"]);
     }
 
     #[test]
