@@ -15,7 +15,8 @@ use serde_json::Value;
 
 use super::compare::{ComplianceType, compare_object};
 use super::types::{
-    ObjectTemplate, RelatedObject, RelatedObjectMeta, RelatedObjectResource, RemediationAction,
+    ComplianceState, ObjectTemplate, RelatedObject, RelatedObjectMeta, RelatedObjectResource,
+    RemediationAction, TemplateCondition, TemplateStatus,
 };
 
 /// OCM's reasons, as they appear in `relatedObjects[].reason`.
@@ -162,6 +163,42 @@ pub struct TemplateEvaluation {
     pub objects: Vec<ObjectVerdict>,
     /// What enforce must write; empty under inform.
     pub actions: Vec<EnforceAction>,
+}
+
+impl From<Compliance> for ComplianceState {
+    fn from(compliance: Compliance) -> ComplianceState {
+        match compliance {
+            Compliance::Compliant => ComplianceState::Compliant,
+            Compliance::NonCompliant => ComplianceState::NonCompliant,
+        }
+    }
+}
+
+impl TemplateEvaluation {
+    /// The template's entry in OCM's `status.compliancyDetails`: one condition, `violation`
+    /// when non-compliant and `notification` when compliant, with the reason and message.
+    /// The caller stamps `lastTransitionTime` (proto reads no clock).
+    pub fn template_status(&self) -> TemplateStatus {
+        let type_ = match self.compliance {
+            Compliance::Compliant => "notification",
+            Compliance::NonCompliant => "violation",
+        };
+        TemplateStatus {
+            compliant: Some(self.compliance.into()),
+            conditions: vec![TemplateCondition {
+                type_: type_.to_string(),
+                status: "True".to_string(),
+                last_transition_time: None,
+                reason: self.reason.clone(),
+                message: self.message.clone(),
+            }],
+        }
+    }
+
+    /// The objects in OCM's `status.relatedObjects` shape.
+    pub fn related_objects(&self) -> Vec<RelatedObject> {
+        self.objects.iter().map(|o| o.related.clone()).collect()
+    }
 }
 
 struct Parsed<'a> {
@@ -734,6 +771,12 @@ mod tests {
             }
         );
         assert!(only.actions.is_empty(), "inform writes nothing");
+        assert_eq!(
+            serde_json::to_value(only.template_status()).unwrap(),
+            json!({"Compliant": "NonCompliant", "conditions": [{"type": "violation",
+                "status": "True", "reason": "K8s does not have a `must have` object",
+                "message": "configmaps [cm] found but not as specified in namespace default"}]})
+        );
 
         let enforced = run(
             &template("mustonlyhave", definition),

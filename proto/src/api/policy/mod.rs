@@ -30,13 +30,14 @@ pub use evaluate::{
 };
 pub use namespaces::{NamespaceInfo, glob_match, select_namespaces};
 pub use types::{
-    ANNOTATION_CATEGORIES, ANNOTATION_CONTROLS, ANNOTATION_STANDARDS, CompliancePerClusterStatus,
-    ComplianceState, ConfigurationPolicy, ConfigurationPolicySpec, ConfigurationPolicyStatus,
-    EvaluationInterval, Interval, NamespaceSelector, ObjectDefinition, ObjectTemplate,
-    POLICY_GROUP, PlacementBinding, PlacementSubject, Policy, PolicyPlacement, PolicySet,
-    PolicySetSpec, PolicySetStatus, PolicySetStatusPlacement, PolicySpec, PolicyStatus,
-    PolicyTemplate, PruneObjectBehavior, RelatedObject, RelatedObjectMeta, RelatedObjectResource,
-    RemediationAction, Severity, Subject, TemplateCondition, TemplateStatus, effective_remediation,
+    ANNOTATION_CATEGORIES, ANNOTATION_CONTROLS, ANNOTATION_STANDARDS, ComplianceHistory,
+    CompliancePerClusterStatus, ComplianceState, ConfigurationPolicy, ConfigurationPolicySpec,
+    ConfigurationPolicyStatus, DetailsPerTemplate, EvaluationInterval, Interval, NamespaceSelector,
+    ObjectDefinition, ObjectTemplate, POLICY_GROUP, PlacementBinding, PlacementSubject, Policy,
+    PolicyPlacement, PolicySet, PolicySetSpec, PolicySetStatus, PolicySetStatusPlacement,
+    PolicySpec, PolicyStatus, PolicyTemplate, PruneObjectBehavior, RelatedObject,
+    RelatedObjectMeta, RelatedObjectResource, RemediationAction, Severity, Subject,
+    TemplateCondition, TemplateStatus, effective_remediation,
 };
 pub use validate::{
     MAX_OBJECT_TEMPLATES, MAX_POLICY_BYTES, MAX_POLICY_TEMPLATES, MAX_SET_POLICIES, MAX_SUBJECTS,

@@ -218,6 +218,48 @@ pub struct PolicyStatus {
     /// NonCompliant, else Compliant; absent before the first report.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compliant: Option<ComplianceState>,
+    /// Per template, on a cluster's copy of the policy: its compliance and recent history.
+    #[serde(
+        default,
+        deserialize_with = "null_as_default",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub details: Vec<DetailsPerTemplate>,
+}
+
+/// One template's compliance on one cluster, with its recent changes (OCM's
+/// `DetailsPerTemplate`).
+#[derive(Serialize, Deserialize, Clone, Debug, JsonSchema, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct DetailsPerTemplate {
+    /// The template's name.
+    #[serde(default)]
+    pub template_meta: ObjectMeta,
+    /// The template's compliance.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compliant: Option<ComplianceState>,
+    /// Most recent first; its length is bounded by whoever writes it.
+    #[serde(
+        default,
+        deserialize_with = "null_as_default",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub history: Vec<ComplianceHistory>,
+}
+
+/// One change of a template's compliance (OCM's `ComplianceHistory`).
+#[derive(Serialize, Deserialize, Clone, Debug, JsonSchema, PartialEq, Eq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ComplianceHistory {
+    /// RFC 3339 time of the change.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_timestamp: Option<String>,
+    /// `Compliant; ...` or `NonCompliant; ...` followed by the template's message.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub message: String,
+    /// The event that recorded it.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub event_name: String,
 }
 
 /// One binding that delivers a policy (OCM's `Placement` of a policy status).
@@ -273,11 +315,27 @@ pub struct PlacementBinding {
     pub subjects: Vec<Subject>,
 }
 
-impl PlacementBinding {
-    /// The apiVersion every PlacementBinding carries.
-    pub const API_VERSION: &'static str = "policy.open-cluster-management.io/v1";
-    /// The kind every PlacementBinding carries.
-    pub const KIND: &'static str = "PlacementBinding";
+// Written by hand because kube's derive needs a `spec`: with these two, `kube::Resource` (and
+// so `Api<PlacementBinding>` and the store's typed access) comes from kube's blanket impl.
+impl k8s_openapi::Resource for PlacementBinding {
+    const API_VERSION: &'static str = "policy.open-cluster-management.io/v1";
+    const GROUP: &'static str = POLICY_GROUP;
+    const KIND: &'static str = "PlacementBinding";
+    const VERSION: &'static str = "v1";
+    const URL_PATH_SEGMENT: &'static str = "placementbindings";
+    type Scope = k8s_openapi::NamespaceResourceScope;
+}
+
+impl k8s_openapi::Metadata for PlacementBinding {
+    type Ty = ObjectMeta;
+
+    fn metadata(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+
+    fn metadata_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
 }
 
 /// What a binding places with (OCM's `PlacementSubject`): a
@@ -712,6 +770,38 @@ mod tests {
                 "{policy:?} over {template:?}"
             );
         }
+    }
+
+    #[test]
+    fn the_kinds_have_ocm_names() {
+        use kube::{CustomResourceExt, Resource};
+        for (crd, kind, plural, version) in [
+            (Policy::crd(), "Policy", "policies", "v1"),
+            (PolicySet::crd(), "PolicySet", "policysets", "v1beta1"),
+            (
+                ConfigurationPolicy::crd(),
+                "ConfigurationPolicy",
+                "configurationpolicies",
+                "v1",
+            ),
+        ] {
+            assert_eq!(crd.spec.group, POLICY_GROUP);
+            assert_eq!(crd.spec.names.kind, kind);
+            assert_eq!(crd.spec.names.plural, plural);
+            assert_eq!(crd.spec.versions[0].name, version);
+            assert_eq!(crd.spec.scope, "Namespaced");
+        }
+        // The template fields keep OCM's dashed names in the schema the apiserver checks.
+        let policy = serde_json::to_value(Policy::crd()).unwrap();
+        let spec =
+            &policy["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"];
+        assert!(spec["properties"]["policy-templates"].is_object(), "{spec}");
+        assert_eq!(PlacementBinding::kind(&()), "PlacementBinding");
+        assert_eq!(PlacementBinding::plural(&()), "placementbindings");
+        assert_eq!(
+            PlacementBinding::api_version(&()),
+            "policy.open-cluster-management.io/v1"
+        );
     }
 
     #[test]
