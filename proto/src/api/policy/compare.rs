@@ -120,7 +120,29 @@ pub(crate) fn compare_object(
             }
             continue;
         }
-        let existing_value = existing_map.get(key);
+        let decoded_secret;
+        let existing_value =
+            if key == "stringData" && existing_map.get("kind") == Some(&"Secret".into()) {
+                // The API server turns stringData into base64 data and keeps no stringData, so
+                // the template's stringData compares with the decoded data.
+                match decoded_secret_data(existing_map) {
+                    Ok(decoded) => {
+                        decoded_secret = decoded;
+                        Some(&decoded_secret)
+                    }
+                    Err(key) => {
+                        return ObjectComparison {
+                            matches: false,
+                            merged: existing.clone(),
+                            fields: vec![format!("data.{key}")],
+                            status_only: false,
+                            type_error: Some(format!("data.{key} of the Secret is not base64")),
+                        };
+                    }
+                }
+            } else {
+                existing_map.get(key)
+            };
         let merged_value = match (desired_value, existing_value) {
             (Value::Array(d), Some(Value::Array(e))) => {
                 Value::Array(merge_arrays(d, e, ctype, zero_equals_nil))
@@ -169,6 +191,26 @@ pub(crate) fn compare_object(
         status_only: status_differs && !spec_differs,
         type_error: None,
     }
+}
+
+/// A Secret's `data` decoded to strings, as `stringData` would have written it; the key that
+/// is not base64 on failure.
+fn decoded_secret_data(secret: &Map<String, Value>) -> Result<Value, String> {
+    let mut decoded = Map::new();
+    for (key, value) in secret
+        .get("data")
+        .and_then(Value::as_object)
+        .into_iter()
+        .flatten()
+    {
+        let bytes: k8s_openapi::ByteString =
+            serde_json::from_value(value.clone()).map_err(|_| key.clone())?;
+        decoded.insert(
+            key.clone(),
+            Value::String(String::from_utf8_lossy(&bytes.0).into_owned()),
+        );
+    }
+    Ok(Value::Object(decoded))
 }
 
 struct MetadataComparison {
@@ -715,6 +757,33 @@ mod tests {
         assert!(c.status_only);
         assert_eq!(c.fields, vec!["status.phase"]);
         assert!(c.merged.get("status").is_none());
+    }
+
+    #[test]
+    fn secret_string_data_compares_with_the_decoded_data() {
+        let desired = json!({"kind": "Secret", "stringData": {"password": "hunter2"}});
+        // "hunter2" and "other" in base64.
+        let existing = |b64: &str| {
+            json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s"},
+                   "data": {"password": b64}, "type": "Opaque"})
+        };
+        let c = compare_object(
+            &desired,
+            &existing("aHVudGVyMg=="),
+            MUSTHAVE,
+            MUSTHAVE,
+            false,
+        );
+        assert!(c.matches, "{c:?}");
+        let c = compare_object(&desired, &existing("b3RoZXI="), MUSTHAVE, MUSTHAVE, false);
+        assert!(!c.matches);
+        assert_eq!(c.fields, vec!["stringData.password"]);
+        assert_eq!(c.merged["stringData"], json!({"password": "hunter2"}));
+        let c = compare_object(&desired, &existing("%%%"), MUSTHAVE, MUSTHAVE, false);
+        assert_eq!(
+            c.type_error.as_deref(),
+            Some("data.password of the Secret is not base64")
+        );
     }
 
     #[test]
