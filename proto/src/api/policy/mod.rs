@@ -28,7 +28,7 @@ pub use evaluate::{
     Compliance, EnforceAction, ObjectRead, ObjectVerdict, Observed, ResourceKind,
     TemplateEvaluation, TemplateProblem, evaluate, plural_of, reads,
 };
-pub use namespaces::{NamespaceInfo, glob_match, select_namespaces};
+pub use namespaces::{GlobError, NamespaceInfo, SelectorError, glob_match, select_namespaces};
 pub use types::{
     ANNOTATION_CATEGORIES, ANNOTATION_CONTROLS, ANNOTATION_STANDARDS, ComplianceHistory,
     CompliancePerClusterStatus, ComplianceState, ConfigurationPolicy, ConfigurationPolicySpec,
@@ -40,7 +40,7 @@ pub use types::{
     TemplateCondition, TemplateStatus, effective_remediation,
 };
 pub use validate::{
-    MAX_OBJECT_TEMPLATES, MAX_POLICY_BYTES, MAX_POLICY_TEMPLATES, MAX_SET_POLICIES, MAX_SUBJECTS,
-    PolicyError, validate_configuration_policy, validate_placement_binding, validate_policy,
-    validate_policy_set,
+    MAX_OBJECT_TEMPLATES, MAX_POLICY_BYTES, MAX_POLICY_QUALIFIED_NAME, MAX_POLICY_TEMPLATES,
+    MAX_SET_POLICIES, MAX_SUBJECTS, PolicyError, validate_configuration_policy,
+    validate_placement_binding, validate_policy, validate_policy_set,
 };

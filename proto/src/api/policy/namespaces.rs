@@ -7,6 +7,39 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelectorRequirement;
 
 use super::types::NamespaceSelector;
 
+/// A malformed glob: why it does not parse. Not retryable: fix the pattern.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GlobError {
+    /// The pattern ends with a lone `\`. Not retryable.
+    #[error("ends with an escape")]
+    TrailingEscape,
+    /// A `[` class is never closed. Not retryable.
+    #[error("has an unclosed [")]
+    UnclosedClass,
+    /// A class is empty (`[]`), which Go refuses. Not retryable.
+    #[error("has an empty []")]
+    EmptyClass,
+}
+
+/// Why a namespace selector cannot be applied. Not retryable: fix the ConfigurationPolicy
+/// (validation refuses both before a policy is stored).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SelectorError {
+    /// An `include` or `exclude` pattern is malformed. Not retryable.
+    #[error("{field} pattern {pattern:?} {problem}")]
+    Pattern {
+        field: &'static str,
+        pattern: String,
+        #[source]
+        problem: GlobError,
+    },
+    /// A `matchExpressions` operator is not one Kubernetes defines. Not retryable.
+    #[error(
+        "matchExpressions operator {operator:?} for key {key:?} is not In, NotIn, Exists or DoesNotExist"
+    )]
+    Operator { key: String, operator: String },
+}
+
 /// What selection needs to know of one namespace on the cluster.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct NamespaceInfo {
@@ -27,7 +60,7 @@ pub struct NamespaceInfo {
 pub fn select_namespaces(
     selector: &NamespaceSelector,
     namespaces: &[NamespaceInfo],
-) -> Result<Vec<String>, String> {
+) -> Result<Vec<String>, SelectorError> {
     if selector.is_empty() {
         return Ok(Vec::new());
     }
@@ -36,7 +69,11 @@ pub fn select_namespaces(
         ("exclude", &selector.exclude),
     ] {
         for pattern in patterns {
-            glob_match(pattern, "").map_err(|e| format!("{field} pattern {pattern:?}: {e}"))?;
+            glob_match(pattern, "").map_err(|problem| SelectorError::Pattern {
+                field,
+                pattern: pattern.clone(),
+                problem,
+            })?;
         }
     }
     let mut selected = Vec::new();
@@ -64,7 +101,7 @@ pub fn select_namespaces(
 fn labels_match(
     selector: &NamespaceSelector,
     labels: &BTreeMap<String, String>,
-) -> Result<bool, String> {
+) -> Result<bool, SelectorError> {
     if let Some(match_labels) = &selector.match_labels
         && !match_labels.iter().all(|(k, v)| labels.get(k) == Some(v))
     {
@@ -81,7 +118,7 @@ fn labels_match(
 fn requirement_matches(
     requirement: &LabelSelectorRequirement,
     labels: &BTreeMap<String, String>,
-) -> Result<bool, String> {
+) -> Result<bool, SelectorError> {
     let value = labels.get(&requirement.key);
     let values = requirement.values.as_deref().unwrap_or_default();
     match requirement.operator.as_str() {
@@ -89,17 +126,17 @@ fn requirement_matches(
         "NotIn" => Ok(value.is_none_or(|v| !values.contains(v))),
         "Exists" => Ok(value.is_some()),
         "DoesNotExist" => Ok(value.is_none()),
-        other => Err(format!(
-            "matchExpressions operator {other:?} for key {:?} is not In, NotIn, Exists or DoesNotExist",
-            requirement.key
-        )),
+        other => Err(SelectorError::Operator {
+            key: requirement.key.clone(),
+            operator: other.to_string(),
+        }),
     }
 }
 
 /// Go's `filepath.Match` on a name: `*` any run of characters but `/`, `?` one such
 /// character, `[...]` a class (ranges, `^` to negate), `\` escapes. Errors on a malformed
 /// class or a trailing `\`.
-pub fn glob_match(pattern: &str, name: &str) -> Result<bool, String> {
+pub fn glob_match(pattern: &str, name: &str) -> Result<bool, GlobError> {
     let p: Vec<char> = pattern.chars().collect();
     let n: Vec<char> = name.chars().collect();
     // Check the whole pattern's syntax once, so a bad pattern fails whatever the name.
@@ -108,7 +145,7 @@ pub fn glob_match(pattern: &str, name: &str) -> Result<bool, String> {
         match p[i] {
             '\\' => {
                 if i + 1 >= p.len() {
-                    return Err("ends with an escape".to_string());
+                    return Err(GlobError::TrailingEscape);
                 }
                 i += 2;
             }
@@ -120,7 +157,7 @@ pub fn glob_match(pattern: &str, name: &str) -> Result<bool, String> {
 }
 
 /// Index just past the class opening at `start`.
-fn class_end(p: &[char], start: usize) -> Result<usize, String> {
+fn class_end(p: &[char], start: usize) -> Result<usize, GlobError> {
     let mut i = start + 1;
     if i < p.len() && p[i] == '^' {
         i += 1;
@@ -128,14 +165,14 @@ fn class_end(p: &[char], start: usize) -> Result<usize, String> {
     let mut first = true;
     loop {
         if i >= p.len() {
-            return Err("has an unclosed [".to_string());
+            return Err(GlobError::UnclosedClass);
         }
         if p[i] == ']' && !first {
             return Ok(i + 1);
         }
         if p[i] == ']' {
             // `[]` is malformed in Go.
-            return Err("has an empty []".to_string());
+            return Err(GlobError::EmptyClass);
         }
         first = false;
         if p[i] == '\\' {
@@ -305,8 +342,10 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            select_namespaces(&selector, &cluster()),
-            Err("include pattern \"app-[\": has an unclosed [".to_string())
+            select_namespaces(&selector, &cluster())
+                .unwrap_err()
+                .to_string(),
+            "include pattern \"app-[\" has an unclosed ["
         );
     }
 }

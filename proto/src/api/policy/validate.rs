@@ -22,6 +22,9 @@ pub const MAX_OBJECT_TEMPLATES: usize = 100;
 /// root policy's status grows with its clusters (about 80 bytes each), so 512 KiB of spec
 /// leaves room for the status of ten thousand clusters in the same object.
 pub const MAX_POLICY_BYTES: usize = 512 * 1024;
+/// Longest namespace plus name of a Policy: `<namespace>.<name>` names its copy for each
+/// cluster and must fit a 63-character label value (OCM's webhook refuses the same).
+pub const MAX_POLICY_QUALIFIED_NAME: usize = 62;
 /// Most subjects one PlacementBinding may bind.
 pub const MAX_SUBJECTS: usize = 100;
 /// Most policies one PolicySet may group.
@@ -150,6 +153,19 @@ pub fn validate_policy(policy: &Policy, raw: Option<&Value>) -> Result<(), Vec<P
     };
     let spec = &policy.spec;
     let raw_spec = raw.and_then(|r| r.get("spec"));
+    // OCM copies a policy into each cluster's namespace as `<namespace>.<name>`, which must
+    // fit a label value (63 characters).
+    if let (Some(namespace), Some(name)) = (&policy.metadata.namespace, &policy.metadata.name)
+        && namespace.len() + name.len() > MAX_POLICY_QUALIFIED_NAME
+    {
+        report.field(
+            "metadata.name",
+            format!(
+                "and namespace together take {} characters, more than the {MAX_POLICY_QUALIFIED_NAME} allowed (the policy is copied to clusters as <namespace>.<name>); shorten the name",
+                namespace.len() + name.len()
+            ),
+        );
+    }
     for field in UNSUPPORTED_POLICY_FIELDS {
         report.unsupported(raw_spec.and_then(|s| s.get(field)), format!("spec.{field}"));
     }
@@ -681,6 +697,20 @@ mod tests {
                     "{at}.policy-templates[0].objectDefinition.spec.object-templates[0].objectDefinition with a {{{{ template }}}} is not supported by flotilla; remove it"
                 ),
             ]
+        );
+    }
+
+    #[test]
+    fn a_policy_name_too_long_to_copy_is_refused() {
+        let name = "n".repeat(55);
+        let errors = errors_of_policy(json!({"apiVersion": "policy.open-cluster-management.io/v1",
+            "kind": "Policy", "metadata": {"name": name, "namespace": "governance"},
+            "spec": {"disabled": false, "policy-templates": []}}));
+        assert_eq!(
+            errors,
+            vec![format!(
+                "Policy governance/{name}: metadata.name and namespace together take 65 characters, more than the 62 allowed (the policy is copied to clusters as <namespace>.<name>); shorten the name"
+            )]
         );
     }
 
