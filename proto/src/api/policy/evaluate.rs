@@ -393,6 +393,7 @@ impl Verdict {
                 },
                 compliant: compliance.as_str().to_string(),
                 reason: self.reason.to_string(),
+                properties: None,
             },
             compliance,
             message,
@@ -768,6 +769,7 @@ mod tests {
                 },
                 compliant: "NonCompliant".to_string(),
                 reason: "Resource found but does not match".to_string(),
+                properties: None,
             }
         );
         assert!(only.actions.is_empty(), "inform writes nothing");

@@ -12,7 +12,7 @@
 //! * [`evaluate`]: one object-template against what a read of the cluster returned, giving the
 //!   compliance, OCM's messages and related objects, and the writes `enforce` must make
 //!   (without making them). [`select_namespaces`] applies a `namespaceSelector` to the
-//!   cluster's namespaces.
+//!   cluster's namespaces; [`prune_actions`] says what `pruneObjectBehavior` deletes.
 //!
 //! Nothing here reads a cluster or a clock: the agent reads what [`reads`] asks for, passes the
 //! answers in and performs the [`EnforceAction`]s it gets back.
@@ -20,6 +20,7 @@
 mod compare;
 mod evaluate;
 mod namespaces;
+mod prune;
 mod types;
 mod validate;
 
@@ -29,14 +30,15 @@ pub use evaluate::{
     TemplateEvaluation, TemplateProblem, evaluate, plural_of, reads,
 };
 pub use namespaces::{GlobError, NamespaceInfo, SelectorError, glob_match, select_namespaces};
+pub use prune::{prune_actions, prune_reads};
 pub use types::{
     ANNOTATION_CATEGORIES, ANNOTATION_CONTROLS, ANNOTATION_STANDARDS, ComplianceHistory,
     CompliancePerClusterStatus, ComplianceState, ConfigurationPolicy, ConfigurationPolicySpec,
     ConfigurationPolicyStatus, DetailsPerTemplate, EvaluationInterval, Interval, NamespaceSelector,
-    ObjectDefinition, ObjectTemplate, POLICY_GROUP, PlacementBinding, PlacementSubject, Policy,
-    PolicyPlacement, PolicySet, PolicySetSpec, PolicySetStatus, PolicySetStatusPlacement,
-    PolicySpec, PolicyStatus, PolicyTemplate, PruneObjectBehavior, RelatedObject,
-    RelatedObjectMeta, RelatedObjectResource, RemediationAction, Severity, Subject,
+    ObjectDefinition, ObjectProperties, ObjectTemplate, POLICY_GROUP, PlacementBinding,
+    PlacementSubject, Policy, PolicyPlacement, PolicySet, PolicySetSpec, PolicySetStatus,
+    PolicySetStatusPlacement, PolicySpec, PolicyStatus, PolicyTemplate, PruneObjectBehavior,
+    RelatedObject, RelatedObjectMeta, RelatedObjectResource, RemediationAction, Severity, Subject,
     TemplateCondition, TemplateStatus, effective_remediation,
 };
 pub use validate::{

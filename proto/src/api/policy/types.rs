@@ -706,6 +706,23 @@ pub struct RelatedObject {
     pub compliant: String,
     /// OCM's reason, e.g. `Resource found but does not match`.
     pub reason: String,
+    /// What the agent knows of the object beyond the verdict: whether this policy created it
+    /// (which `pruneObjectBehavior: DeleteIfCreated` needs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub properties: Option<ObjectProperties>,
+}
+
+/// OCM's `ObjectProperties` of a related object.
+#[derive(Serialize, Deserialize, Clone, Debug, JsonSchema, PartialEq, Eq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ObjectProperties {
+    /// The policy created the object under enforce.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub created_by_policy: Option<bool>,
+    /// The uid the object had when the policy created it: a same-named object created by
+    /// someone else later has another and is not the policy's to prune.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub uid: String,
 }
 
 /// The identity of a related object (OCM's `ObjectResource`).
