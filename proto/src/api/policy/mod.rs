@@ -12,7 +12,8 @@
 //! * [`evaluate`]: one object-template against what a read of the cluster returned, giving the
 //!   compliance, OCM's messages and related objects, and the writes `enforce` must make
 //!   (without making them). [`select_namespaces`] applies a `namespaceSelector` to the
-//!   cluster's namespaces; [`prune_actions`] says what `pruneObjectBehavior` deletes.
+//!   cluster's namespaces; [`prune_actions`] says what `pruneObjectBehavior` deletes;
+//!   [`EvaluationSchedule`] says when each policy is due by its `evaluationInterval`.
 //!
 //! Nothing here reads a cluster or a clock: the agent reads what [`reads`] asks for, passes the
 //! answers in and performs the [`EnforceAction`]s it gets back.
@@ -21,6 +22,7 @@ mod compare;
 mod evaluate;
 mod namespaces;
 mod prune;
+mod schedule;
 mod types;
 mod validate;
 
@@ -31,6 +33,7 @@ pub use evaluate::{
 };
 pub use namespaces::{GlobError, NamespaceInfo, SelectorError, glob_match, select_namespaces};
 pub use prune::{prune_actions, prune_reads};
+pub use schedule::EvaluationSchedule;
 pub use types::{
     ANNOTATION_CATEGORIES, ANNOTATION_CONTROLS, ANNOTATION_STANDARDS, ComplianceHistory,
     CompliancePerClusterStatus, ComplianceState, ConfigurationPolicy, ConfigurationPolicySpec,
