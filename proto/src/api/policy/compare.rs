@@ -11,7 +11,7 @@
 //! Only the fields the template names are compared. Of `metadata`, only `labels` and
 //! `annotations` count (`metadataComplianceType` chooses their rule), so what the API server
 //! adds or defaults (`resourceVersion`, `uid`, `creationTimestamp`, `generation`,
-//! `managedFields`, an unnamed `status`) never makes an object non-compliant.
+//! `managedFields`, a `status` the template does not name) never makes an object non-compliant.
 
 use serde_json::{Map, Value};
 
