@@ -8,6 +8,8 @@
 //! * [`ManagedClusterSet`], [`ManagedClusterSetBinding`]: groups of clusters, bound to namespaces.
 //! * [`Placement`], [`PlacementDecision`], [`AddOnPlacementScore`]: cluster selection.
 //! * [`ManifestWork`], [`ManifestWorkReplicaSet`]: what to apply where.
+//! * [`policy`] holds governance (`Policy`, `PlacementBinding`, `PolicySet`, `ConfigurationPolicy`)
+//!   and the pure evaluator of ConfigurationPolicy templates.
 //! * [`conditions`]: condition types and metav1 update rules; [`content_hash`] for resume;
 //!   [`validate_manifest_work`] before storing a work.
 
@@ -19,6 +21,7 @@ mod crd;
 mod hash;
 mod kind;
 mod placement;
+pub mod policy;
 pub mod quantity;
 mod serde_util;
 mod validate;
