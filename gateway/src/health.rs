@@ -209,8 +209,9 @@ impl HealthWriter {
             shards: self.shards.clone(),
             fencing: self.fencing.clone(),
         });
-        // Shards held at the last look: a shard that appears here was just taken over.
-        let mut held: HashSet<u32> = HashSet::new();
+        // Shards held at the last look, with their epochs: a shard that appears here, or whose
+        // epoch changed (lost and taken again between two looks), was just taken over.
+        let mut held: HashMap<u32, u32> = HashMap::new();
         self.shards.mark_changed();
         let mut watching_shards = true;
         let stopped = async move {
@@ -323,9 +324,21 @@ impl HealthWriter {
                     }
                     let view = self.shards.borrow_and_update().clone();
                     let now = Instant::now();
-                    let now_held: HashSet<u32> = view.held(now).into_iter().collect();
-                    let taken: HashSet<u32> = now_held.difference(&held).copied().collect();
-                    let lost: HashSet<u32> = held.difference(&now_held).copied().collect();
+                    let now_held: HashMap<u32, u32> = view
+                        .held(now)
+                        .into_iter()
+                        .filter_map(|shard| view.holds(shard, now).map(|epoch| (shard, epoch)))
+                        .collect();
+                    let taken: HashSet<u32> = now_held
+                        .iter()
+                        .filter(|(shard, epoch)| held.get(shard) != Some(epoch))
+                        .map(|(shard, _)| *shard)
+                        .collect();
+                    let lost: HashSet<u32> = held
+                        .iter()
+                        .filter(|(shard, epoch)| now_held.get(shard) != Some(epoch))
+                        .map(|(shard, _)| *shard)
+                        .collect();
                     held = now_held;
                     // Grace periods running for a shard no longer held end here: should it
                     // come back, they start again from that takeover. Left running, a grace
@@ -870,6 +883,17 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_shard_lost_and_taken_again_gives_its_clusters_a_whole_grace_period_again() {
+        lost_and_taken_again(true).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_shard_taken_again_at_a_new_epoch_unseen_lost_gives_a_whole_grace_period_again() {
+        // Paused past its lease (SIGSTOP), a gateway may lose a shard and take it again in
+        // one lease round: no view without the shard is ever published, only a new epoch.
+        lost_and_taken_again(false).await;
+    }
+
+    async fn lost_and_taken_again(seen_lost: bool) {
         // A gateway takes a shard over: store-1 is recorded Available and its agent is not
         // here, so its grace period starts. The shard is lost (another gateway took it, and
         // the agent may be on its way there), then taken again: the agent gets a whole grace
@@ -941,7 +965,9 @@ mod tests {
         tokio::spawn(writer.run(stop));
 
         tokio::time::sleep(Duration::from_secs(1)).await;
-        views.send_replace(nothing);
+        if seen_lost {
+            views.send_replace(nothing);
+        }
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let retaken = jiff::Timestamp::now();
         views.send_replace(holding(2));
