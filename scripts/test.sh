@@ -9,6 +9,9 @@
 #   FLOTILLA_TESTENV_BIN    default $HOME/.cache/flotilla/testenv/<versions> (deploy/testenv/build.sh)
 #   FLOTILLA_TESTENV_SPOKE_BIN  default $HOME/.cache/flotilla/testenv/spoke-<versions> (the full
 #                           spoke's controller-manager, scheduler and kwok: build.sh --spoke)
+#   FLOTILLA_PROMTOOL_BIN   default $HOME/.cache/flotilla/testenv/promtool-<version> (Prometheus'
+#                           promtool, which checks every /metrics page and the alert rules:
+#                           build.sh --promtool)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 root=$(pwd)
@@ -58,6 +61,10 @@ testenv_dirs=$(deploy/testenv/build.sh --spoke)
 FLOTILLA_TESTENV_BIN=$(echo "$testenv_dirs" | tail -n 2 | head -n 1)
 FLOTILLA_TESTENV_SPOKE_BIN=$(echo "$testenv_dirs" | tail -n 1)
 export FLOTILLA_TESTENV_BIN FLOTILLA_TESTENV_SPOKE_BIN
+
+step "promtool"
+FLOTILLA_PROMTOOL_BIN=$(deploy/testenv/build.sh --promtool | tail -n 1)
+export FLOTILLA_PROMTOOL_BIN
 
 step "format"
 cargo fmt --all --check

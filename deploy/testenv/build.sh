@@ -10,10 +10,17 @@
 # directory of their own, with a lock of its own, so that building them never holds up tests that
 # need only the apiserver; that directory is printed last, the apiserver's on the line before.
 #
+# With --promtool it builds only promtool, Prometheus' own checker of expositions and rule files
+# (go/promtool), into a directory of its own with a lock of its own, and prints that directory.
+# The tests that hold flotilla's /metrics and alert rules to Prometheus' rules read it from
+# FLOTILLA_PROMTOOL_BIN.
+#
 #   FLOTILLA_TESTENV_BIN         where etcd and kube-apiserver go
 #                                (default: $HOME/.cache/flotilla/testenv/<versions>)
 #   FLOTILLA_TESTENV_SPOKE_BIN   where the --spoke binaries go
 #                                (default: $HOME/.cache/flotilla/testenv/spoke-<versions>)
+#   FLOTILLA_PROMTOOL_BIN        where promtool goes
+#                                (default: $HOME/.cache/flotilla/testenv/promtool-<version>)
 #
 # Go's own module and build caches ($HOME/go/pkg/mod, $HOME/.cache/go-build) make a rebuild after
 # a version bump cheap; nothing here depends on them existing.
@@ -24,15 +31,18 @@ kube_version=$(awk '$1 == "require" && $2 == "k8s.io/kubernetes" {print $3}' "$h
 controllers_kube_version=$(awk '$1 == "require" && $2 == "k8s.io/kubernetes" {print $3}' "$here/go/kube-controllers/go.mod")
 kwok_version=$(awk '$1 == "require" && $2 == "sigs.k8s.io/kwok" {print $3}' "$here/go/kwok/go.mod")
 etcd_version=$(awk '$1 == "require" && $2 == "go.etcd.io/etcd/server/v3" {print $3}' "$here/go/etcd/go.mod")
+prometheus_version=$(awk '$1 == "require" && $2 == "github.com/prometheus/prometheus" {print $3}' "$here/go/promtool/go.mod")
 # Bump when the way the binaries are built changes, so caches of older builds are not reused.
 recipe=2
 bin=${FLOTILLA_TESTENV_BIN:-$HOME/.cache/flotilla/testenv/kube-$kube_version-etcd-$etcd_version-r$recipe}
 
 spoke=false
+promtool=false
 case "${1:-}" in
   "") ;;
   --spoke) spoke=true ;;
-  *) echo "usage: $0 [--spoke]" >&2; exit 2 ;;
+  --promtool) promtool=true ;;
+  *) echo "usage: $0 [--spoke | --promtool]" >&2; exit 2 ;;
 esac
 if [ "$controllers_kube_version" != "$kube_version" ]; then
   echo "go/kube-controllers builds Kubernetes $controllers_kube_version but go/kube-apiserver builds $kube_version; a cluster runs one release" >&2
@@ -42,6 +52,32 @@ fi
 export GOTOOLCHAIN=local   # the toolchain on the machine; never download another
 export GOFLAGS=-mod=readonly
 export CGO_ENABLED=0
+
+build() { # name, module dir, package, ldflags[, build tags]; into $bin
+  local name=$1 dir=$2 pkg=$3 ldflags=$4 tags=${5:-providerless}
+  if [ -x "$bin/$name" ]; then return; fi
+  echo "building $name ($pkg) into $bin ..." >&2
+  local started=$SECONDS
+  (cd "$dir" && go build -trimpath -tags "$tags" -ldflags="$ldflags" -o "$bin/$name.partial" "$pkg")
+  mv "$bin/$name.partial" "$bin/$name"   # only a complete binary ever carries the final name
+  echo "built $name in $((SECONDS - started)) s" >&2
+}
+
+if $promtool; then
+  # Bump when the way promtool is built changes.
+  promtool_recipe=1
+  bin=${FLOTILLA_PROMTOOL_BIN:-$HOME/.cache/flotilla/testenv/promtool-$prometheus_version-r$promtool_recipe}
+  mkdir -p "$bin"
+  exec 9>"$bin/.build.lock"
+  flock 9
+  # A module build carries no git metadata: stamp the release `promtool --version` reports.
+  prom_ldflags="-s -w -X github.com/prometheus/common/version.Version=$prometheus_version"
+  # remove_all_sd leaves out Prometheus' service discoveries (the cloud SDKs, most of the build):
+  # the tests check expositions and rule files, never a scrape configuration.
+  build promtool "$here/go/promtool" github.com/prometheus/prometheus/cmd/promtool "$prom_ldflags" remove_all_sd
+  echo "$bin"
+  exit 0
+fi
 
 mkdir -p "$bin"
 # Parallel test processes each run this script; one builds, the others wait here and then find the
@@ -58,15 +94,6 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
   kube_ldflags+=" -X $pkg.gitTreeState=clean"
 done
 
-build() { # name, module dir, package, ldflags; into $bin
-  local name=$1 dir=$2 pkg=$3 ldflags=$4
-  if [ -x "$bin/$name" ]; then return; fi
-  echo "building $name ($pkg) into $bin ..." >&2
-  local started=$SECONDS
-  (cd "$dir" && go build -trimpath -tags providerless -ldflags="$ldflags" -o "$bin/$name.partial" "$pkg")
-  mv "$bin/$name.partial" "$bin/$name"   # only a complete binary ever carries the final name
-  echo "built $name in $((SECONDS - started)) s" >&2
-}
 build etcd "$here/go/etcd" . "-s -w"
 build kube-apiserver "$here/go/kube-apiserver" k8s.io/kubernetes/cmd/kube-apiserver "$kube_ldflags"
 echo "$bin"
