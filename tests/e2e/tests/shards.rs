@@ -31,11 +31,18 @@ use tokio::sync::Mutex;
 
 const SHARDS: u32 = 16;
 const CLUSTERS: usize = 6;
+/// Short leases, so shards move in seconds. The grace period must outlast what an agent of a
+/// killed gateway takes to reach the shard's new owner once it took the shard over: until the
+/// lease expires the hub still redirects the agent to the dead gateway, and over QUIC (no
+/// refusal from a dead UDP port) that dial only ends at the agent's redirect dial timeout
+/// (`flotilla_agent::connect::REDIRECT_DIAL_TIMEOUT`, 10 s), then a backoff step. As in
+/// production (lease 15 s, grace 40 s), the grace period covers a lease, that dial and a step,
+/// with room for a loaded machine.
 const LEASE_FLAGS: &[&str] = &[
     "--shards=16",
     "--lease-duration=3s",
     "--renew-period=1s",
-    "--grace-period=6s",
+    "--grace-period=30s",
     "--drain-window=1s",
 ];
 
