@@ -136,13 +136,15 @@ async fn a_full_delay_line_drops_and_bounds_what_is_in_flight() {
     assert!(link.inbound().dropped_full > 0, "{:?}", link.inbound());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_namespace_reaches_loopback_services_at_the_host_end() {
+/// A TCP and a UDP service on this machine's loopback (as the hub and gateways listen), each
+/// answering once, reached from inside `link`'s namespace at `dial` (same port for both): the
+/// TCP greeting arrives, the UDP echo comes back from the address dialled. Returns the peer
+/// addresses the two services saw.
+async fn greeted_and_echoed(
+    link: &EmulatedLink,
+    dial: std::net::IpAddr,
+) -> (std::net::IpAddr, std::net::IpAddr) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let Some(link) = link("delay=20ms,loss=0").await else {
-        return;
-    };
-    // A TCP and a UDP service on this machine's loopback, as the hub and gateways listen.
     let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = tcp.local_addr().unwrap().port();
     let udp = tokio::net::UdpSocket::bind(("127.0.0.1", port))
@@ -156,9 +158,9 @@ async fn the_namespace_reaches_loopback_services_at_the_host_end() {
         udp.send_to(&buf[..n], peer).await.unwrap();
         (from.ip(), peer.ip())
     });
-    let host = std::net::SocketAddr::from((link.host(), port));
+    let target = std::net::SocketAddr::new(dial, port);
     let socket = link.inside(tokio::net::TcpSocket::new_v4).await.unwrap();
-    let mut conn = socket.connect(host).await.unwrap();
+    let mut conn = socket.connect(target).await.unwrap();
     let mut got = [0u8; 8];
     conn.read_exact(&mut got).await.unwrap();
     assert_eq!(&got, b"over tcp");
@@ -171,65 +173,41 @@ async fn the_namespace_reaches_loopback_services_at_the_host_end() {
         .await
         .unwrap();
     let udp = tokio::net::UdpSocket::from_std(udp).unwrap();
-    udp.send_to(b"over udp", host).await.unwrap();
+    udp.send_to(b"over udp", target).await.unwrap();
     let mut buf = [0u8; 16];
     let (n, from) = udp.recv_from(&mut buf).await.unwrap();
-    assert_eq!((&buf[..n], from), (&b"over udp"[..], host));
+    assert_eq!(
+        (&buf[..n], from),
+        (&b"over udp"[..], target),
+        "the echo, from the address dialled"
+    );
+    served.await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_namespace_reaches_loopback_services_at_the_host_end() {
+    let Some(link) = link("delay=20ms,loss=0").await else {
+        return;
+    };
+    let peers = greeted_and_echoed(&link, link.host().into()).await;
     // The services saw the namespace's own address: the link, not a relay.
     let inside = std::net::IpAddr::from(link.inside_address());
-    assert_eq!(served.await.unwrap(), (inside, inside));
+    assert_eq!(peers, (inside, inside));
 }
 
 #[tokio::test]
 async fn loopback_inside_can_be_sent_to_the_host_ends_loopback() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let Some(link) = link("delay=20ms,loss=0").await else {
         return;
     };
     link.send_loopback_to_host().unwrap();
-    // A service on this machine's loopback, named to the namespace by its loopback address
-    // (as a gateway's redirect names another gateway).
-    let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = tcp.local_addr().unwrap().port();
-    let udp = tokio::net::UdpSocket::bind(("127.0.0.1", port))
-        .await
-        .unwrap();
-    let served = tokio::spawn(async move {
-        let (mut conn, from) = tcp.accept().await.unwrap();
-        conn.write_all(b"over tcp").await.unwrap();
-        let mut buf = [0u8; 16];
-        let (n, peer) = udp.recv_from(&mut buf).await.unwrap();
-        udp.send_to(&buf[..n], peer).await.unwrap();
-        (from.ip(), peer.ip())
-    });
-    let loopback = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    // A service named to the namespace by its loopback address (as a gateway's redirect names
+    // another gateway).
     let before = link.outbound().delivered;
-    let socket = link.inside(tokio::net::TcpSocket::new_v4).await.unwrap();
-    let mut conn = socket.connect(loopback).await.unwrap();
-    let mut got = [0u8; 8];
-    conn.read_exact(&mut got).await.unwrap();
-    assert_eq!(&got, b"over tcp");
-    let udp = link
-        .inside(|| {
-            let s = std::net::UdpSocket::bind("0.0.0.0:0")?;
-            s.set_nonblocking(true)?;
-            Ok(s)
-        })
-        .await
-        .unwrap();
-    let udp = tokio::net::UdpSocket::from_std(udp).unwrap();
-    udp.send_to(b"over udp", loopback).await.unwrap();
-    let mut buf = [0u8; 16];
-    let (n, from) = udp.recv_from(&mut buf).await.unwrap();
-    assert_eq!(&buf[..n], b"over udp");
-    assert_eq!(
-        from, loopback,
-        "the answer comes back from the address dialled"
-    );
-    let (tcp_peer, udp_peer) = served.await.unwrap();
+    let peers = greeted_and_echoed(&link, std::net::Ipv4Addr::LOCALHOST.into()).await;
     // Both came over the link, from the namespace's address, not its own loopback.
-    assert_eq!(tcp_peer, link.inside_address());
-    assert_eq!(udp_peer, link.inside_address());
+    let inside = std::net::IpAddr::from(link.inside_address());
+    assert_eq!(peers, (inside, inside));
     assert!(
         link.outbound().delivered > before,
         "nothing crossed the link"
