@@ -512,18 +512,6 @@ impl Drop for EmulatedLink {
         for t in &tasks {
             t.abort();
         }
-        // The slot is free again once the tasks, which hold the TUN devices, are gone (the
-        // host end's device closes with them); without a runtime the process is ending and the
-        // slot is not needed again.
-        let slot = self.slot;
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                for t in tasks {
-                    let _ = t.await;
-                }
-                give_back(slot);
-            });
-        }
         if self.made_table
             && let Err(e) = nft(None, &format!("delete table inet {}\n", self.plan.table))
         {
@@ -533,6 +521,19 @@ impl Drop for EmulatedLink {
             && let Err(e) = ip(&["netns", "del", &self.plan.namespace])
         {
             warn!(namespace = %self.plan.namespace, error = %e, "deleting the emulated link's namespace failed");
+        }
+        // The slot (its names) is free again only after the namespace and the table are gone,
+        // and once the tasks, which hold the TUN devices, are (the host end's device closes
+        // with them): a link made on it sooner would lose its new namespace to the deletion
+        // above. Without a runtime the process is ending and the slot is not needed again.
+        let slot = self.slot;
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                for t in tasks {
+                    let _ = t.await;
+                }
+                give_back(slot);
+            });
         }
         debug!(namespace = %self.plan.namespace, "emulated link removed");
     }

@@ -213,3 +213,36 @@ async fn loopback_inside_can_be_sent_to_the_host_ends_loopback() {
         "nothing crossed the link"
     );
 }
+
+#[test]
+fn links_made_while_others_are_removed_keep_their_namespaces_and_carry() {
+    if let Err(e) = check_available() {
+        eprintln!("SKIPPED: {e}");
+        return;
+    }
+    // Two makers at once, as two tests of one binary are (each on its own runtime, a link
+    // dropped outside the runtime's workers): each removes its link as the other makes one.
+    // A new link may get the names of one being removed, and must not lose its namespace to
+    // that removal.
+    let maker = |who: usize| {
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async {
+                for round in 0..12 {
+                    let link = link("delay=1ms").await.unwrap();
+                    let seen = round_trips(&link, 3, ms(2), Duration::from_secs(5))
+                        .await
+                        .unwrap();
+                    assert_eq!(seen.answered(), 3, "maker {who} round {round}: {seen:?}");
+                }
+            });
+        })
+    };
+    let (a, b) = (maker(0), maker(1));
+    a.join().unwrap();
+    b.join().unwrap();
+}
