@@ -386,7 +386,14 @@ impl KubeStore {
         let api = self.api(key.kind, key.namespace());
         let conditional = resource_version(&object).is_some();
         if conditional && let Some(fence) = fence {
-            fencing::judge(&key, fence, WriteFence::of_object(&object).as_ref())?;
+            fencing::judge(&key, fence, WriteFence::recorded(&object).as_ref())?;
+        }
+        // A fenced write leaves its fence where the next write is judged; an unfenced one
+        // conditioned on a version carries the record as its writer read it (nothing was
+        // written since, or the version check refuses it).
+        let mut object = object;
+        if let Some(fence) = fence {
+            fence.set_as_spec_annotation(&mut object);
         }
         let mut attempt = 0;
         loop {
@@ -396,8 +403,11 @@ impl KubeStore {
                 // CRs refuse updates without a resourceVersion: read the current one, and
                 // retry if another writer slips in between.
                 let current = self.read(&key).await?.ok_or_else(|| key.not_found())?;
-                if let Some(fence) = fence {
-                    fencing::judge(&key, fence, WriteFence::of_object(&current).as_ref())?;
+                match fence {
+                    Some(fence) => {
+                        fencing::judge(&key, fence, WriteFence::recorded(&current).as_ref())?
+                    }
+                    None => fencing::keep_stored_spec_record(&key, &mut candidate, &current),
                 }
                 set_meta(
                     &mut candidate,

@@ -61,7 +61,7 @@ checks![
     selected_watch_follows_objects_into_and_out_of_the_selection,
     fenced_status_writes_refuse_what_is_stale,
     fenced_writes_on_an_outdated_basis_read_again,
-    fenced_spec_writes_are_compared_but_raise_nothing,
+    fenced_spec_writes_are_compared_and_fence_later_writes,
     unfenced_writes_keep_the_fencing_record,
 ];
 
@@ -1475,9 +1475,11 @@ pub async fn fenced_writes_on_an_outdated_basis_read_again(
 }
 
 /// A fenced spec write (a finalizer, a taint) is compared against the record and refused when
-/// stale, but never raises it: status stays as stored. On an object read with its
-/// resourceVersion the rule is applied to what was read, and a change since is a conflict.
-pub async fn fenced_spec_writes_are_compared_but_raise_nothing(
+/// stale. It leaves `status` as stored and its fence in the spec-fence annotation, which later
+/// fenced writes are judged against too: an old owner's status after a new owner's spec write is
+/// refused. On an object read with its resourceVersion the rule is applied to what was read, and
+/// a change since is a conflict.
+pub async fn fenced_spec_writes_are_compared_and_fence_later_writes(
     store: &dyn Store,
     prefix: &str,
 ) -> Result<()> {
@@ -1485,6 +1487,7 @@ pub async fn fenced_spec_writes_are_compared_but_raise_nothing(
     store.create(manifest_work(&ns, "web", "v1")).await?;
     let a1 = WriteFence::new(3, 1, "gw-a");
     let b2 = WriteFence::new(3, 2, "gw-b");
+    let c3 = WriteFence::new(3, 3, "gw-c");
     let read = || async {
         store
             .get(Kind::ManifestWork, Some(&ns), "web")
@@ -1496,14 +1499,19 @@ pub async fn fenced_spec_writes_are_compared_but_raise_nothing(
         work
     };
 
-    // No record yet: a spec write under any fence goes through, and sets none.
+    // No record yet: a spec write under any fence goes through; status stays without one, the
+    // object records the spec write's.
     let held = store
         .update_spec_fenced(with_finalizer(read().await?, "example.com/one"), &a1)
         .await
         .context("a fenced spec write of an object no gateway wrote")?;
     ensure!(
         stored_fence(&held).is_none(),
-        "a spec write set a record: {held}"
+        "a spec write set the status's record: {held}"
+    );
+    ensure!(
+        WriteFence::recorded(&held) == Some(a1.clone()),
+        "a spec write left no record of its fence: {held}"
     );
 
     store
@@ -1539,19 +1547,62 @@ pub async fn fenced_spec_writes_are_compared_but_raise_nothing(
         "a refused spec write changed the object"
     );
 
+    // A new owner's spec write fences the old owner's status writes, with the old owner's
+    // basis (conditioned on a version the spec write changed) or without one.
+    let before_c = read().await?;
+    let by_c = store
+        .update_spec_fenced(with_finalizer(read().await?, "example.com/three"), &c3)
+        .await
+        .context("a new owner's spec write")?;
+    ensure!(
+        stored_fence(&by_c) == Some(b2.clone()),
+        "a spec write changed the status's record: {by_c}"
+    );
+    for basis in [Basis::of(&before_c), None] {
+        expect_err(
+            store
+                .update_status_fenced(
+                    Kind::ManifestWork,
+                    Some(&ns),
+                    "web",
+                    work_status("Available", 1),
+                    &b2,
+                    basis.as_ref(),
+                )
+                .await,
+            "the old owner's status after the new owner's spec write",
+            fenced(Stale::Epoch),
+        )?;
+    }
+    ensure!(
+        read().await?["status"]["conditions"] == work_status("Applied", 1)["conditions"],
+        "a refused status write changed the object"
+    );
+    let by_c = store
+        .update_status_fenced(
+            Kind::ManifestWork,
+            Some(&ns),
+            "web",
+            work_status("Available", 1),
+            &c3,
+            Basis::of(&by_c).as_ref(),
+        )
+        .await
+        .context("the new owner's status write after its spec write")?;
+    ensure!(
+        stored_fence(&by_c) == Some(c3.clone()),
+        "the new owner's status write did not set its record: {by_c}"
+    );
+
     // A read from before a change is a conflict, not a silent overwrite.
     let before = read().await?;
-    let by_b = store
-        .update_spec_fenced(with_finalizer(read().await?, "example.com/three"), &b2)
+    store
+        .update_spec_fenced(with_finalizer(read().await?, "example.com/four"), &c3)
         .await
         .context("the owner's spec write")?;
-    ensure!(
-        stored_fence(&by_b) == Some(b2.clone()),
-        "a spec write changed the record: {by_b}"
-    );
     expect_err(
         store
-            .update_spec_fenced(with_finalizer(before, "example.com/four"), &b2)
+            .update_spec_fenced(with_finalizer(before, "example.com/five"), &c3)
             .await,
         "a fenced spec write on an outdated read",
         |e| matches!(e, StoreError::Conflict { .. }),
@@ -1559,7 +1610,7 @@ pub async fn fenced_spec_writes_are_compared_but_raise_nothing(
     let mut missing = manifest_work(&ns, "missing", "v1");
     missing["metadata"]["finalizers"] = json!(["example.com/one"]);
     expect_err(
-        store.update_spec_fenced(missing, &b2).await,
+        store.update_spec_fenced(missing, &c3).await,
         "a fenced spec write of a missing object",
         |e| matches!(e, StoreError::NotFound { .. }),
     )?;
@@ -1659,7 +1710,58 @@ pub async fn unfenced_writes_keep_the_fencing_record(
         stored_fence(&respecced) == Some(b2.clone()),
         "a spec write dropped the record: {respecced}"
     );
-    // And the stale owner is still refused after all of them.
+    // A fenced spec write's record stays through an unfenced spec write that does not carry
+    // it (written without a resourceVersion, as the operator API's replace may be), and one
+    // that carries a forged one gets the stored one.
+    let c3 = WriteFence::new(3, 3, "gw-c");
+    store
+        .update_spec_fenced(
+            store
+                .get(Kind::ManifestWork, Some(&ns), "web")
+                .await?
+                .context("object gone")?,
+            &c3,
+        )
+        .await
+        .context("a fenced spec write")?;
+    for (what, mut object) in [
+        (
+            "without the spec write's record",
+            manifest_work(&ns, "web", "v3"),
+        ),
+        ("with a forged one", manifest_work(&ns, "web", "v4")),
+    ] {
+        if what.contains("forged") {
+            WriteFence::new(3, 0, "someone").set_as_spec_annotation(&mut object);
+        }
+        let respecced = store
+            .update_spec(object)
+            .await
+            .with_context(|| format!("an unfenced spec write {what}"))?;
+        ensure!(
+            WriteFence::recorded(&respecced)
+                == Some(WriteFence {
+                    report_sequence: Some(7),
+                    ..c3.clone()
+                }),
+            "an unfenced spec write {what} changed the record: {respecced}"
+        );
+    }
+    // And the stale owners are still refused after all of them.
+    expect_err(
+        store
+            .update_status_fenced(
+                Kind::ManifestWork,
+                Some(&ns),
+                "web",
+                work_status("Applied", 1),
+                &WriteFence::new(3, 2, "gw-b").with_report(8),
+                None,
+            )
+            .await,
+        "an owner's write after a newer owner's spec write and unfenced writes",
+        fenced(Stale::Epoch),
+    )?;
     expect_err(
         store
             .update_status_fenced(

@@ -460,7 +460,11 @@ impl SledStore {
                 Some(_) => &object,
                 None => &current,
             };
-            fencing::judge(&key, fence, WriteFence::of_object(judged).as_ref())?;
+            fencing::judge(&key, fence, WriteFence::recorded(judged).as_ref())?;
+        }
+        match fence {
+            Some(fence) => fence.set_as_spec_annotation(&mut object),
+            None => fencing::keep_stored_spec_record(&key, &mut object, &current),
         }
         let stored_rv = resource_version(&current).unwrap_or("").to_owned();
         if let Some(given) = resource_version(&object)
@@ -577,7 +581,7 @@ impl SledStore {
         let mut object = self.inner.read(&key)?.ok_or_else(|| key.not_found())?;
         match fence {
             Some(fence) => {
-                fencing::judge(&key, fence, WriteFence::of_object(&object).as_ref())?;
+                fencing::judge(&key, fence, WriteFence::recorded(&object).as_ref())?;
                 fence.set_in(&mut status);
             }
             None => fencing::keep_stored(&key, &mut status, Some(&object)),

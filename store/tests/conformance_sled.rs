@@ -52,7 +52,7 @@ sled_checks![
     selected_watch_follows_objects_into_and_out_of_the_selection,
     fenced_status_writes_refuse_what_is_stale,
     fenced_writes_on_an_outdated_basis_read_again,
-    fenced_spec_writes_are_compared_but_raise_nothing,
+    fenced_spec_writes_are_compared_and_fence_later_writes,
     unfenced_writes_keep_the_fencing_record,
 ];
 

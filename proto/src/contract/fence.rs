@@ -13,7 +13,11 @@
 //!
 //! Why in the status and not an annotation: the CRDs have the status subresource, and the
 //! apiserver keeps all metadata as stored on a `/status` write, so an annotation could only be
-//! raised by a second write per status.
+//! raised by a second write per status. A spec write (the cleanup finalizer, the taint) cannot
+//! change the status for the same reason, so it leaves its fence in an annotation instead
+//! ([`SPEC_FENCE_ANNOTATION`]); a write is judged against the newer of the two
+//! ([`WriteFence::recorded`]), so a spec write by a shard's new owner fences the old owner's
+//! status writes as a status write would.
 //!
 //! The store, the gateway and the chaos checker all apply this rule; it is written once, here.
 
@@ -24,6 +28,11 @@ use crate::api::Kind;
 
 /// The field of a fenced kind's `status` that holds the [`WriteFence`] of its last fenced write.
 pub const FENCE_FIELD: &str = "fence";
+
+/// The annotation holding the [`WriteFence`] (as JSON, without a report sequence) of the last
+/// fenced spec write of the object. Written by the store on fenced spec writes only; other
+/// writers' spec writes keep it as stored.
+pub const SPEC_FENCE_ANNOTATION: &str = "flotilla.io/spec-fence";
 
 /// The kinds whose status carries a [`WriteFence`]: the ones gateways write for the clusters of
 /// the shards they hold.
@@ -83,6 +92,62 @@ impl WriteFence {
     /// The record stored in `object`'s status, if any.
     pub fn of_object(object: &serde_json::Value) -> Option<WriteFence> {
         WriteFence::of_status(object.get("status")?)
+    }
+
+    /// The record of `object`'s last fenced spec write ([`SPEC_FENCE_ANNOTATION`]), if it has
+    /// one that reads as a record.
+    pub fn of_spec_annotation(object: &serde_json::Value) -> Option<WriteFence> {
+        let text = object
+            .get("metadata")?
+            .get("annotations")?
+            .get(SPEC_FENCE_ANNOTATION)?
+            .as_str()?;
+        serde_json::from_str(text).ok()
+    }
+
+    /// The record a fenced write of `object` is judged against: its status's record, with the
+    /// epoch (and gateway) of its last fenced spec write when that is newer on the same shard,
+    /// the report sequence always the status's (only status writes carry reports).
+    pub fn recorded(object: &serde_json::Value) -> Option<WriteFence> {
+        let by_spec = WriteFence::of_spec_annotation(object).map(|f| WriteFence {
+            report_sequence: None,
+            ..f
+        });
+        match (WriteFence::of_object(object), by_spec) {
+            (Some(status), Some(spec))
+                if spec.shard == status.shard && spec.epoch > status.epoch =>
+            {
+                Some(WriteFence {
+                    report_sequence: status.report_sequence,
+                    ..spec
+                })
+            }
+            (Some(status), _) => Some(status),
+            (None, spec) => spec,
+        }
+    }
+
+    /// Sets this record (without a report sequence) as `object`'s [`SPEC_FENCE_ANNOTATION`].
+    pub fn set_as_spec_annotation(&self, object: &mut serde_json::Value) {
+        let record = WriteFence {
+            report_sequence: None,
+            ..self.clone()
+        };
+        let (Some(meta), Ok(text)) = (
+            object.get_mut("metadata").and_then(|m| m.as_object_mut()),
+            serde_json::to_string(&record),
+        ) else {
+            return;
+        };
+        let annotations = meta
+            .entry("annotations")
+            .or_insert_with(|| serde_json::Value::Object(Default::default()));
+        if !annotations.is_object() {
+            *annotations = serde_json::Value::Object(Default::default());
+        }
+        if let Some(map) = annotations.as_object_mut() {
+            map.insert(SPEC_FENCE_ANNOTATION.to_owned(), text.into());
+        }
     }
 
     /// Sets this record as `status`'s (a JSON map; anything else is left alone).
@@ -258,6 +323,39 @@ mod tests {
             "as errors and logs name it"
         );
         assert!(is_fenced(Kind::ManifestWork) && is_fenced(Kind::ManagedCluster));
+    }
+
+    #[test]
+    fn a_spec_writes_record_counts_where_it_is_newer_on_the_same_shard() {
+        let mut object = json!({"metadata": {"name": "web"}});
+        assert_eq!(WriteFence::recorded(&object), None);
+        // Only a spec write so far: its record, never a report sequence.
+        fence(3, 4, Some(9)).set_as_spec_annotation(&mut object);
+        assert_eq!(
+            object["metadata"]["annotations"][SPEC_FENCE_ANNOTATION],
+            json!(r#"{"shard":3,"epoch":4,"gateway":"gw-4"}"#)
+        );
+        assert_eq!(WriteFence::recorded(&object), Some(fence(3, 4, None)));
+        // A status written under an older epoch: the spec write's epoch, the status's report.
+        object["status"] = json!({});
+        fence(3, 2, Some(7)).set_in(&mut object["status"]);
+        assert_eq!(WriteFence::recorded(&object), Some(fence(3, 4, Some(7))));
+        assert_eq!(
+            judge(
+                &fence(3, 2, Some(8)),
+                WriteFence::recorded(&object).as_ref()
+            ),
+            Err(Stale::Epoch),
+            "the old owner's status after the new owner's spec write"
+        );
+        // A status as new or newer, or of another shard: the status's record.
+        fence(3, 4, Some(8)).set_in(&mut object["status"]);
+        assert_eq!(WriteFence::recorded(&object), Some(fence(3, 4, Some(8))));
+        fence(5, 1, Some(9)).set_in(&mut object["status"]);
+        assert_eq!(WriteFence::recorded(&object), Some(fence(5, 1, Some(9))));
+        // An annotation that does not read as a record counts for nothing.
+        object["metadata"]["annotations"][SPEC_FENCE_ANNOTATION] = json!("epoch 9");
+        assert_eq!(WriteFence::recorded(&object), Some(fence(5, 1, Some(9))));
         assert!(!is_fenced(Kind::Placement));
     }
 }
