@@ -252,7 +252,20 @@ impl HealthWriter {
                         HealthReport::Disconnected { cluster, session } => {
                             // Kept for live sessions only; the watch cache answers for the next.
                             last_info.remove(&cluster);
-                            presence.disconnected(Instant::now(), &cluster, &session);
+                            // A session of a shard this gateway no longer acts for (drained on
+                            // its loss, or closed as it resumed from a pause) starts no grace
+                            // period: the shard's owner judges the cluster. Left pending, it
+                            // would outlive the loss and, were the shard taken again, mark the
+                            // cluster before a whole grace period from that takeover while its
+                            // agent is still being handed over. A lapsed shard (renewal late)
+                            // is still this gateway's until the lease round says otherwise.
+                            let now = Instant::now();
+                            let view = self.shards.borrow().clone();
+                            if view.holds_cluster(&cluster, now) || view.lapsed(&cluster, now) {
+                                presence.disconnected(now, &cluster, &session);
+                            } else {
+                                presence.forget(&cluster);
+                            }
                         }
                         HealthReport::ClusterInfo { cluster, info } => {
                             if let Err(problem) = check_cluster_info(&info) {
@@ -883,17 +896,37 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_shard_lost_and_taken_again_gives_its_clusters_a_whole_grace_period_again() {
-        lost_and_taken_again(true).await;
+        lost_and_taken_again(Between::LossSeen).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_shard_taken_again_at_a_new_epoch_unseen_lost_gives_a_whole_grace_period_again() {
         // Paused past its lease (SIGSTOP), a gateway may lose a shard and take it again in
         // one lease round: no view without the shard is ever published, only a new epoch.
-        lost_and_taken_again(false).await;
+        lost_and_taken_again(Between::NothingSeen).await;
     }
 
-    async fn lost_and_taken_again(seen_lost: bool) {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_session_closed_after_its_shard_was_lost_starts_no_grace_period() {
+        // The agent is here when the shard is lost; its session closes after (drained on the
+        // loss, or found dead as the gateway resumes from a pause). Taken again later, the
+        // shard's clusters get a whole grace period from that takeover, not one from the
+        // close, while the agent is still on the gateway that held the shard in between.
+        lost_and_taken_again(Between::SessionClosedAfterTheLoss).await;
+    }
+
+    /// What the gateway sees between taking the shard and taking it again.
+    #[derive(Clone, Copy, PartialEq)]
+    enum Between {
+        /// Nothing: only the new epoch tells of the loss.
+        NothingSeen,
+        /// A view without the shard.
+        LossSeen,
+        /// The agent connected before the loss, its session closing after it.
+        SessionClosedAfterTheLoss,
+    }
+
+    async fn lost_and_taken_again(between: Between) {
         // A gateway takes a shard over: store-1 is recorded Available and its agent is not
         // here, so its grace period starts. The shard is lost (another gateway took it, and
         // the agent may be on its way there), then taken again: the agent gets a whole grace
@@ -955,7 +988,7 @@ mod tests {
             views.subscribe(),
             stop.clone(),
         ));
-        let (writer, _reports) = HealthWriter::new(
+        let (writer, reports) = HealthWriter::new(
             store.clone(),
             grace,
             admissions,
@@ -964,9 +997,29 @@ mod tests {
         );
         tokio::spawn(writer.run(stop));
 
+        if between == Between::SessionClosedAfterTheLoss {
+            reports
+                .send(HealthReport::Connected {
+                    cluster: "store-1".into(),
+                    session: "s1".into(),
+                    hello: Box::new(hello("v1.36.3")),
+                })
+                .await;
+        }
         tokio::time::sleep(Duration::from_secs(1)).await;
-        if seen_lost {
+        if between != Between::NothingSeen {
             views.send_replace(nothing);
+        }
+        if between == Between::SessionClosedAfterTheLoss {
+            // The loss first, then the close: the order in which a close started a grace
+            // period that outlived the loss (either order must leave none).
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            reports
+                .send(HealthReport::Disconnected {
+                    cluster: "store-1".into(),
+                    session: "s1".into(),
+                })
+                .await;
         }
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let retaken = jiff::Timestamp::now();
