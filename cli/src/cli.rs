@@ -77,11 +77,54 @@ pub fn parse_documents(text: &str, source: &str) -> anyhow::Result<Vec<Value>> {
             .with_context(|| format!("{source}: document {} is not valid YAML", i + 1))?;
         match value {
             Value::Null => continue,
-            Value::Object(_) => docs.push(value),
+            Value::Object(_) => {
+                check_sendable(&value).with_context(|| format!("{source}: document {}", i + 1))?;
+                docs.push(value);
+            }
             _ => bail!("{source}: document {} is not an object", i + 1),
         }
     }
     Ok(docs)
+}
+
+/// Refuses a document that would not reach the hub as it was read. serde_json gives keys of
+/// its own (`$serde_json::private::RawValue`) a meaning when the hub reads a body, so a YAML
+/// map using one would reach the operator API as a parse error naming no object; and its JSON
+/// must read back to the same value.
+fn check_sendable(doc: &Value) -> anyhow::Result<()> {
+    if let Some(path) = reserved_key(doc, "") {
+        bail!(
+            "has the key {path}: keys starting with `{RESERVED_KEY_PREFIX}` are reserved by JSON \
+             readers; rename it"
+        );
+    }
+    let json = serde_json::to_vec(doc).context("cannot be written as JSON")?;
+    match serde_json::from_slice::<Value>(&json) {
+        Ok(read) if read == *doc => Ok(()),
+        Ok(_) => bail!("changes when written as JSON and read back; check its keys and numbers"),
+        Err(e) => bail!("cannot be sent as JSON: {e}"),
+    }
+}
+
+const RESERVED_KEY_PREFIX: &str = "$serde_json::";
+
+/// The path (`.a.b[2].c`) of the first key of `value` under `at` that JSON readers reserve.
+fn reserved_key(value: &Value, at: &str) -> Option<String> {
+    match value {
+        Value::Object(map) => map.iter().find_map(|(key, v)| {
+            let path = format!("{at}.{key}");
+            if key.starts_with(RESERVED_KEY_PREFIX) {
+                Some(path)
+            } else {
+                reserved_key(v, &path)
+            }
+        }),
+        Value::Array(items) => items
+            .iter()
+            .enumerate()
+            .find_map(|(i, v)| reserved_key(v, &format!("{at}[{i}]"))),
+        _ => None,
+    }
 }
 
 /// A ManifestWork named `name` in `cluster`'s namespace carrying `manifests` (what
@@ -593,6 +636,22 @@ pub fn apply_taint_changes(
 #[cfg(test)]
 mod change_tests {
     use super::*;
+
+    #[test]
+    fn a_document_that_would_not_reach_the_hub_as_read_is_refused_naming_it() {
+        let ok = "kind: ManifestChunk\nmetadata: {name: a}\n---\nkind: Placement\n";
+        assert_eq!(parse_documents(ok, "f.yaml").unwrap().len(), 2);
+        // A key serde_json reads as a raw value: its JSON does not read back.
+        let reserved = "kind: Placement\n---\nkind: ManifestChunk\nmetadata: {name: a, $serde_json::private::RawValue}\n";
+        let err = format!("{:#}", parse_documents(reserved, "f.yaml").unwrap_err());
+        for part in [
+            "f.yaml: document 2",
+            "has the key .metadata.$serde_json::private::RawValue",
+            "are reserved",
+        ] {
+            assert!(err.contains(part), "{part:?} missing from: {err}");
+        }
+    }
 
     #[test]
     fn a_replica_set_over_one_objects_limit_is_refused_saying_what_to_do() {
