@@ -227,22 +227,31 @@ impl Run {
         report.lease_changes = lease_changes.len() as u64;
         let marks = unknown_watch.await.unwrap_or_default();
         let wrong = unknown::judge(&marks, &sessions);
+        // The gateways run with their default grace period.
+        let grace = flotilla_gateway::GatewayConfig::default().grace_period;
+        let not_due = unknown::not_due(&marks, &sessions, grace.as_millis() as u64);
         let mut unknown_held = Invariant::new(
             "no cluster marked Unknown while its agent held a session",
             wrong.is_empty(),
             match wrong.first() {
                 None => format!(
-                    "{} Unknown marks, none on a cluster whose agent held a session for {} s before",
+                    "{} Unknown marks, none on a cluster whose agent held a session for {} s \
+                     before; {not_due} made less than a grace period ({} s) after the agent's \
+                     last session",
                     marks.len(),
-                    unknown::SETTLED_MS / 1000
+                    unknown::SETTLED_MS / 1000,
+                    grace.as_secs()
                 ),
                 Some(w) => format!(
-                    "{} of {} Unknown marks wrong, first {} at {} while its session was up since {}",
+                    "{} of {} Unknown marks wrong, first {} at {} while its session was up since \
+                     {}; {not_due} made less than a grace period ({} s) after the agent's last \
+                     session",
                     wrong.len(),
                     marks.len(),
                     w.cluster,
                     w.at_unix_ms,
-                    w.session_since_unix_ms
+                    w.session_since_unix_ms,
+                    grace.as_secs()
                 ),
             },
         );

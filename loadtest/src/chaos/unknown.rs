@@ -39,6 +39,36 @@ fn session_at(log: &[(u64, bool)], at: u64) -> Option<u64> {
     up.then_some(*since)
 }
 
+/// How much sooner than a whole grace period after the agent's last session a mark may be
+/// stamped and still count as due: the condition's time has whole seconds, and a gateway
+/// learns of a close a moment after it.
+pub const DUE_SLACK_MS: u64 = 2_000;
+
+/// How many of `marks` were made less than `grace_ms` after their agent's last session
+/// (a session up, or ending, within that time before the mark): marks no outage of the agent
+/// made due, made while it was handed between gateways. Counted, not judged: a shard's new
+/// owner cannot see when the old owner's session of an agent ended, so a partition between
+/// them can make such a mark honestly.
+pub fn not_due(
+    marks: &[UnknownMark],
+    sessions: &HashMap<String, Vec<(u64, bool)>>,
+    grace_ms: u64,
+) -> usize {
+    marks
+        .iter()
+        .filter(|m| {
+            let Some(log) = sessions.get(&m.cluster) else {
+                return false;
+            };
+            let from = m
+                .at_unix_ms
+                .saturating_sub(grace_ms.saturating_sub(DUE_SLACK_MS));
+            session_at(log, from).is_some()
+                || log.iter().any(|(t, _)| *t > from && *t <= m.at_unix_ms)
+        })
+        .count()
+}
+
 /// The marks of `marks` made while the cluster's agent held a settled session, by `sessions`
 /// (cluster → its agent's session log).
 pub fn judge(
@@ -67,6 +97,29 @@ mod tests {
             cluster: cluster.into(),
             at_unix_ms: at,
         }
+    }
+
+    #[test]
+    fn a_mark_is_due_only_a_whole_grace_period_after_the_agents_last_session() {
+        let sessions = HashMap::from([
+            // Up at 1 s, down at 20 s, up again at 100 s.
+            (
+                "a".to_string(),
+                vec![(1_000, true), (20_000, false), (100_000, true)],
+            ),
+            ("b".to_string(), vec![]),
+        ]);
+        let grace = 40_000;
+        let count = |marks: &[UnknownMark]| not_due(marks, &sessions, grace);
+        // 40 s after the close, or within the slack of it: due.
+        assert_eq!(count(&[mark("a", 60_000), mark("a", 58_500)]), 0);
+        // 30 s after the close, during a session, and 39 s after a session's start: not due.
+        assert_eq!(
+            count(&[mark("a", 50_000), mark("a", 10_000), mark("a", 139_000)]),
+            3
+        );
+        // Agents that never connected, and clusters of no agent of the run: due.
+        assert_eq!(count(&[mark("b", 10_000), mark("c", 10_000)]), 0);
     }
 
     #[test]
