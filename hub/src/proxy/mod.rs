@@ -239,8 +239,13 @@ async fn handle(
         line.status = status.as_u16();
         line.refused = reason.to_string();
         line.duration_ms = started.elapsed().as_millis() as u64;
+        let as_text = read_raw_by_kubectl(&line.path);
         front.audit.record(line);
-        failure(status, reason, &message)
+        if as_text {
+            text_failure(status, &message)
+        } else {
+            failure(status, reason, &message)
+        }
     };
 
     let head = match RequestHead::read(request.method(), request.uri(), request.headers()) {
@@ -621,6 +626,27 @@ fn is_dot_segment(segment: &str) -> bool {
 }
 
 /// A failure of the hub's own, as a Kubernetes Status kubectl prints.
+/// Whether `path` (within a cluster) is a discovery root that kubectl reads without decoding
+/// an error body: for those, client-go keeps an error's message only from a `text/` body, and
+/// a JSON Status reaches the user as "Error from server (Forbidden): unknown" after five
+/// "couldn't get current server API group list: unknown" lines.
+fn read_raw_by_kubectl(path: &str) -> bool {
+    matches!(path.trim_end_matches('/'), "/api" | "/apis")
+}
+
+/// A refusal as plain text (see [`read_raw_by_kubectl`]).
+fn text_failure(status: StatusCode, message: &str) -> Response<ProxyBody> {
+    let mut response = failure(status, "", message);
+    *response.body_mut() = Full::new(Bytes::from(format!("{message}\n")))
+        .map_err(|n| match n {})
+        .boxed();
+    response.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    response
+}
+
 fn failure(status: StatusCode, reason: &str, message: &str) -> Response<ProxyBody> {
     let body = tunnel::status_body(status.as_u16(), reason, message);
     let mut response = Response::new(Full::new(Bytes::from(body)).map_err(|n| match n {}).boxed());

@@ -228,10 +228,19 @@ on_both_carriers! {
             "{}", stderr(&unauthorized)
         );
 
-        // No rule for mallory: 403 from the hub, with the reason.
+        // No rule for mallory: 403 from the hub, with the reason, also where kubectl has no
+        // discovery cached yet (its first reads are the discovery roots, whose error bodies
+        // it does not decode).
         let refused = kubectl(&mallory, &["get", "namespaces"]).await?;
         assert!(
             stderr(&refused).contains("Error from server (Forbidden): user mallory (groups: dev) may not reach cluster store-1: no access rule"),
+            "{}", stderr(&refused)
+        );
+        let no_cache = dir.path().join("mallory-discovery-cache");
+        let refused = kubectl(&mallory, &["--cache-dir", no_cache.to_str().unwrap(), "get", "pods", "-A"]).await?;
+        assert!(
+            stderr(&refused).contains("Error from server (Forbidden): user mallory (groups: dev) may not reach cluster store-1: no access rule")
+                && !stderr(&refused).contains("unknown"),
             "{}", stderr(&refused)
         );
         // Read-only rita reads, and cannot apply.
