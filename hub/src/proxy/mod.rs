@@ -551,7 +551,7 @@ impl RequestHead {
                 status: StatusCode::NOT_FOUND,
                 reason: "NotFound",
                 message: format!(
-                    "{} is not a cluster path; the proxy front serves /clusters/NAME/<Kubernetes API path> (flotilla kubeconfig --cluster NAME writes a kubeconfig for it)",
+                    "{} is not a cluster path; the proxy front serves /clusters/NAME/<Kubernetes API path> (flotilla kubeconfig --cluster NAME writes a kubeconfig for it; with kubectl get --raw, give the whole path, /clusters/NAME/api/...: --raw replaces the kubeconfig server's path)",
                     uri.path()
                 ),
             });

@@ -174,6 +174,18 @@ on_both_carriers! {
         let namespaces = kubectl_ok(&alice, &["get", "namespaces", "-o", "name"]).await?;
         assert!(namespaces.contains("namespace/team-a"), "{namespaces}");
 
+        // `get --raw` replaces the kubeconfig server's path with its own: the whole path
+        // reaches the cluster, the API path alone is refused saying so.
+        let raw = kubectl_ok(&alice, &["get", "--raw", "/clusters/store-1/api/v1/namespaces/team-a"]).await?;
+        let namespace: serde_json::Value = serde_json::from_str(&raw)?;
+        assert_eq!(namespace["metadata"]["name"], "team-a", "{raw}");
+        let bare = kubectl(&alice, &["get", "--raw", "/api/v1/namespaces/team-a"]).await?;
+        assert!(
+            !bare.status.success()
+                && stderr(&bare).contains("with kubectl get --raw, give the whole path, /clusters/NAME/api/..."),
+            "{}", stderr(&bare)
+        );
+
         // A watch that sees a ConfigMap created after it started.
         let manifest = dir.path().join("cm.yaml");
         std::fs::write(&manifest, "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: first\n  namespace: team-a\ndata:\n  k: v\n")?;
