@@ -53,12 +53,13 @@ export GOTOOLCHAIN=local   # the toolchain on the machine; never download anothe
 export GOFLAGS=-mod=readonly
 export CGO_ENABLED=0
 
-build() { # name, module dir, package, ldflags[, build tags]; into $bin
-  local name=$1 dir=$2 pkg=$3 ldflags=$4 tags=${5:-providerless}
+build() { # name, module dir, package, ldflags[, build tags[, more go build flags]]; into $bin
+  local name=$1 dir=$2 pkg=$3 ldflags=$4 tags=${5:-providerless} more=${6:-}
   if [ -x "$bin/$name" ]; then return; fi
   echo "building $name ($pkg) into $bin ..." >&2
   local started=$SECONDS
-  (cd "$dir" && go build -trimpath -tags "$tags" -ldflags="$ldflags" -o "$bin/$name.partial" "$pkg")
+  # shellcheck disable=SC2086 # $more is flags, split on purpose
+  (cd "$dir" && go build -trimpath -tags "$tags" -ldflags="$ldflags" $more -o "$bin/$name.partial" "$pkg")
   mv "$bin/$name.partial" "$bin/$name"   # only a complete binary ever carries the final name
   echo "built $name in $((SECONDS - started)) s" >&2
 }
@@ -101,18 +102,51 @@ exec 9>&-   # the apiserver's lock; tests that need only it go on while the rest
 
 if $spoke; then
   # Bump when the way these binaries are built changes.
-  spoke_recipe=1
+  spoke_recipe=2
   bin=${FLOTILLA_TESTENV_SPOKE_BIN:-$HOME/.cache/flotilla/testenv/spoke-kube-$kube_version-kwok-$kwok_version-r$spoke_recipe}
   mkdir -p "$bin"
   exec 9>"$bin/.build.lock"
   flock 9
   build kube-controller-manager "$here/go/kube-controllers" k8s.io/kubernetes/cmd/kube-controller-manager "$kube_ldflags"
   build kube-scheduler "$here/go/kube-controllers" k8s.io/kubernetes/cmd/kube-scheduler "$kube_ldflags"
-  build kwok "$here/go/kwok" sigs.k8s.io/kwok/cmd/kwok "-s -w"
+  if [ ! -x "$bin/kwok" ] || [ ! -f "$bin/kwok-stages.yaml" ]; then
+    kwok_dir=$(cd "$here/go/kwok" && go list -m -f '{{.Dir}}' sigs.k8s.io/kwok)
+  fi
+  if [ ! -x "$bin/kwok" ]; then
+    # Two faults of kwok's exec that a kubelet does not have (see go/kwok/patch/exit_code.go.in):
+    # it loses a command's exit code, and it never closes the command's stdin when the caller's
+    # ends, so `kubectl exec -i POD -- cat` (and `kubectl cp`) never finish. Go builds nothing
+    # patched from its module cache, so the module is copied, patched, and kwok is built from
+    # the copy (a `replace` in a copy of go/kwok's go.mod, given with -modfile); go/kwok and the
+    # cache stay as they are. Each edit must match exactly once, so a kwok bump that moves the
+    # code fails here rather than building unpatched.
+    patched="$bin/.kwok-patched"
+    rm -rf "$patched"; mkdir -p "$patched"
+    cp -r "$kwok_dir" "$patched/kwok"
+    chmod -R u+w "$patched/kwok"   # the module cache's files are read-only
+    edit_once() { # file (in the copy), sed match, sed replacement
+      local file=$patched/kwok/$1 n
+      n=$(grep -c "$2" "$file" || true)
+      if [ "$n" != 1 ]; then
+        echo "kwok's $1 has $n lines matching '$2' where the patch expects 1; revisit go/kwok/patch" >&2
+        exit 1
+      fi
+      sed -i "s/$2/$3/" "$file"
+    }
+    exec_call='\(err :\?= \)\(utilsexec.Exec(ctx, cmd\[0\], cmd\[1:\]...)\)$'
+    edit_once pkg/kwok/server/debugging_exec.go "$exec_call" '\1flotillaCommandExit(\2)'
+    edit_once pkg/kwok/server/debugging_exec_other.go "$exec_call" '\1flotillaCommandExit(\2)'
+    edit_once pkg/utils/exec/exec.go '\(_, _ = io.Copy(inPipe, opt.In)\)$' '\1; _ = inPipe.Close()'
+    server="$patched/kwok/pkg/kwok/server"
+    cp "$here/go/kwok/patch/exit_code.go.in" "$server/flotilla_exit_code.go"
+    cp "$here/go/kwok/go.sum" "$patched/go.sum"
+    { cat "$here/go/kwok/go.mod"; echo "replace sigs.k8s.io/kwok => $patched/kwok"; } >"$patched/go.mod"
+  fi
+  build kwok "$here/go/kwok" sigs.k8s.io/kwok/cmd/kwok "-s -w" providerless "-modfile=$bin/.kwok-patched/go.mod"
+  rm -rf "$bin/.kwok-patched"
   # The kwok binary has no stages of its own (kwokctl hands it these): kwok's own defaults, taken
   # from the module that built it, so stages and binary always come from the same release.
   if [ ! -f "$bin/kwok-stages.yaml" ]; then
-    kwok_dir=$(cd "$here/go/kwok" && go list -m -f '{{.Dir}}' sigs.k8s.io/kwok)
     for stage in node/fast/node-initialize node/heartbeat-with-lease/node-heartbeat-with-lease \
       pod/fast/pod-ready pod/fast/pod-complete pod/fast/pod-delete; do
       echo "---"

@@ -3,7 +3,17 @@
 //! scheduled, run and become Ready, Deployments become Available, Jobs complete, namespaces are
 //! finalized and owned objects garbage-collected, all by Kubernetes' own controllers; only the
 //! containers are not real (kwok writes the status a kubelet would).
+//!
+//! kwok also serves the kubelet API of its nodes, over TLS with a certificate the apiserver
+//! verifies, so `kubectl logs`, `logs -f`, `attach` and `exec` work on the cluster's pods through
+//! the apiserver as on a real cluster. What is behind them is this machine: every container's log
+//! is one file the test appends to ([`TestCluster::append_container_log`]), and `exec` runs the
+//! command as a real process of this user in [`TestCluster::exec_dir`], with the caller's stdin,
+//! stdout and stderr. kwok checks no credentials of its caller (a real kubelet would authenticate
+//! and authorize the apiserver's client certificate).
 
+use std::io::Write as _;
+use std::net::{Ipv4Addr, TcpListener};
 use std::ops::Deref;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -49,6 +59,10 @@ pub struct TestCluster {
     scheduler: ChildProcess,
     kwok: ChildProcess,
     nodes: Vec<String>,
+    /// The file every container's log is read from (the CRI log format kubelets read).
+    container_log: PathBuf,
+    /// Where `exec`'s commands run.
+    exec_dir: PathBuf,
     env: TestEnv,
 }
 
@@ -67,6 +81,22 @@ impl TestCluster {
         let dir = env.workdir().to_path_buf();
         let kubeconfig = env.kubeconfig_path().display().to_string();
         let pki = dir.join("pki");
+        let container_log = dir.join("containers.log");
+        std::fs::File::create(&container_log).context("creating the container log")?;
+        let exec_dir = dir.join("exec");
+        std::fs::create_dir(&exec_dir).context("creating the exec directory")?;
+        let kubelet_config = dir.join("kwok-kubelet.yaml");
+        std::fs::write(
+            &kubelet_config,
+            kubelet_config_yaml(&container_log, &exec_dir),
+        )
+        .context("writing kwok's kubelet configuration")?;
+        // Picked free, then given to kwok; another process may take it in between, and then kwok
+        // exits and `wait_ready` says so with its log.
+        let kubelet_port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+            .and_then(|l| l.local_addr())
+            .context("picking a port for the kubelet API")?
+            .port();
 
         let controllers = CONTROLLERS.join(",");
         let controller_manager = ChildProcess::spawn(
@@ -105,11 +135,25 @@ impl TestCluster {
             &[
                 format!("--kubeconfig={kubeconfig}"),
                 format!("--config={}", bin.join("kwok-stages.yaml").display()),
+                format!("--config={}", kubelet_config.display()),
                 "--manage-all-nodes=false".to_owned(),
                 format!("--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake"),
                 // Pod IPs come from here; nothing routes to them.
                 "--cidr=10.0.128.0/17".to_owned(),
+                // Every node's InternalIP, where the apiserver dials its kubelet API
+                // (`--kubelet-preferred-address-types=InternalIP`) on the port the node-initialize
+                // stage writes into `status.daemonEndpoints`.
                 "--node-ip=127.0.0.1".to_owned(),
+                format!("--node-port={kubelet_port}"),
+                format!("--server-address=127.0.0.1:{kubelet_port}"),
+                format!(
+                    "--tls-cert-file={}",
+                    pki.join("kubelet-serving.crt").display()
+                ),
+                format!(
+                    "--tls-private-key-file={}",
+                    pki.join("kubelet-serving.key").display()
+                ),
                 "--node-lease-duration-seconds=40".to_owned(),
             ],
             dir.join("kwok.log"),
@@ -119,6 +163,8 @@ impl TestCluster {
             scheduler,
             kwok,
             nodes: (0..nodes).map(|i| format!("kwok-node-{i}")).collect(),
+            container_log,
+            exec_dir,
             env,
         };
         let started = Instant::now();
@@ -131,6 +177,24 @@ impl TestCluster {
     /// The names of the nodes kwok manages.
     pub fn nodes(&self) -> &[String] {
         &self.nodes
+    }
+
+    /// Appends `line` to the log of every container on the cluster, which `kubectl logs` shows
+    /// and `kubectl logs -f` and `attach` follow, as written to stdout now.
+    pub fn append_container_log(&self, line: &str) -> anyhow::Result<()> {
+        // The CRI format kubelets read container logs in: time, stream, F(ull line), the line.
+        let entry = format!("{} stdout F {line}\n", jiff::Timestamp::now());
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&self.container_log)
+            .and_then(|mut f| f.write_all(entry.as_bytes()))
+            .with_context(|| format!("appending to {}", self.container_log.display()))
+    }
+
+    /// The directory the commands of `kubectl exec` (and `cp`) into any pod of the cluster run
+    /// in, as processes of this machine.
+    pub fn exec_dir(&self) -> &Path {
+        &self.exec_dir
     }
 
     /// Each process's name and id, the apiserver's and etcd's included, e.g. to check that all are
@@ -275,6 +339,42 @@ impl Drop for TestCluster {
         self.scheduler.stop();
         self.controller_manager.stop();
     }
+}
+
+/// kwok's kubelet API for every pod on its nodes (its `Cluster*` kinds with no selector match
+/// all pods): logs and attach read `container_log`, exec runs the requested command here.
+fn kubelet_config_yaml(container_log: &Path, exec_dir: &Path) -> String {
+    let log = serde_json::Value::from(container_log.display().to_string());
+    let dir = serde_json::Value::from(exec_dir.display().to_string());
+    // JSON strings are YAML strings, quoted whatever the path holds.
+    format!(
+        "apiVersion: kwok.x-k8s.io/v1alpha1
+kind: ClusterLogs
+metadata:
+  name: container-log
+spec:
+  logs:
+  - logsFile: {log}
+    follow: true
+---
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: ClusterAttach
+metadata:
+  name: container-log
+spec:
+  attaches:
+  - logsFile: {log}
+---
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: ClusterExec
+metadata:
+  name: local-command
+spec:
+  execs:
+  - local:
+      workDir: {dir}
+"
+    )
 }
 
 /// The directory holding kube-controller-manager, kube-scheduler, kwok and kwok's stages,

@@ -366,6 +366,9 @@ async fn start_once(
     };
     // Not the apiserver's: the controller-manager publishes it to pods (`--root-ca-file`).
     write("serving-ca.crt", &pki.serving_ca_cert)?;
+    // Not the apiserver's either: a TestCluster's kwok serves the kubelet API with them.
+    write("kubelet-serving.crt", &pki.kubelet_serving_cert)?;
+    write("kubelet-serving.key", &pki.kubelet_serving_key)?;
     let args = vec![
         format!("--etcd-servers=http://127.0.0.1:{etcd_port}"),
         "--bind-address=127.0.0.1".to_owned(),
@@ -394,6 +397,14 @@ async fn start_once(
             "--service-account-signing-key-file={}",
             write("service-account.key", &pki.service_account_key)?
         ),
+        // A TestCluster's kwok serves the kubelet API (logs, exec, attach, port-forward) with a
+        // certificate from this CA, at the InternalIP it gives its nodes; the apiserver verifies
+        // it as it would a real kubelet's. A bare TestEnv has no nodes, so it never dials one.
+        format!(
+            "--kubelet-certificate-authority={}",
+            write("kubelet-ca.crt", &pki.kubelet_ca_cert)?
+        ),
+        "--kubelet-preferred-address-types=InternalIP".to_owned(),
         // Never written to (a certificate is given), but keeps any default away from the cwd.
         format!("--cert-dir={}", pki_dir.display()),
         "--profiling=false".to_owned(),

@@ -32,6 +32,13 @@ pub(crate) struct Pki {
     pub service_account_key: String,
     /// Verifies them (`--service-account-key-file`).
     pub service_account_public_key: String,
+    /// Signs the kubelets' serving certificates; the apiserver verifies every kubelet it dials
+    /// against it (`--kubelet-certificate-authority`), as it should against a real node's.
+    pub kubelet_ca_cert: String,
+    /// The serving certificate of the (kwok-simulated) kubelets, for 127.0.0.1, where the
+    /// nodes' InternalIP points.
+    pub kubelet_serving_cert: String,
+    pub kubelet_serving_key: String,
 }
 
 impl Pki {
@@ -81,6 +88,20 @@ impl Pki {
         let service_account_key =
             KeyPair::generate().context("generating the service-account key")?;
 
+        let kubelet_ca = new_ca("flotilla-testenv-kubelet-ca")?;
+        let mut kubelet =
+            CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()])?;
+        kubelet
+            .distinguished_name
+            .push(DnType::CommonName, "kwok-kubelet");
+        kubelet.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        kubelet.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        kubelet.use_authority_key_identifier_extension = true;
+        let kubelet_key = KeyPair::generate().context("generating the kubelet serving key")?;
+        let kubelet_cert = kubelet
+            .signed_by(&kubelet_key, &kubelet_ca)
+            .context("signing the kubelet serving certificate")?;
+
         Ok(Pki {
             serving_ca_cert: serving_ca.pem(),
             serving_cert: serving_cert.pem(),
@@ -90,6 +111,9 @@ impl Pki {
             admin_key: admin_key.serialize_pem(),
             service_account_key: service_account_key.serialize_pem(),
             service_account_public_key: service_account_key.public_key_pem(),
+            kubelet_ca_cert: kubelet_ca.pem(),
+            kubelet_serving_cert: kubelet_cert.pem(),
+            kubelet_serving_key: kubelet_key.serialize_pem(),
         })
     }
 }

@@ -2,6 +2,7 @@
 //! kubelets make workloads run, with nothing written by the test but the workloads.
 
 use std::path::Path;
+use std::process::Stdio;
 use std::time::Duration;
 
 use flotilla_testenv::{TestCluster, wait_for};
@@ -10,6 +11,7 @@ use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Pod};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::json;
+use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _, BufReader};
 
 /// Long enough for a loaded 2-core machine; each wait ends as soon as its condition holds.
 const WORKLOAD_TIMEOUT: Duration = Duration::from_secs(90);
@@ -153,5 +155,130 @@ async fn deployments_become_available_jobs_complete_and_namespaces_go() -> anyho
         );
     }
     assert!(!workdir.exists(), "{} not removed", workdir.display());
+    Ok(())
+}
+
+/// Creates pod `default/{name}` and waits until kwok reports it Ready.
+async fn ready_pod(cluster: &TestCluster, name: &str) -> anyhow::Result<()> {
+    let pods: Api<Pod> = Api::namespaced(cluster.client().await?, "default");
+    pods.create(
+        &PostParams::default(),
+        &serde_json::from_value(json!({
+            "metadata": {"name": name},
+            "spec": {"containers": [{"name": "main", "image": "busybox"}]},
+        }))?,
+    )
+    .await?;
+    wait_for(
+        &format!("pod default/{name} Ready"),
+        WORKLOAD_TIMEOUT,
+        || async {
+            let status = serde_json::to_value(pods.get(name).await?.status)?;
+            Ok(condition_true(status["conditions"].as_array(), "Ready").then_some(()))
+        },
+    )
+    .await
+    .map_err(|e| e.context(format!("{}\n{}", state(cluster), cluster.log_tails())))
+}
+
+/// Runs kubectl with `stdin`, returning its exit code, stdout and stderr; bounded.
+async fn kubectl(
+    cluster: &TestCluster,
+    args: &[&str],
+    stdin: &[u8],
+) -> anyhow::Result<(Option<i32>, String, String)> {
+    let mut child = tokio::process::Command::from(cluster.kubectl())
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut input = child.stdin.take().expect("piped");
+    input.write_all(stdin).await?;
+    drop(input);
+    let out = tokio::time::timeout(WORKLOAD_TIMEOUT, child.wait_with_output())
+        .await
+        .map_err(|_| {
+            anyhow::anyhow!("kubectl {args:?} did not finish in {WORKLOAD_TIMEOUT:?}")
+        })??;
+    Ok((
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubectl_logs_and_exec_reach_kwoks_kubelet_through_the_apiserver() -> anyhow::Result<()> {
+    let cluster = TestCluster::start_with_nodes(1).await?;
+    ready_pod(&cluster, "shell").await?;
+    cluster.append_container_log("listening on :8080")?;
+    cluster.append_container_log("served GET /healthz")?;
+
+    let (code, out, err) = kubectl(&cluster, &["logs", "shell"], b"").await?;
+    assert_eq!(code, Some(0), "kubectl logs: {err}");
+    assert_eq!(out, "listening on :8080\nserved GET /healthz\n");
+
+    // `logs -f` keeps the stream open and shows a line written after it started.
+    let mut follow = tokio::process::Command::from(cluster.kubectl())
+        .args(["logs", "-f", "shell"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut lines = BufReader::new(follow.stdout.take().expect("piped")).lines();
+    let mut seen = Vec::new();
+    let followed = tokio::time::timeout(WORKLOAD_TIMEOUT, async {
+        let mut appended = false;
+        while let Some(line) = lines.next_line().await? {
+            seen.push(line.clone());
+            // The earlier lines arrived, so the stream is open: only now write the new one.
+            if line == "served GET /healthz" && !appended {
+                cluster.append_container_log("served GET /orders")?;
+                appended = true;
+            }
+            if line == "served GET /orders" {
+                return anyhow::Ok(());
+            }
+        }
+        anyhow::bail!("kubectl logs -f ended")
+    })
+    .await;
+    follow.kill().await?;
+    match followed {
+        Ok(result) => result.map_err(|e| e.context(format!("lines seen: {seen:?}")))?,
+        Err(_) => anyhow::bail!("kubectl logs -f never showed the appended line; saw {seen:?}"),
+    }
+    assert_eq!(
+        seen,
+        [
+            "listening on :8080",
+            "served GET /healthz",
+            "served GET /orders"
+        ]
+    );
+
+    // exec runs a real process of this machine in the cluster's exec directory.
+    let (code, out, err) = kubectl(&cluster, &["exec", "shell", "--", "pwd"], b"").await?;
+    assert_eq!(code, Some(0), "kubectl exec pwd: {err}");
+    assert_eq!(Path::new(out.trim_end()), cluster.exec_dir());
+
+    let (code, out, err) = kubectl(
+        &cluster,
+        &["exec", "-i", "shell", "--", "cat"],
+        b"order 1\norder 2\n",
+    )
+    .await?;
+    assert_eq!(code, Some(0), "kubectl exec -i cat: {err}");
+    assert_eq!(out, "order 1\norder 2\n", "stdin echoed");
+
+    let (code, _, err) = kubectl(
+        &cluster,
+        &["exec", "shell", "--", "sh", "-c", "echo oops >&2; exit 3"],
+        b"",
+    )
+    .await?;
+    assert_eq!(code, Some(3), "kubectl exec exit 3: {err}");
     Ok(())
 }
