@@ -50,6 +50,15 @@ impl std::ops::DerefMut for SpokeEnv {
 }
 
 impl SpokeEnv {
+    /// The cluster behind a full spoke ([`Spoke::start_full`]): its container log and exec
+    /// directory. An error for a bare spoke, which has no pods to log or exec into.
+    pub fn cluster(&self) -> anyhow::Result<&TestCluster> {
+        match self {
+            SpokeEnv::Bare(_) => anyhow::bail!("a bare spoke has no cluster behind it"),
+            SpokeEnv::Full(cluster) => Ok(cluster),
+        }
+    }
+
     /// The cluster processes' log tails, for a failing wait's message; empty for a bare spoke.
     pub fn log_tails(&self) -> String {
         match self {

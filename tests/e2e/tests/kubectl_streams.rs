@@ -1,0 +1,264 @@
+//! The real kubectl's streaming commands through the hub's proxy front, a gateway session and
+//! the agent's tunnel end into a pod of a full spoke, whose kubelet API kwok serves: `logs`,
+//! `logs -f` seeing a line written after it started, `exec` with stdin, stderr and an exit
+//! code; each over WebSocket (kubectl's default) and over SPDY, on both carriers, with the audit
+//! line of each.
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use flotilla_e2e::proxy::{KUBECTL_TIMEOUT, hub_with_proxy};
+use flotilla_e2e::spoke::Spoke;
+use flotilla_e2e::{Hub, on_both_carriers, wait_for};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use kube::api::{Api, PostParams};
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _, BufReader};
+
+const CLUSTER: &str = "store-1";
+const POD: &str = "till";
+/// Long enough for a loaded 2-core machine to schedule and run a pod.
+const WORKLOAD_TIMEOUT: Duration = Duration::from_secs(120);
+
+const RULES: &str = r#"
+rules:
+  - name: ops-store-1
+    groups: [ops]
+    clusters: {names: [store-1]}
+    access: full
+"#;
+
+/// kubectl's two streaming protocols: its default, WebSocket, and SPDY, which kubectl still
+/// speaks when told to and which older kubectls and other clients use.
+const PROTOCOLS: [(&str, &[(&str, &str)]); 2] = [
+    ("websocket", &[]),
+    (
+        "spdy",
+        &[
+            ("KUBECTL_REMOTE_COMMAND_WEBSOCKETS", "false"),
+            ("KUBECTL_PORT_FORWARD_WEBSOCKETS", "false"),
+        ],
+    ),
+];
+
+struct Run {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+/// Runs kubectl with `kubeconfig`, `env` and `stdin`, bounded.
+async fn kubectl(
+    kubeconfig: &Path,
+    env: &[(&str, &str)],
+    args: &[&str],
+    stdin: &[u8],
+) -> anyhow::Result<Run> {
+    let mut child = tokio::process::Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(args)
+        .envs(env.iter().copied())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut input = child.stdin.take().expect("piped");
+    input.write_all(stdin).await?;
+    drop(input);
+    let out = tokio::time::timeout(KUBECTL_TIMEOUT, child.wait_with_output())
+        .await
+        .map_err(|_| {
+            anyhow::anyhow!("kubectl {args:?} did not finish within {KUBECTL_TIMEOUT:?}")
+        })??;
+    Ok(Run {
+        code: out.status.code(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    })
+}
+
+/// Pod `default/till` on the spoke, Ready, and a Role in `default` for group ops to read pods
+/// and their logs, exec, attach and port-forward, created directly on the spoke.
+async fn ready_pod_for_ops(spoke: &Spoke) -> anyhow::Result<()> {
+    let client = spoke.env.client().await?;
+    let pp = PostParams::default();
+    Api::<Role>::namespaced(client.clone(), "default")
+        .create(&pp, &serde_json::from_value(json!({
+            "metadata": {"name": "pod-operator"},
+            "rules": [
+                {"apiGroups": [""], "resources": ["pods", "pods/log"], "verbs": ["get", "list", "watch"]},
+                {"apiGroups": [""], "resources": ["pods/exec", "pods/attach", "pods/portforward"], "verbs": ["get", "create"]},
+            ],
+        }))?)
+        .await?;
+    Api::<RoleBinding>::namespaced(client.clone(), "default")
+        .create(&pp, &serde_json::from_value(json!({
+            "metadata": {"name": "ops-pod-operator"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pod-operator"},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": "ops"}],
+        }))?)
+        .await?;
+    let pods: Api<Pod> = Api::namespaced(client, "default");
+    pods.create(
+        &PostParams::default(),
+        &serde_json::from_value(json!({
+            "metadata": {"name": POD},
+            "spec": {"containers": [{"name": "till", "image": "registry.example/till:1"}]},
+        }))?,
+    )
+    .await?;
+    wait_for(
+        &format!("pod default/{POD} Ready"),
+        WORKLOAD_TIMEOUT,
+        || async {
+            let status = serde_json::to_value(pods.get(POD).await?.status)?;
+            let ready = status["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|c| c["type"] == "Ready" && c["status"] == "True");
+            Ok(ready.then_some(()))
+        },
+    )
+    .await
+    .map_err(|e| e.context(spoke.env.log_tails()))
+}
+
+async fn wait_available(hub: &Hub) -> anyhow::Result<()> {
+    wait_for(
+        &format!("{CLUSTER} Available"),
+        Duration::from_secs(60),
+        || async {
+            Ok((hub
+                .cluster_condition(CLUSTER, "ManagedClusterConditionAvailable")?
+                .as_deref()
+                == Some("True"))
+            .then_some(()))
+        },
+    )
+    .await
+}
+
+/// `kubectl logs -f` shows the log so far, then `appended`, written only once the stream has
+/// shown `last` (so it can only have come through the open stream).
+async fn follow_sees(
+    kubeconfig: &Path,
+    env: &[(&str, &str)],
+    spoke: &Spoke,
+    last: &str,
+    appended: &str,
+) -> anyhow::Result<Vec<String>> {
+    let mut follow = tokio::process::Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(["logs", "-f", POD])
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut lines = BufReader::new(follow.stdout.take().expect("piped")).lines();
+    let mut seen = Vec::new();
+    let followed = tokio::time::timeout(KUBECTL_TIMEOUT, async {
+        let mut written = false;
+        while let Some(line) = lines.next_line().await? {
+            seen.push(line.clone());
+            if line == last && !written {
+                spoke.env.cluster()?.append_container_log(appended)?;
+                written = true;
+            }
+            if line == appended {
+                return anyhow::Ok(());
+            }
+        }
+        anyhow::bail!("kubectl logs -f ended")
+    })
+    .await;
+    follow.kill().await?;
+    let stderr = {
+        let mut text = String::new();
+        if let Some(mut err) = follow.stderr.take() {
+            tokio::io::AsyncReadExt::read_to_string(&mut err, &mut text).await?;
+        }
+        text
+    };
+    match followed {
+        Ok(Ok(())) => Ok(seen),
+        Ok(Err(e)) => Err(e.context(format!("lines seen {seen:?}; stderr {stderr}"))),
+        Err(_) => anyhow::bail!(
+            "kubectl logs -f never showed {appended:?}; saw {seen:?}; stderr {stderr}"
+        ),
+    }
+}
+
+on_both_carriers! {
+    /// logs, logs -f and exec (stdin, stderr, exit code) through the hub, over WebSocket and
+    /// SPDY, into a pod the spoke's own scheduler placed on a kwok node.
+    async fn kubectl_logs_and_exec_reach_a_pod_through_the_hub() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let hub = hub_with_proxy(dir.path(), RULES, "", &[]).await?;
+        let spoke = Spoke::start_full(dir.path(), &hub, CLUSTER).await?;
+        let _agent = spoke.start_agent(dir.path(), &hub, &[])?;
+        wait_available(&hub).await?;
+        ready_pod_for_ops(&spoke).await?;
+        let alice = hub.create_user(dir.path(), "alice", &["ops"])?;
+        let cluster = spoke.env.cluster()?;
+        cluster.append_container_log("till started")?;
+
+        for (protocol, env) in PROTOCOLS {
+            let logs = kubectl(&alice, env, &["logs", POD], b"").await?;
+            assert_eq!(logs.code, Some(0), "{protocol}: kubectl logs: {}", logs.stderr);
+            assert!(logs.stdout.starts_with("till started\n"), "{protocol}: {}", logs.stdout);
+
+            let last = logs.stdout.lines().last().expect("a line").to_owned();
+            let appended = format!("{protocol}: sale 1");
+            let seen = follow_sees(&alice, env, &spoke, &last, &appended).await?;
+            assert_eq!(seen.first().map(String::as_str), Some("till started"), "{protocol}");
+
+            let echoed = kubectl(&alice, env, &["exec", "-i", POD, "--", "cat"], b"receipt 1\nreceipt 2\n").await?;
+            assert_eq!(echoed.code, Some(0), "{protocol}: kubectl exec -i cat: {}", echoed.stderr);
+            assert_eq!(echoed.stdout, "receipt 1\nreceipt 2\n", "{protocol}: stdin echoed back");
+
+            let both = kubectl(&alice, env, &["exec", POD, "--", "sh", "-c", "echo out; echo err >&2"], b"").await?;
+            assert_eq!(both.code, Some(0), "{protocol}: {}", both.stderr);
+            assert_eq!(both.stdout, "out\n", "{protocol}");
+            assert_eq!(both.stderr, "err\n", "{protocol}: stderr on its own channel");
+
+            let failed = kubectl(&alice, env, &["exec", POD, "--", "sh", "-c", "exit 3"], b"").await?;
+            assert_eq!(failed.code, Some(3), "{protocol}: the command's exit code: {}", failed.stderr);
+        }
+
+        // The audit: one line per stream, written when it ended, naming the pod's subresource.
+        let exec_path = format!("/api/v1/namespaces/default/pods/{POD}/exec");
+        let log_path = format!("/api/v1/namespaces/default/pods/{POD}/log");
+        let lines = wait_for("audit lines of every exec", Duration::from_secs(10), || async {
+            let lines = hub.audit_lines()?;
+            let execs = lines.iter().filter(|l| l["path"] == exec_path.as_str()).count();
+            Ok((execs >= 6).then_some(lines))
+        })
+        .await?;
+        let execs: Vec<&Value> = lines.iter().filter(|l| l["path"] == exec_path.as_str()).collect();
+        assert_eq!(execs.len(), 6, "3 execs over each protocol: {execs:?}");
+        for line in &execs {
+            assert_eq!(line["user"], "alice", "{line}");
+            assert_eq!(line["cluster"], CLUSTER, "{line}");
+            assert_eq!(line["status"], 101, "an upgraded stream: {line}");
+            assert!(line.get("refused").is_none(), "{line}");
+        }
+        // WebSocket upgrades a GET (Kubernetes' verb get), SPDY a POST (create): both were used.
+        let by = |method: &str, verb: &str| {
+            execs.iter().filter(|l| l["method"] == method && l["verb"] == verb).count()
+        };
+        assert_eq!((by("GET", "get"), by("POST", "create")), (3, 3), "{execs:?}");
+        let logs: Vec<&Value> = lines.iter().filter(|l| l["path"] == log_path.as_str()).collect();
+        assert_eq!(logs.len(), 4, "logs and logs -f over each protocol: {logs:?}");
+        for line in &logs {
+            assert_eq!((&line["user"], &line["verb"], &line["status"]), (&json!("alice"), &json!("get"), &json!(200)), "{line}");
+        }
+        Ok(())
+    }
+}
