@@ -9,7 +9,9 @@
 //! the apiserver as on a real cluster. What is behind them is this machine: every container's log
 //! is one file the test appends to ([`TestCluster::append_container_log`]), and `exec` runs the
 //! command as a real process of this user in [`TestCluster::exec_dir`], with the caller's stdin,
-//! stdout and stderr. kwok checks no credentials of its caller (a real kubelet would authenticate
+//! stdout and stderr; `port-forward` to any port of any pod reaches
+//! [`TestCluster::port_forward_target`], where the test listens. kwok checks no credentials of
+//! its caller (a real kubelet would authenticate
 //! and authorize the apiserver's client certificate).
 
 use std::io::Write as _;
@@ -63,6 +65,8 @@ pub struct TestCluster {
     container_log: PathBuf,
     /// Where `exec`'s commands run.
     exec_dir: PathBuf,
+    /// Where `port-forward` to any pod's port goes.
+    port_forward_target: std::net::SocketAddr,
     env: TestEnv,
 }
 
@@ -85,18 +89,19 @@ impl TestCluster {
         std::fs::File::create(&container_log).context("creating the container log")?;
         let exec_dir = dir.join("exec");
         std::fs::create_dir(&exec_dir).context("creating the exec directory")?;
+        // Both picked free, then given to kwok; another process may take one in between: then
+        // kwok exits and `wait_ready` says so with its log, or the test's bind fails.
+        let kubelet_port = free_port().context("picking a port for the kubelet API")?;
+        let port_forward_target = std::net::SocketAddr::from((
+            Ipv4Addr::LOCALHOST,
+            free_port().context("picking a port for port-forward")?,
+        ));
         let kubelet_config = dir.join("kwok-kubelet.yaml");
         std::fs::write(
             &kubelet_config,
-            kubelet_config_yaml(&container_log, &exec_dir),
+            kubelet_config_yaml(&container_log, &exec_dir, port_forward_target),
         )
         .context("writing kwok's kubelet configuration")?;
-        // Picked free, then given to kwok; another process may take it in between, and then kwok
-        // exits and `wait_ready` says so with its log.
-        let kubelet_port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-            .and_then(|l| l.local_addr())
-            .context("picking a port for the kubelet API")?
-            .port();
 
         let controllers = CONTROLLERS.join(",");
         let controller_manager = ChildProcess::spawn(
@@ -165,6 +170,7 @@ impl TestCluster {
             nodes: (0..nodes).map(|i| format!("kwok-node-{i}")).collect(),
             container_log,
             exec_dir,
+            port_forward_target,
             env,
         };
         let started = Instant::now();
@@ -195,6 +201,12 @@ impl TestCluster {
     /// in, as processes of this machine.
     pub fn exec_dir(&self) -> &Path {
         &self.exec_dir
+    }
+
+    /// Where `kubectl port-forward` to any port of any pod of the cluster connects: a loopback
+    /// address nothing listens on until the test binds it.
+    pub fn port_forward_target(&self) -> std::net::SocketAddr {
+        self.port_forward_target
     }
 
     /// Each process's name and id, the apiserver's and etcd's included, e.g. to check that all are
@@ -341,9 +353,22 @@ impl Drop for TestCluster {
     }
 }
 
+fn free_port() -> std::io::Result<u16> {
+    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?
+        .local_addr()?
+        .port())
+}
+
 /// kwok's kubelet API for every pod on its nodes (its `Cluster*` kinds with no selector match
-/// all pods): logs and attach read `container_log`, exec runs the requested command here.
-fn kubelet_config_yaml(container_log: &Path, exec_dir: &Path) -> String {
+/// all pods): logs and attach read `container_log`, exec runs the requested command in
+/// `exec_dir`, port-forward to any port connects to `forward_to`.
+fn kubelet_config_yaml(
+    container_log: &Path,
+    exec_dir: &Path,
+    forward_to: std::net::SocketAddr,
+) -> String {
+    let forward_address = forward_to.ip();
+    let forward_port = forward_to.port();
     let log = serde_json::Value::from(container_log.display().to_string());
     let dir = serde_json::Value::from(exec_dir.display().to_string());
     // JSON strings are YAML strings, quoted whatever the path holds.
@@ -373,6 +398,16 @@ spec:
   execs:
   - local:
       workDir: {dir}
+---
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: ClusterPortForward
+metadata:
+  name: local-port
+spec:
+  forwards:
+  - target:
+      address: \"{forward_address}\"
+      port: {forward_port}
 "
     )
 }

@@ -1,8 +1,8 @@
 //! The real kubectl's streaming commands through the hub's proxy front, a gateway session and
 //! the agent's tunnel end into a pod of a full spoke, whose kubelet API kwok serves: `logs`,
 //! `logs -f` seeing a line written after it started, `exec` with stdin, stderr and an exit
-//! code; each over WebSocket (kubectl's default) and over SPDY, on both carriers, with the audit
-//! line of each.
+//! code, `port-forward` carrying an HTTP request; each over WebSocket (kubectl's default) and over
+//! SPDY, on both carriers, with the audit line of each.
 
 use std::path::Path;
 use std::process::Stdio;
@@ -15,7 +15,8 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::{Api, PostParams};
 use serde_json::{Value, json};
-use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _, BufReader};
+use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _, BufReader};
+use tokio::net::{TcpListener, TcpStream};
 
 const CLUSTER: &str = "store-1";
 const POD: &str = "till";
@@ -195,10 +196,94 @@ async fn follow_sees(
     }
 }
 
+/// `kubectl port-forward pod/till :8080` carries one HTTP request to `server` (kwok connects
+/// every forwarded port to the cluster's port-forward target, where `server` listens) and its
+/// answer back; returns the request line the server saw.
+async fn port_forward_carries(
+    kubeconfig: &Path,
+    env: &[(&str, &str)],
+    server: &TcpListener,
+    path: &str,
+) -> anyhow::Result<String> {
+    let mut forward = tokio::process::Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(["port-forward", &format!("pod/{POD}"), ":8080"])
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut lines = BufReader::new(forward.stdout.take().expect("piped")).lines();
+    // "Forwarding from 127.0.0.1:PORT -> 8080", once kubectl listens.
+    let local = tokio::time::timeout(KUBECTL_TIMEOUT, async {
+        while let Some(line) = lines.next_line().await? {
+            if let Some(rest) = line.strip_prefix("Forwarding from 127.0.0.1:") {
+                return Ok(rest.split(' ').next().unwrap_or_default().parse::<u16>()?);
+            }
+        }
+        anyhow::bail!("kubectl port-forward ended without listening")
+    })
+    .await
+    .map_err(|_| {
+        anyhow::anyhow!("kubectl port-forward did not listen within {KUBECTL_TIMEOUT:?}")
+    })??;
+
+    let exchange = async {
+        let mut client = TcpStream::connect(("127.0.0.1", local)).await?;
+        client
+            .write_all(
+                format!("GET {path} HTTP/1.1\r\nHost: till\r\nConnection: close\r\n\r\n")
+                    .as_bytes(),
+            )
+            .await?;
+        let (mut conn, _) = server.accept().await?;
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            anyhow::ensure!(conn.read(&mut byte).await? == 1, "the request ended early");
+            head.push(byte[0]);
+        }
+        conn.write_all(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\nConnection: close\r\n\r\norders ok",
+        )
+        .await?;
+        conn.shutdown().await?;
+        // Read as an HTTP client does, to the end of the body its Content-Length announces:
+        // whether kubectl closes the local connection when the pod's side closes is its own
+        // business.
+        let mut answer = Vec::new();
+        let mut chunk = [0u8; 256];
+        while !answer.ends_with(b"\r\n\r\norders ok") {
+            let n = client.read(&mut chunk).await?;
+            anyhow::ensure!(
+                n > 0,
+                "the answer ended early: {:?}",
+                String::from_utf8_lossy(&answer)
+            );
+            answer.extend_from_slice(&chunk[..n]);
+        }
+        anyhow::ensure!(
+            answer.starts_with(b"HTTP/1.1 200 OK\r\n"),
+            "answer {:?}",
+            String::from_utf8_lossy(&answer)
+        );
+        let head = String::from_utf8(head)?;
+        Ok(head.lines().next().unwrap_or_default().to_owned())
+    };
+    let seen = tokio::time::timeout(Duration::from_secs(60), exchange)
+        .await
+        .map_err(|_| {
+            anyhow::anyhow!("the request through port-forward did not complete within 60 s")
+        })?;
+    forward.kill().await?;
+    seen
+}
+
 on_both_carriers! {
-    /// logs, logs -f and exec (stdin, stderr, exit code) through the hub, over WebSocket and
+    /// logs, logs -f, exec (stdin, stderr, exit code) and port-forward through the hub, over WebSocket and
     /// SPDY, into a pod the spoke's own scheduler placed on a kwok node.
-    async fn kubectl_logs_and_exec_reach_a_pod_through_the_hub() -> anyhow::Result<()> {
+    async fn kubectl_logs_exec_and_port_forward_reach_a_pod_through_the_hub() -> anyhow::Result<()> {
         let dir = tempfile::tempdir()?;
         let hub = hub_with_proxy(dir.path(), RULES, "", &[]).await?;
         let spoke = Spoke::start_full(dir.path(), &hub, CLUSTER).await?;
@@ -209,6 +294,7 @@ on_both_carriers! {
         let cluster = spoke.env.cluster()?;
         cluster.append_container_log("till started")?;
 
+        let target = TcpListener::bind(cluster.port_forward_target()).await?;
         for (protocol, env) in PROTOCOLS {
             let logs = kubectl(&alice, env, &["logs", POD], b"").await?;
             assert_eq!(logs.code, Some(0), "{protocol}: kubectl logs: {}", logs.stderr);
@@ -230,6 +316,10 @@ on_both_carriers! {
 
             let failed = kubectl(&alice, env, &["exec", POD, "--", "sh", "-c", "exit 3"], b"").await?;
             assert_eq!(failed.code, Some(3), "{protocol}: the command's exit code: {}", failed.stderr);
+
+            let path = format!("/orders?via={protocol}");
+            let request = port_forward_carries(&alice, env, &target, &path).await?;
+            assert_eq!(request, format!("GET {path} HTTP/1.1"), "{protocol}");
         }
 
         // The audit: one line per stream, written when it ended, naming the pod's subresource.
@@ -254,6 +344,9 @@ on_both_carriers! {
             execs.iter().filter(|l| l["method"] == method && l["verb"] == verb).count()
         };
         assert_eq!((by("GET", "get"), by("POST", "create")), (3, 3), "{execs:?}");
+        let forwards: Vec<&Value> = lines.iter().filter(|l| l["path"] == format!("/api/v1/namespaces/default/pods/{POD}/portforward")).collect();
+        assert_eq!(forwards.len(), 2, "a port-forward over each protocol: {forwards:?}");
+        assert!(forwards.iter().all(|l| l["status"] == 101 && l["user"] == "alice"), "{forwards:?}");
         let logs: Vec<&Value> = lines.iter().filter(|l| l["path"] == log_path.as_str()).collect();
         assert_eq!(logs.len(), 4, "logs and logs -f over each protocol: {logs:?}");
         for line in &logs {
