@@ -1,7 +1,7 @@
 //! The real kubectl's streaming commands through the hub's proxy front, a gateway session and
 //! the agent's tunnel end into a pod of a full spoke, whose kubelet API kwok serves: `logs`,
 //! `logs -f` seeing a line written after it started, `exec` with stdin, stderr and an exit
-//! code, `port-forward` carrying an HTTP request; each over WebSocket (kubectl's default) and over
+//! code, `cp` both ways, `port-forward` carrying an HTTP request; each over WebSocket (kubectl's default) and over
 //! SPDY, on both carriers, with the audit line of each.
 
 use std::path::Path;
@@ -281,7 +281,7 @@ async fn port_forward_carries(
 }
 
 on_both_carriers! {
-    /// logs, logs -f, exec (stdin, stderr, exit code) and port-forward through the hub, over WebSocket and
+    /// logs, logs -f, exec (stdin, stderr, exit code), cp and port-forward through the hub, over WebSocket and
     /// SPDY, into a pod the spoke's own scheduler placed on a kwok node.
     async fn kubectl_logs_exec_and_port_forward_reach_a_pod_through_the_hub() -> anyhow::Result<()> {
         let dir = tempfile::tempdir()?;
@@ -317,6 +317,18 @@ on_both_carriers! {
             let failed = kubectl(&alice, env, &["exec", POD, "--", "sh", "-c", "exit 3"], b"").await?;
             assert_eq!(failed.code, Some(3), "{protocol}: the command's exit code: {}", failed.stderr);
 
+            // cp is tar through exec: into the pod (the exec directory), and back out.
+            let name = format!("receipt-{protocol}.txt");
+            let upload = dir.path().join(&name);
+            std::fs::write(&upload, format!("receipt via {protocol}\n"))?;
+            let into = kubectl(&alice, env, &["cp", &upload.display().to_string(), &format!("{POD}:{name}")], b"").await?;
+            assert_eq!(into.code, Some(0), "{protocol}: kubectl cp into the pod: {}", into.stderr);
+            assert_eq!(std::fs::read_to_string(cluster.exec_dir().join(&name))?, format!("receipt via {protocol}\n"));
+            let back = dir.path().join(format!("back-{name}"));
+            let out = kubectl(&alice, env, &["cp", &format!("{POD}:{name}"), &back.display().to_string()], b"").await?;
+            assert_eq!(out.code, Some(0), "{protocol}: kubectl cp out of the pod: {}", out.stderr);
+            assert_eq!(std::fs::read_to_string(&back)?, format!("receipt via {protocol}\n"));
+
             let path = format!("/orders?via={protocol}");
             let request = port_forward_carries(&alice, env, &target, &path).await?;
             assert_eq!(request, format!("GET {path} HTTP/1.1"), "{protocol}");
@@ -328,11 +340,12 @@ on_both_carriers! {
         let lines = wait_for("audit lines of every exec", Duration::from_secs(10), || async {
             let lines = hub.audit_lines()?;
             let execs = lines.iter().filter(|l| l["path"] == exec_path.as_str()).count();
-            Ok((execs >= 6).then_some(lines))
+            Ok((execs >= 12).then_some(lines))
         })
         .await?;
         let execs: Vec<&Value> = lines.iter().filter(|l| l["path"] == exec_path.as_str()).collect();
-        assert_eq!(execs.len(), 6, "3 execs over each protocol: {execs:?}");
+        // Over each protocol: 3 execs, and the 3 that kubectl cp ran for one copy in and one out.
+        assert_eq!(execs.len(), 12, "{execs:?}");
         for line in &execs {
             assert_eq!(line["user"], "alice", "{line}");
             assert_eq!(line["cluster"], CLUSTER, "{line}");
@@ -343,7 +356,7 @@ on_both_carriers! {
         let by = |method: &str, verb: &str| {
             execs.iter().filter(|l| l["method"] == method && l["verb"] == verb).count()
         };
-        assert_eq!((by("GET", "get"), by("POST", "create")), (3, 3), "{execs:?}");
+        assert_eq!((by("GET", "get"), by("POST", "create")), (6, 6), "{execs:?}");
         let forwards: Vec<&Value> = lines.iter().filter(|l| l["path"] == format!("/api/v1/namespaces/default/pods/{POD}/portforward")).collect();
         assert_eq!(forwards.len(), 2, "a port-forward over each protocol: {forwards:?}");
         assert!(forwards.iter().all(|l| l["status"] == 101 && l["user"] == "alice"), "{forwards:?}");
