@@ -1,8 +1,8 @@
 //! The real kubectl's streaming commands through the hub's proxy front, a gateway session and
 //! the agent's tunnel end into a pod of a full spoke, whose kubelet API kwok serves: `logs`,
 //! `logs -f` seeing a line written after it started, `exec` with stdin, stderr and an exit
-//! code, `cp` both ways, `port-forward` carrying an HTTP request; each over WebSocket (kubectl's default) and over
-//! SPDY, on both carriers, with the audit line of each.
+//! code, `attach`, `cp` both ways, `port-forward` carrying an HTTP request; each over WebSocket
+//! (kubectl's default) and over SPDY, on both carriers, with the audit line of each.
 
 use std::path::Path;
 use std::process::Stdio;
@@ -280,10 +280,52 @@ async fn port_forward_carries(
     seen
 }
 
+/// `kubectl attach till` shows what the container writes while attached. kwok's attach follows
+/// the container log from its end, and nothing says when it has opened it, so a numbered line is
+/// written until one arrives (each waited for up to a second); returns the line seen.
+async fn attach_sees(
+    kubeconfig: &Path,
+    env: &[(&str, &str)],
+    spoke: &Spoke,
+    protocol: &str,
+) -> anyhow::Result<String> {
+    let mut attach = tokio::process::Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(["attach", POD])
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut lines = BufReader::new(attach.stdout.take().expect("piped")).lines();
+    let deadline = tokio::time::Instant::now() + KUBECTL_TIMEOUT;
+    let mut n = 0;
+    let seen = loop {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "kubectl attach showed none of {n} lines written within {KUBECTL_TIMEOUT:?}"
+        );
+        n += 1;
+        spoke
+            .env
+            .cluster()?
+            .append_container_log(&format!("attached {protocol} {n}"))?;
+        match tokio::time::timeout(Duration::from_secs(1), lines.next_line()).await {
+            Ok(Ok(Some(line))) => break line,
+            Ok(Ok(None)) => anyhow::bail!("kubectl attach ended"),
+            Ok(Err(e)) => return Err(e.into()),
+            Err(_) => continue,
+        }
+    };
+    attach.kill().await?;
+    Ok(seen)
+}
+
 on_both_carriers! {
-    /// logs, logs -f, exec (stdin, stderr, exit code), cp and port-forward through the hub, over WebSocket and
+    /// logs, logs -f, exec (stdin, stderr, exit code), attach, cp and port-forward through the hub, over WebSocket and
     /// SPDY, into a pod the spoke's own scheduler placed on a kwok node.
-    async fn kubectl_logs_exec_and_port_forward_reach_a_pod_through_the_hub() -> anyhow::Result<()> {
+    async fn kubectl_streams_reach_a_pod_through_the_hub() -> anyhow::Result<()> {
         let dir = tempfile::tempdir()?;
         let hub = hub_with_proxy(dir.path(), RULES, "", &[]).await?;
         let spoke = Spoke::start_full(dir.path(), &hub, CLUSTER).await?;
@@ -317,6 +359,9 @@ on_both_carriers! {
             let failed = kubectl(&alice, env, &["exec", POD, "--", "sh", "-c", "exit 3"], b"").await?;
             assert_eq!(failed.code, Some(3), "{protocol}: the command's exit code: {}", failed.stderr);
 
+            let attached = attach_sees(&alice, env, &spoke, protocol).await?;
+            assert!(attached.starts_with(&format!("attached {protocol} ")), "{protocol}: {attached}");
+
             // cp is tar through exec: into the pod (the exec directory), and back out.
             let name = format!("receipt-{protocol}.txt");
             let upload = dir.path().join(&name);
@@ -337,10 +382,19 @@ on_both_carriers! {
         // The audit: one line per stream, written when it ended, naming the pod's subresource.
         let exec_path = format!("/api/v1/namespaces/default/pods/{POD}/exec");
         let log_path = format!("/api/v1/namespaces/default/pods/{POD}/log");
-        let lines = wait_for("audit lines of every exec", Duration::from_secs(10), || async {
+        // Each line is written when its stream has ended, which for the killed kubectls (logs -f,
+        // attach, port-forward) is after the test went on: wait for all of them.
+        let count = |lines: &[Value], subresource: &str| {
+            let path = format!("/api/v1/namespaces/default/pods/{POD}/{subresource}");
+            lines.iter().filter(|l| l["path"] == path.as_str()).count()
+        };
+        let lines = wait_for("audit lines of every stream", Duration::from_secs(30), || async {
             let lines = hub.audit_lines()?;
-            let execs = lines.iter().filter(|l| l["path"] == exec_path.as_str()).count();
-            Ok((execs >= 12).then_some(lines))
+            let all = count(&lines, "exec") >= 12
+                && count(&lines, "log") >= 4
+                && count(&lines, "attach") >= 2
+                && count(&lines, "portforward") >= 2;
+            Ok(all.then_some(lines))
         })
         .await?;
         let execs: Vec<&Value> = lines.iter().filter(|l| l["path"] == exec_path.as_str()).collect();
@@ -360,6 +414,9 @@ on_both_carriers! {
         let forwards: Vec<&Value> = lines.iter().filter(|l| l["path"] == format!("/api/v1/namespaces/default/pods/{POD}/portforward")).collect();
         assert_eq!(forwards.len(), 2, "a port-forward over each protocol: {forwards:?}");
         assert!(forwards.iter().all(|l| l["status"] == 101 && l["user"] == "alice"), "{forwards:?}");
+        let attaches: Vec<&Value> = lines.iter().filter(|l| l["path"] == format!("/api/v1/namespaces/default/pods/{POD}/attach")).collect();
+        assert_eq!(attaches.len(), 2, "an attach over each protocol: {attaches:?}");
+        assert!(attaches.iter().all(|l| l["status"] == 101 && l["user"] == "alice"), "{attaches:?}");
         let logs: Vec<&Value> = lines.iter().filter(|l| l["path"] == log_path.as_str()).collect();
         assert_eq!(logs.len(), 4, "logs and logs -f over each protocol: {logs:?}");
         for line in &logs {
