@@ -424,6 +424,22 @@ impl Hub {
         }))
     }
 
+    /// Waits (a minute at most) until the hub shows `cluster` Available=True.
+    pub async fn wait_available(&self, cluster: &str) -> anyhow::Result<()> {
+        wait_for(
+            &format!("{cluster} Available=True"),
+            Duration::from_secs(60),
+            || async {
+                Ok((self
+                    .cluster_condition(cluster, "ManagedClusterConditionAvailable")?
+                    .as_deref()
+                    == Some("True"))
+                .then_some(()))
+            },
+        )
+        .await
+    }
+
     /// Waits until the hub shows the work Applied=True at its current generation.
     pub async fn wait_work_applied(&self, cluster: &str, name: &str) -> anyhow::Result<Value> {
         wait_for(

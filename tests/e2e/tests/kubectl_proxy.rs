@@ -36,21 +36,6 @@ rules:
     access: readOnly
 "#;
 
-async fn wait_available(hub: &Hub, cluster: &str) -> anyhow::Result<()> {
-    wait_for(
-        &format!("{cluster} Available"),
-        Duration::from_secs(60),
-        || async {
-            Ok((hub
-                .cluster_condition(cluster, "ManagedClusterConditionAvailable")?
-                .as_deref()
-                == Some("True"))
-            .then_some(()))
-        },
-    )
-    .await
-}
-
 /// The spoke's RBAC for the test's users: groups `ops` and `auditors` read namespaces and
 /// ConfigMaps everywhere; user alice may do anything with ConfigMaps in `team-a` and nothing else.
 async fn spoke_rbac(client: kube::Client) -> anyhow::Result<()> {
@@ -161,7 +146,7 @@ on_both_carriers! {
         .await?;
         let spoke = Spoke::start(dir.path(), &hub, CLUSTER).await?;
         let agent = spoke.start_agent(dir.path(), &hub, &[])?;
-        wait_available(&hub, CLUSTER).await?;
+        hub.wait_available(CLUSTER).await?;
         let admin = spoke.env.client().await?;
         spoke_rbac(admin.clone()).await?;
         bulk_config_maps(admin.clone(), 5_000).await?;

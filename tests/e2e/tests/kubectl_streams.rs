@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use flotilla_e2e::proxy::{KUBECTL_TIMEOUT, hub_with_proxy};
 use flotilla_e2e::spoke::Spoke;
-use flotilla_e2e::{Hub, on_both_carriers, wait_for};
+use flotilla_e2e::{on_both_carriers, wait_for};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::{Api, PostParams};
@@ -127,21 +127,6 @@ async fn ready_pod_for_ops(spoke: &Spoke) -> anyhow::Result<()> {
     )
     .await
     .map_err(|e| e.context(spoke.env.log_tails()))
-}
-
-async fn wait_available(hub: &Hub) -> anyhow::Result<()> {
-    wait_for(
-        &format!("{CLUSTER} Available"),
-        Duration::from_secs(60),
-        || async {
-            Ok((hub
-                .cluster_condition(CLUSTER, "ManagedClusterConditionAvailable")?
-                .as_deref()
-                == Some("True"))
-            .then_some(()))
-        },
-    )
-    .await
 }
 
 /// `kubectl logs -f` shows the log so far, then `appended`, written only once the stream has
@@ -330,7 +315,7 @@ on_both_carriers! {
         let hub = hub_with_proxy(dir.path(), RULES, "", &[]).await?;
         let spoke = Spoke::start_full(dir.path(), &hub, CLUSTER).await?;
         let _agent = spoke.start_agent(dir.path(), &hub, &[])?;
-        wait_available(&hub).await?;
+        hub.wait_available(CLUSTER).await?;
         ready_pod_for_ops(&spoke).await?;
         let alice = hub.create_user(dir.path(), "alice", &["ops"])?;
         let cluster = spoke.env.cluster()?;

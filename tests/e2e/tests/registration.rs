@@ -128,13 +128,6 @@ fn cluster(hub: &Hub, name: &str) -> anyhow::Result<Option<Value>> {
         .find(|c| c["metadata"]["name"] == name))
 }
 
-async fn wait_available(hub: &Hub, name: &str) -> anyhow::Result<()> {
-    wait_for(&format!("{name} Available=True"), LONG, || async {
-        Ok((hub.cluster_condition(name, AVAILABLE)?.as_deref() == Some("True")).then_some(()))
-    })
-    .await
-}
-
 async fn wait_log(what: &str, log: impl Fn() -> String, needle: &str) -> anyhow::Result<String> {
     wait_for(what, LONG, || async {
         Ok(log()
@@ -238,7 +231,7 @@ async fn join_pending_accept_available(kube: bool) -> anyhow::Result<()> {
 
     // Accept: the waiting agent gets its certificate and holds a session.
     cli_ok(&hub, &["cluster", "accept", "store-0001"])?;
-    wait_available(&hub, "store-0001").await?;
+    hub.wait_available("store-0001").await?;
     assert!(agent.alive());
     let mc = cluster(&hub, "store-0001")?.unwrap();
     assert_eq!(mc["spec"]["hubAcceptsClient"], true);
@@ -298,7 +291,7 @@ on_both_carriers! {
         // A cluster that joins with an auto-accepting token and keeps its session throughout.
         let auto = create_token(&hub, &["--auto-accept-labels", "env=test"])?;
         let (_good, _) = start_join(dir.path(), &auto, "store-good", &[])?;
-        wait_available(&hub, "store-good").await?;
+        hub.wait_available("store-good").await?;
         let mc = cluster(&hub, "store-good")?.unwrap();
         assert_eq!(mc["metadata"]["labels"]["env"], "test", "{mc}");
 
@@ -381,7 +374,7 @@ on_both_carriers! {
         let (denied, _) = start_join(dir.path(), &token, "store-denied", &[])?;
         let (deleted, _) = start_join(dir.path(), &token, "store-deleted", &[])?;
         for c in ["store-bystander", "store-denied", "store-deleted"] {
-            wait_available(&hub, c).await?;
+            hub.wait_available(c).await?;
         }
 
         for (name, agent, args, reason) in [
@@ -461,7 +454,7 @@ on_both_carriers! {
         let hub = Hub::start(dir.path(), &["--client-cert-lifetime=6s"]).await?;
         let token = create_token(&hub, &["--auto-accept"])?;
         let (mut agent, data) = start_join(dir.path(), &token, "store-renew", &[])?;
-        wait_available(&hub, "store-renew").await?;
+        hub.wait_available("store-renew").await?;
         let first_cert = std::fs::read_to_string(data.join("identity/tls.crt"))?;
         let since = |mc: &Value| {
             mc["status"]["conditions"]
@@ -622,7 +615,7 @@ async fn join_and_session_go_through_a_forward_proxy() -> anyhow::Result<()> {
         "store-proxied",
         &["--proxy-url", &proxy_url],
     )?;
-    wait_available(&hub, "store-proxied").await?;
+    hub.wait_available("store-proxied").await?;
     assert!(agent.log().contains("joined: certificate stored"));
 
     // Both the join and the session went through the proxy: two CONNECTs to the hub.
@@ -644,7 +637,7 @@ on_both_carriers! {
         let hub = Hub::start(dir.path(), &[]).await?;
         let before = create_token(&hub, &["--auto-accept"])?;
         let (mut agent, data) = start_join(dir.path(), &before, "store-old", &[])?;
-        wait_available(&hub, "store-old").await?;
+        hub.wait_available("store-old").await?;
 
         let shown = cli_ok(&hub, &["ca", "rotate"])?;
         assert!(shown.contains("in progress"), "{shown}");
@@ -672,7 +665,7 @@ on_both_carriers! {
         let after = create_token(&hub, &["--auto-accept"])?;
         assert_ne!(after["caFingerprint"], before["caFingerprint"]);
         let (_new, _) = start_join(dir.path(), &after, "store-new", &[])?;
-        wait_available(&hub, "store-new").await?;
+        hub.wait_available("store-new").await?;
         Ok(())
     }
 }
