@@ -1748,33 +1748,30 @@ pub async fn unfenced_writes_keep_the_fencing_record(
         );
     }
     // And the stale owners are still refused after all of them.
-    expect_err(
-        store
-            .update_status_fenced(
-                Kind::ManifestWork,
-                Some(&ns),
-                "web",
-                work_status("Applied", 1),
-                &WriteFence::new(3, 2, "gw-b").with_report(8),
-                None,
-            )
-            .await,
-        "an owner's write after a newer owner's spec write and unfenced writes",
-        fenced(Stale::Epoch),
-    )?;
-    expect_err(
-        store
-            .update_status_fenced(
-                Kind::ManifestWork,
-                Some(&ns),
-                "web",
-                work_status("Applied", 1),
-                &WriteFence::new(3, 1, "gw-a").with_report(8),
-                None,
-            )
-            .await,
-        "a stale owner's write after unfenced writes",
-        fenced(Stale::Epoch),
-    )?;
+    for (stale, what) in [
+        (
+            WriteFence::new(3, 2, "gw-b"),
+            "an owner's write after a newer owner's spec write and unfenced writes",
+        ),
+        (
+            WriteFence::new(3, 1, "gw-a"),
+            "a stale owner's write after unfenced writes",
+        ),
+    ] {
+        expect_err(
+            store
+                .update_status_fenced(
+                    Kind::ManifestWork,
+                    Some(&ns),
+                    "web",
+                    work_status("Applied", 1),
+                    &stale.with_report(8),
+                    None,
+                )
+                .await,
+            what,
+            fenced(Stale::Epoch),
+        )?;
+    }
     Ok(())
 }
