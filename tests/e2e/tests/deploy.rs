@@ -15,6 +15,7 @@ use std::time::Duration;
 use anyhow::{Context as _, ensure};
 use flotilla_e2e::proxy::kubectl;
 use flotilla_e2e::{bin, wait_for};
+use flotilla_hub::proxy::access::AccessRules;
 use flotilla_proto::api::Kind;
 use flotilla_proto::contract::RENEWAL_SIGNER;
 use flotilla_testenv::{TestEnv, workspace_root};
@@ -216,7 +217,7 @@ async fn deploy_applies_strictly_and_reads_back() -> anyhow::Result<()> {
 
     let services: Api<Service> = Api::namespaced(client.clone(), HUB_NAMESPACE);
     for (name, tcp_only) in [
-        ("flotilla-hub", &["api", "metrics"][..]),
+        ("flotilla-hub", &["api", "proxy", "metrics"][..]),
         ("flotilla-gateway", &["metrics"][..]),
     ] {
         let ports = services
@@ -241,6 +242,36 @@ async fn deploy_applies_strictly_and_reads_back() -> anyhow::Result<()> {
             );
         }
     }
+
+    // The proxy front's rules as stored, and the example commented in them, are rules the hub
+    // reads: a mistake there would stop the hub at start.
+    let config_maps = Api::<ConfigMap>::namespaced(client.clone(), HUB_NAMESPACE)
+        .list(&Default::default())
+        .await?;
+    let rules = config_maps
+        .items
+        .iter()
+        .filter(|c| {
+            c.metadata
+                .name
+                .as_deref()
+                .is_some_and(|n| n.starts_with("flotilla-hub-proxy"))
+        })
+        .find_map(|c| c.data.as_ref()?.get("access-rules.yaml"))
+        .context("no ConfigMap flotilla-hub-proxy-* with access-rules.yaml")?;
+    AccessRules::parse(rules).map_err(|e| anyhow::anyhow!("deploy/hub's access rules: {e}"))?;
+    let example: String = rules
+        .lines()
+        .skip_while(|l| *l != "# rules:")
+        .map(|l| l.strip_prefix("# ").unwrap_or(l.trim_start_matches('#')))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    ensure!(
+        !example.is_empty(),
+        "deploy/hub's access rules lost their example"
+    );
+    AccessRules::parse(&example)
+        .map_err(|e| anyhow::anyhow!("deploy/hub's example access rules: {e}\n{example}"))?;
 
     let pdb = Api::<PodDisruptionBudget>::namespaced(client.clone(), HUB_NAMESPACE)
         .get("flotilla-gateway")
@@ -821,12 +852,19 @@ async fn rendered() -> anyhow::Result<Vec<Value>> {
 /// setup reads, and the pod IP the gateway's advertised address is made of.
 const VARIABLES_NOT_FLAGS: &[&str] = &["RUST_LOG", "FLOTILLA_LOG_FORMAT", "POD_IP"];
 
-/// Every binary a container runs is one the image (deploy/Dockerfile) copies in, and every flag
+/// Every binary a container runs is one the image (deploy/image/build.sh) puts in, and every flag
 /// it passes and every variable it sets (directly or from its ConfigMap) is one that binary's
 /// `--help` lists, so a renamed or removed flag cannot leave a manifest that crash-loops.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn manifests_use_only_flags_and_variables_the_binaries_have() -> anyhow::Result<()> {
-    let dockerfile = std::fs::read_to_string(workspace_root().join("deploy/Dockerfile"))?;
+    let image_recipe = std::fs::read_to_string(workspace_root().join("deploy/image/build.sh"))?;
+    let in_image: BTreeSet<&str> = image_recipe
+        .lines()
+        .find_map(|line| line.strip_prefix("binaries=("))
+        .and_then(|list| list.strip_suffix(')'))
+        .context("deploy/image/build.sh has no `binaries=(...)` line")?
+        .split_whitespace()
+        .collect();
     let objects = rendered().await?;
     let config_maps: Vec<ConfigMap> = objects
         .iter()
@@ -848,11 +886,9 @@ async fn manifests_use_only_flags_and_variables_the_binaries_have() -> anyhow::R
                 .take_while(|a| !a.starts_with('-'))
                 .map(String::as_str)
                 .collect();
-            if !dockerfile.contains(&format!("target/release/{binary} "))
-                && !dockerfile.contains(&format!("target/release/{binary}\n"))
-            {
+            if !in_image.contains(binary.as_str()) {
                 problems.push(format!(
-                    "{}: deploy/Dockerfile does not copy {binary} into the image",
+                    "{}: deploy/image/build.sh does not put {binary} into the image",
                     container.name
                 ));
             }
