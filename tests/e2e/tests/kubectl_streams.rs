@@ -410,3 +410,202 @@ on_both_carriers! {
         Ok(())
     }
 }
+
+/// MiB each port-forward download carries: `FLOTILLA_STREAM_MIB`, 8 by default (the figures in
+/// docs/performance.md were taken with more).
+fn stream_mib() -> usize {
+    std::env::var("FLOTILLA_STREAM_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(8)
+}
+/// Lines each `logs -f` is timed on.
+const FOLLOW_MARKS: usize = 10;
+/// Downloads through each path's port-forward.
+const DOWNLOADS: usize = 3;
+
+/// The byte at `offset` of a download: a pattern no shifted or dropped chunk can match.
+fn download_byte(offset: usize) -> u8 {
+    (offset % 251) as u8
+}
+
+/// `kubectl logs -f POD` running, its lines sent with the moment each was read.
+fn follow_lines(
+    kubeconfig: &Path,
+) -> anyhow::Result<(
+    tokio::process::Child,
+    tokio::sync::mpsc::Receiver<(String, tokio::time::Instant)>,
+)> {
+    let mut follow = tokio::process::Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(["logs", "-f", POD])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut lines = BufReader::new(follow.stdout.take().expect("piped")).lines();
+    let (sent, received) = tokio::sync::mpsc::channel(1024);
+    tokio::spawn(async move {
+        while let Ok(Some(line)) = lines.next_line().await {
+            if sent
+                .send((line, tokio::time::Instant::now()))
+                .await
+                .is_err()
+            {
+                break;
+            }
+        }
+    });
+    Ok((follow, received))
+}
+
+/// Reads `follower` until `line`; when it arrived.
+async fn arrival(
+    follower: &mut tokio::sync::mpsc::Receiver<(String, tokio::time::Instant)>,
+    line: &str,
+    path: &str,
+) -> anyhow::Result<tokio::time::Instant> {
+    tokio::time::timeout(KUBECTL_TIMEOUT, async {
+        while let Some((seen, at)) = follower.recv().await {
+            if seen == line {
+                return Ok(at);
+            }
+        }
+        anyhow::bail!("kubectl logs -f {path} ended before {line:?}")
+    })
+    .await
+    .map_err(|_| anyhow::anyhow!("kubectl logs -f {path} never showed {line:?}"))?
+}
+
+/// `kubectl port-forward pod/POD :8080` running; the local port it listens on.
+async fn forwarding(kubeconfig: &Path) -> anyhow::Result<(tokio::process::Child, u16)> {
+    let mut forward = tokio::process::Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(["port-forward", &format!("pod/{POD}"), ":8080"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut lines = BufReader::new(forward.stdout.take().expect("piped")).lines();
+    let port = tokio::time::timeout(KUBECTL_TIMEOUT, async {
+        while let Some(line) = lines.next_line().await? {
+            if let Some(rest) = line.strip_prefix("Forwarding from 127.0.0.1:") {
+                return Ok(rest.split(' ').next().unwrap_or_default().parse::<u16>()?);
+            }
+        }
+        anyhow::bail!("kubectl port-forward ended without listening")
+    })
+    .await
+    .map_err(|_| anyhow::anyhow!("kubectl port-forward did not listen in time"))??;
+    // Its later lines ("Handling connection for 8080") must not fill the pipe.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Ok((forward, port))
+}
+
+/// One download of `bytes` through the port-forward at `local`: the pod's side (`server`, where
+/// kwok connects every forwarded port) sends the pattern and closes; every byte is checked.
+/// How long it took from the request to the last byte.
+async fn download(server: &TcpListener, local: u16, bytes: usize) -> anyhow::Result<Duration> {
+    let started = tokio::time::Instant::now();
+    let mut client = TcpStream::connect(("127.0.0.1", local)).await?;
+    client.write_all(b"send\n").await?;
+    let (mut conn, _) = server.accept().await?;
+    let mut request = [0u8; 5];
+    conn.read_exact(&mut request).await?;
+    anyhow::ensure!(&request == b"send\n", "request {request:?}");
+    let sender = tokio::spawn(async move {
+        let chunk: Vec<u8> = (0..251 * 256).map(download_byte).collect();
+        let mut sent = 0;
+        while sent < bytes {
+            let n = (bytes - sent).min(chunk.len());
+            conn.write_all(&chunk[..n]).await?;
+            sent += n;
+        }
+        conn.shutdown().await?;
+        anyhow::Ok(())
+    });
+    let mut received = 0;
+    let mut buf = vec![0u8; 256 * 1024];
+    while received < bytes {
+        let n = client.read(&mut buf).await?;
+        anyhow::ensure!(n > 0, "the download ended at {received} of {bytes} bytes");
+        for (i, b) in buf[..n].iter().enumerate() {
+            anyhow::ensure!(
+                *b == download_byte(received + i),
+                "byte {} differs",
+                received + i
+            );
+        }
+        received += n;
+    }
+    let took = started.elapsed();
+    sender.await??;
+    Ok(took)
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+on_both_carriers! {
+    /// `kubectl logs -f` and `kubectl port-forward` through the hub beside the same commands
+    /// sent straight to the spoke's apiserver, interleaved so both see the same machine: every
+    /// line written while both follow arrives on both paths, and every byte of each download
+    /// through either port-forward arrives intact. How long each took is printed (docs/
+    /// performance.md quotes it), never asserted.
+    async fn logs_follow_and_port_forward_carry_what_the_direct_path_does() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let hub = hub_with_proxy(dir.path(), RULES, "", &[]).await?;
+        let spoke = Spoke::start_full(dir.path(), &hub, CLUSTER).await?;
+        let _agent = spoke.start_agent(dir.path(), &hub, &[])?;
+        hub.wait_available(CLUSTER).await?;
+        ready_pod_for_ops(&spoke).await?;
+        let alice = hub.create_user(dir.path(), "alice", &["ops"])?;
+        let direct = spoke.env.kubeconfig_path().to_path_buf();
+        let cluster = spoke.env.cluster()?;
+        cluster.append_container_log("till started")?;
+
+        // logs -f: both follow at once; each marked line is written once, read by both.
+        let (_through_hub, mut hub_lines) = follow_lines(&alice)?;
+        let (_straight, mut direct_lines) = follow_lines(&direct)?;
+        arrival(&mut hub_lines, "till started", "through the hub").await?;
+        arrival(&mut direct_lines, "till started", "direct").await?;
+        let (mut via_hub, mut via_direct) = (Vec::new(), Vec::new());
+        for mark in 0..FOLLOW_MARKS {
+            let line = format!("mark {mark}");
+            let written = tokio::time::Instant::now();
+            cluster.append_container_log(&line)?;
+            let hub_at = arrival(&mut hub_lines, &line, "through the hub").await?;
+            let direct_at = arrival(&mut direct_lines, &line, "direct").await?;
+            via_hub.push((hub_at - written).as_secs_f64() * 1e3);
+            via_direct.push((direct_at - written).as_secs_f64() * 1e3);
+        }
+
+        // port-forward: downloads alternate between the two paths.
+        let target = TcpListener::bind(cluster.port_forward_target()).await?;
+        let (_hub_forward, hub_port) = forwarding(&alice).await?;
+        let (_direct_forward, direct_port) = forwarding(&direct).await?;
+        let bytes = stream_mib() * 1024 * 1024;
+        let (mut hub_rate, mut direct_rate) = (Vec::new(), Vec::new());
+        for _ in 0..DOWNLOADS {
+            let mb = bytes as f64 / 1e6;
+            hub_rate.push(mb / download(&target, hub_port, bytes).await?.as_secs_f64());
+            direct_rate.push(mb / download(&target, direct_port, bytes).await?.as_secs_f64());
+        }
+        eprintln!(
+            "kubectl streams ({:?}): logs -f latency median direct {:.1} ms, through the hub {:.1} ms \
+             ({FOLLOW_MARKS} lines); port-forward download of {} MiB median direct {:.1} MB/s, \
+             through the hub {:.1} MB/s ({DOWNLOADS} each)",
+            flotilla_e2e::current_carrier(),
+            median(&mut via_direct),
+            median(&mut via_hub),
+            stream_mib(),
+            median(&mut direct_rate),
+            median(&mut hub_rate),
+        );
+        Ok(())
+    }
+}
