@@ -732,6 +732,55 @@ async fn server_side_apply_conflicts_name_the_other_manager_and_ignore_fields_ke
         "the ignored field is not"
     );
     assert_eq!(applied_condition(&spoke.status("ssa")?, "web").0, "True");
+
+    // ignoreFields OnSpokeChange: the field follows the hub whenever the manifest changes, and
+    // the spoke's own change to it stands until then.
+    let on_change = |image: &str| {
+        let mut m = web.clone();
+        m["spec"]["template"]["spec"]["containers"][0]["image"] = json!(image);
+        configured_work(
+            vec![m],
+            json!([config_for(
+                "deployments",
+                "apps",
+                "web",
+                json!({"updateStrategy": {
+                "type": "ServerSideApply", "serverSideApply": {"force": true,
+                    "ignoreFields": [{"condition": "OnSpokeChange", "jsonPaths": [".spec.replicas"]}]}}})
+            )]),
+            Value::Null,
+        )
+    };
+    spoke.put("ssa", 5, &on_change("nginx:1.25.3"))?;
+    spoke.reconcile("ssa").await?;
+    assert_eq!(
+        deployments.get("web").await?.spec.unwrap().replicas,
+        Some(3),
+        "a changed work applies an OnSpokeChange field"
+    );
+    deployments
+        .patch(
+            "web",
+            &PatchParams::apply("autoscaler").force(),
+            &Patch::Apply(json!({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "web"}, "spec": {"replicas": 9}})),
+        )
+        .await?;
+    spoke.reconcile("ssa").await?;
+    assert_eq!(
+        deployments.get("web").await?.spec.unwrap().replicas,
+        Some(9),
+        "resync keeps the spoke's change while the work is unchanged"
+    );
+    spoke.put("ssa", 6, &on_change("nginx:1.26.0"))?;
+    spoke.reconcile("ssa").await?;
+    let d = deployments.get("web").await?;
+    assert_eq!(image(&d), "nginx:1.26.0", "the hub's change is applied");
+    assert_eq!(
+        d.spec.unwrap().replicas,
+        Some(3),
+        "and with it the OnSpokeChange field, over the spoke's change"
+    );
+    assert_eq!(applied_condition(&spoke.status("ssa")?, "web").0, "True");
     drop(spoke.env);
     Ok(())
 }
