@@ -327,10 +327,16 @@ async fn handle(
         }
     }
 
-    let permits = match (
-        front.per_cluster.try_acquire(&cluster).await,
-        front.per_user.try_acquire(&user.user).await,
-    ) {
+    // kubectl's discovery roots do not count against the user's limit: kubectl drops the
+    // message of a 429 there (see `read_raw_by_kubectl`), so a user at the limit would read
+    // only "too many requests"; refused on the request that follows discovery, they read
+    // why. They are short, and the per-cluster limit still bounds them.
+    let user_permit = if read_raw_by_kubectl(&path) {
+        Some(None)
+    } else {
+        front.per_user.try_acquire(&user.user).await.map(Some)
+    };
+    let permits = match (front.per_cluster.try_acquire(&cluster).await, user_permit) {
         (Some(c), Some(u)) => (c, u),
         (None, _) => {
             return refuse(
@@ -433,7 +439,7 @@ async fn forward(
     stream: flotilla_transport::TunnelStream,
     line: AuditLine,
     started: Instant,
-    permits: (OwnedSemaphorePermit, OwnedSemaphorePermit),
+    permits: (OwnedSemaphorePermit, Option<OwnedSemaphorePermit>),
 ) -> Result<Response<ProxyBody>, (StatusCode, String)> {
     let cluster = line.cluster.clone();
     let lost = |e: hyper::Error| {
@@ -701,7 +707,7 @@ struct Finish {
     sink: AuditSink,
     bytes_in: Arc<AtomicU64>,
     bytes_out: Arc<AtomicU64>,
-    _permits: (OwnedSemaphorePermit, OwnedSemaphorePermit),
+    _permits: (OwnedSemaphorePermit, Option<OwnedSemaphorePermit>),
     _connection: AbortOnDrop,
 }
 
