@@ -21,11 +21,14 @@
 //! the stream (HTTP/1.1 between the proxy front and the agent's tunnel end).
 
 use async_trait::async_trait;
-use flotilla_transport::hop::{AwaySince, HopClient, HopError, HopRefusal, HopTarget};
+use flotilla_transport::hop::{
+    AwaySince, HopClient, HopError, HopRefusal, HopTarget, OwnerPresence,
+};
 use flotilla_transport::{LinkError, TunnelStream};
 use tokio::time::Instant;
 
 use crate::Gateway;
+use crate::registry::SessionPresence;
 use crate::shards::Route;
 use crate::tunnel::{Away, TunnelError};
 
@@ -159,6 +162,29 @@ impl HopTarget for Gateway {
             other => HopRefusal::Link(other.to_string()),
         })
     }
+
+    /// Answers from this gateway's sessions for the shards it holds now, by the same view the
+    /// tunnel open checks. A departure it recorded before it lost a shard and took it back
+    /// may predate a session the cluster had elsewhere meanwhile: the page then shows an
+    /// earlier last-seen, never a session that is not there.
+    fn presence(&self, clusters: &[String]) -> Vec<OwnerPresence> {
+        let views = self.shard_views();
+        let view = views.borrow();
+        let now = Instant::now();
+        clusters
+            .iter()
+            .map(|cluster| match view.route(cluster, now) {
+                Route::Here { .. } => match self.session_presence(cluster) {
+                    Some(SessionPresence::Connected { carrier, since }) => {
+                        OwnerPresence::Connected { carrier, since }
+                    }
+                    Some(SessionPresence::Departed { at }) => OwnerPresence::Departed { at },
+                    None => OwnerPresence::Unknown,
+                },
+                Route::Elsewhere { .. } | Route::Unowned { .. } => OwnerPresence::NotHeld,
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]
@@ -232,6 +258,31 @@ mod tests {
         );
         assert!(matches!(err, TunnelError::Unrouted { .. }), "{err:?}");
         assert!(err.to_string().contains(CLUSTER), "{err}");
+    }
+
+    #[tokio::test]
+    async fn presence_is_answered_only_for_shards_held_now() {
+        let dir = tempfile::tempdir().unwrap();
+        let gateway = gateway(dir.path());
+        let asked = [CLUSTER.to_string(), "store-8".to_string()];
+
+        // Holding every shard but with no session yet: it can say nothing more than that.
+        gateway.set_shard_view(ShardView::all(64));
+        assert_eq!(
+            HopTarget::presence(&gateway, &asked),
+            vec![OwnerPresence::Unknown, OwnerPresence::Unknown]
+        );
+
+        // Holding none (its shard went to gw-2, or to nobody): "not mine", never a
+        // "disconnected" the page would show as the truth.
+        for owner in [Some("127.0.0.1:1"), None] {
+            gateway.set_shard_view(view_without_the_shard(owner));
+            assert_eq!(
+                HopTarget::presence(&gateway, &asked),
+                vec![OwnerPresence::NotHeld, OwnerPresence::NotHeld],
+                "owner {owner:?}"
+            );
+        }
     }
 
     #[tokio::test]

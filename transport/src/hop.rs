@@ -16,6 +16,11 @@
 //! for a gateway (`O=flotilla:gateways`) may open it: an agent or a kubectl user reaching the
 //! gateways' listener is refused before anything is opened.
 //!
+//! The same service answers `Relay.Presence` ([`HopClient::presence`]): what the gateway
+//! knows of the sessions of a batch of clusters ([`OwnerPresence`], from
+//! [`HopTarget::presence`]), for the hub's status page in scale-out mode, which asks each
+//! shard owner once per page. The same callers only, at most [`MAX_PRESENCE_CLUSTERS`] a call.
+//!
 //! Not for: deciding whether a request may go (the proxy front's access rules), or which
 //! gateway holds a cluster (the shard directory, in the gateway crate).
 
@@ -27,9 +32,11 @@ use std::time::{Duration, SystemTime};
 use flotilla_proto::contract::{
     GATEWAY_GROUP, RELAY_CLUSTER_METADATA, RELAY_TUNNEL_ID_METADATA, is_dns1123_label,
 };
-use flotilla_proto::wire::TunnelFrame;
 use flotilla_proto::wire::relay_client::RelayClient;
 use flotilla_proto::wire::relay_server::{Relay, RelayServer};
+use flotilla_proto::wire::{
+    ClusterPresence, PresenceAnswer, PresenceQuery, PresenceState, TunnelFrame,
+};
 use futures::{Stream, StreamExt as _};
 use tokio::sync::{Mutex, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
@@ -39,11 +46,14 @@ use tracing::{Instrument as _, debug, debug_span};
 
 use crate::grpc::{frames_io, io_error};
 use crate::identity::Peer;
-use crate::link::{LINK_BUFFER, LinkError, TunnelStream};
+use crate::link::{Carrier, LINK_BUFFER, LinkError, TunnelStream};
 use crate::tls::ConnInfo;
 
 /// Longest tunnel id the hop accepts (the proxy front's ids are far shorter).
 pub const MAX_TUNNEL_ID_BYTES: usize = 128;
+
+/// Most clusters one `Relay.Presence` call may ask about: a page of the hub's status page.
+pub const MAX_PRESENCE_CLUSTERS: usize = 500;
 
 /// Response metadata of a `NoSession` refusal: `ended` (a session ended at `flotilla-away-at`)
 /// or `never` (none since the gateway started then).
@@ -58,6 +68,68 @@ pub struct AwaySince {
     /// at `at`).
     pub ended: bool,
     pub at: SystemTime,
+}
+
+/// What the gateway asked over `Relay.Presence` knows of a cluster's session.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OwnerPresence {
+    /// A session of the cluster is live on it, on `carrier`, since `since` (wall time).
+    Connected { carrier: Carrier, since: SystemTime },
+    /// It holds the cluster's shard; the cluster's last session there ended at `at`.
+    Departed { at: SystemTime },
+    /// It holds the cluster's shard and has had no session of it since it started or took the
+    /// shard over: nobody can say more.
+    Unknown,
+    /// It does not hold the cluster's shard now (the caller's directory is stale): its word
+    /// on the cluster means nothing.
+    NotHeld,
+}
+
+impl OwnerPresence {
+    fn to_wire(self, cluster: &str) -> ClusterPresence {
+        let millis = |t: SystemTime| {
+            t.duration_since(SystemTime::UNIX_EPOCH)
+                .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+                .unwrap_or(0)
+        };
+        let (state, carrier, at_unix_ms) = match self {
+            OwnerPresence::Connected { carrier, since } => {
+                (PresenceState::Connected, carrier.to_string(), millis(since))
+            }
+            OwnerPresence::Departed { at } => (PresenceState::Departed, String::new(), millis(at)),
+            OwnerPresence::Unknown => (PresenceState::Unknown, String::new(), 0),
+            OwnerPresence::NotHeld => (PresenceState::NotHeld, String::new(), 0),
+        };
+        ClusterPresence {
+            cluster: cluster.to_string(),
+            state: state as i32,
+            carrier,
+            at_unix_ms,
+        }
+    }
+
+    /// The wire's answer as the caller reads it; one it cannot read (a carrier or state
+    /// from a newer gateway) says nothing: `Unknown`.
+    fn from_wire(answer: &ClusterPresence) -> OwnerPresence {
+        let at = SystemTime::UNIX_EPOCH
+            + Duration::from_millis(u64::try_from(answer.at_unix_ms).unwrap_or(0));
+        match PresenceState::try_from(answer.state) {
+            Ok(PresenceState::Connected) => match answer.carrier.as_str() {
+                "grpc" => OwnerPresence::Connected {
+                    carrier: Carrier::Grpc,
+                    since: at,
+                },
+                "quic" => OwnerPresence::Connected {
+                    carrier: Carrier::Quic,
+                    since: at,
+                },
+                _ => OwnerPresence::Unknown,
+            },
+            Ok(PresenceState::Departed) => OwnerPresence::Departed { at },
+            Ok(PresenceState::NotHeld) => OwnerPresence::NotHeld,
+            Ok(PresenceState::Unknown) | Err(_) => OwnerPresence::Unknown,
+        }
+    }
 }
 
 /// Why the gateway answering a hop did not open the tunnel.
@@ -105,6 +177,11 @@ pub enum HopError {
 pub trait HopTarget: Send + Sync + 'static {
     /// Opens tunnel `id` to `cluster`'s agent over the session this gateway holds, bounded.
     async fn open(&self, cluster: &str, id: &str) -> Result<TunnelStream, HopRefusal>;
+
+    /// What this gateway knows of each cluster's session, one answer per cluster in the order
+    /// given; [`OwnerPresence::NotHeld`] for clusters of shards it does not hold now. Called
+    /// with at most [`MAX_PRESENCE_CLUSTERS`] valid cluster names; answers from memory.
+    fn presence(&self, clusters: &[String]) -> Vec<OwnerPresence>;
 }
 
 /// `Relay.Tunnel` on a gateway: checks the caller is a gateway, opens the tunnel with its
@@ -136,6 +213,27 @@ fn metadata<'a>(request: &'a Request<Streaming<TunnelFrame>>, key: &str) -> Opti
     request.metadata().get(key).and_then(|v| v.to_str().ok())
 }
 
+/// The name of the gateway making `request`, or the refusal of any other caller: only
+/// gateway certificates of the hub CA may use the relay service.
+fn gateway_caller<T>(request: &Request<T>, call: &str) -> Result<String, Status> {
+    match request.extensions().get::<ConnInfo>().map(|i| &i.peer) {
+        Some(Peer::Gateway { name }) => Ok(name.clone()),
+        Some(other) => {
+            let who = match other {
+                Peer::Cluster(name) => format!("the agent of cluster {name}"),
+                Peer::Operator { user, .. } => format!("operator {user}"),
+                Peer::User { user, .. } => format!("kubectl user {user}"),
+                _ => "a client without a certificate".to_string(),
+            };
+            debug!(caller = %who, call, "relay call refused: not a gateway");
+            Err(Status::permission_denied(format!(
+                "{who} may not {call}: only gateway certificates (O={GATEWAY_GROUP}) may"
+            )))
+        }
+        None => Err(Status::internal("connection without TLS information")),
+    }
+}
+
 /// Whether a tunnel id is one the hop carries: printable ASCII, bounded.
 fn valid_tunnel_id(id: &str) -> bool {
     !id.is_empty() && id.len() <= MAX_TUNNEL_ID_BYTES && id.bytes().all(|b| b.is_ascii_graphic())
@@ -149,22 +247,7 @@ impl Relay for RelayService {
         &self,
         request: Request<Streaming<TunnelFrame>>,
     ) -> Result<Response<OutStream>, Status> {
-        let caller = match request.extensions().get::<ConnInfo>().map(|i| &i.peer) {
-            Some(Peer::Gateway { name }) => name.clone(),
-            Some(other) => {
-                let who = match other {
-                    Peer::Cluster(name) => format!("the agent of cluster {name}"),
-                    Peer::Operator { user, .. } => format!("operator {user}"),
-                    Peer::User { user, .. } => format!("kubectl user {user}"),
-                    _ => "a client without a certificate".to_string(),
-                };
-                debug!(caller = %who, "relay hop refused: not a gateway");
-                return Err(Status::permission_denied(format!(
-                    "{who} may not open the relay hop: only gateway certificates (O={GATEWAY_GROUP}) may"
-                )));
-            }
-            None => return Err(Status::internal("connection without TLS information")),
-        };
+        let caller = gateway_caller(&request, "open the relay hop")?;
         let cluster = metadata(&request, RELAY_CLUSTER_METADATA)
             .filter(|c| is_dns1123_label(c))
             .ok_or_else(|| {
@@ -199,6 +282,34 @@ impl Relay for RelayService {
             .instrument(span),
         );
         Ok(Response::new(Box::pin(ReceiverStream::new(rx).map(Ok))))
+    }
+
+    async fn presence(
+        &self,
+        request: Request<PresenceQuery>,
+    ) -> Result<Response<PresenceAnswer>, Status> {
+        gateway_caller(&request, "ask about sessions")?;
+        let clusters = request.into_inner().clusters;
+        if clusters.len() > MAX_PRESENCE_CLUSTERS {
+            return Err(Status::invalid_argument(format!(
+                "{} clusters asked about in one call: at most {MAX_PRESENCE_CLUSTERS}; split the batch",
+                clusters.len()
+            )));
+        }
+        if let Some(bad) = clusters.iter().find(|c| !is_dns1123_label(c)) {
+            let shown: String = bad.chars().take(64).collect();
+            return Err(Status::invalid_argument(format!(
+                "cluster {shown:?} is not a cluster name (a DNS-1123 label)"
+            )));
+        }
+        let answers = self.target.presence(&clusters);
+        Ok(Response::new(PresenceAnswer {
+            clusters: clusters
+                .iter()
+                .zip(answers)
+                .map(|(cluster, presence)| presence.to_wire(cluster))
+                .collect(),
+        }))
     }
 }
 
@@ -276,7 +387,9 @@ fn hop_error(address: &str, cluster: &str, status: Status) -> HopError {
 const MAX_HOP_CONNECTIONS: usize = 256;
 
 /// The calling side of the hop: one HTTP/2 connection per gateway address (made on first
-/// use, kept, reconnected by tonic when it breaks), a `Relay.Tunnel` call per tunnel.
+/// use, kept, reconnected by tonic when it breaks), a `Relay.Tunnel` call per tunnel and a
+/// `Relay.Presence` call per batch. Clones share the connections.
+#[derive(Clone)]
 pub struct HopClient {
     /// The caller's gateway certificate, trusting the hub CA's bundle.
     tls: Arc<rustls::ClientConfig>,
@@ -285,7 +398,7 @@ pub struct HopClient {
     /// so deployments set one name, as agents do with `--server-name`.
     server_name: Option<String>,
     /// Connections by gateway address. Held only to look up or insert, never while dialling.
-    channels: Mutex<HashMap<String, tonic::transport::Channel>>,
+    channels: Arc<Mutex<HashMap<String, tonic::transport::Channel>>>,
 }
 
 impl HopClient {
@@ -295,7 +408,7 @@ impl HopClient {
         HopClient {
             tls,
             server_name: None,
-            channels: Mutex::new(HashMap::new()),
+            channels: Arc::new(Mutex::new(HashMap::new())),
         }
     }
 
@@ -351,6 +464,47 @@ impl HopClient {
                 "tunnel {id} to cluster {cluster} not opened through the gateway within {within:?}"
             )))),
         }
+    }
+
+    /// What the gateway at `address` knows of the sessions of `clusters` (at most
+    /// [`MAX_PRESENCE_CLUSTERS`]), within `within` (dial included): an answer for each cluster
+    /// it answered about, by name.
+    pub async fn presence(
+        &self,
+        address: &str,
+        clusters: &[&str],
+        within: Duration,
+    ) -> Result<HashMap<String, OwnerPresence>, HopError> {
+        let link = |source| HopError::Link {
+            address: address.to_string(),
+            source,
+        };
+        let asking = async {
+            let channel = self.channel(address).await.map_err(link)?;
+            let query = PresenceQuery {
+                clusters: clusters.iter().map(|c| c.to_string()).collect(),
+            };
+            RelayClient::new(channel)
+                .presence(Request::new(query))
+                .await
+                .map_err(|status| hop_error(address, "", status))
+        };
+        let answer = match tokio::time::timeout(within, asking).await {
+            Ok(answer) => answer?.into_inner(),
+            Err(_) => {
+                return Err(link(LinkError::TimedOut(format!(
+                    "no answer about {} clusters' sessions within {within:?}",
+                    clusters.len()
+                ))));
+            }
+        };
+        // Only answers about clusters asked about count.
+        Ok(answer
+            .clusters
+            .iter()
+            .filter(|a| clusters.contains(&a.cluster.as_str()))
+            .map(|a| (a.cluster.clone(), OwnerPresence::from_wire(a)))
+            .collect())
     }
 
     /// The connection to `address`, dialled now if there is none.
@@ -423,6 +577,36 @@ mod tests {
             hop_error("a:1", "store-7", Status::permission_denied("no")),
             HopError::Forbidden { .. }
         ));
+    }
+
+    #[test]
+    fn presence_crosses_the_wire_as_it_was_given() {
+        let at = SystemTime::UNIX_EPOCH + Duration::from_millis(1_700_000_000_123);
+        for presence in [
+            OwnerPresence::Connected {
+                carrier: Carrier::Grpc,
+                since: at,
+            },
+            OwnerPresence::Connected {
+                carrier: Carrier::Quic,
+                since: at,
+            },
+            OwnerPresence::Departed { at },
+            OwnerPresence::Unknown,
+            OwnerPresence::NotHeld,
+        ] {
+            let wire = presence.to_wire("store-7");
+            assert_eq!(wire.cluster, "store-7");
+            assert_eq!(OwnerPresence::from_wire(&wire), presence);
+        }
+        // A carrier this side does not know says nothing rather than something wrong.
+        let mut newer = OwnerPresence::Connected {
+            carrier: Carrier::Grpc,
+            since: at,
+        }
+        .to_wire("store-7");
+        newer.carrier = "carrier-pigeon".into();
+        assert_eq!(OwnerPresence::from_wire(&newer), OwnerPresence::Unknown);
     }
 
     #[test]

@@ -2,17 +2,21 @@
 //! through the hop and its bytes cross both ways with half-close; an agent's or a kubectl
 //! user's certificate is refused before the far gateway opens anything; a tunnel whose reader
 //! stalls does not hold up another tunnel on the same hop connection; the far gateway's
-//! refusals come back as they were made.
+//! refusals come back as they were made; `Relay.Presence` answers a gateway certificate about
+//! a batch of clusters, and refuses other callers, oversized batches and bad names.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime};
 
+use flotilla_transport::Carrier;
 use flotilla_transport::TunnelStream;
 use flotilla_transport::grpc::GrpcSettings;
 use flotilla_transport::hop::{
-    AwaySince, HopClient, HopError, HopRefusal, HopTarget, RelayService,
+    AwaySince, HopClient, HopError, HopRefusal, HopTarget, MAX_PRESENCE_CLUSTERS, OwnerPresence,
+    RelayService,
 };
 use flotilla_transport::tls;
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
@@ -82,6 +86,25 @@ impl HopTarget for Agents {
             .await
             .unwrap();
         Ok(TunnelStream::new(id, gateway_end))
+    }
+
+    fn presence(&self, clusters: &[String]) -> Vec<OwnerPresence> {
+        clusters.iter().map(|c| played_presence(c)).collect()
+    }
+}
+
+/// What the far gateway says of each cluster's session: store-1 is connected over QUIC,
+/// store-2 left, store-3 is of its shards but never seen, the rest are not its shards.
+fn played_presence(cluster: &str) -> OwnerPresence {
+    let at = SystemTime::UNIX_EPOCH + Duration::from_millis(1_790_000_000_250);
+    match cluster {
+        "store-1" => OwnerPresence::Connected {
+            carrier: Carrier::Quic,
+            since: at,
+        },
+        "store-2" => OwnerPresence::Departed { at },
+        "store-3" => OwnerPresence::Unknown,
+        _ => OwnerPresence::NotHeld,
     }
 }
 
@@ -301,4 +324,77 @@ async fn the_far_gateways_refusals_come_back_as_made() {
         .await
         .unwrap_err();
     assert!(matches!(err, HopError::Link { .. }), "{err:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn presence_answers_a_gateway_about_a_batch_and_refuses_the_rest() {
+    let pki = pki();
+    let (addr, _agents, _ends, _drain) = far_gateway(&pki).await;
+    let address = addr.to_string();
+    let hub = client(&pki, &pki.gateway);
+
+    let asked = ["store-1", "store-2", "store-3", "store-9"];
+    let answers = hub.presence(&address, &asked, STEP).await.unwrap();
+    let expected: HashMap<String, OwnerPresence> = asked
+        .iter()
+        .map(|c| (c.to_string(), played_presence(c)))
+        .collect();
+    assert_eq!(answers, expected);
+
+    // Only gateways may ask: an agent or a kubectl user learns nothing of other clusters.
+    for (who, identity) in [("agent", &pki.agent), ("kubectl user", &pki.user)] {
+        let err = client(&pki, identity)
+            .presence(&address, &asked, STEP)
+            .await
+            .unwrap_err();
+        match &err {
+            HopError::Forbidden { detail, .. } => {
+                assert!(detail.contains("only gateway certificates"), "{who}: {err}")
+            }
+            other => panic!("{who}: expected a refusal, got {other:?}"),
+        }
+    }
+
+    // A batch past the bound, or a name that is no cluster's, is refused saying why.
+    let names: Vec<String> = (0..=MAX_PRESENCE_CLUSTERS)
+        .map(|i| format!("store-{i}"))
+        .collect();
+    let too_many: Vec<&str> = names.iter().map(String::as_str).collect();
+    let err = hub.presence(&address, &too_many, STEP).await.unwrap_err();
+    assert!(
+        matches!(&err, HopError::Forbidden { detail, .. } if detail.contains("at most 500")),
+        "{err:?}"
+    );
+    let err = hub
+        .presence(&address, &["store-1", "Not_A_Cluster"], STEP)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, HopError::Forbidden { detail, .. } if detail.contains("\"Not_A_Cluster\" is not a cluster name")),
+        "{err:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_that_never_answers_costs_a_presence_question_its_bound() {
+    let pki = pki();
+    let hub = client(&pki, &pki.gateway);
+    // Takes the connection (the kernel completes the handshake) and never speaks TLS.
+    let hung = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = hung.local_addr().unwrap().to_string();
+    let asking = hub.presence(&address, &["store-1"], Duration::from_millis(300));
+    let err = tokio::time::timeout(STEP, asking)
+        .await
+        .expect("the question ends at its bound, not at the caller's patience")
+        .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            HopError::Link {
+                source: flotilla_transport::LinkError::TimedOut(_),
+                ..
+            }
+        ),
+        "{err:?}"
+    );
 }

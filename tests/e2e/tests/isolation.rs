@@ -257,15 +257,18 @@ enum Call {
     FleetTunnel,
     /// The relay hop to B: refused to all but a gateway certificate (the positive control).
     RelayTunnel,
+    /// Where B's session is: refused to all but a gateway certificate (the positive control).
+    RelayPresence,
     /// A join under B's name: refused, the name is B's key's.
     RegistrationJoin,
 }
 
 impl Call {
-    const ALL: [Call; 4] = [
+    const ALL: [Call; 5] = [
         Call::FleetSession,
         Call::FleetTunnel,
         Call::RelayTunnel,
+        Call::RelayPresence,
         Call::RegistrationJoin,
     ];
 
@@ -274,6 +277,7 @@ impl Call {
             Call::FleetSession => "Fleet.Session",
             Call::FleetTunnel => "Fleet.Tunnel",
             Call::RelayTunnel => "Relay.Tunnel",
+            Call::RelayPresence => "Relay.Presence",
             Call::RegistrationJoin => "Registration.Join",
         }
     }
@@ -289,7 +293,9 @@ impl Call {
                 Who::Operator,
                 Who::Anonymous,
             ],
-            Call::RelayTunnel => &[Who::AgentA, Who::UserA, Who::Operator, Who::Anonymous],
+            Call::RelayTunnel | Call::RelayPresence => {
+                &[Who::AgentA, Who::UserA, Who::Operator, Who::Anonymous]
+            }
             Call::RegistrationJoin => &[Who::AgentA, Who::Anonymous],
         }
     }
@@ -1516,6 +1522,7 @@ async fn calls(s: &mut Sweep) -> anyhow::Result<()> {
             }
             Call::FleetTunnel => fleet_tunnel(s).await?,
             Call::RelayTunnel => relay_tunnel(s).await?,
+            Call::RelayPresence => relay_presence(s).await?,
             Call::RegistrationJoin => {
                 for &who in call.identities() {
                     let case = format!("{} as {who:?}", call.rpc());
@@ -1650,6 +1657,37 @@ async fn relay_tunnel(s: &mut Sweep) -> anyhow::Result<()> {
         String::from_utf8_lossy(&answer).contains(B_ANSWER),
         "the hop's answer: {}",
         String::from_utf8_lossy(&answer)
+    );
+    s.b_moved_on().await
+}
+
+/// Where B's session is, told to a gateway certificate only.
+async fn relay_presence(s: &mut Sweep) -> anyhow::Result<()> {
+    use flotilla_transport::hop::OwnerPresence;
+    let address = s.fleet.hub.agents_addr.clone();
+    for &who in Call::RelayPresence.identities() {
+        let case = format!("Relay.Presence of {B} as {who:?}");
+        let hop = flotilla_transport::hop::HopClient::new(s.tls(who, &[])?)
+            .with_server_name(Some("localhost".into()));
+        match hop.presence(&address, &[B], WAIT).await {
+            Ok(answer) => bail!("{case}: answered {answer:?}"),
+            Err(e) => ensure!(
+                e.to_string().contains("may not ask about sessions"),
+                "{case}: {e}"
+            ),
+        }
+        s.b_untouched(&case).await?;
+    }
+    // The control: a gateway certificate is told B's live session and its carrier.
+    let hop = flotilla_transport::hop::HopClient::new(s.tls(Who::Gateway, &[])?)
+        .with_server_name(Some("localhost".into()));
+    let answer = hop
+        .presence(&address, &[B], WAIT)
+        .await
+        .context("a gateway certificate asks where B's session is")?;
+    ensure!(
+        matches!(answer.get(B), Some(OwnerPresence::Connected { carrier, .. }) if *carrier == s.fleet.hub.carrier),
+        "B's session as its gateway tells it: {answer:?}"
     );
     s.b_moved_on().await
 }
