@@ -237,8 +237,15 @@ pub async fn run(
         "operator-api",
     );
     tasks.spawn("the operator API's listener", api_accept.err_into());
+    // In scale-out, how the hub reaches the gateways holding clusters' sessions: the proxy
+    // front's tunnels and the status page's questions share its connections.
+    let relay_hop = if config.gateways == GatewayMode::External {
+        Some(relay_hop_client(&config, &ca)?)
+    } else {
+        None
+    };
     if let Some(listener) = proxy {
-        let route = tunnel_route(&config, &gateway, &ca)?;
+        let route = tunnel_route(&gateway, relay_hop.clone());
         let (front, relays, audit_writer) = proxy_front(&config, route, store.clone())?;
         let (proxy_conns, proxy_accept) = flotilla_transport::tls::accept_authenticated(
             listener,
@@ -266,9 +273,17 @@ pub async fn run(
         agent_address: agent_address(&config, listen.agents),
         ca_changed,
     });
-    // The status page's model of the fleet; sessions are the in-process gateway's. Its caches
-    // ride the fleet gauges' watches when those run, else watches of their own.
-    let status_page = status_page::StatusPage::new(Some(Arc::new(gateway.clone())));
+    // The status page's model of the fleet; sessions are the in-process gateway's, or in
+    // scale-out the shard owners'. Its caches ride the fleet gauges' watches when those run,
+    // else watches of their own.
+    let sessions: Arc<dyn status_page::LiveSessions> = match relay_hop {
+        Some(hop) => Arc::new(status_page::sessions::ShardOwners::new(
+            gateway.clone(),
+            hop,
+        )),
+        None => Arc::new(gateway.clone()),
+    };
+    let status_page = status_page::StatusPage::new(Some(sessions));
     let controller_metrics = controllers::ControllerMetrics::default();
     let _metrics_endpoint = if let Some(listener) = metrics {
         // The gateway's metrics and the fleet's gauges; ready once the gateway's caches and
@@ -400,16 +415,24 @@ impl Drop for EndsWithRun {
 }
 
 /// How the proxy front reaches clusters' agents: the in-process gateway's own sessions in
-/// single-node mode; in scale-out mode the gateway holding each cluster's shard, by the shard
-/// directory, over the relay hop with a gateway certificate the hub issues itself now.
+/// single-node mode; in scale-out mode (`hop` given) the gateway holding each cluster's shard,
+/// by the shard directory, over the relay hop.
 fn tunnel_route(
-    config: &HubConfig,
     gateway: &Gateway,
-    ca: &Ca,
-) -> anyhow::Result<Arc<dyn flotilla_gateway::TunnelRoute>> {
-    if config.gateways != GatewayMode::External {
-        return Ok(Arc::new(gateway.clone()));
+    hop: Option<flotilla_transport::hop::HopClient>,
+) -> Arc<dyn flotilla_gateway::TunnelRoute> {
+    match hop {
+        Some(hop) => Arc::new(flotilla_gateway::ShardRoute::new(gateway.clone(), hop)),
+        None => Arc::new(gateway.clone()),
     }
+}
+
+/// The relay hop's client of scale-out mode, with a gateway certificate the hub issues itself
+/// now.
+fn relay_hop_client(
+    config: &HubConfig,
+    ca: &Ca,
+) -> anyhow::Result<flotilla_transport::hop::HopClient> {
     let identity = ca.issue_gateway("hub", &config.server_names)?;
     let tls = flotilla_transport::tls::client_config(
         ca.bundle_pem().as_bytes(),
@@ -418,11 +441,8 @@ fn tunnel_route(
         &[],
     )
     .context("the hub's gateway certificate for the relay hop")?;
-    Ok(Arc::new(flotilla_gateway::ShardRoute::new(
-        gateway.clone(),
-        flotilla_transport::hop::HopClient::new(tls)
-            .with_server_name(config.gateway_server_name.clone()),
-    )))
+    Ok(flotilla_transport::hop::HopClient::new(tls)
+        .with_server_name(config.gateway_server_name.clone()))
 }
 
 /// The proxy front from the hub's flags: its access rules and tokens read now, its audit log

@@ -20,8 +20,10 @@
 //! Not for: changing anything (every route is GET), or serving outside the operator API.
 
 pub mod render;
+pub mod sessions;
 pub mod view;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -59,16 +61,23 @@ pub const MAX_NAME_FILTER: usize = 253;
 /// Longest label selector a request may carry.
 pub const MAX_SELECTOR: usize = 1024;
 
-/// Where a cluster's session is, as far as this hub knows: the in-process gateway's sessions.
+/// Where clusters' sessions are, as far as this hub can learn: the in-process gateway's
+/// sessions (single node), or the shard owners' ([`sessions::ShardOwners`], scale-out).
 #[async_trait]
 pub trait LiveSessions: Send + Sync {
-    async fn presence(&self, cluster: &str) -> Option<SessionPresence>;
+    /// The presence of each of a page's `clusters` that the source knows of, asked as one
+    /// batch (a page of 50 rows is one question per gateway, not 50). A cluster left out
+    /// shows "—": nobody could say, which is not the same as disconnected. Bounded in time.
+    async fn presence(&self, clusters: &[&str]) -> HashMap<String, SessionPresence>;
 }
 
 #[async_trait]
 impl LiveSessions for flotilla_gateway::Gateway {
-    async fn presence(&self, cluster: &str) -> Option<SessionPresence> {
-        self.session_presence(cluster)
+    async fn presence(&self, clusters: &[&str]) -> HashMap<String, SessionPresence> {
+        clusters
+            .iter()
+            .filter_map(|c| Some((c.to_string(), self.session_presence(c)?)))
+            .collect()
     }
 }
 
@@ -150,15 +159,20 @@ impl StatusPage {
 
     /// Each cluster of a page with where its session is.
     async fn with_sessions(&self, items: Vec<ClusterItem>) -> Vec<ClusterEntry> {
-        let mut entries = Vec::with_capacity(items.len());
-        for item in items {
-            let presence = match &self.sessions {
-                Some(s) => s.presence(&item.cluster.name).await,
-                None => None,
-            };
-            entries.push(ClusterEntry::new(item, presence));
-        }
-        entries
+        let mut presence = match &self.sessions {
+            Some(s) => {
+                let names: Vec<&str> = items.iter().map(|i| i.cluster.name.as_str()).collect();
+                s.presence(&names).await
+            }
+            None => HashMap::new(),
+        };
+        items
+            .into_iter()
+            .map(|item| {
+                let found = presence.remove(&item.cluster.name);
+                ClusterEntry::new(item, found)
+            })
+            .collect()
     }
 }
 
@@ -192,11 +206,12 @@ impl Reflector for KindFeed {
 pub struct ClusterEntry {
     #[serde(flatten)]
     pub item: ClusterItem,
-    /// The carrier of its live session on this hub (`grpc`, `quic`), if it has one here.
+    /// The carrier of its live session (`grpc`, `quic`), if it has one.
     pub transport: Option<String>,
-    /// When the hub last had a session of it: now while connected, else when the last one
-    /// ended (unknown when the hub has not seen one since it started, or the cluster's
-    /// sessions are on external gateways).
+    /// When a session of it was last seen: now while connected, else when the last one ended
+    /// on the gateway holding its shard (the hub's own in single-node mode). Unknown when
+    /// that gateway has seen none since it started or took the shard over, or did not answer
+    /// in time.
     pub last_seen: Option<Timestamp>,
     /// When its live session here was established.
     pub session_since: Option<Timestamp>,
