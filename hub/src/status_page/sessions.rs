@@ -36,22 +36,11 @@ pub struct ShardOwners {
     gateway: Gateway,
     /// The relay client, presenting the hub's gateway certificate.
     hop: HopClient,
-    deadline: Duration,
 }
 
 impl ShardOwners {
     pub fn new(gateway: Gateway, hop: HopClient) -> ShardOwners {
-        ShardOwners {
-            gateway,
-            hop,
-            deadline: PRESENCE_DEADLINE,
-        }
-    }
-
-    /// [`ShardOwners::new`] waiting `deadline` for each gateway.
-    pub fn with_deadline(mut self, deadline: Duration) -> ShardOwners {
-        self.deadline = deadline;
-        self
+        ShardOwners { gateway, hop }
     }
 }
 
@@ -101,7 +90,7 @@ impl LiveSessions for ShardOwners {
             names
                 .chunks(MAX_PRESENCE_CLUSTERS)
                 .map(move |batch| async move {
-                    let answer = self.hop.presence(address, batch, self.deadline).await;
+                    let answer = self.hop.presence(address, batch, PRESENCE_DEADLINE).await;
                     (owner, answer)
                 })
         });
@@ -118,7 +107,7 @@ impl LiveSessions for ShardOwners {
                     Some((cluster, presence))
                 })),
                 Err(error) => {
-                    tracing::warn!(gateway = %owner, error = %flotilla_ops::error_chain(&error), "the status page shows no session for this gateway's clusters: it did not answer");
+                    tracing::warn!(gateway = %owner, error = %flotilla_ops::error_chain(&error), "the status page shows no session for this gateway's clusters: its answer failed");
                 }
             }
         }
