@@ -483,9 +483,21 @@ fn validate_typed(kind: Kind, body: &Value) -> Result<(), String> {
         result.map_err(|e| format!("{kind} {}: does not parse: {e}", name()))
     };
     match kind {
-        Kind::Placement => parse(serde_json::from_value::<Placement>(body.clone()).map(drop)),
+        Kind::Placement => {
+            let placement: Placement = serde_json::from_value(body.clone())
+                .map_err(|e| format!("{kind} {}: does not parse: {e}", name()))?;
+            flotilla_proto::api::validate_placement(&placement).map_err(|errors| {
+                errors
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            })
+        }
         Kind::ManagedClusterSet => {
-            parse(serde_json::from_value::<ManagedClusterSet>(body.clone()).map(drop))
+            let set: ManagedClusterSet = serde_json::from_value(body.clone())
+                .map_err(|e| format!("{kind} {}: does not parse: {e}", name()))?;
+            flotilla_proto::api::validate_cluster_set(&set).map_err(|e| e.to_string())
         }
         Kind::ManagedClusterSetBinding => {
             parse(serde_json::from_value::<ManagedClusterSetBinding>(body.clone()).map(drop))

@@ -319,12 +319,80 @@ fn manifest_configs_executor_and_ttl_are_checked_as_ocm_does() {
         &[
             "ManifestWork store-7/baseline: spec.manifestConfigs[0]: updateStrategy.serverSideApply.fieldManager \"mine\" must start with \"work-agent\"",
             "ManifestWork store-7/baseline: spec.manifestConfigs[0]: ignoreFields condition \"Always\" must be OnSpokePresent or OnSpokeChange",
-            "ManifestWork store-7/baseline: spec.manifestConfigs[0]: ignoreFields entries need at least one jsonPath",
+            "ManifestWork store-7/baseline: spec.manifestConfigs[0]: ignoreFields entries need at least one jsonPath or jsonPointer",
             "ManifestWork store-7/baseline: spec.manifestConfigs[1]: condition is required for CEL rules",
             "ManifestWork store-7/baseline: spec.manifestConfigs[1]: conditionRules type \"Magic\" must be WellKnownConditions or CEL",
             "ManifestWork store-7/baseline: spec.executor: subject type \"User\" is not supported; use ServiceAccount",
             "ManifestWork store-7/baseline: spec.deleteOption.ttlSecondsAfterFinished: -1 is negative; use 0 or more seconds",
         ],
+    );
+}
+
+#[test]
+fn ocm_fields_flotilla_does_not_implement_are_refused_naming_the_object_and_field() {
+    let mut w = work(
+        Some("store-7"),
+        vec![json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "shop"}})],
+    );
+    w.spec = serde_json::from_value(json!({
+        "workload": {"manifests": [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "shop"}}]},
+        "manifestConfigs": [
+            {"resourceIdentifier": {"resource": "namespaces", "name": "shop"},
+             "feedbackScrapeType": "Watch",
+             "updateStrategy": {"type": "ServerSideApply", "serverSideApply": {"ignoreFields": [
+                {"condition": "OnSpokeChange", "jqPathExpressions": [".metadata.labels"]},
+                {"condition": "OnSpokePresent", "jsonPointers": ["/metadata/labels", "metadata"]}]}}},
+        ],
+    }))
+    .unwrap();
+    check_messages(
+        &w,
+        &[
+            "ManifestWork store-7/baseline: spec.manifestConfigs[0]: ignoreFields[\"OnSpokeChange\"].jqPathExpressions: flotilla does not implement jq expressions yet; use jsonPaths or jsonPointers",
+            "ManifestWork store-7/baseline: spec.manifestConfigs[0]: ignoreFields jsonPointer \"metadata\" must start with \"/\" (RFC 6901)",
+        ],
+    );
+
+    let placement: api::Placement = serde_json::from_value(json!({
+        "apiVersion": "cluster.open-cluster-management.io/v1beta1", "kind": "Placement",
+        "metadata": {"name": "stores", "namespace": "fleet"},
+        "spec": {"sortBy": "Score", "scoreRateLimit": "10s"},
+    }))
+    .unwrap();
+    let refused: Vec<String> = api::validate_placement(&placement)
+        .unwrap_err()
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(
+        refused,
+        [
+            "Placement fleet/stores: spec.sortBy: Score orders decisions by score; use ClusterName (the default); flotilla does not implement it yet",
+            "Placement fleet/stores: spec.scoreRateLimit: \"10s\" rate-limits rescheduling on score changes; leave it out or use \"1m\"; flotilla does not implement it yet",
+        ]
+    );
+    // OCM's defaults, as the apiserver fills them in, pass.
+    let defaulted: api::Placement = serde_json::from_value(json!({
+        "apiVersion": "cluster.open-cluster-management.io/v1beta1", "kind": "Placement",
+        "metadata": {"name": "stores", "namespace": "fleet"},
+        "spec": {"sortBy": "ClusterName", "scoreRateLimit": "1m"},
+    }))
+    .unwrap();
+    assert_eq!(api::validate_placement(&defaulted), Ok(()));
+
+    let set: api::ManagedClusterSet = serde_json::from_value(json!({
+        "apiVersion": "cluster.open-cluster-management.io/v1beta2", "kind": "ManagedClusterSet",
+        "metadata": {"name": "stores"},
+        "spec": {"managedNamespaces": [{"name": "shop"}]},
+    }))
+    .unwrap();
+    assert_eq!(
+        api::validate_cluster_set(&set).unwrap_err().to_string(),
+        "ManagedClusterSet stores: spec.managedNamespaces: [\"shop\"] asks for namespaces on every member cluster; leave it out; flotilla does not implement it yet"
+    );
+    assert_eq!(
+        api::validate_cluster_set(&api::ManagedClusterSet::new("plain", Default::default())),
+        Ok(())
     );
 }
 

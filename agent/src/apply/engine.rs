@@ -591,6 +591,47 @@ fn contains(have: &Value, want: &Value) -> bool {
     }
 }
 
+/// Removes the field an RFC 6901 JSON pointer names (`/spec/replicas`, `/data/a~1b` for the
+/// key `a/b`); a pointer to nothing removes nothing, as a JSON path that matches nothing does.
+fn remove_pointer(object: &mut Value, pointer: &str) -> Result<(), String> {
+    let Some(rest) = pointer.strip_prefix('/') else {
+        return Err(format!(
+            "ignoreFields jsonPointer {pointer:?} must start with \"/\" (RFC 6901)"
+        ));
+    };
+    let tokens: Vec<String> = rest
+        .split('/')
+        .map(|t| t.replace("~1", "/").replace("~0", "~"))
+        .collect();
+    let (last, parents) = tokens
+        .split_last()
+        .expect("split yields at least one token");
+    let mut node = object;
+    for token in parents {
+        let next = match node {
+            Value::Object(map) => map.get_mut(token),
+            Value::Array(items) => token.parse::<usize>().ok().and_then(|i| items.get_mut(i)),
+            _ => None,
+        };
+        match next {
+            Some(child) => node = child,
+            None => return Ok(()),
+        }
+    }
+    match node {
+        Value::Object(map) => {
+            map.remove(last);
+        }
+        Value::Array(items) => {
+            if let Some(i) = last.parse::<usize>().ok().filter(|i| *i < items.len()) {
+                items.remove(i);
+            }
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
 async fn server_side_apply(
     target: &dyn ApplyTarget,
     resource: &AppliedResource,
@@ -625,13 +666,25 @@ async fn server_side_apply(
                     });
                 }
             }
+            let refused = |message: String| ManifestFailure {
+                message,
+                retryable: false,
+                reason: REASON_IGNORE_FIELD_ERROR,
+            };
+            if !field.jq_path_expressions.is_empty() {
+                return Err(refused(
+                    "ignoreFields jqPathExpressions: flotilla does not implement jq expressions \
+                     yet; use jsonPaths or jsonPointers"
+                        .to_owned(),
+                ));
+            }
             for path in &field.json_paths {
-                let parsed = JsonPath::parse(path).map_err(|e| ManifestFailure {
-                    message: format!("ignoreFields: {e}"),
-                    retryable: false,
-                    reason: REASON_IGNORE_FIELD_ERROR,
-                })?;
+                let parsed =
+                    JsonPath::parse(path).map_err(|e| refused(format!("ignoreFields: {e}")))?;
                 jsonpath::remove(&mut required, &parsed);
+            }
+            for pointer in &field.json_pointers {
+                remove_pointer(&mut required, pointer).map_err(refused)?;
             }
         }
         let hash = hex::encode(Sha256::digest(canonical_json(&required).as_bytes()));

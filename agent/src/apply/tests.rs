@@ -283,6 +283,45 @@ async fn read_only_never_writes_and_reports_what_is_there() {
 }
 
 #[tokio::test]
+async fn server_side_apply_with_ignore_fields_json_pointers_leaves_a_spoke_change_alone() {
+    let cluster = MemoryCluster::new();
+    let mut manifest = cm("hub");
+    manifest["data"]["a/b"] = json!("hub");
+    let strategy = json!({"type": "ServerSideApply", "serverSideApply": {
+        "ignoreFields": [{"condition": "OnSpokePresent", "jsonPointers": ["/data/a~1b"]}]}});
+    let o = apply_with(
+        &cluster,
+        manifest.clone(),
+        strategy.clone(),
+        &ApplyContext::default(),
+    )
+    .await;
+    assert_eq!(o.applied, Ok(()));
+    let stored = cluster.get(&cm_id()).await.unwrap();
+    assert_eq!(
+        stored["data"]["a/b"], "hub",
+        "a new object gets every field"
+    );
+    let mut changed = stored.clone();
+    changed["data"]["a/b"] = json!("spoke");
+    cluster
+        .apply(&cm_id(), &changed, "someone", true)
+        .await
+        .unwrap();
+    // The hub changes only the ignored field: nothing to apply, the spoke's value stays.
+    manifest["data"]["a/b"] = json!("hub, changed");
+    apply_with(&cluster, manifest, strategy, &ApplyContext::default()).await;
+    assert_eq!(cluster.get(&cm_id()).await.unwrap()["data"]["a/b"], "spoke");
+    // A pointer that is not one is refused with OCM's reason.
+    let bad = json!({"type": "ServerSideApply", "serverSideApply": {
+        "ignoreFields": [{"condition": "OnSpokePresent", "jsonPointers": ["data/k"]}]}});
+    let o = apply_with(&cluster, cm("hub"), bad, &ApplyContext::default()).await;
+    let refused = o.applied.unwrap_err();
+    assert_eq!(refused.reason, REASON_IGNORE_FIELD_ERROR);
+    assert!(refused.message.contains("RFC 6901"), "{}", refused.message);
+}
+
+#[tokio::test]
 async fn server_side_apply_with_ignore_fields_leaves_a_spoke_change_alone() {
     let cluster = MemoryCluster::new();
     let strategy = json!({"type": "ServerSideApply", "serverSideApply": {
@@ -318,6 +357,17 @@ async fn server_side_apply_with_ignore_fields_leaves_a_spoke_change_alone() {
         "ignoreFields": [{"condition": "OnSpokePresent", "jsonPaths": ["..k"]}]}});
     let o = apply_with(&cluster, cm("hub"), bad, &ApplyContext::default()).await;
     assert_eq!(o.applied.unwrap_err().reason, REASON_IGNORE_FIELD_ERROR);
+    // jq expressions are refused, not ignored.
+    let jq = json!({"type": "ServerSideApply", "serverSideApply": {
+        "ignoreFields": [{"condition": "OnSpokePresent", "jqPathExpressions": [".data.k"]}]}});
+    let o = apply_with(&cluster, cm("hub"), jq, &ApplyContext::default()).await;
+    let refused = o.applied.unwrap_err();
+    assert_eq!(refused.reason, REASON_IGNORE_FIELD_ERROR);
+    assert!(
+        refused.message.contains("jqPathExpressions"),
+        "{}",
+        refused.message
+    );
     let manager = json!({"type": "ServerSideApply", "serverSideApply": {"fieldManager": "mine"}});
     let o = apply_with(&cluster, cm("hub"), manager, &ApplyContext::default()).await;
     assert!(

@@ -96,14 +96,13 @@ pub fn parse(strategy: Option<&RolloutStrategy>) -> Result<Strategy, String> {
     let s = strategy.cloned().unwrap_or_default();
     let type_ = s.type_.unwrap_or_default();
     let zero = IntOrString::Int(0);
-    let (min_success, deadline, max_failures, timeout, concurrency, mandatory) = match type_ {
+    let (min_success, deadline, max_failures, concurrency, mandatory) = match type_ {
         RolloutType::All => {
             let a = s.all.unwrap_or_default();
             (
                 a.min_success_time,
                 a.progress_deadline,
                 a.max_failures,
-                a.timeout,
                 None,
                 Vec::new(),
             )
@@ -114,7 +113,6 @@ pub fn parse(strategy: Option<&RolloutStrategy>) -> Result<Strategy, String> {
                 p.min_success_time,
                 p.progress_deadline,
                 p.max_failures,
-                p.timeout,
                 p.max_concurrency,
                 p.mandatory_decision_groups,
             )
@@ -125,7 +123,6 @@ pub fn parse(strategy: Option<&RolloutStrategy>) -> Result<Strategy, String> {
                 p.min_success_time,
                 p.progress_deadline,
                 p.max_failures,
-                p.timeout,
                 None,
                 p.mandatory_decision_groups,
             )
@@ -135,8 +132,8 @@ pub fn parse(strategy: Option<&RolloutStrategy>) -> Result<Strategy, String> {
         None | Some("") => Duration::ZERO,
         Some(d) => go_duration(d).map_err(|e| format!("minSuccessTime {d:?}: {e}"))?,
     };
-    // progressDeadline, or the deprecated timeout it replaced.
-    let progress_deadline = match deadline.or(timeout).as_deref() {
+    // progressDeadline, or (read into it) the deprecated timeout it replaced.
+    let progress_deadline = match deadline.as_deref() {
         None | Some("") | Some("None") => None,
         Some(d) => Some(go_duration(d).map_err(|e| format!("progressDeadline {d:?}: {e}"))?),
     };

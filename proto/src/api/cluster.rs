@@ -11,6 +11,7 @@ use schemars::JsonSchema;
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize};
 
+use super::schema::{DNS_LABEL, QUALIFIED_NAME, condition_map};
 use super::serde_util::{is_default, null_as_default};
 use crate::contract::fence::WriteFence;
 
@@ -58,8 +59,11 @@ pub struct ManagedClusterSpec {
     #[serde(default)]
     pub hub_accepts_client: bool,
 
-    /// How often the agent must prove it is alive; OCM's default is 60 seconds.
+    /// How often the agent must prove it is alive; OCM's default is 60 seconds (the CRD's
+    /// default). flotilla's hub judges liveness by the agent's session instead (its grace
+    /// period), so the value is carried for OCM's clients.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("default" = 60))]
     pub lease_duration_seconds: Option<i32>,
 
     /// Taints repel placements that do not tolerate them.
@@ -93,9 +97,11 @@ fn base64_bytes(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
 #[serde(rename_all = "camelCase")]
 pub struct Taint {
     /// Taint key, e.g. `cluster.open-cluster-management.io/unreachable`.
+    #[schemars(pattern(QUALIFIED_NAME), length(max = 316))]
     pub key: String,
     /// Taint value; empty for the hub's own taints.
     #[serde(default, skip_serializing_if = "String::is_empty")]
+    #[schemars(length(max = 1024))]
     pub value: String,
     /// What the taint does to placements that do not tolerate it.
     pub effect: TaintEffect,
@@ -127,6 +133,7 @@ pub struct ManagedClusterStatus {
         deserialize_with = "null_as_default",
         skip_serializing_if = "Vec::is_empty"
     )]
+    #[schemars(schema_with = "condition_map")]
     pub conditions: Vec<Condition>,
     /// Total resources of the cluster's nodes, by resource name (`cpu`, `memory`, ...).
     #[serde(
@@ -150,11 +157,46 @@ pub struct ManagedClusterStatus {
     /// ClusterClaims the agent collected on the spoke, projected here read-only.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub cluster_claims: Vec<ManagedClusterClaim>,
+    /// Namespaces the cluster's ManagedClusterSets ask for on it (OCM's
+    /// `ClusterSetManagedNamespaceConfig`), with their conditions. Written by OCM's registration
+    /// agent; flotilla refuses sets that ask for managed namespaces (see
+    /// [`crate::api::validate_cluster_set`]), so its hub never writes entries here and carries
+    /// what another writer put.
+    #[serde(
+        default,
+        deserialize_with = "null_as_default",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    #[schemars(extend(
+        "x-kubernetes-list-type" = "map",
+        "x-kubernetes-list-map-keys" = ["clusterSet", "name"]
+    ))]
+    pub managed_namespaces: Vec<ClusterSetManagedNamespaceConfig>,
     /// flotilla's addition to OCM's status: the fencing record of the last gateway write of
     /// this cluster's health (shard, lease epoch, gateway). The store refuses a gateway's write
     /// under an older epoch of the same shard; other writers keep the record as stored.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fence: Option<WriteFence>,
+}
+
+/// A namespace a ManagedClusterSet manages on its member clusters, as reported in
+/// `ManagedCluster.status.managedNamespaces` (OCM's `ClusterSetManagedNamespaceConfig`).
+#[derive(Serialize, Deserialize, Clone, Debug, JsonSchema, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ClusterSetManagedNamespaceConfig {
+    /// The namespace's name on the managed cluster.
+    #[schemars(pattern(DNS_LABEL), length(max = 63))]
+    pub name: String,
+    /// The ManagedClusterSet that asks for the namespace.
+    pub cluster_set: String,
+    /// The namespace's conditions on the managed cluster.
+    #[serde(
+        default,
+        deserialize_with = "null_as_default",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    #[schemars(schema_with = "condition_map")]
+    pub conditions: Vec<Condition>,
 }
 
 /// Reads a resource list whose quantities may be written as YAML numbers (`cpu: 24`), as the
@@ -201,9 +243,11 @@ pub struct ManagedClusterVersion {
 pub struct ManagedClusterClaim {
     /// The ClusterClaim's name, e.g. `id.k8s.io`.
     #[serde(default, skip_serializing_if = "String::is_empty")]
+    #[schemars(length(min = 1, max = 253))]
     pub name: String,
     /// The ClusterClaim's value.
     #[serde(default, skip_serializing_if = "String::is_empty")]
+    #[schemars(length(min = 1, max = 1024))]
     pub value: String,
 }
 

@@ -5,6 +5,7 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use super::schema::{DNS_LABEL, condition_list, label_selector, optional_fields};
 use super::serde_util::null_as_default;
 
 /// Which managed clusters belong to a set: OCM's `ManagedClusterSet.spec`.
@@ -26,21 +27,47 @@ use super::serde_util::null_as_default;
     printcolumn = r#"{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("default" = {"clusterSelector": {"selectorType": "ExclusiveClusterSetLabel"}}))]
 pub struct ManagedClusterSetSpec {
     /// How member clusters are chosen. Absent means `ExclusiveClusterSetLabel`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("default" = {"selectorType": "ExclusiveClusterSetLabel"}))]
     pub cluster_selector: Option<ManagedClusterSelector>,
+    /// Namespaces OCM's agents create on every member cluster. flotilla does not implement
+    /// them yet: [`crate::api::validate_cluster_set`] refuses a set that lists any, rather than
+    /// store a request nothing would carry out.
+    #[serde(
+        default,
+        deserialize_with = "null_as_default",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
+    pub managed_namespaces: Vec<ManagedNamespaceConfig>,
+}
+
+/// A namespace a ManagedClusterSet asks for on its member clusters (OCM's
+/// `ManagedNamespaceConfig`).
+#[derive(Serialize, Deserialize, Clone, Debug, JsonSchema, PartialEq, Eq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ManagedNamespaceConfig {
+    /// The namespace's name.
+    #[schemars(pattern(DNS_LABEL), length(max = 63))]
+    pub name: String,
 }
 
 /// How a ManagedClusterSet picks its members (OCM's `ManagedClusterSelector`).
 #[derive(Serialize, Deserialize, Clone, Debug, JsonSchema, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
+// OCM's schema requires selectorType and defaults it, so the apiserver always stores it.
+#[schemars(extend("required" = ["selectorType"]))]
 pub struct ManagedClusterSelector {
     /// `ExclusiveClusterSetLabel` (the default) or `LabelSelector`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("default" = "ExclusiveClusterSetLabel"))]
     pub selector_type: Option<SelectorType>,
     /// The selector used when `selectorType` is `LabelSelector`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "label_selector")]
     pub label_selector: Option<LabelSelector>,
 }
 
@@ -65,6 +92,7 @@ pub struct ManagedClusterSetStatus {
         deserialize_with = "null_as_default",
         skip_serializing_if = "Vec::is_empty"
     )]
+    #[schemars(schema_with = "condition_list")]
     pub conditions: Vec<Condition>,
 }
 
@@ -85,6 +113,7 @@ pub struct ManagedClusterSetStatus {
     doc = "ManagedClusterSetBinding projects a ManagedClusterSet into a namespace: Placements in that namespace may select clusters of the bound set."
 )]
 #[serde(rename_all = "camelCase")]
+#[schemars(transform = optional_fields)]
 pub struct ManagedClusterSetBindingSpec {
     /// Name of the bound ManagedClusterSet; must equal the binding's own name.
     #[schemars(length(min = 1))]
@@ -101,5 +130,6 @@ pub struct ManagedClusterSetBindingStatus {
         deserialize_with = "null_as_default",
         skip_serializing_if = "Vec::is_empty"
     )]
+    #[schemars(schema_with = "condition_list")]
     pub conditions: Vec<Condition>,
 }

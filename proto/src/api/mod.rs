@@ -23,6 +23,7 @@ mod kind;
 mod placement;
 pub mod policy;
 pub mod quantity;
+mod schema;
 mod serde_util;
 mod validate;
 mod work;
@@ -32,14 +33,15 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 pub use cluster::{
-    CLUSTER_SET_LABEL, ClientConfig, ClusterClaim, ClusterClaimSpec, ManagedCluster,
-    ManagedClusterClaim, ManagedClusterSpec, ManagedClusterStatus, ManagedClusterVersion,
-    TAINT_UNAVAILABLE, TAINT_UNREACHABLE, Taint, TaintEffect,
+    CLUSTER_SET_LABEL, ClientConfig, ClusterClaim, ClusterClaimSpec,
+    ClusterSetManagedNamespaceConfig, ManagedCluster, ManagedClusterClaim, ManagedClusterSpec,
+    ManagedClusterStatus, ManagedClusterVersion, TAINT_UNAVAILABLE, TAINT_UNREACHABLE, Taint,
+    TaintEffect,
 };
 pub use clusterset::{
     ManagedClusterSelector, ManagedClusterSet, ManagedClusterSetBinding,
     ManagedClusterSetBindingSpec, ManagedClusterSetBindingStatus, ManagedClusterSetSpec,
-    ManagedClusterSetStatus, SelectorType,
+    ManagedClusterSetStatus, ManagedNamespaceConfig, SelectorType,
 };
 pub use content::{ManifestChunk, ManifestChunkSpec};
 pub use crd::{crd_file_name, crd_yaml, crds};
@@ -49,24 +51,28 @@ pub use placement::{
     AddOnPlacementScore, AddOnPlacementScoreFields, AddOnPlacementScoreItem,
     AddOnPlacementScoreStatus, AddOnScore, ClusterCelSelector, ClusterClaimSelector,
     ClusterDecision, ClusterPredicate, ClusterSelector, DECISION_GROUP_INDEX_LABEL,
-    DECISION_GROUP_NAME_LABEL, DecisionGroup, DecisionGroupStatus, DecisionStrategy, GroupStrategy,
-    PLACEMENT_LABEL, Placement, PlacementDecision, PlacementDecisionFields,
-    PlacementDecisionStatus, PlacementSpec, PlacementStatus, PrioritizerConfig, PrioritizerPolicy,
-    PrioritizerPolicyMode, ScoreCoordinate, ScoreCoordinateType, SpreadConstraintsTerm,
-    SpreadPolicy, Toleration, TolerationOperator,
+    DECISION_GROUP_NAME_LABEL, DecisionGroup, DecisionGroupStatus, DecisionStrategy,
+    GroupClusterSelector, GroupStrategy, PLACEMENT_LABEL, Placement, PlacementDecision,
+    PlacementDecisionFields, PlacementDecisionStatus, PlacementSpec, PlacementStatus,
+    PrioritizerConfig, PrioritizerPolicy, PrioritizerPolicyMode, ScoreCoordinate,
+    ScoreCoordinateType, SortBy, SpreadConstraintsTerm, SpreadPolicy, Toleration,
+    TolerationOperator,
 };
-pub use validate::{MAX_WORKLOAD_BYTES, ManifestError, validate_manifest_work};
+pub use validate::{
+    MAX_WORKLOAD_BYTES, ManifestError, UnsupportedField, validate_cluster_set,
+    validate_manifest_work, validate_placement,
+};
 pub use work::{
-    CascadeDeletionPolicy, ConditionRule, DeleteOption, FeedbackRule, FeedbackType, FeedbackValue,
-    FieldValue, IgnoreField, JsonPath, LocalPlacementReference, MANIFEST_WORK_CLEANUP_FINALIZER,
-    MandatoryDecisionGroup, Manifest, ManifestCondition, ManifestConfigOption,
-    ManifestResourceMeta, ManifestResourceStatus, ManifestWork, ManifestWorkExecutor,
-    ManifestWorkExecutorSubject, ManifestWorkReplicaSet, ManifestWorkReplicaSetSpec,
-    ManifestWorkReplicaSetStatus, ManifestWorkReplicaSetSummary, ManifestWorkSpec,
-    ManifestWorkStatus, ManifestsTemplate, PlacementSummary, PropagationPolicy, ResourceIdentifier,
-    RolloutAll, RolloutProgressive, RolloutProgressivePerGroup, RolloutStrategy, RolloutType,
-    SelectivelyOrphan, ServerSideApplyConfig, ServiceAccountSubject, StatusFeedbackResult,
-    UpdateStrategy, UpdateStrategyType,
+    CascadeDeletionPolicy, ConditionRule, DeleteOption, FeedbackRule, FeedbackScrapeType,
+    FeedbackType, FeedbackValue, FieldValue, IgnoreField, JsonPath, LocalPlacementReference,
+    MANIFEST_WORK_CLEANUP_FINALIZER, MandatoryDecisionGroup, Manifest, ManifestCondition,
+    ManifestConfigOption, ManifestResourceMeta, ManifestResourceStatus, ManifestWork,
+    ManifestWorkExecutor, ManifestWorkExecutorSubject, ManifestWorkReplicaSet,
+    ManifestWorkReplicaSetSpec, ManifestWorkReplicaSetStatus, ManifestWorkReplicaSetSummary,
+    ManifestWorkSpec, ManifestWorkStatus, ManifestsTemplate, PlacementSummary, PropagationPolicy,
+    ResourceIdentifier, RolloutAll, RolloutProgressive, RolloutProgressivePerGroup,
+    RolloutStrategy, RolloutType, SelectivelyOrphan, ServerSideApplyConfig, ServiceAccountSubject,
+    StatusFeedbackResult, UpdateStrategy, UpdateStrategyType,
 };
 
 /// How a refusal names an object: `namespace/name`, or `name` when it has no namespace, with

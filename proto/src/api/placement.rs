@@ -11,6 +11,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::cluster::TaintEffect;
+use super::schema::{QUALIFIED_NAME, claim_requirements, condition_map, label_selector};
 use super::serde_util::null_as_default;
 
 /// Label on a PlacementDecision naming the Placement it belongs to.
@@ -72,6 +73,30 @@ pub struct PlacementSpec {
     /// How to split the decisions into groups (used by progressive rollouts).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decision_strategy: Option<DecisionStrategy>,
+
+    /// How decisions are ordered in the PlacementDecisions: `ClusterName` (OCM's default) or
+    /// `Score`. flotilla orders by cluster name; [`crate::api::validate_placement`] refuses
+    /// `Score`, which it does not implement yet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("default" = "ClusterName"))]
+    pub sort_by: Option<SortBy>,
+
+    /// How often score changes may reschedule the placement, e.g. `1m` (OCM's default).
+    /// flotilla's scheduler does not rate-limit rescheduling on score changes;
+    /// [`crate::api::validate_placement`] refuses any value but OCM's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(pattern(r"^[0-9]+[hms]$"), extend("default" = "1m"))]
+    pub score_rate_limit: Option<String>,
+}
+
+/// How a placement orders its decisions (OCM's `SortBy`).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, JsonSchema, PartialEq, Eq, Hash, Default)]
+pub enum SortBy {
+    /// By cluster name.
+    #[default]
+    ClusterName,
+    /// By score, highest first.
+    Score,
 }
 
 /// One way to match clusters (OCM's `ClusterPredicate`).
@@ -89,6 +114,7 @@ pub struct ClusterPredicate {
 pub struct ClusterSelector {
     /// Selects by the ManagedCluster's labels.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "label_selector")]
     pub label_selector: Option<LabelSelector>,
     /// Selects by `status.clusterClaims`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -98,6 +124,30 @@ pub struct ClusterSelector {
     pub cel_selector: Option<ClusterCelSelector>,
 }
 
+/// Label and claim selectors of a decision group, ANDed (OCM's `GroupClusterSelector`): like
+/// [`ClusterSelector`] without CEL.
+#[derive(Serialize, Deserialize, Clone, Debug, JsonSchema, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct GroupClusterSelector {
+    /// Selects by the ManagedCluster's labels.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "label_selector")]
+    pub label_selector: Option<LabelSelector>,
+    /// Selects by `status.clusterClaims`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim_selector: Option<ClusterClaimSelector>,
+}
+
+impl From<GroupClusterSelector> for ClusterSelector {
+    fn from(group: GroupClusterSelector) -> Self {
+        ClusterSelector {
+            label_selector: group.label_selector,
+            claim_selector: group.claim_selector,
+            cel_selector: None,
+        }
+    }
+}
+
 /// A query over cluster claims (OCM's `ClusterClaimSelector`): label-selector requirements whose
 /// keys are claim names.
 #[derive(Serialize, Deserialize, Clone, Debug, JsonSchema, PartialEq, Default)]
@@ -105,6 +155,7 @@ pub struct ClusterSelector {
 pub struct ClusterClaimSelector {
     /// Requirements on claims, ANDed.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(schema_with = "claim_requirements")]
     pub match_expressions: Vec<LabelSelectorRequirement>,
 }
 
@@ -123,11 +174,17 @@ pub struct ClusterCelSelector {
 pub struct PrioritizerPolicy {
     /// `Additive` (the default: unlisted built-in prioritizers keep their default weights) or
     /// `Exact` (only the listed ones count).
+    // OCM's schema has no enum here, only the default; our parse refuses other values.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "prioritizer_mode")]
     pub mode: Option<PrioritizerPolicyMode>,
     /// The prioritizers and their weights.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub configurations: Vec<PrioritizerConfig>,
+}
+
+fn prioritizer_mode(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({ "type": "string", "default": "Additive" })
 }
 
 /// How unlisted prioritizers count: `Additive` or `Exact`.
@@ -146,7 +203,7 @@ pub struct PrioritizerConfig {
     pub score_coordinate: ScoreCoordinate,
     /// Weight in [-10, 10]; OCM defaults it to 1. Final score = sum(weight * score).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = -10, max = 10))]
+    #[schemars(range(min = -10, max = 10), extend("default" = 1))]
     pub weight: Option<i32>,
 }
 
@@ -156,6 +213,7 @@ pub struct PrioritizerConfig {
 pub struct ScoreCoordinate {
     /// `BuiltIn` or `AddOn`.
     #[serde(rename = "type")]
+    #[schemars(extend("default" = "BuiltIn"))]
     pub type_: ScoreCoordinateType,
     /// Name of a built-in prioritizer: `Balance`, `Steady`, `ResourceAllocatableCPU`,
     /// `ResourceAllocatableMemory`, `Spread`.
@@ -189,8 +247,9 @@ pub struct AddOnScore {
 #[derive(Serialize, Deserialize, Clone, Debug, JsonSchema, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct SpreadPolicy {
-    /// Constraints in priority order.
+    /// Constraints in priority order, at most 8.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 8))]
     pub spread_constraints: Vec<SpreadConstraintsTerm>,
 }
 
@@ -199,14 +258,21 @@ pub struct SpreadPolicy {
 #[serde(rename_all = "camelCase")]
 pub struct SpreadConstraintsTerm {
     /// A label key or a claim name.
+    #[schemars(
+        pattern(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$"),
+        length(max = 316)
+    )]
     pub topology_key: String,
     /// `Label` or `Claim`.
+    #[schemars(extend("enum" = ["Label", "Claim"]))]
     pub topology_key_type: String,
     /// Largest allowed difference between topologies; OCM defaults it to 1.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1), extend("default" = 1))]
     pub max_skew: Option<i32>,
     /// `ScheduleAnyway` (OCM's default) or `DoNotSchedule`.
     #[serde(default, skip_serializing_if = "String::is_empty")]
+    #[schemars(extend("enum" = ["DoNotSchedule", "ScheduleAnyway"], "default" = "ScheduleAnyway"))]
     pub when_unsatisfiable: String,
 }
 
@@ -216,12 +282,16 @@ pub struct SpreadConstraintsTerm {
 pub struct Toleration {
     /// Taint key to match; empty (with `Exists`) matches every taint.
     #[serde(default, skip_serializing_if = "String::is_empty")]
+    #[schemars(pattern(QUALIFIED_NAME), length(max = 316))]
     pub key: String,
     /// `Equal` (OCM's default) or `Exists`.
+    // OCM's schema has no enum here, only the default; our parse refuses other values.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "toleration_operator")]
     pub operator: Option<TolerationOperator>,
     /// Taint value to match with `Equal`.
     #[serde(default, skip_serializing_if = "String::is_empty")]
+    #[schemars(length(max = 1024))]
     pub value: String,
     /// Taint effect to match; absent matches every effect.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -229,6 +299,10 @@ pub struct Toleration {
     /// How long after the taint's `timeAdded` it is tolerated; forever when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub toleration_seconds: Option<i64>,
+}
+
+fn toleration_operator(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({ "type": "string", "default": "Equal" })
 }
 
 /// How a toleration matches a taint's value: `Equal` or `Exists`.
@@ -257,7 +331,17 @@ pub struct GroupStrategy {
     pub decision_groups: Vec<DecisionGroup>,
     /// Largest group, as a count or a percentage of the selected clusters; OCM defaults to `100%`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "clusters_per_decision_group")]
     pub clusters_per_decision_group: Option<IntOrString>,
+}
+
+fn clusters_per_decision_group(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "anyOf": [{ "type": "integer" }, { "type": "string" }],
+        "x-kubernetes-int-or-string": true,
+        "default": "100%",
+        "pattern": "^((100|[1-9][0-9]{0,1})%|[1-9][0-9]*)$",
+    })
 }
 
 /// A named decision group (OCM's `DecisionGroup`).
@@ -265,9 +349,10 @@ pub struct GroupStrategy {
 #[serde(rename_all = "camelCase")]
 pub struct DecisionGroup {
     /// Value of the `decision-group-name` label on the group's PlacementDecisions.
+    #[schemars(pattern(r"^[a-zA-Z0-9][-A-Za-z0-9_.]{0,61}[a-zA-Z0-9]$"))]
     pub group_name: String,
     /// Which of the selected clusters go into this group.
-    pub group_cluster_selector: ClusterSelector,
+    pub group_cluster_selector: GroupClusterSelector,
 }
 
 /// What the hub decided for a Placement: OCM's `Placement.status`.
@@ -291,7 +376,13 @@ pub struct PlacementStatus {
         deserialize_with = "null_as_default",
         skip_serializing_if = "Vec::is_empty"
     )]
+    #[schemars(schema_with = "condition_map")]
     pub conditions: Vec<Condition>,
+    /// When AddOnPlacementScores last changed the decisions (OCM's rate-limited rescheduling).
+    /// flotilla's hub does not write it (it refuses `scoreRateLimit` other than the default and
+    /// keeps no rate limit); it is carried as stored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_score_update_time: Option<Time>,
 }
 
 /// One decision group of a placement (OCM's `DecisionGroupStatus`).
@@ -336,6 +427,7 @@ pub struct PlacementDecisionFields {}
 /// The clusters selected: OCM's `PlacementDecision.status`.
 #[derive(Serialize, Deserialize, Clone, Debug, JsonSchema, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("required" = ["decisions"]))]
 pub struct PlacementDecisionStatus {
     /// At most 100 decisions per object.
     #[serde(default, deserialize_with = "null_as_default")]
@@ -346,13 +438,18 @@ pub struct PlacementDecisionStatus {
 /// One selected cluster (OCM's `ClusterDecision`).
 #[derive(Serialize, Deserialize, Clone, Debug, JsonSchema, PartialEq, Eq, Default)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("required" = ["clusterName", "reason"]))]
 pub struct ClusterDecision {
     /// Name of the ManagedCluster.
     pub cluster_name: String,
     /// Why it was selected; often empty.
-    // Always written, like OCM's Go type.
+    // Always written, like OCM's Go type, which requires it.
     #[serde(default)]
     pub reason: String,
+    /// The cluster's score when the placement sorts by score. flotilla sorts by cluster name
+    /// (it refuses `sortBy: Score`), so it writes none and carries what is stored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub score: Option<i64>,
 }
 
 /// The (absent) spec of an AddOnPlacementScore: like PlacementDecision, OCM's kind has only
@@ -381,13 +478,15 @@ pub struct AddOnPlacementScoreStatus {
         deserialize_with = "null_as_default",
         skip_serializing_if = "Vec::is_empty"
     )]
+    #[schemars(schema_with = "condition_map")]
     pub conditions: Vec<Condition>,
-    /// The scores, each in [-100, 100].
+    /// The scores, each in [-100, 100], one per name.
     #[serde(
         default,
         deserialize_with = "null_as_default",
         skip_serializing_if = "Vec::is_empty"
     )]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
     pub scores: Vec<AddOnPlacementScoreItem>,
     /// After this time placements ignore the scores; never when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]

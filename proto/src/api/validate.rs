@@ -1,7 +1,9 @@
 //! Checks on a ManifestWork before it is stored or delivered, so that a bad manifest is refused
 //! with a message naming the work and the manifest instead of failing later on the spoke.
 
+use super::clusterset::ManagedClusterSet;
 use super::content::ContentRef;
+use super::placement::{Placement, SortBy};
 use super::work::{Manifest, ManifestConfigOption, ManifestWork};
 
 /// Largest total size of a work's manifests, in bytes of compact JSON. The stores hold objects up
@@ -60,6 +62,85 @@ pub enum ManifestError {
         field: &'static str,
         problem: String,
     },
+}
+
+/// A field of OCM's that flotilla carries but does not implement, set to a value that would
+/// need it: refused rather than silently ignored.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum UnsupportedField {
+    /// Not retryable: remove the field, or set it to OCM's default, and apply again.
+    #[error("{kind} {object}: {field}: {problem}; flotilla does not implement it yet")]
+    NotImplemented {
+        kind: &'static str,
+        object: String,
+        field: &'static str,
+        problem: String,
+    },
+}
+
+/// OCM's default `scoreRateLimit`, the one value flotilla accepts (its scheduler does not
+/// rate-limit rescheduling on score changes; OCM's default is what a placement gets that says
+/// nothing).
+const DEFAULT_SCORE_RATE_LIMIT: &str = "1m";
+
+/// Refuses the Placement fields flotilla does not implement: `sortBy: Score` and a
+/// `scoreRateLimit` other than OCM's default.
+pub fn validate_placement(placement: &Placement) -> Result<(), Vec<UnsupportedField>> {
+    let object = super::object_name(
+        placement.metadata.namespace.as_deref(),
+        placement.metadata.name.as_deref(),
+    );
+    let unsupported = |field, problem: String| UnsupportedField::NotImplemented {
+        kind: "Placement",
+        object: object.clone(),
+        field,
+        problem,
+    };
+    let mut errors = Vec::new();
+    if placement.spec.sort_by == Some(SortBy::Score) {
+        errors.push(unsupported(
+            "spec.sortBy",
+            "Score orders decisions by score; use ClusterName (the default)".to_owned(),
+        ));
+    }
+    if let Some(limit) = placement
+        .spec
+        .score_rate_limit
+        .as_deref()
+        .filter(|l| *l != DEFAULT_SCORE_RATE_LIMIT)
+    {
+        errors.push(unsupported(
+            "spec.scoreRateLimit",
+            format!(
+                "{limit:?} rate-limits rescheduling on score changes; leave it out or use \
+                 {DEFAULT_SCORE_RATE_LIMIT:?}"
+            ),
+        ));
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors)
+    }
+}
+
+/// Refuses the ManagedClusterSet fields flotilla does not implement: `spec.managedNamespaces`.
+pub fn validate_cluster_set(set: &ManagedClusterSet) -> Result<(), UnsupportedField> {
+    if set.spec.managed_namespaces.is_empty() {
+        return Ok(());
+    }
+    let names: Vec<&str> = set
+        .spec
+        .managed_namespaces
+        .iter()
+        .map(|n| n.name.as_str())
+        .collect();
+    Err(UnsupportedField::NotImplemented {
+        kind: "ManagedClusterSet",
+        object: super::object_name(None, set.metadata.name.as_deref()),
+        field: "spec.managedNamespaces",
+        problem: format!("{names:?} asks for namespaces on every member cluster; leave it out"),
+    })
 }
 
 /// Checks every manifest of `work`; returns all the problems found, not just the first.
@@ -167,8 +248,21 @@ fn config_problems(config: &ManifestConfigOption) -> Vec<String> {
                     field.condition
                 ));
             }
-            if field.json_paths.is_empty() {
-                problems.push("ignoreFields entries need at least one jsonPath".to_owned());
+            if !field.jq_path_expressions.is_empty() {
+                problems.push(format!(
+                    "ignoreFields[{:?}].jqPathExpressions: flotilla does not implement jq \
+                     expressions yet; use jsonPaths or jsonPointers",
+                    field.condition
+                ));
+            } else if field.json_paths.is_empty() && field.json_pointers.is_empty() {
+                problems.push(
+                    "ignoreFields entries need at least one jsonPath or jsonPointer".to_owned(),
+                );
+            }
+            for pointer in field.json_pointers.iter().filter(|p| !p.starts_with('/')) {
+                problems.push(format!(
+                    "ignoreFields jsonPointer {pointer:?} must start with \"/\" (RFC 6901)"
+                ));
             }
         }
     }

@@ -9,6 +9,7 @@ use kube::CustomResource;
 use schemars::{JsonSchema, Schema, SchemaGenerator, json_schema};
 use serde::{Deserialize, Serialize};
 
+use super::schema::{DNS_SUBDOMAIN, condition_map, optional_fields};
 use super::serde_util::{is_default, null_as_default};
 use crate::contract::fence::WriteFence;
 
@@ -197,9 +198,28 @@ pub struct ManifestConfigOption {
     /// How to update the resource; `Update` when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub update_strategy: Option<UpdateStrategy>,
-    /// How to derive conditions (e.g. `Complete`) from the resource.
+    /// How to derive conditions (e.g. `Complete`) from the resource, one rule per condition.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["condition"]))]
     pub condition_rules: Vec<ConditionRule>,
+    /// How the agent learns of status changes for feedback: `Poll` (OCM's default: at every
+    /// resync) or `Watch` (on every change). flotilla's agent does both for every manifest whose
+    /// status it reads: it watches the resource and marks the work dirty on a change (reported
+    /// at most once per feedback interval), and re-reads it at its jittered resync; so both
+    /// values get what they ask for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("default" = "Poll"))]
+    pub feedback_scrape_type: Option<FeedbackScrapeType>,
+}
+
+/// How the agent learns of a resource's status changes (OCM's `FeedBackScrapeType`).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, JsonSchema, PartialEq, Eq, Hash, Default)]
+pub enum FeedbackScrapeType {
+    /// Read the status periodically.
+    #[default]
+    Poll,
+    /// Watch the resource.
+    Watch,
 }
 
 /// A status feedback rule (OCM's `FeedbackRule`).
@@ -209,8 +229,9 @@ pub struct FeedbackRule {
     /// `WellKnownStatus` or `JSONPaths`.
     #[serde(rename = "type")]
     pub type_: FeedbackType,
-    /// The paths to report when `type` is `JSONPaths`.
+    /// The paths to report when `type` is `JSONPaths`, one per name.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
     pub json_paths: Vec<JsonPath>,
 }
 
@@ -241,9 +262,11 @@ pub struct JsonPath {
 /// How to update a resource (OCM's `UpdateStrategy`).
 #[derive(Serialize, Deserialize, Clone, Debug, JsonSchema, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("required" = ["type"]))]
 pub struct UpdateStrategy {
     /// `Update`, `CreateOnly`, `ServerSideApply` or `ReadOnly`.
     #[serde(rename = "type", default)]
+    #[schemars(extend("default" = "Update"))]
     pub type_: UpdateStrategyType,
     /// Options for `ServerSideApply`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -273,33 +296,62 @@ pub struct ServerSideApplyConfig {
     pub force: Option<bool>,
     /// Field manager; OCM's default is `work-agent` and it must start with it.
     #[serde(default, skip_serializing_if = "String::is_empty")]
+    #[schemars(pattern("^work-agent"), extend("default" = "work-agent"))]
     pub field_manager: String,
-    /// Fields left alone on the spoke.
+    /// Fields left alone on the spoke, one entry per condition.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["condition"]))]
     pub ignore_fields: Vec<IgnoreField>,
 }
 
 /// Fields the agent leaves alone (OCM's `IgnoreField`).
 #[derive(Serialize, Deserialize, Clone, Debug, JsonSchema, PartialEq, Eq, Default)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("required" = ["condition"]))]
 pub struct IgnoreField {
-    /// `OnSpokePresent` or `OnSpokeChange`.
+    /// `OnSpokePresent` (OCM's default) or `OnSpokeChange`.
+    #[serde(default = "on_spoke_present")]
+    #[schemars(extend(
+        "enum" = ["OnSpokePresent", "OnSpokeChange"],
+        "default" = "OnSpokePresent"
+    ))]
     pub condition: String,
     /// JSON paths of the ignored fields.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub json_paths: Vec<String>,
+    /// RFC 6901 JSON pointers of the ignored fields (`/spec/replicas`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub json_pointers: Vec<String>,
+    /// jq path expressions of the ignored fields. flotilla does not evaluate jq;
+    /// [`crate::api::validate_manifest_work`] refuses entries that use them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub jq_path_expressions: Vec<String>,
+}
+
+fn on_spoke_present() -> String {
+    "OnSpokePresent".to_owned()
 }
 
 /// A rule that sets a condition on a manifest (OCM's `ConditionRule`).
 #[derive(Serialize, Deserialize, Clone, Debug, JsonSchema, PartialEq, Eq, Default)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend(
+    "required" = ["condition", "type"],
+    "x-kubernetes-validations" = [{
+        "rule": "self.type != 'CEL' || self.condition != \"\"",
+        "message": "a CEL condition rule names its condition",
+    }]
+))]
 pub struct ConditionRule {
     /// Condition type to set; `Complete` for `WellKnownConditions` when empty. A `Complete`
     /// condition that turns true stops further updates of the manifest.
+    // Required by OCM's schema; read as empty when absent (the sled backend's older objects).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub condition: String,
-    /// `WellKnownConditions` (OCM's earlier spelling `WellKnownCompletions` is accepted too)
-    /// or `CEL`.
+    /// `WellKnownConditions` or `CEL`. (OCM's earlier spelling `WellKnownCompletions` is
+    /// accepted by the sled backend; OCM's schema, and so the kube backend's, refuses it.)
     #[serde(rename = "type")]
+    #[schemars(extend("enum" = ["WellKnownConditions", "CEL"]))]
     pub type_: String,
     /// CEL expressions, ANDed, when `type` is `CEL`.
     #[serde(
@@ -319,6 +371,7 @@ pub struct ConditionRule {
 /// The identity the agent applies as (OCM's `ManifestWorkExecutor`).
 #[derive(Serialize, Deserialize, Clone, Debug, JsonSchema, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
+#[schemars(transform = optional_fields)]
 pub struct ManifestWorkExecutor {
     /// The subject to act as.
     pub subject: ManifestWorkExecutorSubject,
@@ -330,6 +383,7 @@ pub struct ManifestWorkExecutor {
 pub struct ManifestWorkExecutorSubject {
     /// `ServiceAccount`.
     #[serde(rename = "type")]
+    #[schemars(extend("enum" = ["ServiceAccount"]))]
     pub type_: String,
     /// The service account, when `type` is `ServiceAccount`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -341,8 +395,10 @@ pub struct ManifestWorkExecutorSubject {
 #[serde(rename_all = "camelCase")]
 pub struct ServiceAccountSubject {
     /// Namespace of the service account.
+    #[schemars(pattern(DNS_SUBDOMAIN), length(min = 1, max = 253))]
     pub namespace: String,
     /// Name of the service account.
+    #[schemars(pattern(DNS_SUBDOMAIN), length(min = 1, max = 253))]
     pub name: String,
 }
 
@@ -356,6 +412,7 @@ pub struct ManifestWorkStatus {
         deserialize_with = "null_as_default",
         skip_serializing_if = "Vec::is_empty"
     )]
+    #[schemars(schema_with = "condition_map")]
     pub conditions: Vec<Condition>,
     /// Per-resource status.
     #[serde(default, skip_serializing_if = "is_default")]
@@ -384,6 +441,7 @@ pub struct ManifestResourceStatus {
 /// The status of one manifest (OCM's `ManifestCondition`).
 #[derive(Serialize, Deserialize, Clone, Debug, JsonSchema, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("required" = ["conditions", "resourceMeta"]))]
 pub struct ManifestCondition {
     /// Which manifest, and what it resolved to.
     pub resource_meta: ManifestResourceMeta,
@@ -392,6 +450,7 @@ pub struct ManifestCondition {
     pub status_feedback: StatusFeedbackResult,
     /// `Applied`, `Available`, `Degraded`, `Progressing` for this resource.
     #[serde(default, deserialize_with = "null_as_default")]
+    #[schemars(schema_with = "condition_map")]
     pub conditions: Vec<Condition>,
 }
 
@@ -428,6 +487,7 @@ pub struct ManifestResourceMeta {
 pub struct StatusFeedbackResult {
     /// One value per reported field.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
     pub values: Vec<FeedbackValue>,
 }
 
@@ -447,6 +507,7 @@ pub struct FeedbackValue {
 pub struct FieldValue {
     /// `Integer`, `String`, `Boolean` or `JsonRaw`: which of the other fields is set.
     #[serde(rename = "type")]
+    #[schemars(extend("enum" = ["Integer", "String", "Boolean", "JsonRaw"]))]
     pub type_: String,
     /// Set when `type` is `Integer`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -459,6 +520,7 @@ pub struct FieldValue {
     pub boolean: Option<bool>,
     /// Set when `type` is `JsonRaw`: a JSON document of at most 1024 bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 1024))]
     pub json_raw: Option<String>,
 }
 
@@ -484,16 +546,29 @@ pub struct FieldValue {
     printcolumn = r#"{"name": "Applied", "type": "string", "description": "Applied", "jsonPath": ".status.conditions[?(@.type==\"ManifestworkApplied\")].status"}"#
 )]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("required" = ["cascadeDeletionPolicy", "placementRefs"]))]
 pub struct ManifestWorkReplicaSetSpec {
     /// The spec of every ManifestWork created.
+    // Optional in OCM's schema; a template without manifests is refused by validation.
+    #[serde(default)]
     pub manifest_work_template: ManifestWorkSpec,
     /// Placements in this namespace whose clusters get the work, with a rollout strategy each.
     #[schemars(length(min = 1))]
     pub placement_refs: Vec<LocalPlacementReference>,
     /// `Background` (OCM's default: delete the replica set at once) or `Foreground` (wait until
     /// its ManifestWorks are gone).
+    // Required by OCM's schema, which defaults it: the apiserver always stores it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "cascade_deletion_policy")]
     pub cascade_deletion_policy: Option<CascadeDeletionPolicy>,
+}
+
+fn cascade_deletion_policy(_: &mut SchemaGenerator) -> Schema {
+    json_schema!({
+        "type": "string",
+        "enum": ["Background", "Foreground"],
+        "default": "Background",
+    })
 }
 
 /// Whether deleting a ManifestWorkReplicaSet waits for its ManifestWorks to go.
@@ -513,6 +588,7 @@ pub struct LocalPlacementReference {
     pub name: String,
     /// How to roll out to its clusters; `All` at once when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("default" = {"all": {"progressDeadline": "None"}, "type": "All"}))]
     pub rollout_strategy: Option<RolloutStrategy>,
 }
 
@@ -523,6 +599,7 @@ pub struct LocalPlacementReference {
 pub struct RolloutStrategy {
     /// `All`, `Progressive` or `ProgressivePerGroup`; `All` when absent.
     #[serde(rename = "type", default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("default" = "All"))]
     pub type_: Option<RolloutType>,
     /// Options for `All`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -551,41 +628,64 @@ pub enum RolloutType {
 #[derive(Serialize, Deserialize, Clone, Debug, JsonSchema, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct RolloutAll {
-    /// Soak time after success before the rollout proceeds, e.g. `5m`.
+    /// Soak time after success before the rollout proceeds, e.g. `5m`; `0` when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("default" = "0"))]
     pub min_success_time: Option<String>,
-    /// How long a cluster may take to succeed, e.g. `10m`, or `None` (forever).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// How long a cluster may take to succeed, e.g. `10m`, or `None` (forever, OCM's default).
+    /// OCM's earlier name for it, `timeout`, is read too.
+    #[serde(default, alias = "timeout", skip_serializing_if = "Option::is_none")]
+    #[schemars(pattern(r"^(([0-9])+[h|m|s])|None$"), extend("default" = "None"))]
     pub progress_deadline: Option<String>,
-    /// Failures tolerated before the rollout stops, a count or a percentage.
+    /// Failures tolerated before the rollout stops, a count or a percentage; 0 when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "max_failures")]
     pub max_failures: Option<IntOrString>,
-    /// Deprecated by OCM in favour of `progressDeadline`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub timeout: Option<String>,
+}
+
+/// A count or a percentage of clusters, as OCM's rollout fields take them.
+const COUNT_OR_PERCENT: &str = "^((100|[0-9]{1,2})%|[0-9]+)$";
+
+fn max_failures(_: &mut SchemaGenerator) -> Schema {
+    json_schema!({
+        "anyOf": [{ "type": "integer" }, { "type": "string" }],
+        "x-kubernetes-int-or-string": true,
+        "pattern": COUNT_OR_PERCENT,
+        "default": 0,
+    })
+}
+
+fn max_concurrency(_: &mut SchemaGenerator) -> Schema {
+    json_schema!({
+        "anyOf": [{ "type": "integer" }, { "type": "string" }],
+        "x-kubernetes-int-or-string": true,
+        "pattern": COUNT_OR_PERCENT,
+    })
 }
 
 /// Options of the `Progressive` rollout (OCM's `RolloutProgressive`).
 #[derive(Serialize, Deserialize, Clone, Debug, JsonSchema, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct RolloutProgressive {
-    /// Soak time after success before the rollout proceeds, e.g. `5m`.
+    /// Soak time after success before the rollout proceeds, e.g. `5m`; `0` when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("default" = "0"))]
     pub min_success_time: Option<String>,
-    /// How long a cluster may take to succeed, e.g. `10m`, or `None` (forever).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// How long a cluster may take to succeed, e.g. `10m`, or `None` (forever, OCM's default).
+    /// OCM's earlier name for it, `timeout`, is read too.
+    #[serde(default, alias = "timeout", skip_serializing_if = "Option::is_none")]
+    #[schemars(pattern(r"^(([0-9])+[h|m|s])|None$"), extend("default" = "None"))]
     pub progress_deadline: Option<String>,
-    /// Failures tolerated before the rollout stops, a count or a percentage.
+    /// Failures tolerated before the rollout stops, a count or a percentage; 0 when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "max_failures")]
     pub max_failures: Option<IntOrString>,
-    /// Deprecated by OCM in favour of `progressDeadline`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub timeout: Option<String>,
     /// Groups that go first and must succeed.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mandatory_decision_groups: Vec<MandatoryDecisionGroup>,
     /// Clusters updated at once, a count or a percentage.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "max_concurrency")]
     pub max_concurrency: Option<IntOrString>,
 }
 
@@ -593,18 +693,19 @@ pub struct RolloutProgressive {
 #[derive(Serialize, Deserialize, Clone, Debug, JsonSchema, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct RolloutProgressivePerGroup {
-    /// Soak time after success before the rollout proceeds, e.g. `5m`.
+    /// Soak time after success before the rollout proceeds, e.g. `5m`; `0` when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("default" = "0"))]
     pub min_success_time: Option<String>,
-    /// How long a cluster may take to succeed, e.g. `10m`, or `None` (forever).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// How long a cluster may take to succeed, e.g. `10m`, or `None` (forever, OCM's default).
+    /// OCM's earlier name for it, `timeout`, is read too.
+    #[serde(default, alias = "timeout", skip_serializing_if = "Option::is_none")]
+    #[schemars(pattern(r"^(([0-9])+[h|m|s])|None$"), extend("default" = "None"))]
     pub progress_deadline: Option<String>,
-    /// Failures tolerated before the rollout stops, a count or a percentage.
+    /// Failures tolerated before the rollout stops, a count or a percentage; 0 when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "max_failures")]
     pub max_failures: Option<IntOrString>,
-    /// Deprecated by OCM in favour of `progressDeadline`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub timeout: Option<String>,
     /// Groups that go first and must succeed.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mandatory_decision_groups: Vec<MandatoryDecisionGroup>,
@@ -632,6 +733,7 @@ pub struct ManifestWorkReplicaSetStatus {
         deserialize_with = "null_as_default",
         skip_serializing_if = "Vec::is_empty"
     )]
+    #[schemars(schema_with = "condition_map")]
     pub conditions: Vec<Condition>,
     /// Totals over every placement.
     // Always written, like OCM's Go type.
@@ -651,6 +753,7 @@ pub struct ManifestWorkReplicaSetStatus {
 #[serde(rename_all = "camelCase")]
 pub struct PlacementSummary {
     /// Placement name.
+    #[serde(default)]
     pub name: String,
     /// Human-readable progress over decision groups, e.g. `3 (20 / 30 clusters applied)`.
     #[serde(default)]

@@ -235,6 +235,17 @@ impl Compiled {
 
 /// Checks a placement's spec: the errors OCM reports as `PlacementMisconfigured`.
 pub fn compile(placement: &Placement) -> Result<Compiled, Misconfigured> {
+    // OCM's fields flotilla does not implement: said in the condition, not silently ignored.
+    if let Err(unsupported) = flotilla_proto::api::validate_placement(placement) {
+        return Err(Misconfigured {
+            plugin: "",
+            message: unsupported
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join("; "),
+        });
+    }
     let spec = &placement.spec;
     let predicates = spec
         .predicates
@@ -323,7 +334,7 @@ pub fn compile(placement: &Placement) -> Result<Compiled, Misconfigured> {
         .map(|g| {
             Ok((
                 g.group_name.clone(),
-                Predicate::compile(&g.group_cluster_selector)?,
+                Predicate::compile(&g.group_cluster_selector.clone().into())?,
             ))
         })
         .collect::<Result<Vec<_>, Misconfigured>>()?;
@@ -701,6 +712,7 @@ pub fn decision_objects(placement_name: &str, groups: &[Group]) -> Vec<DecisionO
                     .map(|c| ClusterDecision {
                         cluster_name: c.clone(),
                         reason: String::new(),
+                        score: None,
                     })
                     .collect(),
             });
@@ -1026,6 +1038,7 @@ mod tests {
                 "edge",
                 &ManagedClusterSetSpec {
                     cluster_selector: Some(ManagedClusterSelector::default()),
+                    ..ManagedClusterSetSpec::default()
                 },
             )
             .0,
@@ -1349,6 +1362,14 @@ mod tests {
             (
                 json!({"predicates": [{"requiredClusterSelector": {"celSelector": {"celExpressions": ["true"]}}}]}),
                 "celSelector is not supported",
+            ),
+            (
+                json!({"sortBy": "Score"}),
+                "spec.sortBy: Score orders decisions by score; use ClusterName (the default); flotilla does not implement it yet",
+            ),
+            (
+                json!({"scoreRateLimit": "5m"}),
+                "spec.scoreRateLimit: \"5m\" rate-limits rescheduling on score changes",
             ),
         ] {
             let o = run(
