@@ -14,11 +14,14 @@
 //!   --placement` creates one.
 //! * [`work_ttl`]: deletes ManifestWorks whose `deleteOption.ttlSecondsAfterFinished` has
 //!   passed since they turned Complete.
+//! * [`acceptance`]: OCM's `HubAcceptedManagedCluster` condition on ManagedClusters, following
+//!   `spec.hubAcceptsClient`.
 //! * [`chunk_gc`]: deletes ManifestChunks no ManifestWork in their namespace has named for
 //!   the grace period (`--chunk-grace-period`).
 //!
 //! Not for: anything agents or gateways do; controllers never talk to spokes.
 
+pub mod acceptance;
 pub mod chunk_gc;
 pub mod clustersets;
 pub mod feed;
@@ -157,6 +160,14 @@ pub async fn run(
             store.clone(),
             config.shards,
             config.write_concurrency,
+            config.queue_capacity,
+            stop.clone(),
+        )),
+    );
+    spawn(
+        "cluster acceptance",
+        Box::pin(acceptance::run(
+            store.clone(),
             config.queue_capacity,
             stop.clone(),
         )),
