@@ -335,6 +335,178 @@ async fn deploy_applies_strictly_and_reads_back() -> anyhow::Result<()> {
 /// system with no privilege escalation, no capabilities and the runtime's seccomp profile,
 /// asks for CPU and memory and is bounded in both, and (init containers aside) has liveness and
 /// readiness probes on `/healthz` and `/readyz` of its metrics port.
+/// OCM's own YAML, using fields our CRDs once lacked, applies to the CRDs in deploy/crds with
+/// strict field validation (nothing pruned, nothing refused as unknown), reads back with OCM's
+/// defaults filled in by the apiserver, and YAML OCM's schema refuses is refused here too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ocm_yaml_with_ocms_fields_applies_strictly_with_ocms_defaults() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let env = TestEnv::start().await?;
+    apply(&env, &render(dir.path(), "crds").await?).await?;
+    let client = env.client().await?;
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    for crd in flotilla_proto::api::crds() {
+        let name = crd.metadata.name.clone().unwrap_or_default();
+        if crd.spec.names.kind == "ClusterClaim" {
+            continue;
+        }
+        wait_for(
+            &format!("CRD {name} Established"),
+            ESTABLISHED_TIMEOUT,
+            || async { Ok(crds.get_opt(&name).await?.filter(established).map(drop)) },
+        )
+        .await?;
+    }
+    let objects = r#"
+apiVersion: v1
+kind: Namespace
+metadata: {name: store-1}
+---
+apiVersion: cluster.open-cluster-management.io/v1
+kind: ManagedCluster
+metadata: {name: store-1}
+spec:
+  hubAcceptsClient: true
+---
+apiVersion: cluster.open-cluster-management.io/v1beta2
+kind: ManagedClusterSet
+metadata: {name: stores}
+---
+apiVersion: cluster.open-cluster-management.io/v1beta1
+kind: Placement
+metadata: {name: stores, namespace: store-1}
+spec:
+  sortBy: ClusterName
+  scoreRateLimit: 1m
+  prioritizerPolicy:
+    configurations:
+    - scoreCoordinate: {builtIn: Steady}
+  decisionStrategy:
+    groupStrategy:
+      decisionGroups:
+      - groupName: canary
+        groupClusterSelector:
+          labelSelector: {matchLabels: {canary: "true"}}
+---
+apiVersion: work.open-cluster-management.io/v1
+kind: ManifestWork
+metadata: {name: cfg, namespace: store-1}
+spec:
+  workload:
+    manifests:
+    - apiVersion: v1
+      kind: ConfigMap
+      metadata: {name: cfg, namespace: default}
+      data: {k: v}
+  manifestConfigs:
+  - resourceIdentifier: {resource: configmaps, name: cfg, namespace: default}
+    feedbackScrapeType: Watch
+    updateStrategy:
+      type: ServerSideApply
+      serverSideApply:
+        ignoreFields:
+        - condition: OnSpokeChange
+          jsonPointers: [/data/k]
+"#;
+    let file = dir.path().join("ocm.yaml");
+    std::fs::write(&file, objects)?;
+    apply(&env, &file).await?;
+
+    let get = |kind, namespace, name| get_json(&env, kind, namespace, name);
+    let cluster = get("managedclusters", None, "store-1").await?;
+    ensure!(
+        cluster["spec"]["leaseDurationSeconds"] == 60,
+        "leaseDurationSeconds not defaulted to OCM's 60: {}",
+        cluster["spec"]
+    );
+    let set = get("managedclustersets", None, "stores").await?;
+    ensure!(
+        set["spec"]["clusterSelector"]["selectorType"] == "ExclusiveClusterSetLabel",
+        "a ManagedClusterSet without a spec gets OCM's default selector: {}",
+        set
+    );
+    let placement = get("placements", Some("store-1"), "stores").await?;
+    let spec = &placement["spec"];
+    for (field, want) in [
+        ("/sortBy", serde_json::json!("ClusterName")),
+        ("/scoreRateLimit", serde_json::json!("1m")),
+        ("/prioritizerPolicy/mode", serde_json::json!("Additive")),
+        (
+            "/prioritizerPolicy/configurations/0/scoreCoordinate/type",
+            serde_json::json!("BuiltIn"),
+        ),
+        (
+            "/prioritizerPolicy/configurations/0/weight",
+            serde_json::json!(1),
+        ),
+        (
+            "/decisionStrategy/groupStrategy/clustersPerDecisionGroup",
+            serde_json::json!("100%"),
+        ),
+    ] {
+        ensure!(
+            spec.pointer(field) == Some(&want),
+            "Placement spec{field}: want {want}, stored {spec}"
+        );
+    }
+    let work = get("manifestworks", Some("store-1"), "cfg").await?;
+    let config = &work["spec"]["manifestConfigs"][0];
+    ensure!(
+        config["feedbackScrapeType"] == "Watch"
+            && config["updateStrategy"]["serverSideApply"]["ignoreFields"][0]["jsonPointers"]
+                == serde_json::json!(["/data/k"])
+            && config["updateStrategy"]["serverSideApply"]["fieldManager"] == "work-agent",
+        "ManifestWork's manifestConfigs not stored as written with OCM's defaults: {config}"
+    );
+
+    // What OCM's schema refuses is refused: a sortBy outside its enum, a rate limit that is
+    // not a duration.
+    for (name, bad, refused_field) in [
+        (
+            "bad-sort",
+            "apiVersion: cluster.open-cluster-management.io/v1beta1\nkind: Placement\nmetadata: {name: bad-sort, namespace: store-1}\nspec: {sortBy: Sideways}\n",
+            "spec.sortBy",
+        ),
+        (
+            "bad-rate",
+            "apiVersion: cluster.open-cluster-management.io/v1beta1\nkind: Placement\nmetadata: {name: bad-rate, namespace: store-1}\nspec: {scoreRateLimit: often}\n",
+            "spec.scoreRateLimit",
+        ),
+    ] {
+        let file = dir.path().join(format!("{name}.yaml"));
+        std::fs::write(&file, bad)?;
+        let refused = apply(&env, &file)
+            .await
+            .err()
+            .with_context(|| format!("{name} was accepted"))?;
+        ensure!(
+            refused.to_string().contains(refused_field),
+            "{name}: the refusal does not name {refused_field}: {refused}"
+        );
+    }
+    Ok(())
+}
+
+/// `kubectl get -o json` of one object.
+async fn get_json(
+    env: &TestEnv,
+    kind: &str,
+    namespace: Option<&str>,
+    name: &str,
+) -> anyhow::Result<Value> {
+    let mut args = vec!["get", kind, name, "-o", "json"];
+    if let Some(ns) = namespace {
+        args.extend(["-n", ns]);
+    }
+    let out = kubectl(env.kubeconfig_path(), &args).await?;
+    ensure!(
+        out.status.success(),
+        "kubectl get {kind} {name}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_pod_runs_restricted_with_probes_and_resources() -> anyhow::Result<()> {
     let installed = install().await?;
