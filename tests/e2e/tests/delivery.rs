@@ -607,7 +607,7 @@ on_both_carriers! {
                  "conditionRules": [{"type": "CEL", "condition": "AllReplicasReady",
                     "celExpressions": ["object.status.readyReplicas == object.spec.replicas"]}]},
                 {"resourceIdentifier": {"group": "batch", "resource": "jobs", "namespace": "default", "name": "migrate"},
-                 "conditionRules": [{"type": "WellKnownConditions"}]},
+                 "conditionRules": [{"type": "WellKnownConditions", "condition": "Complete"}]},
             ]);
         })?;
         fleet.apply(&work)?;

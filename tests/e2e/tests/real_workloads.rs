@@ -192,7 +192,7 @@ on_both_carriers! {
                 "manifestConfigs": [{
                     "resourceIdentifier": {"group": "batch", "resource": "jobs", "namespace": "default", "name": "migrate"},
                     "feedbackRules": [{"type": "WellKnownStatus"}],
-                    "conditionRules": [{"type": "WellKnownConditions"}],
+                    "conditionRules": [{"type": "WellKnownConditions", "condition": "Complete"}],
                 }],
             },
         });
