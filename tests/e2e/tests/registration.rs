@@ -13,6 +13,30 @@ use serde_json::Value;
 use tokio::time::Instant;
 
 const AVAILABLE: &str = "ManagedClusterConditionAvailable";
+/// OCM's condition of the hub's decision on a cluster's join.
+const HUB_ACCEPTED: &str = "HubAcceptedManagedCluster";
+
+/// Waits until `cluster`'s HubAcceptedManagedCluster condition has `status` and `reason`.
+async fn wait_hub_accepted(
+    hub: &Hub,
+    cluster: &str,
+    status: &str,
+    reason: &str,
+) -> anyhow::Result<()> {
+    wait_for(
+        &format!("{cluster} {HUB_ACCEPTED}={status} ({reason})"),
+        LONG,
+        || async {
+            let mc = self::cluster(hub, cluster)?.unwrap_or_default();
+            let found = mc["status"]["conditions"]
+                .as_array()
+                .and_then(|cs| cs.iter().find(|c| c["type"] == HUB_ACCEPTED))
+                .is_some_and(|c| c["status"] == status && c["reason"] == reason);
+            Ok(found.then_some(()))
+        },
+    )
+    .await
+}
 
 /// A process log without terminal colour codes, so structured fields read `key=value`.
 fn plain(log: String) -> String {
@@ -220,6 +244,8 @@ async fn join_pending_accept_available(kube: bool) -> anyhow::Result<()> {
         None,
         "no session yet: {mc}"
     );
+    // Never accepted: no acceptance condition at all, as on OCM's hub.
+    assert_eq!(condition_status(&mc, HUB_ACCEPTED), None, "{mc}");
     wait_log(
         "the agent to report pending",
         || plain(agent.log()),
@@ -232,6 +258,7 @@ async fn join_pending_accept_available(kube: bool) -> anyhow::Result<()> {
     // Accept: the waiting agent gets its certificate and holds a session.
     cli_ok(&hub, &["cluster", "accept", "store-0001"])?;
     hub.wait_available("store-0001").await?;
+    wait_hub_accepted(&hub, "store-0001", "True", "HubClusterAdminAccepted").await?;
     assert!(agent.alive());
     let mc = cluster(&hub, "store-0001")?.unwrap();
     assert_eq!(mc["spec"]["hubAcceptsClient"], true);
@@ -444,6 +471,9 @@ on_both_carriers! {
             Some("True")
         );
         assert_eq!(sessions_established(&hub, "store-bystander"), 1);
+        // OCM's condition says what the hub decided: accepted by the token, then denied.
+        wait_hub_accepted(&hub, "store-bystander", "True", "HubClusterAdminAccepted").await?;
+        wait_hub_accepted(&hub, "store-denied", "False", "HubClusterAdminDenied").await?;
         Ok(())
     }
 }
