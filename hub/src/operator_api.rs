@@ -1077,6 +1077,51 @@ mod tests {
         );
     }
 
+    /// OCM fields flotilla does not implement are refused before they are stored, naming the
+    /// object and the field; the same objects with OCM's defaults are stored.
+    #[test]
+    fn ocm_fields_flotilla_does_not_implement_are_refused_before_storing() {
+        let placement = |spec: Value| {
+            json!({
+                "apiVersion": "cluster.open-cluster-management.io/v1beta1", "kind": "Placement",
+                "metadata": {"name": "stores", "namespace": "fleet"}, "spec": spec,
+            })
+        };
+        let message =
+            check_object(Kind::Placement, &placement(json!({"sortBy": "Score"}))).unwrap_err();
+        assert!(
+            message.starts_with("Placement fleet/stores: spec.sortBy: ")
+                && message.ends_with("flotilla does not implement it yet"),
+            "{message}"
+        );
+        assert_eq!(
+            check_object(
+                Kind::Placement,
+                &placement(json!({"sortBy": "ClusterName", "scoreRateLimit": "1m"}))
+            ),
+            Ok(())
+        );
+        let set = |spec: Value| {
+            json!({
+                "apiVersion": "cluster.open-cluster-management.io/v1beta2",
+                "kind": "ManagedClusterSet", "metadata": {"name": "stores"}, "spec": spec,
+            })
+        };
+        let message = check_object(
+            Kind::ManagedClusterSet,
+            &set(json!({"managedNamespaces": [{"name": "shop"}]})),
+        )
+        .unwrap_err();
+        assert!(
+            message.starts_with("ManagedClusterSet stores: spec.managedNamespaces: "),
+            "{message}"
+        );
+        assert_eq!(
+            check_object(Kind::ManagedClusterSet, &set(json!({}))),
+            Ok(())
+        );
+    }
+
     /// A refusal names the object even when it has no name: `<unnamed>`, never an empty one.
     #[test]
     fn refusals_of_objects_without_a_name_say_unnamed() {
