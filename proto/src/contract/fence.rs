@@ -53,15 +53,20 @@ pub fn is_fenced(kind: Kind) -> bool {
 pub struct WriteFence {
     /// The virtual shard of the object's cluster, as the writing gateway counted the fleet's
     /// shards.
+    // The apiserver knows int32 and int64, not schemars' uint32/uint64 (it warns on every
+    // apply); the schema's minimum 0 keeps them unsigned.
+    #[schemars(extend("format" = "int64"))]
     pub shard: u32,
     /// The epoch (the shard lease's `leaseTransitions` when the writer claimed it) the write was
     /// made under; 0 from a single-node hub, which holds every shard without leases.
+    #[schemars(extend("format" = "int64"))]
     pub epoch: u32,
     /// The name of the gateway that wrote.
     pub gateway: String,
     /// The agent's sequence number of the status report written (work statuses only): a report
     /// older than the stored one never replaces it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("format" = "int64"))]
     pub report_sequence: Option<u64>,
 }
 
