@@ -152,12 +152,16 @@ pub fn parse(strategy: Option<&RolloutStrategy>) -> Result<Strategy, String> {
     })
 }
 
-/// A Go duration such as `5m`, `1h30m`, `90s`, `500ms`.
+/// A Go duration such as `5m`, `1h30m`, `90s`, `500ms`, or `0` (Go's one unitless duration,
+/// and the default OCM's schema gives `minSuccessTime`).
 fn go_duration(s: &str) -> Result<Duration, String> {
     let mut total = Duration::ZERO;
     let mut rest = s.trim();
     if rest.is_empty() {
         return Err("empty duration".to_string());
+    }
+    if rest == "0" {
+        return Ok(Duration::ZERO);
     }
     while !rest.is_empty() {
         let digits = rest
@@ -688,6 +692,10 @@ mod tests {
             assert!(err.contains(message), "{err}");
         }
         assert_eq!(go_duration("1h30m").unwrap(), Duration::from_secs(5400));
+        // OCM's schema defaults minSuccessTime to "0": the apiserver writes it into every
+        // strategy a kube-backend hub reads.
+        assert_eq!(go_duration("0").unwrap(), Duration::ZERO);
+        assert!(go_duration("10").is_err(), "only 0 goes without a unit");
         assert_eq!(threshold(&IntOrString::String("10%".into()), 1000, 0), 100);
         assert_eq!(threshold(&IntOrString::Int(0), 1000, 0), 0);
     }
