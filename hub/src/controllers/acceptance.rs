@@ -65,7 +65,8 @@ fn wanted(object: &Object) -> Option<(ConditionStatus, &'static str, &'static st
 
 /// What the watch feeds the writer: clusters whose condition disagrees, each once while pending.
 struct Seen {
-    tx: mpsc::Sender<String>,
+    /// The cluster as the watch last showed it: written from that, without a read first.
+    tx: mpsc::Sender<Object>,
     pending: Arc<Mutex<HashSet<String>>>,
 }
 
@@ -79,7 +80,7 @@ impl Seen {
             return;
         }
         // A full queue holds the watch back; a closed one means the writer stopped.
-        let _ = self.tx.send(name).await;
+        let _ = self.tx.send(object.clone()).await;
     }
 }
 
@@ -101,7 +102,7 @@ impl Reflector for Seen {
 /// Keeps every ManagedCluster's `HubAcceptedManagedCluster` condition in line with its
 /// `spec.hubAcceptsClient`, until `stop`; at most `queue` clusters wait for a write.
 pub async fn run(store: Arc<dyn Store>, queue: usize, stop: watch::Receiver<bool>) {
-    let (tx, mut rx) = mpsc::channel::<String>(queue.max(1));
+    let (tx, mut rx) = mpsc::channel::<Object>(queue.max(1));
     let pending = Arc::new(Mutex::new(HashSet::new()));
     let seen = Seen {
         tx,
@@ -113,31 +114,53 @@ pub async fn run(store: Arc<dyn Store>, queue: usize, stop: watch::Receiver<bool
             async move { reflect(Kind::ManagedCluster, store.as_ref(), &seen, stop).await },
         )
     };
+    // A fleet registered at once (a hub's first start on an existing fleet, a load test) is
+    // one write per cluster: a few at a time, so the backlog clears in seconds and does not
+    // linger into what comes next.
+    let mut writes = tokio::task::JoinSet::new();
     // Ends when the watch has stopped (and dropped its sender).
-    while let Some(name) = rx.recv().await {
-        if let Err(e) = record(store.as_ref(), &name).await {
-            warn!(cluster = %name, error = %error_chain(&e), "writing the HubAcceptedManagedCluster condition failed; retried at its next change or relist");
+    while let Some(object) = rx.recv().await {
+        while writes.len() >= WRITE_CONCURRENCY {
+            writes.join_next().await;
         }
-        pending.lock().await.remove(&name);
+        let (store, pending) = (store.clone(), pending.clone());
+        writes.spawn(async move {
+            let name = name_of(&object).to_owned();
+            if let Err(e) = record(store.as_ref(), object).await {
+                warn!(cluster = %name, error = %error_chain(&e), "writing the HubAcceptedManagedCluster condition failed; retried at its next change or relist");
+            }
+            pending.lock().await.remove(&name);
+        });
     }
+    while writes.join_next().await.is_some() {}
     let _ = watcher.await;
 }
+
+/// Condition writes in flight at once.
+const WRITE_CONCURRENCY: usize = 8;
 
 /// Attempts at one cluster whose writes conflict (it is changing under the controller) before
 /// leaving it to its next watch event.
 const ATTEMPTS: usize = 5;
 
-/// Reads the cluster and, if its condition still disagrees, writes its status with the right
-/// one, conditioned on the resourceVersion read; on a conflict reads it again.
-async fn record(store: &dyn Store, name: &str) -> Result<(), StoreError> {
+/// Writes the cluster's status with the right condition, conditioned on the resourceVersion of
+/// `seen` (the watch's copy, so no read comes first); on a conflict reads it again and, if the
+/// condition still disagrees, writes again.
+async fn record(store: &dyn Store, seen: Object) -> Result<(), StoreError> {
+    let name = name_of(&seen).to_owned();
+    let mut object = Some(seen);
     for _ in 0..ATTEMPTS {
-        let Some(object) = store.get(Kind::ManagedCluster, None, name).await? else {
+        let current = match object.take() {
+            Some(o) => o,
+            None => match store.get(Kind::ManagedCluster, None, &name).await? {
+                Some(o) => o,
+                None => return Ok(()),
+            },
+        };
+        let Some((status, reason, message)) = wanted(&current) else {
             return Ok(());
         };
-        let Some((status, reason, message)) = wanted(&object) else {
-            return Ok(());
-        };
-        let mut stored = object.get("status").cloned().unwrap_or_else(|| json!({}));
+        let mut stored = current.get("status").cloned().unwrap_or_else(|| json!({}));
         let mut conditions =
             serde_json::from_value(stored["conditions"].clone()).unwrap_or_else(|_| Vec::new());
         set_condition(
@@ -150,9 +173,9 @@ async fn record(store: &dyn Store, name: &str) -> Result<(), StoreError> {
             Time(jiff::Timestamp::now()),
         );
         stored["conditions"] = serde_json::to_value(&conditions).unwrap_or(Value::Null);
-        let revision = Revision::of(&object);
+        let revision = Revision::of(&current);
         match store
-            .update_status(Kind::ManagedCluster, None, name, stored, revision.as_ref())
+            .update_status(Kind::ManagedCluster, None, &name, stored, revision.as_ref())
             .await
         {
             Ok(_) => {
