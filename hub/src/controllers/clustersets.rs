@@ -44,11 +44,15 @@ const KINDS: [Kind; 3] = [
 pub const DEFAULT_SET: &str = "default";
 /// The set that holds every cluster.
 pub const GLOBAL_SET: &str = "global";
+/// The condition of a set whose `spec.managedNamespaces` flotilla does not act on.
+pub const CLUSTER_SET_MANAGED_NAMESPACES: &str = "ManagedNamespaces";
+const MANAGED_NAMESPACES_NOT_IMPLEMENTED: &str = "flotilla does not implement spec.managedNamespaces yet: no namespace is made on this set's clusters; remove the field";
 
 #[derive(Default)]
 struct Model {
     clusters: HashMap<String, Cluster>,
-    sets: BTreeMap<String, (SetRule, Vec<Condition>)>,
+    /// Per set: its rule, whether it asks for managed namespaces, its conditions.
+    sets: BTreeMap<String, (SetRule, bool, Vec<Condition>)>,
     bindings: BTreeMap<(String, String), (String, Vec<Condition>)>,
     /// Writes sent and not yet seen coming back, so one change is written once.
     pending: HashSet<(Kind, Option<String>, String)>,
@@ -161,8 +165,9 @@ impl Model {
                 self.membership_changed = true;
                 if let Ok(set) = serde_json::from_value::<ManagedClusterSet>(obj) {
                     let (rule, _) = SetRule::from_spec(&name, &set.spec);
+                    let namespaces = !set.spec.managed_namespaces.is_empty();
                     let conditions = set.status.unwrap_or_default().conditions;
-                    self.sets.insert(name, (rule, conditions));
+                    self.sets.insert(name, (rule, namespaces, conditions));
                 }
             }
             Kind::ManagedClusterSetBinding => {
@@ -219,7 +224,7 @@ impl Model {
             }
         }
         let recount = std::mem::take(&mut self.membership_changed);
-        for (name, (rule, conditions)) in self.sets.iter().filter(|_| recount) {
+        for (name, (rule, namespaces, conditions)) in self.sets.iter().filter(|_| recount) {
             let members = self.clusters.values().filter(|c| rule.contains(c)).count();
             let mut next = conditions.clone();
             let (status, reason, message) = if members == 0 {
@@ -235,7 +240,7 @@ impl Model {
                     format!("{members} ManagedClusters selected"),
                 )
             };
-            if set_condition(
+            let mut changed = set_condition(
                 &mut next,
                 CLUSTER_SET_EMPTY,
                 status,
@@ -243,9 +248,28 @@ impl Model {
                 &message,
                 None,
                 Time(now),
-            ) && self
-                .pending
-                .insert((Kind::ManagedClusterSet, None, name.clone()))
+            );
+            // Not implemented, so said where a kube-backend user applying the set with
+            // kubectl looks (the operator API refuses the field before storing it).
+            if *namespaces {
+                changed |= set_condition(
+                    &mut next,
+                    CLUSTER_SET_MANAGED_NAMESPACES,
+                    ConditionStatus::False,
+                    "NotImplemented",
+                    MANAGED_NAMESPACES_NOT_IMPLEMENTED,
+                    None,
+                    Time(now),
+                );
+            } else {
+                let before = next.len();
+                next.retain(|c| c.type_ != CLUSTER_SET_MANAGED_NAMESPACES);
+                changed |= next.len() != before;
+            }
+            if changed
+                && self
+                    .pending
+                    .insert((Kind::ManagedClusterSet, None, name.clone()))
             {
                 writes.push(Write::SetStatus(
                     Kind::ManagedClusterSet,
@@ -418,6 +442,67 @@ mod tests {
                 _ => None,
             })
             .collect()
+    }
+
+    #[test]
+    fn a_set_asking_for_managed_namespaces_says_they_are_not_implemented_until_it_stops() {
+        let config = ControllerConfig::default();
+        let asking = |namespaces: Value| {
+            WatchEvent::Modified(json!({
+                "apiVersion": Kind::ManagedClusterSet.api_version(),
+                "kind": "ManagedClusterSet",
+                "metadata": { "name": "stores", "resourceVersion": "1" },
+                "spec": {
+                    "clusterSelector": { "selectorType": "ExclusiveClusterSetLabel" },
+                    "managedNamespaces": namespaces,
+                },
+            }))
+        };
+        let condition = |writes: &[Write]| {
+            writes.iter().find_map(|w| match w {
+                Write::SetStatus(Kind::ManagedClusterSet, None, name, status)
+                    if name == "stores" =>
+                {
+                    Some(status["conditions"].as_array().cloned().unwrap_or_default())
+                }
+                _ => None,
+            })
+        };
+        let mut model = Model::default();
+        model.apply(Kind::ManagedClusterSet, asking(json!([{"name": "shop"}])));
+        let written = condition(&model.plan(&config, Timestamp::now())).expect("a status write");
+        let refusal = written
+            .iter()
+            .find(|c| c["type"] == CLUSTER_SET_MANAGED_NAMESPACES)
+            .expect("the ManagedNamespaces condition");
+        assert_eq!(
+            (&refusal["status"], &refusal["reason"]),
+            (&json!("False"), &json!("NotImplemented"))
+        );
+        assert!(
+            refusal["message"]
+                .as_str()
+                .unwrap()
+                .contains("spec.managedNamespaces"),
+            "{refusal}"
+        );
+
+        // The write seen back, then the field removed: the condition goes.
+        let mut stored = asking(json!([{"name": "shop"}]));
+        if let WatchEvent::Modified(o) = &mut stored {
+            o["status"] = json!({ "conditions": written });
+            o["spec"]["managedNamespaces"] = json!([]);
+            o["metadata"]["resourceVersion"] = json!("2");
+        }
+        model.pending.clear();
+        model.apply(Kind::ManagedClusterSet, stored);
+        let after = condition(&model.plan(&config, Timestamp::now())).expect("a status write");
+        assert!(
+            after
+                .iter()
+                .all(|c| c["type"] != CLUSTER_SET_MANAGED_NAMESPACES),
+            "{after:?}"
+        );
     }
 
     #[test]
