@@ -106,7 +106,7 @@ impl Expression {
             })?;
         self.program.execute(&context).map_err(|e| CelError::Eval {
             expression: self.source.clone(),
-            detail: e.to_string(),
+            detail: execution_detail(&e),
         })
     }
 
@@ -155,8 +155,96 @@ fn to_cel(value: &Value) -> CelValue {
     }
 }
 
+/// What went wrong in an evaluation, the same words every time for the same expression and
+/// object: the interpreter's own message prints maps in hash order, which differs from one
+/// evaluation to the next, so a condition carrying it would change at every resync (and be
+/// written to the hub each time). The values it names are rendered with maps' keys sorted.
+fn execution_detail(e: &cel::ExecutionError) -> String {
+    use cel::ExecutionError as E;
+    match e {
+        E::UnsupportedTargetType { target } => {
+            format!("Invalid argument type: {}", render(target))
+        }
+        E::NotSupportedAsMethod { method, target } => {
+            format!(
+                "Method '{method}' not supported on type '{}'",
+                render(target)
+            )
+        }
+        E::UnsupportedKeyType(v) => format!("Unable to use value '{}' as a key", render(v)),
+        E::ValuesNotComparable(a, b) => {
+            format!("{} can not be compared to {}", render(a), render(b))
+        }
+        E::UnsupportedBinaryOperator(op, a, b) => {
+            format!(
+                "Unsupported binary operator '{op}': {}, {}",
+                render(a),
+                render(b)
+            )
+        }
+        E::UnsupportedIndex(a, b) => {
+            format!("Cannot use value {} to index {}", render(a), render(b))
+        }
+        E::DivisionByZero(v) => format!("Division by zero of {}", render(v)),
+        E::RemainderByZero(v) => format!("Remainder by zero of {}", render(v)),
+        E::Overflow(op, a, b) => format!(
+            "Overflow from binary operator '{op}': {}, {}",
+            render(a),
+            render(b)
+        ),
+        E::IndexOutOfBounds(v) => format!("Index out of bounds: {}", render(v)),
+        E::DuplicateKey(v) => format!("Failed with repeated key: {}", render(v)),
+        // The rest carry no value, or are variants the interpreter no longer makes.
+        other => other.to_string(),
+    }
+}
+
+/// A CEL value as the interpreter's messages print it, but with a map's entries in key order.
+fn render(value: &CelValue) -> String {
+    match value {
+        CelValue::Map(map) => {
+            let mut entries: Vec<String> = map
+                .map
+                .iter()
+                .map(|(k, v)| format!("{k:?}: {}", render(v)))
+                .collect();
+            entries.sort();
+            format!("Map({{{}}})", entries.join(", "))
+        }
+        CelValue::List(items) => format!(
+            "List([{}])",
+            items.iter().map(render).collect::<Vec<_>>().join(", ")
+        ),
+        other => format!("{other:?}"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
+
+    /// Found by the cel_rule fuzzer: dividing a condition (a map) made a message that printed
+    /// the map in hash order, so two evaluations of one rule on one object disagreed.
+    #[test]
+    fn an_evaluation_error_reads_the_same_every_time() {
+        let object = serde_json::json!({"status": {"conditions": [
+            {"type": "Complete", "status": "True", "reason": "r", "message": "m", "a": 1, "b": 2}
+        ]}});
+        let expression = Expression::compile(
+            "object.status.conditions.filter(c, c/.type == 'Failed').size() == 0",
+        )
+        .unwrap();
+        let first = expression.eval_bool(&object).unwrap_err().to_string();
+        for _ in 0..20 {
+            assert_eq!(
+                expression.eval_bool(&object).unwrap_err().to_string(),
+                first
+            );
+        }
+        assert!(
+            first.contains("String(\"a\"): Int(1), String(\"b\"): Int(2)"),
+            "{first}"
+        );
+    }
     use super::*;
     use serde_json::json;
 
