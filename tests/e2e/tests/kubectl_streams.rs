@@ -190,29 +190,7 @@ async fn port_forward_carries(
     server: &TcpListener,
     path: &str,
 ) -> anyhow::Result<String> {
-    let mut forward = tokio::process::Command::new("kubectl")
-        .arg("--kubeconfig")
-        .arg(kubeconfig)
-        .args(["port-forward", &format!("pod/{POD}"), ":8080"])
-        .envs(env.iter().copied())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()?;
-    let mut lines = BufReader::new(forward.stdout.take().expect("piped")).lines();
-    // "Forwarding from 127.0.0.1:PORT -> 8080", once kubectl listens.
-    let local = tokio::time::timeout(KUBECTL_TIMEOUT, async {
-        while let Some(line) = lines.next_line().await? {
-            if let Some(rest) = line.strip_prefix("Forwarding from 127.0.0.1:") {
-                return Ok(rest.split(' ').next().unwrap_or_default().parse::<u16>()?);
-            }
-        }
-        anyhow::bail!("kubectl port-forward ended without listening")
-    })
-    .await
-    .map_err(|_| {
-        anyhow::anyhow!("kubectl port-forward did not listen within {KUBECTL_TIMEOUT:?}")
-    })??;
+    let (mut forward, local) = forwarding(kubeconfig, env).await?;
 
     let exchange = async {
         let mut client = TcpStream::connect(("127.0.0.1", local)).await?;
@@ -478,12 +456,16 @@ async fn arrival(
     .map_err(|_| anyhow::anyhow!("kubectl logs -f {path} never showed {line:?}"))?
 }
 
-/// `kubectl port-forward pod/POD :8080` running; the local port it listens on.
-async fn forwarding(kubeconfig: &Path) -> anyhow::Result<(tokio::process::Child, u16)> {
+/// `kubectl port-forward pod/POD :8080` running with `env`; the local port it listens on.
+async fn forwarding(
+    kubeconfig: &Path,
+    env: &[(&str, &str)],
+) -> anyhow::Result<(tokio::process::Child, u16)> {
     let mut forward = tokio::process::Command::new("kubectl")
         .arg("--kubeconfig")
         .arg(kubeconfig)
         .args(["port-forward", &format!("pod/{POD}"), ":8080"])
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .kill_on_drop(true)
@@ -586,8 +568,8 @@ on_both_carriers! {
 
         // port-forward: downloads alternate between the two paths.
         let target = TcpListener::bind(cluster.port_forward_target()).await?;
-        let (_hub_forward, hub_port) = forwarding(&alice).await?;
-        let (_direct_forward, direct_port) = forwarding(&direct).await?;
+        let (_hub_forward, hub_port) = forwarding(&alice, &[]).await?;
+        let (_direct_forward, direct_port) = forwarding(&direct, &[]).await?;
         let bytes = stream_mib() * 1024 * 1024;
         let (mut hub_rate, mut direct_rate) = (Vec::new(), Vec::new());
         for _ in 0..DOWNLOADS {
