@@ -690,8 +690,8 @@ async fn server_side_apply_conflicts_name_the_other_manager_and_ignore_fields_ke
         .collect();
     assert!(managers.contains(&"work-agent".to_string()), "{managers:?}");
 
-    // ignoreFields OnSpokePresent: the spoke's replicas stay, the rest follows the hub.
-    let ignoring = |image: &str| {
+    // The work with `image` and `.spec.replicas` ignored under `condition`.
+    let ignoring_replicas = |condition: &str, image: &str| {
         let mut m = web.clone();
         m["spec"]["template"]["spec"]["containers"][0]["image"] = json!(image);
         configured_work(
@@ -702,11 +702,13 @@ async fn server_side_apply_conflicts_name_the_other_manager_and_ignore_fields_ke
                 "web",
                 json!({"updateStrategy": {
                 "type": "ServerSideApply", "serverSideApply": {"force": true,
-                    "ignoreFields": [{"condition": "OnSpokePresent", "jsonPaths": [".spec.replicas"]}]}}})
+                    "ignoreFields": [{"condition": condition, "jsonPaths": [".spec.replicas"]}]}}})
             )]),
             Value::Null,
         )
     };
+    // ignoreFields OnSpokePresent: the spoke's replicas stay, the rest follows the hub.
+    let ignoring = |image: &str| ignoring_replicas("OnSpokePresent", image);
     spoke.put("ssa", 3, &ignoring("nginx:1.14.2"))?;
     spoke.reconcile("ssa").await?;
     deployments
@@ -735,22 +737,7 @@ async fn server_side_apply_conflicts_name_the_other_manager_and_ignore_fields_ke
 
     // ignoreFields OnSpokeChange: the field follows the hub whenever the manifest changes, and
     // the spoke's own change to it stands until then.
-    let on_change = |image: &str| {
-        let mut m = web.clone();
-        m["spec"]["template"]["spec"]["containers"][0]["image"] = json!(image);
-        configured_work(
-            vec![m],
-            json!([config_for(
-                "deployments",
-                "apps",
-                "web",
-                json!({"updateStrategy": {
-                "type": "ServerSideApply", "serverSideApply": {"force": true,
-                    "ignoreFields": [{"condition": "OnSpokeChange", "jsonPaths": [".spec.replicas"]}]}}})
-            )]),
-            Value::Null,
-        )
-    };
+    let on_change = |image: &str| ignoring_replicas("OnSpokeChange", image);
     spoke.put("ssa", 5, &on_change("nginx:1.25.3"))?;
     spoke.reconcile("ssa").await?;
     assert_eq!(
