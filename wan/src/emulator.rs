@@ -148,6 +148,8 @@ pub struct DirectionStats {
     pub dropped_full: AtomicU64,
     /// Dropped as they came due while the link was down.
     pub dropped_down: AtomicU64,
+    /// The IP bytes of the packets offered: what the sender put on the wire, headers included.
+    pub offered_bytes: AtomicU64,
 }
 
 /// A snapshot of [`DirectionStats`].
@@ -157,6 +159,7 @@ pub struct Counts {
     pub delivered: u64,
     pub dropped_full: u64,
     pub dropped_down: u64,
+    pub offered_bytes: u64,
 }
 
 impl DirectionStats {
@@ -166,6 +169,7 @@ impl DirectionStats {
             delivered: self.delivered.load(Ordering::Relaxed),
             dropped_full: self.dropped_full.load(Ordering::Relaxed),
             dropped_down: self.dropped_down.load(Ordering::Relaxed),
+            offered_bytes: self.offered_bytes.load(Ordering::Relaxed),
         }
     }
 }
@@ -506,6 +510,76 @@ impl EmulatedLink {
     }
 }
 
+/// A tokio runtime whose threads are in a link's namespace: every socket its tasks make goes
+/// through the link. For clients that make their connections themselves (a `kube::Client`
+/// makes a new one whenever it needs), where [`EmulatedLink::inside`]'s one-off sockets do not
+/// fit. Its thread stops, and its tasks with it, when this is dropped.
+pub struct NamespaceRuntime {
+    handle: tokio::runtime::Handle,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl NamespaceRuntime {
+    /// Where to spawn the tasks that must connect through the link.
+    pub fn handle(&self) -> &tokio::runtime::Handle {
+        &self.handle
+    }
+}
+
+impl Drop for NamespaceRuntime {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+impl EmulatedLink {
+    /// A current-thread runtime on a thread of its own that has entered the namespace (threads
+    /// it starts, such as its blocking pool's, inherit the namespace).
+    pub async fn runtime(&self) -> Result<NamespaceRuntime, LinkError> {
+        let namespace = self.plan.namespace.clone();
+        let path = format!("/run/netns/{namespace}");
+        let (made_tx, made_rx) = tokio::sync::oneshot::channel();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        std::thread::Builder::new()
+            .name(format!("ns-{namespace}"))
+            .spawn(move || {
+                let made = (|| -> io::Result<tokio::runtime::Runtime> {
+                    let ns = File::open(&path)?;
+                    nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET)
+                        .map_err(io::Error::from)?;
+                    tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                })();
+                match made {
+                    Ok(runtime) => {
+                        let _ = made_tx.send(Ok(runtime.handle().clone()));
+                        // Drives the spawned tasks until the owner lets go.
+                        let _ = runtime.block_on(stop_rx);
+                        runtime.shutdown_background();
+                    }
+                    Err(e) => {
+                        let _ = made_tx.send(Err(e));
+                    }
+                }
+            })
+            .map_err(|source| LinkError::Inside {
+                namespace: namespace.clone(),
+                source,
+            })?;
+        let handle = made_rx
+            .await
+            .unwrap_or_else(|_| Err(io::Error::other("the namespace thread panicked")))
+            .map_err(|source| LinkError::Inside { namespace, source })?;
+        Ok(NamespaceRuntime {
+            handle,
+            stop: Some(stop_tx),
+        })
+    }
+}
+
 impl Drop for EmulatedLink {
     fn drop(&mut self) {
         let tasks = std::mem::take(&mut self.tasks);
@@ -554,7 +628,10 @@ async fn carry(
             read = from.recv(&mut buf) => match read {
                 Ok(n) => {
                     stats.offered.fetch_add(1, Ordering::Relaxed);
-                    if line.offer(Instant::now(), buf[..n].to_vec()) == Offer::Full {
+                    stats.offered_bytes.fetch_add(n as u64, Ordering::Relaxed);
+                    let mut packet = buf[..n].to_vec();
+                    crate::checksum::complete_udp_checksum(&mut packet);
+                    if line.offer(Instant::now(), packet) == Offer::Full {
                         stats.dropped_full.fetch_add(1, Ordering::Relaxed);
                     }
                 }

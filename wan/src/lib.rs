@@ -13,10 +13,11 @@
 //! root, `ip`, `tc`, `nft` and `/dev/net/tun`; everything it makes is named after this
 //! process and removed when dropped.
 
+pub mod checksum;
 pub mod delay_line;
 pub mod emulator;
 pub mod probe;
 pub mod spec;
 
-pub use emulator::{EmulatedLink, LinkError, check_available};
+pub use emulator::{EmulatedLink, LinkError, NamespaceRuntime, check_available};
 pub use spec::{Flap, LinkSpec, Loss, Profile, QueueBound, Rate, SpecError};

@@ -246,3 +246,43 @@ fn links_made_while_others_are_removed_keep_their_namespaces_and_carry() {
     a.join().unwrap();
     b.join().unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_namespace_runtimes_connections_cross_the_link_and_are_counted_in_bytes() {
+    use tokio::io::AsyncReadExt;
+    let Some(link) = link("delay=20ms,loss=0").await else {
+        return;
+    };
+    let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = tcp.local_addr().unwrap().port();
+    const PAYLOAD: usize = 200_000;
+    let served = tokio::spawn(async move {
+        let (mut conn, from) = tcp.accept().await.unwrap();
+        let mut got = Vec::new();
+        conn.read_to_end(&mut got).await.unwrap();
+        (from.ip(), got.len())
+    });
+    let before = link.outbound().offered_bytes;
+    let runtime = link.runtime().await.unwrap();
+    let host = link.host();
+    // A client that makes its own connection, as a kube client does, on the namespace's runtime.
+    runtime
+        .handle()
+        .spawn(async move {
+            use tokio::io::AsyncWriteExt;
+            let mut conn = tokio::net::TcpStream::connect((host, port)).await.unwrap();
+            conn.write_all(&vec![7u8; PAYLOAD]).await.unwrap();
+            conn.shutdown().await.unwrap();
+        })
+        .await
+        .unwrap();
+    let (peer, len) = served.await.unwrap();
+    assert_eq!(peer, std::net::IpAddr::from(link.inside_address()));
+    assert_eq!(len, PAYLOAD);
+    // What left the namespace is on the wire's count: the payload and the headers with it.
+    let sent = link.outbound().offered_bytes - before;
+    assert!(
+        sent as usize > PAYLOAD && (sent as usize) < PAYLOAD * 12 / 10,
+        "{sent} bytes counted for {PAYLOAD} sent"
+    );
+}
