@@ -76,6 +76,12 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOTILLA_AGENT_TRANSPORT", value_enum, default_value_t = Transport::Auto)]
     pub transport: Transport,
 
+    /// The QUIC carrier's congestion controller for what this side sends: bbr (the default:
+    /// paces at the rate and round trip it measures, so the random loss of radio and
+    /// congested links does not hold it down), cubic or new-reno (back off on every loss).
+    #[arg(long, env = "FLOTILLA_AGENT_QUIC_CONGESTION", default_value = "bbr", value_parser = quic_congestion)]
+    pub quic_congestion: flotilla_transport::quic::QuicCongestion,
+
     #[command(flatten)]
     pub ops: flotilla_ops::MetricsArgs,
 
@@ -307,6 +313,11 @@ impl AgentConfig {
                 .map_err(|e| ConfigError::NoSpoke(e.to_string())),
         }
     }
+}
+
+/// `--quic-congestion`'s parser (the transport crate has no clap).
+pub fn quic_congestion(s: &str) -> Result<flotilla_transport::quic::QuicCongestion, String> {
+    s.parse()
 }
 
 #[cfg(test)]

@@ -61,6 +61,7 @@ pub struct Dialer {
     proxy: Option<ProxyUrl>,
     local_address: Option<IpAddr>,
     transport: Transport,
+    quic_congestion: flotilla_transport::quic::QuicCongestion,
     /// How long one dial may take ([`DIAL_TIMEOUT`], or [`REDIRECT_DIAL_TIMEOUT`] to a
     /// redirect target).
     dial_timeout: Duration,
@@ -82,6 +83,7 @@ impl Dialer {
             proxy: None,
             local_address: None,
             transport: Transport::Grpc,
+            quic_congestion: Default::default(),
             dial_timeout: DIAL_TIMEOUT,
             quic: Arc::default(),
             grpc_until: Arc::default(),
@@ -95,6 +97,16 @@ impl Dialer {
     /// source of the route then.
     pub fn with_local_address(mut self, address: Option<IpAddr>) -> Dialer {
         self.local_address = address;
+        self
+    }
+
+    /// The QUIC endpoint's congestion controller (`--quic-congestion`), for the endpoint made
+    /// at the first QUIC dial.
+    pub fn with_quic_congestion(
+        mut self,
+        congestion: flotilla_transport::quic::QuicCongestion,
+    ) -> Dialer {
+        self.quic_congestion = congestion;
         self
     }
 
@@ -239,6 +251,7 @@ impl Dialer {
             local,
             QuicSettings {
                 max_frame_bytes: MAX_FRAME_BYTES,
+                congestion: self.quic_congestion,
                 ..QuicSettings::default()
             },
         )

@@ -107,7 +107,8 @@ pub async fn run(
     let dialer = Dialer::new(&config.hub, &config.server_name(), identity.dir())
         .map_err(|e| RunError::Certificates(e.into()))?
         .with_proxy(config.proxy_url.clone())
-        .with_transport(config.transport);
+        .with_transport(config.transport)
+        .with_quic_congestion(config.quic_congestion);
     // Every request of the agent's own client takes a token of its spoke budget first.
     let spoke_kube_api = config.spoke_kube_api();
     let client = kube::client::ClientBuilder::try_from(config.spoke_kube_config().await?)
@@ -458,6 +459,7 @@ mod tests {
             max_backoff: Duration::from_secs(1),
             kubernetes_version: "v1.36.3".into(),
             transport: Transport::Grpc,
+            quic_congestion: Default::default(),
             feedback_interval: crate::reconcile::DEFAULT_FEEDBACK_INTERVAL,
             max_tunnels: crate::tunnel::DEFAULT_MAX_TUNNELS,
             tunnel_idle_timeout: crate::tunnel::DEFAULT_TUNNEL_IDLE_TIMEOUT,

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use flotilla_transport::grpc::GrpcSettings;
-use flotilla_transport::quic::QuicSettings;
+use flotilla_transport::quic::{QuicCongestion, QuicSettings};
 
 use crate::fault::FaultPoint;
 use crate::fencing::DEFAULT_GATEWAY_NAME;
@@ -54,6 +54,8 @@ pub struct GatewayConfig {
     /// Bytes per second of large works' chunks one session is sent at most: a 10 MiB work
     /// fanned out to a thousand clusters must not take the gateway's whole uplink at once.
     pub chunk_bytes_per_second: u64,
+    /// The QUIC carrier's congestion controller for what the gateway sends.
+    pub quic_congestion: QuicCongestion,
     /// Where a test may hold fenced writes before their store calls (see [`crate::fault`]):
     /// holds nothing unless a test armed it, and cannot be armed in a release build.
     pub fault: FaultPoint,
@@ -83,6 +85,7 @@ impl Default for GatewayConfig {
             tunnel_open_timeout: Duration::from_secs(10),
             relay_idle_timeout: Duration::from_secs(2 * 3600),
             chunk_bytes_per_second: DEFAULT_CHUNK_BYTES_PER_SECOND,
+            quic_congestion: QuicCongestion::default(),
             fault: FaultPoint::default(),
         }
     }
@@ -105,7 +108,13 @@ impl GatewayConfig {
             max_frame_bytes: self.max_frame_bytes,
             // Never shorter than the protocol's own silence bound.
             idle_timeout: (self.heartbeat_timeout * 2).max(QuicSettings::default().idle_timeout),
+            congestion: self.quic_congestion,
             ..QuicSettings::default()
         }
     }
+}
+
+/// `--quic-congestion`'s parser (the transport crate has no clap).
+pub fn quic_congestion(s: &str) -> Result<QuicCongestion, String> {
+    s.parse()
 }

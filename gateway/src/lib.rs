@@ -41,7 +41,7 @@ pub mod statuses;
 mod tunnel;
 pub mod writes;
 
-pub use config::{DEFAULT_CHUNK_BYTES_PER_SECOND, GatewayConfig};
+pub use config::{DEFAULT_CHUNK_BYTES_PER_SECOND, GatewayConfig, quic_congestion};
 pub use fencing::DEFAULT_GATEWAY_NAME;
 pub use route::{ShardRoute, TunnelRoute};
 pub use serve::{Gateway, GatewayError, Listeners};

@@ -298,6 +298,12 @@ pub struct GatewayProcessConfig {
     #[arg(long, default_value_t = crate::DEFAULT_CHUNK_BYTES_PER_SECOND, value_parser = clap::value_parser!(u64).range(64 * 1024..))]
     pub chunk_bytes_per_second: u64,
 
+    /// The QUIC carrier's congestion controller for what this side sends: bbr (the default:
+    /// paces at the rate and round trip it measures, so the random loss of radio and
+    /// congested links does not hold it down), cubic or new-reno (back off on every loss).
+    #[arg(long, default_value = "bbr", value_parser = crate::config::quic_congestion)]
+    pub quic_congestion: flotilla_transport::quic::QuicCongestion,
+
     /// Validate the configuration, print it, and exit without starting.
     #[arg(long)]
     pub check_config: bool,
@@ -343,6 +349,7 @@ impl GatewayProcessConfig {
             drain_window: self.drain_window,
             drain_timeout: self.drain_timeout,
             chunk_bytes_per_second: self.chunk_bytes_per_second,
+            quic_congestion: self.quic_congestion,
             session_rate: self.session_rate.session_rate,
             session_burst: self.session_rate.session_burst,
             ..GatewayConfig::default()

@@ -153,6 +153,12 @@ pub struct HubConfig {
     #[arg(long, default_value_t = flotilla_gateway::DEFAULT_CHUNK_BYTES_PER_SECOND, value_parser = clap::value_parser!(u64).range(64 * 1024..))]
     pub chunk_bytes_per_second: u64,
 
+    /// The QUIC carrier's congestion controller for what the in-process gateway sends: bbr (the default:
+    /// paces at the rate and round trip it measures, so the random loss of radio and
+    /// congested links does not hold it down), cubic or new-reno (back off on every loss).
+    #[arg(long, default_value = "bbr", value_parser = flotilla_gateway::quic_congestion)]
+    pub quic_congestion: flotilla_transport::quic::QuicCongestion,
+
     /// How long a ManifestChunk that no ManifestWork in its namespace names is kept before the
     /// hub deletes it. Deleting a chunked work, or replacing its content, leaves chunks no work
     /// names; they go after this period. The grace exists because `flotilla work create -f`

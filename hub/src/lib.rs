@@ -499,6 +499,7 @@ fn gateway_config(config: &HubConfig) -> GatewayConfig {
         grace_period: config.grace_period,
         max_frame_bytes: config.max_frame_bytes,
         chunk_bytes_per_second: config.chunk_bytes_per_second,
+        quic_congestion: config.quic_congestion,
         drain_window: config.drain_window,
         drain_timeout: config.drain_timeout,
         session_rate: config.session_rate.session_rate,

@@ -219,6 +219,17 @@ pub enum Agents {
 }
 
 impl Agents {
+    /// With `--link`: each worker's number and its link.
+    pub fn links(&self) -> Vec<(usize, Arc<flotilla_wan::EmulatedLink>)> {
+        match self {
+            Agents::Local(_) => Vec::new(),
+            Agents::Workers(ws) => ws
+                .iter()
+                .filter_map(|w| w.link.clone().map(|l| (w.index, l)))
+                .collect(),
+        }
+    }
+
     /// Starts the agents: in this process when `processes` is 1, else split evenly over that
     /// many workers, each ramping at its share of the rate. Behind a `link`, always in
     /// workers (at least one), each in the namespace of a link of its own made here, dialling

@@ -196,6 +196,13 @@ pub enum Scenario {
     /// the same requests sent directly: small-GET latency added (p50, p99), a large list's
     /// throughput ratio, and one request to every cluster at once.
     Proxy,
+    /// (--link or --link-spec, --store kube) Each carrier and the klusterlet pattern over links
+    /// of the same spec, side by side: time to all connected, a work to every cluster (create →
+    /// ack and → Applied, p50/p99, and the status's way back), a 1 MiB and a 10 MiB work, bytes
+    /// on the wire per cluster per hour idle (--baseline-window), each session through one
+    /// outage of a flapping link, kubectl through the tunnel, and clusters wrongly marked
+    /// Unknown. With --transport both one run measures both carriers.
+    Links,
 }
 
 /// Where the hub under test keeps its objects (`--store`).
@@ -472,6 +479,12 @@ pub struct RunArgs {
     #[serde(with = "humantime_serde_compat")]
     pub max_backoff: Duration,
 
+    /// The QUIC congestion controller of the agents, the hub and the gateways (their
+    /// --quic-congestion, unless --hub-arg or --gateway-arg gives it): bbr, cubic or new-reno.
+    #[arg(long, default_value = "bbr", value_parser = flotilla_gateway::quic_congestion)]
+    #[serde(with = "congestion_name", default)]
+    pub quic_congestion: flotilla_transport::quic::QuicCongestion,
+
     /// Time each apply to a simulated cluster takes.
     #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
     #[serde(with = "humantime_serde_compat")]
@@ -642,6 +655,12 @@ impl RunArgs {
             anyhow::ensure!(
                 !self.chaos_duration.is_zero() && !self.chaos_faults.is_empty(),
                 "--chaos-duration must be positive and --chaos-faults must name at least one kind"
+            );
+        }
+        if self.scenarios.contains(&Scenario::Links) {
+            anyhow::ensure!(
+                self.link.spec()?.is_some() && self.store == HubStore::Kube,
+                "scenario links measures over an emulated link on the kube backend: give --link PROFILE (or --link-spec) and --store kube"
             );
         }
         if self.link.spec()?.is_some() {
@@ -1234,5 +1253,21 @@ mod tests {
             Err("--placements"),
         );
         check(&["--scenario", "connect,rollout,schedule"], Ok(()));
+    }
+}
+
+/// A QUIC congestion controller in the run's saved arguments, by name.
+mod congestion_name {
+    use flotilla_transport::quic::QuicCongestion;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(c: &QuicCongestion, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(c.name())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<QuicCongestion, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
     }
 }

@@ -154,6 +154,9 @@ impl Hub {
         if !hub_args.iter().any(|a| a.starts_with("--proxy-listen")) {
             hub_args.extend(crate::proxy::hub_args(&data_dir)?);
         }
+        if !hub_args.iter().any(|a| a.starts_with("--quic-congestion")) {
+            hub_args.push(format!("--quic-congestion={}", args.quic_congestion.name()));
+        }
         match args.hub_mode {
             HubMode::InProcess => {
                 let mut config =

@@ -185,6 +185,14 @@ impl Gateways {
         };
         pre.1.push(format!("--cert-dir={}", cert_dir.display()));
         pre.1.extend(args.gateway_args.iter().cloned());
+        if !args
+            .gateway_args
+            .iter()
+            .any(|a| a.starts_with("--quic-congestion"))
+        {
+            pre.1
+                .push(format!("--quic-congestion={}", args.quic_congestion.name()));
+        }
         let mut list = Vec::with_capacity(n);
         for k in 0..n {
             let name = format!("lt-gw-{k}");

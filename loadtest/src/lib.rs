@@ -46,6 +46,7 @@ pub mod link;
 pub mod machine;
 pub mod netns;
 pub mod operator;
+pub mod over_links;
 pub mod placement;
 pub mod plot;
 pub mod preflight;
@@ -173,6 +174,7 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<(Report, PathBuf)> {
             Scenario::BaselineBare => run.baseline_bare(&scenarios).await,
             Scenario::Feedback => run.feedback().await,
             Scenario::Proxy => run.proxy().await,
+            Scenario::Links => run.links().await,
             Scenario::Chaos => run.chaos().await,
         };
         // The chaos scenario restarts the apiserver, whose counters then start again: it counts

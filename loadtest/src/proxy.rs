@@ -178,7 +178,7 @@ impl Run {
 
     /// The load test's kubectl user: a key made here, its certificate signed by the hub CA
     /// through the operator API (as `flotilla user create` does); a TLS client for it.
-    async fn proxy_user_tls(&self) -> anyhow::Result<Arc<rustls::ClientConfig>> {
+    pub(crate) async fn proxy_user_tls(&self) -> anyhow::Result<Arc<rustls::ClientConfig>> {
         let key = rcgen::KeyPair::generate()?;
         let mut params = rcgen::CertificateParams::default();
         params
@@ -209,13 +209,16 @@ fn median(values: &mut [f64]) -> f64 {
 }
 
 /// A kept-alive HTTPS/1.1 connection, as kubectl holds one.
-struct Client {
+pub(crate) struct Client {
     sender: SendRequest<Empty<Bytes>>,
     _connection: JoinSet<()>,
 }
 
 impl Client {
-    async fn open(address: SocketAddr, tls: &Arc<rustls::ClientConfig>) -> anyhow::Result<Client> {
+    pub(crate) async fn open(
+        address: SocketAddr,
+        tls: &Arc<rustls::ClientConfig>,
+    ) -> anyhow::Result<Client> {
         let tcp = TcpStream::connect(address).await?;
         tcp.set_nodelay(true)?;
         let name = rustls_pki_types::ServerName::try_from("127.0.0.1")?;
@@ -235,7 +238,7 @@ impl Client {
     }
 
     /// GETs `path`, reads the whole body; its length and the time from sending to the last byte.
-    async fn get(&mut self, path: &str) -> anyhow::Result<(u64, Duration)> {
+    pub(crate) async fn get(&mut self, path: &str) -> anyhow::Result<(u64, Duration)> {
         let request = http::Request::get(path)
             .header(http::header::HOST, "127.0.0.1")
             .header(http::header::ACCEPT, "application/json")

@@ -245,6 +245,9 @@ pub struct ScenarioReport {
     /// `proxy`: kubectl-shaped requests through the tunnels beside the same requests direct.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub proxy: Option<crate::proxy::ProxyReport>,
+    /// `links`: each carrier and the klusterlet pattern over links of one spec.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub links: Option<crate::over_links::LinksReport>,
     /// `baseline-bare`: the bare carrier beside flotilla.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bare: Option<BareReport>,
@@ -784,6 +787,11 @@ pub fn table(report: &Report) -> String {
                             _ => "- (hub not a child process)".into(),
                         },
                     );
+                }
+            }
+            "links" if s.links.is_some() => {
+                for (name, value) in s.links.as_ref().expect("checked above").rows() {
+                    row(&name, value);
                 }
             }
             "proxy" if s.proxy.is_some() => {

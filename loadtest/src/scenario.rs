@@ -51,6 +51,9 @@ pub struct Run {
     pub run_dir: std::path::PathBuf,
     /// Works created so far, to name the next one.
     works_created: usize,
+    /// When the agents were started (Unix ms), for times to connected read from their
+    /// session logs.
+    pub(crate) agents_started_unix_ms: Option<u64>,
 }
 
 /// A deadline and a clock for one scenario.
@@ -111,6 +114,7 @@ impl Run {
             progress,
             run_dir,
             works_created: 0,
+            agents_started_unix_ms: None,
         }
     }
 
@@ -137,6 +141,7 @@ impl Run {
 
     async fn start_agents(&mut self) -> anyhow::Result<()> {
         if self.agents.is_none() {
+            self.agents_started_unix_ms = Some(crate::over_links::unix_ms());
             self.agents = Some(
                 Agents::start(
                     self.spec.clone(),
@@ -350,7 +355,10 @@ impl Run {
 
     /// Creates ManifestWork `name` in every cluster's namespace; returns when each create was
     /// sent (clock stamps) per cluster.
-    async fn create_everywhere(&self, name: &str) -> anyhow::Result<HashMap<String, Stamp>> {
+    pub(crate) async fn create_everywhere(
+        &self,
+        name: &str,
+    ) -> anyhow::Result<HashMap<String, Stamp>> {
         self.create_everywhere_as(name, work_json).await
     }
 
@@ -485,7 +493,7 @@ impl Run {
 
     /// When each cluster's work `name` showed Applied=True on the hub apiserver, from a watch
     /// of that name in every namespace; done once every agent acked and every work is Applied.
-    async fn applied_by_watch(
+    pub(crate) async fn applied_by_watch(
         &self,
         client: kube::Client,
         name: &str,

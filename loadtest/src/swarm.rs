@@ -72,6 +72,9 @@ pub struct SwarmSpec {
     pub transport: crate::cli::AgentTransport,
     pub seed: u64,
     pub max_backoff_ms: u64,
+    /// The agents' QUIC congestion controller, by name.
+    #[serde(default)]
+    pub quic_congestion: String,
     pub apply_delay_ms: u64,
     pub apply_failure_rate: f64,
     /// The agents' `--feedback-interval`, in milliseconds.
@@ -111,6 +114,7 @@ impl SwarmSpec {
             transport: args.transport,
             seed: args.seed,
             max_backoff_ms: args.max_backoff.as_millis() as u64,
+            quic_congestion: args.quic_congestion.name().into(),
             apply_delay_ms: args.apply_delay.as_millis() as u64,
             apply_failure_rate: args.apply_failure_rate,
             feedback_interval_ms: args.feedback_interval.as_millis() as u64,
@@ -543,7 +547,13 @@ impl Swarm {
         let (stop, stop_rx) = watch::channel(false);
         let mut tasks = JoinSet::new();
         let t0 = Instant::now();
+        let quic_congestion: flotilla_transport::quic::QuicCongestion =
+            match spec.quic_congestion.as_str() {
+                "" => Default::default(),
+                name => name.parse().map_err(anyhow::Error::msg)?,
+            };
         let shared = Arc::new(Shared {
+            quic_congestion,
             hub: spec.hub,
             gateways: spec.gateways.clone(),
             server_name: spec.server_name.clone(),
@@ -565,6 +575,7 @@ impl Swarm {
                             std::net::SocketAddr::new(source, 0),
                             QuicSettings {
                                 max_frame_bytes: flotilla_agent::connect::MAX_FRAME_BYTES,
+                                congestion: quic_congestion,
                                 ..QuicSettings::default()
                             },
                         )
@@ -711,6 +722,7 @@ impl Swarm {
 pub const PROXY_LIST_ITEMS: usize = 5_000;
 
 struct Shared {
+    quic_congestion: flotilla_transport::quic::QuicCongestion,
     hub: SocketAddr,
     /// Where agent i dials with `--gateways`: number i mod N.
     gateways: Vec<SocketAddr>,
@@ -798,6 +810,7 @@ async fn run_agent(
         kubeconfig: None,
         data_dir: agent.identity_dir.clone(),
         resync_interval: RESYNC_INTERVAL,
+        quic_congestion: shared.quic_congestion,
         apply_concurrency: DEFAULT_APPLY_CONCURRENCY,
         feedback_interval: shared.feedback_interval,
         // The ramp spaces the agents out already.

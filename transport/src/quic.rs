@@ -64,6 +64,22 @@ pub struct QuicSettings {
     pub max_streams: u32,
     /// How long the TLS handshake and the first stream may take.
     pub handshake_timeout: Duration,
+    /// The congestion controller of each connection's sending side.
+    pub congestion: QuicCongestion,
+}
+
+/// The congestion controllers quinn offers (`--quic-congestion` of the gateway and the agent).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum QuicCongestion {
+    /// CUBIC (RFC 9438): backs off on every loss, so random loss on a long path holds it far
+    /// below the path's rate.
+    Cubic,
+    /// NewReno (RFC 9002's reference): as CUBIC, slower to grow back.
+    NewReno,
+    /// BBR: paces at the bottleneck rate and round trip it measures, and does not take a
+    /// random loss as congestion.
+    #[default]
+    Bbr,
 }
 
 impl Default for QuicSettings {
@@ -77,6 +93,7 @@ impl Default for QuicSettings {
             send_window: 1024 * 1024,
             max_streams: 128,
             handshake_timeout: Duration::from_secs(10),
+            congestion: QuicCongestion::default(),
         }
     }
 }
@@ -99,7 +116,52 @@ impl QuicSettings {
             .datagram_receive_buffer_size(None)
             .datagram_send_buffer_size(0)
             .crypto_buffer_size(8 * 1024);
+        match self.congestion {
+            QuicCongestion::Cubic => {
+                t.congestion_controller_factory(Arc::new(quinn::congestion::CubicConfig::default()))
+            }
+            QuicCongestion::NewReno => t.congestion_controller_factory(Arc::new(
+                quinn::congestion::NewRenoConfig::default(),
+            )),
+            QuicCongestion::Bbr => {
+                t.congestion_controller_factory(Arc::new(quinn::congestion::BbrConfig::default()))
+            }
+        };
         Arc::new(t)
+    }
+}
+
+impl QuicCongestion {
+    /// Every controller, in the order `--help` lists them.
+    pub const ALL: [QuicCongestion; 3] = [
+        QuicCongestion::Bbr,
+        QuicCongestion::Cubic,
+        QuicCongestion::NewReno,
+    ];
+
+    /// Its name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            QuicCongestion::Cubic => "cubic",
+            QuicCongestion::NewReno => "new-reno",
+            QuicCongestion::Bbr => "bbr",
+        }
+    }
+}
+
+impl std::str::FromStr for QuicCongestion {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        QuicCongestion::ALL
+            .into_iter()
+            .find(|c| c.name() == s)
+            .ok_or_else(|| {
+                format!(
+                    "unknown QUIC congestion controller {s:?}: one of {}",
+                    QuicCongestion::ALL.map(QuicCongestion::name).join(", ")
+                )
+            })
     }
 }
 

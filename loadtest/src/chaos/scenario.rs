@@ -850,7 +850,7 @@ async fn watch_leases(
 
 /// Every transition of one of `ours` to Available=Unknown from the start until `stop`, at the
 /// condition's `lastTransitionTime`.
-async fn watch_unknown(
+pub(crate) async fn watch_unknown(
     client: kube::Client,
     ours: HashSet<String>,
     mut stop: watch::Receiver<bool>,

@@ -126,6 +126,7 @@ async fn a_quic_session_goes_on_when_the_agents_socket_moves_to_a_new_port() -> 
         max_backoff: Duration::from_secs(1),
         kubernetes_version: "v1.36.3".into(),
         transport: Transport::Quic,
+        quic_congestion: Default::default(),
         feedback_interval: flotilla_agent::reconcile::DEFAULT_FEEDBACK_INTERVAL,
         max_tunnels: flotilla_agent::tunnel::DEFAULT_MAX_TUNNELS,
         tunnel_idle_timeout: flotilla_agent::tunnel::DEFAULT_TUNNEL_IDLE_TIMEOUT,

@@ -135,6 +135,7 @@ impl Herd {
                 max_backoff: Duration::from_secs(1),
                 kubernetes_version: "v1.36.3".into(),
                 transport,
+                quic_congestion: Default::default(),
                 feedback_interval: flotilla_agent::reconcile::DEFAULT_FEEDBACK_INTERVAL,
                 max_tunnels: flotilla_agent::tunnel::DEFAULT_MAX_TUNNELS,
                 tunnel_idle_timeout: flotilla_agent::tunnel::DEFAULT_TUNNEL_IDLE_TIMEOUT,
