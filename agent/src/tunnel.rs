@@ -167,11 +167,12 @@ impl TunnelServer {
                     None => break,
                 },
                 stream = accept(quic.as_ref()), if quic.is_some() => match stream {
-                    Some(stream) => match answer {
+                    Some(accepted) => match answer {
+                        // Its header is read in the tunnel's task: it may wait a retransmission.
                         Some(answer) => {
-                            self.spawn(&mut serving, &mut refusing, answer, futures::future::ready(Some(stream)).boxed());
+                            self.spawn(&mut serving, &mut refusing, answer, accepted.read_id().boxed());
                         }
-                        None => warn!(tunnel = %stream.id, "tunnel dropped: every slot is busy"),
+                        None => warn!("tunnel dropped: every slot is busy"),
                     },
                     // The connection is gone; the next session brings another.
                     None => quic = None,
@@ -214,7 +215,9 @@ impl TunnelServer {
     }
 }
 
-async fn accept(tunnels: Option<&AgentTunnels>) -> Option<TunnelStream> {
+async fn accept(
+    tunnels: Option<&AgentTunnels>,
+) -> Option<flotilla_transport::quic::AcceptedTunnel> {
     match tunnels {
         Some(t) => t.accept().await,
         None => std::future::pending().await,

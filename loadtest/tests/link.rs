@@ -114,3 +114,87 @@ async fn agents_behind_links_follow_redirects_to_gateways_on_loopback() {
     assert_eq!(fanout.applied_on_hub, Some(20));
     no_link_left();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_links_scenario_measures_both_carriers_and_the_klusterlet_pattern_over_one_link() {
+    trace_init();
+    if let Err(e) = flotilla_wan::check_available() {
+        eprintln!("SKIPPED: {e}");
+        return;
+    }
+    let _alone = ONE_RUN_AT_A_TIME.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let run = args(
+        &dir.path().join("out"),
+        &[
+            "--agents",
+            "6",
+            "--processes",
+            "2",
+            "--transport",
+            "both",
+            "--store",
+            "kube",
+            "--scenario",
+            "connect,links",
+            // Loss on a long path, and an outage of 2 s every 12 s.
+            "--link-spec",
+            "delay=60ms,loss=1%,flap=2s/12s",
+            "--baseline-window",
+            "3s",
+            "--timeout",
+            "240s",
+        ],
+    );
+    let (report, _) = flotilla_loadtest::run(run).await.unwrap();
+    let links = report.scenarios[1]
+        .links
+        .as_ref()
+        .unwrap_or_else(|| panic!("no links report: {:?}", report.scenarios[1].error));
+    assert_eq!(
+        report.scenarios[1].outcome,
+        Some(flotilla_loadtest::report::Outcome::Completed),
+        "{:?}",
+        report.scenarios[1].error
+    );
+    let sides: Vec<&str> = links.sides.iter().map(|s| s.side.as_str()).collect();
+    assert_eq!(sides, ["grpc", "quic", "klusterlet"]);
+    for s in &links.sides {
+        assert_eq!(s.clusters, 3, "{s:?}");
+        // Every cluster's work Applied, none faster than the link's one-way delay there and
+        // the way back.
+        let applied = s.applied.as_ref().unwrap();
+        assert_eq!(applied.count, 3, "{s:?}");
+        assert!(applied.cdf[0].0 >= 60.0, "{s:?}");
+        assert!(
+            s.idle_bytes_per_cluster_hour.is_some_and(|b| b > 0.0),
+            "{s:?}"
+        );
+        // The 1 MiB work reaches the cluster on every side.
+        assert!(s.large[0].applied_s.is_some(), "{s:?}");
+    }
+    for s in &links.sides[..2] {
+        // flotilla's sides: acked, the 10 MiB work delivered in chunks, each session through
+        // the outage kept or back, kubectl's list whole through the tunnel, no wrong Unknown.
+        assert_eq!(s.ack.as_ref().unwrap().count, 3, "{s:?}");
+        assert!(s.large[1].applied_s.is_some(), "{s:?}");
+        let flap = s.flap.as_ref().unwrap();
+        assert_eq!((flap.kept + flap.back, flap.not_back), (3, 0), "{s:?}");
+        assert_eq!(
+            s.kubectl_get.as_ref().unwrap().count as usize,
+            flotilla_loadtest::over_links::KUBECTL_GETS
+        );
+        assert!(s.kubectl_list_bytes.is_some_and(|b| b > 1_000_000), "{s:?}");
+        assert_eq!(s.wrong_unknown, Some(0), "{s:?}");
+    }
+    // The klusterlet pattern's apiserver refuses a 10 MiB work outright.
+    let refused = links.sides[2].large[1]
+        .refused
+        .as_deref()
+        .unwrap_or_default();
+    assert!(
+        refused.contains("413") || refused.contains("too large"),
+        "{refused}"
+    );
+    no_link_left();
+}

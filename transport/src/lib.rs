@@ -112,7 +112,8 @@ impl AgentTunnels {
     }
 
     /// The next tunnel the gateway opened on its own (QUIC); over gRPC this never yields.
-    pub async fn accept(&self) -> Option<TunnelStream> {
+    /// Cancel-safe; the tunnel's id is read by [`quic::AcceptedTunnel::read_id`].
+    pub async fn accept(&self) -> Option<quic::AcceptedTunnel> {
         match self {
             AgentTunnels::Grpc(_) => std::future::pending().await,
             AgentTunnels::Quic(t) => t.accept().await,

@@ -711,22 +711,45 @@ pub struct AgentTunnels {
 }
 
 impl AgentTunnels {
-    /// The next tunnel the gateway opens; `None` once the connection is gone.
-    pub async fn accept(&self) -> Option<TunnelStream> {
-        loop {
-            let (send, mut recv) = self.conn.accept_bi().await.ok()?;
+    /// The next stream the gateway opens; `None` once the connection is gone. Cancel-safe,
+    /// so it can wait in a `select!` beside other work: its header is read by
+    /// [`AcceptedTunnel::read_id`], which may wait a retransmission.
+    pub async fn accept(&self) -> Option<AcceptedTunnel> {
+        let (send, recv) = self.conn.accept_bi().await.ok()?;
+        Some(AcceptedTunnel { send, recv })
+    }
+}
+
+/// How long an accepted tunnel stream's header may take to arrive (a lost packet is resent
+/// within a few round trips).
+pub const TUNNEL_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A stream the gateway opened, its header (the tunnel's id) not read yet.
+///
+/// The header is read apart from the accept because it can arrive after the stream opens: a
+/// stream opens with the first of its frames to arrive, and when the one holding the header
+/// was lost, the next holds the request. Reading it inside the accept made the accept wait
+/// for the retransmission, and a `select!` that dropped the accept then dropped the stream
+/// too, ending the kubectl request on it with nothing answered.
+pub struct AcceptedTunnel {
+    send: quinn::SendStream,
+    recv: quinn::RecvStream,
+}
+
+impl AcceptedTunnel {
+    /// The tunnel, once its header has arrived; `None` if the stream ends first, the header
+    /// is not an id, or it does not come within [`TUNNEL_HEADER_TIMEOUT`].
+    pub async fn read_id(mut self) -> Option<TunnelStream> {
+        let read = async {
             let mut len = [0u8; 2];
-            if recv.read_exact(&mut len).await.is_err() {
-                continue;
-            }
+            self.recv.read_exact(&mut len).await.ok()?;
             let mut id = vec![0u8; u16::from_be_bytes(len) as usize];
-            if recv.read_exact(&mut id).await.is_err() {
-                continue;
-            }
-            let Ok(id) = String::from_utf8(id) else {
-                continue;
-            };
-            return Some(TunnelStream::new(id, tokio::io::join(recv, send)));
-        }
+            self.recv.read_exact(&mut id).await.ok()?;
+            String::from_utf8(id).ok()
+        };
+        let id = tokio::time::timeout(TUNNEL_HEADER_TIMEOUT, read)
+            .await
+            .ok()??;
+        Some(TunnelStream::new(id, tokio::io::join(self.recv, self.send)))
     }
 }

@@ -301,7 +301,13 @@ async fn open_tunnel(
         }
         match agent_tunnels.open_requested(id).await {
             Some(opened) => opened.unwrap(),
-            None => agent_tunnels.accept().await.unwrap(),
+            None => agent_tunnels
+                .accept()
+                .await
+                .unwrap()
+                .read_id()
+                .await
+                .unwrap(),
         }
     };
     // In order: the gateway's side is polled first, so it waits for the tunnel before the

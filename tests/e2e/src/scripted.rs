@@ -223,7 +223,10 @@ impl ScriptedAgent {
                 held.clone(),
             );
             tokio::spawn(async move {
-                while let Some(stream) = agent_tunnels.accept().await {
+                while let Some(accepted) = agent_tunnels.accept().await {
+                    let Some(stream) = accepted.read_id().await else {
+                        continue;
+                    };
                     tunnels.asked.lock().await.push(stream.id.clone());
                     let (tunnels, script) = (tunnels.clone(), script.clone());
                     let _ = held.wait_for(|h| !*h).await;
