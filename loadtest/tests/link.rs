@@ -140,8 +140,11 @@ async fn the_links_scenario_measures_both_carriers_and_the_klusterlet_pattern_ov
             // Loss on a long path, and an outage of 2 s every 12 s.
             "--link-spec",
             "delay=60ms,loss=1%,flap=2s/12s",
+            // Idle: one heartbeat interval (10 s) and two lease renewals of the klusterlet side.
             "--baseline-window",
-            "3s",
+            "11s",
+            "--lease-interval",
+            "5s",
             "--timeout",
             "240s",
         ],
@@ -159,13 +162,24 @@ async fn the_links_scenario_measures_both_carriers_and_the_klusterlet_pattern_ov
     );
     let sides: Vec<&str> = links.sides.iter().map(|s| s.side.as_str()).collect();
     assert_eq!(sides, ["grpc", "quic", "klusterlet"]);
+    // Each carrier has one worker's 3 clusters; the klusterlet side has all 6, over as many
+    // links as the workers have.
+    let clusters_of = |s: &flotilla_loadtest::over_links::SideOverLink| match s.side.as_str() {
+        "klusterlet" => 6,
+        _ => 3,
+    };
     for s in &links.sides {
-        assert_eq!(s.clusters, 3, "{s:?}");
+        assert_eq!(
+            (s.clusters, s.links),
+            (clusters_of(s), clusters_of(s) / 3),
+            "{s:?}"
+        );
         // Every cluster's work Applied, none faster than the link's one-way delay there and
         // the way back.
         let applied = s.applied.as_ref().unwrap();
-        assert_eq!(applied.count, 3, "{s:?}");
+        assert_eq!(applied.count, clusters_of(s), "{s:?}");
         assert!(applied.cdf[0].0 >= 60.0, "{s:?}");
+        // Idle, each side still speaks: heartbeats, lease renewals.
         assert!(
             s.idle_bytes_per_cluster_hour.is_some_and(|b| b > 0.0),
             "{s:?}"
@@ -180,12 +194,22 @@ async fn the_links_scenario_measures_both_carriers_and_the_klusterlet_pattern_ov
         assert!(s.large[1].applied_s.is_some(), "{s:?}");
         let flap = s.flap.as_ref().unwrap();
         assert_eq!((flap.kept + flap.back, flap.not_back), (3, 0), "{s:?}");
+        assert_eq!(flap.after_up_ack.as_ref().unwrap().count, 3, "{s:?}");
         assert_eq!(
             s.kubectl_get.as_ref().unwrap().count as usize,
             flotilla_loadtest::over_links::KUBECTL_GETS
         );
         assert!(s.kubectl_list_bytes.is_some_and(|b| b > 1_000_000), "{s:?}");
         assert_eq!(s.wrong_unknown, Some(0), "{s:?}");
+    }
+    // A work made as each link came back reached every cluster, on every side.
+    for s in &links.sides {
+        let flap = s.flap.as_ref().unwrap_or_else(|| panic!("{s:?}"));
+        assert_eq!(
+            flap.after_up_applied.as_ref().unwrap().count,
+            clusters_of(s),
+            "{s:?}"
+        );
     }
     // The klusterlet pattern's apiserver refuses a 10 MiB work outright.
     let refused = links.sides[2].large[1]
