@@ -40,7 +40,9 @@
 //! `route_localnet` on `H` so the kernel routes loopback addresses there; answers are
 //! translated back by conntrack). Connections the root namespace opens into the namespace
 //! are not translated. A socket of this process can be made inside with
-//! [`EmulatedLink::inside`].
+//! [`EmulatedLink::inside`]; a loopback service of this machine that belongs beside the
+//! namespace rather than across the link is served inside with
+//! [`EmulatedLink::serve_beside`].
 //!
 //! Everything is removed on drop, and on every error while it is being made: the tasks, the
 //! nftables table, the namespace (`G` goes with it) and `H` (closed with its descriptor).
@@ -50,7 +52,7 @@ use std::io;
 use std::net::Ipv4Addr;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::time::Duration;
 
 use rand::SeedableRng;
@@ -61,6 +63,7 @@ use tokio::time::Instant;
 use tokio_tun::Tun;
 use tracing::{debug, info, warn};
 
+use crate::beside::BesideRelay;
 use crate::delay_line::{DelayLine, Offer};
 use crate::spec::{LOSS_SCALE, LinkSpec, Rate};
 
@@ -135,6 +138,16 @@ pub enum LinkError {
     /// This process already has [`MAX_LINKS`] links. Retryable once some are dropped.
     #[error("this process already has {MAX_LINKS} links; drop some before making more")]
     TooMany,
+    /// The namespace's 127.0.0.1 is used the other way already: a link sends loopback to the
+    /// host ([`EmulatedLink::send_loopback_to_host`]) or serves the host's services beside
+    /// ([`EmulatedLink::serve_beside`]), never both. Not retryable on this link.
+    #[error(
+        "network namespace {namespace}: its 127.0.0.1 {taken} already; sending loopback to the host and serving host services beside the link exclude each other"
+    )]
+    LoopbackTaken {
+        namespace: String,
+        taken: &'static str,
+    },
 }
 
 /// Packets counted in one direction.
@@ -220,6 +233,31 @@ pub struct EmulatedLink {
     /// the nftables changes that make it so.
     down: Arc<AtomicBool>,
     toggle: Arc<Mutex<()>>,
+    /// What the namespace's 127.0.0.1 is used for: a [`LoopbackUse`].
+    loopback: AtomicU8,
+}
+
+/// What a link's namespace's 127.0.0.1 is used for: the two uses exclude each other (a
+/// connection to 127.0.0.1 cannot both cross the link and stay beside it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+enum LoopbackUse {
+    /// The namespace's own, as in any namespace.
+    Own,
+    /// Sent over the link to the host ([`EmulatedLink::send_loopback_to_host`]).
+    SentToHost,
+    /// Host services served beside the link ([`EmulatedLink::serve_beside`]).
+    ServedBeside,
+}
+
+impl LoopbackUse {
+    fn taken(use_: u8) -> &'static str {
+        match use_ {
+            u if u == LoopbackUse::SentToHost as u8 => "is sent to the host over the link",
+            u if u == LoopbackUse::ServedBeside as u8 => "serves host services beside the link",
+            _ => "is its own",
+        }
+    }
 }
 
 impl EmulatedLink {
@@ -245,6 +283,7 @@ impl EmulatedLink {
             outbound: Arc::default(),
             down: Arc::default(),
             toggle: Arc::default(),
+            loopback: AtomicU8::new(LoopbackUse::Own as u8),
         };
         link.build(seed).await?;
         info!(namespace = %link.plan.namespace, host = %link.plan.host, inside = %link.plan.inside, spec = %link.spec, "emulated link ready");
@@ -434,7 +473,11 @@ impl EmulatedLink {
     /// packets the namespace's address as their source (`route_localnet` on `G` lets the
     /// kernel route them out with their loopback source first); the root namespace's
     /// `to_loopback` then takes them to 127.0.0.1 as any other connection to `host`.
+    ///
+    /// Fails with [`LinkError::LoopbackTaken`] on a link that [serves host services
+    /// beside](Self::serve_beside).
     pub fn send_loopback_to_host(&self) -> Result<(), LinkError> {
+        self.use_loopback(LoopbackUse::SentToHost)?;
         let p = &self.plan;
         let knob = format!("net.ipv4.conf.{}.route_localnet=1", p.inside_if);
         run(
@@ -454,6 +497,44 @@ impl EmulatedLink {
             inside = p.inside,
         );
         nft(Some(&p.namespace), &script)
+    }
+
+    /// Serves the host's loopback service at `127.0.0.1:port` inside the namespace, at the
+    /// same address, without crossing the link: a service beside the agents in the namespace
+    /// (their cluster's apiserver at an edge site), which they reach with the address and
+    /// certificate they would use on the host. Served until the [`BesideRelay`] is dropped;
+    /// see [`crate::beside`].
+    ///
+    /// Fails with [`LinkError::LoopbackTaken`] on a link that [sends loopback to the
+    /// host](Self::send_loopback_to_host), and with [`LinkError::Inside`] if the port is taken
+    /// inside.
+    pub async fn serve_beside(&self, port: u16) -> Result<BesideRelay, LinkError> {
+        self.use_loopback(LoopbackUse::ServedBeside)?;
+        // The namespace's loopback is up from `build`: binding its 127.0.0.1 would fail
+        // otherwise (the address exists only on an up `lo`).
+        let listener = self
+            .inside(move || std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, port)))
+            .await?;
+        BesideRelay::start(listener, port).map_err(|source| LinkError::Inside {
+            namespace: self.plan.namespace.clone(),
+            source,
+        })
+    }
+
+    /// Marks the namespace's 127.0.0.1 as used for `wanted`, unless it is used otherwise.
+    fn use_loopback(&self, wanted: LoopbackUse) -> Result<(), LinkError> {
+        let (own, wanted) = (LoopbackUse::Own as u8, wanted as u8);
+        match self
+            .loopback
+            .compare_exchange(own, wanted, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) => Ok(()),
+            Err(used) if used == wanted => Ok(()),
+            Err(used) => Err(LinkError::LoopbackTaken {
+                namespace: self.plan.namespace.clone(),
+                taken: LoopbackUse::taken(used),
+            }),
+        }
     }
 
     /// The namespace's own address.

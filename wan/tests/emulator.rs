@@ -286,3 +286,104 @@ async fn a_namespace_runtimes_connections_cross_the_link_and_are_counted_in_byte
         "{sent} bytes counted for {PAYLOAD} sent"
     );
 }
+
+/// A loopback service of this machine (a spoke's apiserver, as on an edge site beside its
+/// agent) reached from inside the namespace at its own address, 127.0.0.1:PORT, through
+/// `serve_beside`: the service sees loopback, nothing crosses the link, and no exchange takes
+/// the link's round trip.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_beside_the_link_is_reached_without_crossing_it() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Some(link) = link("delay=1s").await else {
+        return;
+    };
+    let service = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = service.local_addr().unwrap().port();
+    // Echoes every connection, and says whom it served.
+    let served = tokio::spawn(async move {
+        let mut peers = Vec::new();
+        for _ in 0..2 {
+            let (mut conn, from) = service.accept().await.unwrap();
+            peers.push(from.ip());
+            tokio::spawn(async move {
+                let (mut r, mut w) = conn.split();
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+            });
+        }
+        peers
+    });
+    let relay = link.serve_beside(port).await.unwrap();
+    assert_eq!(relay.port(), port);
+    let (before_in, before_out) = (link.inbound(), link.outbound());
+    for round in 0..2 {
+        let socket = link.inside(tokio::net::TcpSocket::new_v4).await.unwrap();
+        let mut conn = socket
+            .connect((std::net::Ipv4Addr::LOCALHOST, port).into())
+            .await
+            .unwrap();
+        for exchange in 0..5 {
+            let started = tokio::time::Instant::now();
+            let asked = format!("round {round} exchange {exchange}");
+            conn.write_all(asked.as_bytes()).await.unwrap();
+            let mut answer = vec![0u8; asked.len()];
+            conn.read_exact(&mut answer).await.unwrap();
+            assert_eq!(answer, asked.as_bytes());
+            // The link holds each packet 500 ms each way: an exchange that crossed it could
+            // not be back sooner than its round trip.
+            assert!(
+                started.elapsed() < link.spec().min_round_trip(),
+                "round {round} exchange {exchange} took {:?}",
+                started.elapsed()
+            );
+        }
+    }
+    assert_eq!(relay.accepted(), 2);
+    // Not a packet crossed the link either way (the namespace sends nothing else).
+    assert_eq!(
+        (link.inbound().offered, link.outbound().offered),
+        (before_in.offered, before_out.offered)
+    );
+    // The service was dialled from this machine's loopback, not from the namespace's address.
+    let peers = served.await.unwrap();
+    assert!(peers.iter().all(|p| p.is_loopback()), "{peers:?}");
+}
+
+#[tokio::test]
+async fn loopback_is_sent_to_the_host_or_serves_beside_never_both() {
+    let Some(serving) = link("delay=1ms").await else {
+        return;
+    };
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let _relay = serving.serve_beside(port).await.unwrap();
+    let refused = serving.send_loopback_to_host().unwrap_err();
+    assert!(
+        matches!(refused, flotilla_wan::LinkError::LoopbackTaken { .. }),
+        "{refused}"
+    );
+    assert!(
+        refused
+            .to_string()
+            .contains("serves host services beside the link"),
+        "{refused}"
+    );
+    // Another service beside the same link is fine.
+    let other = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let other_port = other.local_addr().unwrap().port();
+    serving.serve_beside(other_port).await.unwrap();
+
+    let Some(sending) = link("delay=1ms").await else {
+        return;
+    };
+    sending.send_loopback_to_host().unwrap();
+    let refused = sending.serve_beside(port).await.err().unwrap();
+    assert!(
+        refused
+            .to_string()
+            .contains("is sent to the host over the link already"),
+        "{refused}"
+    );
+}
