@@ -1,105 +1,115 @@
-//! Completing the UDP checksums of the packets the link carries.
+//! UDP checksums of the IPv4 packets a link carries, made right before they are held.
 //!
-//! A datagram a loopback socket sends to the link's namespace (the hub answering an agent:
-//! its connection came in through the link and was sent on to loopback) is built for the
-//! loopback device, which needs no checksum: the kernel leaves the UDP checksum to be
-//! completed by the device. Routed out through the link's TUN device instead, it reaches the
-//! harness as it was, and the namespace's kernel drops it as corrupt (`UdpInCsumErrors`). No
-//! real link carries such packets, so the delay line completes the checksum of every IPv4 UDP
-//! datagram it is given (a datagram whose checksum is already right is unchanged).
+//! The emulator's own address translation breaks some: a reply from a loopback service to the
+//! namespace (translated back from 127.0.0.1 to the link's host end) that the sender's kernel
+//! built as one UDP segmentation-offload batch (`UDP_SEGMENT`, as QUIC stacks send) is split
+//! in software after the translation, and the segments reach the namespace with a checksum
+//! of the untranslated addresses, which its kernel drops (`InCsumErrors`). A real path has no
+//! such translation (or a NIC that finishes the checksum after it), so the delay line puts in
+//! the checksum the packet's own bytes call for: every datagram arrives as sent.
 
-/// Completes the UDP checksum of `packet` if it is an IPv4 UDP datagram (anything else is
-/// left alone, as is a datagram that is too short or a fragment).
-pub fn complete_udp_checksum(packet: &mut [u8]) {
-    const UDP: u8 = 17;
-    if packet.len() < 20 || packet[0] >> 4 != 4 || packet[9] != UDP {
+/// IANA's protocol number of UDP.
+const UDP: u8 = 17;
+
+/// Sets the UDP checksum of `packet` (an IPv4 packet, as a TUN device gives it) to the one
+/// its addresses and bytes call for. Anything else (IPv6, not UDP, a fragment, truncated, a
+/// zero checksum, which IPv4 UDP may send to mean none) is left as it is.
+pub fn complete_udp(packet: &mut [u8]) {
+    let Some(&first) = packet.first() else {
+        return;
+    };
+    let header = usize::from(first & 0x0f) * 4;
+    if first >> 4 != 4 || header < 20 || packet.len() < header + 8 || packet[9] != UDP {
         return;
     }
-    let header = usize::from(packet[0] & 0x0f) * 4;
+    // More fragments, or a fragment offset: the datagram is not all here.
+    if u16::from_be_bytes([packet[6], packet[7]]) & 0x3fff != 0 {
+        return;
+    }
     let total = usize::from(u16::from_be_bytes([packet[2], packet[3]]));
-    let fragment = u16::from_be_bytes([packet[6], packet[7]]) & 0x3fff;
-    if header < 20 || total > packet.len() || total < header + 8 || fragment != 0 {
+    let udp_len = usize::from(u16::from_be_bytes([packet[header + 4], packet[header + 5]]));
+    if total > packet.len() || total < header + 8 || udp_len != total - header {
         return;
     }
-    let (ip, rest) = packet[..total].split_at_mut(header);
-    let udp_len = usize::from(u16::from_be_bytes([rest[4], rest[5]]));
-    if udp_len != rest.len() {
+    if packet[header + 6..header + 8] == [0, 0] {
         return;
     }
-    rest[6] = 0;
-    rest[7] = 0;
+    packet[header + 6] = 0;
+    packet[header + 7] = 0;
     let mut sum: u32 = 0;
     let mut add = |bytes: &[u8]| {
-        let mut chunks = bytes.chunks_exact(2);
-        for c in &mut chunks {
-            sum += u32::from(u16::from_be_bytes([c[0], c[1]]));
-        }
-        if let [last] = chunks.remainder() {
-            sum += u32::from(*last) << 8;
+        for pair in bytes.chunks(2) {
+            let word = u16::from_be_bytes([pair[0], pair.get(1).copied().unwrap_or(0)]);
+            sum += u32::from(word);
         }
     };
     // The pseudo-header: source, destination, protocol, UDP length.
-    add(&ip[12..20]);
+    add(&packet[12..20]);
     add(&[0, UDP]);
     add(&(udp_len as u16).to_be_bytes());
-    add(rest);
+    add(&packet[header..total]);
     while sum > 0xffff {
         sum = (sum & 0xffff) + (sum >> 16);
     }
-    let mut checksum = !(sum as u16);
-    if checksum == 0 {
-        // Zero means "no checksum" in UDP over IPv4; all ones stands for it.
-        checksum = 0xffff;
-    }
-    rest[6..8].copy_from_slice(&checksum.to_be_bytes());
+    // A computed 0 is sent as all ones: 0 means "no checksum".
+    let check = match !(sum as u16) {
+        0 => 0xffff,
+        c => c,
+    };
+    packet[header + 6..header + 8].copy_from_slice(&check.to_be_bytes());
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// An IPv4 UDP datagram 10.0.0.1:1000 → 10.0.0.2:2000 carrying `payload`, its checksum
-    /// field set to `checksum`.
-    fn datagram(payload: &[u8], checksum: u16) -> Vec<u8> {
-        let total = 20 + 8 + payload.len();
+    /// An IPv4 UDP packet from 10.0.0.1:1234 to 10.0.0.2:80 with `payload` and checksum
+    /// `check`.
+    fn packet(payload: &[u8], check: [u8; 2]) -> Vec<u8> {
+        let total = (20 + 8 + payload.len()) as u16;
         let mut p = vec![
-            0x45, 0, 0, 0, 0, 0, 0x40, 0, 64, 17, 0, 0, 10, 0, 0, 1, 10, 0, 0, 2,
+            0x45, 0, 0, 0, 0, 0, 0x40, 0, 64, UDP, 0, 0, 10, 0, 0, 1, 10, 0, 0, 2,
         ];
-        p[2..4].copy_from_slice(&(total as u16).to_be_bytes());
-        p.extend_from_slice(&1000u16.to_be_bytes());
-        p.extend_from_slice(&2000u16.to_be_bytes());
-        p.extend_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
-        p.extend_from_slice(&checksum.to_be_bytes());
+        p[2..4].copy_from_slice(&total.to_be_bytes());
+        p.extend_from_slice(&1234u16.to_be_bytes());
+        p.extend_from_slice(&80u16.to_be_bytes());
+        p.extend_from_slice(&(total - 20).to_be_bytes());
+        p.extend_from_slice(&check);
         p.extend_from_slice(payload);
         p
     }
 
     #[test]
-    fn a_partial_checksum_is_completed_to_the_one_the_receiver_checks() {
-        // By hand: the 16-bit words of the pseudo-header (0a00 0001 0a00 0002 0011 000b) and
-        // of the datagram with its checksum zero (03e8 07d0 000b 0000 6869 2100) sum to
-        // 0xa94b, so the checksum is !0xa94b = 0x56b4.
-        let mut p = datagram(b"hi!", 0x1234);
-        complete_udp_checksum(&mut p);
-        assert_eq!(u16::from_be_bytes([p[26], p[27]]), 0x56b4);
-        // Already right: unchanged.
-        let before = p.clone();
-        complete_udp_checksum(&mut p);
-        assert_eq!(p, before);
+    fn a_wrong_checksum_is_replaced_by_the_right_one() {
+        // Known answers, computed independently with RFC 1071's sum.
+        let mut p = packet(b"hi!!", [0xde, 0xad]);
+        complete_udp(&mut p);
+        assert_eq!(&p[26..28], &[0x5d, 0x27]);
+        // Right already: unchanged.
+        let right = p.clone();
+        complete_udp(&mut p);
+        assert_eq!(p, right);
+        // An odd length is summed as if padded with a zero byte.
+        let mut odd = packet(b"hi!", [0, 1]);
+        complete_udp(&mut odd);
+        assert_eq!(&odd[26..28], &[0x5d, 0x4a]);
     }
 
     #[test]
-    fn what_is_not_a_whole_ipv4_udp_datagram_is_left_alone() {
-        let mut tcp = datagram(b"hi!", 0x1234);
+    fn what_is_not_a_whole_ipv4_udp_datagram_with_a_checksum_is_left_alone() {
+        let no_checksum = packet(b"hi!!", [0, 0]);
+        let mut tcp = packet(b"hi!!", [0xde, 0xad]);
         tcp[9] = 6;
-        let mut fragment = datagram(b"hi!", 0x1234);
+        let mut fragment = packet(b"hi!!", [0xde, 0xad]);
         fragment[6] = 0x20;
-        let mut short = datagram(b"hi!", 0x1234);
-        short.truncate(24);
-        for mut p in [tcp, fragment, short] {
-            let before = p.clone();
-            complete_udp_checksum(&mut p);
-            assert_eq!(p, before);
+        let mut truncated = packet(b"hi!!", [0xde, 0xad]);
+        truncated.truncate(30);
+        let mut ipv6 = packet(b"hi!!", [0xde, 0xad]);
+        ipv6[0] = 0x60;
+        for original in [no_checksum, tcp, fragment, truncated, ipv6, Vec::new()] {
+            let mut p = original.clone();
+            complete_udp(&mut p);
+            assert_eq!(p, original);
         }
     }
 }

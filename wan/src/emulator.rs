@@ -29,6 +29,9 @@
 //!   drops anything forwarded to or from `H`: a packet from the namespace reaches this
 //!   machine's own addresses and nothing beyond it.
 //!
+//! The delay lines also put right the UDP checksums the emulator's own translation back from
+//! loopback breaks (segmentation-offload batches split after it; see [`crate::checksum`]).
+//!
 //! Why this is loop-free and needs no sysctl: every packet the delay line writes is addressed
 //! to the other namespace's own address, so the kernel delivers it locally (no forwarding);
 //! the only route to each peer is its device, so the reverse path check (rp_filter) holds
@@ -64,6 +67,7 @@ use tokio_tun::Tun;
 use tracing::{debug, info, warn};
 
 use crate::beside::BesideRelay;
+use crate::checksum;
 use crate::delay_line::{DelayLine, Offer};
 use crate::spec::{LOSS_SCALE, LinkSpec, Rate};
 
@@ -710,9 +714,8 @@ async fn carry(
                 Ok(n) => {
                     stats.offered.fetch_add(1, Ordering::Relaxed);
                     stats.offered_bytes.fetch_add(n as u64, Ordering::Relaxed);
-                    let mut packet = buf[..n].to_vec();
-                    crate::checksum::complete_udp_checksum(&mut packet);
-                    if line.offer(Instant::now(), packet) == Offer::Full {
+                    checksum::complete_udp(&mut buf[..n]);
+                    if line.offer(Instant::now(), buf[..n].to_vec()) == Offer::Full {
                         stats.dropped_full.fetch_add(1, Ordering::Relaxed);
                     }
                 }

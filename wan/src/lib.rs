@@ -4,6 +4,7 @@
 //! `flapping`), so agents put in it meet the hub over the links edge sites really have.
 //!
 //! * [`spec`]: what a link is asked to be, parsed and validated.
+//! * [`checksum`]: UDP checksums put right as packets enter a delay line.
 //! * [`delay_line`]: one direction's hold (delay ± jitter, order, bound), without IO.
 //! * [`emulator`]: the namespace, the TUN pair, the qdiscs and rules; the packet path is in
 //!   its doc.

@@ -387,3 +387,45 @@ async fn loopback_is_sent_to_the_host_or_serves_beside_never_both() {
         "{refused}"
     );
 }
+
+/// A loopback service answering the namespace with one UDP segmentation-offload batch (four
+/// datagrams in one send, as QUIC stacks send): every datagram arrives, though the emulator's
+/// translation back from loopback leaves the kernel's split segments with checksums the
+/// namespace would otherwise drop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_segmentation_offload_batch_from_a_loopback_service_arrives_whole() {
+    use nix::sys::socket::{setsockopt, sockopt::UdpGsoSegment};
+    const SEGMENT: usize = 1_200;
+    let Some(link) = link("delay=2ms").await else {
+        return;
+    };
+    let service = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let port = service.local_addr().unwrap().port();
+    let client = link
+        .inside(|| {
+            let s = std::net::UdpSocket::bind("0.0.0.0:0")?;
+            s.set_read_timeout(Some(Duration::from_secs(5)))?;
+            Ok(s)
+        })
+        .await
+        .unwrap();
+    let host = link.host();
+    let answered = tokio::task::spawn_blocking(move || {
+        client.send_to(b"ask", (host, port)).unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 65_536];
+        while got.len() < 4 {
+            match client.recv(&mut buf) {
+                Ok(n) => got.push(n),
+                Err(_) => break,
+            }
+        }
+        got
+    });
+    let mut buf = [0u8; 64];
+    let (_, peer) = service.recv_from(&mut buf).unwrap();
+    setsockopt(&service, UdpGsoSegment, &(SEGMENT as i32)).unwrap();
+    let batch = vec![7u8; 4 * SEGMENT];
+    assert_eq!(service.send_to(&batch, peer).unwrap(), batch.len());
+    assert_eq!(answered.await.unwrap(), vec![SEGMENT; 4]);
+}
