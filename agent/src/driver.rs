@@ -215,11 +215,10 @@ enum Done {
     Request(Result<String, Failed>),
     /// A renewed certificate is stored: its validity, or why it could not be.
     Stored(Result<(SystemTime, SystemTime), Failed>),
-    /// A chunk is durable, with the cache's chunk count and bytes after it; `None` when it was
-    /// dropped (the cache no longer names it).
+    /// A chunk is durable; `None` when it was dropped (the cache no longer names it).
     ChunkStored {
         chunk_sha256: String,
-        stored: Result<Option<(u64, u64)>, CacheError>,
+        stored: Result<Option<ChunkStored>, CacheError>,
     },
     Nothing,
 }
@@ -518,10 +517,19 @@ impl Driver<'_> {
             }
             Done::ChunkStored {
                 chunk_sha256,
-                stored: Ok(Some((count, bytes))),
+                stored:
+                    Ok(Some(ChunkStored {
+                        chunks,
+                        bytes,
+                        held_before,
+                    })),
             } => {
-                self.spoke.metrics.chunks_held.set(count as i64);
+                self.spoke.metrics.chunks_held.set(chunks as i64);
                 self.spoke.metrics.chunk_bytes_held.set(bytes as i64);
+                if held_before {
+                    self.spoke.metrics.chunks_received_again.inc();
+                    warn!(chunk = %chunk_sha256, "a chunk the cache held already was received again: its transfer resent what had arrived");
+                }
                 self.machine.chunk_stored(&chunk_sha256);
             }
             Done::ChunkStored {
@@ -556,6 +564,14 @@ impl Driver<'_> {
     }
 }
 
+/// A chunk made durable: the cache's chunk count and bytes after it, and whether the cache
+/// held it already (it was asked for and sent again although it had arrived).
+struct ChunkStored {
+    chunks: u64,
+    bytes: u64,
+    held_before: bool,
+}
+
 /// Stores a chunk durably, off the loop.
 async fn store_chunk(
     cache: std::sync::Arc<dyn crate::cache::WorkCache>,
@@ -564,10 +580,16 @@ async fn store_chunk(
 ) -> Done {
     let sha = chunk_sha256.clone();
     let stored = durably(&cache, move |c| {
+        let held_before = c.chunk(&sha)?.is_some();
         if !c.put_chunk(&sha, &data)? {
             return Ok(None);
         }
-        c.chunk_totals().map(Some)
+        let (chunks, bytes) = c.chunk_totals()?;
+        Ok(Some(ChunkStored {
+            chunks,
+            bytes,
+            held_before,
+        }))
     })
     .await;
     Done::ChunkStored {

@@ -30,6 +30,8 @@ pub struct AgentMetrics {
     by_transport: Family<Labels, Gauge>,
     /// Bytes of large works' chunks received from the hub by this process.
     pub(crate) chunk_bytes_received: Counter,
+    /// Chunks received that the cache held already: resent although they had arrived.
+    pub(crate) chunks_received_again: Counter,
     /// Chunks held in the cache, and their bytes: once per content, however many works. Set
     /// at each scrape from the cache, and as chunks are stored.
     pub(crate) chunks_held: Gauge,
@@ -46,6 +48,7 @@ impl Default for AgentMetrics {
             connected: Gauge::default(),
             by_transport: Family::default(),
             chunk_bytes_received: Counter::default(),
+            chunks_received_again: Counter::default(),
             chunks_held: Gauge::default(),
             chunk_bytes_held: Gauge::default(),
         };
@@ -83,6 +86,13 @@ impl AgentMetrics {
             "Bytes of large ManifestWorks' content chunks received from the hub by this process \
              (only chunks the cache did not hold are asked for)",
             self.chunk_bytes_received.clone(),
+        );
+        r.register(
+            "chunks_received_again",
+            "Content chunks received from the hub that the cache held already, durably: a \
+             transfer (resumed after a disconnect, say) that sent again what had arrived; 0 \
+             when resumes ask only for what is missing",
+            self.chunks_received_again.clone(),
         );
         r.register(
             "chunks_held",
