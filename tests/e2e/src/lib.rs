@@ -119,13 +119,24 @@ pub async fn http_get_accepting(
     path: &str,
     accept: &str,
 ) -> anyhow::Result<(u16, String)> {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let mut stream = tokio::time::timeout(
+    let stream = tokio::time::timeout(
         Duration::from_secs(5),
         tokio::net::TcpStream::connect(address),
     )
     .await
     .with_context(|| format!("connecting to {address}"))??;
+    http_exchange(stream, address, path, accept).await
+}
+
+/// `GET path` on a connection already open to `address` (host:port): the status code and the
+/// body.
+async fn http_exchange(
+    mut stream: tokio::net::TcpStream,
+    address: &str,
+    path: &str,
+    accept: &str,
+) -> anyhow::Result<(u16, String)> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let request = format!(
         "GET {path} HTTP/1.1\r\nHost: {address}\r\nAccept: {accept}\r\nConnection: close\r\n\r\n"
     );
@@ -153,6 +164,41 @@ const PROMETHEUS_ACCEPT: &str =
 /// sample with HELP and TYPE, Prometheus names, counters in `_total`, cumulative buckets).
 pub async fn scrape(address: &str) -> anyhow::Result<flotilla_ops::exposition::Exposition> {
     let (status, body) = http_get_accepting(address, "/metrics", PROMETHEUS_ACCEPT).await?;
+    exposition(address, status, body)
+}
+
+/// [`scrape`] of a process in `link`'s namespace listening on its `127.0.0.1:port` (an agent
+/// behind the link), from inside the namespace: the scrape never crosses the link, and works
+/// while the link is down.
+pub async fn scrape_behind(
+    link: &flotilla_wan::EmulatedLink,
+    port: u16,
+) -> anyhow::Result<flotilla_ops::exposition::Exposition> {
+    let address = format!("127.0.0.1:{port} in {}", link.namespace());
+    let socket = link.inside(tokio::net::TcpSocket::new_v4).await?;
+    let stream = tokio::time::timeout(
+        Duration::from_secs(5),
+        socket.connect((std::net::Ipv4Addr::LOCALHOST, port).into()),
+    )
+    .await
+    .with_context(|| format!("connecting to {address}"))??;
+    let (status, body) = http_exchange(
+        stream,
+        &format!("127.0.0.1:{port}"),
+        "/metrics",
+        PROMETHEUS_ACCEPT,
+    )
+    .await
+    .with_context(|| format!("scraping {address}"))?;
+    exposition(&address, status, body)
+}
+
+/// A `/metrics` answer read strictly, or why it is not one.
+fn exposition(
+    address: &str,
+    status: u16,
+    body: String,
+) -> anyhow::Result<flotilla_ops::exposition::Exposition> {
     anyhow::ensure!(
         status == 200,
         "GET /metrics from {address}: {status} {body}"

@@ -5,12 +5,21 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use anyhow::Context as _;
 use flotilla_testenv::{TestCluster, TestEnv};
+use flotilla_wan::{BesideRelay, EmulatedLink};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, ServiceAccount};
 use kube::Api;
 
 use crate::{Hub, Proc, bin, wait_for};
+
+/// An agent in a link's namespace ([`Spoke::start_agent_behind`]) and the relay that serves
+/// its apiserver beside it; dropping it kills the agent and stops the relay.
+pub struct AgentBehind {
+    pub proc: Proc,
+    pub beside: BesideRelay,
+}
 
 /// A managed cluster: its own apiserver, its agent's certificate and data directory.
 pub struct Spoke {
@@ -114,11 +123,46 @@ impl Spoke {
 
     /// Starts this cluster's agent against `hub` (`extra` adds flags).
     pub fn start_agent(&self, dir: &Path, hub: &Hub, extra: &[&str]) -> anyhow::Result<Proc> {
-        let mut cmd = self.agent_command("run", hub, &self.data, extra);
+        let program = Command::new(bin("flotilla-agent"));
+        let mut cmd = self.agent_command(program, "run", hub, &self.data, extra);
         cmd.args(["--hub", &hub.agents_addr, "--server-name", "localhost"])
             .arg("--cert-dir")
             .arg(&self.certs);
         self.spawn_agent(dir, cmd)
+    }
+
+    /// Starts this cluster's agent in `link`'s namespace, as at an edge site: it reaches `hub`
+    /// only across the link (dialling the hub's port at the link's host end), and its own
+    /// apiserver beside it, at the kubeconfig's address, without crossing the link (a
+    /// [`BesideRelay`], which serves as long as the returned [`AgentBehind`] lives).
+    pub async fn start_agent_behind(
+        &self,
+        link: &EmulatedLink,
+        dir: &Path,
+        hub: &Hub,
+        extra: &[&str],
+    ) -> anyhow::Result<AgentBehind> {
+        let server = self.env.server_url();
+        let apiserver_port = server
+            .strip_prefix("https://127.0.0.1:")
+            .and_then(|port| port.trim_end_matches('/').parse::<u16>().ok())
+            .with_context(|| format!("the spoke's apiserver {server} is not on 127.0.0.1"))?;
+        let beside = link.serve_beside(apiserver_port).await?;
+        let hub_port = hub
+            .agents_addr
+            .rsplit_once(':')
+            .and_then(|(_, p)| p.parse::<u16>().ok())
+            .with_context(|| format!("the hub's agent address {} has no port", hub.agents_addr))?;
+        let program = link.command(bin("flotilla-agent"));
+        let mut cmd = self.agent_command(program, "run", hub, &self.data, extra);
+        cmd.args(["--hub", &format!("{}:{hub_port}", link.host())])
+            .args(["--server-name", "localhost"])
+            .arg("--cert-dir")
+            .arg(&self.certs);
+        Ok(AgentBehind {
+            proc: self.spawn_agent(dir, cmd)?,
+            beside,
+        })
     }
 
     /// Joins this cluster to `hub` with a bootstrap token (`token`: `flotilla token create -o
@@ -132,16 +176,24 @@ impl Spoke {
         data: &Path,
     ) -> anyhow::Result<Proc> {
         let text = |field: &str| token[field].as_str().unwrap_or_default().to_string();
-        let mut cmd = self.agent_command("join", hub, data, &[]);
+        let program = Command::new(bin("flotilla-agent"));
+        let mut cmd = self.agent_command(program, "join", hub, data, &[]);
         cmd.args(["--hub", &text("hub")])
             .args(["--ca-fingerprint", &text("caFingerprint")])
             .env("FLOTILLA_BOOTSTRAP_TOKEN", text("token"));
         self.spawn_agent(dir, cmd)
     }
 
-    /// `flotilla-agent SUBCOMMAND` for this cluster and its apiserver, state in `data`.
-    fn agent_command(&self, subcommand: &str, hub: &Hub, data: &Path, extra: &[&str]) -> Command {
-        let mut cmd = Command::new(bin("flotilla-agent"));
+    /// `flotilla-agent SUBCOMMAND` as `cmd` (the binary, or a wrapper that execs it) for this
+    /// cluster and its apiserver, state in `data`.
+    fn agent_command(
+        &self,
+        mut cmd: Command,
+        subcommand: &str,
+        hub: &Hub,
+        data: &Path,
+        extra: &[&str],
+    ) -> Command {
         cmd.arg(subcommand)
             .args(["--cluster-name", &self.name])
             .arg("--data-dir")
