@@ -158,6 +158,21 @@ pub fn kind_of_document(doc: &Value) -> anyhow::Result<Kind> {
         })
 }
 
+/// The namespace `flotilla apply` puts a namespaced object in when its document names none
+/// (`-n`, `default` unless given), as `kubectl apply` does: OCM's policy-collection YAML, like
+/// most of OCM's examples, leaves it to the command. A ManifestWork's (and its chunks')
+/// namespace is its cluster's, never a default: those still need it written.
+pub fn default_namespace(doc: &mut Value, kind: Kind, namespace: &str) {
+    if !kind.namespaced() || matches!(kind, Kind::ManifestWork | Kind::ManifestChunk) {
+        return;
+    }
+    if doc["metadata"]["namespace"].as_str().is_none()
+        && let Some(meta) = doc["metadata"].as_object_mut()
+    {
+        meta.insert("namespace".into(), Value::String(namespace.to_string()));
+    }
+}
+
 /// Where `flotilla user create` keeps a user's credentials: `users/<user>/` beside the CLI
 /// config (files `ca.crt`, `tls.crt`, `tls.key`, as everywhere else in flotilla).
 pub fn user_dir(config: &Path, user: &str) -> PathBuf {
@@ -320,6 +335,32 @@ mod tests {
         assert_eq!(
             kc["users"][0]["user"]["client-key"],
             "/data/users/alice/tls.key"
+        );
+    }
+
+    #[test]
+    fn apply_puts_namespaced_objects_without_one_in_the_default_namespace() {
+        let mut policy = json!({"kind": "Policy", "metadata": {"name": "p"}});
+        default_namespace(&mut policy, Kind::Policy, "default");
+        assert_eq!(policy["metadata"]["namespace"], "default");
+        let mut placed =
+            json!({"kind": "Placement", "metadata": {"name": "p", "namespace": "apps"}});
+        default_namespace(&mut placed, Kind::Placement, "default");
+        assert_eq!(
+            placed["metadata"]["namespace"], "apps",
+            "a written namespace stays"
+        );
+        let mut cluster = json!({"kind": "ManagedCluster", "metadata": {"name": "c"}});
+        default_namespace(&mut cluster, Kind::ManagedCluster, "default");
+        assert!(
+            cluster["metadata"].get("namespace").is_none(),
+            "cluster-scoped"
+        );
+        let mut work = json!({"kind": "ManifestWork", "metadata": {"name": "w"}});
+        default_namespace(&mut work, Kind::ManifestWork, "default");
+        assert!(
+            work["metadata"].get("namespace").is_none(),
+            "a work's namespace is its cluster's, never a default"
         );
     }
 

@@ -236,6 +236,51 @@ fn printer_columns_and_short_names_match_ocm() {
         .map(|c| c.name)
         .collect();
     assert_eq!(names, ["Succeeded", "Reason", "SelectedClusters"]);
+    // kubectl shows OCM's columns for policies: REMEDIATION ACTION, COMPLIANCE STATE, AGE.
+    let columns = |plural: &str| -> Vec<(String, String)> {
+        crd_for("policy.open-cluster-management.io", plural)
+            .spec
+            .versions[0]
+            .additional_printer_columns
+            .clone()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|c| (c.name, c.json_path))
+            .collect()
+    };
+    let owned = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect()
+    };
+    assert_eq!(
+        columns("policies"),
+        owned(&[
+            ("Remediation action", ".spec.remediationAction"),
+            ("Compliance state", ".status.compliant"),
+            ("Age", ".metadata.creationTimestamp"),
+        ])
+    );
+    assert_eq!(
+        columns("policysets"),
+        owned(&[
+            ("Compliance state", ".status.compliant"),
+            ("Age", ".metadata.creationTimestamp"),
+        ])
+    );
+    assert_eq!(
+        short("policy.open-cluster-management.io", "policies"),
+        ["plc"]
+    );
+    assert_eq!(
+        short("policy.open-cluster-management.io", "placementbindings"),
+        ["pb"]
+    );
+    assert_eq!(
+        short("policy.open-cluster-management.io", "policysets"),
+        ["plcset"]
+    );
 }
 
 fn schema_of(crd: &CustomResourceDefinition) -> Value {

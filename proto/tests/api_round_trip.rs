@@ -4,7 +4,7 @@
 use flotilla_proto::api::{
     self, AddOnPlacementScore, ClusterClaim, Kind, ManagedCluster, ManagedClusterSet,
     ManagedClusterSetBinding, ManifestWork, ManifestWorkReplicaSet, Placement, PlacementDecision,
-    Stored,
+    Stored, policy,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -69,6 +69,9 @@ fn check_round_trip(path: &str) {
         "AddOnPlacementScore" => drop(round_trip::<AddOnPlacementScore>(path)),
         "ClusterClaim" => drop(round_trip::<ClusterClaim>(path)),
         "ManifestChunk" => drop(round_trip::<flotilla_proto::api::ManifestChunk>(path)),
+        "Policy" => drop(round_trip::<policy::Policy>(path)),
+        "PlacementBinding" => drop(round_trip::<policy::PlacementBinding>(path)),
+        "PolicySet" => drop(round_trip::<policy::PolicySet>(path)),
         other => panic!("{path}: no type for kind {other}"),
     }
 }

@@ -6,9 +6,9 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use flotilla_cli::cli::{
-    apply_label_changes, apply_taint_changes, collection_path, kind_of_document, manifest_work,
-    modify_cluster, namespaced_name, object_path, parse_label_changes, parse_taint_changes,
-    read_documents, replica_set,
+    apply_label_changes, apply_taint_changes, collection_path, default_namespace, kind_of_document,
+    manifest_work, modify_cluster, namespaced_name, object_path, parse_label_changes,
+    parse_taint_changes, read_documents, replica_set,
 };
 use flotilla_cli::client::{ApiError, OperatorClient, OperatorConfig};
 use flotilla_cli::table;
@@ -49,6 +49,10 @@ enum Command {
         /// A YAML/JSON file (several documents allowed) or a directory of them.
         #[arg(short, long)]
         filename: PathBuf,
+        /// Namespace of the namespaced objects whose documents name none (Placements, Policies,
+        /// ...; a ManifestWork must name its cluster's), as with `kubectl apply -n`.
+        #[arg(short, long, default_value = "default")]
+        namespace: String,
         /// Largest manifests a ManifestWork may have. Works over the store's object limit
         /// (1 MiB of manifests) are stored as ManifestChunk objects beside the work.
         #[arg(long, default_value_t = flotilla_proto::api::content::DEFAULT_MAX_WORK_BYTES, value_parser = clap::value_parser!(u64).range(1..=flotilla_proto::api::content::MAX_CONTENT_BYTES))]
@@ -425,10 +429,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Apply {
             filename,
+            namespace,
             max_work_bytes,
         } => {
-            for doc in read_documents(&filename)? {
+            for mut doc in read_documents(&filename)? {
                 let kind = kind_of_document(&doc)?;
+                default_namespace(&mut doc, kind, &namespace);
                 let (doc, how) = store_chunks(&client, doc, max_work_bytes).await?;
                 let verb = upsert(&client, kind, doc.clone(), true).await?;
                 println!("{}/{} {verb}{how}", kind.plural(), qualified(&doc));

@@ -13,10 +13,17 @@ pub enum Kind {
     AddOnPlacementScore,
     /// flotilla's own: a piece of a large work's manifests (see [`super::content`]).
     ManifestChunk,
+    /// Governance (see [`super::policy`]): templates delivered to the clusters a
+    /// PlacementBinding's Placement selects.
+    Policy,
+    /// Binds Policies and PolicySets to a Placement.
+    PlacementBinding,
+    /// A named group of Policies placed together.
+    PolicySet,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 9] = [
+    pub const ALL: [Kind; 12] = [
         Kind::ManagedCluster,
         Kind::ManagedClusterSet,
         Kind::ManagedClusterSetBinding,
@@ -26,6 +33,9 @@ impl Kind {
         Kind::PlacementDecision,
         Kind::AddOnPlacementScore,
         Kind::ManifestChunk,
+        Kind::Policy,
+        Kind::PlacementBinding,
+        Kind::PolicySet,
     ];
 
     /// The `kind` field.
@@ -40,6 +50,9 @@ impl Kind {
             Kind::PlacementDecision => "PlacementDecision",
             Kind::AddOnPlacementScore => "AddOnPlacementScore",
             Kind::ManifestChunk => "ManifestChunk",
+            Kind::Policy => "Policy",
+            Kind::PlacementBinding => "PlacementBinding",
+            Kind::PolicySet => "PolicySet",
         }
     }
 
@@ -47,6 +60,7 @@ impl Kind {
         match self {
             Kind::ManifestWork | Kind::ManifestWorkReplicaSet => "work.open-cluster-management.io",
             Kind::ManifestChunk => "work.flotilla.io",
+            Kind::Policy | Kind::PlacementBinding | Kind::PolicySet => super::policy::POLICY_GROUP,
             _ => "cluster.open-cluster-management.io",
         }
     }
@@ -54,9 +68,11 @@ impl Kind {
     /// The storage version flotilla serves (the one OCM's docs use).
     pub fn version(self) -> &'static str {
         match self {
-            Kind::ManagedCluster | Kind::ManifestWork => "v1",
+            Kind::ManagedCluster | Kind::ManifestWork | Kind::Policy | Kind::PlacementBinding => {
+                "v1"
+            }
             Kind::ManagedClusterSet | Kind::ManagedClusterSetBinding => "v1beta2",
-            Kind::Placement | Kind::PlacementDecision => "v1beta1",
+            Kind::Placement | Kind::PlacementDecision | Kind::PolicySet => "v1beta1",
             Kind::ManifestWorkReplicaSet | Kind::AddOnPlacementScore | Kind::ManifestChunk => {
                 "v1alpha1"
             }
@@ -80,6 +96,9 @@ impl Kind {
             Kind::PlacementDecision => "placementdecisions",
             Kind::AddOnPlacementScore => "addonplacementscores",
             Kind::ManifestChunk => "manifestchunks",
+            Kind::Policy => "policies",
+            Kind::PlacementBinding => "placementbindings",
+            Kind::PolicySet => "policysets",
         }
     }
 

@@ -121,3 +121,12 @@ impl Stored for AddOnPlacementScore {
 impl Stored for ManifestChunk {
     const KIND: Kind = Kind::ManifestChunk;
 }
+impl Stored for policy::Policy {
+    const KIND: Kind = Kind::Policy;
+}
+impl Stored for policy::PlacementBinding {
+    const KIND: Kind = Kind::PlacementBinding;
+}
+impl Stored for policy::PolicySet {
+    const KIND: Kind = Kind::PolicySet;
+}

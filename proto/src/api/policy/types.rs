@@ -41,6 +41,9 @@ pub const ANNOTATION_CONTROLS: &str = "policy.open-cluster-management.io/control
     namespaced,
     status = "PolicyStatus",
     shortname = "plc",
+    printcolumn = r#"{"name": "Remediation action", "type": "string", "jsonPath": ".spec.remediationAction"}"#,
+    printcolumn = r#"{"name": "Compliance state", "type": "string", "jsonPath": ".status.compliant"}"#,
+    printcolumn = r#"{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}"#,
     derive = "PartialEq",
     derive = "Default",
     doc = "Policy carries templates (ConfigurationPolicy and others) evaluated on the managed clusters selected through PlacementBindings; its status aggregates their compliance."
@@ -384,6 +387,8 @@ pub struct Subject {
     namespaced,
     status = "PolicySetStatus",
     shortname = "plcset",
+    printcolumn = r#"{"name": "Compliance state", "type": "string", "jsonPath": ".status.compliant"}"#,
+    printcolumn = r#"{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}"#,
     derive = "PartialEq",
     derive = "Default",
     doc = "PolicySet groups Policies of its namespace so that one PlacementBinding places them all; its status aggregates their compliance."
