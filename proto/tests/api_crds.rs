@@ -467,3 +467,47 @@ fn enums_are_string_enums() {
         serde_json::json!(["Foreground", "Orphan", "SelectivelyOrphan"])
     );
 }
+
+#[test]
+fn governance_schemas_refuse_what_a_schema_can_say() {
+    let policy = schema_of(&crd_for("policy.open-cluster-management.io", "policies"));
+    assert_eq!(
+        property(&policy, &["spec", "remediationAction"])["enum"],
+        serde_json::json!(["Inform", "inform", "Enforce", "enforce"])
+    );
+    assert_eq!(
+        property(&policy, &["spec", "policy-templates"])["maxItems"],
+        api::policy::MAX_POLICY_TEMPLATES
+    );
+    let binding = schema_of(&crd_for(
+        "policy.open-cluster-management.io",
+        "placementbindings",
+    ));
+    assert_eq!(
+        binding["required"],
+        serde_json::json!(["placementRef", "subjects"])
+    );
+    // PlacementRule, OCM's deprecated kind, is refused: only a Placement binds.
+    assert_eq!(
+        property(&binding, &["placementRef", "kind"])["enum"],
+        serde_json::json!(["Placement"])
+    );
+    let subjects = property(&binding, &["subjects"]);
+    assert_eq!(subjects["minItems"], 1);
+    assert!(subjects.get("default").is_none(), "{subjects}");
+    let subject = property(&binding, &["subjects", "[]"]);
+    assert_eq!(
+        subject["required"],
+        serde_json::json!(["apiGroup", "kind", "name"])
+    );
+    assert!(
+        property(subject, &["name"]).get("default").is_none(),
+        "a missing name is refused, not filled with \"\""
+    );
+    assert_eq!(
+        property(subject, &["kind"])["enum"],
+        serde_json::json!(["Policy", "PolicySet"])
+    );
+    let set = schema_of(&crd_for("policy.open-cluster-management.io", "policysets"));
+    assert_eq!(property(&set, &["spec", "policies", "[]"])["minLength"], 1);
+}

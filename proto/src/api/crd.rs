@@ -24,9 +24,9 @@ pub fn crds() -> Vec<CustomResourceDefinition> {
         PlacementDecision::crd(),
         AddOnPlacementScore::crd(),
         ManifestChunk::crd(),
-        Policy::crd(),
+        constrained(Policy::crd(), policy_constraints()),
         placement_binding_crd(),
-        PolicySet::crd(),
+        constrained(PolicySet::crd(), policy_set_constraints()),
         ClusterClaim::crd(),
     ]
 }
@@ -65,6 +65,7 @@ fn placement_binding_crd() -> CustomResourceDefinition {
             "type": "object",
         }),
     );
+    schema["required"] = json!(["placementRef", "subjects"]);
     let crd = json!({
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -87,7 +88,124 @@ fn placement_binding_crd() -> CustomResourceDefinition {
             }],
         },
     });
-    serde_json::from_value(crd).expect("PlacementBinding's CRD is a CustomResourceDefinition")
+    let crd =
+        serde_json::from_value(crd).expect("PlacementBinding's CRD is a CustomResourceDefinition");
+    constrained(crd, placement_binding_constraints())
+}
+
+/// What the apiserver can refuse of a governance object by its schema, as OCM's CRDs do, and
+/// what flotilla refuses beyond OCM and a schema can say (PlacementRule refs, the bounds):
+/// facts merged into the schema node at each path (`[]` for array items). The rest of the
+/// slice-1 validators (template contents, globs, intervals, duplicate template names) needs
+/// code: the operator API runs it, and the hub's policy controller skips a Policy that fails
+/// it, naming the problem in its log.
+type Constraints = Vec<(&'static [&'static str], serde_json::Value)>;
+
+fn policy_constraints() -> Constraints {
+    use serde_json::json;
+    vec![
+        (
+            &["spec", "remediationAction"],
+            json!({ "enum": ["Inform", "inform", "Enforce", "enforce"] }),
+        ),
+        (
+            &["spec", "policy-templates"],
+            json!({ "maxItems": super::policy::MAX_POLICY_TEMPLATES }),
+        ),
+    ]
+}
+
+fn policy_set_constraints() -> Constraints {
+    use serde_json::json;
+    vec![
+        (
+            &["spec", "policies"],
+            json!({ "maxItems": super::policy::MAX_SET_POLICIES }),
+        ),
+        (&["spec", "policies", "[]"], json!({ "minLength": 1 })),
+    ]
+}
+
+fn placement_binding_constraints() -> Constraints {
+    use serde_json::json;
+    let reference = |group: &str, kinds: &[&str]| {
+        json!({
+            "required": ["apiGroup", "kind", "name"],
+            "properties": {
+                "apiGroup": { "enum": [group], "minLength": 1 },
+                "kind": { "enum": kinds, "minLength": 1 },
+                "name": { "minLength": 1 },
+            },
+        })
+    };
+    vec![
+        (
+            &["placementRef"],
+            reference("cluster.open-cluster-management.io", &["Placement"]),
+        ),
+        (
+            &["subjects"],
+            json!({ "minItems": 1, "maxItems": super::policy::MAX_SUBJECTS }),
+        ),
+        (
+            &["subjects", "[]"],
+            reference(super::policy::POLICY_GROUP, &["Policy", "PolicySet"]),
+        ),
+    ]
+}
+
+/// Merges each constraint into the CRD's schema; a required field loses the `default` serde's
+/// `#[serde(default)]` gave it, so that leaving it out is refused rather than filled with "".
+fn constrained(
+    mut crd: CustomResourceDefinition,
+    constraints: Constraints,
+) -> CustomResourceDefinition {
+    let version = &mut crd.spec.versions[0];
+    let schema = version
+        .schema
+        .as_mut()
+        .and_then(|s| s.open_api_v3_schema.as_mut())
+        .expect("a generated CRD has a schema");
+    let mut value = serde_json::to_value(&*schema).expect("a schema serializes");
+    for (path, facts) in constraints {
+        let mut node = &mut value;
+        for step in path {
+            node = if *step == "[]" {
+                &mut node["items"]
+            } else {
+                &mut node["properties"][*step]
+            };
+        }
+        merge(node, facts);
+        if let Some(required) = node.get("required").cloned() {
+            for field in required.as_array().into_iter().flatten() {
+                if let Some(field) = field.as_str()
+                    && let Some(property) = node["properties"][field].as_object_mut()
+                {
+                    property.remove("default");
+                }
+            }
+        }
+        if node.get("minItems").is_some()
+            && let Some(node) = node.as_object_mut()
+        {
+            node.remove("default");
+        }
+    }
+    *schema = serde_json::from_value(value).expect("a constrained schema is still a schema");
+    crd
+}
+
+/// `facts` into `node`, objects merged key by key, anything else replaced.
+fn merge(node: &mut serde_json::Value, facts: serde_json::Value) {
+    match (node, facts) {
+        (serde_json::Value::Object(node), serde_json::Value::Object(facts)) => {
+            for (key, value) in facts {
+                merge(node.entry(key).or_insert(serde_json::Value::Null), value);
+            }
+        }
+        (node, facts) => *node = facts,
+    }
 }
 
 /// The file name OCM's convention gives a CRD: `<group>_<plural>.yaml`.
