@@ -337,13 +337,17 @@ pub async fn run(
             Ok(())
         });
     }
-    // Placement, rollout and work TTL act on the store beside the gateway.
+    // Placement, rollout, policy placement and work TTL act on the store beside the gateway.
+    // Each cluster's policies are resolved here and held in memory (never as per-cluster
+    // copies in the store) for the sessions that will deliver them.
+    let policy_assignments = controllers::governance::PolicyAssignments::default();
     tasks.spawn(
         "the hub's controllers",
         controllers::run(
             store.clone(),
             config.controllers(),
             controller_metrics,
+            policy_assignments,
             stop_rx.clone(),
         )
         .err_into(),

@@ -16,6 +16,10 @@
 //!   passed since they turned Complete.
 //! * [`acceptance`]: OCM's `HubAcceptedManagedCluster` condition on ManagedClusters, following
 //!   `spec.hubAcceptsClient`.
+//! * [`governance`]: PlacementBinding → the policies each selected cluster must carry (Policy
+//!   subjects, PolicySets expanded), written into the root Policies' `status.placement[]` and
+//!   `status.status[]` and the PolicySets' `status.placement[]`, and kept in memory per cluster
+//!   ([`governance::PolicyAssignments`]) for delivery; no per-cluster copies are stored.
 //! * [`chunk_gc`]: deletes ManifestChunks no ManifestWork in their namespace has named for
 //!   the grace period (`--chunk-grace-period`).
 //!
@@ -25,6 +29,7 @@ pub mod acceptance;
 pub mod chunk_gc;
 pub mod clustersets;
 pub mod feed;
+pub mod governance;
 pub mod replicaset;
 pub mod rollout;
 pub mod scheduling;
@@ -118,10 +123,12 @@ pub enum ControllerEnded {
 
 /// Runs every controller until `stop` turns true (or its sender is dropped), then waits for
 /// them to finish their writes in flight. One that ends before that is an error naming it.
+/// The governance controller keeps `policies` current (each cluster's policies).
 pub async fn run(
     store: Arc<dyn Store>,
     config: ControllerConfig,
     metrics: ControllerMetrics,
+    policies: governance::PolicyAssignments,
     stop: watch::Receiver<bool>,
 ) -> Result<(), ControllerEnded> {
     let mut tasks: JoinSet<()> = JoinSet::new();
@@ -144,6 +151,15 @@ pub async fn run(
     spawn(
         "ManifestWorkReplicaSet",
         Box::pin(replicaset::run(store.clone(), config.clone(), stop.clone())),
+    );
+    spawn(
+        "policy placement",
+        Box::pin(governance::run(
+            store.clone(),
+            config.clone(),
+            policies,
+            stop.clone(),
+        )),
     );
     spawn(
         "ManifestChunk collection",
