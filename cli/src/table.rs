@@ -231,6 +231,175 @@ pub fn replica_sets(items: &[Value], now: Timestamp) -> String {
     render(&rows)
 }
 
+/// `flotilla get policies`: each root Policy's remediation, its aggregate compliance, and
+/// how many of the clusters it reaches are non-compliant (`non-compliant/total`, the audit
+/// question "how many clusters lack X" in one column).
+pub fn policies(items: &[Value], now: Timestamp) -> String {
+    let mut rows = vec![vec![
+        "NAMESPACE".to_string(),
+        "NAME".into(),
+        "REMEDIATION".into(),
+        "COMPLIANCE".into(),
+        "CLUSTERS".into(),
+        "AGE".into(),
+    ]];
+    for p in items {
+        let clusters = p["status"]["status"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let non_compliant = clusters
+            .iter()
+            .filter(|c| c["compliant"] == "NonCompliant")
+            .count();
+        rows.push(vec![
+            text_or_none(&p["metadata"]["namespace"]),
+            text_or_none(&p["metadata"]["name"]),
+            if p["spec"]["disabled"] == true {
+                "disabled".to_string()
+            } else {
+                text_or_none(&p["spec"]["remediationAction"])
+            },
+            text_or_none(&p["status"]["compliant"]),
+            format!("{non_compliant}/{}", clusters.len()),
+            age(p["metadata"]["creationTimestamp"].as_str(), now),
+        ]);
+    }
+    render(&rows)
+}
+
+/// `flotilla describe policy`: what the policy carries, what places it, and each cluster's
+/// compliance as far as the hub knows it.
+pub fn describe_policy(p: &Value, now: Timestamp) -> String {
+    let mut out = String::new();
+    let annotation = |key: &str| text_or_none(&p["metadata"]["annotations"][key]);
+    let fields = [
+        ("Name", text_or_none(&p["metadata"]["name"])),
+        ("Namespace", text_or_none(&p["metadata"]["namespace"])),
+        ("Remediation", text_or_none(&p["spec"]["remediationAction"])),
+        ("Disabled", (p["spec"]["disabled"] == true).to_string()),
+        ("Compliance", text_or_none(&p["status"]["compliant"])),
+        (
+            "Standards",
+            annotation(flotilla_proto::api::policy::ANNOTATION_STANDARDS),
+        ),
+        (
+            "Categories",
+            annotation(flotilla_proto::api::policy::ANNOTATION_CATEGORIES),
+        ),
+        (
+            "Controls",
+            annotation(flotilla_proto::api::policy::ANNOTATION_CONTROLS),
+        ),
+        ("Age", age(p["metadata"]["creationTimestamp"].as_str(), now)),
+    ];
+    for (name, value) in fields {
+        out.push_str(&format!("{:<12}{value}\n", format!("{name}:")));
+    }
+    out.push_str("Templates:\n");
+    for template in p["spec"]["policy-templates"]
+        .as_array()
+        .into_iter()
+        .flatten()
+    {
+        let definition = &template["objectDefinition"];
+        let spec = &definition["spec"];
+        let mut about = Vec::new();
+        for (label, value) in [
+            ("severity", &spec["severity"]),
+            ("remediation", &spec["remediationAction"]),
+        ] {
+            if let Some(v) = value.as_str() {
+                about.push(format!("{label} {v}"));
+            }
+        }
+        out.push_str(&format!(
+            "  {} {}{}\n",
+            text_or_none(&definition["kind"]),
+            text_or_none(&definition["metadata"]["name"]),
+            if about.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", about.join(", "))
+            }
+        ));
+        for object in spec["object-templates"].as_array().into_iter().flatten() {
+            let o = &object["objectDefinition"];
+            out.push_str(&format!(
+                "    {} {} {} {}\n",
+                text_or_none(&object["complianceType"]),
+                text_or_none(&o["apiVersion"]),
+                text_or_none(&o["kind"]),
+                o["metadata"]["name"]
+                    .as_str()
+                    .unwrap_or("(matched by its fields)")
+            ));
+        }
+    }
+    out.push_str("Placement:\n");
+    let placements = p["status"]["placement"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    if placements.is_empty() {
+        out.push_str("  <none>\n");
+    } else {
+        let mut rows = vec![vec![
+            "BINDING".to_string(),
+            "PLACEMENT".into(),
+            "POLICYSET".into(),
+        ]];
+        for placement in &placements {
+            rows.push(vec![
+                text_or_none(&placement["placementBinding"]),
+                text_or_none(&placement["placement"]),
+                text_or_none(&placement["policySet"]),
+            ]);
+        }
+        out.push_str(&indent(&render(&rows)));
+    }
+    let clusters = p["status"]["status"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let non_compliant = clusters
+        .iter()
+        .filter(|c| c["compliant"] == "NonCompliant")
+        .count();
+    out.push_str(&format!(
+        "Clusters:   {} selected, {non_compliant} non-compliant\n",
+        clusters.len()
+    ));
+    if !clusters.is_empty() {
+        let mut rows = vec![vec!["CLUSTER".to_string(), "COMPLIANCE".into()]];
+        for cluster in &clusters {
+            rows.push(vec![
+                text_or_none(&cluster["clustername"]),
+                cluster["compliant"]
+                    .as_str()
+                    .unwrap_or("<not reported>")
+                    .to_string(),
+            ]);
+        }
+        out.push_str(&indent(&render(&rows)));
+    }
+    out
+}
+
+/// A string field, or `<none>`.
+fn text_or_none(value: &Value) -> String {
+    value
+        .as_str()
+        .filter(|s| !s.is_empty())
+        .unwrap_or("<none>")
+        .to_string()
+}
+
+/// Every line two spaces in.
+fn indent(text: &str) -> String {
+    text.lines().map(|l| format!("  {l}\n")).collect()
+}
+
 /// Up to three names, then how many more.
 fn some_names(names: &[&str]) -> String {
     const SHOWN: usize = 3;
@@ -337,6 +506,83 @@ fn render(rows: &[Vec<String>]) -> String {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    fn policy_with_status() -> Value {
+        json!({
+            "metadata": {"name": "policy-namespace", "namespace": "default",
+                         "creationTimestamp": "2026-01-01T00:50:00Z",
+                         "annotations": {"policy.open-cluster-management.io/standards": "NIST SP 800-53"}},
+            "spec": {"remediationAction": "inform", "disabled": false, "policy-templates": [
+                {"objectDefinition": {"apiVersion": "policy.open-cluster-management.io/v1",
+                 "kind": "ConfigurationPolicy", "metadata": {"name": "policy-namespace-prod"},
+                 "spec": {"severity": "low", "object-templates": [{"complianceType": "musthave",
+                     "objectDefinition": {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "prod"}}}]}}}]},
+            "status": {"compliant": "NonCompliant",
+                       "placement": [{"placementBinding": "binding-policy-namespace", "placement": "placement-policy-namespace"}],
+                       "status": [{"clustername": "c1", "clusternamespace": "c1", "compliant": "NonCompliant"},
+                                  {"clustername": "c2", "clusternamespace": "c2"}]},
+        })
+    }
+
+    #[test]
+    fn policies_table_counts_non_compliant_clusters() {
+        let now: Timestamp = "2026-01-01T01:00:00Z".parse().unwrap();
+        let unplaced = json!({"metadata": {"name": "off", "namespace": "default"},
+                              "spec": {"disabled": true}});
+        let table = policies(&[policy_with_status(), unplaced], now);
+        let lines: Vec<Vec<&str>> = table
+            .lines()
+            .map(|l| l.split_whitespace().collect())
+            .collect();
+        assert_eq!(
+            lines,
+            [
+                vec![
+                    "NAMESPACE",
+                    "NAME",
+                    "REMEDIATION",
+                    "COMPLIANCE",
+                    "CLUSTERS",
+                    "AGE"
+                ],
+                vec![
+                    "default",
+                    "policy-namespace",
+                    "inform",
+                    "NonCompliant",
+                    "1/2",
+                    "10m"
+                ],
+                vec!["default", "off", "disabled", "<none>", "0/0", "<unknown>"],
+            ]
+        );
+    }
+
+    #[test]
+    fn describe_policy_shows_templates_placement_and_clusters() {
+        let now: Timestamp = "2026-01-01T01:00:00Z".parse().unwrap();
+        let text = describe_policy(&policy_with_status(), now);
+        for part in [
+            "Name:       policy-namespace\n",
+            "Standards:  NIST SP 800-53\n",
+            "  ConfigurationPolicy policy-namespace-prod (severity low)\n",
+            "    musthave v1 Namespace prod\n",
+            "binding-policy-namespace",
+            "Clusters:   2 selected, 1 non-compliant\n",
+        ] {
+            assert!(text.contains(part), "{part:?} missing from:\n{text}");
+        }
+        let cluster_rows: Vec<Vec<&str>> = text
+            .lines()
+            .skip_while(|l| !l.starts_with("Clusters:"))
+            .skip(2)
+            .map(|l| l.split_whitespace().collect())
+            .collect();
+        assert_eq!(
+            cluster_rows,
+            [vec!["c1", "NonCompliant"], vec!["c2", "<not", "reported>"]]
+        );
+    }
 
     #[test]
     fn clusters_table_reads_like_kubectl() {

@@ -43,6 +43,11 @@ enum Command {
         #[command(subcommand)]
         what: GetWhat,
     },
+    /// Show one object in detail.
+    Describe {
+        #[command(subcommand)]
+        what: DescribeWhat,
+    },
     /// Create or update hub objects (ManifestWork, Placement, ...) from OCM YAML, like
     /// `kubectl apply -f` against a hub with OCM's CRDs.
     Apply {
@@ -300,6 +305,31 @@ enum GetWhat {
         #[arg(short, long, value_enum, default_value_t = Output::Table)]
         output: Output,
     },
+    /// Root Policies: remediation, compliance, and how many of the clusters each reaches are
+    /// non-compliant (CLUSTERS: non-compliant/total).
+    #[command(alias = "policy", alias = "plc")]
+    Policies {
+        /// Only this namespace's (default: every namespace's).
+        #[arg(short, long, conflicts_with = "all_namespaces")]
+        namespace: Option<String>,
+        /// Every namespace's (what no -n means too).
+        #[arg(short = 'A', long)]
+        all_namespaces: bool,
+        #[arg(short, long, value_enum, default_value_t = Output::Table)]
+        output: Output,
+    },
+}
+
+#[derive(Subcommand)]
+enum DescribeWhat {
+    /// A root Policy: its templates, the bindings and placements that place it, and each
+    /// selected cluster's compliance as far as the hub knows it.
+    #[command(alias = "policies", alias = "plc")]
+    Policy {
+        name: String,
+        #[arg(short, long, default_value = "default")]
+        namespace: String,
+    },
 }
 
 #[derive(Subcommand)]
@@ -426,6 +456,31 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 ))
                 .await?;
             print_list(&list, output, table::replica_sets)?;
+        }
+        Command::Get {
+            what:
+                GetWhat::Policies {
+                    namespace,
+                    all_namespaces: _,
+                    output,
+                },
+        } => {
+            let list = client
+                .get_json(&collection_path(Kind::Policy, namespace.as_deref()))
+                .await?;
+            print_list(&list, output, table::policies)?;
+        }
+        Command::Describe {
+            what: DescribeWhat::Policy { name, namespace },
+        } => {
+            let policy = client
+                .get_json(&object_path(Kind::Policy, Some(&namespace), &name))
+                .await
+                .with_context(|| format!("Policy {namespace}/{name}"))?;
+            print!(
+                "{}",
+                table::describe_policy(&policy, jiff::Timestamp::now())
+            );
         }
         Command::Apply {
             filename,
