@@ -1,0 +1,229 @@
+//! Governance on a real hub, on both store backends: OCM's policy-collection examples apply as
+//! written (`kubectl apply` on the kube backend, `flotilla apply` on both), a PlacementBinding
+//! puts the namespace policy on the clusters its Placement selects, the root Policy's status
+//! lists exactly those clusters and follows a label change, an invalid policy is refused with
+//! the field and the reason, and `flotilla get policies` / `describe policy` show it. No agent
+//! runs: clusters are registered by their ManagedCluster objects, and compliance stays
+//! unreported.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use flotilla_e2e::{Fleet, wait_for};
+use flotilla_testenv::workspace_root;
+use serde_json::{Value, json};
+
+fn example(name: &str) -> PathBuf {
+    workspace_root()
+        .join("proto/tests/data/policies")
+        .join(name)
+}
+
+/// The root Policy `default/name` as `flotilla get policies -o json` lists it.
+fn policy(fleet: &Fleet, name: &str) -> anyhow::Result<Option<Value>> {
+    Ok(fleet
+        .list(&["policies", "-n", "default"])?
+        .into_iter()
+        .find(|p| p["metadata"]["name"] == name))
+}
+
+/// The clusters a root Policy's `status.status[]` lists, in order.
+fn listed_clusters(policy: &Value) -> Vec<String> {
+    policy["status"]["status"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|s| s["clustername"].as_str().map(str::to_string))
+        .collect()
+}
+
+async fn wait_listed(fleet: &Fleet, name: &str, clusters: &[&str]) -> anyhow::Result<Value> {
+    wait_for(
+        &format!("policy {name} to list exactly {clusters:?}"),
+        Duration::from_secs(60),
+        || async { Ok(policy(fleet, name)?.filter(|p| listed_clusters(p) == clusters)) },
+    )
+    .await
+}
+
+/// Runs `flotilla apply -f file` and returns its exit status and stderr.
+fn flotilla_apply(fleet: &Fleet, file: &Path) -> anyhow::Result<(bool, String)> {
+    let out = fleet
+        .hub
+        .cli(&["apply", "-f", file.to_str().unwrap_or_default()])?;
+    Ok((
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
+}
+
+async fn policies_follow_placements(kube: bool) -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let fleet = Fleet::start(dir.path(), kube).await?;
+    // Three registered clusters, two in the dev environment; every cluster is in OCM's
+    // `global` set, bound to the policies' namespace.
+    for (name, environment) in [("c1", "dev"), ("c2", "dev"), ("c3", "prod")] {
+        fleet.apply_value(
+            dir.path(),
+            &json!({"apiVersion": "cluster.open-cluster-management.io/v1",
+                    "kind": "ManagedCluster",
+                    "metadata": {"name": name, "labels": {"environment": environment}},
+                    "spec": {"hubAcceptsClient": true}}),
+        )?;
+    }
+    fleet.apply_value(
+        dir.path(),
+        &json!({"apiVersion": "cluster.open-cluster-management.io/v1beta2",
+                "kind": "ManagedClusterSetBinding",
+                "metadata": {"name": "global", "namespace": "default"},
+                "spec": {"clusterSet": "global"}}),
+    )?;
+
+    // The examples as written (no namespace: the command's, `default`): the namespace policy
+    // the way this backend's operator applies YAML, the other two through flotilla apply.
+    fleet.apply(&example("policy-namespace.yaml"))?;
+    for file in ["policy-limitrange.yaml", "policy-rbac-anonymous.yaml"] {
+        let (ok, stderr) = flotilla_apply(&fleet, &example(file))?;
+        anyhow::ensure!(ok, "flotilla apply -f {file}: {stderr}");
+    }
+    fleet
+        .wait_decided("default", "placement-policy-namespace", &["c1", "c2"])
+        .await?;
+
+    // The root policy lists exactly the two selected clusters, compliance not yet reported,
+    // placed by its own binding and through the baseline PolicySet's.
+    let placed = wait_listed(&fleet, "policy-namespace", &["c1", "c2"]).await?;
+    let status = &placed["status"];
+    assert_eq!(
+        status["placement"],
+        json!([
+            {"placementBinding": "binding-baseline", "placement": "placement-baseline",
+             "policySet": "baseline"},
+            {"placementBinding": "binding-policy-namespace",
+             "placement": "placement-policy-namespace"},
+        ]),
+        "{status}"
+    );
+    for entry in status["status"].as_array().into_iter().flatten() {
+        assert_eq!(entry["clusternamespace"], entry["clustername"], "{entry}");
+        assert!(
+            entry.get("compliant").is_none(),
+            "not reported yet: {entry}"
+        );
+    }
+    assert!(status.get("compliant").is_none(), "{status}");
+
+    // `flotilla get policies` prints the row: inform, no compliance yet, 0 of 2 non-compliant.
+    let table = fleet.cli(&["get", "policies", "-n", "default"])?;
+    let rows: Vec<Vec<&str>> = table
+        .lines()
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(
+        rows[0],
+        [
+            "NAMESPACE",
+            "NAME",
+            "REMEDIATION",
+            "COMPLIANCE",
+            "CLUSTERS",
+            "AGE"
+        ],
+        "{table}"
+    );
+    let row = rows
+        .iter()
+        .find(|r| r.get(1) == Some(&"policy-namespace"))
+        .unwrap_or_else(|| panic!("no policy-namespace row:\n{table}"));
+    assert_eq!(
+        row[..5],
+        ["default", "policy-namespace", "inform", "<none>", "0/2"]
+    );
+    let described = fleet.cli(&["describe", "policy", "policy-namespace"])?;
+    for part in [
+        "ConfigurationPolicy policy-namespace-prod (severity low, remediation inform)",
+        "musthave v1 Namespace prod",
+        "binding-policy-namespace",
+        "Clusters:   2 selected, 0 non-compliant",
+    ] {
+        assert!(
+            described.contains(part),
+            "{part:?} missing from:\n{described}"
+        );
+    }
+
+    // A label change drops c2 from the placement, and from the policy's status.
+    fleet.cli(&["cluster", "label", "c2", "environment=prod", "--overwrite"])?;
+    wait_listed(&fleet, "policy-namespace", &["c1"]).await?;
+
+    // An invalid policy is refused at apply with the object, the field and the reason, and
+    // not stored.
+    let examples = std::fs::read_to_string(example("policy-namespace.yaml"))?;
+    let mut invalid: Value =
+        yaml_serde::from_str(examples.split("\n---\n").next().unwrap_or_default())?;
+    invalid["metadata"]["name"] = "policy-audit".into();
+    invalid["spec"]["remediationAction"] = "audit".into();
+    let file = dir.path().join("invalid.json");
+    std::fs::write(&file, serde_json::to_vec(&invalid)?)?;
+    let (ok, stderr) = flotilla_apply(&fleet, &file)?;
+    assert!(!ok, "an invalid policy is refused");
+    assert!(
+        stderr.contains(
+            "Policy default/policy-audit: spec.remediationAction is \"audit\"; use inform or enforce"
+        ),
+        "{stderr}"
+    );
+    if let Some(env) = &fleet.hub_env {
+        // kubectl reaches the apiserver directly: the CRD's enum refuses it there.
+        let out = env.kubectl().arg("apply").arg("-f").arg(&file).output()?;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "kubectl apply of an invalid policy");
+        assert!(
+            stderr.contains("spec.remediationAction") && stderr.contains("audit"),
+            "{stderr}"
+        );
+    }
+    // An OCM field flotilla does not implement is refused by name, never ignored.
+    let mut dependent = invalid.clone();
+    dependent["metadata"]["name"] = "policy-dependent".into();
+    dependent["spec"]["remediationAction"] = "inform".into();
+    dependent["spec"]["dependencies"] = json!([{"apiVersion": "policy.open-cluster-management.io/v1",
+        "kind": "Policy", "name": "policy-limitrange", "compliance": "Compliant"}]);
+    let file = dir.path().join("dependent.json");
+    std::fs::write(&file, serde_json::to_vec(&dependent)?)?;
+    let (ok, stderr) = flotilla_apply(&fleet, &file)?;
+    assert!(!ok, "a policy with dependencies is refused");
+    assert!(
+        stderr.contains(
+            "Policy default/policy-dependent: spec.dependencies is not supported by flotilla; remove it"
+        ),
+        "{stderr}"
+    );
+    if let Some(env) = &fleet.hub_env {
+        // kubectl's strict field validation refuses the field the CRD leaves out.
+        let out = env.kubectl().arg("apply").arg("-f").arg(&file).output()?;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "kubectl apply of a policy with dependencies"
+        );
+        assert!(stderr.contains("dependencies"), "{stderr}");
+    }
+    for name in ["policy-audit", "policy-dependent"] {
+        assert!(
+            policy(&fleet, name)?.is_none(),
+            "a refused policy is not stored: {name}"
+        );
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policies_follow_placements_on_sled() -> anyhow::Result<()> {
+    policies_follow_placements(false).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policies_follow_placements_on_kube() -> anyhow::Result<()> {
+    policies_follow_placements(true).await
+}
