@@ -101,9 +101,30 @@ fn placement_binding_crd() -> CustomResourceDefinition {
 /// it, naming the problem in its log.
 type Constraints = Vec<(&'static [&'static str], serde_json::Value)>;
 
+/// OCM's compliance states of a root Policy or PolicySet; `Terminating` is a template's only.
+const ROOT_COMPLIANCE: [&str; 3] = ["Compliant", "Pending", "NonCompliant"];
+
 fn policy_constraints() -> Constraints {
     use serde_json::json;
     vec![
+        (&[], json!({ "required": ["metadata", "spec"] })),
+        (
+            &["spec"],
+            json!({ "required": ["disabled", "policy-templates"] }),
+        ),
+        (&["status", "compliant"], json!({ "enum": ROOT_COMPLIANCE })),
+        (
+            &["status", "status", "[]", "compliant"],
+            json!({ "enum": ROOT_COMPLIANCE }),
+        ),
+        (
+            &["status", "details", "[]", "compliant"],
+            json!({ "enum": ROOT_COMPLIANCE }),
+        ),
+        (
+            &["status", "details", "[]", "history", "[]", "lastTimestamp"],
+            json!({ "format": "date-time" }),
+        ),
         (
             &["spec", "remediationAction"],
             json!({ "enum": ["Inform", "inform", "Enforce", "enforce"] }),
@@ -118,6 +139,8 @@ fn policy_constraints() -> Constraints {
 fn policy_set_constraints() -> Constraints {
     use serde_json::json;
     vec![
+        (&["spec"], json!({ "required": ["policies"] })),
+        (&["status", "compliant"], json!({ "enum": ROOT_COMPLIANCE })),
         (
             &["spec", "policies"],
             json!({ "maxItems": super::policy::MAX_SET_POLICIES }),
@@ -170,17 +193,22 @@ fn constrained(
     for (path, facts) in constraints {
         let mut node = &mut value;
         for step in path {
-            node = if *step == "[]" {
-                &mut node["items"]
+            let next = if *step == "[]" {
+                node.get_mut("items")
             } else {
-                &mut node["properties"][*step]
+                node.get_mut("properties").and_then(|p| p.get_mut(*step))
             };
+            node = next
+                .unwrap_or_else(|| panic!("{}: no {path:?} in the schema", crd.spec.names.kind));
         }
         merge(node, facts);
         if let Some(required) = node.get("required").cloned() {
             for field in required.as_array().into_iter().flatten() {
                 if let Some(field) = field.as_str()
-                    && let Some(property) = node["properties"][field].as_object_mut()
+                    && let Some(property) = node
+                        .get_mut("properties")
+                        .and_then(|p| p.get_mut(field))
+                        .and_then(serde_json::Value::as_object_mut)
                 {
                     property.remove("default");
                 }

@@ -146,6 +146,15 @@ impl JsonSchema for ObjectDefinition {
     }
 }
 
+/// An object the apiserver keeps as written, as OCM's CRD keeps a template's metadata in a
+/// status (`x-kubernetes-preserve-unknown-fields`), rather than ObjectMeta's whole schema.
+fn preserved_object(_: &mut SchemaGenerator) -> Schema {
+    json_schema!({
+        "type": "object",
+        "x-kubernetes-preserve-unknown-fields": true,
+    })
+}
+
 /// Whether violations are only reported (`inform`) or also repaired (`enforce`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum RemediationAction {
@@ -237,6 +246,7 @@ pub struct PolicyStatus {
 pub struct DetailsPerTemplate {
     /// The template's name.
     #[serde(default)]
+    #[schemars(schema_with = "preserved_object")]
     pub template_meta: ObjectMeta,
     /// The template's compliance.
     #[serde(default, skip_serializing_if = "Option::is_none")]
