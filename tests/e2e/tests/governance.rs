@@ -9,7 +9,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use flotilla_cli::client::{OperatorClient, OperatorConfig};
 use flotilla_e2e::{Fleet, wait_for};
+use flotilla_proto::api::Kind;
 use flotilla_testenv::workspace_root;
 use serde_json::{Value, json};
 
@@ -112,6 +114,28 @@ async fn policies_follow_placements(kube: bool) -> anyhow::Result<()> {
         );
     }
     assert!(status.get("compliant").is_none(), "{status}");
+
+    // The baseline PolicySet (the rbac example's) names its binding, and says which of its
+    // members is missing: none.
+    let operator = OperatorClient::new(&OperatorConfig::load(
+        &fleet.hub.data_dir.join("operator/config.yaml"),
+    )?)?;
+    let set_path = flotilla_cli::cli::object_path(Kind::PolicySet, Some("default"), "baseline");
+    let set = wait_for(
+        "the baseline PolicySet's placement",
+        Duration::from_secs(30),
+        || async {
+            let set = operator.get_json(&set_path).await?;
+            Ok(set["status"]["placement"].is_array().then_some(set))
+        },
+    )
+    .await?;
+    assert_eq!(
+        set["status"]["placement"],
+        json!([{"placementBinding": "binding-baseline", "placement": "placement-baseline"}]),
+        "{set}"
+    );
+    assert!(set["status"].get("statusMessage").is_none(), "{set}");
 
     // `flotilla get policies` prints the row: inform, no compliance yet, 0 of 2 non-compliant.
     let table = fleet.cli(&["get", "policies", "-n", "default"])?;
