@@ -958,6 +958,23 @@ mod tests {
             .await
             .unwrap()
             .unwrap();
+        // Another policy placed after that write: the Policy watch brings the controller its
+        // own write first, so once this one's status is written the controller has resolved
+        // again after its own write, and must not have written the same status again.
+        store
+            .create(serde_json::to_value(policy("marker", false)).unwrap())
+            .await
+            .unwrap();
+        store
+            .create(
+                serde_json::to_value(binding("marker", "dev", &[("Policy", "marker")])).unwrap(),
+            )
+            .await
+            .unwrap();
+        until("the marker policy is placed", || async {
+            listed(&stored_status(store.as_ref(), "marker").await) == ["c2"]
+        })
+        .await;
         assert_ne!(
             flotilla_store::resource_version(&before),
             flotilla_store::resource_version(&after)

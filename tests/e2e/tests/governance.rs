@@ -81,10 +81,15 @@ async fn policies_follow_placements(kube: bool) -> anyhow::Result<()> {
                 "spec": {"clusterSet": "global"}}),
     )?;
 
-    // The examples as written (no namespace: the command's, `default`): the namespace policy
-    // the way this backend's operator applies YAML, the other two through flotilla apply.
-    fleet.apply(&example("policy-namespace.yaml"))?;
-    for file in ["policy-limitrange.yaml", "policy-rbac-anonymous.yaml"] {
+    // The examples as written (no namespace: the command's, `default`), each applied the way
+    // this backend's operator applies YAML (kubectl on the kube backend) and then again with
+    // flotilla apply, which replaces what is there.
+    for file in [
+        "policy-namespace.yaml",
+        "policy-limitrange.yaml",
+        "policy-rbac-anonymous.yaml",
+    ] {
+        fleet.apply(&example(file))?;
         let (ok, stderr) = flotilla_apply(&fleet, &example(file))?;
         anyhow::ensure!(ok, "flotilla apply -f {file}: {stderr}");
     }
