@@ -315,8 +315,10 @@ pub fn policy_set_status(current: Option<&PolicySetStatus>, placed: &SetPlaced) 
 #[derive(Default)]
 struct Model {
     policies: BTreeMap<Key, Policy>,
-    /// Stored policies' resourceVersions, which status writes are conditioned on.
+    /// The resourceVersion of each stored Policy and PolicySet, which its status write is
+    /// conditioned on: a compliance report written meanwhile makes it a conflict, not a loss.
     versions: BTreeMap<(Kind, Key), Revision>,
+    /// Policies that fail validation (written around the operator API): placed, not delivered.
     invalid: BTreeSet<Key>,
     sets: BTreeMap<Key, PolicySet>,
     bindings: BTreeMap<Key, PlacementBinding>,
