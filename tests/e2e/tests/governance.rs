@@ -168,6 +168,33 @@ async fn policies_follow_placements(kube: bool) -> anyhow::Result<()> {
         row[..5],
         ["default", "policy-namespace", "inform", "<none>", "0/2"]
     );
+    if let Some(env) = &fleet.hub_env {
+        // kubectl shows OCM's columns from the CRD.
+        let out = env
+            .kubectl()
+            .args(["get", "policies", "-n", "default"])
+            .output()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let header: Vec<&str> = text
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .split("   ")
+            .map(str::trim)
+            .filter(|c| !c.is_empty())
+            .collect();
+        assert_eq!(
+            header,
+            ["NAME", "REMEDIATION ACTION", "COMPLIANCE STATE", "AGE"],
+            "{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("policy-namespace ") && l.contains("inform")),
+            "{text}"
+        );
+    }
     let described = fleet.cli(&["describe", "policy", "policy-namespace"])?;
     for part in [
         "ConfigurationPolicy policy-namespace-prod (severity low, remediation inform)",
