@@ -66,6 +66,10 @@ pub struct LinksReport {
     pub link: String,
     pub round_trip_ms: f64,
     pub sides: Vec<SideOverLink>,
+    /// flotilla's agents (both carriers) against the hub at the end: every agent's latest
+    /// status stored, none twice.
+    #[serde(default)]
+    pub statuses: Option<crate::report::StatusAudit>,
 }
 
 /// One side's figures: a carrier of flotilla's, or the klusterlet pattern.
@@ -153,6 +157,7 @@ impl Run {
             .client()
             .await?;
         self.ensure_connected(clock).await?;
+        let duplicates_before = self.sample().duplicate_status_acks;
         let names: Vec<String> = self.identities.iter().map(|i| i.name.clone()).collect();
         let per = names.len().div_ceil(self.args.processes.max(1));
         let links = self.agents.as_ref().map(|a| a.links()).unwrap_or_default();
@@ -467,6 +472,10 @@ impl Run {
             s.unknown_marks = Some(marks.iter().filter(|m| of_side(&m.cluster)).count() as u64);
             s.wrong_unknown = Some(wrong.iter().filter(|m| of_side(&m.cluster)).count() as u64);
         }
+
+        // Every status the agents made is on the hub, none twice.
+        let (audit, _) = self.converge_and_audit(clock, duplicates_before).await?;
+        l.statuses = Some(audit);
 
         // The klusterlet pattern over links of the same spec.
         let side = self
@@ -1044,6 +1053,15 @@ impl LinksReport {
                 _ => "-".into(),
             }),
         ));
+        if let Some(a) = &self.statuses {
+            rows.push((
+                "statuses (flotilla): compared / lost / twice / unacked".into(),
+                format!(
+                    "{} / {} / {} / {}",
+                    a.compared, a.lost, a.duplicated, a.unacked
+                ),
+            ));
+        }
         for s in &self.sides {
             for n in &s.notes {
                 rows.push((format!("{} note", s.side), n.clone()));

@@ -211,6 +211,16 @@ async fn the_links_scenario_measures_both_carriers_and_the_klusterlet_pattern_ov
             "{s:?}"
         );
     }
+    // Every status flotilla's agents made is on the hub, once.
+    let audit = links.statuses.as_ref().unwrap();
+    // Two works on every agent (the fan-out, the one made after the outage), two more on
+    // the first of each carrier (the large ones).
+    assert_eq!(audit.compared, 6 * 2 + 2 * 2, "{audit:?}");
+    assert_eq!(
+        (audit.lost, audit.duplicated, audit.unacked),
+        (0, 0, 0),
+        "{audit:?}"
+    );
     // The klusterlet pattern's apiserver refuses a 10 MiB work outright.
     let refused = links.sides[2].large[1]
         .refused
