@@ -100,6 +100,36 @@ pub fn spawn(
     }
 }
 
+/// One update into a controller's model: noted for `readiness`, then each change it makes to
+/// what is `known` handed to `apply`.
+pub fn absorb(
+    update: Update,
+    readiness: &mut Readiness,
+    known: &mut Known,
+    mut apply: impl FnMut(Kind, WatchEvent),
+) {
+    readiness.note(&update);
+    for (kind, event) in known.changes(update) {
+        apply(kind, event);
+    }
+}
+
+/// Up to `batch` more updates that are already waiting, absorbed without waiting for any.
+pub fn absorb_waiting(
+    rx: &mut mpsc::Receiver<Update>,
+    batch: usize,
+    readiness: &mut Readiness,
+    known: &mut Known,
+    mut apply: impl FnMut(Kind, WatchEvent),
+) {
+    for _ in 0..batch {
+        let Ok(update) = rx.try_recv() else {
+            break;
+        };
+        absorb(update, readiness, known, &mut apply);
+    }
+}
+
 /// Tracks which kinds have delivered their first list: a controller acts only once it has
 /// read everything it decides from, so it never undoes what it simply has not read yet.
 #[derive(Debug)]

@@ -348,12 +348,7 @@ pub async fn run(
     loop {
         tokio::select! {
             u = rx.recv() => match u {
-                Some(u) => {
-                    readiness.note(&u);
-                    for (kind, event) in known.changes(u) {
-                        model.apply(kind, event);
-                    }
-                }
+                Some(u) => feed::absorb(u, &mut readiness, &mut known, |k, e| model.apply(k, e)),
                 None => break,
             },
             _ = delay_until(model.retry_at) => {
@@ -362,17 +357,9 @@ pub async fn run(
             }
             _ = stopped(&mut stop_wait) => break,
         }
-        for _ in 0..config.batch {
-            match rx.try_recv() {
-                Ok(u) => {
-                    readiness.note(&u);
-                    for (kind, event) in known.changes(u) {
-                        model.apply(kind, event);
-                    }
-                }
-                Err(_) => break,
-            }
-        }
+        feed::absorb_waiting(&mut rx, config.batch, &mut readiness, &mut known, |k, e| {
+            model.apply(k, e)
+        });
         if !readiness.ready() || !model.dirty {
             continue;
         }

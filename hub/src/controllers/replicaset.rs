@@ -471,12 +471,7 @@ pub async fn run(store: Arc<dyn Store>, config: ControllerConfig, stop: watch::R
         let next = model.rechecks.keys().next().copied();
         tokio::select! {
             u = rx.recv() => match u {
-                Some(u) => {
-                    readiness.note(&u);
-                    for (kind, event) in known.changes(u) {
-                        model.apply(kind, event);
-                    }
-                }
+                Some(u) => feed::absorb(u, &mut readiness, &mut known, |k, e| model.apply(k, e)),
                 None => break,
             },
             _ = delay_until(next) => {
@@ -491,17 +486,9 @@ pub async fn run(store: Arc<dyn Store>, config: ControllerConfig, stop: watch::R
             }
             _ = stopped(&mut stop_wait) => break,
         }
-        for _ in 0..config.batch {
-            match rx.try_recv() {
-                Ok(u) => {
-                    readiness.note(&u);
-                    for (kind, event) in known.changes(u) {
-                        model.apply(kind, event);
-                    }
-                }
-                Err(_) => break,
-            }
-        }
+        feed::absorb_waiting(&mut rx, config.batch, &mut readiness, &mut known, |k, e| {
+            model.apply(k, e)
+        });
         if !readiness.ready() {
             continue;
         }
