@@ -149,8 +149,8 @@ fn every_hub_kind_has_a_crd_with_its_coordinates() {
         };
         assert_eq!(version.name, kind.version(), "{kind}");
         assert!(version.served && version.storage, "{kind}");
-        // Every OCM kind has a status written by a controller or agent, through /status; a
-        // ManifestChunk is written once and never has one.
+        // Every OCM kind (and ClusterCompliance) has a status written by a controller or
+        // agent, through /status; a ManifestChunk is written once and never has one.
         let status = version
             .subresources
             .as_ref()
@@ -510,4 +510,58 @@ fn governance_schemas_refuse_what_a_schema_can_say() {
     );
     let set = schema_of(&crd_for("policy.open-cluster-management.io", "policysets"));
     assert_eq!(property(&set, &["spec", "policies", "[]"])["minLength"], 1);
+}
+
+/// The per-cluster compliance record: bounded lists, entries that name their root Policy, the
+/// fencing record of a gateway-written status, and a column kubectl can print.
+#[test]
+fn cluster_compliance_schema_bounds_the_record() {
+    use flotilla_proto::api::policy::{
+        MAX_CLUSTER_POLICIES, MAX_POLICY_TEMPLATES, MAX_TEMPLATE_HISTORY,
+    };
+    let crd = crd_for("governance.flotilla.io", "clustercompliances");
+    let schema = schema_of(&crd);
+    let policies = property(&schema, &["status", "policies"]);
+    assert_eq!(policies["maxItems"], MAX_CLUSTER_POLICIES);
+    let entry = property(&schema, &["status", "policies", "[]"]);
+    assert_eq!(
+        entry["required"],
+        serde_json::json!(["namespace", "name", "uid"])
+    );
+    for field in ["namespace", "name", "uid"] {
+        assert_eq!(property(entry, &[field])["minLength"], 1, "{field}");
+        assert!(
+            property(entry, &[field]).get("default").is_none(),
+            "{field}"
+        );
+    }
+    assert_eq!(
+        property(entry, &["details"])["maxItems"],
+        MAX_POLICY_TEMPLATES
+    );
+    assert_eq!(
+        property(entry, &["details", "[]", "history"])["maxItems"],
+        MAX_TEMPLATE_HISTORY
+    );
+    assert!(
+        property(&schema, &["status", "fence", "epoch"]).is_object(),
+        "the gateway's fenced status writes leave their record here"
+    );
+    let columns: Vec<(String, String)> = crd.spec.versions[0]
+        .additional_printer_columns
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|c| (c.name, c.json_path))
+        .collect();
+    assert_eq!(
+        columns,
+        [
+            (
+                "Noncompliant".to_owned(),
+                r#".status.policies[?(@.compliant=="NonCompliant")].name"#.to_owned()
+            ),
+            ("Age".to_owned(), ".metadata.creationTimestamp".to_owned()),
+        ]
+    );
 }

@@ -72,6 +72,7 @@ fn check_round_trip(path: &str) {
         "Policy" => drop(round_trip::<policy::Policy>(path)),
         "PlacementBinding" => drop(round_trip::<policy::PlacementBinding>(path)),
         "PolicySet" => drop(round_trip::<policy::PolicySet>(path)),
+        "ClusterCompliance" => drop(round_trip::<policy::ClusterCompliance>(path)),
         other => panic!("{path}: no type for kind {other}"),
     }
 }

@@ -42,7 +42,7 @@ pub(crate) fn check_kind(key: &ObjectKey) -> Result<(), StoreError> {
     Err(key.invalid(format!(
         "{} has no fencing record in its status: fenced writes are for {}",
         key.kind,
-        fence::FENCED_KINDS.map(|k| k.name()).join(" and ")
+        fence::FENCED_KINDS.map(|k| k.name()).join(", ")
     )))
 }
 

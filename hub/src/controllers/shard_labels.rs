@@ -1,4 +1,5 @@
-//! The shard labeller: the only writer of [`SHARD_LABEL`] on ManagedClusters and ManifestWorks.
+//! The shard labeller: the only writer of [`SHARD_LABEL`] on ManagedClusters, ManifestWorks and
+//! ClusterCompliances (each cluster's compliance record, which gateways write for their shards).
 //!
 //! Gateways list and watch with a selector on that label, so an object without it (a work a
 //! user `kubectl apply`-ed straight to the hub apiserver) or with a wrong one (after a change of
@@ -23,19 +24,26 @@ use tokio::sync::{Mutex, Semaphore, mpsc, watch};
 use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
+/// The kinds the label is on: what gateways select by shard.
+const LABELLED: [Kind; 3] = [
+    Kind::ManagedCluster,
+    Kind::ManifestWork,
+    Kind::ClusterCompliance,
+];
+
 /// The label value `object` should carry among `shards` shards: its cluster's shard (a
-/// ManagedCluster's name, a ManifestWork's namespace).
+/// ManagedCluster's name, a ManifestWork's or ClusterCompliance's namespace).
 pub fn wanted_label(object: &Object, shards: u32) -> Option<String> {
     let cluster = match object.get("kind").and_then(Value::as_str)? {
         "ManagedCluster" => name_of(object),
-        "ManifestWork" => namespace_of(object)?,
+        "ManifestWork" | "ClusterCompliance" => namespace_of(object)?,
         _ => return None,
     };
     Some(shard_label_value(shard_of(cluster, shards)))
 }
 
-/// Sets [`SHARD_LABEL`] on a ManagedCluster or ManifestWork about to be written by the hub;
-/// other kinds are left alone.
+/// Sets [`SHARD_LABEL`] on a ManagedCluster, ManifestWork or ClusterCompliance about to be
+/// written by the hub; other kinds are left alone.
 pub fn stamp(object: &mut Object, shards: u32) {
     let Some(value) = wanted_label(object, shards) else {
         return;
@@ -109,7 +117,8 @@ impl Reflector for Seen {
     }
 }
 
-/// Labels every ManagedCluster and ManifestWork with its shard among `shards`, until `stop`:
+/// Labels every ManagedCluster, ManifestWork and ClusterCompliance with its shard among
+/// `shards`, until `stop`:
 /// at most `concurrency` writes in flight, at most `queue` objects waiting.
 pub async fn run(
     store: Arc<dyn Store>,
@@ -121,7 +130,7 @@ pub async fn run(
     let (tx, mut rx) = mpsc::channel::<Key>(queue.max(1));
     let pending = Arc::new(Mutex::new(HashSet::new()));
     let mut watches = JoinSet::new();
-    for kind in [Kind::ManagedCluster, Kind::ManifestWork] {
+    for kind in LABELLED {
         let seen = Seen {
             kind,
             shards,
@@ -134,7 +143,7 @@ pub async fn run(
     drop(tx);
     let permits = Arc::new(Semaphore::new(concurrency.max(1)));
     let mut writes = JoinSet::new();
-    // Ends when both watches have stopped (and dropped their senders).
+    // Ends when every watch has stopped (and dropped its sender).
     while let Some(key) = rx.recv().await {
         let Ok(permit) = permits.clone().acquire_owned().await else {
             break;
@@ -277,6 +286,22 @@ mod tests {
                 .await
                 .as_ref()
                 == Some(&right)
+        })
+        .await;
+        // A cluster's compliance record, made without the label: labelled like its works.
+        store
+            .create(json!({"apiVersion": Kind::ClusterCompliance.api_version(),
+                "kind": "ClusterCompliance",
+                "metadata": {"name": "store-1", "namespace": "store-1"}, "spec": {}}))
+            .await
+            .unwrap();
+        until("the compliance record carries its shard", || async {
+            let c = store
+                .get(Kind::ClusterCompliance, Some("store-1"), "store-1")
+                .await
+                .unwrap()
+                .unwrap();
+            label(&c, SHARD_LABEL) == Some(right.as_str())
         })
         .await;
         // A work already right was never written: no flapping, no needless writes.

@@ -4,15 +4,16 @@
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::CustomResourceExt;
 
-use super::policy::{PlacementBinding, Policy, PolicySet};
+use super::policy::{ClusterCompliance, PlacementBinding, Policy, PolicySet};
 use super::{
     AddOnPlacementScore, ClusterClaim, ManagedCluster, ManagedClusterSet, ManagedClusterSetBinding,
     ManifestChunk, ManifestWork, ManifestWorkReplicaSet, Placement, PlacementDecision,
 };
 
-/// The CRDs of the twelve hub kinds (eleven of OCM's and flotilla's ManifestChunk) (see
-/// [`crate::api::Kind`]) and of the spoke's ClusterClaim, in that order: one served and stored version each, with status subresources, printer columns
-/// and short names as OCM's own CRDs have them.
+/// The CRDs of the thirteen hub kinds (eleven of OCM's, flotilla's ManifestChunk and
+/// ClusterCompliance) (see [`crate::api::Kind`]) and of the spoke's ClusterClaim, in that
+/// order: one served and stored version each, with status subresources, printer columns and
+/// short names as OCM's own CRDs have them.
 pub fn crds() -> Vec<CustomResourceDefinition> {
     vec![
         ManagedCluster::crd(),
@@ -27,6 +28,7 @@ pub fn crds() -> Vec<CustomResourceDefinition> {
         constrained(Policy::crd(), policy_constraints()),
         placement_binding_crd(),
         constrained(PolicySet::crd(), policy_set_constraints()),
+        constrained(ClusterCompliance::crd(), cluster_compliance_constraints()),
         ClusterClaim::crd(),
     ]
 }
@@ -146,6 +148,50 @@ fn policy_set_constraints() -> Constraints {
             json!({ "maxItems": super::policy::MAX_SET_POLICIES }),
         ),
         (&["spec", "policies", "[]"], json!({ "minLength": 1 })),
+    ]
+}
+
+/// The record's bounds, so that the apiserver refuses a record no writer should make; the
+/// identity of each entry is required (the hub matches entries to roots by uid).
+fn cluster_compliance_constraints() -> Constraints {
+    use serde_json::json;
+    vec![
+        (
+            &["status", "policies"],
+            json!({ "maxItems": super::policy::MAX_CLUSTER_POLICIES }),
+        ),
+        (
+            &["status", "policies", "[]"],
+            json!({
+                "required": ["namespace", "name", "uid"],
+                "properties": {
+                    "namespace": { "minLength": 1 },
+                    "name": { "minLength": 1 },
+                    "uid": { "minLength": 1 },
+                },
+            }),
+        ),
+        (
+            &["status", "policies", "[]", "details"],
+            json!({ "maxItems": super::policy::MAX_POLICY_TEMPLATES }),
+        ),
+        (
+            &["status", "policies", "[]", "details", "[]", "history"],
+            json!({ "maxItems": super::policy::MAX_TEMPLATE_HISTORY }),
+        ),
+        (
+            &[
+                "status",
+                "policies",
+                "[]",
+                "details",
+                "[]",
+                "history",
+                "[]",
+                "lastTimestamp",
+            ],
+            json!({ "format": "date-time" }),
+        ),
     ]
 }
 

@@ -20,10 +20,13 @@ pub enum Kind {
     PlacementBinding,
     /// A named group of Policies placed together.
     PolicySet,
+    /// flotilla's own: one cluster's compliance with each root Policy it carries, in the
+    /// cluster's namespace (see [`super::policy::ClusterCompliance`]).
+    ClusterCompliance,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 12] = [
+    pub const ALL: [Kind; 13] = [
         Kind::ManagedCluster,
         Kind::ManagedClusterSet,
         Kind::ManagedClusterSetBinding,
@@ -36,6 +39,7 @@ impl Kind {
         Kind::Policy,
         Kind::PlacementBinding,
         Kind::PolicySet,
+        Kind::ClusterCompliance,
     ];
 
     /// The `kind` field.
@@ -53,6 +57,7 @@ impl Kind {
             Kind::Policy => "Policy",
             Kind::PlacementBinding => "PlacementBinding",
             Kind::PolicySet => "PolicySet",
+            Kind::ClusterCompliance => "ClusterCompliance",
         }
     }
 
@@ -61,6 +66,7 @@ impl Kind {
             Kind::ManifestWork | Kind::ManifestWorkReplicaSet => "work.open-cluster-management.io",
             Kind::ManifestChunk => "work.flotilla.io",
             Kind::Policy | Kind::PlacementBinding | Kind::PolicySet => super::policy::POLICY_GROUP,
+            Kind::ClusterCompliance => super::policy::COMPLIANCE_GROUP,
             _ => "cluster.open-cluster-management.io",
         }
     }
@@ -73,9 +79,10 @@ impl Kind {
             }
             Kind::ManagedClusterSet | Kind::ManagedClusterSetBinding => "v1beta2",
             Kind::Placement | Kind::PlacementDecision | Kind::PolicySet => "v1beta1",
-            Kind::ManifestWorkReplicaSet | Kind::AddOnPlacementScore | Kind::ManifestChunk => {
-                "v1alpha1"
-            }
+            Kind::ManifestWorkReplicaSet
+            | Kind::AddOnPlacementScore
+            | Kind::ManifestChunk
+            | Kind::ClusterCompliance => "v1alpha1",
         }
     }
 
@@ -99,6 +106,7 @@ impl Kind {
             Kind::Policy => "policies",
             Kind::PlacementBinding => "placementbindings",
             Kind::PolicySet => "policysets",
+            Kind::ClusterCompliance => "clustercompliances",
         }
     }
 

@@ -130,3 +130,6 @@ impl Stored for policy::PlacementBinding {
 impl Stored for policy::PolicySet {
     const KIND: Kind = Kind::PolicySet;
 }
+impl Stored for policy::ClusterCompliance {
+    const KIND: Kind = Kind::ClusterCompliance;
+}

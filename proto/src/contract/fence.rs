@@ -36,7 +36,11 @@ pub const SPEC_FENCE_ANNOTATION: &str = "flotilla.io/spec-fence";
 
 /// The kinds whose status carries a [`WriteFence`]: the ones gateways write for the clusters of
 /// the shards they hold.
-pub const FENCED_KINDS: [Kind; 2] = [Kind::ManagedCluster, Kind::ManifestWork];
+pub const FENCED_KINDS: [Kind; 3] = [
+    Kind::ManagedCluster,
+    Kind::ManifestWork,
+    Kind::ClusterCompliance,
+];
 
 /// Whether `kind`'s status carries a [`WriteFence`].
 pub fn is_fenced(kind: Kind) -> bool {
@@ -328,6 +332,7 @@ mod tests {
             "as errors and logs name it"
         );
         assert!(is_fenced(Kind::ManifestWork) && is_fenced(Kind::ManagedCluster));
+        assert!(is_fenced(Kind::ClusterCompliance));
     }
 
     #[test]

@@ -684,6 +684,22 @@ async fn rbac_covers_every_call_the_code_makes() -> anyhow::Result<()> {
             "the cleanup finalizer, added on the agent's ack and removed on its release",
         ));
     }
+    for verb in ["get", "list", "watch"] {
+        granted.push(ask(
+            "flotilla-gateway",
+            verb,
+            plural_group(Kind::ClusterCompliance),
+            None,
+            "each cluster's compliance record, cached by shard and read before a fenced write",
+        ));
+    }
+    granted.push(ask(
+        "flotilla-gateway",
+        "patch",
+        format!("{}/status", plural_group(Kind::ClusterCompliance)),
+        None,
+        "agents' compliance reports, written as fenced status writes",
+    ));
     granted.push(ask(
         "flotilla-gateway",
         "get",
@@ -830,6 +846,13 @@ async fn rbac_covers_every_call_the_code_makes() -> anyhow::Result<()> {
             works.clone(),
             None,
             "only the hub deletes works",
+        ),
+        ask(
+            "flotilla-gateway",
+            "delete",
+            plural_group(Kind::ClusterCompliance),
+            None,
+            "only the hub creates and deletes compliance records",
         ),
         ask(
             "flotilla-gateway",

@@ -6,6 +6,9 @@
 //!   written.
 //! * [`ConfigurationPolicy`] (v1): the template kind a Policy carries in
 //!   `spec.policy-templates[].objectDefinition` and an agent evaluates on its cluster.
+//! * [`ClusterCompliance`] (`governance.flotilla.io/v1alpha1`, flotilla's own): one record per
+//!   cluster of what its agent reported on each root Policy, written by the gateways and
+//!   aggregated by the hub into the roots' status (instead of OCM's replicated policies).
 //! * [`validate_policy`], [`validate_configuration_policy`], [`validate_placement_binding`],
 //!   [`validate_policy_set`]: refusals that name the object and the field, and the bounds
 //!   ([`MAX_POLICY_TEMPLATES`], [`MAX_OBJECT_TEMPLATES`], [`MAX_POLICY_BYTES`]).
@@ -19,6 +22,7 @@
 //! answers in and performs the [`EnforceAction`]s it gets back.
 
 mod compare;
+mod compliance;
 mod evaluate;
 mod namespaces;
 mod prune;
@@ -27,6 +31,10 @@ mod types;
 mod validate;
 
 pub use compare::{ComplianceType, fields_match, merge_into};
+pub use compliance::{
+    COMPLIANCE_GROUP, ClusterCompliance, ClusterComplianceSpec, ClusterComplianceStatus,
+    MAX_CLUSTER_POLICIES, MAX_TEMPLATE_HISTORY, PolicyCompliance, empty_cluster_compliance,
+};
 pub use evaluate::{
     Compliance, EnforceAction, ObjectRead, ObjectVerdict, Observed, ResourceKind,
     TemplateEvaluation, TemplateProblem, evaluate, plural_of, reads,
