@@ -6,20 +6,28 @@
 //! clusters × 100 policies that is a million objects in the hub's store, each written again on
 //! every change of its root. The per-cluster set is kept in memory instead ([`PolicyAssignments`])
 //! for the gateways' sessions to deliver, and the root Policy's `status.status[]` lists the
-//! clusters it reaches (compliance on each is filled in by what the agents report).
+//! clusters it reaches.
+//!
+//! What each cluster's agent reports is kept in one `ClusterCompliance` record per cluster (in
+//! its namespace, named as it), written by the gateway of its shard. This controller creates a
+//! cluster's record when the cluster carries its first policy and deletes it once the cluster
+//! carries none and the record holds no report (so a report in flight is never lost), or once
+//! the ManagedCluster is gone; and it aggregates the records into the roots' status.
 //!
 //! [`resolve`] decides for the whole fleet with no IO (tested here); [`policy_status`] and
-//! [`policy_set_status`] turn the decision into the status each object should have, keeping
-//! what the agents reported; the driver feeds them from the store's watches and writes only
-//! the statuses that differ, each conditioned on the version it read.
+//! [`policy_set_status`] turn the decision and the records into the status each object should
+//! have; [`records_to_write`] says which records to create and delete; the driver feeds them
+//! from the store's watches and writes only what differs, each status write conditioned on
+//! the version it read.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use flotilla_ops::error_chain;
 use flotilla_proto::api::policy::{
-    CompliancePerClusterStatus, ComplianceState, PlacementBinding, Policy, PolicyPlacement,
-    PolicySet, PolicySetStatus, PolicySetStatusPlacement, PolicyStatus, validate_policy,
+    ClusterCompliance, CompliancePerClusterStatus, ComplianceState, PlacementBinding, Policy,
+    PolicyPlacement, PolicySet, PolicySetStatus, PolicySetStatusPlacement, PolicyStatus,
+    empty_cluster_compliance, validate_policy,
 };
 use flotilla_proto::api::{Kind, PLACEMENT_LABEL, PlacementDecision};
 use flotilla_store::{Object, Revision, Store, StoreError, WatchEvent, name_of, namespace_of};
@@ -34,11 +42,13 @@ use super::feed::{self, Known, Readiness};
 use super::scheduling::fleet::Key;
 use super::{ControllerConfig, delay_until, stopped};
 
-const KINDS: [Kind; 4] = [
+const KINDS: [Kind; 6] = [
     Kind::Policy,
     Kind::PolicySet,
     Kind::PlacementBinding,
     Kind::PlacementDecision,
+    Kind::ClusterCompliance,
+    Kind::ManagedCluster,
 ];
 
 /// The kind a PlacementBinding's subject names, as OCM spells it.
@@ -47,6 +57,10 @@ const SUBJECT_POLICY_SET: &str = "PolicySet";
 
 /// Per cluster, the root policies (`namespace/name`) it must carry.
 pub type Assigned = BTreeMap<String, BTreeSet<Key>>;
+
+/// Per cluster that has a compliance record, what its agent reported: the compliance of each
+/// root Policy by the root's uid (absent compliance: reported on, not yet evaluated).
+pub type Reported = BTreeMap<String, BTreeMap<String, Option<ComplianceState>>>;
 
 /// The per-cluster policy sets the controller keeps current, for whoever delivers them (the
 /// gateways' sessions). Cloning shares it; readers never wait for the controller.
@@ -255,22 +269,25 @@ fn set_message(set_key: &Key, set: &PolicySet, inputs: &Inputs<'_>) -> String {
     parts.join("; ")
 }
 
-/// The status a root Policy should have given where it is placed: `placement[]` from the
-/// bindings, `status[]` one entry per cluster it reaches (sorted by name) with the compliance
-/// a cluster already reported kept, and `compliant` aggregated from those entries. Anything
-/// else in `current` is kept.
-pub fn policy_status(current: Option<&PolicyStatus>, placed: &PolicyPlaced) -> PolicyStatus {
+/// The status a root Policy (whose `metadata.uid` is `uid`) should have given where it is
+/// placed and what the clusters reported: `placement[]` from the bindings, `status[]` one entry
+/// per cluster it reaches (sorted by name) with the compliance that cluster's record holds for
+/// this uid, and `compliant` aggregated from those entries. A cluster the policy no longer
+/// reaches is not listed and does not count, whatever its record still says; a report on a
+/// policy deleted and created again under the same name (another uid) counts for nothing.
+/// Anything else in `current` is kept.
+pub fn policy_status(
+    current: Option<&PolicyStatus>,
+    placed: &PolicyPlaced,
+    uid: &str,
+    reported: &Reported,
+) -> PolicyStatus {
     let mut status = current.cloned().unwrap_or_default();
-    let reported: BTreeMap<&str, Option<ComplianceState>> = status
-        .status
-        .iter()
-        .map(|s| (s.clustername.as_str(), s.compliant))
-        .collect();
     let entries: Vec<CompliancePerClusterStatus> = placed
         .clusters
         .iter()
         .map(|cluster| CompliancePerClusterStatus {
-            compliant: reported.get(cluster.as_str()).copied().flatten(),
+            compliant: reported_compliance(reported, cluster, uid),
             clustername: cluster.clone(),
             clusternamespace: cluster.clone(),
         })
@@ -281,11 +298,31 @@ pub fn policy_status(current: Option<&PolicyStatus>, placed: &PolicyPlaced) -> P
     status
 }
 
+/// What `cluster` reported for the root with `uid`. `Terminating` (the agent is removing the
+/// policy) is no verdict on a root, whose schema does not allow it: it counts as not reported.
+fn reported_compliance(reported: &Reported, cluster: &str, uid: &str) -> Option<ComplianceState> {
+    if uid.is_empty() {
+        return None;
+    }
+    reported
+        .get(cluster)
+        .and_then(|entries| entries.get(uid))
+        .copied()
+        .flatten()
+        .filter(|state| *state != ComplianceState::Terminating)
+}
+
 /// OCM's root compliance: NonCompliant if any cluster is, else Pending if any is, else
 /// Compliant once every cluster has reported Compliant; absent while some have not reported
 /// (or none is selected).
 pub fn aggregate(entries: &[CompliancePerClusterStatus]) -> Option<ComplianceState> {
     let states: Vec<Option<ComplianceState>> = entries.iter().map(|e| e.compliant).collect();
+    aggregate_states(&states)
+}
+
+/// NonCompliant if any is, else Pending if any is, else Compliant when every one is; absent
+/// while some has no verdict (or there are none).
+fn aggregate_states(states: &[Option<ComplianceState>]) -> Option<ComplianceState> {
     if states.contains(&Some(ComplianceState::NonCompliant)) {
         Some(ComplianceState::NonCompliant)
     } else if states.contains(&Some(ComplianceState::Pending)) {
@@ -301,13 +338,49 @@ pub fn aggregate(entries: &[CompliancePerClusterStatus]) -> Option<ComplianceSta
     }
 }
 
-/// The status a PolicySet should have: its placements and message; its compliance is kept
-/// (aggregated from its members' once agents report).
-pub fn policy_set_status(current: Option<&PolicySetStatus>, placed: &SetPlaced) -> PolicySetStatus {
+/// The status a PolicySet should have: its placements and message, and OCM's aggregate of its
+/// members' compliance (`members`: the `status.compliant` each existing, enabled member
+/// policy is to have; missing and disabled members are named in the message and do not
+/// count): NonCompliant if any member is, else Pending if any is, else Compliant once every
+/// member is; absent while some member has no verdict, or there is none.
+pub fn policy_set_status(
+    current: Option<&PolicySetStatus>,
+    placed: &SetPlaced,
+    members: &[Option<ComplianceState>],
+) -> PolicySetStatus {
     let mut status = current.cloned().unwrap_or_default();
     status.placement = placed.placements.clone();
     status.status_message = placed.message.clone();
+    status.compliant = aggregate_states(members);
     status
+}
+
+/// The compliance records to create and to delete, by cluster name (= namespace = record
+/// name). A cluster that exists and carries at least one policy gets one; a record is deleted
+/// when its cluster is gone, or when the cluster carries no policy and the record holds no
+/// report (an entry still there is the gateway's to remove when the agent releases the policy:
+/// deleting before that could lose a report written in between).
+pub fn records_to_write(
+    assigned: &Assigned,
+    clusters: &BTreeSet<String>,
+    reported: &Reported,
+) -> (Vec<String>, Vec<String>) {
+    let create = assigned
+        .iter()
+        .filter(|(cluster, policies)| {
+            !policies.is_empty() && clusters.contains(*cluster) && !reported.contains_key(*cluster)
+        })
+        .map(|(cluster, _)| cluster.clone())
+        .collect();
+    let delete = reported
+        .iter()
+        .filter(|(cluster, entries)| {
+            !clusters.contains(*cluster)
+                || (entries.is_empty() && assigned.get(*cluster).is_none_or(BTreeSet::is_empty))
+        })
+        .map(|(cluster, _)| cluster.clone())
+        .collect();
+    (create, delete)
 }
 
 // ---- the driver ----
@@ -324,6 +397,10 @@ struct Model {
     bindings: BTreeMap<Key, PlacementBinding>,
     /// Placement → decision object → clusters.
     decisions: BTreeMap<Key, BTreeMap<String, Vec<String>>>,
+    /// The stored ManagedClusters' names: only a cluster that exists has a compliance record.
+    clusters: BTreeSet<String>,
+    /// Each cluster's compliance record, as reported.
+    reported: Reported,
     /// Something changed since the last resolution.
     dirty: bool,
     /// A write failed: resolve again then.
@@ -378,11 +455,14 @@ pub async fn run(
         });
         assignments.publish(resolution.assigned.clone());
         let mut writes = Vec::new();
+        let mut wanted_compliance: BTreeMap<&Key, Option<ComplianceState>> = BTreeMap::new();
         for (key, placed) in &resolution.policies {
             let Some(policy) = model.policies.get(key) else {
                 continue;
             };
-            let want = policy_status(policy.status.as_ref(), placed);
+            let uid = policy.metadata.uid.as_deref().unwrap_or_default();
+            let want = policy_status(policy.status.as_ref(), placed, uid, &model.reported);
+            wanted_compliance.insert(key, want.compliant);
             if Some(&want) != policy.status.as_ref()
                 && !(want == PolicyStatus::default() && policy.status.is_none())
             {
@@ -397,7 +477,15 @@ pub async fn run(
             let Some(set) = model.sets.get(key) else {
                 continue;
             };
-            let want = policy_set_status(set.status.as_ref(), placed);
+            let members: Vec<Option<ComplianceState>> = set
+                .spec
+                .policies
+                .iter()
+                .map(|member| Key::new(&key.namespace, member))
+                .filter(|member| model.policies.get(member).is_some_and(|p| !p.spec.disabled))
+                .map(|member| wanted_compliance.get(&member).copied().flatten())
+                .collect();
+            let want = policy_set_status(set.status.as_ref(), placed, &members);
             if Some(&want) != set.status.as_ref()
                 && !(want == PolicySetStatus::default() && set.status.is_none())
             {
@@ -428,6 +516,54 @@ pub async fn run(
             .buffer_unordered(config.write_concurrency)
             .collect()
             .await;
+        let (create, delete) =
+            records_to_write(&resolution.assigned, &model.clusters, &model.reported);
+        let record_results: Vec<(String, Result<Option<Object>, StoreError>)> =
+            futures::stream::iter(
+                create
+                    .into_iter()
+                    .map(|c| (c, true))
+                    .chain(delete.into_iter().map(|c| (c, false))),
+            )
+            .map(|(cluster, create)| {
+                let store = store.clone();
+                async move {
+                    let result = if create {
+                        let mut record = serde_json::to_value(empty_cluster_compliance(&cluster))
+                            .unwrap_or(Value::Null);
+                        super::shard_labels::stamp(&mut record, config.shards);
+                        store.create(record).await.map(Some)
+                    } else {
+                        store
+                            .delete(Kind::ClusterCompliance, Some(&cluster), &cluster)
+                            .await
+                            .map(|()| None)
+                    };
+                    (cluster, result)
+                }
+            })
+            .buffer_unordered(config.write_concurrency)
+            .collect()
+            .await;
+        for (cluster, result) in record_results {
+            match result {
+                Ok(Some(created)) => {
+                    debug!(%cluster, "compliance record created");
+                    model.apply(Kind::ClusterCompliance, WatchEvent::Modified(created));
+                }
+                Ok(None) => {
+                    debug!(%cluster, "compliance record deleted");
+                    model.reported.remove(&cluster);
+                }
+                // Made or removed meanwhile (e.g. by an earlier round whose event is on its
+                // way): the watch brings it.
+                Err(StoreError::AlreadyExists { .. } | StoreError::NotFound { .. }) => {}
+                Err(e) => {
+                    warn!(%cluster, error = %error_chain(&e), "writing the cluster's compliance record failed; retrying shortly");
+                    model.retry_at = Some(Timestamp::now() + jiff::SignedDuration::from_secs(2));
+                }
+            }
+        }
         for (kind, key, result) in results {
             match result {
                 // As stored now: the next resolution compares with it, not with the older copy.
@@ -454,12 +590,31 @@ impl Model {
         let obj = event.into_object();
         let ns = namespace_of(&obj).unwrap_or_default().to_string();
         let name = name_of(&obj).to_string();
+        // A cluster's heartbeat or a record's fence alone changes nothing resolved here.
+        match kind {
+            Kind::ManagedCluster => {
+                let changed = if deleted {
+                    self.clusters.remove(&name)
+                } else {
+                    self.clusters.insert(name)
+                };
+                self.dirty |= changed;
+                return;
+            }
+            Kind::ClusterCompliance => {
+                self.dirty |= self.apply_record(deleted, &ns, &name, obj);
+                return;
+            }
+            _ => {}
+        }
         let key = Key::new(&ns, &name);
         self.dirty = true;
-        if deleted {
-            self.versions.remove(&(kind, key.clone()));
-        } else if let Some(version) = Revision::of(&obj) {
-            self.versions.insert((kind, key.clone()), version);
+        if matches!(kind, Kind::Policy | Kind::PolicySet) {
+            if deleted {
+                self.versions.remove(&(kind, key.clone()));
+            } else if let Some(version) = Revision::of(&obj) {
+                self.versions.insert((kind, key.clone()), version);
+            }
         }
         match kind {
             Kind::Policy => {
@@ -530,6 +685,39 @@ impl Model {
             }
             _ => {}
         }
+    }
+
+    /// Takes in a cluster's record; true when what it reports (or its existence) changed.
+    fn apply_record(&mut self, deleted: bool, ns: &str, name: &str, obj: Object) -> bool {
+        // One per cluster, named as its namespace: another name is no cluster's record.
+        if ns != name {
+            if !deleted {
+                warn!(
+                    namespace = ns,
+                    name,
+                    "a ClusterCompliance not named as its namespace is no cluster's record; ignored"
+                );
+            }
+            return false;
+        }
+        if deleted {
+            return self.reported.remove(name).is_some();
+        }
+        let record = match serde_json::from_value::<ClusterCompliance>(obj) {
+            Ok(record) => record,
+            Err(e) => {
+                warn!(cluster = name, error = %e, "stored ClusterCompliance does not parse; its reports are not counted");
+                return self.reported.remove(name).is_some();
+            }
+        };
+        let entries: BTreeMap<String, Option<ComplianceState>> = record
+            .status
+            .unwrap_or_default()
+            .policies
+            .into_iter()
+            .map(|p| (p.uid, p.compliant))
+            .collect();
+        self.reported.insert(name.to_owned(), entries.clone()) != Some(entries)
     }
 }
 
@@ -772,8 +960,26 @@ mod tests {
         assert!(!r.policies.contains_key(&Key::new(NS, "ghost")));
     }
 
+    /// A cluster's record in a test: (root uid, compliance) per entry.
+    type Record<'a> = (&'a str, &'a [(&'a str, Option<ComplianceState>)]);
+
+    fn reported(records: &[Record<'_>]) -> Reported {
+        records
+            .iter()
+            .map(|(cluster, entries)| {
+                (
+                    cluster.to_string(),
+                    entries
+                        .iter()
+                        .map(|(uid, c)| (uid.to_string(), *c))
+                        .collect(),
+                )
+            })
+            .collect()
+    }
+
     #[test]
-    fn status_keeps_reported_compliance_and_drops_clusters_no_longer_selected() {
+    fn status_takes_compliance_from_the_records_and_drops_clusters_no_longer_selected() {
         let entry =
             |cluster: &str, compliant: Option<ComplianceState>| CompliancePerClusterStatus {
                 compliant,
@@ -796,7 +1002,21 @@ mod tests {
             }],
             clusters: ["c1".to_string(), "c3".to_string()].into(),
         };
-        let status = policy_status(Some(&current), &placed);
+        // c1's record has this policy Compliant (and another, deleted policy of the same name
+        // NonCompliant under its old uid); c2's record still holds its NonCompliant report, but
+        // the placement dropped c2; c3 has reported nothing on it yet.
+        let records = reported(&[
+            (
+                "c1",
+                &[
+                    ("uid-1", Some(ComplianceState::Compliant)),
+                    ("uid-old", Some(ComplianceState::NonCompliant)),
+                ],
+            ),
+            ("c2", &[("uid-1", Some(ComplianceState::NonCompliant))]),
+            ("c3", &[("uid-other", Some(ComplianceState::NonCompliant))]),
+        ]);
+        let status = policy_status(Some(&current), &placed, "uid-1", &records);
         assert_eq!(
             status.status,
             [
@@ -804,11 +1024,106 @@ mod tests {
                 entry("c3", None)
             ]
         );
-        // c2 (the non-compliant one) is gone and c3 has not reported.
+        // c2 (the non-compliant one) no longer counts and c3 has not reported.
         assert_eq!(status.compliant, None);
         assert_eq!(status.placement, placed.placements);
         // Written only on change: the same inputs give the same status.
-        assert_eq!(policy_status(Some(&status), &placed), status);
+        assert_eq!(
+            policy_status(Some(&status), &placed, "uid-1", &records),
+            status
+        );
+        // c3 reports NonCompliant, then everything Compliant; Terminating is no verdict.
+        let mut records = records;
+        records
+            .get_mut("c3")
+            .unwrap()
+            .insert("uid-1".into(), Some(ComplianceState::NonCompliant));
+        let status = policy_status(Some(&status), &placed, "uid-1", &records);
+        assert_eq!(
+            status.status[1],
+            entry("c3", Some(ComplianceState::NonCompliant))
+        );
+        assert_eq!(status.compliant, Some(ComplianceState::NonCompliant));
+        records
+            .get_mut("c3")
+            .unwrap()
+            .insert("uid-1".into(), Some(ComplianceState::Compliant));
+        let status = policy_status(Some(&status), &placed, "uid-1", &records);
+        assert_eq!(status.compliant, Some(ComplianceState::Compliant));
+        records
+            .get_mut("c3")
+            .unwrap()
+            .insert("uid-1".into(), Some(ComplianceState::Terminating));
+        let status = policy_status(Some(&status), &placed, "uid-1", &records);
+        assert_eq!(status.status[1], entry("c3", None));
+        assert_eq!(status.compliant, None);
+        // A policy without a uid (never stored) matches no report.
+        assert_eq!(
+            policy_status(None, &placed, "", &records).status[0],
+            entry("c1", None)
+        );
+    }
+
+    #[test]
+    fn a_set_aggregates_its_members_as_ocm() {
+        use ComplianceState::*;
+        let placed = SetPlaced::default();
+        let of = |members: &[Option<ComplianceState>]| {
+            policy_set_status(None, &placed, members).compliant
+        };
+        assert_eq!(of(&[]), None);
+        assert_eq!(of(&[Some(Compliant), None]), None);
+        assert_eq!(of(&[Some(Compliant), Some(Compliant)]), Some(Compliant));
+        assert_eq!(of(&[Some(Compliant), Some(Pending), None]), Some(Pending));
+        assert_eq!(
+            of(&[None, Some(NonCompliant), Some(Pending)]),
+            Some(NonCompliant)
+        );
+        // What was there is replaced: the members decide.
+        let current = PolicySetStatus {
+            compliant: Some(NonCompliant),
+            ..Default::default()
+        };
+        assert_eq!(
+            policy_set_status(Some(&current), &placed, &[Some(Compliant)]).compliant,
+            Some(Compliant)
+        );
+    }
+
+    #[test]
+    fn records_follow_the_clusters_that_carry_policies() {
+        let assigned: Assigned = [
+            ("c1".to_string(), [Key::new(NS, "p")].into()),
+            ("c2".to_string(), [Key::new(NS, "p")].into()),
+            ("unregistered".to_string(), [Key::new(NS, "p")].into()),
+        ]
+        .into();
+        let clusters: BTreeSet<String> = ["c1", "c2", "c3", "c4"].map(String::from).into();
+        // c2 has its record already; c3 carries nothing now and its record is empty; c4
+        // carries nothing but its record still holds a report (the gateway removes it when
+        // the agent releases the policy); gone's cluster was deleted with a report left.
+        let records = reported(&[
+            ("c2", &[("uid-1", Some(ComplianceState::Compliant))]),
+            ("c3", &[]),
+            ("c4", &[("uid-1", Some(ComplianceState::NonCompliant))]),
+            ("gone", &[("uid-1", None)]),
+        ]);
+        let (create, delete) = records_to_write(&assigned, &clusters, &records);
+        assert_eq!(create, ["c1"], "not for a cluster that is not registered");
+        assert_eq!(delete, ["c3", "gone"]);
+        // Nothing to do once the records are as they should be.
+        let settled = reported(&[
+            ("c1", &[]),
+            ("c2", &[("uid-1", Some(ComplianceState::Compliant))]),
+            ("c4", &[]),
+        ]);
+        let (create, delete) = records_to_write(&assigned, &clusters, &settled);
+        assert!(create.is_empty());
+        assert_eq!(
+            delete,
+            ["c4"],
+            "its last report released, c4 carries nothing"
+        );
     }
 
     #[test]
@@ -983,5 +1298,207 @@ mod tests {
             flotilla_store::resource_version(&last),
             "the controller's own write comes back through its watch and is not written again"
         );
+    }
+
+    fn managed_cluster(name: &str) -> Value {
+        json!({
+            "apiVersion": Kind::ManagedCluster.api_version(), "kind": "ManagedCluster",
+            "metadata": {"name": name}, "spec": {"hubAcceptsClient": true},
+        })
+    }
+
+    async fn record(store: &dyn Store, cluster: &str) -> Option<Value> {
+        store
+            .get(Kind::ClusterCompliance, Some(cluster), cluster)
+            .await
+            .unwrap()
+    }
+
+    /// Writes `cluster`'s record as a gateway would: one entry per (policy, compliance).
+    async fn report(store: &dyn Store, cluster: &str, entries: &[(&Value, &str)]) {
+        let policies: Vec<Value> = entries
+            .iter()
+            .map(|(policy, compliant)| {
+                json!({
+                    "namespace": policy["metadata"]["namespace"],
+                    "name": policy["metadata"]["name"],
+                    "uid": policy["metadata"]["uid"],
+                    "generation": policy["metadata"]["generation"],
+                    "compliant": compliant,
+                })
+            })
+            .collect();
+        store
+            .update_status(
+                Kind::ClusterCompliance,
+                Some(cluster),
+                cluster,
+                json!({ "policies": policies }),
+                None,
+            )
+            .await
+            .unwrap();
+    }
+
+    fn per_cluster(status: &Value) -> Vec<(String, Option<String>)> {
+        status["status"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|s| {
+                (
+                    s["clustername"].as_str().unwrap_or_default().to_owned(),
+                    s["compliant"].as_str().map(str::to_owned),
+                )
+            })
+            .collect()
+    }
+
+    /// The controller on a real store: each cluster carrying a policy gets a labelled record;
+    /// what the records report becomes the root's per-cluster and aggregate compliance, and the
+    /// set's; a cluster the placement drops no longer counts; a record goes once its cluster
+    /// carries nothing and it holds no report, or once its cluster is gone.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_controller_keeps_records_and_aggregates_what_they_report() {
+        use flotilla_proto::contract::{SHARD_LABEL, shard_label_value, shard_of};
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(SledStore::open(dir.path()).unwrap());
+        for cluster in ["c1", "c2", "c3"] {
+            store.create(managed_cluster(cluster)).await.unwrap();
+        }
+        let namespace_policy = store
+            .create(serde_json::to_value(policy("namespace", false)).unwrap())
+            .await
+            .unwrap();
+        store
+            .create(serde_json::to_value(set("baseline", &["namespace"])).unwrap())
+            .await
+            .unwrap();
+        store
+            .create(
+                serde_json::to_value(binding("b", "dev", &[("PolicySet", "baseline")])).unwrap(),
+            )
+            .await
+            .unwrap();
+        store.create(decision("dev", &[])).await.unwrap();
+        store
+            .update_status(
+                Kind::PlacementDecision,
+                Some(NS),
+                "dev-decision-1",
+                decision("dev", &["c1", "c2"])["status"].clone(),
+                None,
+            )
+            .await
+            .unwrap();
+        let config = ControllerConfig::default();
+        let shards = config.shards;
+        let (stop_tx, stop) = watch::channel(false);
+        let controller = tokio::spawn(run(
+            store.clone(),
+            config,
+            PolicyAssignments::default(),
+            stop,
+        ));
+        until("c1 and c2 have their records", || async {
+            record(store.as_ref(), "c1").await.is_some()
+                && record(store.as_ref(), "c2").await.is_some()
+        })
+        .await;
+        let c1 = record(store.as_ref(), "c1").await.unwrap();
+        assert_eq!(
+            flotilla_store::label(&c1, SHARD_LABEL),
+            Some(shard_label_value(shard_of("c1", shards)).as_str()),
+            "the gateways select records by their shard"
+        );
+        assert!(
+            record(store.as_ref(), "c3").await.is_none(),
+            "c3 carries no policy"
+        );
+
+        report(store.as_ref(), "c1", &[(&namespace_policy, "NonCompliant")]).await;
+        until("c1's report reaches the root", || async {
+            let status = stored_status(store.as_ref(), "namespace").await;
+            per_cluster(&status)
+                == [
+                    ("c1".to_owned(), Some("NonCompliant".to_owned())),
+                    ("c2".to_owned(), None),
+                ]
+                && status["compliant"] == "NonCompliant"
+        })
+        .await;
+        let set_compliance = || async {
+            store
+                .get(Kind::PolicySet, Some(NS), "baseline")
+                .await
+                .unwrap()
+                .unwrap()["status"]["compliant"]
+                .clone()
+        };
+        until("the set is NonCompliant", || async {
+            set_compliance().await == "NonCompliant"
+        })
+        .await;
+
+        report(store.as_ref(), "c1", &[(&namespace_policy, "Compliant")]).await;
+        report(store.as_ref(), "c2", &[(&namespace_policy, "Compliant")]).await;
+        until(
+            "every cluster Compliant, so the root and the set",
+            || async {
+                stored_status(store.as_ref(), "namespace").await["compliant"] == "Compliant"
+                    && set_compliance().await == "Compliant"
+            },
+        )
+        .await;
+
+        // c2 reports NonCompliant, then the placement drops it: it no longer counts, and its
+        // record stays while it holds the report.
+        report(store.as_ref(), "c2", &[(&namespace_policy, "NonCompliant")]).await;
+        until("c2 makes the root NonCompliant", || async {
+            stored_status(store.as_ref(), "namespace").await["compliant"] == "NonCompliant"
+        })
+        .await;
+        store
+            .update_status(
+                Kind::PlacementDecision,
+                Some(NS),
+                "dev-decision-1",
+                decision("dev", &["c1"])["status"].clone(),
+                None,
+            )
+            .await
+            .unwrap();
+        until("c2 leaves the root and no longer counts", || async {
+            let status = stored_status(store.as_ref(), "namespace").await;
+            per_cluster(&status) == [("c1".to_owned(), Some("Compliant".to_owned()))]
+                && status["compliant"] == "Compliant"
+        })
+        .await;
+        assert!(
+            record(store.as_ref(), "c2").await.is_some(),
+            "a record holding a report is not deleted"
+        );
+        // The agent releases the policy and the gateway removes its entry: the record goes.
+        report(store.as_ref(), "c2", &[]).await;
+        until("c2's empty record is deleted", || async {
+            record(store.as_ref(), "c2").await.is_none()
+        })
+        .await;
+
+        // c1's cluster is deleted: its record goes, report and all.
+        store
+            .delete(Kind::ManagedCluster, None, "c1")
+            .await
+            .unwrap();
+        until("c1's record goes with its cluster", || async {
+            record(store.as_ref(), "c1").await.is_none()
+        })
+        .await;
+
+        let _ = stop_tx.send(true);
+        tokio::time::timeout(Duration::from_secs(10), controller)
+            .await
+            .expect("the controller stops when told")
+            .unwrap();
     }
 }
