@@ -112,9 +112,10 @@ impl ApplyTarget for SimCluster {
         &self,
         resource: &AppliedResource,
         object: &Value,
+        field_manager: &str,
     ) -> Result<Value, ApplyError> {
         self.faulty_write().await?;
-        let stored = self.inner.create(resource, object).await?;
+        let stored = self.inner.create(resource, object, field_manager).await?;
         self.applied.fetch_add(1, Ordering::Relaxed);
         Ok(stored)
     }
@@ -123,15 +124,25 @@ impl ApplyTarget for SimCluster {
         &self,
         resource: &AppliedResource,
         object: &Value,
+        field_manager: &str,
     ) -> Result<Value, ApplyError> {
         self.faulty_write().await?;
-        let stored = self.inner.replace(resource, object).await?;
+        let stored = self.inner.replace(resource, object, field_manager).await?;
         self.applied.fetch_add(1, Ordering::Relaxed);
         Ok(stored)
     }
 
     async fn get(&self, resource: &AppliedResource) -> Result<Option<Value>, ApplyError> {
         ApplyTarget::get(&self.inner, resource).await
+    }
+
+    async fn list(
+        &self,
+        kind: &ResourceKind,
+        namespace: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<Value>, ApplyError> {
+        self.inner.list(kind, namespace, limit).await
     }
 
     async fn exists(&self, resource: &AppliedResource) -> Result<bool, ApplyError> {

@@ -508,7 +508,7 @@ async fn create_only(
     if let Some(existing) = target.get(resource).await? {
         return Ok(existing);
     }
-    match target.create(resource, manifest).await {
+    match target.create(resource, manifest, FIELD_MANAGER).await {
         // Created meanwhile by someone else: CreateOnly leaves it as it is.
         Err(ApplyError::Rejected { code: 409, .. }) => target
             .get(resource)
@@ -530,13 +530,13 @@ async fn update(
     let mut last = None;
     for _ in 0..UPDATE_ATTEMPTS {
         let result = match target.get(resource).await? {
-            None => target.create(resource, manifest).await,
+            None => target.create(resource, manifest, FIELD_MANAGER).await,
             Some(existing) => {
                 let desired = merged_for_update(manifest, &existing);
                 if !new_generation && contains(&existing, &desired) {
                     return Ok(existing);
                 }
-                target.replace(resource, &desired).await
+                target.replace(resource, &desired, FIELD_MANAGER).await
             }
         };
         match result {

@@ -10,7 +10,9 @@ use futures::stream::{BoxStream, StreamExt as _};
 use k8s_openapi::api::authorization::v1::{
     ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
 };
-use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
+use kube::api::{
+    Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams, TypeMeta,
+};
 use kube::core::{ApiResource, GroupVersionKind};
 use kube::runtime::{WatchStreamExt as _, watcher};
 use serde_json::Value;
@@ -18,12 +20,15 @@ use tokio::sync::RwLock;
 use tracing::debug;
 
 use super::target::{
-    AccessCheck, ApplyError, ApplyTarget, Deletion, FIELD_MANAGER, ObjectEvent, ResourceKind,
-    split_api_version,
+    AccessCheck, ApplyError, ApplyTarget, Deletion, ObjectEvent, ResourceKind, split_api_version,
 };
 use crate::cache::AppliedResource;
 
-/// The spoke's kube-apiserver as an [`ApplyTarget`]: server-side apply as [`FIELD_MANAGER`]
+/// Objects asked for per page of a list.
+const LIST_PAGE: u32 = 500;
+
+/// The spoke's kube-apiserver as an [`ApplyTarget`]: server-side apply as
+/// [`FIELD_MANAGER`](super::target::FIELD_MANAGER)
 /// with force (OCM's ServerSideApply strategy), kinds resolved through discovery.
 pub struct KubeApplyTarget {
     client: kube::Client,
@@ -180,6 +185,7 @@ impl ApplyTarget for KubeApplyTarget {
         &self,
         resource: &AppliedResource,
         object: &Value,
+        field_manager: &str,
     ) -> Result<Value, ApplyError> {
         let object: DynamicObject =
             serde_json::from_value(object.clone()).map_err(|e| ApplyError::Rejected {
@@ -188,7 +194,7 @@ impl ApplyTarget for KubeApplyTarget {
                 message: format!("the manifest is not a Kubernetes object: {e}"),
             })?;
         let params = PostParams {
-            field_manager: Some(FIELD_MANAGER.to_owned()),
+            field_manager: Some(field_manager.to_owned()),
             ..PostParams::default()
         };
         let result = self.api(resource).create(&params, &object).await;
@@ -199,6 +205,7 @@ impl ApplyTarget for KubeApplyTarget {
         &self,
         resource: &AppliedResource,
         object: &Value,
+        field_manager: &str,
     ) -> Result<Value, ApplyError> {
         let object: DynamicObject =
             serde_json::from_value(object.clone()).map_err(|e| ApplyError::Rejected {
@@ -207,7 +214,7 @@ impl ApplyTarget for KubeApplyTarget {
                 message: format!("the manifest is not a Kubernetes object: {e}"),
             })?;
         let params = PostParams {
-            field_manager: Some(FIELD_MANAGER.to_owned()),
+            field_manager: Some(field_manager.to_owned()),
             ..PostParams::default()
         };
         let result = self
@@ -221,6 +228,46 @@ impl ApplyTarget for KubeApplyTarget {
         match self.api(resource).get_opt(&resource.name).await {
             Ok(found) => found.map(to_json).transpose(),
             Err(e) => Err(spoke_error(e)),
+        }
+    }
+
+    async fn list(
+        &self,
+        kind: &ResourceKind,
+        namespace: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<Value>, ApplyError> {
+        let gvk = GroupVersionKind::gvk(&kind.group, &kind.version, &kind.kind);
+        let ar = ApiResource::from_gvk_with_plural(&gvk, &kind.resource);
+        let api: Api<DynamicObject> = match namespace {
+            Some(ns) => Api::namespaced_with(self.client.clone(), ns, &ar),
+            None => Api::all_with(self.client.clone(), &ar),
+        };
+        let mut objects = Vec::new();
+        let mut params = ListParams::default().limit(LIST_PAGE);
+        // Pages, so that the apiserver never sends more than one page beyond the bound.
+        loop {
+            let page = api.list(&params).await.map_err(spoke_error)?;
+            for mut object in page.items {
+                object.types = Some(TypeMeta {
+                    api_version: ar.api_version.clone(),
+                    kind: ar.kind.clone(),
+                });
+                objects.push(to_json(object)?);
+            }
+            if objects.len() > limit {
+                return Err(ApplyError::TooMany {
+                    resource: kind.resource.clone(),
+                    location: namespace
+                        .map(|ns| format!(" in namespace {ns}"))
+                        .unwrap_or_default(),
+                    limit,
+                });
+            }
+            match page.metadata.continue_.filter(|c| !c.is_empty()) {
+                Some(token) => params = params.continue_token(&token),
+                None => return Ok(objects),
+            }
         }
     }
 

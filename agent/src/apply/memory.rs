@@ -237,6 +237,7 @@ impl ApplyTarget for MemoryCluster {
         &self,
         resource: &AppliedResource,
         object: &Value,
+        _field_manager: &str,
     ) -> Result<Value, ApplyError> {
         self.write(resource, object, Write::Create).await
     }
@@ -245,6 +246,7 @@ impl ApplyTarget for MemoryCluster {
         &self,
         resource: &AppliedResource,
         object: &Value,
+        _field_manager: &str,
     ) -> Result<Value, ApplyError> {
         self.write(resource, object, Write::Replace).await
     }
@@ -253,6 +255,37 @@ impl ApplyTarget for MemoryCluster {
         let state = self.state.lock().await;
         state.check_up()?;
         Ok(state.objects.get(resource).cloned())
+    }
+
+    async fn list(
+        &self,
+        kind: &ResourceKind,
+        namespace: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<Value>, ApplyError> {
+        let state = self.state.lock().await;
+        state.check_up()?;
+        let objects: Vec<Value> = state
+            .objects
+            .iter()
+            .filter(|(r, _)| {
+                r.group == kind.group
+                    && r.version == kind.version
+                    && r.resource == kind.resource
+                    && namespace.is_none_or(|ns| r.namespace == ns)
+            })
+            .map(|(_, object)| object.clone())
+            .collect();
+        if objects.len() > limit {
+            return Err(ApplyError::TooMany {
+                resource: kind.resource.clone(),
+                location: namespace
+                    .map(|ns| format!(" in namespace {ns}"))
+                    .unwrap_or_default(),
+                limit,
+            });
+        }
+        Ok(objects)
     }
 
     async fn exists(&self, resource: &AppliedResource) -> Result<bool, ApplyError> {

@@ -65,6 +65,18 @@ pub enum ApplyError {
     /// The spoke apiserver could not be reached or answered nonsense. Retryable.
     #[error("cannot reach the spoke apiserver: {0}")]
     Unreachable(String),
+    /// A list found more objects than the caller's bound. Not retryable until objects go.
+    #[error(
+        "the spoke cluster has more than {limit} {resource}{location}, more than one read may hold"
+    )]
+    TooMany {
+        /// The resource listed, e.g. `configmaps`.
+        resource: String,
+        /// ` in namespace x`, or empty for a cluster-wide list.
+        location: String,
+        /// The bound.
+        limit: usize,
+    },
 }
 
 impl ApplyError {
@@ -73,6 +85,7 @@ impl ApplyError {
         match self {
             ApplyError::Rejected { code, .. } => matches!(code, 409 | 429 | 500..),
             ApplyError::UnknownKind { .. } | ApplyError::Unreachable(_) => true,
+            ApplyError::TooMany { .. } => false,
         }
     }
 }
@@ -122,20 +135,35 @@ pub trait ApplyTarget: Send + Sync + fmt::Debug {
         force: bool,
     ) -> Result<Value, ApplyError>;
 
-    /// Creates the object; 409 `AlreadyExists` if it is there.
-    async fn create(&self, resource: &AppliedResource, object: &Value)
-    -> Result<Value, ApplyError>;
+    /// Creates the object as `field_manager`; 409 `AlreadyExists` if it is there.
+    async fn create(
+        &self,
+        resource: &AppliedResource,
+        object: &Value,
+        field_manager: &str,
+    ) -> Result<Value, ApplyError>;
 
-    /// Replaces the object (an update call); 409 `Conflict` when its
+    /// Replaces the object (an update call) as `field_manager`; 409 `Conflict` when its
     /// `metadata.resourceVersion` is not the stored one.
     async fn replace(
         &self,
         resource: &AppliedResource,
         object: &Value,
+        field_manager: &str,
     ) -> Result<Value, ApplyError>;
 
     /// The object, if present.
     async fn get(&self, resource: &AppliedResource) -> Result<Option<Value>, ApplyError>;
+
+    /// Every object of `kind` in `namespace` (cluster-wide when `None`), each with its
+    /// `apiVersion` and `kind` set; [`ApplyError::TooMany`] when there are more than `limit`,
+    /// so that one read can never hold a whole cluster in memory.
+    async fn list(
+        &self,
+        kind: &ResourceKind,
+        namespace: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<Value>, ApplyError>;
 
     /// Whether the object exists.
     async fn exists(&self, resource: &AppliedResource) -> Result<bool, ApplyError>;

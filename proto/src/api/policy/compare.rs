@@ -15,6 +15,7 @@
 
 use serde_json::{Map, Value};
 
+use super::types::ANNOTATION_CREATED_BY_POLICY;
 use crate::api::canonical_json;
 use crate::api::quantity::parse_quantity;
 
@@ -52,8 +53,13 @@ impl ComplianceType {
     }
 }
 
-/// Annotations that tools write on every object and that never count.
-const IGNORED_ANNOTATIONS: &[&str] = &["kubectl.kubernetes.io/last-applied-configuration"];
+/// Annotations that tools write on every object and that never count. flotilla's own mark of
+/// the objects a policy created ([`ANNOTATION_CREATED_BY_POLICY`]) is one: a `mustonlyhave`
+/// template must not find its own bookkeeping a violation.
+const IGNORED_ANNOTATIONS: &[&str] = &[
+    "kubectl.kubernetes.io/last-applied-configuration",
+    ANNOTATION_CREATED_BY_POLICY,
+];
 
 /// The result of comparing one existing object with a template.
 #[derive(Debug, Clone, PartialEq)]
@@ -248,9 +254,30 @@ fn compare_metadata(
             out.differences
                 .push((field, merged.clone(), existing_part.clone()));
         }
-        out.merged.push((field, merged));
+        out.merged
+            .push((field, keep_created_mark(field, merged, existing)));
     }
     (out.differences.is_empty(), out)
+}
+
+/// The annotations enforce writes keep the mark of the policy that created the object, which
+/// `mustonlyhave` would otherwise replace away, and with it what `DeleteIfCreated` prunes.
+fn keep_created_mark(field: &str, merged: Value, existing: Option<&Value>) -> Value {
+    let mark = existing
+        .and_then(|m| m.get("annotations"))
+        .and_then(|a| a.get(ANNOTATION_CREATED_BY_POLICY));
+    match (field, merged, mark) {
+        ("annotations", Value::Object(mut map), Some(mark)) => {
+            map.insert(ANNOTATION_CREATED_BY_POLICY.to_string(), mark.clone());
+            Value::Object(map)
+        }
+        ("annotations", Value::Null, Some(mark)) => {
+            let mut map = Map::new();
+            map.insert(ANNOTATION_CREATED_BY_POLICY.to_string(), mark.clone());
+            Value::Object(map)
+        }
+        (_, merged, _) => merged,
+    }
 }
 
 fn without_ignored_annotations(field: &str, value: Value) -> Value {
@@ -783,6 +810,28 @@ mod tests {
         assert_eq!(
             c.type_error.as_deref(),
             Some("data.password of the Secret is not base64")
+        );
+    }
+
+    #[test]
+    fn the_created_by_policy_mark_is_neither_a_violation_nor_removed_by_enforce() {
+        let desired = json!({"metadata": {"name": "cm", "annotations": {"team": "a"}}});
+        let existing = json!({"metadata": {"name": "cm", "annotations": {
+            "team": "a", ANNOTATION_CREATED_BY_POLICY: "policy-uid"}}});
+        let c = compare_object(&desired, &existing, ONLY, ONLY, false);
+        assert!(c.matches, "{c:?}");
+        let drifted = json!({"metadata": {"name": "cm", "annotations": {
+            "team": "b", "extra": "x", ANNOTATION_CREATED_BY_POLICY: "policy-uid"}}});
+        let c = compare_object(&desired, &drifted, ONLY, ONLY, false);
+        assert!(!c.matches);
+        assert_eq!(
+            c.fields,
+            vec!["metadata.annotations.team", "metadata.annotations.extra"]
+        );
+        assert_eq!(
+            c.merged["metadata"]["annotations"],
+            json!({"team": "a", ANNOTATION_CREATED_BY_POLICY: "policy-uid"}),
+            "enforce keeps the mark"
         );
     }
 

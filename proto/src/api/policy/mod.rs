@@ -43,14 +43,14 @@ pub use namespaces::{GlobError, NamespaceInfo, SelectorError, glob_match, select
 pub use prune::{prune_actions, prune_reads};
 pub use schedule::EvaluationSchedule;
 pub use types::{
-    ANNOTATION_CATEGORIES, ANNOTATION_CONTROLS, ANNOTATION_STANDARDS, ComplianceHistory,
-    CompliancePerClusterStatus, ComplianceState, ConfigurationPolicy, ConfigurationPolicySpec,
-    ConfigurationPolicyStatus, DetailsPerTemplate, EvaluationInterval, Interval, NamespaceSelector,
-    ObjectDefinition, ObjectProperties, ObjectTemplate, POLICY_GROUP, PlacementBinding,
-    PlacementSubject, Policy, PolicyPlacement, PolicySet, PolicySetSpec, PolicySetStatus,
-    PolicySetStatusPlacement, PolicySpec, PolicyStatus, PolicyTemplate, PruneObjectBehavior,
-    RelatedObject, RelatedObjectMeta, RelatedObjectResource, RemediationAction, Severity, Subject,
-    TemplateCondition, TemplateStatus, effective_remediation,
+    ANNOTATION_CATEGORIES, ANNOTATION_CONTROLS, ANNOTATION_CREATED_BY_POLICY, ANNOTATION_STANDARDS,
+    ComplianceHistory, CompliancePerClusterStatus, ComplianceState, ConfigurationPolicy,
+    ConfigurationPolicySpec, ConfigurationPolicyStatus, DetailsPerTemplate, EvaluationInterval,
+    Interval, NamespaceSelector, ObjectDefinition, ObjectProperties, ObjectTemplate, POLICY_GROUP,
+    PlacementBinding, PlacementSubject, Policy, PolicyPlacement, PolicySet, PolicySetSpec,
+    PolicySetStatus, PolicySetStatusPlacement, PolicySpec, PolicyStatus, PolicyTemplate,
+    PruneObjectBehavior, RelatedObject, RelatedObjectMeta, RelatedObjectResource,
+    RemediationAction, Severity, Subject, TemplateCondition, TemplateStatus, effective_remediation,
 };
 pub use validate::{
     MAX_OBJECT_TEMPLATES, MAX_POLICY_BYTES, MAX_POLICY_QUALIFIED_NAME, MAX_POLICY_TEMPLATES,

@@ -26,6 +26,10 @@ pub const ANNOTATION_STANDARDS: &str = "policy.open-cluster-management.io/standa
 pub const ANNOTATION_CATEGORIES: &str = "policy.open-cluster-management.io/categories";
 /// Annotation listing the controls a Policy checks (e.g. `CM-2 Baseline Configuration`).
 pub const ANNOTATION_CONTROLS: &str = "policy.open-cluster-management.io/controls";
+/// flotilla's annotation on an object a policy created under `enforce`: the uid of the Policy
+/// that created it. It is how `pruneObjectBehavior: DeleteIfCreated` knows, even after the
+/// agent restarts, which objects are the policy's; comparisons ignore it.
+pub const ANNOTATION_CREATED_BY_POLICY: &str = "policy.flotilla.io/created-by";
 
 // ---------------------------------------------------------------------------------------------
 // Policy
