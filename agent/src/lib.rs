@@ -17,6 +17,8 @@
 //! * [`status`]: ManifestWork status as OCM shapes it, with [`feedback`] values and
 //!   [`condition_rules`] (CEL through [`cel`]); [`watch`] keeps it current as the applied
 //!   objects change; [`executor`] bounds a work by a ServiceAccount's rights.
+//! * [`governance`]: the Policies delivered to this cluster, evaluated against the spoke
+//!   (inform) and enforced, with a compliance report per policy when it changes.
 //! * [`claims`]: what the agent reports about its spoke (OCM's ClusterClaims, version, node
 //!   resources), from watches of Nodes and ClusterClaims, sent when it changes.
 //! * [`tunnel`]: the tunnel end: kubectl requests from the hub's proxy front, forwarded to the
@@ -44,6 +46,7 @@ pub mod executor;
 pub mod feedback;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod governance;
 pub mod identity;
 pub mod join;
 pub mod jsonpath;

@@ -1,0 +1,616 @@
+//! The governor task: which templates are due (proto's [`EvaluationSchedule`], keyed per
+//! template), evaluations run off the loop with a bound, watches that make templates due,
+//! removals that prune, and the reports out.
+//!
+//! A template is due when its policy arrives or changes, when an object it read changes (under
+//! `evaluationInterval: watch`, the default) and when its interval runs out. A result is kept
+//! only if it is of the policy as it is now (an evaluation of an older delivery is dropped,
+//! and the schedule evaluates the new one next); a policy is reported once each of its
+//! templates has a result for its current delivery, and again whenever that report changes.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use flotilla_ops::sleep_until;
+use flotilla_proto::api::policy::{
+    Compliance, ConfigurationPolicy, EvaluationSchedule, POLICY_GROUP, PruneObjectBehavior,
+    effective_remediation, validate_policy,
+};
+use k8s_openapi::jiff::Timestamp;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::{Id, JoinSet};
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+use super::evaluation::{
+    ConfigurationTemplate, ReadScope, TemplateOutcome, evaluate_template, prune_template,
+};
+use super::history::{PolicyHistory, Stamp};
+use super::watches::{KindWatches, WatchedChange, kind_key};
+use super::{
+    DeliveredPolicy, MAX_CONCURRENT_EVALUATIONS, MAX_POLICIES, PolicyReport, REPORT_CHANNEL,
+};
+use crate::apply::ApplyTarget;
+
+/// Commands queued from the handles.
+const COMMAND_CHANNEL: usize = 64;
+
+/// The governor has stopped (the agent is shutting down). Not retryable: the policies are
+/// delivered again to the next governor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the policy governor has stopped")]
+pub struct GovernorStopped;
+
+enum Command {
+    Upsert(Box<DeliveredPolicy>),
+    Remove(String, oneshot::Sender<()>),
+}
+
+/// Tells the governor what the hub delivered; cheap to clone.
+#[derive(Clone, Debug)]
+pub struct GovernorHandle {
+    commands: mpsc::Sender<Command>,
+}
+
+impl GovernorHandle {
+    /// The policy arrived or changed: it is evaluated at once. Delivering the same policy
+    /// again changes nothing.
+    pub async fn upsert(&self, policy: DeliveredPolicy) -> Result<(), GovernorStopped> {
+        self.commands
+            .send(Command::Upsert(Box::new(policy)))
+            .await
+            .map_err(|_| GovernorStopped)
+    }
+
+    /// The policy is no longer delivered to this cluster: it stops being evaluated, and this
+    /// returns once its `pruneObjectBehavior` is carried out (each delete done, or failed and
+    /// logged). Removing a policy the governor does not hold returns at once.
+    pub async fn remove(&self, uid: &str) -> Result<(), GovernorStopped> {
+        let (done, finished) = oneshot::channel();
+        self.commands
+            .send(Command::Remove(uid.to_string(), done))
+            .await
+            .map_err(|_| GovernorStopped)?;
+        finished.await.map_err(|_| GovernorStopped)
+    }
+}
+
+/// The agent's policy evaluator; see the module docs.
+pub struct Governor {
+    target: Arc<dyn ApplyTarget>,
+    commands: mpsc::Receiver<Command>,
+    reports: mpsc::Sender<PolicyReport>,
+}
+
+impl std::fmt::Debug for Governor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Governor").finish_non_exhaustive()
+    }
+}
+
+impl Governor {
+    /// A governor evaluating on `target`, its handle, and the reports it sends (bounded: when
+    /// the receiver lags, only the latest report of each policy waits).
+    pub fn new(
+        target: Arc<dyn ApplyTarget>,
+    ) -> (Governor, GovernorHandle, mpsc::Receiver<PolicyReport>) {
+        let (commands_tx, commands) = mpsc::channel(COMMAND_CHANNEL);
+        let (reports, reports_rx) = mpsc::channel(REPORT_CHANNEL);
+        (
+            Governor {
+                target,
+                commands,
+                reports,
+            },
+            GovernorHandle {
+                commands: commands_tx,
+            },
+            reports_rx,
+        )
+    }
+
+    /// Runs until `shutdown` completes. Evaluations and prunes in flight are then abandoned
+    /// (each is idempotent; a removal not finished makes its `remove` fail, so it is asked
+    /// again).
+    pub async fn run(self, shutdown: impl Future<Output = ()>) {
+        tokio::pin!(shutdown);
+        let Governor {
+            target,
+            mut commands,
+            reports,
+        } = self;
+        let mut state = State::new(target);
+        let mut commands_open = true;
+        let mut consumer_gone = false;
+        loop {
+            state.start_due();
+            let timeout = state.schedule.poll_timeout();
+            tokio::select! {
+                command = commands.recv(), if commands_open => match command {
+                    Some(Command::Upsert(policy)) => state.upsert(*policy),
+                    Some(Command::Remove(uid, done)) => state.remove(&uid, done),
+                    // Every handle is gone: keep evaluating what is held until shutdown.
+                    None => commands_open = false,
+                },
+                Some(change) = state.watches.next_change() => state.object_changed(&change),
+                Some(joined) = state.evaluations.join_next_with_id(), if !state.evaluations.is_empty() => {
+                    state.evaluated(joined);
+                }
+                Some(joined) = state.prunes.join_next(), if !state.prunes.is_empty() => {
+                    if let Err(e) = joined {
+                        warn!(error = %e, "pruning a removed policy's objects panicked");
+                    }
+                }
+                _ = sleep_until(timeout) => state.schedule.handle_timeout(Instant::now()),
+                permit = reports.reserve(), if !state.pending.is_empty() && !consumer_gone => {
+                    match permit {
+                        Ok(permit) => {
+                            if let Some((_, report)) = state.pending.pop_first() {
+                                permit.send(report);
+                            }
+                        }
+                        Err(_) => {
+                            debug!("nobody reads policy reports any more");
+                            consumer_gone = true;
+                            state.pending.clear();
+                        }
+                    }
+                }
+                _ = &mut shutdown => break,
+            }
+        }
+        state.evaluations.shutdown().await;
+        state.prunes.shutdown().await;
+    }
+}
+
+/// What a template is, as far as evaluating it goes.
+#[derive(Debug)]
+enum TemplateKind {
+    /// Evaluated on the spoke.
+    Configuration(Arc<ConfigurationTemplate>),
+    /// Not evaluated: its result is fixed when the policy arrives (an invalid policy, a kind
+    /// the agent does not evaluate).
+    Fixed,
+}
+
+#[derive(Debug)]
+struct TemplateSlot {
+    name: String,
+    kind: TemplateKind,
+    /// Its result for the policy as delivered now; `None` until evaluated.
+    result: Option<(Compliance, String)>,
+    /// What its last evaluation read.
+    scopes: Vec<ReadScope>,
+}
+
+#[derive(Debug)]
+struct PolicyEntry {
+    delivered: DeliveredPolicy,
+    /// Which delivery this is, to drop results of older ones.
+    revision: u64,
+    templates: Vec<TemplateSlot>,
+}
+
+/// A removed policy waiting for its evaluations in flight to end before pruning, so that an
+/// enforce write cannot land after the prune read.
+struct Removal {
+    templates: Vec<Arc<ConfigurationTemplate>>,
+    waiters: Vec<oneshot::Sender<()>>,
+}
+
+/// An evaluation in flight.
+struct Running {
+    uid: String,
+    index: usize,
+    revision: u64,
+}
+
+struct State {
+    target: Arc<dyn ApplyTarget>,
+    policies: HashMap<String, PolicyEntry>,
+    /// Keyed `uid/index` (see [`schedule_key`]).
+    schedule: EvaluationSchedule,
+    histories: HashMap<String, PolicyHistory>,
+    watches: KindWatches,
+    evaluations: JoinSet<TemplateOutcome>,
+    running: HashMap<Id, Running>,
+    removals: HashMap<String, Removal>,
+    prunes: JoinSet<()>,
+    /// Reports not yet taken by the consumer, one per policy: a newer one replaces it.
+    pending: BTreeMap<String, PolicyReport>,
+    next_revision: u64,
+}
+
+fn schedule_key(uid: &str, index: usize) -> String {
+    format!("{uid}/{index}")
+}
+
+fn parse_key(key: &str) -> Option<(&str, usize)> {
+    let (uid, index) = key.rsplit_once('/')?;
+    Some((uid, index.parse().ok()?))
+}
+
+impl State {
+    fn new(target: Arc<dyn ApplyTarget>) -> State {
+        State {
+            watches: KindWatches::new(Arc::clone(&target)),
+            target,
+            policies: HashMap::new(),
+            schedule: EvaluationSchedule::new(),
+            histories: HashMap::new(),
+            evaluations: JoinSet::new(),
+            running: HashMap::new(),
+            removals: HashMap::new(),
+            prunes: JoinSet::new(),
+            pending: BTreeMap::new(),
+            next_revision: 0,
+        }
+    }
+
+    fn upsert(&mut self, delivered: DeliveredPolicy) {
+        let uid = delivered.uid.clone();
+        if self
+            .policies
+            .get(&uid)
+            .is_some_and(|p| p.delivered == delivered)
+        {
+            // Resent as it was (a session resumed): nothing to do.
+            return;
+        }
+        let previous = self.policies.remove(&uid);
+        let mut templates = template_slots(&delivered);
+        if previous.is_none() && self.policies.len() >= MAX_POLICIES {
+            for slot in &mut templates {
+                slot.kind = TemplateKind::Fixed;
+                slot.result = Some((
+                    Compliance::NonCompliant,
+                    format!(
+                        "this cluster already evaluates {MAX_POLICIES} policies, the most one agent evaluates; the policy is not evaluated"
+                    ),
+                ));
+            }
+        }
+        self.next_revision += 1;
+        let old_len = previous.as_ref().map_or(0, |p| p.templates.len());
+        for index in templates.len()..old_len {
+            self.schedule.remove(&schedule_key(&uid, index));
+        }
+        for (index, slot) in templates.iter_mut().enumerate() {
+            let key = schedule_key(&uid, index);
+            if let Some(old) = previous.as_ref().and_then(|p| p.templates.get(index)) {
+                // Watch on until the new evaluation says what it reads.
+                slot.scopes = old.scopes.clone();
+            }
+            match &slot.kind {
+                TemplateKind::Configuration(template) => self
+                    .schedule
+                    .upsert(&key, &template.policy.spec.evaluation_interval),
+                TemplateKind::Fixed => self.schedule.remove(&key),
+            }
+        }
+        info!(
+            policy = %policy_name(&delivered),
+            uid = %uid,
+            generation = delivered.generation,
+            templates = templates.len(),
+            "policy delivered"
+        );
+        let names: Vec<String> = templates.iter().map(|t| t.name.clone()).collect();
+        let history = self.histories.entry(uid.clone()).or_default();
+        history.retain(&names);
+        let stamp = stamp(&delivered);
+        for slot in &templates {
+            if let Some((compliance, message)) = &slot.result {
+                history.record(&slot.name, (*compliance).into(), message, &stamp);
+            }
+        }
+        self.policies.insert(
+            uid.clone(),
+            PolicyEntry {
+                delivered,
+                revision: self.next_revision,
+                templates,
+            },
+        );
+        self.report_if_changed(&uid);
+        self.rewatch();
+    }
+
+    fn remove(&mut self, uid: &str, done: oneshot::Sender<()>) {
+        let Some(entry) = self.policies.remove(uid) else {
+            if let Some(removal) = self.removals.get_mut(uid) {
+                removal.waiters.push(done);
+            } else {
+                let _ = done.send(());
+            }
+            return;
+        };
+        info!(policy = %policy_name(&entry.delivered), uid = %uid, "policy removed from the cluster");
+        for index in 0..entry.templates.len() {
+            self.schedule.remove(&schedule_key(uid, index));
+        }
+        self.histories.remove(uid);
+        self.pending.remove(uid);
+        self.rewatch();
+        let templates = entry
+            .templates
+            .into_iter()
+            .filter_map(|slot| match slot.kind {
+                TemplateKind::Configuration(t) => Some(t),
+                TemplateKind::Fixed => None,
+            })
+            .collect();
+        self.removals.insert(
+            uid.to_string(),
+            Removal {
+                templates,
+                waiters: vec![done],
+            },
+        );
+        self.prune_when_idle(uid);
+    }
+
+    /// Starts the prune of removed policy `uid` unless one of its evaluations still runs.
+    fn prune_when_idle(&mut self, uid: &str) {
+        if self.running.values().any(|r| r.uid == uid) {
+            return;
+        }
+        let Some(removal) = self.removals.remove(uid) else {
+            return;
+        };
+        let target = Arc::clone(&self.target);
+        let uid = uid.to_string();
+        self.prunes.spawn(async move {
+            for template in &removal.templates {
+                for problem in prune_template(target.as_ref(), template).await {
+                    warn!(uid = %uid, problem = %problem, "pruning a removed policy's object failed");
+                }
+            }
+            for waiter in removal.waiters {
+                let _ = waiter.send(());
+            }
+        });
+    }
+
+    /// Starts due templates while fewer than [`MAX_CONCURRENT_EVALUATIONS`] run.
+    fn start_due(&mut self) {
+        while self.evaluations.len() < MAX_CONCURRENT_EVALUATIONS {
+            let Some(key) = self.schedule.poll_due() else {
+                return;
+            };
+            let Some((uid, index)) = parse_key(&key) else {
+                continue;
+            };
+            let Some(entry) = self.policies.get(uid) else {
+                continue;
+            };
+            let Some(TemplateKind::Configuration(template)) =
+                entry.templates.get(index).map(|s| &s.kind)
+            else {
+                continue;
+            };
+            let template = Arc::clone(template);
+            let target = Arc::clone(&self.target);
+            let task = self
+                .evaluations
+                .spawn(async move { evaluate_template(target.as_ref(), &template).await });
+            self.running.insert(
+                task.id(),
+                Running {
+                    uid: uid.to_string(),
+                    index,
+                    revision: entry.revision,
+                },
+            );
+        }
+    }
+
+    fn evaluated(&mut self, joined: Result<(Id, TemplateOutcome), tokio::task::JoinError>) {
+        let (id, outcome) = match joined {
+            Ok((id, outcome)) => (id, outcome),
+            Err(e) => {
+                // A bug; the template is reported as such rather than left without a result.
+                warn!(error = %e, "a policy evaluation panicked");
+                (
+                    e.id(),
+                    TemplateOutcome {
+                        compliance: Compliance::NonCompliant,
+                        message: format!("the agent failed to evaluate the template: {e}"),
+                        scopes: Vec::new(),
+                    },
+                )
+            }
+        };
+        let Some(running) = self.running.remove(&id) else {
+            return;
+        };
+        let key = schedule_key(&running.uid, running.index);
+        self.schedule
+            .evaluated(Instant::now(), &key, outcome.compliance);
+        if self.removals.contains_key(&running.uid) {
+            // Removed meanwhile (and perhaps delivered again): its prune may be waiting for
+            // this evaluation.
+            self.prune_when_idle(&running.uid);
+        }
+        let Some(entry) = self.policies.get_mut(&running.uid) else {
+            return;
+        };
+        if entry.revision != running.revision {
+            return;
+        }
+        let Some(slot) = entry.templates.get_mut(running.index) else {
+            return;
+        };
+        debug!(
+            policy = %policy_name(&entry.delivered),
+            template = %slot.name,
+            compliance = outcome.compliance.as_str(),
+            "template evaluated"
+        );
+        let scopes_changed = slot.scopes != outcome.scopes;
+        slot.scopes = outcome.scopes;
+        slot.result = Some((outcome.compliance, outcome.message.clone()));
+        let stamp = stamp(&entry.delivered);
+        self.histories
+            .entry(running.uid.clone())
+            .or_default()
+            .record(
+                &slot.name,
+                outcome.compliance.into(),
+                &outcome.message,
+                &stamp,
+            );
+        self.report_if_changed(&running.uid);
+        if scopes_changed {
+            self.rewatch();
+        }
+    }
+
+    /// Marks due every template whose last reads cover the changed object.
+    fn object_changed(&mut self, change: &WatchedChange) {
+        for (uid, entry) in &self.policies {
+            for (index, slot) in entry.templates.iter().enumerate() {
+                if slot.scopes.iter().any(|scope| {
+                    kind_key(&scope.kind) == change.kind
+                        && scope.covers(&change.namespace, &change.name)
+                }) {
+                    self.schedule.object_changed(&schedule_key(uid, index));
+                }
+            }
+        }
+    }
+
+    /// Queues the policy's report if every template has a result and it differs from the
+    /// last one sent.
+    fn report_if_changed(&mut self, uid: &str) {
+        let Some(entry) = self.policies.get(uid) else {
+            return;
+        };
+        if entry.templates.iter().any(|slot| slot.result.is_none()) {
+            return;
+        }
+        let names: Vec<String> = entry.templates.iter().map(|t| t.name.clone()).collect();
+        let history = self.histories.entry(uid.to_string()).or_default();
+        let status = history.status(&names);
+        if history.is_new(entry.delivered.generation, &status) {
+            self.pending.insert(
+                uid.to_string(),
+                PolicyReport {
+                    uid: uid.to_string(),
+                    generation: entry.delivered.generation,
+                    status,
+                },
+            );
+        }
+    }
+
+    /// Watches the kinds the templates read now.
+    fn rewatch(&mut self) {
+        let kinds = self
+            .policies
+            .values()
+            .flat_map(|entry| &entry.templates)
+            .flat_map(|slot| &slot.scopes)
+            .map(|scope| (kind_key(&scope.kind), scope.kind.clone()))
+            .collect();
+        self.watches.watch_only(kinds);
+    }
+}
+
+/// The templates of a delivered policy. A policy that fails validation gets every template
+/// NonCompliant with the validator's message; a template of a kind other than
+/// ConfigurationPolicy is NonCompliant saying the agent does not evaluate it.
+fn template_slots(delivered: &DeliveredPolicy) -> Vec<TemplateSlot> {
+    let policy = &delivered.policy;
+    let invalid = validate_policy(policy, None).err().map(|errors| {
+        errors
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; ")
+    });
+    policy
+        .spec
+        .policy_templates
+        .iter()
+        .enumerate()
+        .map(|(index, template)| {
+            let definition = &template.object_definition;
+            let name = definition
+                .name()
+                .map_or_else(|| format!("template-{index}"), str::to_string);
+            let fixed = |message: String| TemplateSlot {
+                name: name.clone(),
+                kind: TemplateKind::Fixed,
+                result: Some((Compliance::NonCompliant, message)),
+                scopes: Vec::new(),
+            };
+            if let Some(invalid) = &invalid {
+                return fixed(invalid.clone());
+            }
+            let group = definition
+                .api_version()
+                .and_then(|v| v.split_once('/'))
+                .map(|(group, _)| group);
+            let kind = definition.kind().unwrap_or("<none>");
+            if group != Some(POLICY_GROUP) || kind != "ConfigurationPolicy" {
+                return fixed(format!(
+                    "template kind {kind} is not evaluated by flotilla's agent"
+                ));
+            }
+            let configuration: ConfigurationPolicy =
+                match serde_json::from_value(definition.0.clone()) {
+                    Ok(parsed) => parsed,
+                    Err(e) => return fixed(format!("ConfigurationPolicy {name}: {e}")),
+                };
+            let remediation = effective_remediation(
+                policy.spec.remediation_action.as_deref(),
+                Some(configuration.spec.remediation_action.as_str()),
+            );
+            let prune = configuration
+                .spec
+                .prune_object_behavior
+                .as_deref()
+                .and_then(PruneObjectBehavior::parse)
+                .unwrap_or_default();
+            TemplateSlot {
+                name: name.clone(),
+                kind: TemplateKind::Configuration(Arc::new(ConfigurationTemplate {
+                    policy_uid: delivered.uid.clone(),
+                    policy: configuration,
+                    remediation,
+                    prune,
+                })),
+                result: None,
+                scopes: Vec::new(),
+            }
+        })
+        .collect()
+}
+
+fn policy_name(delivered: &DeliveredPolicy) -> String {
+    let meta = &delivered.policy.metadata;
+    format!(
+        "{}/{}",
+        meta.namespace.as_deref().unwrap_or_default(),
+        meta.name.as_deref().unwrap_or_default()
+    )
+}
+
+/// Now, as a history entry's time and OCM's event name (`<namespace>.<name>.<hex time>`).
+fn stamp(delivered: &DeliveredPolicy) -> Stamp {
+    let now = Timestamp::now();
+    let meta = &delivered.policy.metadata;
+    Stamp {
+        time: Timestamp::from_second(now.as_second())
+            .unwrap_or(now)
+            .to_string(),
+        event_name: format!(
+            "{}.{}.{:x}",
+            meta.namespace.as_deref().unwrap_or_default(),
+            meta.name.as_deref().unwrap_or_default(),
+            now.as_nanosecond()
+        ),
+    }
+}

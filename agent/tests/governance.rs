@@ -1,0 +1,770 @@
+//! The agent's policy governor against a real spoke kube-apiserver (and once against the load
+//! test's in-memory cluster): what a delivered Policy reports, and what enforce and prune do
+//! to the cluster.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use flotilla_agent::apply::{ApplyTarget, KubeApplyTarget, MemoryCluster};
+use flotilla_agent::cache::AppliedResource;
+use flotilla_agent::governance::{DeliveredPolicy, Governor, GovernorHandle, PolicyReport};
+use flotilla_proto::api::policy::{ANNOTATION_CREATED_BY_POLICY, ComplianceState, Policy};
+use flotilla_testenv::{TestEnv, wait_for};
+use k8s_openapi::api::core::v1::{ConfigMap, LimitRange, Namespace};
+use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+/// How long a report or a repair may take on a loaded machine.
+const DEADLINE: Duration = Duration::from_secs(60);
+
+fn trace_init() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| "flotilla_agent=debug,info".into());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_test_writer()
+        .try_init();
+}
+
+/// A real spoke apiserver and the agent's kube target on it.
+struct Spoke {
+    _env: TestEnv,
+    client: kube::Client,
+    target: Arc<KubeApplyTarget>,
+}
+
+impl Spoke {
+    async fn start() -> anyhow::Result<Spoke> {
+        let env = TestEnv::start().await?;
+        let client = env.client().await?;
+        Ok(Spoke {
+            target: Arc::new(KubeApplyTarget::new(client.clone())),
+            client,
+            _env: env,
+        })
+    }
+
+    fn configmaps(&self) -> Api<ConfigMap> {
+        Api::namespaced(self.client.clone(), "default")
+    }
+
+    async fn create_namespace(&self, name: &str) -> anyhow::Result<()> {
+        let api: Api<Namespace> = Api::all(self.client.clone());
+        let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": name}}))?;
+        api.create(&PostParams::default(), &ns).await?;
+        Ok(())
+    }
+
+    async fn create_configmap(&self, name: &str, data: Value) -> anyhow::Result<ConfigMap> {
+        let cm: ConfigMap =
+            serde_json::from_value(json!({"metadata": {"name": name}, "data": data}))?;
+        Ok(self
+            .configmaps()
+            .create(&PostParams::default(), &cm)
+            .await?)
+    }
+}
+
+/// A governor running on a target, with its handle and reports.
+struct Running {
+    handle: GovernorHandle,
+    reports: mpsc::Receiver<PolicyReport>,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<()>,
+}
+
+impl Running {
+    fn start(target: Arc<dyn ApplyTarget>) -> Running {
+        let (governor, handle, reports) = Governor::new(target);
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(governor.run(async move {
+            let _ = stopped.await;
+        }));
+        Running {
+            handle,
+            reports,
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    async fn upsert(&self, policy: DeliveredPolicy) -> anyhow::Result<()> {
+        Ok(self.handle.upsert(policy).await?)
+    }
+
+    /// The first report of `uid` that `wanted` accepts, within the deadline.
+    async fn report(
+        &mut self,
+        uid: &str,
+        what: &str,
+        wanted: impl Fn(&PolicyReport) -> bool,
+    ) -> anyhow::Result<PolicyReport> {
+        let deadline = Instant::now() + DEADLINE;
+        let mut last = None;
+        loop {
+            let report = match tokio::time::timeout_at(deadline, self.reports.recv()).await {
+                Ok(Some(report)) => report,
+                Ok(None) => bail!("the governor stopped while waiting for {what}"),
+                Err(_) => bail!("timed out waiting for {what}; last report of {uid}: {last:#?}"),
+            };
+            if report.uid != uid {
+                continue;
+            }
+            if wanted(&report) {
+                return Ok(report);
+            }
+            last = Some(report);
+        }
+    }
+
+    async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let _ = self.task.await;
+    }
+}
+
+/// The policy's compliance and the latest message of each template.
+fn summary(report: &PolicyReport) -> (Option<ComplianceState>, Vec<String>) {
+    (
+        report.status.compliant,
+        report
+            .status
+            .details
+            .iter()
+            .map(|d| {
+                d.history
+                    .first()
+                    .map(|h| h.message.clone())
+                    .unwrap_or_default()
+            })
+            .collect(),
+    )
+}
+
+fn compliant(report: &PolicyReport) -> bool {
+    report.status.compliant == Some(ComplianceState::Compliant)
+}
+
+fn noncompliant(report: &PolicyReport) -> bool {
+    report.status.compliant == Some(ComplianceState::NonCompliant)
+}
+
+/// The Policy document of a policy-collection example in proto's test data.
+fn example(file: &str) -> Policy {
+    let path = format!(
+        "{}/../proto/tests/data/policies/{file}",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let text = std::fs::read_to_string(&path).expect("the example exists");
+    let first = text.split("\n---\n").next().expect("a first document");
+    yaml_serde::from_str(first).expect("the first document is a Policy")
+}
+
+/// `policy` as the hub delivers it: in the `policies` namespace, with `uid`.
+fn delivered(uid: &str, generation: i64, mut policy: Policy) -> DeliveredPolicy {
+    policy.metadata.namespace = Some("policies".into());
+    policy.metadata.uid = Some(uid.into());
+    DeliveredPolicy {
+        uid: uid.into(),
+        generation,
+        policy,
+    }
+}
+
+/// A Policy of one ConfigurationPolicy with these object-templates.
+fn configuration_policy(
+    name: &str,
+    remediation: &str,
+    object_templates: Value,
+    extra_spec: Value,
+) -> Policy {
+    let mut spec = json!({
+        "remediationAction": remediation,
+        "severity": "low",
+        "object-templates": object_templates,
+    });
+    if let (Some(spec), Some(extra)) = (spec.as_object_mut(), extra_spec.as_object()) {
+        spec.extend(extra.clone());
+    }
+    serde_json::from_value(json!({
+        "apiVersion": "policy.open-cluster-management.io/v1",
+        "kind": "Policy",
+        "metadata": {"name": name},
+        "spec": {
+            "disabled": false,
+            "remediationAction": remediation,
+            "policy-templates": [{"objectDefinition": {
+                "apiVersion": "policy.open-cluster-management.io/v1",
+                "kind": "ConfigurationPolicy",
+                "metadata": {"name": format!("{name}-config")},
+                "spec": spec,
+            }}],
+        },
+    }))
+    .expect("a Policy")
+}
+
+fn with_remediation(mut policy: Policy, remediation: &str) -> Policy {
+    policy.spec.remediation_action = Some(remediation.into());
+    policy
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_namespace_policy_informs_then_enforce_creates_the_namespace() -> anyhow::Result<()> {
+    trace_init();
+    let spoke = Spoke::start().await?;
+    let mut governor = Running::start(spoke.target.clone());
+
+    governor
+        .upsert(delivered("ns-uid", 1, example("policy-namespace.yaml")))
+        .await?;
+    let report = governor
+        .report("ns-uid", "inform's verdict", noncompliant)
+        .await?;
+    assert_eq!(report.generation, 1);
+    assert_eq!(
+        report.status.details[0].template_meta.name.as_deref(),
+        Some("policy-namespace-prod")
+    );
+    assert_eq!(
+        summary(&report).1,
+        ["NonCompliant; violation - namespaces [prod] not found"]
+    );
+    let namespaces: Api<Namespace> = Api::all(spoke.client.clone());
+    assert!(
+        namespaces.get_opt("prod").await?.is_none(),
+        "inform never writes"
+    );
+
+    // The hub changes the policy to enforce: a new generation.
+    governor
+        .upsert(delivered(
+            "ns-uid",
+            2,
+            with_remediation(example("policy-namespace.yaml"), "enforce"),
+        ))
+        .await?;
+    let report = governor
+        .report("ns-uid", "enforce's verdict", |r| {
+            r.generation == 2 && compliant(r)
+        })
+        .await?;
+    assert_eq!(
+        summary(&report).1,
+        ["Compliant; notification - namespaces [prod] found as specified"]
+    );
+    let history: Vec<&str> = report.status.details[0]
+        .history
+        .iter()
+        .map(|h| h.message.as_str())
+        .collect();
+    assert_eq!(
+        history,
+        [
+            "Compliant; notification - namespaces [prod] found as specified",
+            "NonCompliant; violation - namespaces [prod] not found",
+        ],
+        "most recent first, one entry per change"
+    );
+    let prod = namespaces.get("prod").await?;
+    assert_eq!(
+        prod.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(ANNOTATION_CREATED_BY_POLICY))
+            .map(String::as_str),
+        Some("ns-uid"),
+        "what enforce creates is marked as the policy's"
+    );
+    let managers: Vec<String> = prod
+        .metadata
+        .managed_fields
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|m| m.manager)
+        .collect();
+    assert!(
+        managers.iter().any(|m| m == "flotilla-policy-agent"),
+        "{managers:?}"
+    );
+
+    // Delivered again as it is (a resumed session), then another policy: only the other
+    // one is reported.
+    governor
+        .upsert(delivered(
+            "ns-uid",
+            2,
+            with_remediation(example("policy-namespace.yaml"), "enforce"),
+        ))
+        .await?;
+    governor
+        .upsert(delivered("marker-uid", 1, example("policy-namespace.yaml")))
+        .await?;
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        let report = tokio::time::timeout_at(deadline, governor.reports.recv())
+            .await
+            .context("waiting for the other policy's report")?
+            .context("the governor stopped")?;
+        assert_ne!(report.uid, "ns-uid", "nothing changed, nothing reported");
+        if report.uid == "marker-uid" {
+            break;
+        }
+    }
+    governor.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mustnothave_enforce_deletes_the_anonymous_cluster_admin_bindings() -> anyhow::Result<()> {
+    trace_init();
+    let spoke = Spoke::start().await?;
+    let bindings: Api<ClusterRoleBinding> = Api::all(spoke.client.clone());
+    let binding = |name: &str, role: &str, group: &str| -> anyhow::Result<ClusterRoleBinding> {
+        Ok(serde_json::from_value(json!({
+            "metadata": {"name": name},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": group}],
+        }))?)
+    };
+    let params = PostParams::default();
+    // Matched by its fields, whatever its name.
+    bindings
+        .create(
+            &params,
+            &binding("innocent-name", "cluster-admin", "system:anonymous")?,
+        )
+        .await?;
+    // Matched by its name.
+    bindings
+        .create(&params, &binding("anonymous-admin", "view", "team-a")?)
+        .await?;
+    // Neither.
+    bindings
+        .create(&params, &binding("team-a-view", "view", "team-a")?)
+        .await?;
+
+    let mut governor = Running::start(spoke.target.clone());
+    governor
+        .upsert(delivered(
+            "rbac-uid",
+            1,
+            with_remediation(example("policy-rbac-anonymous.yaml"), "inform"),
+        ))
+        .await?;
+    let report = governor
+        .report("rbac-uid", "inform's verdict", noncompliant)
+        .await?;
+    let message = &summary(&report).1[0];
+    assert!(
+        message.contains("clusterrolebindings [innocent-name] found")
+            && message.contains("clusterrolebindings [anonymous-admin] found"),
+        "{message}"
+    );
+
+    governor
+        .upsert(delivered(
+            "rbac-uid",
+            2,
+            example("policy-rbac-anonymous.yaml"),
+        ))
+        .await?;
+    let report = governor
+        .report("rbac-uid", "enforce's verdict", |r| {
+            r.generation == 2 && compliant(r)
+        })
+        .await?;
+    assert!(
+        summary(&report).1[0].starts_with("Compliant; notification - "),
+        "{report:?}"
+    );
+    assert!(bindings.get_opt("innocent-name").await?.is_none());
+    assert!(bindings.get_opt("anonymous-admin").await?.is_none());
+    assert!(
+        bindings.get_opt("team-a-view").await?.is_some(),
+        "a binding the policy does not match stays"
+    );
+    governor.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mustonlyhave_names_the_extra_key_enforce_removes_it_and_drift_is_seen_by_the_watch()
+-> anyhow::Result<()> {
+    trace_init();
+    let spoke = Spoke::start().await?;
+    spoke
+        .create_configmap("settings", json!({"mode": "strict", "extra": "x"}))
+        .await?;
+    spoke
+        .create_configmap("watched", json!({"mode": "strict"}))
+        .await?;
+    let only_mode = |name: &str| {
+        json!([{"complianceType": "mustonlyhave", "objectDefinition": {
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": name, "namespace": "default"},
+            "data": {"mode": "strict"}}}])
+    };
+    let mut governor = Running::start(spoke.target.clone());
+    governor
+        .upsert(delivered(
+            "settings-uid",
+            1,
+            configuration_policy("settings", "inform", only_mode("settings"), json!({})),
+        ))
+        .await?;
+    let report = governor
+        .report("settings-uid", "inform's verdict", noncompliant)
+        .await?;
+    assert_eq!(
+        summary(&report).1,
+        [
+            "NonCompliant; violation - configmaps [settings] found but not as specified in namespace default: data.extra"
+        ]
+    );
+
+    governor
+        .upsert(delivered(
+            "settings-uid",
+            2,
+            configuration_policy("settings", "enforce", only_mode("settings"), json!({})),
+        ))
+        .await?;
+    governor
+        .report("settings-uid", "enforce's verdict", |r| {
+            r.generation == 2 && compliant(r)
+        })
+        .await?;
+    let data = spoke.configmaps().get("settings").await?.data;
+    assert_eq!(
+        data.unwrap_or_default().into_keys().collect::<Vec<_>>(),
+        ["mode"]
+    );
+
+    // An inform policy on another ConfigMap, Compliant, then edited by hand: the watch makes
+    // it NonCompliant (its interval is `watch`: nothing else would re-evaluate it).
+    governor
+        .upsert(delivered(
+            "watched-uid",
+            1,
+            configuration_policy("watched", "inform", only_mode("watched"), json!({})),
+        ))
+        .await?;
+    governor
+        .report("watched-uid", "the first verdict", compliant)
+        .await?;
+    let drift = json!({"data": {"mode": "lax"}});
+    spoke
+        .configmaps()
+        .patch("watched", &PatchParams::default(), &Patch::Merge(&drift))
+        .await?;
+    let report = governor
+        .report("watched-uid", "drift reported", noncompliant)
+        .await?;
+    assert_eq!(
+        summary(&report).1,
+        [
+            "NonCompliant; violation - configmaps [watched] found but not as specified in namespace default: data.mode"
+        ]
+    );
+
+    // The enforced one, edited by hand, is repaired.
+    spoke
+        .configmaps()
+        .patch(
+            "settings",
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"data": {"mode": "lax", "added": "y"}})),
+        )
+        .await?;
+    let configmaps = spoke.configmaps();
+    wait_for("the drifted ConfigMap repaired", DEADLINE, || {
+        let configmaps = configmaps.clone();
+        async move {
+            let data = configmaps.get("settings").await?.data.unwrap_or_default();
+            Ok(
+                (data.len() == 1 && data.get("mode").map(String::as_str) == Some("strict"))
+                    .then_some(()),
+            )
+        }
+    })
+    .await?;
+    governor.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limitrange_is_required_in_the_selected_namespaces() -> anyhow::Result<()> {
+    trace_init();
+    let spoke = Spoke::start().await?;
+    for ns in ["app-a", "app-b", "app-test", "other"] {
+        spoke.create_namespace(ns).await?;
+    }
+    let mut governor = Running::start(spoke.target.clone());
+    governor
+        .upsert(delivered("lr-uid", 1, example("policy-limitrange.yaml")))
+        .await?;
+    let report = governor
+        .report("lr-uid", "inform's verdict", noncompliant)
+        .await?;
+    assert_eq!(
+        summary(&report).1,
+        [
+            "NonCompliant; violation - limitranges [container-mem-limit-range] not found in namespace app-a; limitranges [container-mem-limit-range] not found in namespace app-b"
+        ]
+    );
+
+    governor
+        .upsert(delivered(
+            "lr-uid",
+            2,
+            with_remediation(example("policy-limitrange.yaml"), "enforce"),
+        ))
+        .await?;
+    governor
+        .report("lr-uid", "enforce's verdict", |r| {
+            r.generation == 2 && compliant(r)
+        })
+        .await?;
+    for (ns, expected) in [
+        ("app-a", true),
+        ("app-b", true),
+        ("app-test", false),
+        ("other", false),
+    ] {
+        let api: Api<LimitRange> = Api::namespaced(spoke.client.clone(), ns);
+        let found = api.get_opt("container-mem-limit-range").await?;
+        assert_eq!(found.is_some(), expected, "LimitRange in {ns}");
+    }
+    governor.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_template_wrong_for_the_spoke_stops_neither_its_engine_nor_other_policies()
+-> anyhow::Result<()> {
+    trace_init();
+    let spoke = Spoke::start().await?;
+    let mut governor = Running::start(spoke.target.clone());
+    let unknown = configuration_policy(
+        "widgets",
+        "enforce",
+        json!([{"complianceType": "musthave", "objectDefinition": {
+            "apiVersion": "example.com/v1", "kind": "Widget",
+            "metadata": {"name": "w", "namespace": "default"}}}]),
+        json!({}),
+    );
+    let mut gatekeeper = configuration_policy("gk", "inform", json!([]), json!({}));
+    gatekeeper.spec.policy_templates[0].object_definition = json!({
+        "apiVersion": "constraints.gatekeeper.sh/v1beta1",
+        "kind": "K8sRequiredLabels",
+        "metadata": {"name": "ns-must-have-owner"},
+        "spec": {"parameters": {"labels": [{"key": "owner"}]}},
+    })
+    .into();
+    let fine = configuration_policy(
+        "default-ns",
+        "inform",
+        json!([{"complianceType": "musthave", "objectDefinition": {
+            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "default"}}}]),
+        json!({}),
+    );
+    let invalid = configuration_policy(
+        "invalid",
+        "inform",
+        json!([{"complianceType": "musthave", "objectDefinition": {
+            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "default"}}}]),
+        json!({"pruneObjectBehavior": "Sometimes"}),
+    );
+    governor.upsert(delivered("widget-uid", 1, unknown)).await?;
+    governor.upsert(delivered("gk-uid", 1, gatekeeper)).await?;
+    governor
+        .upsert(delivered("invalid-uid", 1, invalid))
+        .await?;
+    governor.upsert(delivered("fine-uid", 1, fine)).await?;
+
+    let mut seen = std::collections::HashMap::new();
+    let deadline = Instant::now() + DEADLINE;
+    while seen.len() < 4 {
+        let report = tokio::time::timeout_at(deadline, governor.reports.recv())
+            .await
+            .with_context(|| format!("waiting for four reports, have {seen:#?}"))?
+            .context("the governor stopped")?;
+        seen.insert(report.uid.clone(), summary(&report));
+    }
+    let (compliance, messages) = &seen["widget-uid"];
+    assert_eq!(*compliance, Some(ComplianceState::NonCompliant));
+    assert!(
+        messages[0].contains("the spoke cluster serves no kind Widget in example.com/v1"),
+        "{messages:?}"
+    );
+    let (compliance, messages) = &seen["gk-uid"];
+    assert_eq!(*compliance, Some(ComplianceState::NonCompliant));
+    assert_eq!(
+        messages[0],
+        "NonCompliant; violation - template kind K8sRequiredLabels is not evaluated by flotilla's agent"
+    );
+    let (compliance, messages) = &seen["invalid-uid"];
+    assert_eq!(*compliance, Some(ComplianceState::NonCompliant));
+    assert!(
+        messages[0].contains("pruneObjectBehavior") && messages[0].contains("Sometimes"),
+        "the validator's message: {messages:?}"
+    );
+    let (compliance, messages) = &seen["fine-uid"];
+    assert_eq!(
+        *compliance,
+        Some(ComplianceState::Compliant),
+        "{messages:?}"
+    );
+    governor.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn removing_a_delete_if_created_policy_deletes_only_what_enforce_created_even_after_a_restart()
+-> anyhow::Result<()> {
+    trace_init();
+    let spoke = Spoke::start().await?;
+    spoke
+        .create_configmap("existed", json!({"owner": "team-a"}))
+        .await?;
+    let policy = || {
+        let musthave = |name: &str| {
+            json!({"complianceType": "musthave", "objectDefinition": {
+                "apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": name, "namespace": "default"},
+                "data": {"owner": "team-a"}}})
+        };
+        delivered(
+            "prune-uid",
+            1,
+            configuration_policy(
+                "prune",
+                "enforce",
+                json!([musthave("existed"), musthave("created")]),
+                json!({"pruneObjectBehavior": "DeleteIfCreated"}),
+            ),
+        )
+    };
+    let mut first = Running::start(spoke.target.clone());
+    first.upsert(policy()).await?;
+    first
+        .report("prune-uid", "enforce's verdict", compliant)
+        .await?;
+    assert!(spoke.configmaps().get_opt("created").await?.is_some());
+    first.stop().await;
+
+    // A restarted agent: the cache delivers the policy again, then the hub removes it.
+    let second = Running::start(spoke.target.clone());
+    second.upsert(policy()).await?;
+    second.handle.remove("prune-uid").await?;
+    assert!(
+        spoke.configmaps().get_opt("created").await?.is_none(),
+        "what enforce created is pruned"
+    );
+    assert!(
+        spoke.configmaps().get_opt("existed").await?.is_some(),
+        "what existed before stays"
+    );
+    second.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_load_tests_in_memory_cluster_evaluates_and_enforces_the_namespace_policy()
+-> anyhow::Result<()> {
+    trace_init();
+    let cluster = Arc::new(MemoryCluster::new());
+    let mut governor = Running::start(cluster.clone());
+    governor
+        .upsert(delivered("ns-uid", 1, example("policy-namespace.yaml")))
+        .await?;
+    let report = governor
+        .report("ns-uid", "inform's verdict", noncompliant)
+        .await?;
+    assert_eq!(
+        summary(&report).1,
+        ["NonCompliant; violation - namespaces [prod] not found"]
+    );
+    governor
+        .upsert(delivered(
+            "ns-uid",
+            2,
+            with_remediation(example("policy-namespace.yaml"), "enforce"),
+        ))
+        .await?;
+    governor
+        .report("ns-uid", "enforce's verdict", |r| {
+            r.generation == 2 && compliant(r)
+        })
+        .await?;
+    let prod = AppliedResource {
+        group: String::new(),
+        version: "v1".into(),
+        kind: "Namespace".into(),
+        resource: "namespaces".into(),
+        namespace: String::new(),
+        name: "prod".into(),
+    };
+    assert!(cluster.get(&prod).await.is_some());
+
+    // Deleted by someone else: the watch sees it and enforce makes it again.
+    ApplyTarget::delete(cluster.as_ref(), &prod).await?;
+    wait_for("the namespace made again", DEADLINE, || {
+        let cluster = cluster.clone();
+        let prod = prod.clone();
+        async move { Ok(cluster.get(&prod).await.map(drop)) }
+    })
+    .await?;
+    governor.stop().await;
+    Ok(())
+}
+
+#[tokio::test(start_paused = true)]
+async fn under_an_interval_a_policy_is_evaluated_again_when_the_interval_runs_out_not_on_changes()
+-> anyhow::Result<()> {
+    trace_init();
+    let cluster = Arc::new(MemoryCluster::new());
+    let mut governor = Running::start(cluster.clone());
+    let policy = configuration_policy(
+        "interval",
+        "inform",
+        json!([{"complianceType": "musthave", "objectDefinition": {
+            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "prod"}}}]),
+        json!({"evaluationInterval": {"compliant": "10m", "noncompliant": "30s"}}),
+    );
+    governor
+        .upsert(delivered("interval-uid", 1, policy))
+        .await?;
+    governor
+        .report("interval-uid", "the first verdict", noncompliant)
+        .await?;
+    let evaluated = Instant::now();
+    let prod = AppliedResource {
+        group: String::new(),
+        version: "v1".into(),
+        kind: "Namespace".into(),
+        resource: "namespaces".into(),
+        namespace: String::new(),
+        name: "prod".into(),
+    };
+    let namespace = json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "prod"}});
+    cluster.create(&prod, &namespace, "someone").await?;
+    governor
+        .report("interval-uid", "the verdict after the interval", compliant)
+        .await?;
+    assert!(
+        evaluated.elapsed() >= Duration::from_secs(30),
+        "seen by the 30 s noncompliant interval, not by the change (on the paused clock: {:?})",
+        evaluated.elapsed()
+    );
+    governor.stop().await;
+    Ok(())
+}
