@@ -768,3 +768,59 @@ async fn under_an_interval_a_policy_is_evaluated_again_when_the_interval_runs_ou
     governor.stop().await;
     Ok(())
 }
+
+#[tokio::test]
+async fn a_lagging_consumer_neither_stalls_the_governor_nor_misses_any_policys_latest_report()
+-> anyhow::Result<()> {
+    trace_init();
+    const POLICIES: usize = 80;
+    let cluster = Arc::new(MemoryCluster::new());
+    let mut governor = Running::start(cluster.clone());
+    let policy = |i: usize, generation: i64| {
+        let name = format!("p{i}");
+        delivered(
+            &format!("uid-{i}"),
+            generation,
+            configuration_policy(
+                &name,
+                "inform",
+                json!([{"complianceType": "musthave", "objectDefinition": {
+                    "apiVersion": "v1", "kind": "Namespace",
+                    "metadata": {"name": format!("ns-{i}-{generation}")}}}]),
+                json!({}),
+            ),
+        )
+    };
+    // Nobody reads while two generations of every policy are delivered and evaluated: more
+    // reports than the channel holds. The governor never waits on the consumer, so the
+    // handle keeps working (a remove of an unknown policy returns once every command before
+    // it was taken).
+    for generation in [1, 2] {
+        for i in 0..POLICIES {
+            governor.upsert(policy(i, generation)).await?;
+        }
+    }
+    tokio::time::timeout(DEADLINE, governor.handle.remove("unknown"))
+        .await
+        .context("the governor waited on the consumer")??;
+    let mut latest = std::collections::HashMap::new();
+    let deadline = Instant::now() + DEADLINE;
+    while latest.values().filter(|g| **g == 2).count() < POLICIES {
+        let report = tokio::time::timeout_at(deadline, governor.reports.recv())
+            .await
+            .with_context(|| format!("waiting for generation 2 of every policy: {latest:?}"))?
+            .context("the governor stopped")?;
+        let message = summary(&report).1.join("");
+        assert!(
+            message.contains(&format!("ns-{}", &report.uid[4..])),
+            "{message}"
+        );
+        let previous = latest.insert(report.uid.clone(), report.generation);
+        assert!(
+            previous.is_none_or(|g| g < report.generation),
+            "reports of a policy arrive in order"
+        );
+    }
+    governor.stop().await;
+    Ok(())
+}
