@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use flotilla_proto::api::ManifestWork;
 use flotilla_proto::api::content::ContentRef;
-use flotilla_proto::session::AgentSession;
+use flotilla_proto::api::policy::{MAX_POLICY_BYTES, Policy};
+use flotilla_proto::session::{AgentSession, Delivered};
 use flotilla_proto::wire;
 use futures::future::BoxFuture;
 use tracing::{debug, info, warn};
@@ -224,22 +225,14 @@ async fn store_work(spoke: &Spoke, work: wire::WorkUpdate) -> CacheDone {
         generation,
         content_hash,
         manifest_work_json,
+        kind,
     } = work;
     if uid.is_empty() {
         warn!(work = %format!("{namespace}/{name}"), "the hub sent a work without a uid; ignored");
         return CacheDone::NotStored;
     }
-    let size = manifest_work_json.len();
-    let refused = if size > MAX_MANIFEST_WORK_BYTES {
-        Some(format!(
-            "the ManifestWork is {size} bytes, more than the agent's limit of {MAX_MANIFEST_WORK_BYTES} bytes; \
-             split its manifests over several ManifestWorks"
-        ))
-    } else {
-        serde_json::from_slice::<ManifestWork>(&manifest_work_json)
-            .err()
-            .map(|e| format!("the hub sent a ManifestWork the agent cannot read: {e}"))
-    };
+    let delivered = Delivered::of(&kind);
+    let refused = refusal(delivered, &kind, &manifest_work_json);
     // Neither a refused nor a held-already body is kept in memory past this point.
     let content = refused.is_none().then_some(manifest_work_json);
     let cached = CachedWork {
@@ -250,6 +243,7 @@ async fn store_work(spoke: &Spoke, work: wire::WorkUpdate) -> CacheDone {
         content_hash,
         refused,
         deleting: false,
+        policy: delivered == Some(Delivered::Policy),
     };
     let key = uid.clone();
     match durably(&spoke.cache, move |c| c.work(&key)).await {
@@ -276,7 +270,11 @@ async fn store_work(spoke: &Spoke, work: wire::WorkUpdate) -> CacheDone {
     {
         Ok(()) => {
             debug!(work = %work_name, uid = %uid, generation, "work stored");
-            spoke.reconciler.work_changed(&uid).await;
+            if stored.policy {
+                spoke.policies.changed(&uid);
+            } else {
+                spoke.reconciler.work_changed(&uid).await;
+            }
             CacheDone::Stored {
                 uid,
                 generation,
@@ -291,21 +289,55 @@ async fn store_work(spoke: &Spoke, work: wire::WorkUpdate) -> CacheDone {
     }
 }
 
+/// Why the agent will not keep what a `WorkUpdate` of `kind` carries, if it will not: too
+/// large, of a kind it does not know, or not the kind it says. The generation is still held
+/// and acked, and the reason goes into its status.
+fn refusal(delivered: Option<Delivered>, kind: &str, json: &[u8]) -> Option<String> {
+    let size = json.len();
+    match delivered {
+        None => Some(format!(
+            "the hub sent a {kind:?}, which this agent does not know; upgrade the agent to one that serves it"
+        )),
+        Some(Delivered::Work) if size > MAX_MANIFEST_WORK_BYTES => Some(format!(
+            "the ManifestWork is {size} bytes, more than the agent's limit of {MAX_MANIFEST_WORK_BYTES} bytes; \
+             split its manifests over several ManifestWorks"
+        )),
+        Some(Delivered::Work) => serde_json::from_slice::<ManifestWork>(json)
+            .err()
+            .map(|e| format!("the hub sent a ManifestWork the agent cannot read: {e}")),
+        // The hub refuses a Policy spec over MAX_POLICY_BYTES; the agent's bound is its bound
+        // for any one object it holds.
+        Some(Delivered::Policy) if size > MAX_MANIFEST_WORK_BYTES => Some(format!(
+            "the Policy is {size} bytes, more than the agent's limit of {MAX_MANIFEST_WORK_BYTES} bytes \
+             (the hub allows {MAX_POLICY_BYTES} of spec); split its templates over several Policies"
+        )),
+        Some(Delivered::Policy) => serde_json::from_slice::<Policy>(json)
+            .err()
+            .map(|e| format!("the hub sent a Policy the agent cannot read: {e}")),
+    }
+}
+
 /// Marks a work deleted by the hub as a tombstone and hands it to the reconciler, which
-/// removes or orphans its resources and then forgets it.
+/// removes or orphans its resources and then forgets it; a policy goes to the governor, which
+/// prunes what its `pruneObjectBehavior` says and then releases it.
 async fn delete_work(spoke: &Spoke, uid: String, namespace: &str, name: &str) {
     // A delete found during the hello sync carries only the uid: the name is in the cache.
-    let work = if name.is_empty() {
-        let key = uid.clone();
-        match durably(&spoke.cache, move |c| c.work(&key)).await {
-            Ok(Some(cached)) => cached.display_name(),
-            _ => format!("uid {uid}"),
-        }
-    } else {
-        format!("{namespace}/{name}")
+    let key = uid.clone();
+    let cached = durably(&spoke.cache, move |c| c.work(&key))
+        .await
+        .ok()
+        .flatten();
+    let work = match (&cached, name.is_empty()) {
+        (Some(cached), true) => cached.display_name(),
+        (None, true) => format!("uid {uid}"),
+        (_, false) => format!("{namespace}/{name}"),
     };
     let key = uid.clone();
     match durably(&spoke.cache, move |c| c.mark_deleting(&key)).await {
+        Ok(true) if cached.as_ref().is_some_and(|c| c.policy) => {
+            info!(uid = %uid, policy = %work, "policy removed from this cluster on the hub");
+            spoke.policies.changed(&uid);
+        }
         Ok(true) => {
             info!(uid = %uid, %work, "work deleted on the hub");
             spoke.reconciler.work_changed(&uid).await;

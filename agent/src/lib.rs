@@ -51,6 +51,7 @@ pub mod identity;
 pub mod join;
 pub mod jsonpath;
 pub mod metrics;
+pub mod policies;
 pub mod reconcile;
 pub mod refusal;
 mod run;

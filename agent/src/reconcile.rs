@@ -374,7 +374,8 @@ impl Reconciler {
         if std::mem::take(&mut state.all) {
             match self.cache.works() {
                 Ok(works) => {
-                    for work in works {
+                    // Policies are the policy desk's: nothing of them is applied here.
+                    for work in works.into_iter().filter(|w| !w.policy) {
                         if state.queued.insert(work.uid.clone()) {
                             state.order.push_back(work.uid);
                         }
@@ -473,7 +474,7 @@ async fn reconcile_watched(
     watch: Option<&AppliedWatch>,
     uid: &str,
 ) -> Result<Reconciled, CacheError> {
-    let Some(work) = cache.work(uid)? else {
+    let Some(work) = cache.work(uid)?.filter(|w| !w.policy) else {
         return Ok(Reconciled::default());
     };
     let span = info_span!(

@@ -23,8 +23,10 @@ use crate::apply::{ApplyTarget, KubeApplyTarget};
 use crate::cache::{self, CacheDb, CacheError, WorkCache};
 use crate::config::{AgentConfig, ConfigError};
 use crate::connect::Dialer;
+use crate::governance::Governor;
 use crate::identity::Identity;
 use crate::metrics::AgentMetrics;
+use crate::policies::PolicyDesk;
 use crate::reconcile::Reconciler;
 use crate::session::{RandJitter, hold_session};
 use crate::spoke::{Observer, Spoke, Unobserved};
@@ -225,6 +227,22 @@ async fn supervise(
     };
     let reconciler_rng = rand::rngs::StdRng::seed_from_u64(seeds.random());
     let outbox_changed = Arc::new(Notify::new());
+    // Policies are evaluated on the same spoke the works are applied to, beside them.
+    let (governor, governor_handle, reports) = Governor::new(Arc::clone(&target));
+    tasks.spawn(
+        "the policy governor",
+        governor.run(stopped(stop.subscribe())).map(Ok),
+    );
+    let (desk, policies) = PolicyDesk::new(
+        Arc::clone(&cache),
+        governor_handle,
+        reports,
+        Arc::clone(&outbox_changed),
+    );
+    tasks.spawn(
+        "the policy desk",
+        desk.run(stopped(stop.subscribe())).map(Ok),
+    );
     let (reconciler, handle) = Reconciler::new(
         Arc::clone(&cache),
         target,
@@ -248,6 +266,7 @@ async fn supervise(
     let spoke = Spoke {
         cache,
         reconciler: handle,
+        policies,
         outbox_changed,
         kubernetes_version,
         cluster_info,

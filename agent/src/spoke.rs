@@ -8,6 +8,7 @@ use tokio::sync::{Notify, watch};
 
 use crate::cache::{CachedWork, WorkCache};
 use crate::metrics::AgentMetrics;
+use crate::policies::PolicyHandle;
 use crate::reconcile::ReconcileHandle;
 use crate::refusal::Refusal;
 use crate::tunnel::TunnelHandle;
@@ -20,6 +21,8 @@ pub struct Spoke {
     pub cache: Arc<dyn WorkCache>,
     /// Tells the reconciler which works changed.
     pub reconciler: ReconcileHandle,
+    /// Tells the policy desk which of the cluster's policies changed.
+    pub policies: PolicyHandle,
     /// Woken by the reconciler when the outbox has a new status.
     pub outbox_changed: Arc<Notify>,
     /// The spoke's Kubernetes version for the hello; empty until known.

@@ -61,6 +61,7 @@ impl Spoke {
             content_hash: content_hash(&work.spec),
             refused: None,
             deleting: false,
+            policy: false,
         };
         self.cache
             .put_work(&cached, Some(&serde_json::to_vec(work)?))?;

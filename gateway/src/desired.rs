@@ -11,7 +11,7 @@ use flotilla_ops::error_chain;
 use flotilla_proto::api::content::ContentRef;
 use flotilla_proto::api::{Kind, ManifestWork, content_hash};
 use flotilla_proto::contract::WORK_CLEANUP_FINALIZER;
-use flotilla_proto::session::DesiredWork;
+use flotilla_proto::session::{Delivered, DesiredWork};
 use flotilla_store::{Basis, Object, Store, WatchEvent, namespace_of};
 use tokio::sync::watch;
 use tracing::{info, warn};
@@ -444,6 +444,7 @@ pub fn desired_work(mut obj: serde_json::Value) -> Option<DesiredWork> {
         generation: meta.generation.unwrap_or(1),
         content_hash: content_hash(&work.spec),
         manifest_work_json: serde_json::to_vec(&obj).ok()?,
+        kind: Delivered::Work.kind().to_owned(),
     })
 }
 

@@ -176,7 +176,23 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
                         (shared.clone(), cluster.clone(), mailbox.clone());
                     work.push(Box::pin(async move {
                         let Some(name) = shared.desired.owned_by(&cluster, &uid).await else {
-                            warn!(work_uid = %uid, "status for a work that is not this cluster's; ignored");
+                            // Not a work of the cluster: the compliance of one of its policies?
+                            let Some((namespace, name)) = shared.policies.reaching(&cluster, &uid).await else {
+                                warn!(uid = %uid, "status for neither a work nor a policy of this cluster; ignored");
+                                return Done::Nothing;
+                            };
+                            debug!(policy = %format!("{namespace}/{name}"), generation, seq, "policy compliance reported");
+                            if let Err(e) = shared.compliance.submit(
+                                &reporter,
+                                &cluster,
+                                (&namespace, &name),
+                                &uid,
+                                generation,
+                                seq,
+                                &status_json,
+                            ) {
+                                warn!(error = %error_chain(&e), "compliance refused");
+                            }
                             return Done::Nothing;
                         };
                         debug!(work = %name, generation, seq, "status reported");
@@ -215,7 +231,14 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
                     let (shared, cluster, reporter) =
                         (shared.clone(), cluster.clone(), mailbox.clone());
                     work.push(Box::pin(async move {
-                        shared.finalizers.release(&cluster, &uid, Some(&reporter));
+                        // A work's release takes its cleanup finalizer; anything else may be a
+                        // policy's, whose compliance entry goes (the compliance writer hands
+                        // what is not a policy's to the finalizers).
+                        if shared.desired.owned_by(&cluster, &uid).await.is_some() {
+                            shared.finalizers.release(&cluster, &uid, Some(&reporter));
+                        } else {
+                            shared.compliance.release(&cluster, &uid, &reporter);
+                        }
                         Done::Nothing
                     }));
                 }
@@ -459,6 +482,7 @@ async fn open_session(shared: Arc<Shared>, handle: SessionHandle, hello: wire::H
     }
     shared.desired.wait_loaded(&cluster).await;
     let mut snapshot = shared.desired.snapshot(&cluster);
+    snapshot.extend(shared.policies.snapshot(&cluster).await);
     let held: Vec<&str> = hello.held.iter().map(|h| h.uid.as_str()).collect();
     if let Err(e) = keep_unseen_works(&shared, &cluster, &held, &mut snapshot).await {
         warn!(error = %error_chain(&e), "cannot confirm which of the cluster's works are gone: the session waits");

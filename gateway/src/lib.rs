@@ -19,6 +19,7 @@
 
 pub mod admission;
 pub mod certificates;
+pub mod compliance;
 mod config;
 pub mod desired;
 mod driver;
@@ -29,6 +30,7 @@ pub mod health;
 mod locks;
 pub mod mailbox;
 pub mod metrics;
+pub mod policies;
 pub mod process;
 pub mod rate;
 pub mod recorded_health;

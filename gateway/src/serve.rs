@@ -20,6 +20,7 @@ use tracing::{Instrument as _, info, info_span, warn};
 
 use crate::admission::Admissions;
 use crate::certificates::ClusterCertificates;
+use crate::compliance::ComplianceWriter;
 use crate::config::GatewayConfig;
 use crate::desired::DesiredState;
 use crate::driver::drive;
@@ -28,6 +29,7 @@ use crate::finalizers::CleanupFinalizers;
 use crate::health::HealthWriter;
 use crate::locks::{SyncMutex, lock};
 use crate::metrics::GatewayMetrics;
+use crate::policies::DesiredPolicies;
 use crate::rate::{SessionGate, SessionRate};
 use crate::registry::Registry;
 use crate::shards::{ShardLeasing, ShardView};
@@ -122,6 +124,12 @@ impl Gateway {
             fencing.clone(),
             bases.clone(),
         );
+        let compliance = ComplianceWriter::new(
+            budget.clone(),
+            config.status_write_concurrency,
+            shards.subscribe(),
+            fencing.clone(),
+        );
         // Without leases the gateway serves from the start (sessions wait for the first load);
         // `lease_shards` turns this off until the shards it holds are loaded.
         let serving = watch::Sender::new(true);
@@ -148,7 +156,9 @@ impl Gateway {
                 health,
                 registry: Arc::new(Registry::default()),
                 desired: DesiredState::new(),
+                policies: DesiredPolicies::new(),
                 statuses,
+                compliance,
                 finalizers,
                 admissions,
                 certificates,
@@ -256,6 +266,10 @@ impl Gateway {
             flotilla_ops::ReadyFlag::watching(
                 "the ManifestWork watch cache (desired state) has not listed from the store yet",
                 self.shared.desired.ready(),
+            ),
+            flotilla_ops::ReadyFlag::watching(
+                "the Policy watch cache (governance) has not listed from the store yet",
+                self.shared.policies.ready(),
             ),
             flotilla_ops::ReadyFlag::watching(
                 "the gateway has not read the shard leases yet (new connections are closed before \
@@ -367,6 +381,18 @@ impl Gateway {
                 .map(Ok),
         );
         tasks.spawn(
+            "the Policy watch cache",
+            shared
+                .policies
+                .clone()
+                .run(
+                    shared.store.clone(),
+                    shared.registry.clone(),
+                    stop_rx.clone(),
+                )
+                .map(Ok),
+        );
+        tasks.spawn(
             "the status writer",
             shared
                 .statuses
@@ -374,6 +400,18 @@ impl Gateway {
                 .run(
                     shared.store.clone(),
                     shared.desired.clone(),
+                    stop_rx.clone(),
+                )
+                .map(Ok),
+        );
+        tasks.spawn(
+            "the policy compliance writer",
+            shared
+                .compliance
+                .clone()
+                .run(
+                    shared.store.clone(),
+                    shared.finalizers.clone(),
                     stop_rx.clone(),
                 )
                 .map(Ok),

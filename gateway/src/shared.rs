@@ -11,12 +11,14 @@ use tokio::sync::watch;
 
 use crate::admission::Admissions;
 use crate::certificates::ClusterCertificates;
+use crate::compliance::ComplianceWriter;
 use crate::config::GatewayConfig;
 use crate::desired::DesiredState;
 use crate::finalizers::CleanupFinalizers;
 use crate::health::{HealthReports, HealthWriter};
 use crate::locks::SyncMutex;
 use crate::metrics::GatewayMetrics;
+use crate::policies::DesiredPolicies;
 use crate::rate::SessionGate;
 use crate::registry::Registry;
 use crate::shards::{ShardLeasing, ShardView};
@@ -29,7 +31,11 @@ pub(crate) struct Shared {
     pub(crate) health: HealthReports,
     pub(crate) registry: Arc<Registry>,
     pub(crate) desired: Arc<DesiredState>,
+    /// The governance policies each cluster carries, delivered beside its works.
+    pub(crate) policies: Arc<DesiredPolicies>,
     pub(crate) statuses: Arc<StatusWriter>,
+    /// Agents' policy compliance, into each cluster's ClusterCompliance.
+    pub(crate) compliance: Arc<ComplianceWriter>,
     /// Adds and removes ManifestWorks' cleanup finalizers as agents acknowledge and release.
     pub(crate) finalizers: Arc<CleanupFinalizers>,
     pub(crate) admissions: Arc<Admissions>,

@@ -148,6 +148,7 @@ fn desired_work(input: &mut FuzzInput<'_>) -> DesiredWork {
         generation: i64::from(input.byte() % 4),
         content_hash: format!("h{}", input.byte() % 2),
         manifest_work_json: input.bytes().to_vec(),
+        kind: String::new(),
     }
 }
 
@@ -472,6 +473,7 @@ fn large_work(uid: &str, chunks: &[String]) -> wire::HubFrame {
             generation: 1,
             content_hash: "h1".into(),
             manifest_work_json: serde_json::to_vec(&work).unwrap_or_default(),
+            kind: String::new(),
         })),
     }
 }

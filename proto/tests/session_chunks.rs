@@ -54,6 +54,7 @@ fn large_work(uid: &str, generation: i64, reference: &ContentRef) -> DesiredWork
         generation,
         content_hash: content_hash(&work.spec),
         manifest_work_json: serde_json::to_vec(&work).unwrap(),
+        kind: String::new(),
     }
 }
 

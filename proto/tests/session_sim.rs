@@ -51,6 +51,7 @@ fn work(uid: &str, generation: i64) -> DesiredWork {
         generation,
         content_hash: format!("hash-{generation}"),
         manifest_work_json: format!(r#"{{"uid":"{uid}","generation":{generation}}}"#).into(),
+        kind: String::new(),
     }
 }
 

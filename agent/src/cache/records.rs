@@ -36,6 +36,11 @@ pub struct CachedWork {
     /// orphaned as its deleteOption says; then it is forgotten.
     #[serde(default)]
     pub deleting: bool,
+    /// One of the cluster's governance Policies rather than a ManifestWork: the governor
+    /// evaluates and enforces it, the reconciler never applies it. Its status is its
+    /// compliance on this cluster.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub policy: bool,
 }
 
 impl CachedWork {

@@ -11,6 +11,7 @@ pub(super) fn work(uid: &str, generation: i64) -> CachedWork {
         content_hash: format!("hash-{generation}"),
         refused: None,
         deleting: false,
+        policy: false,
     }
 }
 

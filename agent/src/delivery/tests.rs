@@ -50,6 +50,7 @@ impl Agent {
             spoke: Spoke {
                 cache,
                 reconciler: handle,
+                policies: crate::policies::PolicyHandle::default(),
                 outbox_changed,
                 kubernetes_version,
                 cluster_info,
@@ -250,6 +251,7 @@ fn desired(uid: &str, generation: i64, configmaps: &[&str]) -> wire::WorkUpdate 
         generation,
         content_hash: content_hash(&mw.spec),
         manifest_work_json: serde_json::to_vec(&mw).unwrap(),
+        kind: String::new(),
     }
 }
 

@@ -44,6 +44,7 @@ async fn put(
         content_hash: format!("h{generation}"),
         refused: None,
         deleting: false,
+        policy: false,
     };
     cache
         .put_work(&work, Some(&serde_json::to_vec(&mw).unwrap()))
@@ -172,6 +173,7 @@ async fn a_refused_work_gets_a_degraded_status_and_no_retry() {
         content_hash: "h".into(),
         refused: Some("the ManifestWork is 3 MiB".into()),
         deleting: false,
+        policy: false,
     };
     cache.put_work(&work, None).unwrap();
     let r = reconcile_work(&cache, &cluster, "big").await.unwrap();

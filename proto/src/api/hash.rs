@@ -19,6 +19,12 @@ pub fn content_hash(spec: &ManifestWorkSpec) -> String {
     hex::encode(Sha256::digest(canonical_json(&value).as_bytes()))
 }
 
+/// Hex SHA-256 of any JSON value's canonical form: the content hash of what a session delivers
+/// that is not a ManifestWork (a governance Policy's spec), by the same rule.
+pub fn value_hash(value: &Value) -> String {
+    hex::encode(Sha256::digest(canonical_json(value).as_bytes()))
+}
+
 /// Compact JSON with every object's keys sorted by their UTF-8 bytes.
 ///
 /// Sorted here rather than relying on `serde_json::Map` iterating in order: that holds only while

@@ -45,7 +45,7 @@ pub use clusterset::{
 };
 pub use content::{ManifestChunk, ManifestChunkSpec};
 pub use crd::{crd_file_name, crd_yaml, crds};
-pub use hash::{canonical_json, content_hash};
+pub use hash::{canonical_json, content_hash, value_hash};
 pub use kind::Kind;
 pub use placement::{
     AddOnPlacementScore, AddOnPlacementScoreFields, AddOnPlacementScoreItem,

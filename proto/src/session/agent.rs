@@ -1025,6 +1025,7 @@ mod tests {
             generation: 1,
             content_hash: "h".into(),
             manifest_work_json: serde_json::to_vec(&work).unwrap(),
+            kind: String::new(),
         });
         session
             .handle_frame(

@@ -381,6 +381,7 @@ mod tests {
             generation,
             content_hash: format!("{uid}-{generation}"),
             manifest_work_json: serde_json::to_vec(&work).unwrap(),
+            kind: String::new(),
         }
     }
 

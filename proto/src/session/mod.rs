@@ -76,6 +76,38 @@ pub use renewal::{RENEW_AT_FRACTION, renew_at};
 /// frame that carries it, so nothing is copied on the way out.
 pub type DesiredWork = crate::wire::WorkUpdate;
 
+/// What a [`DesiredWork`] carries, by its `kind`: a ManifestWork (the agent applies it) or one
+/// of the cluster's governance Policies (the agent evaluates and enforces it). Both ride the
+/// same delivery, keyed by uid; only the agent's use of them differs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Delivered {
+    Work,
+    Policy,
+}
+
+impl Delivered {
+    /// The `kind` of a [`DesiredWork`] carrying a Policy.
+    pub const POLICY: &'static str = "Policy";
+
+    /// What a frame of `kind` carries; `None` for a kind this agent does not know (a newer
+    /// hub's), which the agent refuses by name rather than applies.
+    pub fn of(kind: &str) -> Option<Delivered> {
+        match kind {
+            "" | "ManifestWork" => Some(Delivered::Work),
+            Delivered::POLICY => Some(Delivered::Policy),
+            _ => None,
+        }
+    }
+
+    /// The `kind` field for a frame carrying this.
+    pub fn kind(self) -> &'static str {
+        match self {
+            Delivered::Work => "",
+            Delivered::Policy => Delivered::POLICY,
+        }
+    }
+}
+
 /// What the agent holds durably, one entry per work, for [`AgentSession::new`].
 pub type HeldWork = crate::wire::HeldWork;
 

@@ -700,6 +700,15 @@ async fn rbac_covers_every_call_the_code_makes() -> anyhow::Result<()> {
         None,
         "agents' compliance reports, written as fenced status writes",
     ));
+    for verb in ["list", "watch"] {
+        granted.push(ask(
+            "flotilla-gateway",
+            verb,
+            plural_group(Kind::Policy),
+            None,
+            "the Policy cache: which clusters each policy reaches, delivered over their sessions",
+        ));
+    }
     granted.push(ask(
         "flotilla-gateway",
         "get",

@@ -1371,8 +1371,9 @@ async fn frame_rows(s: &mut Sweep) -> anyhow::Result<()> {
                 let ignored = |log: &str| {
                     log.lines()
                         .filter(|l| {
-                            l.contains("status for a work that is not this cluster's; ignored")
-                                && l.contains(&s.t.b_work_uid)
+                            l.contains(
+                                "status for neither a work nor a policy of this cluster; ignored",
+                            ) && l.contains(&s.t.b_work_uid)
                         })
                         .count()
                 };

@@ -609,7 +609,7 @@ on_both_carriers! {
         let line = wait_log(
             "the hub to refuse the foreign status",
             || plain(hub.proc.log()),
-            "status for a work that is not this cluster's",
+            "status for neither a work nor a policy of this cluster; ignored",
         )
         .await?;
         assert!(

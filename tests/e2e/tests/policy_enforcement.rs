@@ -1,0 +1,227 @@
+//! Governance end to end: a policy placed on a real spoke's cluster reaches its agent over the
+//! session, is evaluated against the spoke's own apiserver, and its compliance comes back to
+//! the hub (the cluster's ClusterCompliance record and the root Policy's status); switched to
+//! `enforce` it makes the spoke comply, repairs drift made by hand, and keeps doing so while
+//! the hub is down. (The spoke is a bare apiserver: a namespace deleted there stays
+//! Terminating for want of a controller manager, so drift is made on a ConfigMap.) Each carrier runs on one backend: gRPC with the sled store, QUIC with the
+//! kube store, so both of each are covered without running four hubs.
+
+use std::path::Path;
+use std::time::Duration;
+
+use flotilla_cli::client::{OperatorClient, OperatorConfig};
+use flotilla_e2e::spoke::Spoke;
+use flotilla_e2e::{Carrier, Fleet, current_carrier, on_both_carriers, wait_for};
+use flotilla_proto::api::Kind;
+use flotilla_testenv::workspace_root;
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+use kube::api::{Api, Patch, PatchParams};
+use nix::sys::signal::Signal;
+use serde_json::{Value, json};
+
+/// Long enough for a session to open, a policy to travel and an evaluation to report, on a
+/// loaded machine; every wait ends as soon as its condition holds.
+const WAIT: Duration = Duration::from_secs(90);
+
+fn example(name: &str) -> std::path::PathBuf {
+    workspace_root()
+        .join("proto/tests/data/policies")
+        .join(name)
+}
+
+/// The namespace example (namespace `prod` must exist) as written (in the applier's namespace,
+/// `default`), with `remediation` for the policy and its template.
+fn namespace_policy(dir: &Path, remediation: &str) -> anyhow::Result<std::path::PathBuf> {
+    let text = std::fs::read_to_string(example("policy-namespace.yaml"))?;
+    anyhow::ensure!(
+        text.contains("remediationAction: inform"),
+        "the example changed"
+    );
+    let path = dir.join(format!("policy-namespace-{remediation}.yaml"));
+    std::fs::write(
+        &path,
+        text.replace(
+            "remediationAction: inform",
+            &format!("remediationAction: {remediation}"),
+        ),
+    )?;
+    Ok(path)
+}
+
+/// The entry of `cluster`'s ClusterCompliance record for the root Policy `name`, once it says
+/// `compliant`.
+async fn wait_compliance(
+    operator: &OperatorClient,
+    cluster: &str,
+    name: &str,
+    compliant: &str,
+) -> anyhow::Result<Value> {
+    let path = flotilla_cli::cli::object_path(Kind::ClusterCompliance, Some(cluster), cluster);
+    wait_for(
+        &format!("cluster {cluster} to report policy {name} {compliant}"),
+        WAIT,
+        || async {
+            let Ok(record) = operator.get_json(&path).await else {
+                return Ok(None);
+            };
+            Ok(record["status"]["policies"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|e| e["name"] == name && e["compliant"] == compliant)
+                .cloned())
+        },
+    )
+    .await
+}
+
+/// Every history message of a compliance entry, joined.
+fn messages(entry: &Value) -> String {
+    entry["details"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|d| d["history"].as_array().into_iter().flatten())
+        .filter_map(|h| h["message"].as_str())
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+async fn wait_namespace(spoke: &Spoke, name: &str) -> anyhow::Result<()> {
+    let namespaces: Api<Namespace> = Api::all(spoke.env.client().await?);
+    wait_for(&format!("namespace {name} on the spoke"), WAIT, || async {
+        Ok(namespaces.get_opt(name).await?.map(|_| ()))
+    })
+    .await
+}
+
+/// `policy-settings`: ConfigMap `prod/settings` must hold `mode: strict`, enforced.
+fn settings_policy() -> Value {
+    json!({
+        "apiVersion": "policy.open-cluster-management.io/v1",
+        "kind": "Policy",
+        "metadata": {"name": "policy-settings", "namespace": "default"},
+        "spec": {
+            "remediationAction": "enforce",
+            "disabled": false,
+            "policy-templates": [{"objectDefinition": {
+                "apiVersion": "policy.open-cluster-management.io/v1",
+                "kind": "ConfigurationPolicy",
+                "metadata": {"name": "policy-settings-strict"},
+                "spec": {
+                    "remediationAction": "enforce",
+                    "severity": "medium",
+                    "object-templates": [{
+                        "complianceType": "musthave",
+                        "objectDefinition": {
+                            "apiVersion": "v1", "kind": "ConfigMap",
+                            "metadata": {"name": "settings", "namespace": "prod"},
+                            "data": {"mode": "strict"},
+                        },
+                    }],
+                },
+            }}],
+        },
+    })
+}
+
+async fn settings(spoke: &Spoke) -> anyhow::Result<Api<ConfigMap>> {
+    Ok(Api::namespaced(spoke.env.client().await?, "prod"))
+}
+
+/// Sets `mode` in ConfigMap `prod/settings` on the spoke, as a person editing it would.
+async fn set_mode(spoke: &Spoke, mode: &str) -> anyhow::Result<()> {
+    settings(spoke)
+        .await?
+        .patch(
+            "settings",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"data": {"mode": mode}})),
+        )
+        .await?;
+    Ok(())
+}
+
+async fn wait_mode(spoke: &Spoke, mode: &str) -> anyhow::Result<()> {
+    let api = settings(spoke).await?;
+    wait_for(
+        &format!("ConfigMap prod/settings on the spoke to hold mode {mode}"),
+        WAIT,
+        || async {
+            let found = api.get_opt("settings").await?;
+            let holds = found
+                .and_then(|c| c.data)
+                .is_some_and(|d| d.get("mode").map(String::as_str) == Some(mode));
+            Ok(holds.then_some(()))
+        },
+    )
+    .await
+}
+
+on_both_carriers! {
+    /// Inform reports NonCompliant naming the missing namespace; enforce creates it and
+    /// reports Compliant; a ConfigMap value edited by hand is put back, with the hub up and
+    /// with the hub killed.
+    async fn a_policy_is_evaluated_and_enforced_on_the_spoke() -> anyhow::Result<()> {
+        let kube = current_carrier() == Carrier::Quic;
+        let dir = tempfile::tempdir()?;
+        let mut fleet = Fleet::start(dir.path(), kube).await?;
+        let spoke = Spoke::start(dir.path(), &fleet.hub, "cluster1").await?;
+        let agent = spoke.start_agent(dir.path(), &fleet.hub, &[])?;
+        fleet.hub.wait_available("cluster1").await?;
+        fleet.cli(&["cluster", "label", "cluster1", "environment=dev"])?;
+        fleet.apply_value(
+            dir.path(),
+            &json!({"apiVersion": "cluster.open-cluster-management.io/v1beta2",
+                    "kind": "ManagedClusterSetBinding",
+                    "metadata": {"name": "global", "namespace": "default"},
+                    "spec": {"clusterSet": "global"}}),
+        )?;
+        let operator = OperatorClient::new(&OperatorConfig::load(
+            &fleet.hub.data_dir.join("operator/config.yaml"),
+        )?)?;
+
+        // Inform: the spoke lacks `prod`; the agent says so, and touches nothing.
+        fleet.apply(&namespace_policy(dir.path(), "inform")?)?;
+        let entry = wait_compliance(&operator, "cluster1", "policy-namespace", "NonCompliant").await?;
+        let said = messages(&entry);
+        assert!(said.contains("prod"), "the violation names the namespace: {said}");
+        let namespaces: Api<Namespace> = Api::all(spoke.env.client().await?);
+        assert!(namespaces.get_opt("prod").await?.is_none(), "inform never writes");
+
+        // Enforce: created, then Compliant.
+        fleet.apply(&namespace_policy(dir.path(), "enforce")?)?;
+        wait_namespace(&spoke, "prod")
+            .await
+            .map_err(|e| e.context(format!("agent log:\n{}\nhub log:\n{}", agent.log(), fleet.hub.proc.log())))?;
+        wait_compliance(&operator, "cluster1", "policy-namespace", "Compliant").await?;
+
+        // A ConfigMap that must hold `mode: strict`, enforced in the namespace made above.
+        fleet.apply_value(dir.path(), &settings_policy())?;
+        fleet.apply_value(
+            dir.path(),
+            &json!({"apiVersion": "policy.open-cluster-management.io/v1",
+                    "kind": "PlacementBinding",
+                    "metadata": {"name": "binding-settings", "namespace": "default"},
+                    "placementRef": {"name": "placement-policy-namespace", "kind": "Placement",
+                                     "apiGroup": "cluster.open-cluster-management.io"},
+                    "subjects": [{"name": "policy-settings", "kind": "Policy",
+                                  "apiGroup": "policy.open-cluster-management.io"}]}),
+        )?;
+        wait_mode(&spoke, "strict").await?;
+        wait_compliance(&operator, "cluster1", "policy-settings", "Compliant").await?;
+
+        // Drift by hand: the value edited on the spoke is put back, by the watch of ConfigMaps
+        // (the policy's interval is the default: evaluated on change).
+        set_mode(&spoke, "lax").await?;
+        wait_mode(&spoke, "strict").await?;
+
+        // The hub killed: the agent keeps enforcing its last policies from its cache.
+        fleet.hub.proc.signal_and_wait(Signal::SIGKILL);
+        set_mode(&spoke, "lax").await?;
+        wait_mode(&spoke, "strict")
+            .await
+            .map_err(|e| e.context(format!("agent log:\n{}", agent.log())))?;
+        Ok(())
+    }
+}
