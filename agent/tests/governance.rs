@@ -13,7 +13,9 @@ use flotilla_proto::api::policy::{ANNOTATION_CREATED_BY_POLICY, ComplianceState,
 use flotilla_testenv::{TestEnv, wait_for};
 use k8s_openapi::api::core::v1::{ConfigMap, LimitRange, Namespace};
 use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{
+    Api, ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams,
+};
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -33,7 +35,7 @@ fn trace_init() {
 
 /// A real spoke apiserver and the agent's kube target on it.
 struct Spoke {
-    _env: TestEnv,
+    env: TestEnv,
     client: kube::Client,
     target: Arc<KubeApplyTarget>,
 }
@@ -45,7 +47,7 @@ impl Spoke {
         Ok(Spoke {
             target: Arc::new(KubeApplyTarget::new(client.clone())),
             client,
-            _env: env,
+            env,
         })
     }
 
@@ -583,8 +585,19 @@ async fn a_template_wrong_for_the_spoke_stops_neither_its_engine_nor_other_polic
             "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "default"}}}]),
         json!({"pruneObjectBehavior": "Sometimes"}),
     );
+    let mut certificates = configuration_policy("certs", "inform", json!([]), json!({}));
+    certificates.spec.policy_templates[0].object_definition = json!({
+        "apiVersion": "policy.open-cluster-management.io/v1",
+        "kind": "CertificatePolicy",
+        "metadata": {"name": "certificates-expire-late"},
+        "spec": {"minimumDuration": "300h"},
+    })
+    .into();
     governor.upsert(delivered("widget-uid", 1, unknown)).await?;
     governor.upsert(delivered("gk-uid", 1, gatekeeper)).await?;
+    governor
+        .upsert(delivered("cert-uid", 1, certificates))
+        .await?;
     governor
         .upsert(delivered("invalid-uid", 1, invalid))
         .await?;
@@ -592,10 +605,10 @@ async fn a_template_wrong_for_the_spoke_stops_neither_its_engine_nor_other_polic
 
     let mut seen = std::collections::HashMap::new();
     let deadline = Instant::now() + DEADLINE;
-    while seen.len() < 4 {
+    while seen.len() < 5 {
         let report = tokio::time::timeout_at(deadline, governor.reports.recv())
             .await
-            .with_context(|| format!("waiting for four reports, have {seen:#?}"))?
+            .with_context(|| format!("waiting for five reports, have {seen:#?}"))?
             .context("the governor stopped")?;
         seen.insert(report.uid.clone(), summary(&report));
     }
@@ -607,9 +620,16 @@ async fn a_template_wrong_for_the_spoke_stops_neither_its_engine_nor_other_polic
     );
     let (compliance, messages) = &seen["gk-uid"];
     assert_eq!(*compliance, Some(ComplianceState::NonCompliant));
+    assert!(
+        messages[0].contains("the spoke cluster serves no kind K8sRequiredLabels")
+            && messages[0].contains("is the engine that evaluates K8sRequiredLabels ns-must-have-owner installed on the cluster?"),
+        "{messages:?}"
+    );
+    let (compliance, messages) = &seen["cert-uid"];
+    assert_eq!(*compliance, Some(ComplianceState::NonCompliant));
     assert_eq!(
         messages[0],
-        "NonCompliant; violation - template kind K8sRequiredLabels is not evaluated by flotilla's agent"
+        "NonCompliant; violation - template kind CertificatePolicy is not evaluated by flotilla's agent"
     );
     let (compliance, messages) = &seen["invalid-uid"];
     assert_eq!(*compliance, Some(ComplianceState::NonCompliant));
@@ -821,6 +841,187 @@ async fn a_lagging_consumer_neither_stalls_the_governor_nor_misses_any_policys_l
             "reports of a policy arrive in order"
         );
     }
+    governor.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gatekeeper_and_kyverno_templates_are_applied_and_judged_by_their_engines_reports()
+-> anyhow::Result<()> {
+    trace_init();
+    let spoke = Spoke::start().await?;
+    spoke
+        .env
+        .install_crds(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/policy-engines"),
+        )
+        .await?;
+    let dynamic = |group: &str, version: &str, kind: &str, plural: &str| -> Api<DynamicObject> {
+        let gvk = GroupVersionKind::gvk(group, version, kind);
+        Api::all_with(
+            spoke.client.clone(),
+            &ApiResource::from_gvk_with_plural(&gvk, plural),
+        )
+    };
+    let constraints = dynamic(
+        "constraints.gatekeeper.sh",
+        "v1beta1",
+        "K8sRequiredLabels",
+        "k8srequiredlabels",
+    );
+    let kyverno_policies = dynamic("kyverno.io", "v1", "ClusterPolicy", "clusterpolicies");
+    let with_template = |name: &str, object: Value| {
+        let mut policy = configuration_policy(name, "enforce", json!([]), json!({}));
+        policy.spec.policy_templates[0].object_definition = object.into();
+        policy
+    };
+    let mut governor = Running::start(spoke.target.clone());
+
+    // Gatekeeper: applied, then judged by its audit.
+    governor
+        .upsert(delivered(
+            "gk-uid",
+            1,
+            with_template(
+                "gk",
+                json!({
+                    "apiVersion": "constraints.gatekeeper.sh/v1beta1",
+                    "kind": "K8sRequiredLabels",
+                    "metadata": {"name": "ns-must-have-owner"},
+                    "spec": {
+                        "match": {"kinds": [{"apiGroups": [""], "kinds": ["Namespace"]}]},
+                        "parameters": {"labels": [{"key": "owner"}]},
+                    },
+                }),
+            ),
+        ))
+        .await?;
+    let report = governor
+        .report("gk-uid", "the constraint before its audit", noncompliant)
+        .await?;
+    assert_eq!(
+        summary(&report).1,
+        [
+            "NonCompliant; violation - K8sRequiredLabels ns-must-have-owner has not been audited by Gatekeeper yet (status.totalViolations)"
+        ]
+    );
+    let applied = constraints.get("ns-must-have-owner").await?;
+    assert_eq!(
+        applied.data["spec"]["parameters"]["labels"][0]["key"], "owner",
+        "applied as given"
+    );
+    let audit = |total: u64, violations: Value| json!({"status": {"totalViolations": total, "violations": violations}});
+    constraints
+        .patch_status(
+            "ns-must-have-owner",
+            &PatchParams::default(),
+            &Patch::Merge(&audit(
+                1,
+                json!([{"kind": "Namespace", "name": "team-a", "enforcementAction": "deny",
+                        "message": "you must provide labels: {\"owner\"}"}]),
+            )),
+        )
+        .await?;
+    let report = governor
+        .report("gk-uid", "the audit's violation", |r| {
+            summary(r).1[0].contains("has 1 violations")
+        })
+        .await?;
+    assert_eq!(
+        summary(&report).1,
+        [
+            "NonCompliant; violation - K8sRequiredLabels ns-must-have-owner has 1 violations: Namespace [team-a]: you must provide labels: {\"owner\"}"
+        ]
+    );
+    constraints
+        .patch_status(
+            "ns-must-have-owner",
+            &PatchParams::default(),
+            &Patch::Merge(&audit(0, json!([]))),
+        )
+        .await?;
+    governor
+        .report("gk-uid", "the clean audit", compliant)
+        .await?;
+
+    // Kyverno: applied, then judged by the policy reports' results for it.
+    governor
+        .upsert(delivered(
+            "kyverno-uid",
+            1,
+            with_template(
+                "kyverno",
+                json!({
+                    "apiVersion": "kyverno.io/v1",
+                    "kind": "ClusterPolicy",
+                    "metadata": {"name": "require-team-label"},
+                    "spec": {"validationFailureAction": "Audit", "rules": [{
+                        "name": "check-team",
+                        "match": {"any": [{"resources": {"kinds": ["Pod"]}}]},
+                        "validate": {"message": "label team is required",
+                                     "pattern": {"metadata": {"labels": {"team": "?*"}}}},
+                    }]},
+                }),
+            ),
+        ))
+        .await?;
+    let report = governor
+        .report("kyverno-uid", "the policy without reports", compliant)
+        .await?;
+    assert_eq!(
+        summary(&report).1,
+        [
+            "Compliant; notification - ClusterPolicy require-team-label has no failing results in the policy reports"
+        ]
+    );
+    assert!(
+        kyverno_policies
+            .get_opt("require-team-label")
+            .await?
+            .is_some()
+    );
+    let reports: Api<DynamicObject> = Api::namespaced_with(
+        spoke.client.clone(),
+        "default",
+        &ApiResource::from_gvk_with_plural(
+            &GroupVersionKind::gvk("wgpolicyk8s.io", "v1alpha2", "PolicyReport"),
+            "policyreports",
+        ),
+    );
+    let report_object: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "wgpolicyk8s.io/v1alpha2", "kind": "PolicyReport",
+        "metadata": {"name": "pod-web", "namespace": "default"},
+        "scope": {"apiVersion": "v1", "kind": "Pod", "name": "web", "namespace": "default"},
+        "results": [
+            {"policy": "require-team-label", "rule": "check-team", "result": "fail",
+             "message": "validation error: label team is required"},
+            {"policy": "some-other-policy", "rule": "r", "result": "fail", "message": "not ours"},
+        ],
+        "summary": {"fail": 2, "pass": 0},
+    }))?;
+    reports
+        .create(&PostParams::default(), &report_object)
+        .await?;
+    let report = governor
+        .report("kyverno-uid", "the failing result", noncompliant)
+        .await?;
+    assert_eq!(
+        summary(&report).1,
+        [
+            "NonCompliant; violation - ClusterPolicy require-team-label has 1 failing results: Pod [web] in namespace default: rule check-team: validation error: label team is required"
+        ]
+    );
+
+    // Removed from the cluster: the template objects are the policy's and go with it.
+    governor.handle.remove("gk-uid").await?;
+    governor.handle.remove("kyverno-uid").await?;
+    assert!(constraints.get_opt("ns-must-have-owner").await?.is_none());
+    assert!(
+        kyverno_policies
+            .get_opt("require-team-label")
+            .await?
+            .is_none()
+    );
     governor.stop().await;
     Ok(())
 }

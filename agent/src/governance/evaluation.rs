@@ -488,7 +488,7 @@ fn describe(evaluation: &TemplateEvaluation) -> String {
     messages.join("; ")
 }
 
-fn mark_created(object: &mut Value, policy_uid: &str) {
+pub(crate) fn mark_created(object: &mut Value, policy_uid: &str) {
     let Some(metadata) = object.as_object_mut().map(|o| {
         o.entry("metadata")
             .or_insert_with(|| Value::Object(Default::default()))
@@ -509,7 +509,11 @@ fn mark_created(object: &mut Value, policy_uid: &str) {
     }
 }
 
-fn resource(kind: &ResourceKind, namespace: Option<&str>, name: &str) -> AppliedResource {
+pub(crate) fn resource(
+    kind: &ResourceKind,
+    namespace: Option<&str>,
+    name: &str,
+) -> AppliedResource {
     AppliedResource {
         group: kind.group.clone(),
         version: kind.version.clone(),

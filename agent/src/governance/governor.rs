@@ -13,8 +13,8 @@ use std::sync::Arc;
 
 use flotilla_ops::sleep_until;
 use flotilla_proto::api::policy::{
-    Compliance, ConfigurationPolicy, EvaluationSchedule, POLICY_GROUP, PruneObjectBehavior,
-    effective_remediation, validate_policy,
+    Compliance, ConfigurationPolicy, EvaluationInterval, EvaluationSchedule, POLICY_GROUP,
+    PruneObjectBehavior, effective_remediation, validate_policy,
 };
 use k8s_openapi::jiff::Timestamp;
 use tokio::sync::{mpsc, oneshot};
@@ -22,6 +22,9 @@ use tokio::task::{Id, JoinSet};
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
+use super::engine_templates::{
+    Engine, EngineTemplate, evaluate_engine_template, remove_engine_template,
+};
 use super::evaluation::{
     ConfigurationTemplate, ReadScope, TemplateOutcome, evaluate_template, prune_template,
 };
@@ -169,6 +172,8 @@ impl Governor {
 enum TemplateKind {
     /// Evaluated on the spoke.
     Configuration(Arc<ConfigurationTemplate>),
+    /// Applied, and judged by another engine's reports (Gatekeeper, Kyverno).
+    Engine(Arc<EngineTemplate>),
     /// Not evaluated: its result is fixed when the policy arrives (an invalid policy, a kind
     /// the agent does not evaluate).
     Fixed,
@@ -195,7 +200,7 @@ struct PolicyEntry {
 /// A removed policy waiting for its evaluations in flight to end before pruning, so that an
 /// enforce write cannot land after the prune read.
 struct Removal {
-    templates: Vec<Arc<ConfigurationTemplate>>,
+    templates: Vec<TemplateKind>,
     waiters: Vec<oneshot::Sender<()>>,
 }
 
@@ -286,6 +291,10 @@ impl State {
                 TemplateKind::Configuration(template) => self
                     .schedule
                     .upsert(&key, &template.policy.spec.evaluation_interval),
+                // The engine's reports are watched: no interval.
+                TemplateKind::Engine(_) => {
+                    self.schedule.upsert(&key, &EvaluationInterval::default())
+                }
                 TemplateKind::Fixed => self.schedule.remove(&key),
             }
         }
@@ -333,14 +342,7 @@ impl State {
         self.histories.remove(uid);
         self.pending.remove(uid);
         self.rewatch();
-        let templates = entry
-            .templates
-            .into_iter()
-            .filter_map(|slot| match slot.kind {
-                TemplateKind::Configuration(t) => Some(t),
-                TemplateKind::Fixed => None,
-            })
-            .collect();
+        let templates = entry.templates.into_iter().map(|slot| slot.kind).collect();
         self.removals.insert(
             uid.to_string(),
             Removal {
@@ -363,7 +365,15 @@ impl State {
         let uid = uid.to_string();
         self.prunes.spawn(async move {
             for template in &removal.templates {
-                for problem in prune_template(target.as_ref(), template).await {
+                let problems = match template {
+                    TemplateKind::Configuration(t) => prune_template(target.as_ref(), t).await,
+                    TemplateKind::Engine(t) => remove_engine_template(target.as_ref(), t)
+                        .await
+                        .into_iter()
+                        .collect(),
+                    TemplateKind::Fixed => Vec::new(),
+                };
+                for problem in problems {
                     warn!(uid = %uid, problem = %problem, "pruning a removed policy's object failed");
                 }
             }
@@ -385,16 +395,21 @@ impl State {
             let Some(entry) = self.policies.get(uid) else {
                 continue;
             };
-            let Some(TemplateKind::Configuration(template)) =
-                entry.templates.get(index).map(|s| &s.kind)
-            else {
-                continue;
-            };
-            let template = Arc::clone(template);
             let target = Arc::clone(&self.target);
-            let task = self
-                .evaluations
-                .spawn(async move { evaluate_template(target.as_ref(), &template).await });
+            let task = match entry.templates.get(index).map(|s| &s.kind) {
+                Some(TemplateKind::Configuration(template)) => {
+                    let template = Arc::clone(template);
+                    self.evaluations
+                        .spawn(async move { evaluate_template(target.as_ref(), &template).await })
+                }
+                Some(TemplateKind::Engine(template)) => {
+                    let template = Arc::clone(template);
+                    self.evaluations.spawn(async move {
+                        evaluate_engine_template(target.as_ref(), &template).await
+                    })
+                }
+                Some(TemplateKind::Fixed) | None => continue,
+            };
             self.running.insert(
                 task.id(),
                 Running {
@@ -554,6 +569,18 @@ fn template_slots(delivered: &DeliveredPolicy) -> Vec<TemplateSlot> {
                 .and_then(|v| v.split_once('/'))
                 .map(|(group, _)| group);
             let kind = definition.kind().unwrap_or("<none>");
+            if let Some(engine) = definition.api_version().and_then(Engine::of) {
+                return TemplateSlot {
+                    name: name.clone(),
+                    kind: TemplateKind::Engine(Arc::new(EngineTemplate {
+                        policy_uid: delivered.uid.clone(),
+                        engine,
+                        object: definition.0.clone(),
+                    })),
+                    result: None,
+                    scopes: Vec::new(),
+                };
+            }
             if group != Some(POLICY_GROUP) || kind != "ConfigurationPolicy" {
                 return fixed(format!(
                     "template kind {kind} is not evaluated by flotilla's agent"

@@ -4,11 +4,13 @@
 //! The [`Governor`] is one task. The session hands it each delivered policy
 //! ([`GovernorHandle::upsert`]) and each removal ([`GovernorHandle::remove`]); it evaluates
 //! every `ConfigurationPolicy` template against the spoke through [`ApplyTarget`] (so the load
-//! test's in-memory clusters evaluate for real too), makes the writes `enforce` asks for, and
-//! sends a [`PolicyReport`] per policy whenever its compliance or a message changes.
+//! test's in-memory clusters evaluate for real too), makes the writes `enforce` asks for,
+//! applies Gatekeeper and Kyverno templates and reads their engines' verdicts, and sends a
+//! [`PolicyReport`] per policy whenever its compliance or a message changes.
 //!
 //! A file per job: `evaluation` reads, judges (proto's pure evaluator decides) and writes one
-//! template, and prunes; `history` keeps each template's compliance history and decides when
+//! template, and prunes; `engine_templates` applies a Gatekeeper or Kyverno template and reads
+//! its compliance from that engine's reports; `history` keeps each template's compliance history and decides when
 //! a report is new; `watches` turns changes on the spoke into evaluations; `governor` is the
 //! task and its handle.
 //!
@@ -19,6 +21,7 @@
 //!
 //! [`ApplyTarget`]: crate::apply::ApplyTarget
 
+mod engine_templates;
 mod evaluation;
 mod governor;
 mod history;
