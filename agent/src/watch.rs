@@ -211,6 +211,8 @@ async fn observe(state: &Mutex<State>, kind: &ResourceKind, event: ObjectEvent) 
             )
         }
         ObjectEvent::Deleted { namespace, name } => (namespace, name, None),
+        // The list's objects came as changes; a status reads only objects that exist.
+        ObjectEvent::Listed => return false,
     };
     let resource = AppliedResource {
         group: kind.group.clone(),

@@ -351,7 +351,8 @@ impl ApplyTarget for KubeApplyTarget {
                             namespace: obj.metadata.namespace.unwrap_or_default(),
                             name: obj.metadata.name.unwrap_or_default(),
                         }),
-                        Ok(watcher::Event::Init | watcher::Event::InitDone) => None,
+                        Ok(watcher::Event::InitDone) => Some(ObjectEvent::Listed),
+                        Ok(watcher::Event::Init) => None,
                         Err(e) => {
                             debug!(resource = %what, error = %e, "watch of applied objects interrupted; resuming");
                             None

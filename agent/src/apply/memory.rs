@@ -373,7 +373,10 @@ impl ApplyTarget for MemoryCluster {
                 }
             }
         });
-        stream::iter(listed).chain(live).boxed()
+        stream::iter(listed)
+            .chain(stream::once(async { ObjectEvent::Listed }))
+            .chain(live)
+            .boxed()
     }
 }
 

@@ -102,6 +102,10 @@ pub enum ObjectEvent {
         /// Its name.
         name: String,
     },
+    /// The watch (re)listed the kind: every object there now came as `Changed` before this.
+    /// An object deleted while the watch was not yet (or not) running sends nothing, so a
+    /// reader that must not miss deletions reads again on this.
+    Listed,
 }
 
 /// One question to the spoke's authorizer: may `user` (in `groups`) do `verb` on this object?

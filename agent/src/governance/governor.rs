@@ -482,13 +482,17 @@ impl State {
         }
     }
 
-    /// Marks due every template whose last reads cover the changed object.
+    /// Marks due every template whose last reads cover the changed object (all that read the
+    /// kind, on a relist).
     fn object_changed(&mut self, change: &WatchedChange) {
         for (uid, entry) in &self.policies {
             for (index, slot) in entry.templates.iter().enumerate() {
                 if slot.scopes.iter().any(|scope| {
                     kind_key(&scope.kind) == change.kind
-                        && scope.covers(&change.namespace, &change.name)
+                        && change
+                            .object
+                            .as_ref()
+                            .is_none_or(|(namespace, name)| scope.covers(namespace, name))
                 }) {
                     self.schedule.object_changed(&schedule_key(uid, index));
                 }

@@ -4,9 +4,10 @@
 //! One task per kind (never more than [`MAX_WATCHED_KINDS`]), each forwarding the target's
 //! watch stream into one bounded channel: when the governor is busy the watches wait, and
 //! the stream (re-listing by itself after errors) waits with them. A watch starts by listing
-//! the kind, so a change made between an evaluation and the start of its watch is still seen.
-//! Known gap: an object deleted in that window is not in the list and makes no event; the
-//! template's next trigger sees it.
+//! the kind, and every (re)list ends with `Listed`, which marks due every template reading the
+//! kind: so a change made between an evaluation and the start of its watch, or while the watch
+//! was down, is seen, deletions included (a deleted object is in no list and sends no event of
+//! its own).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -34,12 +35,12 @@ pub(crate) fn kind_key(kind: &ResourceKind) -> KindKey {
     )
 }
 
-/// One object of a watched kind changed (or went away).
+/// One object of a watched kind changed (or went away), or the kind was (re)listed.
 #[derive(Debug)]
 pub(crate) struct WatchedChange {
     pub kind: KindKey,
-    pub namespace: String,
-    pub name: String,
+    /// `None` for a (re)list: anything of the kind may have changed.
+    pub object: Option<(String, String)>,
 }
 
 /// The running watches.
@@ -100,17 +101,17 @@ impl KindWatches {
             let task = self.tasks.spawn(async move {
                 let mut stream = stream;
                 while let Some(event) = stream.next().await {
-                    let (namespace, name) = match event {
-                        ObjectEvent::Changed(object) => (
+                    let object = match event {
+                        ObjectEvent::Changed(object) => Some((
                             text_at(&object, "/metadata/namespace"),
                             text_at(&object, "/metadata/name"),
-                        ),
-                        ObjectEvent::Deleted { namespace, name } => (namespace, name),
+                        )),
+                        ObjectEvent::Deleted { namespace, name } => Some((namespace, name)),
+                        ObjectEvent::Listed => None,
                     };
                     let change = WatchedChange {
                         kind: task_key.clone(),
-                        namespace,
-                        name,
+                        object,
                     };
                     if tx.send(change).await.is_err() {
                         return;
