@@ -549,6 +549,17 @@ fn template_slots(delivered: &DeliveredPolicy) -> Vec<TemplateSlot> {
             .collect::<Vec<_>>()
             .join("; ")
     });
+    if let Some(invalid) = &invalid
+        && policy.spec.policy_templates.is_empty()
+    {
+        // Nothing to hang the refusal on: the policy itself, or it would count as Compliant.
+        return vec![TemplateSlot {
+            name: policy.metadata.name.clone().unwrap_or_default(),
+            kind: TemplateKind::Fixed,
+            result: Some((Compliance::NonCompliant, invalid.clone())),
+            scopes: Vec::new(),
+        }];
+    }
     policy
         .spec
         .policy_templates
@@ -643,5 +654,84 @@ fn stamp(delivered: &DeliveredPolicy) -> Stamp {
             meta.name.as_deref().unwrap_or_default(),
             now.as_nanosecond()
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use flotilla_proto::api::policy::Policy;
+    use serde_json::json;
+
+    use super::*;
+
+    fn delivered(spec: serde_json::Value) -> DeliveredPolicy {
+        let policy: Policy = serde_json::from_value(json!({
+            "apiVersion": "policy.open-cluster-management.io/v1", "kind": "Policy",
+            "metadata": {"name": "p", "namespace": "policies"}, "spec": spec,
+        }))
+        .expect("a Policy");
+        DeliveredPolicy {
+            uid: "u".into(),
+            generation: 1,
+            policy,
+        }
+    }
+
+    fn results(slots: &[TemplateSlot]) -> Vec<(String, Option<(Compliance, String)>)> {
+        slots
+            .iter()
+            .map(|s| (s.name.clone(), s.result.clone()))
+            .collect()
+    }
+
+    #[test]
+    fn an_invalid_policy_is_noncompliant_even_without_templates() {
+        let slots = template_slots(&delivered(
+            json!({"remediationAction": "repair", "policy-templates": []}),
+        ));
+        assert_eq!(
+            results(&slots),
+            [(
+                "p".to_string(),
+                Some((
+                    Compliance::NonCompliant,
+                    "Policy policies/p: spec.remediationAction is \"repair\"; use inform or enforce"
+                        .to_string()
+                ))
+            )]
+        );
+    }
+
+    #[test]
+    fn templates_are_sorted_into_evaluated_applied_and_refused() {
+        let slots = template_slots(&delivered(json!({"remediationAction": "enforce",
+        "policy-templates": [
+            {"objectDefinition": {"apiVersion": "policy.open-cluster-management.io/v1",
+                "kind": "ConfigurationPolicy", "metadata": {"name": "config"},
+                "spec": {"remediationAction": "inform", "object-templates": [
+                        {"complianceType": "musthave", "objectDefinition": {
+                            "apiVersion": "v1", "kind": "Namespace",
+                            "metadata": {"name": "prod"}}}]}}},
+            {"objectDefinition": {"apiVersion": "constraints.gatekeeper.sh/v1beta1",
+                "kind": "K8sRequiredLabels", "metadata": {"name": "labels"}}},
+            {"objectDefinition": {"apiVersion": "policy.open-cluster-management.io/v1",
+                "kind": "OperatorPolicy", "metadata": {"name": "operator"}}},
+        ]})));
+        let TemplateKind::Configuration(config) = &slots[0].kind else {
+            panic!("{:?}", slots[0]);
+        };
+        assert_eq!(
+            config.remediation,
+            flotilla_proto::api::policy::RemediationAction::Enforce,
+            "the Policy's remediationAction overrides the template's"
+        );
+        assert!(matches!(slots[1].kind, TemplateKind::Engine(_)));
+        assert_eq!(
+            slots[2].result,
+            Some((
+                Compliance::NonCompliant,
+                "template kind OperatorPolicy is not evaluated by flotilla's agent".to_string()
+            ))
+        );
     }
 }
