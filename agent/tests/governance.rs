@@ -1025,3 +1025,77 @@ async fn gatekeeper_and_kyverno_templates_are_applied_and_judged_by_their_engine
     governor.stop().await;
     Ok(())
 }
+
+#[tokio::test]
+async fn many_policies_removed_at_once_each_prune_only_what_they_created() -> anyhow::Result<()> {
+    trace_init();
+    const POLICIES: usize = 10;
+    let cluster = Arc::new(MemoryCluster::new());
+    let configmap = |name: &str| AppliedResource {
+        group: String::new(),
+        version: "v1".into(),
+        kind: "ConfigMap".into(),
+        resource: "configmaps".into(),
+        namespace: "default".into(),
+        name: name.into(),
+    };
+    let existed = json!({"apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": "existed", "namespace": "default"}, "data": {"owner": "team-a"}});
+    cluster
+        .create(&configmap("existed"), &existed, "someone")
+        .await?;
+    let mut governor = Running::start(cluster.clone());
+    for i in 0..POLICIES {
+        let musthave = |name: String| {
+            json!({"complianceType": "musthave", "objectDefinition": {
+                "apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": name, "namespace": "default"},
+                "data": {"owner": "team-a"}}})
+        };
+        governor
+            .upsert(delivered(
+                &format!("uid-{i}"),
+                1,
+                configuration_policy(
+                    &format!("p{i}"),
+                    "enforce",
+                    json!([musthave("existed".into()), musthave(format!("made-{i}"))]),
+                    json!({"pruneObjectBehavior": "DeleteIfCreated"}),
+                ),
+            ))
+            .await?;
+    }
+    let mut compliant_ones = std::collections::HashSet::new();
+    let deadline = Instant::now() + DEADLINE;
+    while compliant_ones.len() < POLICIES {
+        let report = tokio::time::timeout_at(deadline, governor.reports.recv())
+            .await
+            .context("waiting for every policy to be Compliant")?
+            .context("the governor stopped")?;
+        if compliant(&report) {
+            compliant_ones.insert(report.uid);
+        }
+    }
+    let removals = (0..POLICIES).map(|i| {
+        let handle = governor.handle.clone();
+        async move { handle.remove(&format!("uid-{i}")).await }
+    });
+    tokio::time::timeout(DEADLINE, futures::future::try_join_all(removals))
+        .await
+        .context("waiting for the removals")??;
+    for i in 0..POLICIES {
+        assert!(
+            cluster
+                .get(&configmap(&format!("made-{i}")))
+                .await
+                .is_none(),
+            "made-{i} was created by its policy and pruned"
+        );
+    }
+    assert!(
+        cluster.get(&configmap("existed")).await.is_some(),
+        "what existed before stays"
+    );
+    governor.stop().await;
+    Ok(())
+}

@@ -42,6 +42,8 @@ struct State {
     down: bool,
     /// (user, verb) pairs access reviews refuse.
     denied: HashSet<(String, String)>,
+    /// Objects created so far, for their uids.
+    created: u64,
 }
 
 /// Kinds every cluster serves: (apiVersion, kind, resource, namespaced).
@@ -429,6 +431,22 @@ impl MemoryCluster {
         // Status is the spoke's: a write of the spec keeps it.
         if let Some(status) = existing.as_ref().and_then(|e| e.get("status")).cloned() {
             object["status"] = status;
+        }
+        // An object has a uid from its creation on, as on an apiserver: what tells a
+        // re-created object from the one before (pruning by uid depends on it).
+        let uid = match existing
+            .as_ref()
+            .and_then(|e| e.pointer("/metadata/uid"))
+            .cloned()
+        {
+            Some(uid) => uid,
+            None => {
+                state.created += 1;
+                Value::String(format!("memory-{}", state.created))
+            }
+        };
+        if let Some(metadata) = object.get_mut("metadata").and_then(Value::as_object_mut) {
+            metadata.insert("uid".to_owned(), uid);
         }
         let unchanged = existing.as_ref() == Some(&object);
         state.objects.insert(resource.clone(), object.clone());

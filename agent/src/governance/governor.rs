@@ -8,7 +8,7 @@
 //! and the schedule evaluates the new one next); a policy is reported once each of its
 //! templates has a result for its current delivery, and again whenever that report changes.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 
 use flotilla_ops::sleep_until;
@@ -31,7 +31,8 @@ use super::evaluation::{
 use super::history::{PolicyHistory, Stamp};
 use super::watches::{KindWatches, WatchedChange, kind_key};
 use super::{
-    DeliveredPolicy, MAX_CONCURRENT_EVALUATIONS, MAX_POLICIES, PolicyReport, REPORT_CHANNEL,
+    DeliveredPolicy, MAX_CONCURRENT_EVALUATIONS, MAX_CONCURRENT_PRUNES, MAX_POLICIES, PolicyReport,
+    REPORT_CHANNEL,
 };
 use crate::apply::ApplyTarget;
 
@@ -127,6 +128,7 @@ impl Governor {
         let mut consumer_gone = false;
         loop {
             state.start_due();
+            state.start_prunes();
             let timeout = state.schedule.poll_timeout();
             tokio::select! {
                 command = commands.recv(), if commands_open => match command {
@@ -139,10 +141,8 @@ impl Governor {
                 Some(joined) = state.evaluations.join_next_with_id(), if !state.evaluations.is_empty() => {
                     state.evaluated(joined);
                 }
-                Some(joined) = state.prunes.join_next(), if !state.prunes.is_empty() => {
-                    if let Err(e) = joined {
-                        warn!(error = %e, "pruning a removed policy's objects panicked");
-                    }
+                Some(joined) = state.prunes.join_next_with_id(), if !state.prunes.is_empty() => {
+                    state.pruned(joined);
                 }
                 _ = sleep_until(timeout) => state.schedule.handle_timeout(Instant::now()),
                 permit = reports.reserve(), if !state.pending.is_empty() && !consumer_gone => {
@@ -197,11 +197,15 @@ struct PolicyEntry {
     templates: Vec<TemplateSlot>,
 }
 
-/// A removed policy waiting for its evaluations in flight to end before pruning, so that an
-/// enforce write cannot land after the prune read.
+/// A removed policy on its way out: first waiting for its evaluations in flight to end, so
+/// that an enforce write cannot land after the prune read, then for a prune slot, then pruned.
 struct Removal {
+    /// Taken when its prune starts.
     templates: Vec<TemplateKind>,
+    /// Told once the prune is over.
     waiters: Vec<oneshot::Sender<()>>,
+    /// In `prune_queue` or pruning.
+    queued: bool,
 }
 
 /// An evaluation in flight.
@@ -221,7 +225,11 @@ struct State {
     evaluations: JoinSet<TemplateOutcome>,
     running: HashMap<Id, Running>,
     removals: HashMap<String, Removal>,
+    /// Removals ready to prune, in order; at most [`MAX_CONCURRENT_PRUNES`] prune at once.
+    prune_queue: VecDeque<String>,
     prunes: JoinSet<()>,
+    /// Prune task → the policy it prunes.
+    pruning: HashMap<Id, String>,
     /// Reports not yet taken by the consumer, one per policy: a newer one replaces it.
     pending: BTreeMap<String, PolicyReport>,
     next_revision: u64,
@@ -247,7 +255,9 @@ impl State {
             evaluations: JoinSet::new(),
             running: HashMap::new(),
             removals: HashMap::new(),
+            prune_queue: VecDeque::new(),
             prunes: JoinSet::new(),
+            pruning: HashMap::new(),
             pending: BTreeMap::new(),
             next_revision: 0,
         }
@@ -342,45 +352,75 @@ impl State {
         self.histories.remove(uid);
         self.pending.remove(uid);
         self.rewatch();
-        let templates = entry.templates.into_iter().map(|slot| slot.kind).collect();
-        self.removals.insert(
-            uid.to_string(),
-            Removal {
-                templates,
-                waiters: vec![done],
-            },
-        );
+        let templates = entry.templates.into_iter().map(|slot| slot.kind);
+        let started = self.pruning.values().any(|u| u == uid);
+        let removal = self
+            .removals
+            .entry(uid.to_string())
+            .or_insert_with(|| Removal {
+                templates: Vec::new(),
+                waiters: Vec::new(),
+                queued: false,
+            });
+        // Removed, delivered again and removed again before the first prune ended: one prune
+        // carries both out, unless it already started (then it covers the first delivery's
+        // templates only, which the second repeats unless the hub changed them meanwhile).
+        if !started {
+            removal.templates.extend(templates);
+        }
+        removal.waiters.push(done);
         self.prune_when_idle(uid);
     }
 
-    /// Starts the prune of removed policy `uid` unless one of its evaluations still runs.
+    /// Queues the prune of removed policy `uid` unless one of its evaluations still runs.
     fn prune_when_idle(&mut self, uid: &str) {
         if self.running.values().any(|r| r.uid == uid) {
             return;
         }
-        let Some(removal) = self.removals.remove(uid) else {
+        if let Some(removal) = self.removals.get_mut(uid)
+            && !removal.queued
+        {
+            removal.queued = true;
+            self.prune_queue.push_back(uid.to_string());
+        }
+    }
+
+    /// Starts queued prunes while fewer than [`MAX_CONCURRENT_PRUNES`] run.
+    fn start_prunes(&mut self) {
+        while self.prunes.len() < MAX_CONCURRENT_PRUNES {
+            let Some(uid) = self.prune_queue.pop_front() else {
+                return;
+            };
+            let Some(removal) = self.removals.get_mut(&uid) else {
+                continue;
+            };
+            let templates = std::mem::take(&mut removal.templates);
+            let target = Arc::clone(&self.target);
+            let task_uid = uid.clone();
+            let task = self.prunes.spawn(async move {
+                prune_all(target.as_ref(), &task_uid, &templates).await;
+            });
+            self.pruning.insert(task.id(), uid);
+        }
+    }
+
+    /// A prune ended: its `remove` callers are told.
+    fn pruned(&mut self, joined: Result<(Id, ()), tokio::task::JoinError>) {
+        let id = match joined {
+            Ok((id, ())) => id,
+            Err(e) => {
+                warn!(error = %e, "pruning a removed policy's objects panicked");
+                e.id()
+            }
+        };
+        let Some(uid) = self.pruning.remove(&id) else {
             return;
         };
-        let target = Arc::clone(&self.target);
-        let uid = uid.to_string();
-        self.prunes.spawn(async move {
-            for template in &removal.templates {
-                let problems = match template {
-                    TemplateKind::Configuration(t) => prune_template(target.as_ref(), t).await,
-                    TemplateKind::Engine(t) => remove_engine_template(target.as_ref(), t)
-                        .await
-                        .into_iter()
-                        .collect(),
-                    TemplateKind::Fixed => Vec::new(),
-                };
-                for problem in problems {
-                    warn!(uid = %uid, problem = %problem, "pruning a removed policy's object failed");
-                }
-            }
+        if let Some(removal) = self.removals.remove(&uid) {
             for waiter in removal.waiters {
                 let _ = waiter.send(());
             }
-        });
+        }
     }
 
     /// Starts due templates while fewer than [`MAX_CONCURRENT_EVALUATIONS`] run.
@@ -534,6 +574,24 @@ impl State {
             .map(|scope| (kind_key(&scope.kind), scope.kind.clone()))
             .collect();
         self.watches.watch_only(kinds);
+    }
+}
+
+/// Carries out the `pruneObjectBehavior` of each ConfigurationPolicy template of a removed
+/// policy, and removes the objects applied for other engines; problems are logged.
+async fn prune_all(target: &dyn ApplyTarget, uid: &str, templates: &[TemplateKind]) {
+    for template in templates {
+        let problems = match template {
+            TemplateKind::Configuration(t) => prune_template(target, t).await,
+            TemplateKind::Engine(t) => remove_engine_template(target, t)
+                .await
+                .into_iter()
+                .collect(),
+            TemplateKind::Fixed => Vec::new(),
+        };
+        for problem in problems {
+            warn!(uid = %uid, problem = %problem, "pruning a removed policy's object failed");
+        }
     }
 }
 

@@ -14,8 +14,8 @@
 //! a report is new; `watches` turns changes on the spoke into evaluations; `governor` is the
 //! task and its handle.
 //!
-//! Bounds: at most [`MAX_POLICIES`] policies, [`MAX_CONCURRENT_EVALUATIONS`] evaluations at
-//! once, [`MAX_WATCHED_KINDS`] kinds watched, [`MAX_LISTED_OBJECTS`] objects per read,
+//! Bounds: at most [`MAX_POLICIES`] policies, [`MAX_CONCURRENT_EVALUATIONS`] evaluations and
+//! [`MAX_CONCURRENT_PRUNES`] prunes at once, [`MAX_WATCHED_KINDS`] kinds watched, [`MAX_LISTED_OBJECTS`] objects per read,
 //! [`MAX_HISTORY`] history entries of at most [`MAX_HISTORY_MESSAGE_BYTES`] per template, and
 //! one pending report per policy when the consumer lags.
 //!
@@ -36,6 +36,9 @@ use flotilla_proto::api::policy::{Policy, PolicyStatus};
 pub const MAX_POLICIES: usize = 2_000;
 /// Most templates evaluated at the same time: the spoke's apiserver serves the workloads too.
 pub const MAX_CONCURRENT_EVALUATIONS: usize = 4;
+/// Most removed policies pruned at the same time; the others wait their turn (and their
+/// `remove` with them).
+pub const MAX_CONCURRENT_PRUNES: usize = 2;
 /// Most kinds watched for changes; a template of another kind is evaluated by its interval
 /// only.
 pub const MAX_WATCHED_KINDS: usize = 32;
