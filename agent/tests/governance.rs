@@ -1099,3 +1099,85 @@ async fn many_policies_removed_at_once_each_prune_only_what_they_created() -> an
     governor.stop().await;
     Ok(())
 }
+
+#[tokio::test]
+async fn a_changed_template_prunes_what_it_created_and_no_longer_names() -> anyhow::Result<()> {
+    trace_init();
+    let cluster = Arc::new(MemoryCluster::new());
+    let configmap = |name: &str| AppliedResource {
+        group: String::new(),
+        version: "v1".into(),
+        kind: "ConfigMap".into(),
+        resource: "configmaps".into(),
+        namespace: "default".into(),
+        name: name.into(),
+    };
+    let existed = json!({"apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": "existed", "namespace": "default"}, "data": {"owner": "team-a"}});
+    cluster
+        .create(&configmap("existed"), &existed, "someone")
+        .await?;
+    let naming = |generation: i64, names: &[&str]| {
+        let templates: Vec<Value> = names
+            .iter()
+            .map(|name| {
+                json!({"complianceType": "musthave", "objectDefinition": {
+                    "apiVersion": "v1", "kind": "ConfigMap",
+                    "metadata": {"name": name, "namespace": "default"},
+                    "data": {"owner": "team-a"}}})
+            })
+            .collect();
+        delivered(
+            "change-uid",
+            generation,
+            configuration_policy(
+                "change",
+                "enforce",
+                Value::Array(templates),
+                json!({"pruneObjectBehavior": "DeleteIfCreated"}),
+            ),
+        )
+    };
+    let mut governor = Running::start(cluster.clone());
+    governor.upsert(naming(1, &["existed", "first"])).await?;
+    governor
+        .report("change-uid", "the first delivery enforced", compliant)
+        .await?;
+    assert!(cluster.get(&configmap("first")).await.is_some());
+
+    governor.upsert(naming(2, &["second"])).await?;
+    governor
+        .report("change-uid", "the change enforced", |r| {
+            r.generation == 2 && compliant(r)
+        })
+        .await?;
+    assert!(
+        cluster.get(&configmap("first")).await.is_none(),
+        "created by the policy and no longer named: pruned"
+    );
+    assert!(cluster.get(&configmap("second")).await.is_some());
+    assert!(
+        cluster.get(&configmap("existed")).await.is_some(),
+        "no longer named, but not the policy's: kept"
+    );
+
+    // A change of what the template says of an object it still names prunes nothing.
+    let mut changed = naming(3, &["second"]);
+    let configuration = &mut changed.policy.spec.policy_templates[0].object_definition.0;
+    configuration["spec"]["object-templates"][0]["objectDefinition"]["data"]["owner"] =
+        json!("team-b");
+    governor.upsert(changed).await?;
+    governor
+        .report("change-uid", "the third delivery enforced", |r| {
+            r.generation == 3 && compliant(r)
+        })
+        .await?;
+    let second = cluster.get(&configmap("second")).await;
+    assert_eq!(
+        second.as_ref().map(|cm| &cm["data"]["owner"]),
+        Some(&json!("team-b")),
+        "updated, not pruned"
+    );
+    governor.stop().await;
+    Ok(())
+}

@@ -74,6 +74,7 @@ fn refused(message: String) -> TemplateOutcome {
         compliance: Compliance::NonCompliant,
         message,
         scopes: Vec::new(),
+        related: Vec::new(),
     }
 }
 
@@ -122,6 +123,7 @@ pub(crate) async fn evaluate_engine_template(
         compliance,
         message,
         scopes,
+        related: Vec::new(),
     }
 }
 

@@ -23,6 +23,7 @@ use flotilla_proto::api::policy::{
     prune_actions, prune_reads, reads, select_namespaces,
 };
 use serde_json::Value;
+use tracing::warn;
 
 use super::MAX_LISTED_OBJECTS;
 use crate::apply::{ApplyError, ApplyTarget, ResourceKind};
@@ -71,12 +72,16 @@ pub(crate) struct TemplateOutcome {
     pub message: String,
     /// What was read, for the watches.
     pub scopes: Vec<ReadScope>,
+    /// The objects its musthave and mustonlyhave object-templates name that exist, with
+    /// whether this policy created them: what a later change of the template may prune.
+    pub related: Vec<RelatedObject>,
 }
 
 /// The outcome of one object-template.
 struct ObjectOutcome {
     compliance: Compliance,
     message: String,
+    related: Vec<RelatedObject>,
 }
 
 impl ObjectOutcome {
@@ -84,18 +89,23 @@ impl ObjectOutcome {
         ObjectOutcome {
             compliance: Compliance::NonCompliant,
             message,
+            related: Vec::new(),
         }
     }
 }
 
-/// Evaluates `template` on the spoke; under `enforce` repairs what it can first.
+/// Evaluates `template` on the spoke; under `enforce` repairs what it can first. `superseded`
+/// is what the template related to before the hub changed it: under `enforce` with a
+/// `pruneObjectBehavior`, the objects it no longer names are pruned (problems are logged).
 pub(crate) async fn evaluate_template(
     target: &dyn ApplyTarget,
     template: &ConfigurationTemplate,
+    superseded: Option<&[RelatedObject]>,
 ) -> TemplateOutcome {
     let mut pass = Pass::new(target, template);
     let mut compliance = Compliance::Compliant;
     let mut messages = Vec::new();
+    let mut related = Vec::new();
     for object_template in &template.policy.spec.object_templates {
         let outcome = pass
             .object_template(object_template, template.remediation)
@@ -104,21 +114,40 @@ pub(crate) async fn evaluate_template(
             compliance = Compliance::NonCompliant;
         }
         messages.push(outcome.message);
+        if !is_mustnothave(object_template) {
+            related.extend(outcome.related);
+        }
+    }
+    if let Some(previous) = superseded {
+        for problem in pass.prune(previous, &related).await {
+            warn!(
+                template = %template.policy.metadata.name.as_deref().unwrap_or_default(),
+                problem = %problem,
+                "pruning an object the changed policy no longer names failed"
+            );
+        }
     }
     TemplateOutcome {
         compliance,
         message: messages.join("; "),
         scopes: pass.scopes,
+        related,
     }
+}
+
+fn is_mustnothave(object_template: &ObjectTemplate) -> bool {
+    ComplianceType::parse(&object_template.compliance_type) == Some(ComplianceType::MustNotHave)
 }
 
 /// Prunes what `pruneObjectBehavior` says once the policy is gone from the cluster, reading
 /// the spoke afresh (the created-by marks on the objects say what is the policy's); returns
 /// the problems met, for the caller to log. Only under `enforce`, as in OCM; `mustnothave`
-/// object-templates name nothing to prune.
+/// object-templates name nothing to prune. `superseded`: what it named before a change the
+/// governor had not evaluated yet, pruned too.
 pub(crate) async fn prune_template(
     target: &dyn ApplyTarget,
     template: &ConfigurationTemplate,
+    superseded: Option<&[RelatedObject]>,
 ) -> Vec<String> {
     if template.remediation != RemediationAction::Enforce
         || template.prune == PruneObjectBehavior::None
@@ -129,9 +158,7 @@ pub(crate) async fn prune_template(
     let mut problems = Vec::new();
     let mut related = Vec::new();
     for object_template in &template.policy.spec.object_templates {
-        if ComplianceType::parse(&object_template.compliance_type)
-            == Some(ComplianceType::MustNotHave)
-        {
+        if is_mustnothave(object_template) {
             continue;
         }
         let outcome = pass
@@ -142,29 +169,8 @@ pub(crate) async fn prune_template(
             Err(message) => problems.push(message),
         }
     }
-    let remediation = template.remediation;
-    let wanted = prune_reads(template.prune, remediation, &related, &[]);
-    let mut observed = BTreeMap::new();
-    for read in wanted {
-        let kind = match target.resolve(&read.api_version, &read.kind).await {
-            Ok(kind) => kind,
-            Err(e) => {
-                problems.push(e.to_string());
-                continue;
-            }
-        };
-        match pass.read(&kind, &read).await {
-            Ok(found) => {
-                observed.insert(read, found);
-            }
-            Err(message) => problems.push(message),
-        }
-    }
-    for action in prune_actions(template.prune, remediation, &related, &[], &observed) {
-        if let Err(message) = pass.write(&action).await {
-            problems.push(message);
-        }
-    }
+    related.extend(superseded.into_iter().flatten().cloned());
+    problems.extend(pass.prune(&related, &[]).await);
     problems
 }
 
@@ -191,7 +197,7 @@ impl<'a> Pass<'a> {
         object_template: &ObjectTemplate,
         remediation: RemediationAction,
     ) -> ObjectOutcome {
-        let (evaluation, _) = match self.read_and_judge(object_template, remediation).await {
+        let (evaluation, related) = match self.read_and_judge(object_template, remediation).await {
             Ok(judged) => judged,
             Err(message) => return ObjectOutcome::refused(message),
         };
@@ -199,6 +205,7 @@ impl<'a> Pass<'a> {
             return ObjectOutcome {
                 compliance: evaluation.compliance,
                 message: describe(&evaluation),
+                related,
             };
         }
         let mut refused = Vec::new();
@@ -209,7 +216,7 @@ impl<'a> Pass<'a> {
         }
         // What the writes left, judged without writing again: a write the spoke refused is
         // not retried until the next evaluation.
-        let (after, _) = match self
+        let (after, related) = match self
             .read_and_judge(object_template, RemediationAction::Inform)
             .await
         {
@@ -225,7 +232,37 @@ impl<'a> Pass<'a> {
         ObjectOutcome {
             compliance,
             message,
+            related,
         }
+    }
+
+    /// Deletes what `pruneObjectBehavior` says of the objects in `previous` that are not in
+    /// `current`, each read again first; the problems met.
+    async fn prune(&self, previous: &[RelatedObject], current: &[RelatedObject]) -> Vec<String> {
+        let (behavior, remediation) = (self.template.prune, self.template.remediation);
+        let mut problems = Vec::new();
+        let mut observed = BTreeMap::new();
+        for read in prune_reads(behavior, remediation, previous, current) {
+            let kind = match self.target.resolve(&read.api_version, &read.kind).await {
+                Ok(kind) => kind,
+                Err(e) => {
+                    problems.push(e.to_string());
+                    continue;
+                }
+            };
+            match self.read(&kind, &read).await {
+                Ok(found) => {
+                    observed.insert(read, found);
+                }
+                Err(message) => problems.push(message),
+            }
+        }
+        for action in prune_actions(behavior, remediation, previous, current, &observed) {
+            if let Err(message) = self.write(&action).await {
+                problems.push(message);
+            }
+        }
+        problems
     }
 
     /// Reads what `object_template` names and judges it; the objects related, with their

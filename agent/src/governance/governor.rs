@@ -14,7 +14,7 @@ use std::sync::Arc;
 use flotilla_ops::sleep_until;
 use flotilla_proto::api::policy::{
     Compliance, ConfigurationPolicy, EvaluationInterval, EvaluationSchedule, POLICY_GROUP,
-    PruneObjectBehavior, effective_remediation, validate_policy,
+    PruneObjectBehavior, RelatedObject, effective_remediation, validate_policy,
 };
 use k8s_openapi::jiff::Timestamp;
 use tokio::sync::{mpsc, oneshot};
@@ -187,6 +187,11 @@ struct TemplateSlot {
     result: Option<(Compliance, String)>,
     /// What its last evaluation read.
     scopes: Vec<ReadScope>,
+    /// What its last evaluation found it names (with whether the policy created each).
+    related: Vec<RelatedObject>,
+    /// What it named before the hub changed it, until an evaluation of the change prunes what
+    /// it no longer names.
+    superseded: Option<Arc<Vec<RelatedObject>>>,
 }
 
 #[derive(Debug)]
@@ -200,8 +205,8 @@ struct PolicyEntry {
 /// A removed policy on its way out: first waiting for its evaluations in flight to end, so
 /// that an enforce write cannot land after the prune read, then for a prune slot, then pruned.
 struct Removal {
-    /// Taken when its prune starts.
-    templates: Vec<TemplateKind>,
+    /// Taken when its prune starts; with what each named before a change not yet evaluated.
+    templates: Vec<(TemplateKind, Option<Arc<Vec<RelatedObject>>>)>,
     /// Told once the prune is over.
     waiters: Vec<oneshot::Sender<()>>,
     /// In `prune_queue` or pruning.
@@ -296,6 +301,7 @@ impl State {
             if let Some(old) = previous.as_ref().and_then(|p| p.templates.get(index)) {
                 // Watch on until the new evaluation says what it reads.
                 slot.scopes = old.scopes.clone();
+                carry_related(old, slot);
             }
             match &slot.kind {
                 TemplateKind::Configuration(template) => self
@@ -352,7 +358,10 @@ impl State {
         self.histories.remove(uid);
         self.pending.remove(uid);
         self.rewatch();
-        let templates = entry.templates.into_iter().map(|slot| slot.kind);
+        let templates = entry
+            .templates
+            .into_iter()
+            .map(|slot| (slot.kind, slot.superseded));
         let started = self.pruning.values().any(|u| u == uid);
         let removal = self
             .removals
@@ -436,19 +445,29 @@ impl State {
                 continue;
             };
             let target = Arc::clone(&self.target);
-            let task = match entry.templates.get(index).map(|s| &s.kind) {
-                Some(TemplateKind::Configuration(template)) => {
+            let Some(slot) = entry.templates.get(index) else {
+                continue;
+            };
+            let task = match &slot.kind {
+                TemplateKind::Configuration(template) => {
                     let template = Arc::clone(template);
-                    self.evaluations
-                        .spawn(async move { evaluate_template(target.as_ref(), &template).await })
+                    let superseded = slot.superseded.clone();
+                    self.evaluations.spawn(async move {
+                        evaluate_template(
+                            target.as_ref(),
+                            &template,
+                            superseded.as_deref().map(Vec::as_slice),
+                        )
+                        .await
+                    })
                 }
-                Some(TemplateKind::Engine(template)) => {
+                TemplateKind::Engine(template) => {
                     let template = Arc::clone(template);
                     self.evaluations.spawn(async move {
                         evaluate_engine_template(target.as_ref(), &template).await
                     })
                 }
-                Some(TemplateKind::Fixed) | None => continue,
+                TemplateKind::Fixed => continue,
             };
             self.running.insert(
                 task.id(),
@@ -462,8 +481,8 @@ impl State {
     }
 
     fn evaluated(&mut self, joined: Result<(Id, TemplateOutcome), tokio::task::JoinError>) {
-        let (id, outcome) = match joined {
-            Ok((id, outcome)) => (id, outcome),
+        let (id, outcome, finished) = match joined {
+            Ok((id, outcome)) => (id, outcome, true),
             Err(e) => {
                 // A bug; the template is reported as such rather than left without a result.
                 warn!(error = %e, "a policy evaluation panicked");
@@ -473,7 +492,9 @@ impl State {
                         compliance: Compliance::NonCompliant,
                         message: format!("the agent failed to evaluate the template: {e}"),
                         scopes: Vec::new(),
+                        related: Vec::new(),
                     },
+                    false,
                 )
             }
         };
@@ -505,6 +526,11 @@ impl State {
         );
         let scopes_changed = slot.scopes != outcome.scopes;
         slot.scopes = outcome.scopes;
+        if finished {
+            // The evaluation pruned what the change dropped (or logged why not).
+            slot.related = outcome.related;
+            slot.superseded = None;
+        }
         slot.result = Some((outcome.compliance, outcome.message.clone()));
         let stamp = stamp(&entry.delivered);
         self.histories
@@ -579,10 +605,16 @@ impl State {
 
 /// Carries out the `pruneObjectBehavior` of each ConfigurationPolicy template of a removed
 /// policy, and removes the objects applied for other engines; problems are logged.
-async fn prune_all(target: &dyn ApplyTarget, uid: &str, templates: &[TemplateKind]) {
-    for template in templates {
+async fn prune_all(
+    target: &dyn ApplyTarget,
+    uid: &str,
+    templates: &[(TemplateKind, Option<Arc<Vec<RelatedObject>>>)],
+) {
+    for (template, superseded) in templates {
         let problems = match template {
-            TemplateKind::Configuration(t) => prune_template(target, t).await,
+            TemplateKind::Configuration(t) => {
+                prune_template(target, t, superseded.as_deref().map(Vec::as_slice)).await
+            }
             TemplateKind::Engine(t) => remove_engine_template(target, t)
                 .await
                 .into_iter()
@@ -593,6 +625,27 @@ async fn prune_all(target: &dyn ApplyTarget, uid: &str, templates: &[TemplateKin
             warn!(uid = %uid, problem = %problem, "pruning a removed policy's object failed");
         }
     }
+}
+
+/// Hands what a template related to over to its new delivery: as is when what it names did
+/// not change, else as superseded, for the first evaluation of the change to prune what it no
+/// longer names (with anything superseded before and not yet pruned).
+fn carry_related(old: &TemplateSlot, new: &mut TemplateSlot) {
+    let names = |kind: &TemplateKind| match kind {
+        TemplateKind::Configuration(t) => Some((
+            t.policy.spec.object_templates.clone(),
+            t.policy.spec.namespace_selector.clone(),
+        )),
+        _ => None,
+    };
+    if names(&old.kind).is_none() || names(&old.kind) == names(&new.kind) {
+        new.related = old.related.clone();
+        new.superseded = old.superseded.clone();
+        return;
+    }
+    let mut superseded: Vec<RelatedObject> = old.superseded.as_deref().cloned().unwrap_or_default();
+    superseded.extend(old.related.iter().cloned());
+    new.superseded = Some(Arc::new(superseded));
 }
 
 /// The templates of a delivered policy. A policy that fails validation gets every template
@@ -616,6 +669,8 @@ fn template_slots(delivered: &DeliveredPolicy) -> Vec<TemplateSlot> {
             kind: TemplateKind::Fixed,
             result: Some((Compliance::NonCompliant, invalid.clone())),
             scopes: Vec::new(),
+            related: Vec::new(),
+            superseded: None,
         }];
     }
     policy
@@ -633,6 +688,8 @@ fn template_slots(delivered: &DeliveredPolicy) -> Vec<TemplateSlot> {
                 kind: TemplateKind::Fixed,
                 result: Some((Compliance::NonCompliant, message)),
                 scopes: Vec::new(),
+                related: Vec::new(),
+                superseded: None,
             };
             if let Some(invalid) = &invalid {
                 return fixed(invalid.clone());
@@ -652,6 +709,8 @@ fn template_slots(delivered: &DeliveredPolicy) -> Vec<TemplateSlot> {
                     })),
                     result: None,
                     scopes: Vec::new(),
+                    related: Vec::new(),
+                    superseded: None,
                 };
             }
             if group != Some(POLICY_GROUP) || kind != "ConfigurationPolicy" {
@@ -684,6 +743,8 @@ fn template_slots(delivered: &DeliveredPolicy) -> Vec<TemplateSlot> {
                 })),
                 result: None,
                 scopes: Vec::new(),
+                related: Vec::new(),
+                superseded: None,
             }
         })
         .collect()
