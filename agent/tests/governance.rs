@@ -1181,3 +1181,70 @@ async fn a_changed_template_prunes_what_it_created_and_no_longer_names() -> anyh
     governor.stop().await;
     Ok(())
 }
+
+#[tokio::test]
+async fn a_template_dropped_from_its_policy_is_pruned_as_if_removed() -> anyhow::Result<()> {
+    trace_init();
+    let cluster = Arc::new(MemoryCluster::new());
+    let configmap = |name: &str| AppliedResource {
+        group: String::new(),
+        version: "v1".into(),
+        kind: "ConfigMap".into(),
+        resource: "configmaps".into(),
+        namespace: "default".into(),
+        name: name.into(),
+    };
+    let template = |name: &str| {
+        let policy = configuration_policy(
+            name,
+            "enforce",
+            json!([{"complianceType": "musthave", "objectDefinition": {
+                "apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": name, "namespace": "default"}, "data": {"k": "v"}}}]),
+            json!({"pruneObjectBehavior": "DeleteIfCreated"}),
+        );
+        policy.spec.policy_templates[0].clone()
+    };
+    let with_templates = |generation: i64, names: &[&str]| {
+        let mut policy = configuration_policy("two", "enforce", json!([]), json!({}));
+        policy.spec.policy_templates = names.iter().map(|n| template(n)).collect();
+        delivered("two-uid", generation, policy)
+    };
+    let mut governor = Running::start(cluster.clone());
+    governor
+        .upsert(with_templates(1, &["kept", "dropped"]))
+        .await?;
+    let report = governor
+        .report("two-uid", "both templates enforced", compliant)
+        .await?;
+    assert_eq!(report.status.details.len(), 2);
+    assert!(cluster.get(&configmap("dropped")).await.is_some());
+
+    // The hub drops the second template, and puts the first one second behind a new one:
+    // templates are matched by name, not position.
+    governor
+        .upsert(with_templates(2, &["added", "kept"]))
+        .await?;
+    let report = governor
+        .report("two-uid", "the change enforced", |r| {
+            r.generation == 2 && compliant(r)
+        })
+        .await?;
+    let names: Vec<_> = report
+        .status
+        .details
+        .iter()
+        .map(|d| d.template_meta.name.clone().unwrap_or_default())
+        .collect();
+    assert_eq!(names, ["added-config", "kept-config"]);
+    wait_for("the dropped template's ConfigMap pruned", DEADLINE, || {
+        let cluster = cluster.clone();
+        let dropped = configmap("dropped");
+        async move { Ok(cluster.get(&dropped).await.is_none().then_some(())) }
+    })
+    .await?;
+    assert!(cluster.get(&configmap("kept")).await.is_some());
+    assert!(cluster.get(&configmap("added")).await.is_some());
+    governor.stop().await;
+    Ok(())
+}

@@ -168,7 +168,7 @@ impl Governor {
 }
 
 /// What a template is, as far as evaluating it goes.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 enum TemplateKind {
     /// Evaluated on the spoke.
     Configuration(Arc<ConfigurationTemplate>),
@@ -202,15 +202,24 @@ struct PolicyEntry {
     templates: Vec<TemplateSlot>,
 }
 
-/// A removed policy on its way out: first waiting for its evaluations in flight to end, so
-/// that an enforce write cannot land after the prune read, then for a prune slot, then pruned.
+/// A prune not started yet: of a removed policy, or of the templates a changed policy dropped.
+/// It waits for the policy's evaluations in flight to end, so that an enforce write cannot land
+/// after the prune read, then for a prune slot.
+#[derive(Default)]
 struct Removal {
     /// Taken when its prune starts; with what each named before a change not yet evaluated.
     templates: Vec<(TemplateKind, Option<Arc<Vec<RelatedObject>>>)>,
     /// Told once the prune is over.
     waiters: Vec<oneshot::Sender<()>>,
-    /// In `prune_queue` or pruning.
+    /// In `prune_queue`.
     queued: bool,
+}
+
+/// A prune running.
+struct Pruning {
+    uid: String,
+    /// Told once it ends.
+    waiters: Vec<oneshot::Sender<()>>,
 }
 
 /// An evaluation in flight.
@@ -234,7 +243,7 @@ struct State {
     prune_queue: VecDeque<String>,
     prunes: JoinSet<()>,
     /// Prune task → the policy it prunes.
-    pruning: HashMap<Id, String>,
+    pruning: HashMap<Id, Pruning>,
     /// Reports not yet taken by the consumer, one per policy: a newer one replaces it.
     pending: BTreeMap<String, PolicyReport>,
     next_revision: u64,
@@ -296,13 +305,25 @@ impl State {
         for index in templates.len()..old_len {
             self.schedule.remove(&schedule_key(&uid, index));
         }
+        // Templates are matched by name (validation keeps names unique): a template the hub
+        // dropped is pruned as if its policy were removed, as OCM deletes its
+        // ConfigurationPolicy from the cluster.
+        let mut dropped = Vec::new();
+        for old in previous.iter().flat_map(|p| &p.templates) {
+            match templates.iter_mut().find(|t| t.name == old.name) {
+                Some(slot) => {
+                    // Watch on until the new evaluation says what it reads.
+                    slot.scopes = old.scopes.clone();
+                    carry_related(old, slot);
+                }
+                None => dropped.push((old.kind.clone(), old.superseded.clone())),
+            }
+        }
+        if !dropped.is_empty() {
+            self.queue_prune(&uid, dropped, None);
+        }
         for (index, slot) in templates.iter_mut().enumerate() {
             let key = schedule_key(&uid, index);
-            if let Some(old) = previous.as_ref().and_then(|p| p.templates.get(index)) {
-                // Watch on until the new evaluation says what it reads.
-                slot.scopes = old.scopes.clone();
-                carry_related(old, slot);
-            }
             match &slot.kind {
                 TemplateKind::Configuration(template) => self
                     .schedule
@@ -344,8 +365,11 @@ impl State {
 
     fn remove(&mut self, uid: &str, done: oneshot::Sender<()>) {
         let Some(entry) = self.policies.remove(uid) else {
+            // Asked again while its prune waits or runs: told when that prune ends.
             if let Some(removal) = self.removals.get_mut(uid) {
                 removal.waiters.push(done);
+            } else if let Some(prune) = self.pruning.values_mut().find(|p| p.uid == uid) {
+                prune.waiters.push(done);
             } else {
                 let _ = done.send(());
             }
@@ -362,28 +386,30 @@ impl State {
             .templates
             .into_iter()
             .map(|slot| (slot.kind, slot.superseded));
-        let started = self.pruning.values().any(|u| u == uid);
-        let removal = self
-            .removals
-            .entry(uid.to_string())
-            .or_insert_with(|| Removal {
-                templates: Vec::new(),
-                waiters: Vec::new(),
-                queued: false,
-            });
-        // Removed, delivered again and removed again before the first prune ended: one prune
-        // carries both out, unless it already started (then it covers the first delivery's
-        // templates only, which the second repeats unless the hub changed them meanwhile).
-        if !started {
-            removal.templates.extend(templates);
-        }
-        removal.waiters.push(done);
+        self.queue_prune(uid, templates, Some(done));
+    }
+
+    /// Adds `templates` to the prune of `uid` not started yet (a new one if none), and the
+    /// caller to tell when it ends.
+    fn queue_prune(
+        &mut self,
+        uid: &str,
+        templates: impl IntoIterator<Item = (TemplateKind, Option<Arc<Vec<RelatedObject>>>)>,
+        done: Option<oneshot::Sender<()>>,
+    ) {
+        let removal = self.removals.entry(uid.to_string()).or_default();
+        removal.templates.extend(templates);
+        removal.waiters.extend(done);
         self.prune_when_idle(uid);
     }
 
-    /// Queues the prune of removed policy `uid` unless one of its evaluations still runs.
+    /// Queues the prune of `uid` waiting in `removals` unless one of its evaluations or an
+    /// earlier prune of it still runs (so that no enforce write lands after the prune read,
+    /// and prunes of one policy happen in order).
     fn prune_when_idle(&mut self, uid: &str) {
-        if self.running.values().any(|r| r.uid == uid) {
+        if self.running.values().any(|r| r.uid == uid)
+            || self.pruning.values().any(|p| p.uid == uid)
+        {
             return;
         }
         if let Some(removal) = self.removals.get_mut(uid)
@@ -400,20 +426,26 @@ impl State {
             let Some(uid) = self.prune_queue.pop_front() else {
                 return;
             };
-            let Some(removal) = self.removals.get_mut(&uid) else {
+            let Some(removal) = self.removals.remove(&uid) else {
                 continue;
             };
-            let templates = std::mem::take(&mut removal.templates);
             let target = Arc::clone(&self.target);
             let task_uid = uid.clone();
+            let templates = removal.templates;
             let task = self.prunes.spawn(async move {
                 prune_all(target.as_ref(), &task_uid, &templates).await;
             });
-            self.pruning.insert(task.id(), uid);
+            self.pruning.insert(
+                task.id(),
+                Pruning {
+                    uid,
+                    waiters: removal.waiters,
+                },
+            );
         }
     }
 
-    /// A prune ended: its `remove` callers are told.
+    /// A prune ended: its `remove` callers are told, and a later prune of the policy may start.
     fn pruned(&mut self, joined: Result<(Id, ()), tokio::task::JoinError>) {
         let id = match joined {
             Ok((id, ())) => id,
@@ -422,14 +454,13 @@ impl State {
                 e.id()
             }
         };
-        let Some(uid) = self.pruning.remove(&id) else {
+        let Some(prune) = self.pruning.remove(&id) else {
             return;
         };
-        if let Some(removal) = self.removals.remove(&uid) {
-            for waiter in removal.waiters {
-                let _ = waiter.send(());
-            }
+        for waiter in prune.waiters {
+            let _ = waiter.send(());
         }
+        self.prune_when_idle(&prune.uid);
     }
 
     /// Starts due templates while fewer than [`MAX_CONCURRENT_EVALUATIONS`] run.
