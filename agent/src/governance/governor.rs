@@ -7,6 +7,11 @@
 //! only if it is of the policy as it is now (an evaluation of an older delivery is dropped,
 //! and the schedule evaluates the new one next); a policy is reported once each of its
 //! templates has a result for its current delivery, and again whenever that report changes.
+//!
+//! Pruning: a removed policy's templates, and a template the hub dropped from its policy, are
+//! pruned once no evaluation of the policy is in flight, at most [`MAX_CONCURRENT_PRUNES`] at
+//! once and in order per policy; what a changed template no longer names is pruned by the
+//! first evaluation of the change.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
