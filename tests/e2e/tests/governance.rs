@@ -3,8 +3,9 @@
 //! puts the namespace policy on the clusters its Placement selects, the root Policy's status
 //! lists exactly those clusters and follows a label change, an invalid policy is refused with
 //! the field and the reason, and `flotilla get policies` / `describe policy` show it. No agent
-//! runs: clusters are registered by their ManagedCluster objects, and compliance stays
-//! unreported.
+//! runs: clusters are registered by their ManagedCluster objects; the hub makes each selected
+//! cluster's ClusterCompliance record, and compliance is reported by writing the records'
+//! status through the operator API, as a gateway writes what its agents report.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -62,9 +63,10 @@ fn flotilla_apply(fleet: &Fleet, file: &Path) -> anyhow::Result<(bool, String)> 
 async fn policies_follow_placements(kube: bool) -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let fleet = Fleet::start(dir.path(), kube).await?;
-    // Three registered clusters, two in the dev environment; every cluster is in OCM's
-    // `global` set, bound to the policies' namespace.
-    for (name, environment) in [("c1", "dev"), ("c2", "dev"), ("c3", "prod")] {
+    // Four registered clusters, two in the dev environment and one in an environment no
+    // example selects; every cluster is in OCM's `global` set, bound to the policies'
+    // namespace.
+    for (name, environment) in [("c1", "dev"), ("c2", "dev"), ("c3", "prod"), ("c4", "qa")] {
         fleet.apply_value(
             dir.path(),
             &json!({"apiVersion": "cluster.open-cluster-management.io/v1",
@@ -207,6 +209,143 @@ async fn policies_follow_placements(kube: bool) -> anyhow::Result<()> {
             "{part:?} missing from:\n{described}"
         );
     }
+
+    // Each cluster carrying a policy has its compliance record, made by the hub (c3 carries
+    // the limitrange policy); c4 carries none.
+    let record_path = |cluster: &str| {
+        flotilla_cli::cli::object_path(Kind::ClusterCompliance, Some(cluster), cluster)
+    };
+    for cluster in ["c1", "c2", "c3"] {
+        wait_for(
+            &format!("{cluster}'s compliance record"),
+            Duration::from_secs(30),
+            || async { Ok(operator.get_json(&record_path(cluster)).await.ok()) },
+        )
+        .await?;
+    }
+    assert!(
+        operator.get_json(&record_path("c4")).await.is_err(),
+        "c4 carries no policy, so has no record"
+    );
+    // The clusters report, as their gateways would write it: c1 violates the namespace
+    // template, c2 meets it.
+    let uid = placed["metadata"]["uid"].clone();
+    let generation = placed["metadata"]["generation"].clone();
+    let report = |cluster: &str, compliant: &str, message: &str| {
+        json!({
+            "apiVersion": Kind::ClusterCompliance.api_version(), "kind": "ClusterCompliance",
+            "metadata": {"name": cluster, "namespace": cluster},
+            "status": {"policies": [{
+                "namespace": "default", "name": "policy-namespace", "uid": uid,
+                "generation": generation, "compliant": compliant,
+                "details": [{
+                    "templateMeta": {"name": "policy-namespace-prod"},
+                    "compliant": compliant,
+                    "history": [{"lastTimestamp": "2026-11-26T22:04:05Z", "message": message}],
+                }],
+            }]},
+        })
+    };
+    let write_report = |cluster: &'static str, body: Value| {
+        let operator = &operator;
+        let path = format!("{}/status", record_path(cluster));
+        async move {
+            operator
+                .request(http::Method::PUT, &path, Some(&body))
+                .await
+                .map(drop)
+        }
+    };
+    write_report(
+        "c1",
+        report(
+            "c1",
+            "NonCompliant",
+            "NonCompliant; violation - namespaces [prod] not found",
+        ),
+    )
+    .await?;
+    write_report(
+        "c2",
+        report(
+            "c2",
+            "Compliant",
+            "Compliant; notification - namespaces [prod] found as specified",
+        ),
+    )
+    .await?;
+    let per_cluster = |p: &Value| -> Vec<(String, String)> {
+        p["status"]["status"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|s| {
+                (
+                    s["clustername"].as_str().unwrap_or_default().to_owned(),
+                    s["compliant"].as_str().unwrap_or("<none>").to_owned(),
+                )
+            })
+            .collect()
+    };
+    // Both reports (the first alone makes the root NonCompliant already).
+    let both = [
+        ("c1".to_owned(), "NonCompliant".to_owned()),
+        ("c2".to_owned(), "Compliant".to_owned()),
+    ];
+    let reported = wait_for(
+        "both reports to reach the root policy",
+        Duration::from_secs(30),
+        || async { Ok(policy(&fleet, "policy-namespace")?.filter(|p| per_cluster(p) == both)) },
+    )
+    .await?;
+    assert_eq!(
+        reported["status"]["compliant"], "NonCompliant",
+        "{reported}"
+    );
+    let row_of = |table: &str| -> Vec<String> {
+        table
+            .lines()
+            .map(|l| l.split_whitespace().map(str::to_owned).collect::<Vec<_>>())
+            .find(|r| r.get(1).map(String::as_str) == Some("policy-namespace"))
+            .unwrap_or_default()
+    };
+    let table = fleet.cli(&["get", "policies", "-n", "default"])?;
+    assert_eq!(
+        row_of(&table)[..5],
+        [
+            "default",
+            "policy-namespace",
+            "inform",
+            "NonCompliant",
+            "1/2"
+        ],
+        "{table}"
+    );
+    // c1 is fixed: the policy is Compliant everywhere.
+    write_report(
+        "c1",
+        report(
+            "c1",
+            "Compliant",
+            "Compliant; notification - namespaces [prod] found as specified",
+        ),
+    )
+    .await?;
+    wait_for(
+        "the root policy to be Compliant",
+        Duration::from_secs(30),
+        || async {
+            Ok(policy(&fleet, "policy-namespace")?
+                .filter(|p| p["status"]["compliant"] == "Compliant"))
+        },
+    )
+    .await?;
+    let table = fleet.cli(&["get", "policies", "-n", "default"])?;
+    assert_eq!(
+        row_of(&table)[..5],
+        ["default", "policy-namespace", "inform", "Compliant", "0/2"],
+        "{table}"
+    );
 
     // A label change drops c2 from the placement, and from the policy's status.
     fleet.cli(&["cluster", "label", "c2", "environment=prod", "--overwrite"])?;
