@@ -268,9 +268,35 @@ pub fn policies(items: &[Value], now: Timestamp) -> String {
     render(&rows)
 }
 
-/// `flotilla describe policy`: what the policy carries, what places it, and each cluster's
-/// compliance as far as the hub knows it.
-pub fn describe_policy(p: &Value, now: Timestamp) -> String {
+/// Most clusters whose compliance records `flotilla describe policy` reads to show what they
+/// violate: one request each, so a policy on 10,000 clusters costs 20 reads, not 10,000.
+pub const MAX_EXPLAINED_CLUSTERS: usize = 20;
+
+/// The clusters whose records explain a root Policy's compliance: the non-compliant ones, then
+/// the pending ones, each by name, at most [`MAX_EXPLAINED_CLUSTERS`].
+pub fn clusters_to_explain(p: &Value) -> Vec<String> {
+    let clusters = p["status"]["status"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let mut names = Vec::new();
+    for state in ["NonCompliant", "Pending"] {
+        names.extend(
+            clusters
+                .iter()
+                .filter(|c| c["compliant"] == state)
+                .filter_map(|c| c["clustername"].as_str().map(str::to_owned)),
+        );
+    }
+    names.truncate(MAX_EXPLAINED_CLUSTERS);
+    names
+}
+
+/// `flotilla describe policy`: what the policy carries, what places it, each cluster's
+/// compliance as far as the hub knows it, and what the clusters in `records` (their
+/// ClusterCompliance objects, as [`clusters_to_explain`] picks them) report each template that
+/// is not met violates: the latest message of its history.
+pub fn describe_policy(p: &Value, records: &[Value], now: Timestamp) -> String {
     let mut out = String::new();
     let annotation = |key: &str| text_or_none(&p["metadata"]["annotations"][key]);
     let fields = [
@@ -382,6 +408,61 @@ pub fn describe_policy(p: &Value, now: Timestamp) -> String {
             ]);
         }
         out.push_str(&indent(&render(&rows)));
+    }
+    let explained = clusters_to_explain(p);
+    if explained.is_empty() {
+        return out;
+    }
+    out.push_str(
+        "Violations:
+",
+    );
+    let uid = p["metadata"]["uid"].as_str().unwrap_or_default();
+    let mut rows = vec![vec![
+        "CLUSTER".to_string(),
+        "TEMPLATE".into(),
+        "COMPLIANCE".into(),
+        "MESSAGE".into(),
+    ]];
+    for record in records {
+        let cluster = text_or_none(&record["metadata"]["name"]);
+        let Some(entry) = record["status"]["policies"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|e| !uid.is_empty() && e["uid"] == uid)
+        else {
+            continue;
+        };
+        for template in entry["details"].as_array().into_iter().flatten() {
+            if template["compliant"] == "Compliant" {
+                continue;
+            }
+            rows.push(vec![
+                cluster.clone(),
+                text_or_none(&template["templateMeta"]["name"]),
+                template["compliant"]
+                    .as_str()
+                    .unwrap_or("<not reported>")
+                    .to_string(),
+                text_or_none(&template["history"][0]["message"]),
+            ]);
+        }
+    }
+    if rows.len() == 1 {
+        out.push_str("  <no template messages reported>\n");
+    } else {
+        out.push_str(&indent(&render(&rows)));
+    }
+    let failing = clusters
+        .iter()
+        .filter(|c| c["compliant"] == "NonCompliant" || c["compliant"] == "Pending")
+        .count();
+    if failing > explained.len() {
+        out.push_str(&format!(
+            "  ({} more non-compliant or pending clusters not shown)\n",
+            failing - explained.len()
+        ));
     }
     out
 }
@@ -561,7 +642,7 @@ mod tests {
     #[test]
     fn describe_policy_shows_templates_placement_and_clusters() {
         let now: Timestamp = "2026-01-01T01:00:00Z".parse().unwrap();
-        let text = describe_policy(&policy_with_status(), now);
+        let text = describe_policy(&policy_with_status(), &[], now);
         for part in [
             "Name:       policy-namespace\n",
             "Standards:  NIST SP 800-53\n",
@@ -576,11 +657,87 @@ mod tests {
             .lines()
             .skip_while(|l| !l.starts_with("Clusters:"))
             .skip(2)
+            .take_while(|l| *l != "Violations:")
             .map(|l| l.split_whitespace().collect())
             .collect();
         assert_eq!(
             cluster_rows,
             [vec!["c1", "NonCompliant"], vec!["c2", "<not", "reported>"]]
+        );
+    }
+
+    #[test]
+    fn describe_policy_shows_what_each_failing_cluster_violates() {
+        let now: Timestamp = "2026-01-01T01:00:00Z".parse().unwrap();
+        let mut p = policy_with_status();
+        p["metadata"]["uid"] = "uid-1".into();
+        assert_eq!(clusters_to_explain(&p), ["c1"]);
+        let detail = |template: &str, compliant: &str, message: &str| {
+            json!({"templateMeta": {"name": template}, "compliant": compliant,
+                   "history": [{"lastTimestamp": "2026-01-01T00:59:00Z", "message": message},
+                               {"lastTimestamp": "2026-01-01T00:58:00Z", "message": "older"}]})
+        };
+        let record = json!({
+            "metadata": {"name": "c1", "namespace": "c1"},
+            "status": {"policies": [
+                {"namespace": "default", "name": "policy-namespace", "uid": "uid-old",
+                 "compliant": "NonCompliant",
+                 "details": [detail("gone", "NonCompliant", "a deleted policy's report")]},
+                {"namespace": "default", "name": "policy-namespace", "uid": "uid-1",
+                 "compliant": "NonCompliant",
+                 "details": [
+                     detail("policy-namespace-prod", "NonCompliant",
+                            "NonCompliant; violation - namespaces [prod] not found"),
+                     detail("policy-namespace-met", "Compliant", "Compliant; fine"),
+                 ]},
+            ]},
+        });
+        let text = describe_policy(&p, &[record], now);
+        let violations: Vec<&str> = text
+            .lines()
+            .skip_while(|l| *l != "Violations:")
+            .skip(1)
+            .collect();
+        assert_eq!(violations.len(), 2, "{text}");
+        assert_eq!(
+            violations[0].split_whitespace().collect::<Vec<_>>(),
+            ["CLUSTER", "TEMPLATE", "COMPLIANCE", "MESSAGE"]
+        );
+        assert!(
+            violations[1].starts_with("  c1")
+                && violations[1].contains("policy-namespace-prod")
+                && violations[1].ends_with("NonCompliant; violation - namespaces [prod] not found"),
+            "{text}"
+        );
+        // A compliant policy has nothing to explain.
+        let mut fine = p.clone();
+        fine["status"]["status"][0]["compliant"] = "Compliant".into();
+        assert!(clusters_to_explain(&fine).is_empty());
+        assert!(!describe_policy(&fine, &[], now).contains("Violations:"));
+    }
+
+    #[test]
+    fn describe_policy_reads_a_bounded_number_of_records() {
+        let mut p = policy_with_status();
+        let entries: Vec<Value> = (0..50)
+            .map(|i| {
+                json!({"clustername": format!("c{i:02}"),
+                       "compliant": if i % 2 == 0 { "Pending" } else { "NonCompliant" }})
+            })
+            .collect();
+        p["status"]["status"] = Value::Array(entries);
+        let picked = clusters_to_explain(&p);
+        assert_eq!(picked.len(), MAX_EXPLAINED_CLUSTERS);
+        assert_eq!(picked[0], "c01", "non-compliant first");
+        assert!(picked.iter().all(|c| {
+            let n: usize = c[1..].parse().unwrap();
+            n % 2 == 1
+        }));
+        let now: Timestamp = "2026-01-01T01:00:00Z".parse().unwrap();
+        let text = describe_policy(&p, &[], now);
+        assert!(
+            text.contains("  (30 more non-compliant or pending clusters not shown)\n"),
+            "{text}"
         );
     }
 

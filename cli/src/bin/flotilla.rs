@@ -322,8 +322,9 @@ enum GetWhat {
 
 #[derive(Subcommand)]
 enum DescribeWhat {
-    /// A root Policy: its templates, the bindings and placements that place it, and each
-    /// selected cluster's compliance as far as the hub knows it.
+    /// A root Policy: its templates, the bindings and placements that place it, each selected
+    /// cluster's compliance as far as the hub knows it, and what the failing clusters (at most
+    /// 20, non-compliant first) report each unmet template violates.
     #[command(alias = "policies", alias = "plc")]
     Policy {
         name: String,
@@ -477,9 +478,30 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 .get_json(&object_path(Kind::Policy, Some(&namespace), &name))
                 .await
                 .with_context(|| format!("Policy {namespace}/{name}"))?;
+            // What the failing clusters report, from their compliance records; a record not
+            // there (yet, or any more) explains nothing.
+            let mut records = Vec::new();
+            for cluster in table::clusters_to_explain(&policy) {
+                match client
+                    .get_json(&object_path(
+                        Kind::ClusterCompliance,
+                        Some(&cluster),
+                        &cluster,
+                    ))
+                    .await
+                {
+                    Ok(record) => records.push(record),
+                    Err(e)
+                        if e.downcast_ref::<ApiError>()
+                            .is_some_and(|e| e.status == http::StatusCode::NOT_FOUND) => {}
+                    Err(e) => {
+                        return Err(e.context(format!("ClusterCompliance {cluster}/{cluster}")));
+                    }
+                }
+            }
             print!(
                 "{}",
-                table::describe_policy(&policy, jiff::Timestamp::now())
+                table::describe_policy(&policy, &records, jiff::Timestamp::now())
             );
         }
         Command::Apply {

@@ -321,6 +321,23 @@ async fn policies_follow_placements(kube: bool) -> anyhow::Result<()> {
         ],
         "{table}"
     );
+    // describe says which cluster violates what, from c1's record.
+    let described = fleet.cli(&["describe", "policy", "policy-namespace"])?;
+    let violations: Vec<&str> = described
+        .lines()
+        .skip_while(|l| *l != "Violations:")
+        .skip(2)
+        .collect();
+    assert_eq!(violations.len(), 1, "{described}");
+    assert_eq!(
+        violations[0].split_whitespace().take(3).collect::<Vec<_>>(),
+        ["c1", "policy-namespace-prod", "NonCompliant"],
+        "{described}"
+    );
+    assert!(
+        violations[0].ends_with("NonCompliant; violation - namespaces [prod] not found"),
+        "{described}"
+    );
     // c1 is fixed: the policy is Compliant everywhere.
     write_report(
         "c1",
