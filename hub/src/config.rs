@@ -169,6 +169,13 @@ pub struct HubConfig {
     #[arg(long, default_value = crate::controllers::chunk_gc::DEFAULT_CHUNK_GRACE_PERIOD, value_parser = humantime::parse_duration)]
     pub chunk_grace_period: Duration,
 
+    /// Most `policy_governance_info{type="propagated"}` series on /metrics (one per policy per
+    /// cluster it reaches): non-compliant ones first, then those without a verdict, then
+    /// compliant ones; `flotilla_hub_policy_series_omitted` counts the rest. Root series are
+    /// never left out.
+    #[arg(long, default_value_t = crate::governance_metrics::DEFAULT_MAX_PROPAGATED)]
+    pub policy_metrics_max_propagated: usize,
+
     /// On SIGTERM every session is drained, each agent told to come back after a delay spread
     /// over this window.
     #[arg(long, default_value = DEFAULT_DRAIN_WINDOW, value_parser = humantime::parse_duration)]

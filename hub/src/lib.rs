@@ -14,6 +14,7 @@ pub mod controllers;
 pub mod fleet_metrics;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod governance_metrics;
 pub mod operator_api;
 pub mod proxy;
 pub mod registration;
@@ -285,15 +286,24 @@ pub async fn run(
     };
     let status_page = status_page::StatusPage::new(Some(sessions));
     let controller_metrics = controllers::ControllerMetrics::default();
+    // The governance controller's aggregation, read by /metrics and the status page.
+    let compliance = controllers::governance::ComplianceView::default();
     let _metrics_endpoint = if let Some(listener) = metrics {
         // The gateway's metrics and the fleet's gauges; ready once the gateway's caches and
         // the gauges' lists are loaded.
-        let mut registry = flotilla_ops::registry();
-        gateway.metrics().register(&mut registry);
-        kube_api.register(&mut registry);
+        // RHACM's policy_governance_info keeps its own name: the root registry has no prefix,
+        // and everything of flotilla's is under `flotilla_` below it.
+        let mut root = prometheus_client::registry::Registry::default();
+        root.register_collector(Box::new(governance_metrics::GovernanceMetrics::new(
+            compliance.clone(),
+            config.policy_metrics_max_propagated,
+        )));
+        let registry = root.sub_registry_with_prefix("flotilla");
+        gateway.metrics().register(registry);
+        kube_api.register(registry);
         let fleet = fleet_metrics::FleetMetrics::new();
-        fleet.register(&mut registry);
-        controller_metrics.register(&mut registry);
+        fleet.register(registry);
+        controller_metrics.register(registry);
         let (listed_tx, listed) = tokio::sync::watch::channel(false);
         tasks.spawn(
             "the fleet gauges and the status page's view of the fleet",
@@ -312,7 +322,7 @@ pub async fn run(
              ManifestWorkReplicaSets) have not listed from the store yet",
             listed,
         ));
-        let endpoint = gateway.endpoint(registry, readiness);
+        let endpoint = gateway.endpoint(root, readiness);
         // Served until `run` returns, through the drain: /readyz then says "draining" and
         // /healthz still answers. Not among `tasks`, which must all end for the hub to stop.
         Some(EndsWithRun(tokio::spawn(flotilla_ops::serve(
@@ -348,6 +358,7 @@ pub async fn run(
             config.controllers(),
             controller_metrics,
             policy_assignments,
+            compliance,
             stop_rx.clone(),
         )
         .err_into(),

@@ -111,6 +111,57 @@ impl PolicyAssignments {
     }
 }
 
+/// One enabled root Policy's compliance as the controller last aggregated it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RootCompliance {
+    pub key: Key,
+    /// The root's aggregate (`status.compliant`).
+    pub compliant: Option<ComplianceState>,
+    /// Each cluster the policy reaches, by name, with what that cluster reported.
+    pub clusters: Vec<(String, Option<ComplianceState>)>,
+}
+
+/// The fleet's compliance as the controller last aggregated it: every enabled root Policy,
+/// sorted by namespace and name (a disabled one has no compliance to show, as in OCM).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ComplianceSnapshot {
+    pub policies: Vec<RootCompliance>,
+}
+
+/// The compliance snapshot the controller keeps current, for the hub's metrics and status
+/// page. Cloning shares it; readers never wait for the controller.
+#[derive(Clone, Debug)]
+pub struct ComplianceView {
+    current: watch::Sender<Arc<ComplianceSnapshot>>,
+}
+
+impl Default for ComplianceView {
+    fn default() -> Self {
+        ComplianceView {
+            current: watch::Sender::new(Arc::new(ComplianceSnapshot::default())),
+        }
+    }
+}
+
+impl ComplianceView {
+    /// The latest snapshot.
+    pub fn snapshot(&self) -> Arc<ComplianceSnapshot> {
+        self.current.borrow().clone()
+    }
+
+    /// Publishes `snapshot` if it differs from what readers have.
+    pub fn publish(&self, snapshot: ComplianceSnapshot) {
+        self.current.send_if_modified(|current| {
+            if **current == snapshot {
+                false
+            } else {
+                *current = Arc::new(snapshot);
+                true
+            }
+        });
+    }
+}
+
 /// What resolution reads, as the store holds it.
 pub struct Inputs<'a> {
     pub policies: &'a BTreeMap<Key, Policy>,
@@ -408,11 +459,13 @@ struct Model {
 }
 
 /// Runs until `stop`: resolves every binding whenever what it reads changes, writes the
-/// statuses that differ, and publishes each cluster's set to `assignments`.
+/// statuses that differ, publishes each cluster's set to `assignments` and the fleet's
+/// compliance to `compliance`.
 pub async fn run(
     store: Arc<dyn Store>,
     config: ControllerConfig,
     assignments: PolicyAssignments,
+    compliance: ComplianceView,
     stop: watch::Receiver<bool>,
 ) {
     let (tx, mut rx) = mpsc::channel(config.queue_capacity);
@@ -456,6 +509,7 @@ pub async fn run(
         assignments.publish(resolution.assigned.clone());
         let mut writes = Vec::new();
         let mut wanted_compliance: BTreeMap<&Key, Option<ComplianceState>> = BTreeMap::new();
+        let mut snapshot = ComplianceSnapshot::default();
         for (key, placed) in &resolution.policies {
             let Some(policy) = model.policies.get(key) else {
                 continue;
@@ -463,6 +517,17 @@ pub async fn run(
             let uid = policy.metadata.uid.as_deref().unwrap_or_default();
             let want = policy_status(policy.status.as_ref(), placed, uid, &model.reported);
             wanted_compliance.insert(key, want.compliant);
+            if !policy.spec.disabled {
+                snapshot.policies.push(RootCompliance {
+                    key: key.clone(),
+                    compliant: want.compliant,
+                    clusters: want
+                        .status
+                        .iter()
+                        .map(|c| (c.clustername.clone(), c.compliant))
+                        .collect(),
+                });
+            }
             if Some(&want) != policy.status.as_ref()
                 && !(want == PolicyStatus::default() && policy.status.is_none())
             {
@@ -496,6 +561,7 @@ pub async fn run(
                 ));
             }
         }
+        compliance.publish(snapshot);
         let results: Vec<(Kind, Key, Result<Object, StoreError>)> = futures::stream::iter(writes)
             .map(|(kind, key, status)| {
                 let store = store.clone();
@@ -1218,6 +1284,7 @@ mod tests {
             store.clone(),
             ControllerConfig::default(),
             assignments.clone(),
+            ComplianceView::default(),
             stop,
         ));
         until("the policy lists both decided clusters", || async {
@@ -1394,10 +1461,12 @@ mod tests {
         let config = ControllerConfig::default();
         let shards = config.shards;
         let (stop_tx, stop) = watch::channel(false);
+        let compliance = ComplianceView::default();
         let controller = tokio::spawn(run(
             store.clone(),
             config,
             PolicyAssignments::default(),
+            compliance.clone(),
             stop,
         ));
         until("c1 and c2 have their records", || async {
@@ -1439,6 +1508,18 @@ mod tests {
             set_compliance().await == "NonCompliant"
         })
         .await;
+        // What the metrics and the status page read: published before the status is written.
+        assert_eq!(
+            compliance.snapshot().policies,
+            [RootCompliance {
+                key: Key::new(NS, "namespace"),
+                compliant: Some(ComplianceState::NonCompliant),
+                clusters: vec![
+                    ("c1".into(), Some(ComplianceState::NonCompliant)),
+                    ("c2".into(), None)
+                ],
+            }]
+        );
 
         report(store.as_ref(), "c1", &[(&namespace_policy, "Compliant")]).await;
         report(store.as_ref(), "c2", &[(&namespace_policy, "Compliant")]).await;

@@ -123,12 +123,14 @@ pub enum ControllerEnded {
 
 /// Runs every controller until `stop` turns true (or its sender is dropped), then waits for
 /// them to finish their writes in flight. One that ends before that is an error naming it.
-/// The governance controller keeps `policies` current (each cluster's policies).
+/// The governance controller keeps `policies` current (each cluster's policies) and
+/// `compliance` (the fleet's compliance, for the metrics and the status page).
 pub async fn run(
     store: Arc<dyn Store>,
     config: ControllerConfig,
     metrics: ControllerMetrics,
     policies: governance::PolicyAssignments,
+    compliance: governance::ComplianceView,
     stop: watch::Receiver<bool>,
 ) -> Result<(), ControllerEnded> {
     let mut tasks: JoinSet<()> = JoinSet::new();
@@ -158,6 +160,7 @@ pub async fn run(
             store.clone(),
             config.clone(),
             policies,
+            compliance,
             stop.clone(),
         )),
     );

@@ -10,11 +10,15 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use anyhow::Context;
 use flotilla_cli::client::{OperatorClient, OperatorConfig};
-use flotilla_e2e::{Fleet, wait_for};
+use flotilla_e2e::{Fleet, scrape, wait_for};
 use flotilla_proto::api::Kind;
 use flotilla_testenv::workspace_root;
 use serde_json::{Value, json};
+
+/// RHACM's compliance gauge, as the hub serves it.
+const METRIC: &str = "policy_governance_info";
 
 fn example(name: &str) -> PathBuf {
     workspace_root()
@@ -62,7 +66,21 @@ fn flotilla_apply(fleet: &Fleet, file: &Path) -> anyhow::Result<(bool, String)> 
 
 async fn policies_follow_placements(kube: bool) -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let fleet = Fleet::start(dir.path(), kube).await?;
+    // One propagated compliance series on /metrics at most: the bound is what is tested.
+    let fleet = Fleet::start_with(
+        dir.path(),
+        kube,
+        &[
+            "--metrics-addr=127.0.0.1:0",
+            "--policy-metrics-max-propagated=1",
+        ],
+    )
+    .await?;
+    let metrics = fleet
+        .hub
+        .metrics_addr
+        .clone()
+        .context("the hub wrote no metrics address")?;
     // Four registered clusters, two in the dev environment and one in an environment no
     // example selects; every cluster is in OCM's `global` set, bound to the policies'
     // namespace.
@@ -302,6 +320,40 @@ async fn policies_follow_placements(kube: bool) -> anyhow::Result<()> {
         reported["status"]["compliant"], "NonCompliant",
         "{reported}"
     );
+    // RHACM's gauge: the root NonCompliant (1); of the propagated series only the bound's one,
+    // the non-compliant cluster's, and the rest counted as left out.
+    let root = [
+        ("type", "root"),
+        ("policy", "policy-namespace"),
+        ("policy_namespace", "default"),
+        ("cluster_namespace", "<null>"),
+    ];
+    let propagated = |cluster: &'static str| {
+        [
+            ("type", "propagated"),
+            ("policy", "policy-namespace"),
+            ("policy_namespace", "default"),
+            ("cluster_namespace", cluster),
+        ]
+    };
+    let page = scrape(&metrics).await?;
+    assert_eq!(page.value(METRIC, &root), Some(1.0));
+    assert_eq!(page.value(METRIC, &propagated("c1")), Some(1.0));
+    assert_eq!(
+        page.value(METRIC, &propagated("c2")),
+        None,
+        "a compliant cluster's series is the first left out"
+    );
+    let pairs: usize = fleet
+        .list(&["policies", "-n", "default"])?
+        .iter()
+        .filter(|p| p["spec"]["disabled"] != true)
+        .map(|p| p["status"]["status"].as_array().map_or(0, Vec::len))
+        .sum();
+    assert_eq!(
+        page.value("flotilla_hub_policy_series_omitted", &[]),
+        Some((pairs - 1) as f64)
+    );
     let row_of = |table: &str| -> Vec<String> {
         table
             .lines()
@@ -363,6 +415,7 @@ async fn policies_follow_placements(kube: bool) -> anyhow::Result<()> {
         ["default", "policy-namespace", "inform", "Compliant", "0/2"],
         "{table}"
     );
+    assert_eq!(scrape(&metrics).await?.value(METRIC, &root), Some(0.0));
 
     // A label change drops c2 from the placement, and from the policy's status.
     fleet.cli(&["cluster", "label", "c2", "environment=prod", "--overwrite"])?;

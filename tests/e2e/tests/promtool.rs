@@ -230,6 +230,17 @@ async fn a_single_node_hub_and_an_agent_pass_promtool_check_metrics() -> anyhow:
     let _agent = spoke.start_agent(d, &fleet.hub, &[agent_flag.as_str()])?;
     fleet.apply(&workspace_root().join(SEED_WORK))?;
     fleet.wait_applied("cluster1", "my-first-work").await?;
+    // A policy, so that the compliance gauge has a series for promtool to read.
+    fleet.apply(&workspace_root().join("proto/tests/data/policies/policy-namespace.yaml"))?;
+    wait_for("the policy's compliance series", WAIT, || async {
+        let page = scrape(&hub).await?;
+        let root = page.value(
+            "policy_governance_info",
+            &[("type", "root"), ("policy", "policy-namespace")],
+        );
+        Ok(root.map(drop))
+    })
+    .await?;
     wait_for("the agent's apply counted", WAIT, || async {
         let page = scrape(&agent).await?;
         let applies = page.value("flotilla_agent_work_apply_duration_seconds_count", &[]);
