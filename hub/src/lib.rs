@@ -284,10 +284,11 @@ pub async fn run(
         )),
         None => Arc::new(gateway.clone()),
     };
-    let status_page = status_page::StatusPage::new(Some(sessions));
-    let controller_metrics = controllers::ControllerMetrics::default();
     // The governance controller's aggregation, read by /metrics and the status page.
     let compliance = controllers::governance::ComplianceView::default();
+    let status_page =
+        status_page::StatusPage::new(Some(sessions)).with_compliance(compliance.clone());
+    let controller_metrics = controllers::ControllerMetrics::default();
     let _metrics_endpoint = if let Some(listener) = metrics {
         // The gateway's metrics and the fleet's gauges; ready once the gateway's caches and
         // the gauges' lists are loaded.

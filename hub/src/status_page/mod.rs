@@ -7,7 +7,10 @@
 //! since when?": the clusters whose `ManagedClusterConditionAvailable` is not True, the longest
 //! failing first, with the condition's lastTransitionTime. Further screens list every cluster
 //! (labels, claims, version, session), works with the spoke's messages verbatim, placements
-//! (those deciding no cluster first) and rollouts.
+//! (those deciding no cluster first) and rollouts. The first screen also answers governance's
+//! questions, from the policy controller's aggregation ([`ComplianceView`]): which policies
+//! are violated on how many clusters, and which clusters violate how many policies, failing
+//! first and filtered by the clusters' labels; `/ui/compliance` pages through both.
 //!
 //! The page's model ([`view::Model`]) is a watch cache of compact rows fed by the store's one
 //! list-then-watch loop per kind (the fleet gauges' loops when they run, see
@@ -42,6 +45,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio::sync::{RwLock, watch};
 
+use crate::controllers::governance::ComplianceView;
 use view::{
     ClusterItem, ClusterQuery, ClusterState, LabelSelector, ListQuery, Model, PageRequest,
     WorkQuery,
@@ -88,6 +92,8 @@ pub struct StatusPage {
     /// Kinds listed at least once; the page answers 503 until all of [`KINDS`] have been.
     listed: watch::Sender<usize>,
     sessions: Option<Arc<dyn LiveSessions>>,
+    /// The fleet's compliance as the policy controller last aggregated it.
+    compliance: ComplianceView,
 }
 
 impl StatusPage {
@@ -96,7 +102,14 @@ impl StatusPage {
             model: Arc::default(),
             listed: watch::Sender::new(0),
             sessions,
+            compliance: ComplianceView::default(),
         }
+    }
+
+    /// Shows `compliance` (the policy controller's) rather than none.
+    pub fn with_compliance(mut self, compliance: ComplianceView) -> StatusPage {
+        self.compliance = compliance;
+        self
     }
 
     /// Keeps the model current from `store` until `stop`, with a loop of its own per kind.
@@ -134,12 +147,14 @@ impl StatusPage {
             .route("/ui/works", get(works_page))
             .route("/ui/placements", get(placements_page))
             .route("/ui/rollouts", get(rollouts_page))
+            .route("/ui/compliance", get(compliance_page))
             .route("/ui/style.css", get(stylesheet))
             .route("/ui/api/summary", get(summary_api))
             .route("/ui/api/clusters", get(clusters_api))
             .route("/ui/api/works", get(works_api))
             .route("/ui/api/placements", get(placements_api))
             .route("/ui/api/rollouts", get(rollouts_api))
+            .route("/ui/api/compliance", get(compliance_api))
             .with_state(self)
     }
 
@@ -265,8 +280,9 @@ pub struct Params {
     /// Part of the name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub q: Option<String>,
-    /// Clusters: kubectl's `-l` equality selector.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Clusters and compliance: kubectl's `-l` equality selector on the clusters' labels
+    /// (`labels=` is the same).
+    #[serde(default, alias = "labels", skip_serializing_if = "Option::is_none")]
     pub selector: Option<String>,
     /// Works: only this cluster's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -341,13 +357,17 @@ impl Params {
                 ));
             }
         };
-        let selector = Self::filter(&self.selector, "selector", MAX_SELECTOR)?;
         Ok(ClusterQuery {
             state,
             name: Self::filter(&self.q, "q", MAX_NAME_FILTER)?,
-            selector: LabelSelector::parse(selector.as_deref().unwrap_or(""))
-                .map_err(|e| Refusal(StatusCode::BAD_REQUEST, e))?,
+            selector: self.selector()?,
         })
+    }
+
+    fn selector(&self) -> Result<LabelSelector, Refusal> {
+        let selector = Self::filter(&self.selector, "selector", MAX_SELECTOR)?;
+        LabelSelector::parse(selector.as_deref().unwrap_or(""))
+            .map_err(|e| Refusal(StatusCode::BAD_REQUEST, e))
     }
 
     fn work_query(&self) -> Result<WorkQuery, Refusal> {
@@ -407,7 +427,9 @@ async fn overview_page(
     Query(params): Query<Params>,
 ) -> Result<Response, Refusal> {
     let request = params.page()?;
-    let (summary, failing, placements) = {
+    let selector = params.selector()?;
+    let snapshot = page.compliance.snapshot();
+    let (summary, failing, placements, compliance) = {
         let model = page.model().await?;
         let failing = model.clusters(
             &ClusterQuery {
@@ -426,7 +448,15 @@ async fn overview_page(
                 limit: render::OVERVIEW_ROWS,
             },
         );
-        (model.summary(), failing, placements)
+        let compliance = model.compliance(
+            &snapshot,
+            &selector,
+            PageRequest {
+                page: 1,
+                limit: render::OVERVIEW_ROWS,
+            },
+        );
+        (model.summary(), failing, placements, compliance)
     };
     let (failing, entries) = split(failing);
     let entries = page.with_sessions(entries).await;
@@ -434,8 +464,41 @@ async fn overview_page(
         &summary,
         &failing.with_items(entries),
         &placements,
+        &params,
+        &compliance,
         Timestamp::now(),
     )))
+}
+
+async fn compliance_view(
+    page: &StatusPage,
+    params: &Params,
+) -> Result<view::ComplianceView, Refusal> {
+    let (selector, request) = (params.selector()?, params.page()?);
+    let snapshot = page.compliance.snapshot();
+    Ok(page
+        .model()
+        .await?
+        .compliance(&snapshot, &selector, request))
+}
+
+async fn compliance_page(
+    State(page): State<StatusPage>,
+    Query(params): Query<Params>,
+) -> Result<Response, Refusal> {
+    let compliance = compliance_view(&page, &params).await?;
+    Ok(html(render::compliance(
+        &params,
+        &compliance,
+        Timestamp::now(),
+    )))
+}
+
+async fn compliance_api(
+    State(page): State<StatusPage>,
+    Query(params): Query<Params>,
+) -> Result<Response, Refusal> {
+    Ok(Json(compliance_view(&page, &params).await?).into_response())
 }
 
 /// A page's rows apart from its counts, to add the sessions without holding the model.
@@ -662,5 +725,70 @@ mod tests {
         let (status, css) = get(&page, "/ui/style.css").await;
         assert_eq!(status, StatusCode::OK);
         assert!(css.contains(".status.False"));
+    }
+
+    /// The first screen and the JSON twin show what the policy controller aggregated, failing
+    /// first, filtered by cluster labels (`labels=` as `selector=`), and refuse a bad selector.
+    #[tokio::test]
+    async fn compliance_is_on_the_first_screen_and_in_the_api() {
+        use crate::controllers::governance::{ComplianceSnapshot, RootCompliance};
+        use crate::controllers::scheduling::fleet::Key;
+        use flotilla_proto::api::policy::ComplianceState::*;
+        let compliance = ComplianceView::default();
+        let page = StatusPage::new(None).with_compliance(compliance.clone());
+        listed(&page).await;
+        let (_, body) = get(&page, "/ui/").await;
+        assert!(body.contains("Policies: 0 policies"), "{body}");
+        compliance.publish(ComplianceSnapshot {
+            policies: vec![
+                RootCompliance {
+                    key: Key::new("policies", "namespace"),
+                    compliant: Some(NonCompliant),
+                    clusters: vec![
+                        ("a".into(), Some(NonCompliant)),
+                        ("b".into(), Some(Compliant)),
+                    ],
+                },
+                RootCompliance {
+                    key: Key::new("policies", "limits"),
+                    compliant: Some(Compliant),
+                    clusters: vec![("a".into(), Some(Compliant))],
+                },
+            ],
+        });
+        let (status, body) = get(&page, "/ui/").await;
+        assert_eq!(status, StatusCode::OK);
+        let namespace = body
+            .find("data-policy=\"policies/namespace\"")
+            .expect("listed");
+        let limits = body
+            .find("data-policy=\"policies/limits\"")
+            .expect("listed");
+        assert!(namespace < limits, "the violated policy first: {body}");
+        assert!(body.contains("1</span> of 2 clusters"), "{body}");
+        assert!(body.contains("data-compliance-cluster=\"a\""), "{body}");
+
+        let (status, body) = get(&page, "/ui/api/compliance?labels=%21env").await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let answer: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(answer["policies"]["total"], 2);
+        assert_eq!(answer["policies"]["items"][0]["name"], "namespace");
+        assert_eq!(answer["policies"]["items"][0]["nonCompliant"], 1);
+        assert_eq!(answer["clusters"]["items"][0]["cluster"], "a");
+        assert_eq!(answer["clusters"]["items"][0]["violated"], 1);
+        assert_eq!(
+            answer["clusters"]["items"][0]["violating"],
+            json!(["policies/namespace"])
+        );
+        // A selector no cluster matches leaves nothing to show.
+        let (_, body) = get(&page, "/ui/api/compliance?selector=env%3Dprod").await;
+        let answer: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(answer["policies"]["total"], 0, "{answer}");
+        let (status, body) = get(&page, "/ui/compliance?selector=%3Dprod").await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert!(body.contains("has no label key"), "{body}");
+        let (status, body) = get(&page, "/ui/compliance").await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(body.contains("<h1>Compliance</h1>"), "{body}");
     }
 }

@@ -6,7 +6,12 @@ use std::fmt::Write as _;
 
 use jiff::Timestamp;
 
-use super::view::{Page, PlacementRow, RolloutRow, Status, Summary, WorkRow};
+use flotilla_proto::api::policy::ComplianceState;
+
+use super::view::{
+    ClusterComplianceRow, ComplianceView, Page, PlacementRow, PolicyComplianceRow, RolloutRow,
+    Status, Summary, WorkRow,
+};
 use super::{ClusterEntry, Params};
 
 /// The page's stylesheet, embedded: the page loads nothing from elsewhere.
@@ -61,12 +66,13 @@ fn query(pairs: &[(&str, Option<&str>)]) -> String {
     }
 }
 
-const NAV: [(&str, &str); 5] = [
+const NAV: [(&str, &str); 6] = [
     ("/ui/", "Overview"),
     ("/ui/clusters", "Clusters"),
     ("/ui/works", "Works"),
     ("/ui/placements", "Placements"),
     ("/ui/rollouts", "Rollouts"),
+    ("/ui/compliance", "Compliance"),
 ];
 
 fn layout(current: &str, title: &str, body: &str, now: Timestamp) -> String {
@@ -266,11 +272,173 @@ fn cluster_table(id: &str, clusters: &[ClusterEntry], now: Timestamp, full: bool
     out
 }
 
-/// The first screen: the fleet in numbers, then the failing clusters, longest failing first.
+/// A compliance state as a badge: NonCompliant bad, Compliant good, anything else (Pending,
+/// not reported) a warning.
+fn compliance_badge(state: Option<ComplianceState>) -> String {
+    let (class, text) = match state {
+        Some(ComplianceState::NonCompliant) => ("bad", "NonCompliant"),
+        Some(ComplianceState::Compliant) => ("True", "Compliant"),
+        Some(ComplianceState::Pending) => ("Unknown", "Pending"),
+        Some(ComplianceState::Terminating) => ("Unknown", "Terminating"),
+        None => ("Unknown", "not reported"),
+    };
+    format!("<span class=\"status {class}\">{text}</span>")
+}
+
+fn plural(n: usize, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
+/// Per policy: on how many of the selected clusters it is violated, most first.
+fn policy_compliance_table(rows: &[PolicyComplianceRow]) -> String {
+    let mut out = String::from(
+        "<table id=\"policies\"><thead><tr><th>Policy</th><th>Compliance</th><th>Non-compliant on</th><th>Pending or not reported</th></tr></thead><tbody>",
+    );
+    for p in rows {
+        let violated = if p.non_compliant == 0 {
+            format!("0 of {}", plural(p.clusters, "cluster", "clusters"))
+        } else {
+            format!(
+                "<span class=\"status bad\">{}</span> of {}",
+                p.non_compliant,
+                plural(p.clusters, "cluster", "clusters")
+            )
+        };
+        let _ = write!(
+            out,
+            "<tr data-policy=\"{ns}/{name}\"><td>{ns}/{name}</td><td>{}</td><td class=\"num nowrap\">{violated}</td><td class=\"num\">{}</td></tr>",
+            compliance_badge(p.compliant),
+            p.pending,
+            ns = escape(&p.namespace),
+            name = escape(&p.name),
+        );
+    }
+    out.push_str("</tbody></table>");
+    out
+}
+
+/// Per cluster: how many of the policies it carries it violates, most first.
+fn cluster_compliance_table(rows: &[ClusterComplianceRow]) -> String {
+    let mut out = String::from(
+        "<table id=\"compliance-clusters\"><thead><tr><th>Cluster</th><th>Violates</th><th>Pending or not reported</th><th>Violated policies</th></tr></thead><tbody>",
+    );
+    for c in rows {
+        let violated = if c.violated == 0 {
+            format!("0 of {}", plural(c.policies, "policy", "policies"))
+        } else {
+            format!(
+                "<span class=\"status bad\">{}</span> of {}",
+                c.violated,
+                plural(c.policies, "policy", "policies")
+            )
+        };
+        let mut named: Vec<String> = c.violating.iter().map(|p| escape(p)).collect();
+        if c.violated > c.violating.len() {
+            named.push(format!("+{} more", c.violated - c.violating.len()));
+        }
+        let _ = write!(
+            out,
+            "<tr data-compliance-cluster=\"{name}\"><td><a href=\"/ui/clusters{link}\">{name}</a></td><td class=\"num nowrap\">{violated}</td><td class=\"num\">{}</td><td class=\"msg\">{}</td></tr>",
+            c.pending,
+            named.join(", "),
+            name = escape(&c.cluster),
+            link = escape(&query(&[("q", Some(&c.cluster))])),
+        );
+    }
+    out.push_str("</tbody></table>");
+    out
+}
+
+/// The labels filter of the compliance tables, sent to `path`.
+fn compliance_filter(path: &str, params: &Params) -> String {
+    format!(
+        "<form class=\"filters\" method=\"get\" action=\"{path}\">{}<button type=\"submit\">Filter</button></form>",
+        text_input(
+            "Cluster labels (kubectl -l)",
+            "selector",
+            params.selector.as_deref(),
+            "env=prod,region!=eu",
+        ),
+    )
+}
+
+/// The compliance tables: policies failing most first, then clusters violating most first.
+fn compliance_sections(params: &Params, view: &ComplianceView, more: bool) -> String {
+    let mut body = String::new();
+    let failing_policies = view
+        .policies
+        .items
+        .iter()
+        .filter(|p| p.non_compliant > 0)
+        .count();
+    let _ = write!(
+        body,
+        "<h2 id=\"compliance\">Policies: {}{}, most violated first</h2>",
+        plural(view.policies.total, "policy", "policies"),
+        if params.selector.is_some() {
+            format!(
+                " on clusters matching {}",
+                escape(params.selector.as_deref().unwrap_or_default())
+            )
+        } else {
+            String::new()
+        }
+    );
+    body.push_str(&compliance_filter(
+        if more { "/ui/" } else { "/ui/compliance" },
+        params,
+    ));
+    if view.policies.total == 0 {
+        body.push_str("<p class=\"empty\">No policy reaches a selected cluster.</p>");
+    } else {
+        if failing_policies == 0 {
+            body.push_str("<p class=\"empty\">No policy is violated on a selected cluster.</p>");
+        }
+        body.push_str(&policy_compliance_table(&view.policies.items));
+    }
+    let _ = write!(
+        body,
+        "<h2 id=\"violating\">Clusters by policies violated: {}</h2>",
+        plural(view.clusters.total, "cluster carries", "clusters carry")
+    );
+    if view.clusters.total > 0 {
+        body.push_str(&cluster_compliance_table(&view.clusters.items));
+    }
+    if more
+        && (view.policies.total > view.policies.items.len()
+            || view.clusters.total > view.clusters.items.len())
+    {
+        let _ = write!(
+            body,
+            "<p class=\"pager\"><a href=\"/ui/compliance{}\">all of them →</a></p>",
+            escape(&query(&[("selector", params.selector.as_deref())]))
+        );
+    }
+    body
+}
+
+/// Every policy's and every cluster's compliance, one page of each.
+pub fn compliance(params: &Params, view: &ComplianceView, now: Timestamp) -> String {
+    let mut body = String::from("<h1>Compliance</h1>");
+    body.push_str(&compliance_sections(params, view, false));
+    // The two lists share the page number: the longer one decides how many pages there are.
+    let longer = if view.policies.pages >= view.clusters.pages {
+        pager("/ui/compliance", params, &view.policies)
+    } else {
+        pager("/ui/compliance", params, &view.clusters)
+    };
+    body.push_str(&longer);
+    layout("/ui/compliance", "Compliance", &body, now)
+}
+
+/// The first screen: the fleet in numbers, then the failing clusters, longest failing first,
+/// then which policies are violated where (filtered by the clusters' labels).
 pub fn overview(
     summary: &Summary,
     failing: &Page<ClusterEntry>,
     placements: &Page<PlacementRow>,
+    params: &Params,
+    compliance: &ComplianceView,
     now: Timestamp,
 ) -> String {
     let tile = |n: usize, what: &str, href: &str, bad_when_nonzero: bool| {
@@ -328,6 +496,7 @@ pub fn overview(
         let params = Params::default();
         body.push_str(&pager("/ui/", &params, failing));
     }
+    body.push_str(&compliance_sections(params, compliance, true));
     if placements.total > 0 {
         let _ = write!(
             body,
@@ -506,7 +675,11 @@ pub fn rollouts(params: &Params, page: &Page<RolloutRow>, now: Timestamp) -> Str
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::status_page::view::{ClusterQuery, ClusterState, Model, PageRequest, WorkQuery};
+    use crate::controllers::governance::{ComplianceSnapshot, RootCompliance};
+    use crate::controllers::scheduling::fleet::Key;
+    use crate::status_page::view::{
+        ClusterQuery, ClusterState, LabelSelector, Model, PageRequest, WorkQuery,
+    };
     use flotilla_proto::api::Kind;
     use serde_json::json;
 
@@ -571,7 +744,33 @@ mod tests {
             ..Default::default()
         };
         let placements = model.placements(&Default::default(), PageRequest::default());
-        assert_inert(&overview(&model.summary(), &entries, &placements, now));
+        // A policy and a cluster named by whoever wrote them, violated.
+        let snapshot = ComplianceSnapshot {
+            policies: vec![RootCompliance {
+                key: Key::new(HOSTILE, HOSTILE),
+                compliant: Some(ComplianceState::NonCompliant),
+                clusters: vec![
+                    ("store-1".into(), Some(ComplianceState::NonCompliant)),
+                    (HOSTILE.into(), Some(ComplianceState::NonCompliant)),
+                ],
+            }],
+        };
+        let violations =
+            model.compliance(&snapshot, &LabelSelector::default(), PageRequest::default());
+        let first = overview(
+            &model.summary(),
+            &entries,
+            &placements,
+            &params,
+            &violations,
+            now,
+        );
+        assert_inert(&first);
+        assert!(
+            first.contains("data-compliance-cluster=\"store-1\""),
+            "{first}"
+        );
+        assert_inert(&compliance(&params, &violations, now));
         let page = clusters(&params, &entries, now);
         assert_inert(&page);
         // The failing cluster is listed with since when, and for how long.

@@ -9,11 +9,14 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use flotilla_proto::api::policy::ComplianceState;
 use flotilla_proto::api::{Kind, PLACEMENT_LABEL};
 use flotilla_store::{Object, WatchEvent};
 use jiff::Timestamp;
 use serde::Serialize;
 use serde_json::Value;
+
+use crate::controllers::governance::ComplianceSnapshot;
 
 /// The condition that says whether a cluster is failing.
 pub const AVAILABLE: &str = "ManagedClusterConditionAvailable";
@@ -709,6 +712,11 @@ impl LabelSelector {
         Ok(LabelSelector(requirements))
     }
 
+    /// Whether it selects everything.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
     pub fn matches(&self, labels: &BTreeMap<String, String>) -> bool {
         self.0.iter().all(|r| match r {
             Requirement::Equals(k, v) => labels.get(k) == Some(v),
@@ -716,6 +724,134 @@ impl LabelSelector {
             Requirement::Exists(k) => labels.contains_key(k),
             Requirement::Absent(k) => !labels.contains_key(k),
         })
+    }
+}
+
+/// Violated policies named per cluster row; the count says how many there are in all.
+pub const MAX_NAMED_POLICIES: usize = 5;
+
+/// A root Policy's compliance over the clusters a selector picks.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct PolicyComplianceRow {
+    pub namespace: String,
+    pub name: String,
+    /// The root's aggregate over every cluster it reaches (its `status.compliant`), whatever
+    /// the selector; absent before any report.
+    pub compliant: Option<ComplianceState>,
+    /// The selected clusters it reaches.
+    pub clusters: usize,
+    /// Of those, the ones reporting NonCompliant.
+    pub non_compliant: usize,
+    /// Of those, the ones Pending or not reported yet.
+    pub pending: usize,
+}
+
+/// One selected cluster's compliance over the policies it carries.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct ClusterComplianceRow {
+    pub cluster: String,
+    /// Root Policies it carries.
+    pub policies: usize,
+    /// Of those, the ones it reports NonCompliant.
+    pub violated: usize,
+    /// Of those, Pending or not reported yet.
+    pub pending: usize,
+    /// The first [`MAX_NAMED_POLICIES`] violated, `namespace/name`.
+    pub violating: Vec<String>,
+}
+
+/// Compliance per policy and per cluster, failing first, one page of each.
+#[derive(Clone, Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ComplianceView {
+    pub policies: Page<PolicyComplianceRow>,
+    pub clusters: Page<ClusterComplianceRow>,
+}
+
+impl Model {
+    /// The governance controller's `snapshot` seen through `selector` on the clusters' labels
+    /// (a cluster the page has no row of has none): per policy, how many of the selected
+    /// clusters it reaches violate it, most first (a policy reaching none of them is left out
+    /// when the selector says anything); per selected cluster carrying a policy, how many it
+    /// violates, most first. One page of each, by `page`.
+    pub fn compliance(
+        &self,
+        snapshot: &ComplianceSnapshot,
+        selector: &LabelSelector,
+        page: PageRequest,
+    ) -> ComplianceView {
+        let no_labels = BTreeMap::new();
+        let selected = |cluster: &str| {
+            selector.matches(
+                self.clusters
+                    .get(cluster)
+                    .map_or(&no_labels, |row| &row.labels),
+            )
+        };
+        let mut policies = Vec::new();
+        let mut clusters: BTreeMap<&str, ClusterComplianceRow> = BTreeMap::new();
+        for root in &snapshot.policies {
+            let mut row = PolicyComplianceRow {
+                namespace: root.key.namespace.clone(),
+                name: root.key.name.clone(),
+                compliant: root.compliant,
+                clusters: 0,
+                non_compliant: 0,
+                pending: 0,
+            };
+            for (cluster, compliant) in &root.clusters {
+                if !selected(cluster) {
+                    continue;
+                }
+                row.clusters += 1;
+                let entry =
+                    clusters
+                        .entry(cluster.as_str())
+                        .or_insert_with(|| ClusterComplianceRow {
+                            cluster: cluster.clone(),
+                            policies: 0,
+                            violated: 0,
+                            pending: 0,
+                            violating: Vec::new(),
+                        });
+                entry.policies += 1;
+                match compliant {
+                    Some(ComplianceState::NonCompliant) => {
+                        row.non_compliant += 1;
+                        entry.violated += 1;
+                        if entry.violating.len() < MAX_NAMED_POLICIES {
+                            entry.violating.push(root.key.to_string());
+                        }
+                    }
+                    Some(ComplianceState::Compliant) => {}
+                    _ => {
+                        row.pending += 1;
+                        entry.pending += 1;
+                    }
+                }
+            }
+            if row.clusters > 0 || selector.is_empty() {
+                policies.push(row);
+            }
+        }
+        // Failing first: most violations, then most without a verdict; then by name.
+        policies.sort_by(|a, b| {
+            (b.non_compliant, b.pending)
+                .cmp(&(a.non_compliant, a.pending))
+                .then_with(|| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)))
+        });
+        let mut clusters: Vec<ClusterComplianceRow> = clusters.into_values().collect();
+        clusters.sort_by(|a, b| {
+            (b.violated, b.pending)
+                .cmp(&(a.violated, a.pending))
+                .then_with(|| a.cluster.cmp(&b.cluster))
+        });
+        ComplianceView {
+            policies: Page::of(policies.iter().collect(), page, PolicyComplianceRow::clone),
+            clusters: Page::of(clusters.iter().collect(), page, ClusterComplianceRow::clone),
+        }
     }
 }
 
@@ -1046,5 +1182,88 @@ mod tests {
         );
         assert_eq!(failing.total, 1);
         assert_eq!(model.summary().failing_rollouts, 1);
+    }
+
+    #[test]
+    fn compliance_is_counted_over_the_selected_clusters_failing_first() {
+        use crate::controllers::governance::RootCompliance;
+        use crate::controllers::scheduling::fleet::Key;
+        use ComplianceState::*;
+        let mut model = Model::default();
+        model.replace(
+            Kind::ManagedCluster,
+            vec![
+                cluster("a", None, json!({"env": "prod"})),
+                cluster("b", None, json!({"env": "prod"})),
+                cluster("c", None, json!({"env": "dev"})),
+            ],
+        );
+        let root = |name: &str, clusters: &[(&str, Option<ComplianceState>)]| RootCompliance {
+            key: Key::new("policies", name),
+            compliant: None,
+            clusters: clusters.iter().map(|(c, s)| (c.to_string(), *s)).collect(),
+        };
+        let snapshot = ComplianceSnapshot {
+            policies: vec![
+                root(
+                    "p1",
+                    &[
+                        ("a", Some(NonCompliant)),
+                        ("b", Some(Compliant)),
+                        ("c", Some(NonCompliant)),
+                    ],
+                ),
+                root("p2", &[("a", Some(NonCompliant)), ("b", None)]),
+                root("p3", &[("c", Some(Compliant))]),
+            ],
+        };
+        let policies = |view: &ComplianceView| -> Vec<(String, usize, usize, usize)> {
+            view.policies
+                .items
+                .iter()
+                .map(|p| (p.name.clone(), p.non_compliant, p.pending, p.clusters))
+                .collect()
+        };
+        let clusters = |view: &ComplianceView| -> Vec<(String, usize, usize, usize)> {
+            view.clusters
+                .items
+                .iter()
+                .map(|c| (c.cluster.clone(), c.violated, c.pending, c.policies))
+                .collect()
+        };
+        let owned = |rows: &[(&str, usize, usize, usize)]| -> Vec<(String, usize, usize, usize)> {
+            rows.iter()
+                .map(|(n, a, b, c)| (n.to_string(), *a, *b, *c))
+                .collect()
+        };
+        let all = model.compliance(&snapshot, &LabelSelector::default(), PageRequest::default());
+        assert_eq!(
+            policies(&all),
+            owned(&[("p1", 2, 0, 3), ("p2", 1, 1, 2), ("p3", 0, 0, 1)])
+        );
+        assert_eq!(
+            clusters(&all),
+            owned(&[("a", 2, 0, 2), ("c", 1, 0, 2), ("b", 0, 1, 2)])
+        );
+        assert_eq!(
+            all.clusters.items[0].violating,
+            ["policies/p1", "policies/p2"]
+        );
+
+        // Only the prod clusters count; p3 reaches none of them and is left out.
+        let prod = LabelSelector::parse("env=prod").unwrap();
+        let view = model.compliance(&snapshot, &prod, PageRequest::default());
+        assert_eq!(policies(&view), owned(&[("p2", 1, 1, 2), ("p1", 1, 0, 2)]));
+        assert_eq!(clusters(&view), owned(&[("a", 2, 0, 2), ("b", 0, 1, 2)]));
+
+        // Bounded: one page of each.
+        let first = model.compliance(
+            &snapshot,
+            &LabelSelector::default(),
+            PageRequest { page: 1, limit: 1 },
+        );
+        assert_eq!((first.policies.total, first.policies.items.len()), (3, 1));
+        assert_eq!((first.clusters.total, first.clusters.items.len()), (3, 1));
+        assert_eq!(first.clusters.items[0].cluster, "a");
     }
 }

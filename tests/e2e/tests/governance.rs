@@ -373,6 +373,35 @@ async fn policies_follow_placements(kube: bool) -> anyhow::Result<()> {
         ],
         "{table}"
     );
+    // The status page's compliance, over the dev clusters only: the namespace policy is
+    // violated on 1 of 2, the most violated first; c1 violates it.
+    let page = operator
+        .get_json("/ui/api/compliance?labels=environment%3Ddev")
+        .await?;
+    let first = &page["policies"]["items"][0];
+    assert_eq!(
+        (&first["name"], &first["nonCompliant"], &first["clusters"]),
+        (&json!("policy-namespace"), &json!(1), &json!(2)),
+        "{page}"
+    );
+    let worst = &page["clusters"]["items"][0];
+    assert_eq!(
+        (&worst["cluster"], &worst["violated"], &worst["violating"]),
+        (
+            &json!("c1"),
+            &json!(1),
+            &json!(["default/policy-namespace"])
+        ),
+        "{page}"
+    );
+    assert!(
+        page["clusters"]["items"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .all(|c| c["cluster"] == "c1" || c["cluster"] == "c2"),
+        "only the dev clusters: {page}"
+    );
     // describe says which cluster violates what, from c1's record.
     let described = fleet.cli(&["describe", "policy", "policy-namespace"])?;
     let violations: Vec<&str> = described
