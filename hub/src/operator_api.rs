@@ -552,6 +552,25 @@ fn validate_typed(kind: Kind, body: &Value) -> Result<(), String> {
                 .map_err(|e| format!("{kind} {}: does not parse: {e}", name()))?;
             policy::validate_policy_set(&set, Some(body)).map_err(policy_errors)
         }
+        // One per cluster, found by the cluster's name: a record named otherwise would be no
+        // cluster's, and the hub would neither count nor delete it.
+        Kind::ClusterCompliance => {
+            let record: policy::ClusterCompliance = serde_json::from_value(body.clone())
+                .map_err(|e| format!("{kind} {}: does not parse: {e}", name()))?;
+            let (ns, object) = (
+                record.metadata.namespace.as_deref().unwrap_or_default(),
+                record.metadata.name.as_deref().unwrap_or_default(),
+            );
+            if ns != object {
+                return Err(format!(
+                    "{kind} {}: a cluster's compliance record is named as its cluster, in the \
+                     cluster's namespace: name it {ns:?} (the hub makes one for every cluster \
+                     that carries a policy)",
+                    name()
+                ));
+            }
+            Ok(())
+        }
         _ => Ok(()),
     }
 }
@@ -1175,6 +1194,21 @@ mod tests {
         let message = check_object(Kind::Policy, &policy(dependent)).unwrap_err();
         assert!(
             message.contains("spec.dependencies is not supported by flotilla; remove it"),
+            "{message}"
+        );
+        let record = |name: &str| {
+            json!({"apiVersion": "governance.flotilla.io/v1alpha1", "kind": "ClusterCompliance",
+                   "metadata": {"name": name, "namespace": "store-7"}, "spec": {}})
+        };
+        assert_eq!(
+            check_object(Kind::ClusterCompliance, &record("store-7")),
+            Ok(())
+        );
+        let message = check_object(Kind::ClusterCompliance, &record("other")).unwrap_err();
+        assert!(
+            message.starts_with(
+                "ClusterCompliance store-7/other: a cluster's compliance record is named as its cluster"
+            ),
             "{message}"
         );
         let binding = json!({"apiVersion": "policy.open-cluster-management.io/v1",
