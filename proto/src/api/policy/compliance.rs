@@ -97,10 +97,65 @@ pub struct PolicyCompliance {
     pub details: Vec<DetailsPerTemplate>,
 }
 
+/// A report the record cannot take.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RecordError {
+    /// The record holds [`MAX_CLUSTER_POLICIES`] entries and this report is on another policy.
+    /// Not retryable as it is: it fits once the cluster carries fewer policies (an entry is
+    /// released).
+    #[error(
+        "the compliance record holds {MAX_CLUSTER_POLICIES} policies already; the report on \
+         {policy} is dropped until the cluster carries fewer"
+    )]
+    Full { policy: String },
+    /// The report names no root Policy uid, so it could not be matched to its root. Not
+    /// retryable: the reporter must send the uid.
+    #[error("the report on {policy} names no uid of its root Policy")]
+    NoUid { policy: String },
+}
+
 impl ClusterComplianceStatus {
     /// The entry of the root Policy with `uid`, if the agent has reported on it.
     pub fn entry(&self, uid: &str) -> Option<&PolicyCompliance> {
         self.policies.iter().find(|p| p.uid == uid)
+    }
+
+    /// Takes one report in, as a gateway writes it: the entry of `report.uid` is replaced (or
+    /// added, entries kept in namespace/name order), its templates' history cut to the latest
+    /// [`MAX_TEMPLATE_HISTORY`] and its templates to [`MAX_POLICY_TEMPLATES`](super::MAX_POLICY_TEMPLATES),
+    /// so the record always fits its schema. A new policy beyond [`MAX_CLUSTER_POLICIES`] is
+    /// refused and the record left as it was.
+    pub fn record(&mut self, mut report: PolicyCompliance) -> Result<(), RecordError> {
+        if report.uid.is_empty() {
+            return Err(RecordError::NoUid {
+                policy: report.qualified_name(),
+            });
+        }
+        report.details.truncate(super::MAX_POLICY_TEMPLATES);
+        for template in &mut report.details {
+            template.history.truncate(MAX_TEMPLATE_HISTORY);
+        }
+        if let Some(entry) = self.policies.iter_mut().find(|p| p.uid == report.uid) {
+            *entry = report;
+            return Ok(());
+        }
+        if self.policies.len() >= MAX_CLUSTER_POLICIES {
+            return Err(RecordError::Full {
+                policy: report.qualified_name(),
+            });
+        }
+        let at = self.policies.partition_point(|p| {
+            (&p.namespace, &p.name, &p.uid) < (&report.namespace, &report.name, &report.uid)
+        });
+        self.policies.insert(at, report);
+        Ok(())
+    }
+
+    /// Removes the entry of `uid` (the agent released the policy); whether there was one.
+    pub fn release(&mut self, uid: &str) -> bool {
+        let before = self.policies.len();
+        self.policies.retain(|p| p.uid != uid);
+        self.policies.len() != before
     }
 }
 
@@ -123,6 +178,82 @@ mod tests {
     use super::*;
     use kube::{CustomResourceExt, Resource};
     use serde_json::json;
+
+    fn report(name: &str, uid: &str, compliant: ComplianceState) -> PolicyCompliance {
+        use super::super::types::ComplianceHistory;
+        PolicyCompliance {
+            namespace: "policies".into(),
+            name: name.into(),
+            uid: uid.into(),
+            generation: 1,
+            compliant: Some(compliant),
+            details: vec![DetailsPerTemplate {
+                compliant: Some(compliant),
+                history: (0..10)
+                    .map(|i| ComplianceHistory {
+                        message: format!("event {i}"),
+                        ..Default::default()
+                    })
+                    .collect(),
+                ..Default::default()
+            }],
+        }
+    }
+
+    #[test]
+    fn reports_replace_their_entry_by_uid_within_the_bounds() {
+        use ComplianceState::*;
+        let mut status = ClusterComplianceStatus::default();
+        status.record(report("b", "uid-b", NonCompliant)).unwrap();
+        status.record(report("a", "uid-a", Compliant)).unwrap();
+        let names: Vec<&str> = status.policies.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(names, ["a", "b"], "kept in namespace/name order");
+        assert_eq!(
+            status.entry("uid-b").unwrap().details[0].history.len(),
+            MAX_TEMPLATE_HISTORY,
+            "only the latest history fits"
+        );
+        assert_eq!(
+            status.entry("uid-b").unwrap().details[0].history[0].message,
+            "event 0"
+        );
+        // The next report on b replaces its entry.
+        status.record(report("b", "uid-b", Compliant)).unwrap();
+        assert_eq!(status.policies.len(), 2);
+        assert_eq!(status.entry("uid-b").unwrap().compliant, Some(Compliant));
+        // Released: gone; releasing again says there was nothing.
+        assert!(status.release("uid-a"));
+        assert!(!status.release("uid-a"));
+        assert_eq!(status.policies.len(), 1);
+        assert_eq!(
+            status.record(report("c", "", Compliant)),
+            Err(RecordError::NoUid {
+                policy: "policies/c".into()
+            })
+        );
+        // Full: a new policy is refused, an existing one still reports.
+        for i in 0..MAX_CLUSTER_POLICIES - 1 {
+            status
+                .record(report(&format!("p{i:04}"), &format!("uid-{i}"), Compliant))
+                .unwrap();
+        }
+        assert_eq!(status.policies.len(), MAX_CLUSTER_POLICIES);
+        let refused = status.record(report("late", "uid-late", NonCompliant));
+        assert_eq!(
+            refused,
+            Err(RecordError::Full {
+                policy: "policies/late".into()
+            })
+        );
+        assert!(
+            refused
+                .unwrap_err()
+                .to_string()
+                .contains("policies/late is dropped")
+        );
+        status.record(report("b", "uid-b", NonCompliant)).unwrap();
+        assert_eq!(status.entry("uid-b").unwrap().compliant, Some(NonCompliant));
+    }
 
     #[test]
     fn the_record_has_the_agreed_coordinates_and_shape() {

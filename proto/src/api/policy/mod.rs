@@ -33,7 +33,8 @@ mod validate;
 pub use compare::{ComplianceType, fields_match, merge_into};
 pub use compliance::{
     COMPLIANCE_GROUP, ClusterCompliance, ClusterComplianceSpec, ClusterComplianceStatus,
-    MAX_CLUSTER_POLICIES, MAX_TEMPLATE_HISTORY, PolicyCompliance, empty_cluster_compliance,
+    MAX_CLUSTER_POLICIES, MAX_TEMPLATE_HISTORY, PolicyCompliance, RecordError,
+    empty_cluster_compliance,
 };
 pub use evaluate::{
     Compliance, EnforceAction, ObjectRead, ObjectVerdict, Observed, ResourceKind,
