@@ -8,17 +8,13 @@
 //! budget, retried; the agent's status is acknowledged only once it is stored, so its outbox
 //! keeps it through any failure.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Weak};
 
 use flotilla_ops::error_chain;
 use flotilla_proto::api::Kind;
-use flotilla_proto::api::policy::{
-    MAX_CLUSTER_POLICIES, MAX_POLICY_TEMPLATES, MAX_TEMPLATE_HISTORY, PolicyCompliance,
-    PolicyStatus,
-};
+use flotilla_proto::api::policy::{ClusterComplianceStatus, PolicyCompliance, PolicyStatus};
 use flotilla_store::{Basis, Store, StoreError};
-use serde_json::{Value, json};
 use tokio::sync::watch;
 use tracing::{debug, warn};
 
@@ -37,7 +33,7 @@ pub const MAX_REPORT_BYTES: usize = 64 * 1024;
 enum EntryChange {
     /// Replace the entry with `entry`; acknowledge `seq` on `reporter` once stored.
     Report {
-        entry: Value,
+        entry: PolicyCompliance,
         seq: u64,
         reporter: Weak<Mailbox>,
     },
@@ -141,8 +137,14 @@ impl ComplianceWriter {
         }
         let status: PolicyStatus =
             serde_json::from_slice(status_json).map_err(|e| malformed(e.to_string()))?;
-        let entry = serde_json::to_value(entry(namespace, name, uid, generation, status))
-            .map_err(|e| malformed(e.to_string()))?;
+        let entry = PolicyCompliance {
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+            uid: uid.to_owned(),
+            generation,
+            compliant: status.compliant,
+            details: status.details,
+        };
         self.queue.submit(
             cluster,
             PendingCompliance {
@@ -195,30 +197,6 @@ impl ComplianceWriter {
     }
 }
 
-/// The record's entry for a report, within the record's bounds: the most recent history
-/// entries of at most as many templates as a Policy may have.
-fn entry(
-    namespace: &str,
-    name: &str,
-    uid: &str,
-    generation: i64,
-    status: PolicyStatus,
-) -> PolicyCompliance {
-    let mut details = status.details;
-    details.truncate(MAX_POLICY_TEMPLATES);
-    for template in &mut details {
-        template.history.truncate(MAX_TEMPLATE_HISTORY);
-    }
-    PolicyCompliance {
-        namespace: namespace.to_owned(),
-        name: name.to_owned(),
-        uid: uid.to_owned(),
-        generation,
-        compliant: status.compliant,
-        details,
-    }
-}
-
 struct ToStore<'a> {
     store: &'a dyn Store,
     fencing: &'a Fencing,
@@ -256,40 +234,42 @@ impl StoreWrite<PendingCompliance> for ToStore<'_> {
             }
             return Outcome::Done;
         };
-        let mut entries: Vec<Value> = record["status"]["policies"]
-            .as_array()
+        let mut status: ClusterComplianceStatus =
+            serde_json::from_value(record["status"].clone()).unwrap_or_default();
+        let had: BTreeSet<String> = p
+            .changes
+            .keys()
+            .filter(|uid| status.entry(uid).is_some())
             .cloned()
-            .unwrap_or_default();
-        let had = |entries: &[Value], uid: &str| entries.iter().any(|e| e["uid"] == uid);
+            .collect();
         // Releases of uids with no entry here are a work's (or nothing's): the finalizers'.
-        self.hand_over_releases(p, |uid| !had(&entries, uid));
-        let before = entries.clone();
+        self.hand_over_releases(p, |uid| !had.contains(uid));
+        let before = status.clone();
         for (uid, change) in &p.changes {
-            let at = entries.iter().position(|e| e["uid"] == uid.as_str());
-            match (change, at) {
-                (EntryChange::Report { entry, .. }, Some(i)) => entries[i] = entry.clone(),
-                (EntryChange::Report { entry, .. }, None) => {
-                    if entries.len() >= MAX_CLUSTER_POLICIES {
-                        warn!(cluster, policy_uid = %uid, limit = MAX_CLUSTER_POLICIES, "the cluster's compliance record is full; this policy's compliance is not stored");
-                    } else {
-                        entries.push(entry.clone());
+            match change {
+                EntryChange::Report { entry, .. } => {
+                    // Within the record's bounds (history and templates trimmed); a new policy
+                    // beyond them is said and acknowledged, so its agent stops resending it.
+                    if let Err(e) = status.record(entry.clone()) {
+                        warn!(cluster, policy_uid = %uid, error = %e, "policy compliance not stored");
                     }
                 }
-                (EntryChange::Release { .. }, Some(i)) => {
-                    entries.remove(i);
+                EntryChange::Release { .. } => {
+                    status.release(uid);
                 }
-                (EntryChange::Release { .. }, None) => {}
             }
         }
-        if entries == before {
-            ack(p, |uid| had(&before, uid));
+        if status == before {
+            ack(p, |uid| had.contains(uid));
             return Outcome::Done;
         }
-        let mut status = record["status"].clone();
-        if !status.is_object() {
-            status = json!({});
-        }
-        status["policies"] = Value::Array(entries);
+        let status = match serde_json::to_value(&status) {
+            Ok(status) => status,
+            Err(e) => {
+                warn!(cluster, error = %e, "a compliance record does not serialise; not written");
+                return Outcome::Refused;
+            }
+        };
         let target = Target {
             kind: Kind::ClusterCompliance,
             namespace: Some(cluster),
@@ -308,7 +288,7 @@ impl StoreWrite<PendingCompliance> for ToStore<'_> {
                     changes = p.changes.len(),
                     "policy compliance stored"
                 );
-                ack(p, |uid| had(&before, uid));
+                ack(p, |uid| had.contains(uid));
                 Outcome::Done
             }
             // Deleted meanwhile (the cluster carries no policy any more): nothing to keep.
@@ -372,6 +352,7 @@ mod tests {
     use crate::test_support::eventually;
     use flotilla_proto::api::policy::empty_cluster_compliance;
     use flotilla_store::SledStore;
+    use serde_json::{Value, json};
 
     fn report(compliant: &str, message: &str) -> Vec<u8> {
         json!({
@@ -462,7 +443,10 @@ mod tests {
             )
         );
         let history = entry["details"][0]["history"].as_array().unwrap();
-        assert_eq!(history.len(), MAX_TEMPLATE_HISTORY);
+        assert_eq!(
+            history.len(),
+            flotilla_proto::api::policy::MAX_TEMPLATE_HISTORY
+        );
         assert_eq!(history[0]["message"], "namespaces [prod] not found 0");
         eventually("the report is acknowledged", || async {
             agent.take().status_acks == [("uid-1".to_owned(), 7)]

@@ -188,6 +188,22 @@ on_both_carriers! {
         assert!(said.contains("prod"), "the violation names the namespace: {said}");
         let namespaces: Api<Namespace> = Api::all(spoke.env.client().await?);
         assert!(namespaces.get_opt("prod").await?.is_none(), "inform never writes");
+        // The hub's answer to "which clusters lack it" is one command away.
+        let row = wait_for("flotilla get policies to show the violation", WAIT, || async {
+            let table = fleet.cli(&["get", "policies", "-n", "default"])?;
+            Ok(table
+                .lines()
+                .find(|l| l.split_whitespace().nth(1) == Some("policy-namespace"))
+                .filter(|l| l.contains("NonCompliant"))
+                .map(str::to_owned))
+        })
+        .await?;
+        let columns: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(
+            columns[..5],
+            ["default", "policy-namespace", "inform", "NonCompliant", "1/1"],
+            "{row}"
+        );
 
         // Enforce: created, then Compliant.
         fleet.apply(&namespace_policy(dir.path(), "enforce")?)?;
