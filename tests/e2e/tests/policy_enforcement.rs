@@ -241,3 +241,150 @@ on_both_carriers! {
         Ok(())
     }
 }
+
+/// A Policy enforcing ConfigMap `default/<name>` with `key: value`, pruned with
+/// `DeleteIfCreated` when it leaves a cluster.
+fn configmap_policy(name: &str) -> Value {
+    json!({
+        "apiVersion": "policy.open-cluster-management.io/v1",
+        "kind": "Policy",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "remediationAction": "enforce",
+            "disabled": false,
+            "policy-templates": [{"objectDefinition": {
+                "apiVersion": "policy.open-cluster-management.io/v1",
+                "kind": "ConfigurationPolicy",
+                "metadata": {"name": format!("{name}-configmap")},
+                "spec": {
+                    "remediationAction": "enforce",
+                    "severity": "low",
+                    "pruneObjectBehavior": "DeleteIfCreated",
+                    "object-templates": [{
+                        "complianceType": "musthave",
+                        "objectDefinition": {
+                            "apiVersion": "v1", "kind": "ConfigMap",
+                            "metadata": {"name": name, "namespace": "default"},
+                            "data": {"owner": name},
+                        },
+                    }],
+                },
+            }}],
+        },
+    })
+}
+
+async fn configmap_present(spoke: &Spoke, name: &str) -> anyhow::Result<bool> {
+    let api: Api<ConfigMap> = Api::namespaced(spoke.env.client().await?, "default");
+    Ok(api.get_opt(name).await?.is_some())
+}
+
+/// The root Policy `default/name` as the hub stores it.
+async fn root(operator: &OperatorClient, name: &str) -> anyhow::Result<Value> {
+    operator
+        .get_json(&flotilla_cli::cli::object_path(
+            Kind::Policy,
+            Some("default"),
+            name,
+        ))
+        .await
+}
+
+fn reached(policy: &Value) -> Vec<String> {
+    policy["status"]["status"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|s| s["clustername"].as_str().map(str::to_owned))
+        .collect()
+}
+
+on_both_carriers! {
+    /// A PolicySet of two policies bound through one PlacementBinding reaches both selected
+    /// clusters and each enforces both; a label change that drops one cluster from the
+    /// placement takes both policies off it, and `DeleteIfCreated` removes what they created
+    /// there, while the other cluster keeps everything.
+    async fn a_policy_set_follows_its_placement_and_prunes_where_it_leaves() -> anyhow::Result<()> {
+        let kube = current_carrier() == Carrier::Quic;
+        let dir = tempfile::tempdir()?;
+        let fleet = Fleet::start(dir.path(), kube).await?;
+        let spokes = [
+            Spoke::start(dir.path(), &fleet.hub, "cluster1").await?,
+            Spoke::start(dir.path(), &fleet.hub, "cluster2").await?,
+        ];
+        let mut agents = Vec::new();
+        for spoke in &spokes {
+            agents.push(spoke.start_agent(dir.path(), &fleet.hub, &[])?);
+            fleet.hub.wait_available(&spoke.name).await?;
+            fleet.cli(&["cluster", "label", &spoke.name, "environment=dev"])?;
+        }
+        let operator = OperatorClient::new(&OperatorConfig::load(
+            &fleet.hub.data_dir.join("operator/config.yaml"),
+        )?)?;
+        for doc in [
+            json!({"apiVersion": "cluster.open-cluster-management.io/v1beta2",
+                   "kind": "ManagedClusterSetBinding",
+                   "metadata": {"name": "global", "namespace": "default"},
+                   "spec": {"clusterSet": "global"}}),
+            json!({"apiVersion": "cluster.open-cluster-management.io/v1beta1",
+                   "kind": "Placement",
+                   "metadata": {"name": "dev", "namespace": "default"},
+                   "spec": {"predicates": [{"requiredClusterSelector": {"labelSelector":
+                            {"matchLabels": {"environment": "dev"}}}}]}}),
+            configmap_policy("baseline-a"),
+            configmap_policy("baseline-b"),
+            json!({"apiVersion": "policy.open-cluster-management.io/v1beta1",
+                   "kind": "PolicySet",
+                   "metadata": {"name": "baseline", "namespace": "default"},
+                   "spec": {"description": "two ConfigMaps every dev cluster has",
+                            "policies": ["baseline-a", "baseline-b"]}}),
+            json!({"apiVersion": "policy.open-cluster-management.io/v1",
+                   "kind": "PlacementBinding",
+                   "metadata": {"name": "baseline", "namespace": "default"},
+                   "placementRef": {"name": "dev", "kind": "Placement",
+                                    "apiGroup": "cluster.open-cluster-management.io"},
+                   "subjects": [{"name": "baseline", "kind": "PolicySet",
+                                 "apiGroup": "policy.open-cluster-management.io"}]}),
+        ] {
+            fleet.apply_value(dir.path(), &doc)?;
+        }
+        for spoke in &spokes {
+            for policy in ["baseline-a", "baseline-b"] {
+                wait_compliance(&operator, &spoke.name, policy, "Compliant").await?;
+                assert!(configmap_present(spoke, policy).await?, "{policy} on {}", spoke.name);
+            }
+        }
+        for policy in ["baseline-a", "baseline-b"] {
+            let root = wait_for(&format!("{policy} Compliant on the hub"), WAIT, || async {
+                let root = root(&operator, policy).await?;
+                Ok((root["status"]["compliant"] == "Compliant").then_some(root))
+            })
+            .await?;
+            assert_eq!(reached(&root), ["cluster1", "cluster2"], "{root}");
+        }
+
+        // cluster2 leaves the placement: both policies leave it, and what they made goes.
+        fleet.cli(&["cluster", "label", "cluster2", "environment=prod", "--overwrite"])?;
+        wait_for("the policies to leave cluster2 and what they created with them", WAIT, || async {
+            let gone = !configmap_present(&spokes[1], "baseline-a").await?
+                && !configmap_present(&spokes[1], "baseline-b").await?;
+            Ok(gone.then_some(()))
+        })
+        .await
+        .map_err(|e| e.context(format!("cluster2's agent log:\n{}", agents[1].log())))?;
+        for policy in ["baseline-a", "baseline-b"] {
+            wait_for(&format!("{policy} to reach cluster1 only"), WAIT, || async {
+                Ok((reached(&root(&operator, policy).await?) == ["cluster1"]).then_some(()))
+            })
+            .await?;
+            assert!(configmap_present(&spokes[0], policy).await?, "cluster1 keeps {policy}");
+        }
+        // cluster2's answers leave the hub with its policies: its record goes once empty.
+        let record = flotilla_cli::cli::object_path(Kind::ClusterCompliance, Some("cluster2"), "cluster2");
+        wait_for("cluster2's compliance record to go", WAIT, || async {
+            Ok(operator.get_json(&record).await.is_err().then_some(()))
+        })
+        .await?;
+        Ok(())
+    }
+}
