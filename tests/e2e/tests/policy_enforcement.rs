@@ -388,3 +388,115 @@ on_both_carriers! {
         Ok(())
     }
 }
+
+/// Creates `doc` (a Namespace, a ClusterRoleBinding, or a LimitRange in `app-api`) on the spoke,
+/// as its own operator would.
+async fn create_on(spoke: &Spoke, doc: Value) -> anyhow::Result<()> {
+    use k8s_openapi::api::core::v1::LimitRange;
+    use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
+    use kube::api::PostParams;
+    let client = spoke.env.client().await?;
+    let post = PostParams::default();
+    match doc["kind"].as_str() {
+        Some("Namespace") => {
+            Api::<Namespace>::all(client)
+                .create(&post, &serde_json::from_value(doc)?)
+                .await?;
+        }
+        Some("ClusterRoleBinding") => {
+            Api::<ClusterRoleBinding>::all(client)
+                .create(&post, &serde_json::from_value(doc)?)
+                .await?;
+        }
+        _ => {
+            Api::<LimitRange>::namespaced(client, "app-api")
+                .create(&post, &serde_json::from_value(doc)?)
+                .await?;
+        }
+    }
+    Ok(())
+}
+
+on_both_carriers! {
+    /// OCM's policy-collection examples as written, on two real spokes: the forbidden
+    /// ClusterRoleBinding is removed under enforce; the LimitRange answer is per cluster, so
+    /// "how many clusters lack the required limit range" is one `flotilla get policies` away.
+    async fn the_policy_collection_examples_are_answered_per_cluster() -> anyhow::Result<()> {
+        use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
+        let kube = current_carrier() == Carrier::Quic;
+        let dir = tempfile::tempdir()?;
+        let fleet = Fleet::start(dir.path(), kube).await?;
+        let dev = Spoke::start(dir.path(), &fleet.hub, "cluster1").await?;
+        let prod = Spoke::start(dir.path(), &fleet.hub, "cluster2").await?;
+
+        // What the spokes hold before any policy: a forbidden binding on the dev cluster, and
+        // namespaces the LimitRange policy selects (app-*, not app-test); only prod's has it.
+        let namespace = |name: &str| json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}});
+        create_on(&dev, namespace("app-web")).await?;
+        create_on(&dev, namespace("app-test")).await?;
+        create_on(&dev, json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+            "metadata": {"name": "anonymous-admin"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": "system:anonymous"}],
+        })).await?;
+        create_on(&prod, namespace("app-api")).await?;
+        create_on(&prod, json!({
+            "apiVersion": "v1", "kind": "LimitRange",
+            "metadata": {"name": "container-mem-limit-range", "namespace": "app-api"},
+            "spec": {"limits": [{"type": "Container", "default": {"memory": "512Mi"},
+                                 "defaultRequest": {"memory": "256Mi"}}]},
+        })).await?;
+
+        let mut agents = Vec::new();
+        for (spoke, environment) in [(&dev, "dev"), (&prod, "prod")] {
+            agents.push(spoke.start_agent(dir.path(), &fleet.hub, &[])?);
+            fleet.hub.wait_available(&spoke.name).await?;
+            fleet.cli(&["cluster", "label", &spoke.name, &format!("environment={environment}")])?;
+        }
+        // The baseline PolicySet's placement names the `dev` cluster set.
+        fleet.apply_value(dir.path(), &json!({
+            "apiVersion": "cluster.open-cluster-management.io/v1beta2", "kind": "ManagedClusterSet",
+            "metadata": {"name": "dev"}, "spec": {}}))?;
+        fleet.cli(&["cluster", "label", "cluster1", "cluster.open-cluster-management.io/clusterset=dev", "--overwrite"])?;
+        for set in ["global", "dev"] {
+            fleet.apply_value(dir.path(), &json!({
+                "apiVersion": "cluster.open-cluster-management.io/v1beta2",
+                "kind": "ManagedClusterSetBinding",
+                "metadata": {"name": set, "namespace": "default"},
+                "spec": {"clusterSet": set}}))?;
+        }
+        for file in ["policy-namespace.yaml", "policy-limitrange.yaml", "policy-rbac-anonymous.yaml"] {
+            fleet.apply(&example(file))?;
+        }
+        let operator = OperatorClient::new(&OperatorConfig::load(
+            &fleet.hub.data_dir.join("operator/config.yaml"),
+        )?)?;
+
+        // Enforce removes the forbidden binding on the dev cluster, which then complies.
+        let bindings: Api<ClusterRoleBinding> = Api::all(dev.env.client().await?);
+        wait_for("the forbidden binding to be removed", WAIT, || async {
+            Ok(bindings.get_opt("anonymous-admin").await?.is_none().then_some(()))
+        })
+        .await
+        .map_err(|e| e.context(format!("cluster1's agent log:\n{}", agents[0].log())))?;
+        wait_compliance(&operator, "cluster1", "policy-rbac-anonymous", "Compliant").await?;
+
+        // The LimitRange: missing in app-web on cluster1, present in app-api on cluster2.
+        let lacking = wait_compliance(&operator, "cluster1", "policy-limitrange", "NonCompliant").await?;
+        let said = messages(&lacking);
+        assert!(said.contains("app-web") && !said.contains("app-test"), "{said}");
+        wait_compliance(&operator, "cluster2", "policy-limitrange", "Compliant").await?;
+        let row = wait_for("flotilla get policies to count the cluster lacking it", WAIT, || async {
+            let table = fleet.cli(&["get", "policies", "-n", "default"])?;
+            Ok(table
+                .lines()
+                .find(|l| l.split_whitespace().nth(1) == Some("policy-limitrange"))
+                .filter(|l| l.contains(" 1/2 "))
+                .map(str::to_owned))
+        })
+        .await?;
+        assert!(row.contains("NonCompliant"), "{row}");
+        Ok(())
+    }
+}
