@@ -715,6 +715,7 @@ fn operator_rows(t: &Targets, token_id: &str, csr: &str) -> Vec<OperatorRow> {
         row("GET", "/ui/works", format!("/ui/works?cluster={B}"), None),
         row("GET", "/ui/placements", "/ui/placements".into(), None),
         row("GET", "/ui/rollouts", "/ui/rollouts".into(), None),
+        row("GET", "/ui/compliance", "/ui/compliance".into(), None),
         row("GET", "/ui/style.css", "/ui/style.css".into(), None),
         row("GET", "/ui/api/summary", "/ui/api/summary".into(), None),
         row("GET", "/ui/api/clusters", "/ui/api/clusters".into(), None),
@@ -731,6 +732,12 @@ fn operator_rows(t: &Targets, token_id: &str, csr: &str) -> Vec<OperatorRow> {
             None,
         ),
         row("GET", "/ui/api/rollouts", "/ui/api/rollouts".into(), None),
+        row(
+            "GET",
+            "/ui/api/compliance",
+            "/ui/api/compliance".into(),
+            None,
+        ),
     ]
 }
 
