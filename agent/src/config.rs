@@ -59,6 +59,17 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOTILLA_AGENT_CLUSTER_NAME")]
     pub cluster_name: String,
 
+    /// The hub this agent serves, when agents of several hubs write to this cluster (a DNS
+    /// label, e.g. central-it). Works are then applied as field manager
+    /// flotilla-work-agent/<NAME> and policies enforced as flotilla-policy-agent/<NAME>; fields
+    /// another hub's agent owns are never taken (the manifest reports ApplyConflict naming that
+    /// hub) and an object another hub's agent also applies is never deleted with a work, only
+    /// this agent's fields are dropped from it. Without it the agent writes as flotilla-agent
+    /// and flotilla-policy-agent, forcing, as before. Changing it on an existing agent leaves
+    /// the fields written under the old name to that name.
+    #[arg(long, env = "FLOTILLA_AGENT_HUB_NAME")]
+    pub hub_name: Option<String>,
+
     /// Directory with ca.crt (the hub CA bundle), tls.crt and tls.key (this cluster's
     /// identity; the key is made here at join and never leaves the spoke). Default:
     /// <data-dir>/identity, where `flotilla-agent join` stores it.
@@ -156,6 +167,9 @@ pub enum ConfigError {
     /// `--cluster-name` is not a DNS label. Not retryable.
     #[error("--cluster-name {0}")]
     ClusterName(flotilla_proto::contract::InvalidClusterName),
+    /// `--hub-name` is not a DNS label. Not retryable.
+    #[error(transparent)]
+    HubName(#[from] crate::apply::HubNameError),
     /// `--resync-interval` is too short. Not retryable.
     #[error("--resync-interval {got:?} is shorter than {min:?}; use e.g. 5m")]
     ResyncInterval { got: Duration, min: Duration },
@@ -226,6 +240,7 @@ impl AgentConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         flotilla_proto::contract::check_cluster_name(&self.cluster_name)
             .map_err(ConfigError::ClusterName)?;
+        self.field_managers()?;
         if self.transport == Transport::Quic && self.proxy_url.is_some() {
             return Err(ConfigError::QuicBehindProxy);
         }
@@ -256,6 +271,13 @@ impl AgentConfig {
             });
         }
         Ok(())
+    }
+
+    /// The field managers the agent writes as (`--hub-name`).
+    pub fn field_managers(
+        &self,
+    ) -> Result<crate::apply::FieldManagers, crate::apply::HubNameError> {
+        crate::apply::FieldManagers::from_flag(self.hub_name.as_deref())
     }
 
     /// The reconciler's pacing from the flags.
@@ -375,9 +397,14 @@ mod tests {
             Err("--cluster-name \"Store_7\""),
         );
         check(
+            &["--hub-name", "Central_IT"],
+            Err("--hub-name \"Central_IT\""),
+        );
+        check(
             &["--resync-interval", "30s", "--apply-concurrency", "8"],
             Ok(()),
         );
+        check(&["--hub-name", "central-it"], Ok(()));
     }
 
     #[tokio::test]

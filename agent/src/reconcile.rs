@@ -33,7 +33,9 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tracing::{Instrument as _, debug, info, info_span, warn};
 
-use crate::apply::{self, ApplyContext, ApplyTarget, Deletion, apply_planned, plan_manifests};
+use crate::apply::{
+    self, ApplyContext, ApplyTarget, Deletion, FieldManagers, apply_planned, plan_manifests,
+};
 use crate::cache::{AppliedResource, CacheError, CachedWork, WorkCache, durably};
 use crate::metrics::{AgentMetrics, AppliedVersions};
 use crate::status::{carry_transition_times, deleting_status, refused_status, work_status};
@@ -163,6 +165,8 @@ pub struct Reconciler {
     versions: AppliedVersions,
     /// Raised once every work the cache held at start has been reconciled once (`/readyz`).
     first_pass: ReadyFlag,
+    /// Who the agent writes as.
+    managers: FieldManagers,
 }
 
 impl std::fmt::Debug for Reconciler {
@@ -203,6 +207,7 @@ impl Reconciler {
             metrics: AgentMetrics::default(),
             versions: AppliedVersions::default(),
             first_pass: ReadyFlag::new("the first reconcile of the cached works has not finished"),
+            managers: FieldManagers::sole(),
         };
         (reconciler, handle)
     }
@@ -210,6 +215,13 @@ impl Reconciler {
     /// Counts apply times and drift repairs into `metrics`.
     pub fn with_metrics(mut self, metrics: AgentMetrics) -> Self {
         self.metrics = metrics;
+        self
+    }
+
+    /// Writes as `managers` (the agent of one hub of several) instead of
+    /// [`FieldManagers::sole`].
+    pub fn with_field_managers(mut self, managers: FieldManagers) -> Self {
+        self.managers = managers;
         self
     }
 
@@ -399,12 +411,14 @@ impl Reconciler {
             let task_uid = uid.clone();
             let cache = Arc::clone(&self.cache);
             let target = Arc::clone(&self.target);
+            let managers = self.managers.clone();
             let outbox = Arc::clone(&self.outbox_changed);
             let watch = Arc::clone(&self.watch);
             let metrics = self.metrics.clone();
             let task = tasks.spawn(async move {
                 let started = Instant::now();
-                let result = reconcile_watched(&cache, target.as_ref(), Some(&watch), &uid).await;
+                let result =
+                    reconcile_watched(&cache, target.as_ref(), &managers, Some(&watch), &uid).await;
                 if matches!(&result, Ok(r) if r.applied.is_some()) {
                     metrics.observe_apply(started.elapsed());
                 }
@@ -463,7 +477,18 @@ pub async fn reconcile_work(
     target: &dyn ApplyTarget,
     uid: &str,
 ) -> Result<Reconciled, CacheError> {
-    reconcile_watched(cache, target, None, uid).await
+    reconcile_watched(cache, target, &FieldManagers::sole(), None, uid).await
+}
+
+/// [`reconcile_work`] by the agent of one hub of several: written as `managers` say, never
+/// taking or deleting what another hub's agent applies.
+pub async fn reconcile_work_as(
+    cache: &Arc<dyn WorkCache>,
+    target: &dyn ApplyTarget,
+    managers: &FieldManagers,
+    uid: &str,
+) -> Result<Reconciled, CacheError> {
+    reconcile_watched(cache, target, managers, None, uid).await
 }
 
 /// [`reconcile_work`], recording what was applied in `watch` so that changes to the applied
@@ -471,6 +496,7 @@ pub async fn reconcile_work(
 async fn reconcile_watched(
     cache: &Arc<dyn WorkCache>,
     target: &dyn ApplyTarget,
+    managers: &FieldManagers,
     watch: Option<&AppliedWatch>,
     uid: &str,
 ) -> Result<Reconciled, CacheError> {
@@ -486,9 +512,9 @@ async fn reconcile_watched(
     );
     async {
         if work.deleting {
-            remove_work(cache, target, &work).await
+            remove_work(cache, target, managers, &work).await
         } else {
-            apply_work(cache, target, watch, &work).await
+            apply_work(cache, target, managers, watch, &work).await
         }
     }
     .instrument(span)
@@ -515,6 +541,7 @@ fn load(
 async fn apply_work(
     cache: &Arc<dyn WorkCache>,
     target: &dyn ApplyTarget,
+    managers: &FieldManagers,
     watch: Option<&AppliedWatch>,
     work: &CachedWork,
 ) -> Result<Reconciled, CacheError> {
@@ -557,6 +584,7 @@ async fn apply_work(
         new_generation: previous
             .as_ref()
             .is_none_or(|p| p.generation != work.generation),
+        managers: managers.clone(),
     };
     let outcomes = apply_planned(target, &planned, &context).await;
     // Everything the work still names, ReadOnly objects too: none of it is stale.
@@ -578,8 +606,8 @@ async fn apply_work(
                 debug!(resource = %resource, "left in place: another work applies it too");
                 continue;
             }
-            match target.delete(&resource).await {
-                Ok(Deletion::Gone) => info!(resource = %resource, "deleted: removed from the work"),
+            match delete_or_let_go(target, managers, &resource).await {
+                Ok(Deletion::Gone) => info!(resource = %resource, "gone: removed from the work"),
                 Ok(Deletion::Terminating) => {
                     kept.insert(resource);
                 }
@@ -672,6 +700,7 @@ async fn refresh_status(
 async fn remove_work(
     cache: &Arc<dyn WorkCache>,
     target: &dyn ApplyTarget,
+    managers: &FieldManagers,
     work: &CachedWork,
 ) -> Result<Reconciled, CacheError> {
     let mut resources: BTreeSet<AppliedResource> = cache.ledger(&work.uid)?.into_iter().collect();
@@ -716,8 +745,8 @@ async fn remove_work(
             info!(resource = %resource, "left in place: another work applies it too");
             continue;
         }
-        match target.delete(&resource).await {
-            Ok(Deletion::Gone) => info!(resource = %resource, "deleted with its work"),
+        match delete_or_let_go(target, managers, &resource).await {
+            Ok(Deletion::Gone) => info!(resource = %resource, "gone with its work"),
             Ok(Deletion::Terminating) => {
                 debug!(resource = %resource, "terminating; waiting for its finalizers");
                 remaining.insert(resource);
@@ -749,6 +778,40 @@ async fn remove_work(
         retry: true,
         ..Reconciled::default()
     })
+}
+
+/// Deletes an object a work no longer has, unless another hub's agent also applies it: then
+/// only this agent's fields go (an apply of the object's bare identity as its manager gives up
+/// every field it owned, and the apiserver removes those no other manager owns) and the object
+/// stays with the other hubs' fields. An agent that names no hub deletes, as before.
+async fn delete_or_let_go(
+    target: &dyn ApplyTarget,
+    managers: &FieldManagers,
+    resource: &AppliedResource,
+) -> Result<Deletion, apply::ApplyError> {
+    if managers.hub().is_none() {
+        return target.delete(resource).await;
+    }
+    let Some(object) = target.get(resource).await? else {
+        return Ok(Deletion::Gone);
+    };
+    let others = managers.other_hubs_managing(&object);
+    if others.is_empty() {
+        return target.delete(resource).await;
+    }
+    let mut identity = serde_json::json!({
+        "apiVersion": resource.api_version(),
+        "kind": resource.kind,
+        "metadata": {"name": resource.name},
+    });
+    if !resource.namespace.is_empty() {
+        identity["metadata"]["namespace"] = resource.namespace.clone().into();
+    }
+    target
+        .apply(resource, &identity, managers.work(), true)
+        .await?;
+    info!(resource = %resource, hubs = %others.join(","), "left to the other hubs that apply it; this agent's fields dropped");
+    Ok(Deletion::Gone)
 }
 
 /// Objects in the ledgers of other live works: deleting them would break those works.

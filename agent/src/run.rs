@@ -19,7 +19,7 @@ use rand::{Rng as _, SeedableRng as _};
 use tokio::sync::{Notify, watch};
 use tracing::{error, info, warn};
 
-use crate::apply::{ApplyTarget, KubeApplyTarget};
+use crate::apply::{ApplyTarget, KubeApplyTarget, PolicyWritesAs};
 use crate::cache::{self, CacheDb, CacheError, WorkCache};
 use crate::config::{AgentConfig, ConfigError};
 use crate::connect::Dialer;
@@ -228,7 +228,10 @@ async fn supervise(
     let reconciler_rng = rand::rngs::StdRng::seed_from_u64(seeds.random());
     let outbox_changed = Arc::new(Notify::new());
     // Policies are evaluated on the same spoke the works are applied to, beside them.
-    let (governor, governor_handle, reports) = Governor::new(Arc::clone(&target));
+    // Validated at start; a config built in code that names a bad hub stops here too.
+    let managers = config.field_managers().map_err(ConfigError::from)?;
+    let (governor, governor_handle, reports) =
+        Governor::new(PolicyWritesAs::wrap(Arc::clone(&target), &managers));
     tasks.spawn(
         "the policy governor",
         governor.run(stopped(stop.subscribe())).map(Ok),
@@ -252,7 +255,8 @@ async fn supervise(
     );
     let reconciler = reconciler
         .with_metrics(metrics.clone())
-        .with_first_pass(applied_once);
+        .with_first_pass(applied_once)
+        .with_field_managers(managers);
     tasks.spawn(
         "the reconciler",
         reconciler.run(stopped(stop.subscribe())).map(Ok),
@@ -468,6 +472,7 @@ mod tests {
             hub: hub.clone(),
             server_name: Some("localhost".into()),
             cluster_name: "store-7".into(),
+            hub_name: None,
             cert_dir: Some(certs.clone()),
             proxy_url: None,
             kubeconfig: None,

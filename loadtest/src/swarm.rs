@@ -805,6 +805,7 @@ async fn run_agent(
         hub: dial.to_string(),
         server_name: Some(shared.server_name.clone()),
         cluster_name: agent.name.clone(),
+        hub_name: None,
         cert_dir: Some(agent.identity_dir.clone()),
         proxy_url: None,
         kubeconfig: None,

@@ -14,9 +14,10 @@ use flotilla_proto::api::{
 use serde_json::Value;
 use sha2::{Digest as _, Sha256};
 
+use super::managers::{FieldConflict, FieldManagers, parse_conflicts, remove_field_path};
 use super::target::{
-    ApplyError, ApplyTarget, FIELD_MANAGER, ManifestFailure, REASON_APPLY_CONFLICT,
-    REASON_IGNORE_FIELD_ERROR, split_api_version,
+    ApplyError, ApplyTarget, ManifestFailure, REASON_APPLY_CONFLICT, REASON_IGNORE_FIELD_ERROR,
+    split_api_version,
 };
 use crate::cache::AppliedResource;
 use crate::executor;
@@ -36,8 +37,10 @@ pub enum Availability {
 /// How a manifest is written to the spoke: OCM's update strategies, and the agent's default.
 #[derive(Clone, Debug, PartialEq)]
 pub enum WriteStrategy {
-    /// No `updateStrategy`: server-side apply as [`FIELD_MANAGER`], taking over conflicts, so
-    /// the manifest's fields are enforced and fields other managers set are left alone.
+    /// No `updateStrategy`: server-side apply as the agent's work manager, taking over
+    /// conflicts, so the manifest's fields are enforced and fields other managers set are left
+    /// alone; an agent that names its hub never takes fields from another hub's agent (see
+    /// [`FieldManagers`]).
     Default,
     /// `Update`: read, merge labels and annotations, and replace the object with an update
     /// call when it differs from the manifest (or the work has a new generation).
@@ -108,6 +111,8 @@ pub struct ApplyContext {
     /// even when they already contain every field of the manifest (a field removed from the
     /// manifest goes away on the spoke too).
     pub new_generation: bool,
+    /// Who the agent writes as, and which other hubs' fields it must not take.
+    pub managers: FieldManagers,
 }
 
 /// One manifest, checked and resolved, ready to apply.
@@ -449,14 +454,25 @@ async fn write(
             return (Err(f), None);
         }
     }
+    let manager = context.managers.work();
     let written = match strategy {
+        WriteStrategy::Default if context.managers.hub().is_some() => {
+            return apply_beside_other_hubs(target, resource, &p.manifest, &context.managers).await;
+        }
         WriteStrategy::Default => target
-            .apply(resource, &p.manifest, FIELD_MANAGER, true)
+            .apply(resource, &p.manifest, manager, true)
             .await
             .map_err(ManifestFailure::from),
-        WriteStrategy::CreateOnly => create_only(target, resource, &p.manifest).await,
+        WriteStrategy::CreateOnly => create_only(target, resource, &p.manifest, manager).await,
         WriteStrategy::Update => {
-            update(target, resource, &p.manifest, context.new_generation).await
+            update(
+                target,
+                resource,
+                &p.manifest,
+                context.new_generation,
+                manager,
+            )
+            .await
         }
         WriteStrategy::ServerSideApply {
             field_manager,
@@ -504,11 +520,12 @@ async fn create_only(
     target: &dyn ApplyTarget,
     resource: &AppliedResource,
     manifest: &Value,
+    manager: &str,
 ) -> Result<Value, ManifestFailure> {
     if let Some(existing) = target.get(resource).await? {
         return Ok(existing);
     }
-    match target.create(resource, manifest, FIELD_MANAGER).await {
+    match target.create(resource, manifest, manager).await {
         // Created meanwhile by someone else: CreateOnly leaves it as it is.
         Err(ApplyError::Rejected { code: 409, .. }) => target
             .get(resource)
@@ -526,17 +543,18 @@ async fn update(
     resource: &AppliedResource,
     manifest: &Value,
     new_generation: bool,
+    manager: &str,
 ) -> Result<Value, ManifestFailure> {
     let mut last = None;
     for _ in 0..UPDATE_ATTEMPTS {
         let result = match target.get(resource).await? {
-            None => target.create(resource, manifest, FIELD_MANAGER).await,
+            None => target.create(resource, manifest, manager).await,
             Some(existing) => {
                 let desired = merged_for_update(manifest, &existing);
                 if !new_generation && contains(&existing, &desired) {
                     return Ok(existing);
                 }
-                target.replace(resource, &desired, FIELD_MANAGER).await
+                target.replace(resource, &desired, manager).await
             }
         };
         match result {
@@ -720,4 +738,134 @@ async fn server_side_apply(
             },
             other => other.into(),
         })
+}
+
+/// How often a named hub's apply meets new conflicts and tries again without the fields other
+/// hubs own: each round leaves out what the last one met, so only hubs writing concurrently
+/// need more than two.
+const HUB_APPLY_ATTEMPTS: usize = 3;
+
+/// The default strategy of an agent that names its hub: server-side apply without force, so
+/// the apiserver says whose fields the manifest would change. A conflict only with managers
+/// that are not another hub's agent (kubectl, controllers, this agent before it had a hub
+/// name) is taken over by force, as without a hub name. Fields another hub's agent owns are
+/// left to it: the rest of the manifest is applied without them, and the manifest reports
+/// `ApplyConflict` naming the hubs and the fields. When a field cannot be left out (an item of
+/// a list), nothing is applied and the conflict is reported the same way.
+async fn apply_beside_other_hubs(
+    target: &dyn ApplyTarget,
+    resource: &AppliedResource,
+    manifest: &Value,
+    managers: &FieldManagers,
+) -> (Result<(), ManifestFailure>, Option<Value>) {
+    let mut intent = manifest.clone();
+    let mut left_to_others: Vec<FieldConflict> = Vec::new();
+    let mut stored = None;
+    for _ in 0..HUB_APPLY_ATTEMPTS {
+        let message = match target
+            .apply(resource, &intent, managers.work(), false)
+            .await
+        {
+            Ok(object) => {
+                stored = Some(object);
+                break;
+            }
+            Err(ApplyError::Rejected {
+                code: 409, message, ..
+            }) => message,
+            Err(e) => return (Err(e.into()), None),
+        };
+        let conflicts = parse_conflicts(&message);
+        let (hubs, others): (Vec<FieldConflict>, Vec<FieldConflict>) = conflicts
+            .into_iter()
+            .partition(|c| managers.other_hub(&c.manager).is_some());
+        if hubs.is_empty() && !others.is_empty() {
+            // Nobody's hub: take the fields as every agent does.
+            return match target.apply(resource, &intent, managers.work(), true).await {
+                Ok(object) => (conflict_outcome(managers, &left_to_others), Some(object)),
+                Err(e) => (Err(e.into()), None),
+            };
+        }
+        if hubs.is_empty() {
+            // A 409 that is not a field conflict (the object changed in between).
+            return (
+                Err(ApplyError::Rejected {
+                    code: 409,
+                    reason: "Conflict".into(),
+                    message,
+                }
+                .into()),
+                None,
+            );
+        }
+        let removable = hubs
+            .iter()
+            .all(|c| remove_field_path(&mut intent, &c.field));
+        left_to_others.extend(hubs);
+        if !removable {
+            return (
+                conflict_outcome(managers, &left_to_others),
+                target.get(resource).await.ok().flatten(),
+            );
+        }
+    }
+    match stored {
+        Some(object) => (conflict_outcome(managers, &left_to_others), Some(object)),
+        None => (
+            Err(ManifestFailure {
+                message: format!(
+                    "other hubs kept changing fields of this object while it was applied: {}",
+                    describe_conflicts(managers, &left_to_others)
+                ),
+                retryable: true,
+                reason: REASON_APPLY_CONFLICT,
+            }),
+            None,
+        ),
+    }
+}
+
+/// `Ok` when no field was left to another hub, else the manifest's `ApplyConflict`.
+fn conflict_outcome(
+    managers: &FieldManagers,
+    left_to_others: &[FieldConflict],
+) -> Result<(), ManifestFailure> {
+    if left_to_others.is_empty() {
+        return Ok(());
+    }
+    Err(ManifestFailure {
+        message: format!(
+            "{}; the other fields of the manifest are applied",
+            describe_conflicts(managers, left_to_others)
+        ),
+        // Not without a change: to either hub's work, or the other hub letting go.
+        retryable: false,
+        reason: REASON_APPLY_CONFLICT,
+    })
+}
+
+/// "hub b (flotilla-work-agent/b) owns .data.x, .data.y with other values", one clause per
+/// manager, in the order met.
+fn describe_conflicts(managers: &FieldManagers, conflicts: &[FieldConflict]) -> String {
+    let mut by_manager: Vec<(&str, Vec<&str>)> = Vec::new();
+    for c in conflicts {
+        match by_manager.iter_mut().find(|(m, _)| *m == c.manager) {
+            Some((_, fields)) => fields.push(&c.field),
+            None => by_manager.push((&c.manager, vec![&c.field])),
+        }
+    }
+    let clauses: Vec<String> = by_manager
+        .into_iter()
+        .map(|(manager, fields)| {
+            let who = managers.other_hub(manager).map_or_else(
+                || manager.to_owned(),
+                |hub| format!("hub {hub} ({manager})"),
+            );
+            format!("{who} applies {} with other values", fields.join(", "))
+        })
+        .collect();
+    format!(
+        "not applied where another hub's agent owns the field: {}",
+        clauses.join("; ")
+    )
 }

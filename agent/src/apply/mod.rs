@@ -13,6 +13,7 @@
 
 mod engine;
 mod kube;
+mod managers;
 pub(crate) mod memory;
 pub(crate) mod target;
 #[cfg(test)]
@@ -24,6 +25,10 @@ pub use engine::{
     identifies, orphans, plan_manifests,
 };
 pub use kube::KubeApplyTarget;
+pub use managers::{
+    FieldConflict, FieldManagers, HubNameError, MAX_HUB_NAME, POLICY_MANAGER_PREFIX,
+    PolicyWritesAs, WORK_MANAGER_PREFIX, parse_conflicts,
+};
 pub use memory::MemoryCluster;
 pub use target::{
     AccessCheck, ApplyError, ApplyTarget, Deletion, FIELD_MANAGER, ManifestFailure, ObjectEvent,

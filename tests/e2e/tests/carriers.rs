@@ -116,6 +116,7 @@ async fn a_quic_session_goes_on_when_the_agents_socket_moves_to_a_new_port() -> 
         hub: hub.agents_addr.clone(),
         server_name: Some("localhost".into()),
         cluster_name: "store-q".into(),
+        hub_name: None,
         cert_dir: Some(certs.clone()),
         proxy_url: None,
         kubeconfig: None,

@@ -124,6 +124,7 @@ impl Herd {
                 hub: hub.agents_addr.clone(),
                 server_name: Some("localhost".into()),
                 cluster_name: name.clone(),
+                hub_name: None,
                 cert_dir: Some(certs.clone()),
                 proxy_url: None,
                 kubeconfig: None,
