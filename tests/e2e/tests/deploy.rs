@@ -1346,3 +1346,86 @@ fn probe_problem(probe: Option<&Probe>, path: &str) -> Option<String> {
     }
     None
 }
+
+/// A second hub's agent beside the first (docs/operations.md, One cluster, several hubs):
+/// `deploy/agent-another-hub` renders, shares no object with `deploy/agent` (every name and its
+/// namespace its own, its bindings naming its own ServiceAccount), sets the hub name the agent
+/// reads, and both apply strictly to one apiserver side by side.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_hubs_agent_shares_no_object_with_the_first() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let first_file = render(dir.path(), "agent").await?;
+    let second_file = render(dir.path(), "agent-another-hub").await?;
+    let identity = |o: &Value| {
+        format!(
+            "{} {}/{}",
+            o["kind"].as_str().unwrap_or_default(),
+            o["metadata"]["namespace"].as_str().unwrap_or_default(),
+            o["metadata"]["name"].as_str().unwrap_or_default()
+        )
+    };
+    let first: BTreeSet<String> = documents(&first_file)?.iter().map(identity).collect();
+    let second_objects = documents(&second_file)?;
+    let shared: Vec<String> = second_objects
+        .iter()
+        .map(identity)
+        .filter(|id| first.contains(id))
+        .collect();
+    ensure!(shared.is_empty(), "both agents would write {shared:?}");
+    let namespace = second_objects
+        .iter()
+        .find(|o| o["kind"] == "Namespace")
+        .and_then(|o| o["metadata"]["name"].as_str())
+        .context("the overlay has no Namespace")?;
+    ensure!(
+        namespace != AGENT_NAMESPACE,
+        "the overlay reuses {AGENT_NAMESPACE}"
+    );
+    let service_account = second_objects
+        .iter()
+        .find(|o| o["kind"] == "ServiceAccount")
+        .context("the overlay has no ServiceAccount")?;
+    for binding in second_objects
+        .iter()
+        .filter(|o| o["kind"] == "ClusterRoleBinding")
+    {
+        for subject in binding["subjects"].as_array().into_iter().flatten() {
+            ensure!(
+                subject["name"] == service_account["metadata"]["name"]
+                    && subject["namespace"] == namespace,
+                "{} binds {subject}, not the overlay's own ServiceAccount",
+                identity(binding)
+            );
+        }
+    }
+    let config_map: ConfigMap = serde_json::from_value(
+        second_objects
+            .iter()
+            .find(|o| o["kind"] == "ConfigMap")
+            .context("the overlay has no ConfigMap")?
+            .clone(),
+    )?;
+    let settings = config_map.data.unwrap_or_default();
+    ensure!(
+        settings
+            .get("FLOTILLA_AGENT_HUB_NAME")
+            .is_some_and(|n| !n.is_empty()),
+        "the overlay's settings name no hub: {settings:?}"
+    );
+    ensure!(
+        help("flotilla-agent", &["join"])?.contains("env: FLOTILLA_AGENT_HUB_NAME="),
+        "flotilla-agent join reads no FLOTILLA_AGENT_HUB_NAME"
+    );
+    let env = TestEnv::start().await?;
+    apply(&env, &first_file).await?;
+    apply(&env, &second_file).await?;
+    let client = env.client().await?;
+    for ns in [AGENT_NAMESPACE, namespace] {
+        let deployments: Api<Deployment> = Api::namespaced(client.clone(), ns);
+        ensure!(
+            deployments.list(&Default::default()).await?.items.len() == 1,
+            "namespace {ns} does not hold its one agent"
+        );
+    }
+    Ok(())
+}
