@@ -131,6 +131,30 @@ impl Spoke {
         self.spawn_agent(dir, cmd)
     }
 
+    /// Starts one more agent of this cluster, serving `hub` as `--hub-name hub_name` (OCM's
+    /// agent per hub): its own certificate from that hub and its own data directory, both named
+    /// after the hub, beside any other agent of this cluster on the same apiserver.
+    pub fn start_agent_for_hub(
+        &self,
+        dir: &Path,
+        hub: &Hub,
+        hub_name: &str,
+        extra: &[&str],
+    ) -> anyhow::Result<Proc> {
+        let certs = dir.join(format!("{}-{hub_name}-certs", self.name));
+        if !certs.join("tls.crt").exists() {
+            hub.dev_cert(&self.name, &certs)?;
+        }
+        let data = dir.join(format!("{}-{hub_name}-agent-data", self.name));
+        let program = Command::new(bin("flotilla-agent"));
+        let mut cmd = self.agent_command(program, "run", hub, &data, extra);
+        cmd.args(["--hub", &hub.agents_addr, "--server-name", "localhost"])
+            .args(["--hub-name", hub_name])
+            .arg("--cert-dir")
+            .arg(&certs);
+        self.spawn_agent(dir, cmd)
+    }
+
     /// Starts this cluster's agent in `link`'s namespace, as at an edge site: it reaches `hub`
     /// only across the link (dialling the hub's port at the link's host end), and its own
     /// apiserver beside it, at the kubeconfig's address, without crossing the link (a
