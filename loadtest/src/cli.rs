@@ -89,6 +89,11 @@ pub const DEFAULT_PLACEMENT_CLUSTERS: usize = 10;
 pub const DEFAULT_REGIONS: usize = 10;
 /// Default of `--label-changes`.
 pub const DEFAULT_LABEL_CHANGES: usize = 10;
+/// Default of `--policies`: the governance scenario's 100 policies over the fleet.
+pub const DEFAULT_POLICIES: usize = 100;
+/// The most `--policies` accepted: a cluster's compliance record holds an entry per policy it
+/// carries, and no more than this.
+pub const MAX_GOVERNANCE_POLICIES: usize = flotilla_proto::api::policy::MAX_CLUSTER_POLICIES;
 /// The most `--gateways` accepted.
 pub const MAX_GATEWAYS: usize = 64;
 /// Sessions one harness process may hold per file descriptor budget: each needs one socket,
@@ -203,6 +208,13 @@ pub enum Scenario {
     /// outage of a flapping link, kubectl through the tunnel, and clusters wrongly marked
     /// Unknown. With --transport both one run measures both carriers.
     Links,
+    /// Governance over every agent: --policies Policies (half a namespace that must exist,
+    /// `inform`; half a ConfigMap that must exist, `enforce`) bound through one Placement, each
+    /// evaluated by every simulated spoke: time from each policy's create to each cluster's
+    /// compliance on the hub (p50/p90/p99/max) and to every root's aggregate, the hub's store
+    /// writes per second, then every inform policy flipped to enforce: time to the new
+    /// compliance and the writes it cost per cluster.
+    Governance,
 }
 
 /// Where the hub under test keeps its objects (`--store`).
@@ -580,6 +592,16 @@ pub struct RunArgs {
     #[arg(long, default_value_t = DEFAULT_LABEL_CHANGES)]
     #[serde(default)]
     pub label_changes: usize,
+
+    /// governance: Policies to create, each bound to every cluster; the even-numbered ones
+    /// inform, the odd-numbered ones enforce.
+    #[arg(long, default_value_t = DEFAULT_POLICIES)]
+    #[serde(default = "default_policies")]
+    pub policies: usize,
+}
+
+fn default_policies() -> usize {
+    DEFAULT_POLICIES
 }
 
 impl RunArgs {
@@ -725,7 +747,11 @@ impl RunArgs {
         );
         for s in &self.scenarios {
             anyhow::ensure!(
-                self.hub.is_none() || !matches!(s, Scenario::Rollout | Scenario::Schedule),
+                self.hub.is_none()
+                    || !matches!(
+                        s,
+                        Scenario::Rollout | Scenario::Schedule | Scenario::Governance
+                    ),
                 "scenario {s:?} places on every cluster of the hub, so it runs only on a hub the harness starts; leave out --hub"
             );
         }
@@ -744,6 +770,13 @@ impl RunArgs {
                 "--rollout-failures {} must be below --agents {}",
                 self.rollout_failures,
                 self.agents
+            );
+        }
+        if self.scenarios.contains(&Scenario::Governance) {
+            anyhow::ensure!(
+                (2..=MAX_GOVERNANCE_POLICIES).contains(&self.policies),
+                "--policies {} is out of range: use 2 to {MAX_GOVERNANCE_POLICIES} (half inform, half enforce; each cluster's compliance record holds at most that many)",
+                self.policies
             );
         }
         if self.scenarios.contains(&Scenario::Schedule) {
@@ -1253,6 +1286,31 @@ mod tests {
             Err("--placements"),
         );
         check(&["--scenario", "connect,rollout,schedule"], Ok(()));
+    }
+
+    #[test]
+    fn the_governance_scenario_checks_its_policies() {
+        check(
+            &["--scenario", "governance", "--policies", "1"],
+            Err("--policies 1 is out of range: use 2 to 1000"),
+        );
+        check(
+            &["--scenario", "governance", "--policies", "1001"],
+            Err("--policies 1001 is out of range"),
+        );
+        check(
+            &[
+                "--hub",
+                "127.0.0.1:9443",
+                "--data-dir",
+                "x",
+                "--scenario",
+                "governance",
+            ],
+            Err("runs only on a hub the harness starts"),
+        );
+        check(&["--scenario", "governance", "--policies", "2"], Ok(()));
+        assert_eq!(RunArgs::parse_defaults().policies, DEFAULT_POLICIES);
     }
 }
 

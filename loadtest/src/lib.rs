@@ -20,6 +20,7 @@
 //! * [`swarm`]: many agents in one process; [`agents`]: one swarm here, or one per worker
 //!   process (`--processes`).
 //! * [`scenario`]: the scenarios; [`placement`]: the placement ones (`rollout`, `schedule`);
+//!   [`governance`]: policies over the fleet and their compliance on the hub;
 //!   [`report`] and [`plot`]: what comes out.
 //! * [`apiserver`] (with [`prometheus`]): with `--store kube`, the hub's real kube-apiserver and
 //!   the load each scenario puts on it; [`klusterlet`] and [`baseline`]: the
@@ -41,6 +42,7 @@ pub mod clock;
 pub mod feedback;
 pub mod fleet;
 pub mod gateways;
+pub mod governance;
 pub mod klusterlet;
 pub mod link;
 pub mod machine;
@@ -176,6 +178,7 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<(Report, PathBuf)> {
             Scenario::Proxy => run.proxy().await,
             Scenario::Links => run.links().await,
             Scenario::Chaos => run.chaos().await,
+            Scenario::Governance => run.governance().await,
         };
         // The chaos scenario restarts the apiserver, whose counters then start again: it counts
         // its requests itself, window by window.

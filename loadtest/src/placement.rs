@@ -472,7 +472,11 @@ async fn set_label(api: &OperatorApi, cluster: &str, region: &str) -> anyhow::Re
 }
 
 /// The clusters a placement decided now (every PlacementDecision labelled with it).
-async fn decided(api: &OperatorApi, ns: &str, placement: &str) -> anyhow::Result<Vec<String>> {
+pub(crate) async fn decided(
+    api: &OperatorApi,
+    ns: &str,
+    placement: &str,
+) -> anyhow::Result<Vec<String>> {
     let mut clusters = Vec::new();
     for i in 1.. {
         let Some(d) = api

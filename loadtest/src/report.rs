@@ -12,7 +12,8 @@
 //! Added within v1: per scenario `rollout` and `schedule`; `parameters.store`, `parameters.baseline_window`,
 //! `parameters.lease_interval`; `hub.store`, `hub.apiserver_url`, `hub.apiserver_pid`; per
 //! scenario `apiserver` (the hub apiserver's load during the scenario, `--store kube` only) and
-//! `baseline` (the `baseline-klusterlet` scenario's comparison).
+//! `baseline` (the `baseline-klusterlet` scenario's comparison); per scenario `governance`
+//! and `parameters.policies`.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -285,6 +286,9 @@ pub struct ScenarioReport {
     /// `schedule`: the placement scheduler at scale.
     #[serde(default)]
     pub schedule: Option<ScheduleReport>,
+    /// `governance`: policies over every cluster, their compliance on the hub and its churn.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub governance: Option<GovernanceReport>,
     /// `chaos`: the faults injected and the invariants judged.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chaos: Option<crate::chaos::ChaosReport>,
@@ -343,6 +347,74 @@ pub struct ScheduleReport {
     pub hub_rss_before_bytes: Option<u64>,
     pub hub_rss_after_bytes: Option<u64>,
     pub poll_interval_ms: f64,
+}
+
+/// `governance`: policies bound to every cluster, each cluster's compliance reaching the hub,
+/// and the cost of changing it. Times are seconds from the phase's first write (a policy's
+/// create, or its flip); a (policy, cluster) pair is stamped when a list of the hub's
+/// ClusterCompliance records that came back shows the pair's verdict, so each stamp is late by
+/// up to one poll cycle (`poll_cycle_ms`, measured) and never early.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct GovernanceReport {
+    pub clusters: u64,
+    pub policies: u64,
+    /// Policies whose template only informs (a namespace the spokes lack: NonCompliant), and
+    /// that enforce (a ConfigMap the agents create: Compliant).
+    pub inform_policies: u64,
+    pub enforce_policies: u64,
+    /// Binding the global cluster set and the Placement deciding every cluster.
+    pub setup_s: Option<f64>,
+    /// Creating every Policy and its PlacementBinding through the operator API.
+    pub create_s: Option<f64>,
+    /// (policy, cluster) pairs expected (`policies × clusters`), and those whose verdict
+    /// (Compliant or NonCompliant) reached the cluster's record on the hub.
+    pub pairs: u64,
+    pub reported: u64,
+    /// Reported pairs whose verdict is not the expected one (inform NonCompliant, enforce
+    /// Compliant), and a few of them for a person to look at.
+    pub unexpected: u64,
+    pub unexpected_examples: Vec<String>,
+    /// Each pair, from its policy's create to its verdict in the cluster's record.
+    pub compliance_latency: Option<Percentiles>,
+    /// From the first create to every pair reported.
+    pub time_to_all_reported_s: Option<f64>,
+    /// Root Policies whose `status.compliant` is the expected aggregate, and from the first
+    /// create to all of them.
+    pub roots_aggregated: u64,
+    pub time_to_all_aggregated_s: Option<f64>,
+    /// Writes to the hub's store (every kind, from the store's revision counter: the sled
+    /// store's own, or etcd's with `--store kube`) from the first create to every root
+    /// aggregated, and per second over that window.
+    pub store_writes: Option<u64>,
+    pub store_writes_per_s: Option<f64>,
+    /// The churn: every inform policy flipped to enforce once all were reported.
+    pub churn: Option<ChurnReport>,
+    /// `--poll-interval`, and the measured time between two lists of the records (the list
+    /// itself included): the resolution of every stamp.
+    pub poll_interval_ms: f64,
+    pub poll_cycle_ms: Option<f64>,
+}
+
+/// `governance`: every inform policy flipped to enforce, its agents creating the namespace and
+/// reporting Compliant.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct ChurnReport {
+    pub flipped: u64,
+    /// (flipped policy, cluster) pairs expected, and those reported Compliant at the flipped
+    /// generation.
+    pub pairs: u64,
+    pub reported: u64,
+    /// Each pair, from its policy's flip to Compliant in the cluster's record.
+    pub latency: Option<Percentiles>,
+    pub time_to_all_reported_s: Option<f64>,
+    /// Flipped roots aggregated Compliant, and from the first flip to all of them.
+    pub roots_aggregated: u64,
+    pub time_to_all_aggregated_s: Option<f64>,
+    /// The hub's store writes from the first flip to every flipped root aggregated, per second,
+    /// and per cluster.
+    pub store_writes: Option<u64>,
+    pub store_writes_per_s: Option<f64>,
+    pub store_writes_per_cluster: Option<f64>,
 }
 
 /// What one kube-apiserver served over a window, from its own `/metrics`.
@@ -789,6 +861,9 @@ pub fn table(report: &Report) -> String {
                     );
                 }
             }
+            "governance" if s.governance.is_some() => {
+                governance_rows(s.governance.as_ref().expect("checked above"), &mut row);
+            }
             "links" if s.links.is_some() => {
                 for (name, value) in s.links.as_ref().expect("checked above").rows() {
                     row(&name, value);
@@ -1055,6 +1130,84 @@ fn apiserver_rows(a: &ApiserverLoad, row: &mut impl FnMut(&str, String)) {
         a.rss_bytes
             .map_or("-".into(), |b| format!("{:.1} MiB", mib(b))),
     );
+}
+
+fn governance_rows(g: &GovernanceReport, row: &mut impl FnMut(&str, String)) {
+    let rate = |v: Option<f64>| v.map_or_else(|| "-".into(), |v| format!("{v:.1}/s"));
+    row(
+        "policies x clusters",
+        format!(
+            "{} ({} inform, {} enforce) x {}",
+            g.policies, g.inform_policies, g.enforce_policies, g.clusters
+        ),
+    );
+    row(
+        "setup, policies created in",
+        format!("{}, {}", secs(g.setup_s), secs(g.create_s)),
+    );
+    row(
+        "compliance on the hub",
+        format!(
+            "{} / {} pairs ({} unexpected)",
+            g.reported, g.pairs, g.unexpected
+        ),
+    );
+    if let Some(p) = &g.compliance_latency {
+        row(
+            &format!(
+                "create → compliance (±{})",
+                g.poll_cycle_ms
+                    .map_or_else(|| "-".into(), |c| format!("{c:.0} ms"))
+            ),
+            pct(p),
+        );
+    }
+    row("time to all reported", secs(g.time_to_all_reported_s));
+    row(
+        "roots aggregated",
+        format!(
+            "{} / {} after {}",
+            g.roots_aggregated,
+            g.policies,
+            secs(g.time_to_all_aggregated_s)
+        ),
+    );
+    row(
+        "hub store writes",
+        format!("{} ({})", opt(g.store_writes), rate(g.store_writes_per_s)),
+    );
+    if let Some(c) = &g.churn {
+        row(
+            "churn: inform → enforce",
+            format!(
+                "{} policies, {} / {} pairs Compliant",
+                c.flipped, c.reported, c.pairs
+            ),
+        );
+        if let Some(p) = &c.latency {
+            row("churn: flip → Compliant", pct(p));
+        }
+        row(
+            "churn: all reported, aggregated",
+            format!(
+                "{}, {} ({} / {} roots)",
+                secs(c.time_to_all_reported_s),
+                secs(c.time_to_all_aggregated_s),
+                c.roots_aggregated,
+                c.flipped
+            ),
+        );
+        row(
+            "churn: hub store writes",
+            format!(
+                "{} ({}, {} per cluster)",
+                opt(c.store_writes),
+                rate(c.store_writes_per_s),
+                c.store_writes_per_cluster
+                    .map_or_else(|| "-".into(), |v| format!("{v:.1}"))
+            ),
+        );
+    }
 }
 
 fn baseline_rows(b: &BaselineReport, row: &mut impl FnMut(&str, String)) {
