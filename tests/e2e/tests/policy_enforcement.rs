@@ -75,6 +75,23 @@ async fn wait_compliance(
     .await
 }
 
+/// Policy `name`'s row of `flotilla get policies -n default`, once it contains `shows`.
+async fn wait_row(fleet: &Fleet, name: &str, shows: &str) -> anyhow::Result<String> {
+    wait_for(
+        &format!("flotilla get policies to show {name} with {shows:?}"),
+        WAIT,
+        || async {
+            let table = fleet.cli(&["get", "policies", "-n", "default"])?;
+            Ok(table
+                .lines()
+                .find(|l| l.split_whitespace().nth(1) == Some(name))
+                .filter(|l| l.contains(shows))
+                .map(str::to_owned))
+        },
+    )
+    .await
+}
+
 /// Every history message of a compliance entry, joined.
 fn messages(entry: &Value) -> String {
     entry["details"]
@@ -189,15 +206,7 @@ on_both_carriers! {
         let namespaces: Api<Namespace> = Api::all(spoke.env.client().await?);
         assert!(namespaces.get_opt("prod").await?.is_none(), "inform never writes");
         // The hub's answer to "which clusters lack it" is one command away.
-        let row = wait_for("flotilla get policies to show the violation", WAIT, || async {
-            let table = fleet.cli(&["get", "policies", "-n", "default"])?;
-            Ok(table
-                .lines()
-                .find(|l| l.split_whitespace().nth(1) == Some("policy-namespace"))
-                .filter(|l| l.contains("NonCompliant"))
-                .map(str::to_owned))
-        })
-        .await?;
+        let row = wait_row(&fleet, "policy-namespace", "NonCompliant").await?;
         let columns: Vec<&str> = row.split_whitespace().collect();
         assert_eq!(
             columns[..5],
@@ -487,15 +496,7 @@ on_both_carriers! {
         let said = messages(&lacking);
         assert!(said.contains("app-web") && !said.contains("app-test"), "{said}");
         wait_compliance(&operator, "cluster2", "policy-limitrange", "Compliant").await?;
-        let row = wait_for("flotilla get policies to count the cluster lacking it", WAIT, || async {
-            let table = fleet.cli(&["get", "policies", "-n", "default"])?;
-            Ok(table
-                .lines()
-                .find(|l| l.split_whitespace().nth(1) == Some("policy-limitrange"))
-                .filter(|l| l.contains(" 1/2 "))
-                .map(str::to_owned))
-        })
-        .await?;
+        let row = wait_row(&fleet, "policy-limitrange", " 1/2 ").await?;
         assert!(row.contains("NonCompliant"), "{row}");
         Ok(())
     }
