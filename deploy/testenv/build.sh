@@ -110,7 +110,13 @@ if $spoke; then
   build kube-controller-manager "$here/go/kube-controllers" k8s.io/kubernetes/cmd/kube-controller-manager "$kube_ldflags"
   build kube-scheduler "$here/go/kube-controllers" k8s.io/kubernetes/cmd/kube-scheduler "$kube_ldflags"
   if [ ! -x "$bin/kwok" ] || [ ! -f "$bin/kwok-stages.yaml" ]; then
-    kwok_dir=$(cd "$here/go/kwok" && go list -m -f '{{.Dir}}' sigs.k8s.io/kwok)
+    # `go list -m` names no directory for a module not yet in the module cache (a fresh
+    # machine): download it first.
+    kwok_dir=$(cd "$here/go/kwok" && go mod download sigs.k8s.io/kwok && go list -m -f '{{.Dir}}' sigs.k8s.io/kwok)
+    if [ -z "$kwok_dir" ] || [ ! -d "$kwok_dir" ]; then
+      echo "cannot find kwok's module source (go mod download sigs.k8s.io/kwok in $here/go/kwok)" >&2
+      exit 1
+    fi
   fi
   if [ ! -x "$bin/kwok" ]; then
     # Two faults of kwok's exec that a kubelet does not have (see go/kwok/patch/exit_code.go.in):
