@@ -1,9 +1,14 @@
 //! The single-node backend: objects in an embedded sled database, watch history in memory.
 //!
 //! Every write takes the [`EventLog`] lock, commits the object and the next revision in one sled
-//! transaction, flushes, then records the event in the in-memory history and broadcasts it. One
-//! lock for writes and watch subscriptions is what makes watches exact: a subscriber sees the
-//! history up to revision r and the live channel from r + 1, with nothing lost or repeated.
+//! transaction and stages its event, then, with the lock released, waits until a flush covers
+//! its revision (group commit, [`Inner::durable`]): one writer flushes for every write staged
+//! before it started, publishes their events in revision order into the in-memory history and
+//! the live channel, and every writer of that batch is acknowledged. So concurrent writers
+//! share one fsync instead of queueing one each, and a watcher still never sees a write before
+//! it is on disk. One lock for staging, publishing and watch subscriptions is what makes
+//! watches exact: a subscriber sees the history up to revision r and the live channel from
+//! r + 1, with nothing lost or repeated.
 
 use std::collections::VecDeque;
 use std::path::Path;
@@ -75,17 +80,26 @@ struct Inner {
     objects: sled::Tree,
     /// The revision counter ([`REVISION_KEY`]).
     meta: sled::Tree,
-    /// Held by every write from read-check to broadcast, and by list and watch to take a
-    /// consistent snapshot. tokio's Mutex because writes hold it across the flush.
+    /// Held by every write from read-check to staging, by the flusher to publish, and by list
+    /// and watch to take a consistent snapshot. Never held across the flush.
     log: Mutex<EventLog>,
+    /// Held by the one writer flushing for a batch; the others wait on it and find their
+    /// revision covered.
+    flush: Mutex<Flushed>,
+    /// Flushes done since the store was opened.
+    flushes: std::sync::atomic::AtomicU64,
     /// Live events; subscribed to under the `log` lock.
     live: broadcast::Sender<Arc<Recorded>>,
 }
 
 /// The revision counter and the recent history of events.
 struct EventLog {
-    /// The last revision handed out (and persisted).
+    /// The last revision handed out (committed to sled, durable once flushed).
     revision: u64,
+    /// Committed events not yet on disk, oldest first: published by the next flush.
+    staged: VecDeque<Recorded>,
+    /// The last revision published (in `recent` and sent live): every write up to it is durable.
+    published: u64,
     /// The most recent events, oldest first, at most `capacity`.
     recent: VecDeque<Arc<Recorded>>,
     capacity: usize,
@@ -94,6 +108,18 @@ struct EventLog {
     /// the events that fall out of `recent`.
     complete_after: u64,
 }
+
+/// How far flushes have made the store durable, and the flushes that failed.
+struct Flushed {
+    /// Every revision up to this one has been flushed (or its flush failed, see `failures`).
+    through: u64,
+    /// The most recent failed flushes: the revisions each covered and why it failed, so each
+    /// writer of such a batch is told; at most [`MAX_FLUSH_FAILURES`].
+    failures: VecDeque<(std::ops::RangeInclusive<u64>, String)>,
+}
+
+/// Failed flushes remembered for the writers of their batches to find.
+const MAX_FLUSH_FAILURES: usize = 64;
 
 /// One committed change, as kept in the history and sent on the live channel.
 #[derive(Debug)]
@@ -178,13 +204,30 @@ impl SledStore {
                 meta,
                 log: Mutex::new(EventLog {
                     revision,
+                    staged: VecDeque::new(),
+                    published: revision,
                     recent: VecDeque::new(),
                     capacity: options.event_buffer.max(1),
                     complete_after: revision,
                 }),
+                flush: Mutex::new(Flushed {
+                    through: revision,
+                    failures: VecDeque::new(),
+                }),
+                flushes: std::sync::atomic::AtomicU64::new(0),
                 live,
             }),
         })
+    }
+}
+
+impl SledStore {
+    /// Flushes (fsyncs) done since the store was opened: with writers waiting at once, fewer
+    /// than the writes they made durable.
+    pub fn flushes(&self) -> u64 {
+        self.inner
+            .flushes
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 
@@ -218,9 +261,10 @@ impl Inner {
             .transpose()
     }
 
-    /// Commits `object` (or the deletion, for `None`) at the next revision, makes it durable,
-    /// and records and broadcasts `event`. Called with the `log` lock held.
-    async fn commit(
+    /// Commits `object` (or the deletion, for `None`) at the next revision and stages `event`
+    /// for the next flush to publish. Called with the `log` lock held; the caller releases it
+    /// and then waits for [`Inner::durable`] of the returned revision before answering.
+    fn commit(
         &self,
         log: &mut EventLog,
         key: &ObjectKey,
@@ -258,39 +302,75 @@ impl Inner {
                 }
             })?;
         log.revision = revision;
-        // The store is the hub's truth: a write is acknowledged only once it is on disk. This
-        // costs one fsync per write, serialized by the log lock (a few ms on SSDs), which bounds
-        // a single-node hub to some hundreds of writes per second; status writes are coalesced
-        // upstream for that reason. The event is published even if the flush fails, so that
-        // watchers and readers never disagree about what was committed in memory.
-        // sled's own `flush_async` can leave its future never woken when flushes overlap
-        // (sled issue 1241): the write would then hold the log lock for good, and every later
-        // read, write and watch of the store would hang behind it. A blocking flush on the
-        // blocking pool always returns.
-        let db = self.db.clone();
-        let flushed = match tokio::task::spawn_blocking(move || db.flush()).await {
-            Ok(flushed) => flushed.map(|_| ()),
-            Err(e) => Err(sled::Error::ReportableBug(format!(
-                "the flush task failed: {e}"
-            ))),
-        };
         let payload = match (object, deleted) {
             (Some(o), _) => o.clone(),
             (None, Some(d)) => d,
             (None, None) => Value::Null,
         };
-        log.record(
-            &self.live,
-            Recorded {
-                revision,
-                kind: key.kind,
-                namespace: key.namespace.clone(),
-                event: event(payload),
-                previous_labels,
-            },
-        );
-        flushed.map_err(|e| StoreError::backend(format!("flushing {key}"), e))?;
+        log.staged.push_back(Recorded {
+            revision,
+            kind: key.kind,
+            namespace: key.namespace.clone(),
+            event: event(payload),
+            previous_labels,
+        });
         Ok(revision)
+    }
+
+    /// Waits until `revision` is on disk and its event published (group commit). The store is
+    /// the hub's truth: a write is acknowledged only once it is durable. A flush costs one
+    /// fsync (a few ms on SSDs); the writer that finds no flush covering its revision flushes
+    /// for every write committed so far, and the writers waiting behind it find theirs covered,
+    /// so N concurrent writes cost one fsync rather than N in a row. The events are published
+    /// even if the flush fails, so that watchers and readers never disagree about what was
+    /// committed in memory; each writer of the failed batch gets the error.
+    ///
+    /// sled's own `flush_async` can leave its future never woken when flushes overlap (sled
+    /// issue 1241): the write would then wait for good, and every later write behind it. A
+    /// blocking flush on the blocking pool always returns.
+    ///
+    /// The wait runs as its own task: a writer that stops waiting (its caller gave up) leaves
+    /// its write staged and committed, and the task still publishes it.
+    async fn durable(self: &Arc<Self>, revision: u64, key: &ObjectKey) -> Result<(), StoreError> {
+        let inner = Arc::clone(self);
+        let flushed = tokio::spawn(async move { inner.flush_through(revision).await })
+            .await
+            .unwrap_or_else(|e| Err(format!("the flush task failed: {e}")));
+        flushed.map_err(|e| StoreError::backend(format!("flushing {key}"), e))
+    }
+
+    /// Flushes unless a flush already covered `revision`; the error of the flush that covered
+    /// it, if it failed.
+    async fn flush_through(&self, revision: u64) -> Result<(), String> {
+        let mut flushed = self.flush.lock().await;
+        if flushed.through < revision {
+            // Everything committed so far rides this flush.
+            let through = self.log.lock().await.revision;
+            let db = self.db.clone();
+            self.flushes
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let result = match tokio::task::spawn_blocking(move || db.flush()).await {
+                Ok(result) => result.map(|_| ()).map_err(|e| e.to_string()),
+                Err(e) => Err(format!("the flush task failed: {e}")),
+            };
+            let first = flushed.through + 1;
+            self.log.lock().await.publish_through(through, &self.live);
+            flushed.through = through;
+            if let Err(e) = result {
+                if flushed.failures.len() == MAX_FLUSH_FAILURES {
+                    flushed.failures.pop_front();
+                }
+                flushed.failures.push_back((first..=through, e));
+            }
+        }
+        match flushed
+            .failures
+            .iter()
+            .find(|(batch, _)| batch.contains(&revision))
+        {
+            Some((_, e)) => Err(e.clone()),
+            None => Ok(()),
+        }
     }
 
     /// A live receiver and the events after `from` (or synthetic `Added` for every object when
@@ -333,7 +413,15 @@ impl Inner {
                     .collect()
             }
         };
-        Ok((rx, pending, log.revision))
+        // What the watcher has seen everything up to: a scan reads every committed object,
+        // staged ones too, whose events it must then skip when they are published; a resumed
+        // watch has the history up to the last published event (or its own `from`, if later),
+        // and the staged events come on the live channel.
+        let seen = match from {
+            None => log.revision,
+            Some(from) => from.max(log.published),
+        };
+        Ok((rx, pending, seen))
     }
 
     fn scan(
@@ -361,6 +449,15 @@ impl Inner {
 }
 
 impl EventLog {
+    /// Publishes the staged events up to `through` (now on disk), in revision order.
+    fn publish_through(&mut self, through: u64, live: &broadcast::Sender<Arc<Recorded>>) {
+        while self.staged.front().is_some_and(|r| r.revision <= through) {
+            let recorded = self.staged.pop_front().expect("looked at");
+            self.published = recorded.revision;
+            self.record(live, recorded);
+        }
+    }
+
     fn record(&mut self, live: &broadcast::Sender<Arc<Recorded>>, recorded: Recorded) {
         let recorded = Arc::new(recorded);
         if self.recent.len() == self.capacity
@@ -528,31 +625,29 @@ impl SledStore {
             json!((log.revision + 1).to_string()),
         );
         if deleting.is_some() && finalizers(&object).is_empty() {
-            let revision = self
-                .inner
-                .commit(
-                    &mut log,
-                    &key,
-                    None,
-                    WatchEvent::Deleted,
-                    Some(object.clone()),
-                    None,
-                )
-                .await?;
+            let revision = self.inner.commit(
+                &mut log,
+                &key,
+                None,
+                WatchEvent::Deleted,
+                Some(object.clone()),
+                None,
+            )?;
+            drop(log);
+            self.inner.durable(revision, &key).await?;
             debug!(kind = %key.kind, namespace = key.namespace(), name = %key.name, revision, "last finalizer removed; deleted");
             return Ok(object);
         }
-        let revision = self
-            .inner
-            .commit(
-                &mut log,
-                &key,
-                Some(&object),
-                WatchEvent::Modified,
-                None,
-                Some(previous_labels),
-            )
-            .await?;
+        let revision = self.inner.commit(
+            &mut log,
+            &key,
+            Some(&object),
+            WatchEvent::Modified,
+            None,
+            Some(previous_labels),
+        )?;
+        drop(log);
+        self.inner.durable(revision, &key).await?;
         debug!(kind = %key.kind, namespace = key.namespace(), name = %key.name, revision, generation, "spec updated");
         Ok(object)
     }
@@ -603,17 +698,16 @@ impl SledStore {
             "resourceVersion",
             json!((log.revision + 1).to_string()),
         );
-        let revision = self
-            .inner
-            .commit(
-                &mut log,
-                &key,
-                Some(&object),
-                WatchEvent::Modified,
-                None,
-                None,
-            )
-            .await?;
+        let revision = self.inner.commit(
+            &mut log,
+            &key,
+            Some(&object),
+            WatchEvent::Modified,
+            None,
+            None,
+        )?;
+        drop(log);
+        self.inner.durable(revision, &key).await?;
         debug!(%kind, namespace, name, revision, fenced = fence.is_some(), "status updated");
         Ok(object)
     }
@@ -683,10 +777,11 @@ impl Store for SledStore {
             "resourceVersion",
             json!((log.revision + 1).to_string()),
         );
-        let revision = self
-            .inner
-            .commit(&mut log, &key, Some(&object), WatchEvent::Added, None, None)
-            .await?;
+        let revision =
+            self.inner
+                .commit(&mut log, &key, Some(&object), WatchEvent::Added, None, None)?;
+        drop(log);
+        self.inner.durable(revision, &key).await?;
         debug!(kind = %key.kind, namespace = key.namespace(), name = %key.name, revision, "created");
         Ok(object)
     }
@@ -753,17 +848,16 @@ impl Store for SledStore {
                 "resourceVersion",
                 json!((log.revision + 1).to_string()),
             );
-            let revision = self
-                .inner
-                .commit(
-                    &mut log,
-                    &key,
-                    Some(&last),
-                    WatchEvent::Modified,
-                    None,
-                    None,
-                )
-                .await?;
+            let revision = self.inner.commit(
+                &mut log,
+                &key,
+                Some(&last),
+                WatchEvent::Modified,
+                None,
+                None,
+            )?;
+            drop(log);
+            self.inner.durable(revision, &key).await?;
             debug!(%kind, namespace, name, revision, "marked for deletion; waiting for finalizers");
             return Ok(());
         }
@@ -773,10 +867,11 @@ impl Store for SledStore {
             "resourceVersion",
             json!((log.revision + 1).to_string()),
         );
-        let revision = self
-            .inner
-            .commit(&mut log, &key, None, WatchEvent::Deleted, Some(last), None)
-            .await?;
+        let revision =
+            self.inner
+                .commit(&mut log, &key, None, WatchEvent::Deleted, Some(last), None)?;
+        drop(log);
+        self.inner.durable(revision, &key).await?;
         debug!(%kind, namespace, name, revision, "deleted");
         Ok(())
     }
@@ -1033,6 +1128,62 @@ mod tests {
                 .unwrap()
                 .is_none(),
             "the stream ends after its error"
+        );
+    }
+
+    #[tokio::test]
+    async fn concurrent_writers_share_flushes_and_watchers_see_every_write_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SledStore::open(dir.path()).unwrap();
+        let start = store.list(Kind::ManifestWork, None).await.unwrap().revision;
+        let mut watch = store
+            .watch(Kind::ManifestWork, None, Some(start))
+            .await
+            .unwrap();
+        const WRITERS: usize = 64;
+        let writes: Vec<_> = (0..WRITERS)
+            .map(|i| {
+                let store = store.clone();
+                tokio::spawn(async move {
+                    store
+                        .create(work("ns", &format!("w{i}"), "app:1"))
+                        .await
+                        .map(|o| resource_version(&o).unwrap().parse::<u64>().unwrap())
+                })
+            })
+            .collect();
+        let mut revisions = Vec::new();
+        for write in writes {
+            revisions.push(write.await.unwrap().unwrap());
+        }
+        // Each writer was answered only once its write was flushed, and they shared flushes.
+        let flushes = store.flushes();
+        assert!(
+            flushes < WRITERS as u64 / 2,
+            "{flushes} flushes for {WRITERS} concurrent writes"
+        );
+        // The watch sees every write once, in revision order.
+        let mut seen = Vec::new();
+        for _ in 0..WRITERS {
+            let WatchEvent::Added(o) = next(&mut watch).await.unwrap() else {
+                panic!("an Added event")
+            };
+            seen.push(resource_version(&o).unwrap().parse::<u64>().unwrap());
+        }
+        revisions.sort_unstable();
+        assert_eq!(seen, revisions);
+        // A reopened store has every write.
+        drop(watch);
+        drop(store);
+        let store = reopen(dir.path()).await;
+        assert_eq!(
+            store
+                .list(Kind::ManifestWork, None)
+                .await
+                .unwrap()
+                .items
+                .len(),
+            WRITERS
         );
     }
 
