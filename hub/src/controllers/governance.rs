@@ -22,6 +22,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use flotilla_ops::error_chain;
 use flotilla_proto::api::policy::{
@@ -454,9 +455,25 @@ struct Model {
     reported: Reported,
     /// Something changed since the last resolution.
     dirty: bool,
+    /// What changed is more than compliance: a policy's spec, a binding, a decision, a
+    /// cluster. Resolved at once, since delivery waits on it.
+    inputs_changed: bool,
+    /// A change of compliance alone (a record, or a root's status as written) waits until then
+    /// to be aggregated: see [`MIN_AGGREGATE_INTERVAL`].
+    paced_until: Option<Timestamp>,
     /// A write failed: resolve again then.
     retry_at: Option<Timestamp>,
 }
+
+/// The least time between two rounds that only aggregate compliance. Each round rewrites the
+/// status of every root whose clusters' verdicts moved, and a root carries an entry per
+/// cluster it reaches: at 1,000 clusters × 100 policies, with reports arriving all the time, a
+/// round per batch of reports would rewrite megabytes a few times a second, taking the
+/// store's writes and the gateways' CPU from the reports themselves.
+pub const MIN_AGGREGATE_INTERVAL: Duration = Duration::from_secs(1);
+/// Such rounds are also spaced by this many times the last round's own duration, so that
+/// aggregating takes at most a fifth of the controller's time however large the fleet.
+pub const AGGREGATE_PACE: u32 = 4;
 
 /// Runs until `stop`: resolves every binding whenever what it reads changes, writes the
 /// statuses that differ, publishes each cluster's set to `assignments` and the fleet's
@@ -484,6 +501,10 @@ pub async fn run(
             _ = delay_until(model.retry_at) => {
                 model.retry_at = None;
                 model.dirty = true;
+                model.inputs_changed = true;
+            }
+            _ = delay_until(model.paced_until), if model.dirty => {
+                model.paced_until = None;
             }
             _ = stopped(&mut stop_wait) => break,
         }
@@ -493,7 +514,16 @@ pub async fn run(
         if !readiness.ready() || !model.dirty {
             continue;
         }
+        if !model.inputs_changed
+            && model
+                .paced_until
+                .is_some_and(|until| Timestamp::now() < until)
+        {
+            continue;
+        }
+        let round = Instant::now();
         model.dirty = false;
+        model.inputs_changed = false;
         let decided: BTreeMap<Key, BTreeSet<String>> = model
             .decisions
             .iter()
@@ -646,6 +676,10 @@ pub async fn run(
                 }
             }
         }
+        let pause = MIN_AGGREGATE_INTERVAL.max(round.elapsed() * AGGREGATE_PACE);
+        model.paced_until = jiff::SignedDuration::try_from(pause)
+            .ok()
+            .and_then(|pause| Timestamp::now().checked_add(pause).ok());
     }
     feeds.shutdown().await;
 }
@@ -665,6 +699,7 @@ impl Model {
                     self.clusters.insert(name)
                 };
                 self.dirty |= changed;
+                self.inputs_changed |= changed;
                 return;
             }
             Kind::ClusterCompliance => {
@@ -675,6 +710,22 @@ impl Model {
         }
         let key = Key::new(&ns, &name);
         self.dirty = true;
+        // A root's status written (by this controller, as it aggregates) leaves its generation
+        // alone: only compliance moved, and the round that takes it in may wait its turn.
+        let generation = |o: &Object| o["metadata"]["generation"].as_i64();
+        let status_only = !deleted
+            && match kind {
+                Kind::Policy => self.policies.get(&key).is_some_and(|old| {
+                    old.metadata.uid.as_deref() == obj["metadata"]["uid"].as_str()
+                        && old.metadata.generation == generation(&obj)
+                }),
+                Kind::PolicySet => self.sets.get(&key).is_some_and(|old| {
+                    old.metadata.uid.as_deref() == obj["metadata"]["uid"].as_str()
+                        && old.metadata.generation == generation(&obj)
+                }),
+                _ => false,
+            };
+        self.inputs_changed |= !status_only;
         if matches!(kind, Kind::Policy | Kind::PolicySet) {
             if deleted {
                 self.versions.remove(&(kind, key.clone()));
@@ -684,12 +735,19 @@ impl Model {
         }
         match kind {
             Kind::Policy => {
-                self.invalid.remove(&key);
+                let was_invalid = self.invalid.remove(&key);
                 if deleted {
                     self.policies.remove(&key);
                     return;
                 }
                 match serde_json::from_value::<Policy>(obj.clone()) {
+                    Ok(policy) if status_only => {
+                        // Validated when its spec was last taken in; it still holds.
+                        if was_invalid {
+                            self.invalid.insert(key.clone());
+                        }
+                        self.policies.insert(key, policy);
+                    }
                     Ok(policy) => {
                         if let Err(errors) = validate_policy(&policy, Some(&obj)) {
                             let problems: Vec<String> =
