@@ -18,6 +18,9 @@
 //!   cluster's namespaces; [`prune_actions`] says what `pruneObjectBehavior` deletes;
 //!   [`EvaluationSchedule`] says when each policy is due by its `evaluationInterval`.
 //!
+//! * [`template`]: OCM's hub (`{{hub ... hub}}`) and managed-cluster (`{{ ... }}`) templates,
+//!   checked at validation and rendered with the data a caller passes in.
+//!
 //! Nothing here reads a cluster or a clock: the agent reads what [`reads`] asks for, passes the
 //! answers in and performs the [`EnforceAction`]s it gets back.
 
@@ -27,6 +30,7 @@ mod evaluate;
 mod namespaces;
 mod prune;
 mod schedule;
+pub mod template;
 mod types;
 mod validate;
 
@@ -44,14 +48,15 @@ pub use namespaces::{GlobError, NamespaceInfo, SelectorError, glob_match, select
 pub use prune::{prune_actions, prune_reads};
 pub use schedule::EvaluationSchedule;
 pub use types::{
-    ANNOTATION_CATEGORIES, ANNOTATION_CONTROLS, ANNOTATION_CREATED_BY_POLICY, ANNOTATION_STANDARDS,
-    ComplianceHistory, CompliancePerClusterStatus, ComplianceState, ConfigurationPolicy,
-    ConfigurationPolicySpec, ConfigurationPolicyStatus, DetailsPerTemplate, EvaluationInterval,
-    Interval, NamespaceSelector, ObjectDefinition, ObjectProperties, ObjectTemplate, POLICY_GROUP,
-    PlacementBinding, PlacementSubject, Policy, PolicyPlacement, PolicySet, PolicySetSpec,
-    PolicySetStatus, PolicySetStatusPlacement, PolicySpec, PolicyStatus, PolicyTemplate,
-    PruneObjectBehavior, RelatedObject, RelatedObjectMeta, RelatedObjectResource,
-    RemediationAction, Severity, Subject, TemplateCondition, TemplateStatus, effective_remediation,
+    ANNOTATION_CATEGORIES, ANNOTATION_CONTROLS, ANNOTATION_CREATED_BY_POLICY,
+    ANNOTATION_HUB_TEMPLATES_ERROR, ANNOTATION_STANDARDS, ComplianceHistory,
+    CompliancePerClusterStatus, ComplianceState, ConfigurationPolicy, ConfigurationPolicySpec,
+    ConfigurationPolicyStatus, DetailsPerTemplate, EvaluationInterval, Interval, NamespaceSelector,
+    ObjectDefinition, ObjectProperties, ObjectTemplate, POLICY_GROUP, PlacementBinding,
+    PlacementSubject, Policy, PolicyPlacement, PolicySet, PolicySetSpec, PolicySetStatus,
+    PolicySetStatusPlacement, PolicySpec, PolicyStatus, PolicyTemplate, PruneObjectBehavior,
+    RelatedObject, RelatedObjectMeta, RelatedObjectResource, RemediationAction, Severity, Subject,
+    TemplateCondition, TemplateStatus, effective_remediation,
 };
 pub use validate::{
     MAX_OBJECT_TEMPLATES, MAX_POLICY_BYTES, MAX_POLICY_QUALIFIED_NAME, MAX_POLICY_TEMPLATES,

@@ -30,6 +30,11 @@ pub const ANNOTATION_CONTROLS: &str = "policy.open-cluster-management.io/control
 /// that created it. It is how `pruneObjectBehavior: DeleteIfCreated` knows, even after the
 /// agent restarts, which objects are the policy's; comparisons ignore it.
 pub const ANNOTATION_CREATED_BY_POLICY: &str = "policy.flotilla.io/created-by";
+/// OCM's annotation on a policy template whose hub templates (`{{hub ... hub}}`) failed to
+/// resolve for the cluster it is delivered to: the template travels unrendered with the error
+/// here, and the cluster reports it NonCompliant with that error instead of evaluating it.
+pub const ANNOTATION_HUB_TEMPLATES_ERROR: &str =
+    "policy.open-cluster-management.io/hub-templates-error";
 
 // ---------------------------------------------------------------------------------------------
 // Policy
