@@ -8,14 +8,17 @@
 //! `musthave` a ConfigMap under `enforce` (the agents create it: Compliant).
 //!
 //! Measured: per (policy, cluster) pair, the time from the policy's create to the pair's
-//! verdict in the cluster's ClusterCompliance record on the hub; the time until every root
-//! Policy's `status.compliant` is the expected aggregate; the hub's store writes over that
-//! window. Then the churn: every inform policy flipped to enforce, the agents creating the
-//! namespace, and the same measured again from the flips, with the writes per cluster.
+//! verdict in the root Policy's `status.status[]` on the hub (what `kubectl get policy -o yaml`
+//! shows; the hub aggregates it from the cluster's ClusterCompliance record); the time until
+//! every root Policy's `status.compliant` is the expected aggregate; the hub's store writes
+//! over that window. Then the churn: every inform policy flipped to enforce, the agents
+//! creating the namespace, and the same measured again from the flips, with the writes per
+//! cluster.
 //!
-//! The records are read by listing them through the operator API every `--poll-interval` (both
+//! The roots are read by listing them through the operator API every `--poll-interval` (both
 //! backends): a stamp is taken when a list has come back, never earlier than the hub showed the
-//! pair. Store writes come from the store's revision counter (the list's `resourceVersion`: the
+//! pair. The records are not listed: at 1,000 clusters × 100 policies a list of them is 100 MB
+//! of JSON for the hub to serialise, which slowed what it measured. Store writes come from the store's revision counter (the list's `resourceVersion`: the
 //! sled store's own revision, or etcd's with `--store kube`), less the scenario's own writes.
 
 use std::collections::HashMap;
@@ -308,8 +311,8 @@ impl Run {
         Ok(phase.done)
     }
 
-    /// Lists the compliance records and the root Policies every `--poll-interval` until every
-    /// (target, cluster) pair shows its expected verdict at the target's generation and every
+    /// Lists the root Policies every `--poll-interval` until every (target, cluster) pair
+    /// shows its expected verdict in the target's root (at the target's generation) and every
     /// target's root aggregates to it, or the clock runs out. `before` is the store's revision
     /// before the phase's first write and `own` the writes the harness made in it. Returns what
     /// was seen and the mean time between two lists coming back.
@@ -353,40 +356,46 @@ impl Run {
         // (lists that came back, when the first and the latest did)
         let mut lists = (0u32, None::<f64>, 0.0);
         loop {
-            let records = self
+            // One list of the root Policies: each root's `status.status[]` is what users read
+            // (`kubectl get policy -o yaml`), one entry per cluster with its compliance from
+            // the cluster's record, and far lighter to serve than the records themselves.
+            let roots = self
                 .api
                 .request(
                     http::Method::GET,
-                    &flotilla_cli::cli::collection_path(Kind::ClusterCompliance, None),
+                    &flotilla_cli::cli::collection_path(Kind::Policy, Some(NAMESPACE)),
                     None,
                 )
                 .await?;
             // Stamped once the list has come back: never earlier than the hub showed it.
             let now = clock.t();
             lists = (lists.0 + 1, lists.1.or(Some(now)), now);
-            for record in items(&records) {
-                let Some(&c) = record["metadata"]["namespace"]
+            p.roots_aggregated = 0;
+            for root in items(&roots) {
+                let Some(&slot) = root["metadata"]["name"]
                     .as_str()
-                    .and_then(|ns| clusters.get(ns))
+                    .and_then(|name| slots.get(name))
                 else {
                     continue;
                 };
-                for entry in record["status"]["policies"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
+                let t = &targets[slot];
+                // Another policy of the same name (an earlier run's) counts for nothing; a
+                // root not yet at the phase's generation shows an earlier phase's verdicts.
+                if root["metadata"]["uid"] != t.uid.as_str()
+                    || root["metadata"]["generation"].as_i64().unwrap_or(0) < t.generation
                 {
-                    if entry["namespace"] != NAMESPACE {
-                        continue;
-                    }
-                    let Some(&slot) = entry["name"].as_str().and_then(|name| slots.get(name))
+                    continue;
+                }
+                if root["status"]["compliant"] == t.expected {
+                    p.roots_aggregated += 1;
+                }
+                for entry in root["status"]["status"].as_array().into_iter().flatten() {
+                    let Some(&c) = entry["clustername"]
+                        .as_str()
+                        .and_then(|name| clusters.get(name))
                     else {
                         continue;
                     };
-                    let t = &targets[slot];
-                    if entry["uid"] != t.uid.as_str() {
-                        continue;
-                    }
                     let verdict = match entry["compliant"].as_str() {
                         Some("Compliant") => true,
                         Some("NonCompliant") => false,
@@ -394,11 +403,9 @@ impl Run {
                     };
                     let pair = slot * n + c;
                     p.latest[pair] = Some(verdict);
-                    let current = entry["generation"].as_i64().unwrap_or(0) >= t.generation;
-                    if current
-                        && verdict == (t.expected == "Compliant")
-                        && p.reported_s[pair].is_none()
-                    {
+                    // A flipped policy's expected verdict is the opposite of its earlier one,
+                    // so a verdict left from before the flip is never taken for the new one.
+                    if verdict == (t.expected == "Compliant") && p.reported_s[pair].is_none() {
                         p.reported_s[pair] = Some(now);
                         p.reported += 1;
                     }
@@ -407,21 +414,6 @@ impl Run {
             if p.reported as usize == pairs && p.time_to_all_reported_s.is_none() {
                 p.time_to_all_reported_s = Some(now - first_sent);
             }
-            let roots = self.api.list(Kind::Policy, Some(NAMESPACE)).await?;
-            let now = clock.t();
-            p.roots_aggregated = roots
-                .iter()
-                .filter(|root| {
-                    root["metadata"]["name"]
-                        .as_str()
-                        .and_then(|name| slots.get(name))
-                        .is_some_and(|&slot| {
-                            let t = &targets[slot];
-                            root["metadata"]["uid"] == t.uid.as_str()
-                                && root["status"]["compliant"] == t.expected
-                        })
-                })
-                .count() as u64;
             bar.set_position(p.reported);
             bar.set_message(format!(
                 "pairs on the hub, {} / {} roots aggregated",
@@ -435,7 +427,7 @@ impl Run {
             if p.done || clock.expired() {
                 p.window_s = now - first_sent;
                 p.store_writes = before
-                    .zip(revision(&records))
+                    .zip(revision(&roots))
                     .map(|(b, a)| a.saturating_sub(b).saturating_sub(own));
                 break;
             }

@@ -1,8 +1,8 @@
 //! CI-sized runs of the governance scenario on both store backends: a few policies bound to
 //! every simulated cluster, each evaluated by the cluster's agent against its in-memory API;
-//! every cluster's verdict on every policy must reach the hub (inform NonCompliant, enforce
-//! Compliant), every root must aggregate, and the flip of the inform policies to enforce must
-//! turn all of them Compliant. Speed is not checked here.
+//! every cluster's verdict on every policy must reach its root Policy's status on the hub
+//! (inform NonCompliant, enforce Compliant), every root must aggregate, and the flip of the
+//! inform policies to enforce must turn all of them Compliant. Speed is not checked here.
 
 mod common;
 
@@ -47,7 +47,7 @@ async fn governance(store: &str) {
     assert_eq!((g.clusters, g.policies), (CI_AGENTS, CI_POLICIES));
     assert_eq!((g.inform_policies, g.enforce_policies), (3, 3));
 
-    // Every cluster's verdict on every policy reached its record, as the template says.
+    // Every cluster's verdict on every policy reached its root's status, as the template says.
     let pairs = CI_AGENTS * CI_POLICIES;
     assert_eq!((g.pairs, g.reported), (pairs, pairs));
     assert_eq!(g.unexpected, 0, "{:?}", g.unexpected_examples);
