@@ -22,7 +22,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use flotilla_ops::error_chain;
 use flotilla_proto::api::policy::{
@@ -521,7 +521,7 @@ pub async fn run(
         {
             continue;
         }
-        let round = Instant::now();
+        let round = tokio::time::Instant::now();
         model.dirty = false;
         model.inputs_changed = false;
         let decided: BTreeMap<Key, BTreeSet<String>> = model
