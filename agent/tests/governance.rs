@@ -9,6 +9,7 @@ use anyhow::{Context as _, bail};
 use flotilla_agent::apply::{ApplyTarget, KubeApplyTarget, MemoryCluster};
 use flotilla_agent::cache::AppliedResource;
 use flotilla_agent::governance::{DeliveredPolicy, Governor, GovernorHandle, PolicyReport};
+use flotilla_proto::api::policy::template::MAX_LOOKUPS;
 use flotilla_proto::api::policy::{ANNOTATION_CREATED_BY_POLICY, ComplianceState, Policy};
 use flotilla_testenv::{TestEnv, wait_for};
 use k8s_openapi::api::core::v1::{ConfigMap, LimitRange, Namespace};
@@ -1245,6 +1246,187 @@ async fn a_template_dropped_from_its_policy_is_pruned_as_if_removed() -> anyhow:
     .await?;
     assert!(cluster.get(&configmap("kept")).await.is_some());
     assert!(cluster.get(&configmap("added")).await.is_some());
+    governor.stop().await;
+    Ok(())
+}
+
+/// A ConfigMap in `default` of the in-memory cluster.
+fn default_configmap(name: &str) -> AppliedResource {
+    AppliedResource {
+        group: String::new(),
+        version: "v1".into(),
+        kind: "ConfigMap".into(),
+        resource: "configmaps".into(),
+        namespace: "default".into(),
+        name: name.into(),
+    }
+}
+
+#[tokio::test]
+async fn a_lookup_template_copies_a_value_of_the_spoke_and_follows_its_changes()
+-> anyhow::Result<()> {
+    trace_init();
+    let cluster = Arc::new(MemoryCluster::new());
+    let source = |color: &str| {
+        json!({"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "source", "namespace": "default"}, "data": {"color": color}})
+    };
+    cluster
+        .create(&default_configmap("source"), &source("blue"), "someone")
+        .await?;
+    let policy = configuration_policy(
+        "copy",
+        "enforce",
+        json!([{"complianceType": "musthave", "objectDefinition": {
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "copy", "namespace": "default"},
+            "data": {
+                "color": "{{ (lookup \"v1\" \"ConfigMap\" \"default\" \"source\").data.color }}",
+                "shape": "{{ (lookup \"v1\" \"ConfigMap\" \"default\" \"absent\").data.shape | default \"round\" | upper }}"}}}]),
+        json!({}),
+    );
+    let mut governor = Running::start(cluster.clone());
+    governor.upsert(delivered("copy-uid", 1, policy)).await?;
+    governor
+        .report("copy-uid", "the copy enforced", compliant)
+        .await?;
+    let copy = cluster.get(&default_configmap("copy")).await;
+    assert_eq!(
+        copy.as_ref().map(|cm| cm["data"].clone()),
+        Some(json!({"color": "blue", "shape": "ROUND"}))
+    );
+
+    // The looked-up object is watched: its change is copied without a new delivery.
+    let current = cluster
+        .get(&default_configmap("source"))
+        .await
+        .context("the source")?;
+    let mut red = source("red");
+    red["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"].clone();
+    cluster
+        .replace(&default_configmap("source"), &red, "someone")
+        .await?;
+    wait_for("the change copied", DEADLINE, || {
+        let cluster = cluster.clone();
+        async move {
+            Ok(cluster
+                .get(&default_configmap("copy"))
+                .await
+                .filter(|cm| cm["data"]["color"] == "red")
+                .map(drop))
+        }
+    })
+    .await?;
+    governor.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_template_that_fails_to_resolve_is_noncompliant_naming_it_and_others_still_evaluate()
+-> anyhow::Result<()> {
+    trace_init();
+    let cluster = Arc::new(MemoryCluster::new());
+    // More reads than one object-template may make.
+    let greedy: String = (0..=MAX_LOOKUPS)
+        .map(|n| format!("{{{{ (lookup \"v1\" \"ConfigMap\" \"default\" \"cm-{n}\").data.x }}}}"))
+        .collect();
+    let failing = configuration_policy(
+        "failing",
+        "enforce",
+        json!([
+            {"complianceType": "musthave", "objectDefinition": {
+                "apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": "from-absent", "namespace": "default"},
+                "data": {"v": "{{ fromConfigMap \"default\" \"absent\" \"k\" }}"}}},
+            {"complianceType": "musthave", "objectDefinition": {
+                "apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": "of-a-kind", "namespace": "default"},
+                "data": {"v": "{{ (lookup \"example.com/v1\" \"Widget\" \"\" \"w\").spec.size }}"}}},
+            {"complianceType": "musthave", "objectDefinition": {
+                "apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": "plain", "namespace": "default"},
+                "data": {"v": "{{ \"ok\" }}"}}},
+            {"complianceType": "musthave", "objectDefinition": {
+                "apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": "greedy", "namespace": "default"},
+                "data": {"v": greedy}}},
+        ]),
+        json!({}),
+    );
+    let other = configuration_policy(
+        "other",
+        "enforce",
+        json!([{"complianceType": "musthave", "objectDefinition": {
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "other", "namespace": "default"},
+            "data": {"v": "{{ \"fine\" | upper }}"}}}]),
+        json!({}),
+    );
+    let mut governor = Running::start(cluster.clone());
+    governor
+        .upsert(delivered("failing-uid", 1, failing))
+        .await?;
+    governor.upsert(delivered("other-uid", 1, other)).await?;
+    let report = governor
+        .report(
+            "failing-uid",
+            "the failing templates' verdict",
+            noncompliant,
+        )
+        .await?;
+    let message = &summary(&report).1[0];
+    let unknown_kind = ApplyTarget::resolve(cluster.as_ref(), "example.com/v1", "Widget")
+        .await
+        .expect_err("the in-memory cluster serves no Widget");
+    assert_eq!(
+        message,
+        &format!(
+            "NonCompliant; violation - failed to resolve the template {{{{ fromConfigMap \"default\" \"absent\" \"k\" }}}} at data.v: fromConfigMap: configmaps \"absent\" not found in namespace default; failed to resolve the template {{{{ (lookup \"example.com/v1\" \"Widget\" \"\" \"w\").spec.size }}}} at data.v: {unknown_kind}; configmaps [plain] found as specified in namespace default; failed to resolve the templates: they read more than {MAX_LOOKUPS} objects"
+        ),
+    );
+    assert!(
+        cluster
+            .get(&default_configmap("from-absent"))
+            .await
+            .is_none()
+            && cluster.get(&default_configmap("of-a-kind")).await.is_none(),
+        "a template that did not render enforces nothing"
+    );
+    assert_eq!(
+        cluster
+            .get(&default_configmap("plain"))
+            .await
+            .map(|cm| cm["data"]["v"].clone()),
+        Some(json!("ok"))
+    );
+    governor
+        .report("other-uid", "the other policy's verdict", compliant)
+        .await?;
+    assert_eq!(
+        cluster
+            .get(&default_configmap("other"))
+            .await
+            .map(|cm| cm["data"]["v"].clone()),
+        Some(json!("FINE"))
+    );
+
+    // The ConfigMap appears: the read is watched, so the template resolves and is enforced.
+    let absent = json!({"apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": "absent", "namespace": "default"}, "data": {"k": "found"}});
+    cluster
+        .create(&default_configmap("absent"), &absent, "someone")
+        .await?;
+    wait_for("the template resolved and enforced", DEADLINE, || {
+        let cluster = cluster.clone();
+        async move {
+            Ok(cluster
+                .get(&default_configmap("from-absent"))
+                .await
+                .filter(|cm| cm["data"]["v"] == "found")
+                .map(drop))
+        }
+    })
+    .await?;
     governor.stop().await;
     Ok(())
 }

@@ -14,7 +14,7 @@
 //! [`crate::shards::cache`]); when a cluster stops being admitted (deleted,
 //! denied, unaccepted, or the live session's key unlisted), its session here is closed at once.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, RwLock};
 
 use async_trait::async_trait;
@@ -45,6 +45,46 @@ pub struct ClusterAdmission {
     pub key_pins: Vec<String>,
     /// The health the store records, so a reconnect that changes nothing writes nothing.
     pub health: RecordedHealth,
+    /// What the policies' hub templates read of the cluster.
+    pub facts: ClusterFacts,
+}
+
+/// What hub templates (`{{hub ... hub}}`) read of a cluster: `.ManagedClusterLabels` and the
+/// claims `fromClusterClaim` reads, from its ManagedCluster.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ClusterFacts {
+    /// `metadata.labels`.
+    pub labels: BTreeMap<String, String>,
+    /// `status.clusterClaims[]`, name to value.
+    pub claims: BTreeMap<String, String>,
+}
+
+impl ClusterFacts {
+    /// Reads a stored ManagedCluster.
+    pub fn from_object(obj: &Value) -> ClusterFacts {
+        let strings = |value: &Value| {
+            value
+                .as_object()
+                .into_iter()
+                .flatten()
+                .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string())))
+                .collect()
+        };
+        ClusterFacts {
+            labels: strings(&obj["metadata"]["labels"]),
+            claims: obj["status"]["clusterClaims"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|claim| {
+                    Some((
+                        claim["name"].as_str()?.to_string(),
+                        claim["value"].as_str()?.to_string(),
+                    ))
+                })
+                .collect(),
+        }
+    }
 }
 
 impl ClusterAdmission {
@@ -56,6 +96,7 @@ impl ClusterAdmission {
             denied: annotations[DENIED_ANNOTATION].as_str().map(str::to_string),
             key_pins: key_pins(obj),
             health: RecordedHealth::from_object(obj),
+            facts: ClusterFacts::from_object(obj),
         }
     }
 }

@@ -156,7 +156,7 @@ impl Gateway {
                 health,
                 registry: Arc::new(Registry::default()),
                 desired: DesiredState::new(),
-                policies: DesiredPolicies::new(),
+                policies: DesiredPolicies::new(admissions.clone()),
                 statuses,
                 compliance,
                 finalizers,

@@ -75,6 +75,7 @@ fn refused(message: String) -> TemplateOutcome {
         message,
         scopes: Vec::new(),
         related: Vec::new(),
+        unresolved: false,
     }
 }
 
@@ -124,6 +125,7 @@ pub(crate) async fn evaluate_engine_template(
         message,
         scopes,
         related: Vec::new(),
+        unresolved: false,
     }
 }
 

@@ -10,19 +10,28 @@
 //! `DeleteIfCreated` still knows what is the policy's after the agent restarts, and
 //! comparisons ignore it.
 //!
+//! An object-template's managed-cluster templates (`{{ ... }}`) are rendered first, at every
+//! evaluation, reading what `lookup`, `fromConfigMap` and `fromClusterClaim` name from the
+//! spoke (at most [`MAX_LOOKUPS`] objects, each watched like the template's own reads); one that
+//! fails makes its object-template NonCompliant with the template and the error, and changes
+//! and prunes nothing.
+//!
 //! Nothing here stops on the spoke's refusal: a kind it does not serve, a read or a write it
 //! refuses, makes the object-template NonCompliant with the spoke's own words and the other
 //! object-templates are still evaluated.
 
 use std::collections::BTreeMap;
 
+use flotilla_proto::api::policy::template::{
+    self, Dialect, Lookup, MAX_LOOKUPS, RenderError, TemplateData,
+};
 use flotilla_proto::api::policy::{
     self as policy, ANNOTATION_CREATED_BY_POLICY, Compliance, ComplianceType, ConfigurationPolicy,
-    EnforceAction, NamespaceInfo, ObjectProperties, ObjectRead, ObjectTemplate, Observed,
-    PruneObjectBehavior, RelatedObject, RemediationAction, TemplateEvaluation, evaluate,
+    EnforceAction, NamespaceInfo, ObjectDefinition, ObjectProperties, ObjectRead, ObjectTemplate,
+    Observed, PruneObjectBehavior, RelatedObject, RemediationAction, TemplateEvaluation, evaluate,
     prune_actions, prune_reads, reads, select_namespaces,
 };
-use serde_json::Value;
+use serde_json::{Value, json};
 use tracing::warn;
 
 use super::MAX_LISTED_OBJECTS;
@@ -75,6 +84,9 @@ pub(crate) struct TemplateOutcome {
     /// The objects its musthave and mustonlyhave object-templates name that exist, with
     /// whether this policy created them: what a later change of the template may prune.
     pub related: Vec<RelatedObject>,
+    /// An object-template's templates did not render, so `related` is not all the template
+    /// names: what it related to before is kept, and nothing was pruned.
+    pub unresolved: bool,
 }
 
 /// The outcome of one object-template.
@@ -82,6 +94,8 @@ struct ObjectOutcome {
     compliance: Compliance,
     message: String,
     related: Vec<RelatedObject>,
+    /// Its templates did not render.
+    unresolved: bool,
 }
 
 impl ObjectOutcome {
@@ -90,6 +104,7 @@ impl ObjectOutcome {
             compliance: Compliance::NonCompliant,
             message,
             related: Vec::new(),
+            unresolved: false,
         }
     }
 }
@@ -106,6 +121,7 @@ pub(crate) async fn evaluate_template(
     let mut compliance = Compliance::Compliant;
     let mut messages = Vec::new();
     let mut related = Vec::new();
+    let mut unresolved = false;
     for object_template in &template.policy.spec.object_templates {
         let outcome = pass
             .object_template(object_template, template.remediation)
@@ -114,11 +130,13 @@ pub(crate) async fn evaluate_template(
             compliance = Compliance::NonCompliant;
         }
         messages.push(outcome.message);
+        unresolved |= outcome.unresolved;
         if !is_mustnothave(object_template) {
             related.extend(outcome.related);
         }
     }
-    if let Some(previous) = superseded {
+    // Without every object the template names, a prune could delete one it still names.
+    if let Some(previous) = superseded.filter(|_| !unresolved) {
         for problem in pass.prune(previous, &related).await {
             warn!(
                 template = %template.policy.metadata.name.as_deref().unwrap_or_default(),
@@ -132,6 +150,7 @@ pub(crate) async fn evaluate_template(
         message: messages.join("; "),
         scopes: pass.scopes,
         related,
+        unresolved,
     }
 }
 
@@ -161,8 +180,16 @@ pub(crate) async fn prune_template(
         if is_mustnothave(object_template) {
             continue;
         }
+        let object_template = match pass.rendered(object_template).await {
+            Ok(rendered) => rendered,
+            Err(message) => {
+                // What it names is not known: its objects stay.
+                problems.push(message);
+                continue;
+            }
+        };
         let outcome = pass
-            .read_and_judge(object_template, RemediationAction::Inform)
+            .read_and_judge(&object_template, RemediationAction::Inform)
             .await;
         match outcome {
             Ok((_, related_now)) => related.extend(related_now),
@@ -197,6 +224,16 @@ impl<'a> Pass<'a> {
         object_template: &ObjectTemplate,
         remediation: RemediationAction,
     ) -> ObjectOutcome {
+        let object_template = match self.rendered(object_template).await {
+            Ok(rendered) => rendered,
+            Err(message) => {
+                return ObjectOutcome {
+                    unresolved: true,
+                    ..ObjectOutcome::refused(message)
+                };
+            }
+        };
+        let object_template = &object_template;
         let (evaluation, related) = match self.read_and_judge(object_template, remediation).await {
             Ok(judged) => judged,
             Err(message) => return ObjectOutcome::refused(message),
@@ -206,6 +243,7 @@ impl<'a> Pass<'a> {
                 compliance: evaluation.compliance,
                 message: describe(&evaluation),
                 related,
+                unresolved: false,
             };
         }
         let mut refused = Vec::new();
@@ -233,7 +271,74 @@ impl<'a> Pass<'a> {
             compliance,
             message,
             related,
+            unresolved: false,
         }
+    }
+
+    /// `object_template` with its managed-cluster templates rendered, reading from the spoke
+    /// what they look up; `Err` says which template failed and why.
+    async fn rendered(
+        &mut self,
+        object_template: &ObjectTemplate,
+    ) -> Result<ObjectTemplate, String> {
+        let definition = &object_template.object_definition.0;
+        if !template::has_templates(definition, &Dialect::Managed) {
+            return Ok(object_template.clone());
+        }
+        let mut reads = SpokeReads::default();
+        loop {
+            // Bound first: nothing of the render may live across the read's await.
+            let rendered = template::render(definition, &Dialect::Managed, &reads);
+            match rendered {
+                Ok(rendered) => {
+                    return Ok(ObjectTemplate {
+                        object_definition: ObjectDefinition(rendered),
+                        ..object_template.clone()
+                    });
+                }
+                Err(RenderError::NeedsRead { lookup }) => {
+                    if reads.objects.len() >= MAX_LOOKUPS {
+                        return Err(format!(
+                            "failed to resolve the templates: they read more than {MAX_LOOKUPS} objects"
+                        ));
+                    }
+                    let answer = self.look_up(&lookup).await;
+                    reads.objects.insert(lookup, answer);
+                }
+                Err(failed) => return Err(failed.to_string()),
+            }
+        }
+    }
+
+    /// One object a template reads: `Null` when it does not exist. The read is watched like
+    /// the template's own, so a change to it evaluates the template again.
+    async fn look_up(&mut self, lookup: &Lookup) -> Result<Value, String> {
+        let kind = self
+            .target
+            .resolve(&lookup.api_version, &lookup.kind)
+            .await
+            .map_err(|e| e.to_string())?;
+        let namespace =
+            (kind.namespaced && !lookup.namespace.is_empty()).then_some(lookup.namespace.as_str());
+        if kind.namespaced && namespace.is_none() {
+            return Err(format!(
+                "{} {} is namespaced; name its namespace",
+                lookup.kind, lookup.name
+            ));
+        }
+        let scope = ReadScope {
+            kind: kind.clone(),
+            namespace: namespace.map(str::to_string),
+            name: Some(lookup.name.clone()),
+        };
+        if !self.scopes.contains(&scope) {
+            self.scopes.push(scope);
+        }
+        self.target
+            .get(&resource(&kind, namespace, &lookup.name))
+            .await
+            .map(Option::unwrap_or_default)
+            .map_err(|e| format!("cannot read {} [{}]: {e}", kind.resource, lookup.name))
     }
 
     /// Deletes what `pruneObjectBehavior` says of the objects in `previous` that are not in
@@ -505,6 +610,31 @@ impl<'a> Pass<'a> {
                 Some(related)
             })
             .collect()
+    }
+}
+
+/// What the spoke answered to a template's reads so far; `.` is empty on the managed cluster.
+struct SpokeReads {
+    dot: Value,
+    objects: BTreeMap<Lookup, Result<Value, String>>,
+}
+
+impl Default for SpokeReads {
+    fn default() -> Self {
+        SpokeReads {
+            dot: json!({}),
+            objects: BTreeMap::new(),
+        }
+    }
+}
+
+impl TemplateData for SpokeReads {
+    fn dot(&self) -> &Value {
+        &self.dot
+    }
+
+    fn read(&self, lookup: &Lookup) -> Option<Result<Value, String>> {
+        self.objects.get(lookup).cloned()
     }
 }
 

@@ -18,10 +18,12 @@ use std::sync::Arc;
 
 use flotilla_ops::sleep_until;
 use flotilla_proto::api::policy::{
-    Compliance, ConfigurationPolicy, EvaluationInterval, EvaluationSchedule, POLICY_GROUP,
-    PruneObjectBehavior, RelatedObject, effective_remediation, validate_policy,
+    ANNOTATION_HUB_TEMPLATES_ERROR, Compliance, ConfigurationPolicy, EvaluationInterval,
+    EvaluationSchedule, POLICY_GROUP, PruneObjectBehavior, RelatedObject, effective_remediation,
+    validate_policy,
 };
 use k8s_openapi::jiff::Timestamp;
+use serde_json::Value;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::{Id, JoinSet};
 use tokio::time::Instant;
@@ -529,6 +531,7 @@ impl State {
                         message: format!("the agent failed to evaluate the template: {e}"),
                         scopes: Vec::new(),
                         related: Vec::new(),
+                        unresolved: false,
                     },
                     false,
                 )
@@ -562,8 +565,9 @@ impl State {
         );
         let scopes_changed = slot.scopes != outcome.scopes;
         slot.scopes = outcome.scopes;
-        if finished {
-            // The evaluation pruned what the change dropped (or logged why not).
+        if finished && !outcome.unresolved {
+            // The evaluation pruned what the change dropped (or logged why not); one whose
+            // templates did not render keeps what it related to and any prune pending.
             slot.related = outcome.related;
             slot.superseded = None;
         }
@@ -730,6 +734,15 @@ fn template_slots(delivered: &DeliveredPolicy) -> Vec<TemplateSlot> {
             if let Some(invalid) = &invalid {
                 return fixed(invalid.clone());
             }
+            if let Some(error) = definition
+                .0
+                .pointer("/metadata/annotations")
+                .and_then(|a| a.get(ANNOTATION_HUB_TEMPLATES_ERROR))
+                .and_then(Value::as_str)
+            {
+                // The hub could not render it for this cluster: its error is the verdict.
+                return fixed(error.to_string());
+            }
             let group = definition
                 .api_version()
                 .and_then(|v| v.split_once('/'))
@@ -854,6 +867,39 @@ mod tests {
                         .to_string()
                 ))
             )]
+        );
+    }
+
+    #[test]
+    fn a_template_the_hub_could_not_render_reports_the_hubs_error() {
+        let error = "failed to resolve the template {{hub fromClusterClaim \"region\" hub}} at spec.policy-templates[0].objectDefinition.spec.object-templates[0].objectDefinition.data.tier: fromClusterClaim: the cluster has no claim \"region\"";
+        let slots = template_slots(&delivered(json!({"remediationAction": "enforce",
+        "policy-templates": [
+            {"objectDefinition": {"apiVersion": "policy.open-cluster-management.io/v1",
+                "kind": "ConfigurationPolicy", "metadata": {"name": "tiered",
+                    "annotations": {ANNOTATION_HUB_TEMPLATES_ERROR: error}},
+                "spec": {"remediationAction": "inform", "object-templates": [
+                        {"complianceType": "musthave", "objectDefinition": {
+                            "apiVersion": "v1", "kind": "ConfigMap",
+                            "metadata": {"name": "tier", "namespace": "default"},
+                            "data": {"tier": "{{hub fromClusterClaim \"region\" hub}}"}}}]}}},
+            {"objectDefinition": {"apiVersion": "policy.open-cluster-management.io/v1",
+                "kind": "ConfigurationPolicy", "metadata": {"name": "plain"},
+                "spec": {"remediationAction": "inform", "object-templates": [
+                        {"complianceType": "musthave", "objectDefinition": {
+                            "apiVersion": "v1", "kind": "Namespace",
+                            "metadata": {"name": "prod"}}}]}}},
+        ]})));
+        assert_eq!(
+            results(&slots)[0],
+            (
+                "tiered".to_string(),
+                Some((Compliance::NonCompliant, error.to_string()))
+            )
+        );
+        assert!(
+            matches!(slots[1].kind, TemplateKind::Configuration(_)),
+            "the policy's other templates are evaluated"
         );
     }
 

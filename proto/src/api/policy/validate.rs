@@ -5,6 +5,7 @@ use serde_json::Value;
 
 use super::compare::ComplianceType;
 use super::namespaces::glob_match;
+use super::template::{self, Dialect};
 use super::types::{
     ConfigurationPolicy, ConfigurationPolicySpec, Interval, POLICY_GROUP, PlacementBinding, Policy,
     PolicySet, PruneObjectBehavior, RemediationAction, Severity,
@@ -191,6 +192,9 @@ pub fn validate_policy(policy: &Policy, raw: Option<&Value>) -> Result<(), Vec<P
             limit: MAX_POLICY_BYTES,
         });
     }
+    let hub_dialect = Dialect::Hub {
+        policy_namespace: policy.metadata.namespace.clone().unwrap_or_default(),
+    };
     let mut names = std::collections::BTreeSet::new();
     for (index, template) in spec.policy_templates.iter().enumerate() {
         let path = format!("spec.policy-templates[{index}]");
@@ -206,6 +210,19 @@ pub fn validate_policy(policy: &Policy, raw: Option<&Value>) -> Result<(), Vec<P
         if !definition.0.is_object() {
             report.field(&path, "is not an object");
             continue;
+        }
+        for (field, problem) in template::check(&definition.0, &hub_dialect) {
+            report.field(
+                format!("{path}.{field}"),
+                format!("holds a hub template that {problem}"),
+            );
+        }
+        // The engine renders it, but the hub's stores keep no ConfigMaps to read.
+        for field in template::uses(&definition.0, &hub_dialect, "fromConfigMap") {
+            report.field(
+                format!("{path}.{field}"),
+                "holds a hub template that uses fromConfigMap, which flotilla's hub does not serve (its store keeps no ConfigMaps); write the value into the policy, or read it on the managed cluster with {{ fromConfigMap ... }}",
+            );
         }
         if definition.api_version().is_none() {
             report.field(&path, "has no apiVersion");
@@ -411,12 +428,11 @@ fn check_configuration_policy(
         if definition.kind().is_none() {
             report.field(&definition_path, "has no kind");
         }
-        if definition.0.to_string().contains("{{") {
-            report.errors.push(PolicyError::Unsupported {
-                kind: report.kind,
-                object: report.object.to_string(),
-                field: format!("{definition_path} with a {{{{ template }}}}"),
-            });
+        for (field, problem) in template::check(&definition.0, &Dialect::Managed) {
+            report.field(
+                format!("{definition_path}.{field}"),
+                format!("holds a template that {problem}"),
+            );
         }
     }
 }
@@ -693,8 +709,47 @@ mod tests {
                 format!(
                     "{at}.policy-templates[0].objectDefinition.spec.object-templates[0].recordDiff is not supported by flotilla; remove it"
                 ),
+            ]
+        );
+    }
+
+    #[test]
+    fn templates_are_checked_by_field_and_the_good_ones_pass() {
+        let configured = |data: Value| {
+            with_config(json!({"remediationAction": "enforce",
+                "object-templates": [{"complianceType": "musthave",
+                    "objectDefinition": {"apiVersion": "v1", "kind": "ConfigMap",
+                        "metadata": {"name": "c", "namespace": "default"}, "data": data}}]}))
+        };
+        assert_eq!(
+            errors_of_policy(configured(json!({
+                "cluster": "{{hub .ManagedClusterName hub}}",
+                "env": "{{hub index .ManagedClusterLabels \"env\" hub}}",
+                "version": "{{hub fromClusterClaim \"kubeversion.open-cluster-management.io\" hub}}",
+                "copied": "{{ (lookup \"v1\" \"ConfigMap\" \"app\" \"source\").data.color | default \"none\" }}",
+                "claim": "{{ fromClusterClaim \"id.k8s.io\" | upper }}"}))),
+            Vec::<String>::new()
+        );
+        let at = "Policy default/p: spec.policy-templates[0].objectDefinition";
+        let inner = format!("{at}.spec.object-templates[0].objectDefinition");
+        assert_eq!(
+            errors_of_policy(configured(json!({
+                "a": "{{ fromSecret \"ns\" \"s\" \"k\" }}",
+                "b": "{{hub fromConfigMap \"kube-system\" \"c\" \"k\" hub}}",
+                "c": "{{ if true }}"}))),
+            vec![
                 format!(
-                    "{at}.policy-templates[0].objectDefinition.spec.object-templates[0].objectDefinition with a {{{{ template }}}} is not supported by flotilla; remove it"
+                    "{inner}.data.b holds a hub template that reads the ConfigMap namespace \"kube-system\"; hub templates read only the policy's namespace \"default\" (write \"\" for it)"
+                ),
+                format!(
+                    "{inner}.data.b holds a hub template that uses fromConfigMap, which flotilla's hub does not serve (its store keeps no ConfigMaps); write the value into the policy, or read it on the managed cluster with {{{{ fromConfigMap ... }}}}"
+                ),
+                format!(
+                    "{inner}.data.a holds a template that uses the function \"fromSecret\", which flotilla's managed-cluster templates do not provide (they provide lookup, fromConfigMap, fromClusterClaim and {})",
+                    super::super::template::HELPERS.join(", ")
+                ),
+                format!(
+                    "{inner}.data.c holds a template that does not parse: {{{{if}}}} without {{{{end}}}}"
                 ),
             ]
         );

@@ -278,6 +278,12 @@ fn render_value(
         Value::Object(map) => {
             let mut out = Map::new();
             for (key, item) in map {
+                // The hub's error quotes the template it could not render: a message, kept as
+                // it is.
+                if key == super::ANNOTATION_HUB_TEMPLATES_ERROR {
+                    out.insert(key.clone(), item.clone());
+                    continue;
+                }
                 let len = path.len();
                 if !path.is_empty() {
                     path.push('.');
@@ -419,6 +425,10 @@ fn walk_strings(value: &Value, path: &mut String, visit: &mut dyn FnMut(&str, &s
         }
         Value::Object(map) => {
             for (key, item) in map {
+                // The hub's error quotes the template it could not render: a message, not one.
+                if key == super::ANNOTATION_HUB_TEMPLATES_ERROR {
+                    continue;
+                }
                 let len = path.len();
                 if !path.is_empty() {
                     path.push('.');
@@ -729,6 +739,13 @@ mod tests {
             "left as written"
         );
         assert_eq!(templates[2], plain);
+        // The error quotes the template, but is a message: checking or rendering the delivered
+        // policy again (as a resumed session does) leaves it as it is.
+        let delivered = templates[1]["objectDefinition"].clone();
+        assert_eq!(check(&delivered, &hub()), Vec::new());
+        let mut again = policy.clone();
+        render_hub_templates(&mut again, &settings());
+        assert_eq!(again, policy);
         let mut untemplated = json!({"metadata": {"namespace": "policies"},
             "spec": {"policy-templates": [plain]}});
         assert!(!render_hub_templates(&mut untemplated, &settings()));
