@@ -47,9 +47,11 @@ pub const MAX_APPLY_CONCURRENCY: usize = 64;
 
 #[derive(Clone, Debug, Args)]
 pub struct AgentConfig {
-    /// The hub's agent address, host:port (a gateway or the single-node hub).
+    /// The hub's agent address, host:port (a gateway or the single-node hub). Without it, `run`
+    /// serves every hub joined in --data-dir (`join --hub-name NAME` adds one; see `leave`),
+    /// each with its own session, identity, cache partition and field managers.
     #[arg(long, env = "FLOTILLA_AGENT_HUB")]
-    pub hub: String,
+    pub hub: Option<String>,
 
     /// Name the hub's certificate is checked against (default: the host part of --hub).
     #[arg(long, env = "FLOTILLA_AGENT_SERVER_NAME")]
@@ -170,6 +172,22 @@ pub enum ConfigError {
     /// `--hub-name` is not a DNS label. Not retryable.
     #[error(transparent)]
     HubName(#[from] crate::apply::HubNameError),
+    /// No `--hub`, where one is needed (joining, or running with no hub joined in the data
+    /// directory). Not retryable.
+    #[error(
+        "no hub to serve: pass --hub HOST:PORT, or join one first (flotilla-agent join --hub-name NAME ...)"
+    )]
+    NoHub,
+    /// `--hub` on a data directory that serves joined hubs. Not retryable.
+    #[error(
+        "--hub {hub} is given, but this data directory serves the hubs joined in {dir}: run without --hub (and --hub-name) to serve them, or use another --data-dir for an agent of one hub"
+    )]
+    HubWithJoinedHubs { hub: String, dir: String },
+    /// `--hub-name` without `--hub` on a data directory that serves joined hubs. Not retryable.
+    #[error(
+        "--hub-name is given without --hub, but the hubs joined in {dir} are named by their directories: run without --hub-name to serve every one"
+    )]
+    HubNameWithJoinedHubs { dir: String },
     /// `--resync-interval` is too short. Not retryable.
     #[error("--resync-interval {got:?} is shorter than {min:?}; use e.g. 5m")]
     ResyncInterval { got: Duration, min: Duration },
@@ -205,13 +223,17 @@ pub enum ConfigError {
 }
 
 impl AgentConfig {
+    /// `--hub`, which an agent of one hub needs; one serving the hubs joined in its data
+    /// directory has none.
+    pub fn hub_address(&self) -> Result<&str, ConfigError> {
+        self.hub.as_deref().ok_or(ConfigError::NoHub)
+    }
+
     /// Host part of `--hub`, or `--server-name`.
     pub fn server_name(&self) -> String {
         self.server_name.clone().unwrap_or_else(|| {
-            let host = self
-                .hub
-                .rsplit_once(':')
-                .map_or(self.hub.as_str(), |(h, _)| h);
+            let hub = self.hub.as_deref().unwrap_or_default();
+            let host = hub.rsplit_once(':').map_or(hub, |(h, _)| h);
             host.trim_start_matches('[')
                 .trim_end_matches(']')
                 .to_string()

@@ -25,7 +25,9 @@
 //!   spoke's apiserver ([`spoke_api`]) with the hub user's impersonation, responses streamed
 //!   back, upgrades relayed.
 //! * [`join`], [`identity`]: joining with a bootstrap token (key made here, CSR sent, CA pinned)
-//!   and the identity on disk, renewed over the session.
+//!   and the identity on disk, renewed over the session; [`hubs`]: the hubs one agent serves,
+//!   joined one by one into its data directory, each with its own identity and cache partition,
+//!   and [`leave`], which takes one hub's works off the spoke and drops what the agent held of it.
 //! * `fuzzing` (hidden): the fuzz targets of the CEL rules and JSONPaths works carry.
 //!
 //! Not for: anything the hub decides, and it links no hub code: what both ends agree on lives in
@@ -47,9 +49,11 @@ pub mod feedback;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod governance;
+pub mod hubs;
 pub mod identity;
 pub mod join;
 pub mod jsonpath;
+pub mod leave;
 pub mod metrics;
 pub mod policies;
 pub mod reconcile;

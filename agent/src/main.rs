@@ -2,6 +2,7 @@
 
 use clap::{Args, Parser, Subcommand};
 use flotilla_agent::AgentConfig;
+use flotilla_agent::hubs::{JoinedHub, JoinedHubs};
 use flotilla_agent::identity::Identity;
 use flotilla_agent::join::{BootstrapToken, JoinParams};
 use flotilla_ops::shutdown_signal;
@@ -23,8 +24,36 @@ enum Command {
     Run(AgentConfig),
     /// Ask the hub to join with a bootstrap token (as printed by `flotilla token create`), wait
     /// for an operator to accept, store the certificate, then run as `run` does. An agent that
-    /// already holds an identity skips the join.
+    /// already holds an identity skips the join. With --hub-name NAME (and no --cert-dir, on a
+    /// data directory without an identity of one hub) the hub is added to the hubs this agent
+    /// serves, in <data-dir>/hubs/NAME; join again with another hub's token and name to add
+    /// another, and `run` without --hub serves them all.
     Join(JoinArgs),
+    /// Stop serving one of the hubs joined in the data directory: remove that hub's works from
+    /// the spoke by their deleteOption (an object another hub also applies keeps that hub's
+    /// fields), then drop its cache and identity. Run it with the agent stopped; the other
+    /// hubs are served as before when it starts again.
+    Leave(LeaveArgs),
+}
+
+#[derive(Args)]
+struct LeaveArgs {
+    /// The hub to leave, by its name (--hub-name at its join).
+    #[arg(long = "hub")]
+    hub: String,
+    /// How long the hub's objects may take to go (finalizers on the spoke hold some); then
+    /// leave gives up, the hub still joined, and says which works are left.
+    #[arg(long, default_value = flotilla_agent::leave::DEFAULT_LEAVE_TIMEOUT, value_parser = humantime::parse_duration)]
+    timeout: std::time::Duration,
+    /// The spoke apiserver's kubeconfig (default: as `run` infers it).
+    #[arg(long, env = "FLOTILLA_AGENT_KUBECONFIG")]
+    kubeconfig: Option<std::path::PathBuf>,
+    /// The agent's data directory.
+    #[arg(long, env = "FLOTILLA_AGENT_DATA_DIR", default_value = flotilla_agent::config::DEFAULT_DATA_DIR)]
+    data_dir: std::path::PathBuf,
+    /// The managed cluster this agent speaks for, as at its joins.
+    #[arg(long, env = "FLOTILLA_AGENT_CLUSTER_NAME")]
+    cluster_name: String,
 }
 
 #[derive(Args)]
@@ -52,6 +81,7 @@ fn main() -> anyhow::Result<()> {
     flotilla_ops::init_tracing(match &cli.command {
         Command::Run(config) => config.ops.log_format,
         Command::Join(args) => args.agent.ops.log_format,
+        Command::Leave(_) => Default::default(),
     });
     warn_retired_variables();
     match cli.command {
@@ -64,19 +94,31 @@ fn main() -> anyhow::Result<()> {
             let runtime = tokio::runtime::Runtime::new()?;
             runtime.block_on(join_then_run(args))
         }
+        Command::Leave(args) => {
+            let runtime = tokio::runtime::Runtime::new()?;
+            runtime.block_on(leave(args))
+        }
     }
 }
 
 async fn join_then_run(args: JoinArgs) -> anyhow::Result<()> {
     let config = args.agent;
     config.validate()?;
-    let identity = Identity::new(config.identity_dir());
+    let joined_hub = joins_a_hub(&config).map(str::to_owned);
+    let hubs = JoinedHubs::in_data_dir(&config.data_dir);
+    let identity = match &joined_hub {
+        Some(name) => {
+            hubs.check_room_for(name)?;
+            hubs.identity(name)
+        }
+        None => Identity::new(config.identity_dir()),
+    };
     identity.recover()?;
     if identity.exists() {
         tracing::info!(dir = %identity.dir().display(), "already joined: using the stored identity");
     } else {
         let params = JoinParams {
-            hub: config.hub.clone(),
+            hub: config.hub_address()?.to_owned(),
             server_name: config.server_name(),
             cluster_name: config.cluster_name.clone(),
             token: args.token,
@@ -93,11 +135,59 @@ async fn join_then_run(args: JoinArgs) -> anyhow::Result<()> {
             return Err(e.into());
         }
     }
+    let config = match joined_hub {
+        Some(name) => {
+            hubs.record(&JoinedHub {
+                name: name.clone(),
+                address: config.hub_address()?.to_owned(),
+                server_name: config.server_name(),
+            })?;
+            tracing::info!(hub = %name, dir = %hubs.hub_dir(&name).display(), "hub joined; the agent serves every hub joined in its data directory");
+            // From here on the agent serves every joined hub, this one among them.
+            AgentConfig {
+                hub: None,
+                server_name: None,
+                hub_name: None,
+                cert_dir: None,
+                ..config
+            }
+        }
+        None => config,
+    };
     if args.join_only {
         return Ok(());
     }
     flotilla_agent::run(config, shutdown_signal()).await?;
     Ok(())
+}
+
+async fn leave(args: LeaveArgs) -> anyhow::Result<()> {
+    /// `run`'s flags, for their defaults: the spoke budget, the paths.
+    #[derive(Parser)]
+    struct RunFlags {
+        #[command(flatten)]
+        config: AgentConfig,
+    }
+    let mut config =
+        RunFlags::parse_from(["flotilla-agent", "--cluster-name", &args.cluster_name]).config;
+    config.kubeconfig = args.kubeconfig;
+    config.data_dir = args.data_dir;
+    config.validate()?;
+    let left = flotilla_agent::leave::leave(&config, &args.hub, args.timeout).await?;
+    println!(
+        "left hub {}: {} of its works removed from the spoke",
+        args.hub, left.works
+    );
+    Ok(())
+}
+
+/// The hub a join adds to the data directory's joined hubs ([`flotilla_agent::hubs`]):
+/// `--hub-name`, unless the agent keeps its identity where an agent of one hub does
+/// (`--cert-dir`, or a `<data-dir>/identity` an earlier join made), which then joins and
+/// runs exactly as before.
+fn joins_a_hub(config: &AgentConfig) -> Option<&str> {
+    let single = config.cert_dir.is_some() || config.identity_dir().exists();
+    config.hub_name.as_deref().filter(|_| !single)
 }
 
 /// Variables an earlier release read, and that now mean the hub's settings to `flotilla-hub`:

@@ -1,6 +1,8 @@
 //! What the agent counts, for `/metrics` on `--metrics-addr`: how long applying a work takes,
 //! drift it repaired, the status outbox's depth, and whether (and over which carrier) it holds
-//! a session with the hub. One agent is one cluster, so no label names a work or an object.
+//! a session with the hub. One agent is one cluster, so no label names a work or an object; an
+//! agent serving several hubs ([`crate::hubs`]) labels each series with its `hub`, bounded by
+//! [`crate::hubs::MAX_HUBS`] ([`HubMetricFamilies`]).
 //!
 //! Every metric is an atomic behind an `Arc`: the session driver and the reconciler hold
 //! handles and never look a series up by label as they go.
@@ -13,11 +15,19 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
-use prometheus_client::registry::{Registry, Unit};
+use prometheus_client::registry::{Metric, Registry, Unit};
 
 use crate::cache::AppliedResource;
 
-type Labels = [(&'static str, &'static str); 1];
+/// `hub`, on the series of an agent serving several hubs.
+type HubLabel = [(&'static str, String); 1];
+/// `transport`, after `hub` where there is one.
+type TransportLabels = Vec<(&'static str, String)>;
+
+/// 5 ms to ~80 s: one small object on a near spoke to hundreds on a slow one.
+fn apply_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.005, 2.0, 15))
+}
 
 /// The agent's metrics. Cheap to clone: clones count into the same series.
 #[derive(Clone, Debug)]
@@ -27,7 +37,9 @@ pub struct AgentMetrics {
     /// Set at each scrape from the cache.
     pub(crate) outbox_depth: Gauge,
     connected: Gauge,
-    by_transport: Family<Labels, Gauge>,
+    by_transport: Family<TransportLabels, Gauge>,
+    /// The hub these series are labelled with, for an agent serving several.
+    hub: Option<String>,
     /// Bytes of large works' chunks received from the hub by this process.
     pub(crate) chunk_bytes_received: Counter,
     /// Chunks received that the cache held already: resent although they had arrived.
@@ -41,12 +53,12 @@ pub struct AgentMetrics {
 impl Default for AgentMetrics {
     fn default() -> AgentMetrics {
         let metrics = AgentMetrics {
-            // 5 ms to ~80 s: one small object on a near spoke to hundreds on a slow one.
-            apply_duration: Histogram::new(exponential_buckets(0.005, 2.0, 15)),
+            apply_duration: apply_histogram(),
             drift_repairs: Counter::default(),
             outbox_depth: Gauge::default(),
             connected: Gauge::default(),
             by_transport: Family::default(),
+            hub: None,
             chunk_bytes_received: Counter::default(),
             chunks_received_again: Counter::default(),
             chunks_held: Gauge::default(),
@@ -62,57 +74,17 @@ impl Default for AgentMetrics {
 impl AgentMetrics {
     /// Registers every metric under `flotilla_agent_`.
     pub fn register(&self, registry: &mut Registry) {
-        let r = registry.sub_registry_with_prefix("agent");
-        r.register_with_unit(
-            "work_apply_duration",
-            "Time to reconcile one ManifestWork on the spoke: apply its manifests by their \
-             update strategy and record its status",
-            Unit::Seconds,
+        register_each(
+            registry,
             self.apply_duration.clone(),
-        );
-        r.register(
-            "drift_repairs",
-            "Objects a work owns that had changed on the spoke since the agent last applied \
-             them, written back to the work's content by a later reconcile of the same generation",
             self.drift_repairs.clone(),
-        );
-        r.register(
-            "status_outbox_depth",
-            "Work statuses waiting in the durable outbox for the hub's acknowledgement",
             self.outbox_depth.clone(),
-        );
-        r.register(
-            "chunk_bytes_received",
-            "Bytes of large ManifestWorks' content chunks received from the hub by this process \
-             (only chunks the cache did not hold are asked for)",
-            self.chunk_bytes_received.clone(),
-        );
-        r.register(
-            "chunks_received_again",
-            "Content chunks received from the hub that the cache held already, durably: a \
-             transfer (resumed after a disconnect, say) that sent again what had arrived; 0 \
-             when resumes ask only for what is missing",
-            self.chunks_received_again.clone(),
-        );
-        r.register(
-            "chunks_held",
-            "Content chunks of large ManifestWorks in the cache, each once however many works \
-             share it; a chunk no held work or transfer under way names is released at once",
-            self.chunks_held.clone(),
-        );
-        r.register(
-            "chunk_bytes_held",
-            "Bytes of the content chunks in the cache",
-            self.chunk_bytes_held.clone(),
-        );
-        r.register(
-            "hub_connected",
-            "1 while a session with the hub is established, else 0",
+            [
+                self.chunk_bytes_received.clone(),
+                self.chunks_received_again.clone(),
+            ],
+            [self.chunks_held.clone(), self.chunk_bytes_held.clone()],
             self.connected.clone(),
-        );
-        r.register(
-            "hub_connected_transport",
-            "1 for the carrier the established session rides (grpc or quic), 0 for the other",
             self.by_transport.clone(),
         );
     }
@@ -141,9 +113,149 @@ impl AgentMetrics {
             Carrier::Grpc => "grpc",
             Carrier::Quic => "quic",
         };
-        self.by_transport
-            .get_or_create_owned(&[("transport", name)])
+        let mut labels: TransportLabels = self.hub.iter().map(|h| ("hub", h.clone())).collect();
+        labels.push(("transport", name.to_owned()));
+        self.by_transport.get_or_create_owned(&labels)
     }
+}
+
+/// The agent's series for every hub it serves, each labelled `hub`: registered once; each
+/// hub's [`AgentMetrics`] ([`HubMetricFamilies::for_hub`]) counts into its own.
+#[derive(Clone, Debug)]
+pub struct HubMetricFamilies {
+    apply_duration: Family<HubLabel, Histogram, fn() -> Histogram>,
+    drift_repairs: Family<HubLabel, Counter>,
+    outbox_depth: Family<HubLabel, Gauge>,
+    connected: Family<HubLabel, Gauge>,
+    by_transport: Family<TransportLabels, Gauge>,
+    chunk_bytes_received: Family<HubLabel, Counter>,
+    chunks_received_again: Family<HubLabel, Counter>,
+    chunks_held: Family<HubLabel, Gauge>,
+    chunk_bytes_held: Family<HubLabel, Gauge>,
+}
+
+impl Default for HubMetricFamilies {
+    fn default() -> HubMetricFamilies {
+        HubMetricFamilies {
+            apply_duration: Family::new_with_constructor(apply_histogram as fn() -> Histogram),
+            drift_repairs: Family::default(),
+            outbox_depth: Family::default(),
+            connected: Family::default(),
+            by_transport: Family::default(),
+            chunk_bytes_received: Family::default(),
+            chunks_received_again: Family::default(),
+            chunks_held: Family::default(),
+            chunk_bytes_held: Family::default(),
+        }
+    }
+}
+
+impl HubMetricFamilies {
+    /// Registers every family under `flotilla_agent_`, by the names of [`AgentMetrics`].
+    pub fn register(&self, registry: &mut Registry) {
+        register_each(
+            registry,
+            self.apply_duration.clone(),
+            self.drift_repairs.clone(),
+            self.outbox_depth.clone(),
+            [
+                self.chunk_bytes_received.clone(),
+                self.chunks_received_again.clone(),
+            ],
+            [self.chunks_held.clone(), self.chunk_bytes_held.clone()],
+            self.connected.clone(),
+            self.by_transport.clone(),
+        );
+    }
+
+    /// The metrics of the session with hub `hub`, counting into its series.
+    pub fn for_hub(&self, hub: &str) -> AgentMetrics {
+        let label = [("hub", hub.to_owned())];
+        let metrics = AgentMetrics {
+            apply_duration: self.apply_duration.get_or_create_owned(&label),
+            drift_repairs: self.drift_repairs.get_or_create_owned(&label),
+            outbox_depth: self.outbox_depth.get_or_create_owned(&label),
+            connected: self.connected.get_or_create_owned(&label),
+            by_transport: self.by_transport.clone(),
+            hub: Some(hub.to_owned()),
+            chunk_bytes_received: self.chunk_bytes_received.get_or_create_owned(&label),
+            chunks_received_again: self.chunks_received_again.get_or_create_owned(&label),
+            chunks_held: self.chunks_held.get_or_create_owned(&label),
+            chunk_bytes_held: self.chunk_bytes_held.get_or_create_owned(&label),
+        };
+        for carrier in [Carrier::Grpc, Carrier::Quic] {
+            let _ = metrics.transport(carrier);
+        }
+        metrics
+    }
+}
+
+/// Registers the agent's metrics, one hub's or every hub's families, under their names and
+/// help.
+#[allow(clippy::too_many_arguments)]
+fn register_each(
+    registry: &mut Registry,
+    apply_duration: impl Metric,
+    drift_repairs: impl Metric,
+    outbox_depth: impl Metric,
+    [chunk_bytes_received, chunks_received_again]: [impl Metric; 2],
+    [chunks_held, chunk_bytes_held]: [impl Metric; 2],
+    connected: impl Metric,
+    by_transport: impl Metric,
+) {
+    let r = registry.sub_registry_with_prefix("agent");
+    r.register_with_unit(
+        "work_apply_duration",
+        "Time to reconcile one ManifestWork on the spoke: apply its manifests by their \
+         update strategy and record its status",
+        Unit::Seconds,
+        apply_duration,
+    );
+    r.register(
+        "drift_repairs",
+        "Objects a work owns that had changed on the spoke since the agent last applied \
+         them, written back to the work's content by a later reconcile of the same generation",
+        drift_repairs,
+    );
+    r.register(
+        "status_outbox_depth",
+        "Work statuses waiting in the durable outbox for the hub's acknowledgement",
+        outbox_depth,
+    );
+    r.register(
+        "chunk_bytes_received",
+        "Bytes of large ManifestWorks' content chunks received from the hub by this process \
+         (only chunks the cache did not hold are asked for)",
+        chunk_bytes_received,
+    );
+    r.register(
+        "chunks_received_again",
+        "Content chunks received from the hub that the cache held already, durably: a \
+         transfer (resumed after a disconnect, say) that sent again what had arrived; 0 \
+         when resumes ask only for what is missing",
+        chunks_received_again,
+    );
+    r.register(
+        "chunks_held",
+        "Content chunks of large ManifestWorks in the cache, each once however many works \
+         share it; a chunk no held work or transfer under way names is released at once",
+        chunks_held,
+    );
+    r.register(
+        "chunk_bytes_held",
+        "Bytes of the content chunks in the cache",
+        chunk_bytes_held,
+    );
+    r.register(
+        "hub_connected",
+        "1 while a session with the hub is established, else 0",
+        connected,
+    );
+    r.register(
+        "hub_connected_transport",
+        "1 for the carrier the established session rides (grpc or quic), 0 for the other",
+        by_transport,
+    );
 }
 
 /// An established session, as the gauges show it: dropping it shows the agent disconnected.

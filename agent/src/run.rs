@@ -17,15 +17,16 @@ use flotilla_proto::wire;
 use futures::FutureExt as _;
 use rand::{Rng as _, SeedableRng as _};
 use tokio::sync::{Notify, watch};
-use tracing::{error, info, warn};
+use tracing::{Instrument as _, error, info, warn};
 
 use crate::apply::{ApplyTarget, KubeApplyTarget, PolicyWritesAs};
 use crate::cache::{self, CacheDb, CacheError, WorkCache};
 use crate::config::{AgentConfig, ConfigError};
 use crate::connect::Dialer;
 use crate::governance::Governor;
+use crate::hubs::{HubsError, JoinedHubs};
 use crate::identity::Identity;
-use crate::metrics::AgentMetrics;
+use crate::metrics::{AgentMetrics, HubMetricFamilies};
 use crate::policies::PolicyDesk;
 use crate::reconcile::Reconciler;
 use crate::session::{RandJitter, hold_session};
@@ -61,6 +62,10 @@ pub enum RunError {
     /// The spoke client cannot be built from its kubeconfig. Not retryable.
     #[error("cannot build a client for the spoke apiserver: {0}")]
     SpokeClient(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
+    /// The hubs joined in `--data-dir` cannot be read. Not retryable without a fix the error
+    /// names.
+    #[error(transparent)]
+    Hubs(#[from] HubsError),
     /// A task the agent cannot work without (the reconciler, the tunnel server, the claims
     /// watcher, the metrics endpoint) panicked or ended on its own. Not retryable in-process:
     /// the agent exits non-zero so that its supervisor starts it again.
@@ -96,22 +101,17 @@ pub struct Parts {
 }
 
 /// Runs the agent until `shutdown` completes: opens the cache, starts the reconciler on the
-/// spoke apiserver, and keeps a session with the hub.
+/// spoke apiserver, and keeps a session with the hub (`--hub`), or with every hub joined in
+/// the data directory ([`crate::hubs`]), each with its own set of tasks beside one spoke client,
+/// claims watcher, cache file and metrics endpoint.
 pub async fn run(
     config: AgentConfig,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), RunError> {
     config.validate()?;
-    let identity = Identity::new(config.identity_dir());
-    identity
-        .recover()
-        .map_err(|e| RunError::Certificates(e.into()))?;
-    let dialer = Dialer::new(&config.hub, &config.server_name(), identity.dir())
-        .map_err(|e| RunError::Certificates(e.into()))?
-        .with_proxy(config.proxy_url.clone())
-        .with_transport(config.transport)
-        .with_quic_congestion(config.quic_congestion);
-    // Every request of the agent's own client takes a token of its spoke budget first.
+    let served = served_hubs(&config)?;
+    // Every request of the agent's own client takes a token of its spoke budget first: one
+    // budget for the process, however many hubs it serves.
     let spoke_kube_api = config.spoke_kube_api();
     let client = kube::client::ClientBuilder::try_from(config.spoke_kube_config().await?)
         .map_err(|e| RunError::SpokeClient(e.into()))?
@@ -119,8 +119,6 @@ pub async fn run(
         .build();
     cache::retire_sled_cache(&config.sled_cache_dir());
     let db = CacheDb::open(&config.cache_path())?;
-    let cache: Arc<dyn WorkCache> = Arc::new(db.cluster(&config.cluster_name));
-    let target: Arc<dyn ApplyTarget> = Arc::new(KubeApplyTarget::new(client.clone()));
     let spoke_api: Arc<dyn SpokeApi> = Arc::new(
         KubeSpoke::new(&config.spoke_kube_config().await?)
             .map_err(|e| RunError::SpokeClient(e.into()))?,
@@ -136,35 +134,80 @@ pub async fn run(
             until_stopped(stop.subscribe(), read.then(|()| std::future::pending())),
         );
     }
-    let (cluster_info, claims) = crate::claims::collect(client, kubernetes_version.clone());
+    let (cluster_info, claims) = crate::claims::collect(client.clone(), kubernetes_version.clone());
     tasks.spawn(
         "the claims watcher",
         until_stopped(stop.subscribe(), claims),
     );
-    let metrics = AgentMetrics::default();
-    let applied_once = ReadyFlag::new(
-        "the works in the cache have not all been applied once since the agent started",
-    );
+    // Each joined hub's series carry its name; an agent of one hub keeps its series as they were.
+    let families = HubMetricFamilies::default();
+    let mut hubs = Vec::with_capacity(served.len());
+    for (hub_config, partition, joined) in served {
+        let metrics = match (&hub_config.hub_name, joined) {
+            (Some(name), true) => families.for_hub(name),
+            _ => AgentMetrics::default(),
+        };
+        let identity = Identity::new(hub_config.identity_dir());
+        identity
+            .recover()
+            .map_err(|e| RunError::Certificates(e.into()))?;
+        let dialer = Dialer::new(
+            hub_config.hub_address()?,
+            &hub_config.server_name(),
+            identity.dir(),
+        )
+        .map_err(|e| RunError::Certificates(e.into()))?
+        .with_proxy(hub_config.proxy_url.clone())
+        .with_transport(hub_config.transport)
+        .with_quic_congestion(hub_config.quic_congestion);
+        let parts = Parts {
+            dialer,
+            cache: Arc::new(db.cluster(&partition)),
+            target: Arc::new(KubeApplyTarget::new(client.clone())),
+            spoke_api: Arc::clone(&spoke_api),
+            kubernetes_version: kubernetes_version.clone(),
+            cluster_info: cluster_info.clone(),
+            observer: Arc::new(Unobserved),
+            seed: None,
+            metrics,
+            applied_once: ReadyFlag::new(
+                "the works in the cache have not all been applied once since the agent started",
+            ),
+        };
+        hubs.push(ServedHub {
+            config: hub_config,
+            parts,
+            joined,
+        });
+    }
     if let Some(address) = config.ops.metrics_addr {
         let listener = flotilla_ops::endpoint::bind(address).await?;
         info!(address = %address, "serving /metrics, /healthz and /readyz");
         let mut registry = flotilla_ops::registry();
-        metrics.register(&mut registry);
+        match hubs.as_slice() {
+            [hub] if !hub.joined => hub.parts.metrics.register(&mut registry),
+            _ => families.register(&mut registry),
+        }
         spoke_kube_api.register(&mut registry);
-        let (outbox, depth) = (Arc::clone(&cache), metrics.clone());
-        // The cache is open (or the agent would have stopped above): ready once the start's
-        // apply pass is done.
+        let outboxes: Vec<_> = hubs
+            .iter()
+            .map(|h| (Arc::clone(&h.parts.cache), h.parts.metrics.clone()))
+            .collect();
+        // The cache is open (or the agent would have stopped above): ready once every hub's
+        // start apply pass is done.
         let endpoint = flotilla_ops::Endpoint::new(
             registry,
-            flotilla_ops::Readiness::new([applied_once.clone()]),
+            flotilla_ops::Readiness::new(hubs.iter().map(|h| h.parts.applied_once.clone())),
         )
         .refresh_with(move || {
-            if let Ok(pending) = outbox.pending_statuses() {
-                depth.outbox_depth.set(pending.len() as i64);
-            }
-            if let Ok((count, bytes)) = outbox.chunk_totals() {
-                depth.chunks_held.set(count as i64);
-                depth.chunk_bytes_held.set(bytes as i64);
+            for (outbox, depth) in &outboxes {
+                if let Ok(pending) = outbox.pending_statuses() {
+                    depth.outbox_depth.set(pending.len() as i64);
+                }
+                if let Ok((count, bytes)) = outbox.chunk_totals() {
+                    depth.chunks_held.set(count as i64);
+                    depth.chunk_bytes_held.set(bytes as i64);
+                }
             }
         });
         tasks.spawn(
@@ -172,19 +215,49 @@ pub async fn run(
             flotilla_ops::serve(listener, Arc::new(endpoint), stopped(stop.subscribe())).map(Ok),
         );
     }
-    let parts = Parts {
-        dialer,
-        cache,
-        target,
-        spoke_api,
-        kubernetes_version,
-        cluster_info,
-        observer: Arc::new(Unobserved),
-        seed: None,
-        metrics,
-        applied_once,
-    };
-    supervise(&config, parts, tasks, stop, shutdown).await
+    supervise(hubs, tasks, stop, shutdown).await
+}
+
+/// The hubs this process serves, each with its configuration, its cache partition and whether
+/// it is one of the data directory's joined hubs: `--hub` alone, or every joined hub.
+fn served_hubs(config: &AgentConfig) -> Result<Vec<(AgentConfig, String, bool)>, RunError> {
+    let joined = JoinedHubs::in_data_dir(&config.data_dir);
+    let hubs = joined.list()?;
+    match (&config.hub, hubs.is_empty()) {
+        (Some(_), true) => Ok(vec![(config.clone(), config.cluster_name.clone(), false)]),
+        (Some(hub), false) => Err(ConfigError::HubWithJoinedHubs {
+            hub: hub.clone(),
+            dir: joined.dir().display().to_string(),
+        }
+        .into()),
+        (None, true) => Err(ConfigError::NoHub.into()),
+        (None, false) if config.hub_name.is_some() => Err(ConfigError::HubNameWithJoinedHubs {
+            dir: joined.dir().display().to_string(),
+        }
+        .into()),
+        (None, false) => {
+            info!(hubs = %hubs.iter().map(|h| h.name.as_str()).collect::<Vec<_>>().join(","), "serving the hubs joined in the data directory");
+            Ok(hubs
+                .iter()
+                .map(|hub| {
+                    (
+                        config.for_hub(&joined, hub),
+                        crate::hubs::cache_partition(&hub.name, &config.cluster_name),
+                        true,
+                    )
+                })
+                .collect())
+        }
+    }
+}
+
+/// One hub the process serves: its configuration (address, identity, field managers) and its
+/// parts; `joined` when it is one of the data directory's hubs, whose tasks are then named
+/// after it.
+struct ServedHub {
+    config: AgentConfig,
+    parts: Parts,
+    joined: bool,
 }
 
 /// Runs the agent on `parts` until `shutdown` completes: the reconciler and the tunnel server
@@ -197,18 +270,58 @@ pub async fn run_with(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), RunError> {
     let (stop, _) = watch::channel(false);
-    supervise(config, parts, Tasks::new(), stop, shutdown).await
+    let hub = ServedHub {
+        config: config.clone(),
+        parts,
+        joined: false,
+    };
+    supervise(vec![hub], Tasks::new(), stop, shutdown).await
 }
 
-/// The session loop beside `tasks` (with the reconciler and the tunnel server added), until
-/// `shutdown` completes or a task ends.
+/// Each hub's session loop, reconciler, policy governor, policy desk and tunnel server beside
+/// `tasks`, until `shutdown` completes or a task ends. No hub's tasks wait on another's: each
+/// is its own task, and a hub that cannot be reached only keeps its own session dialling.
 async fn supervise(
-    config: &AgentConfig,
-    parts: Parts,
+    hubs: Vec<ServedHub>,
     mut tasks: Tasks,
     stop: watch::Sender<bool>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), RunError> {
+    for hub in hubs {
+        start_hub(hub, &mut tasks, &stop)?;
+    }
+    tokio::pin!(shutdown);
+    let fault = tokio::select! {
+        // The sessions say goodbye to their hubs; the tasks stop with them.
+        () = &mut shutdown => None,
+        ended = tasks.first_end() => {
+            error!(error = %ended, "a task the agent cannot work without ended; the agent stops so that its supervisor starts it again");
+            Some(ended)
+        }
+    };
+    stop.send_replace(true);
+    let aborted = tasks.stop_within(STOP_TIMEOUT).await;
+    if aborted > 0 {
+        warn!(aborted, timeout = ?STOP_TIMEOUT, "tasks still running after the stop deadline were aborted");
+    }
+    match fault {
+        Some(ended) => Err(ended.into()),
+        None => Ok(()),
+    }
+}
+
+/// Starts one hub's session loop, reconciler, policy governor, policy desk and tunnel server
+/// under `tasks`, told to stop through `stop`.
+fn start_hub(
+    hub: ServedHub,
+    tasks: &mut Tasks,
+    stop: &watch::Sender<bool>,
+) -> Result<(), RunError> {
+    let ServedHub {
+        config,
+        parts,
+        joined,
+    } = hub;
     let Parts {
         dialer,
         cache,
@@ -221,6 +334,12 @@ async fn supervise(
         metrics,
         applied_once,
     } = parts;
+    let hub_name = config.hub_name.clone().filter(|_| joined);
+    let span = match &hub_name {
+        Some(name) => tracing::info_span!("hub", hub = %name),
+        None => tracing::Span::none(),
+    };
+    let named = |task: &'static str| task_name(task, hub_name.as_deref());
     let mut seeds = match seed {
         Some(seed) => rand::rngs::StdRng::seed_from_u64(seed),
         None => rand::rngs::StdRng::from_os_rng(),
@@ -233,8 +352,11 @@ async fn supervise(
     let (governor, governor_handle, reports) =
         Governor::new(PolicyWritesAs::wrap(Arc::clone(&target), &managers));
     tasks.spawn(
-        "the policy governor",
-        governor.run(stopped(stop.subscribe())).map(Ok),
+        named("the policy governor"),
+        governor
+            .run(stopped(stop.subscribe()))
+            .map(Ok)
+            .instrument(span.clone()),
     );
     let (desk, policies) = PolicyDesk::new(
         Arc::clone(&cache),
@@ -243,8 +365,10 @@ async fn supervise(
         Arc::clone(&outbox_changed),
     );
     tasks.spawn(
-        "the policy desk",
-        desk.run(stopped(stop.subscribe())).map(Ok),
+        named("the policy desk"),
+        desk.run(stopped(stop.subscribe()))
+            .map(Ok)
+            .instrument(span.clone()),
     );
     let (reconciler, handle) = Reconciler::new(
         Arc::clone(&cache),
@@ -258,14 +382,20 @@ async fn supervise(
         .with_first_pass(applied_once)
         .with_field_managers(managers);
     tasks.spawn(
-        "the reconciler",
-        reconciler.run(stopped(stop.subscribe())).map(Ok),
+        named("the reconciler"),
+        reconciler
+            .run(stopped(stop.subscribe()))
+            .map(Ok)
+            .instrument(span.clone()),
     );
     // Tunnels run beside the session, never in its loop; they end with the agent.
     let (tunnel_server, tunnels) = TunnelServer::new(config.tunnels(), spoke_api);
     tasks.spawn(
-        "the tunnel server",
-        tunnel_server.run(stop.subscribe()).map(Ok),
+        named("the tunnel server"),
+        tunnel_server
+            .run(stop.subscribe())
+            .map(Ok)
+            .instrument(span.clone()),
     );
     let spoke = Spoke {
         cache,
@@ -279,32 +409,23 @@ async fn supervise(
         metrics,
     };
     let jitter = RandJitter(rand::rngs::StdRng::seed_from_u64(seeds.random()));
-    let session = hold_session(config, &dialer, &spoke, jitter, stop.subscribe());
-    tokio::pin!(session, shutdown);
-    let mut fault = None;
-    loop {
-        let stopping = *stop.borrow();
-        tokio::select! {
-            () = &mut session => break,
-            // The session says goodbye to the hub; the tasks stop with it.
-            () = &mut shutdown, if !stopping => {
-                stop.send_replace(true);
-            }
-            ended = tasks.first_end(), if !stopping => {
-                error!(error = %ended, "a task the agent cannot work without ended; the agent stops so that its supervisor starts it again");
-                fault = Some(ended);
-                stop.send_replace(true);
-            }
-        }
-    }
-    stop.send_replace(true);
-    let aborted = tasks.stop_within(STOP_TIMEOUT).await;
-    if aborted > 0 {
-        warn!(aborted, timeout = ?STOP_TIMEOUT, "tasks still running after the stop deadline were aborted");
-    }
-    match fault {
-        Some(ended) => Err(ended.into()),
-        None => Ok(()),
+    let stopping = stop.subscribe();
+    // The session ends only when told to stop, after its goodbye.
+    let session = async move {
+        hold_session(&config, &dialer, &spoke, jitter, stopping).await;
+        Ok(())
+    };
+    tasks.spawn(named("the session loop"), session.instrument(span));
+    Ok(())
+}
+
+/// `task`'s name, or, for a task of a joined hub, `task` of that hub. The names are made once
+/// per hub at start (at most [`crate::hubs::MAX_HUBS`] hubs, five tasks each) and live as
+/// long as the process.
+fn task_name(task: &'static str, hub: Option<&str>) -> &'static str {
+    match hub {
+        Some(hub) => Box::leak(format!("{task} of hub {hub}").into_boxed_str()),
+        None => task,
     }
 }
 
@@ -457,26 +578,17 @@ mod tests {
         std::fs::write(dir.join("tls.key"), key.serialize_pem()).unwrap();
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_reconciler_that_panics_is_reported_at_once_with_its_name() {
-        let dir = tempfile::tempdir().unwrap();
-        let certs = dir.path().join("certs");
-        std::fs::create_dir_all(&certs).unwrap();
-        identity(&certs, "store-7");
-        // No hub answers: the session loop keeps dialling, the agent keeps running.
-        let hub = {
-            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            listener.local_addr().unwrap().to_string()
-        };
-        let config = AgentConfig {
-            hub: hub.clone(),
+    /// The flags of an agent of cluster store-7 with its data in `dir`.
+    fn test_config(dir: &Path, hub: Option<String>, certs: &Path) -> AgentConfig {
+        AgentConfig {
+            hub,
             server_name: Some("localhost".into()),
             cluster_name: "store-7".into(),
             hub_name: None,
-            cert_dir: Some(certs.clone()),
+            cert_dir: Some(certs.to_path_buf()),
             proxy_url: None,
             kubeconfig: None,
-            data_dir: dir.path().join("data"),
+            data_dir: dir.join("data"),
             resync_interval: Duration::from_secs(300),
             apply_concurrency: 4,
             initial_jitter: Duration::ZERO,
@@ -490,7 +602,98 @@ mod tests {
             spoke_kube_api_qps: crate::config::DEFAULT_SPOKE_KUBE_API_QPS,
             spoke_kube_api_burst: crate::config::DEFAULT_SPOKE_KUBE_API_BURST,
             ops: Default::default(),
+        }
+    }
+
+    #[test]
+    fn a_data_directory_serves_its_one_hub_or_its_joined_hubs_never_both() {
+        let dir = tempfile::tempdir().unwrap();
+        let certs = dir.path().join("certs");
+        let check = |hub: Option<&str>, hub_name: Option<&str>| {
+            let mut config = test_config(dir.path(), hub.map(str::to_owned), &certs);
+            config.hub_name = hub_name.map(str::to_owned);
+            served_hubs(&config).map_err(|e| e.to_string())
         };
+        // An agent of one hub: its cluster's partition, its flags as given.
+        let one = check(Some("hub:443"), None).unwrap();
+        assert_eq!(one.len(), 1);
+        assert_eq!((one[0].1.as_str(), one[0].2), ("store-7", false));
+        assert!(
+            check(None, None)
+                .unwrap_err()
+                .starts_with("no hub to serve")
+        );
+
+        let hubs = JoinedHubs::in_data_dir(&dir.path().join("data"));
+        for name in ["department", "central-it"] {
+            let identity = hubs.identity(name);
+            std::fs::create_dir_all(identity.dir()).unwrap();
+            self::identity(identity.dir(), "store-7");
+            hubs.record(&crate::hubs::JoinedHub {
+                name: name.into(),
+                address: format!("{name}.example:443"),
+                server_name: format!("{name}.example"),
+            })
+            .unwrap();
+        }
+        let joined = check(None, None).unwrap();
+        let served: Vec<_> = joined
+            .iter()
+            .map(|(config, partition, joined)| {
+                (
+                    config.hub.clone().unwrap(),
+                    config.hub_name.clone().unwrap(),
+                    config.identity_dir(),
+                    partition.clone(),
+                    *joined,
+                )
+            })
+            .collect();
+        assert_eq!(
+            served,
+            [
+                (
+                    "central-it.example:443".to_owned(),
+                    "central-it".to_owned(),
+                    hubs.identity("central-it").dir().to_path_buf(),
+                    "central-it/store-7".to_owned(),
+                    true
+                ),
+                (
+                    "department.example:443".to_owned(),
+                    "department".to_owned(),
+                    hubs.identity("department").dir().to_path_buf(),
+                    "department/store-7".to_owned(),
+                    true
+                ),
+            ]
+        );
+        let both = check(Some("hub:443"), None).unwrap_err();
+        assert!(
+            both.starts_with(
+                "--hub hub:443 is given, but this data directory serves the hubs joined in"
+            ),
+            "{both}"
+        );
+        let named = check(None, Some("department")).unwrap_err();
+        assert!(
+            named.starts_with("--hub-name is given without --hub"),
+            "{named}"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_reconciler_that_panics_is_reported_at_once_with_its_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let certs = dir.path().join("certs");
+        std::fs::create_dir_all(&certs).unwrap();
+        identity(&certs, "store-7");
+        // No hub answers: the session loop keeps dialling, the agent keeps running.
+        let hub = {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            listener.local_addr().unwrap().to_string()
+        };
+        let config = test_config(dir.path(), Some(hub.clone()), &certs);
         let db = CacheDb::temporary().unwrap();
         let (_, kubernetes_version) = watch::channel("v1.36.3".to_string());
         let (_, cluster_info) = watch::channel(wire::ClusterInfo::default());

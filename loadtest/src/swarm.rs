@@ -802,7 +802,7 @@ async fn run_agent(
         n => shared.gateways[agent.index % n],
     };
     let config = AgentConfig {
-        hub: dial.to_string(),
+        hub: Some(dial.to_string()),
         server_name: Some(shared.server_name.clone()),
         cluster_name: agent.name.clone(),
         hub_name: None,
@@ -825,7 +825,7 @@ async fn run_agent(
         spoke_kube_api_burst: flotilla_agent::config::DEFAULT_SPOKE_KUBE_API_BURST,
         ops: Default::default(),
     };
-    let dialer = match Dialer::new(&config.hub, &shared.server_name, &agent.identity_dir) {
+    let dialer = match Dialer::new(&dial.to_string(), &shared.server_name, &agent.identity_dir) {
         Ok(d) => {
             let d = d
                 .with_local_address(Some(source))

@@ -256,6 +256,37 @@ impl ClusterCache {
         })
     }
 
+    /// Removes every record of this cluster (works, contents, chunks, transfers, ledgers,
+    /// statuses, releases) in one durable transaction: what an agent leaving a hub keeps of it
+    /// is nothing. Other clusters' records are untouched.
+    pub fn clear(&self) -> Result<(), CacheError> {
+        let prefix = self.prefix.clone();
+        self.db.write(Durability::Immediate, move |t| {
+            for table in [
+                &mut t.works,
+                &mut t.manifests,
+                &mut t.ledger,
+                &mut t.status,
+                &mut t.chunks,
+                &mut t.fetches,
+                &mut t.released,
+            ] {
+                let mut keys = Vec::new();
+                for entry in table.range::<&[u8]>(prefix.as_slice()..).map_err(storage)? {
+                    let (key, _) = entry.map_err(storage)?;
+                    if !key.value().starts_with(&prefix) {
+                        break;
+                    }
+                    keys.push(key.value().to_vec());
+                }
+                for key in keys {
+                    table.remove(key.as_slice()).map_err(storage)?;
+                }
+            }
+            Ok(())
+        })
+    }
+
     pub(super) fn key(&self, uid: &str) -> Vec<u8> {
         let mut key = Vec::with_capacity(self.prefix.len() + uid.len());
         key.extend_from_slice(&self.prefix);

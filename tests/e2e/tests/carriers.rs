@@ -113,7 +113,7 @@ async fn a_quic_session_goes_on_when_the_agents_socket_moves_to_a_new_port() -> 
     // The agent library on a QUIC endpoint this test holds.
     let client = QuicClient::bind("127.0.0.1:0".parse()?, QuicSettings::default())?;
     let config = AgentConfig {
-        hub: hub.agents_addr.clone(),
+        hub: Some(hub.agents_addr.clone()),
         server_name: Some("localhost".into()),
         cluster_name: "store-q".into(),
         hub_name: None,

@@ -121,7 +121,7 @@ impl Herd {
             let (name, certs) = registered?;
             let seen = Arc::new(Seen::default());
             let config = AgentConfig {
-                hub: hub.agents_addr.clone(),
+                hub: Some(hub.agents_addr.clone()),
                 server_name: Some("localhost".into()),
                 cluster_name: name.clone(),
                 hub_name: None,

@@ -202,6 +202,32 @@ fn clusters_in_one_database_are_isolated() {
 }
 
 #[test]
+fn clearing_a_hubs_partition_leaves_the_other_hubs_and_a_single_hub_agents() {
+    let db = CacheDb::temporary().unwrap();
+    let department = db.cluster(&crate::hubs::cache_partition("department", "store-7"));
+    let central = db.cluster(&crate::hubs::cache_partition("central-it", "store-7"));
+    let single = db.cluster("store-7");
+    for cache in [&department, &central, &single] {
+        cache.put_work(&work("a", 1), Some(b"{}")).unwrap();
+        cache.set_ledger("a", &[deployment("web")]).unwrap();
+        cache.push_status("a", 1, &json!({})).unwrap();
+    }
+    department.put_work(&work("b", 1), Some(b"{}")).unwrap();
+    department.release("b").unwrap();
+
+    department.clear().unwrap();
+    assert!(department.works().unwrap().is_empty());
+    assert!(department.ledgers().unwrap().is_empty());
+    assert!(department.pending_statuses().unwrap().is_empty());
+    assert!(department.pending_releases().unwrap().is_empty());
+    for cache in [&central, &single] {
+        assert_eq!(cache.works().unwrap(), vec![work("a", 1)]);
+        assert_eq!(cache.ledger("a").unwrap(), vec![deployment("web")]);
+        assert_eq!(cache.pending_statuses().unwrap().len(), 1);
+    }
+}
+
+#[test]
 fn the_outbox_keeps_the_latest_status_per_work_with_increasing_seq() {
     let db = CacheDb::temporary().unwrap();
     let cache = db.cluster("c");
