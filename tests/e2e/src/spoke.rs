@@ -208,6 +208,81 @@ impl Spoke {
         self.spawn_agent(dir, cmd)
     }
 
+    /// Adds `hub` to the hubs one agent of this cluster serves from `data`, as its operator
+    /// would: an auto-accepting bootstrap token from the hub (`flotilla token create`), then
+    /// `flotilla-agent join --hub-name hub_name --join-only`, waited for. The agent keeps that
+    /// hub's identity in `data/hubs/hub_name`.
+    pub async fn join_hub(
+        &self,
+        dir: &Path,
+        hub: &Hub,
+        hub_name: &str,
+        data: &Path,
+    ) -> anyhow::Result<()> {
+        let out = hub.cli(&["token", "create", "--auto-accept", "-o", "json"])?;
+        anyhow::ensure!(
+            out.status.success(),
+            "token create failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let token: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        let text = |field: &str| token[field].as_str().unwrap_or_default().to_string();
+        let program = Command::new(bin("flotilla-agent"));
+        let mut cmd = self.agent_command(program, "join", hub, data, &[]);
+        cmd.args(["--hub", &text("hub")])
+            .args(["--ca-fingerprint", &text("caFingerprint")])
+            .args(["--hub-name", hub_name, "--join-only"])
+            .env("FLOTILLA_BOOTSTRAP_TOKEN", text("token"));
+        let mut join = self.spawn_agent(dir, cmd)?;
+        let status = join
+            .exited_within(Duration::from_secs(60))
+            .await
+            .with_context(|| {
+                format!("the join of hub {hub_name} did not finish:\n{}", join.log())
+            })?;
+        anyhow::ensure!(
+            status.success(),
+            "the join of hub {hub_name} failed ({status}):\n{}",
+            join.log()
+        );
+        Ok(())
+    }
+
+    /// Starts the one agent of this cluster that serves every hub joined in `data`
+    /// ([`Spoke::join_hub`]): `flotilla-agent run` without `--hub`. `carrier_of` gives the
+    /// test's carrier.
+    pub fn start_agent_for_joined_hubs(
+        &self,
+        dir: &Path,
+        carrier_of: &Hub,
+        data: &Path,
+        extra: &[&str],
+    ) -> anyhow::Result<Proc> {
+        let program = Command::new(bin("flotilla-agent"));
+        let cmd = self.agent_command(program, "run", carrier_of, data, extra);
+        self.spawn_agent(dir, cmd)
+    }
+
+    /// `flotilla-agent leave --hub hub_name` on the agent's data directory `data` (the agent
+    /// stopped): that hub's works taken off this spoke, its cache and identity dropped.
+    pub fn leave_hub(&self, data: &Path, hub_name: &str) -> anyhow::Result<String> {
+        let out = Command::new(bin("flotilla-agent"))
+            .arg("leave")
+            .args(["--hub", hub_name, "--timeout", "60s"])
+            .args(["--cluster-name", &self.name])
+            .arg("--data-dir")
+            .arg(data)
+            .arg("--kubeconfig")
+            .arg(self.env.kubeconfig_path())
+            .output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "flotilla-agent leave --hub {hub_name} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
     /// `flotilla-agent SUBCOMMAND` as `cmd` (the binary, or a wrapper that execs it) for this
     /// cluster and its apiserver, state in `data`.
     fn agent_command(

@@ -1,7 +1,7 @@
-//! One cluster, several hubs, OCM's first way: an agent per hub on one spoke. Two real hubs
-//! (one on the kube backend, one on sled) and one real spoke apiserver; two `flotilla-agent`
-//! processes, each with its own certificate from its hub, its own data directory and its own
-//! `--hub-name`, apply to that one apiserver.
+//! One cluster, several hubs. Two real hubs (one on the kube backend, one on sled) and one real
+//! spoke apiserver, served OCM's first way, an agent per hub (two `flotilla-agent` processes,
+//! each with its own certificate from its hub, its own data directory and its own
+//! `--hub-name`), and flotilla's own, one agent joined to both hubs.
 //!
 //! These agents are hosted agents (OCM's second way): they run off the spoke, on the test's
 //! host, with a kubeconfig to the spoke's apiserver, which is the setup docs/operations.md
@@ -10,8 +10,9 @@
 use std::path::Path;
 use std::time::Duration;
 
+use flotilla_e2e::proxy::{kubectl, kubectl_ok};
 use flotilla_e2e::spoke::Spoke;
-use flotilla_e2e::{Fleet, on_both_carriers, wait_for};
+use flotilla_e2e::{Fleet, free_port, on_both_carriers, scrape, wait_for};
 use nix::sys::signal::Signal;
 use serde_json::{Value, json};
 
@@ -151,6 +152,230 @@ on_both_carriers! {
         wait_spoke_data(&spoke, "central-after", json!({"after": "yes"})).await?;
         // What the department's agent applied stays while its hub is away.
         assert_eq!(spoke_data(&spoke, "dept-settings").await?, Some(json!({"store": "7"})));
+        Ok(())
+    }
+}
+
+/// Access rules of the department's proxy front: its group may do anything on `cluster1`.
+const DEPARTMENT_RULES: &str = r#"
+rules:
+  - name: department-staff
+    groups: [department-staff]
+    clusters: {names: [cluster1]}
+    access: full
+"#;
+
+/// Access rules of central IT's proxy front: its group may only read `cluster1`.
+const CENTRAL_RULES: &str = r#"
+rules:
+  - name: central-auditors
+    groups: [central-auditors]
+    clusters: {names: [cluster1]}
+    access: readOnly
+"#;
+
+/// On the spoke, both hubs' kubectl groups may do anything with ConfigMaps: what one of them
+/// may not do is its hub's proxy's refusal, not the spoke's.
+async fn spoke_rbac_for_both_groups(client: kube::Client) -> anyhow::Result<()> {
+    use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+    use kube::api::{Api, PostParams};
+    let pp = PostParams::default();
+    Api::<ClusterRole>::all(client.clone())
+        .create(
+            &pp,
+            &serde_json::from_value(json!({
+                "metadata": {"name": "configmaps"},
+                "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["*"]}],
+            }))?,
+        )
+        .await?;
+    Api::<ClusterRoleBinding>::all(client)
+        .create(&pp, &serde_json::from_value(json!({
+            "metadata": {"name": "configmaps"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "configmaps"},
+            "subjects": [
+                {"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": "department-staff"},
+                {"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": "central-auditors"},
+            ],
+        }))?)
+        .await?;
+    Ok(())
+}
+
+/// Waits until the one agent's `/metrics` at `address` shows each hub's session as `want`
+/// says (1 connected, 0 not), each in its own `hub` series.
+async fn wait_connected(address: &str, want: &[(&str, f64)]) -> anyhow::Result<()> {
+    wait_for(
+        &format!("the agent's hub_connected series to be {want:?}"),
+        Duration::from_secs(60),
+        || async {
+            let page = scrape(address).await?;
+            let all = want.iter().all(|(hub, value)| {
+                page.value("flotilla_agent_hub_connected", &[("hub", hub)]) == Some(*value)
+            });
+            Ok(all.then_some(()))
+        },
+    )
+    .await
+}
+
+/// A hub on `kube` or sled with its proxy front on, `rules` its access rules.
+async fn fleet_with_proxy(dir: &Path, kube: bool, rules: &str) -> anyhow::Result<Fleet> {
+    let flags = flotilla_e2e::proxy::proxy_flags(dir, rules, "")?;
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    Fleet::start_with(dir, kube, &flags).await
+}
+
+on_both_carriers! {
+    /// One agent process joined to both hubs (`join --hub-name` twice into one data
+    /// directory, `run` without `--hub`): each hub's works are delivered; a ConfigMap both hubs
+    /// apply keeps both hubs' keys and the conflict names the other hub; deleting the
+    /// department's work leaves central IT's object; kubectl through each hub's proxy front
+    /// reaches the spoke under that hub's own access rules; the department's hub killed does
+    /// not stop central IT's next work; `leave --hub department` takes only the department's
+    /// objects, and the agent then serves central IT alone.
+    async fn one_agent_serves_two_hubs() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let dept_dir = start_dir(dir.path(), "department")?;
+        let central_dir = start_dir(dir.path(), "central")?;
+        let mut department = fleet_with_proxy(&dept_dir, true, DEPARTMENT_RULES).await?;
+        let central = fleet_with_proxy(&central_dir, false, CENTRAL_RULES).await?;
+        let spoke = Spoke::start_unregistered(dir.path(), "cluster1").await?;
+        let data = dir.path().join("cluster1-one-agent-data");
+        spoke.join_hub(dir.path(), &department.hub, DEPARTMENT, &data).await?;
+        spoke.join_hub(dir.path(), &central.hub, CENTRAL, &data).await?;
+        let metrics = format!("127.0.0.1:{}", free_port()?);
+        let metrics_flag = format!("--metrics-addr={metrics}");
+        let fast = ["--resync-interval=2s"];
+        let mut agent = spoke.start_agent_for_joined_hubs(
+            dir.path(),
+            &department.hub,
+            &data,
+            &[fast[0], &metrics_flag],
+        )?;
+        department.hub.wait_available("cluster1").await?;
+        central.hub.wait_available("cluster1").await?;
+        wait_connected(&metrics, &[(DEPARTMENT, 1.0), (CENTRAL, 1.0)]).await?;
+
+        // Each hub's own work arrives through the one agent.
+        department.apply_value(
+            &dept_dir,
+            &configmap_work("dept-only", "dept-settings", json!({"store": "7"})),
+        )?;
+        central.apply_value(
+            &central_dir,
+            &configmap_work("central-only", "central-settings", json!({"audit": "on"})),
+        )?;
+        department.wait_applied("cluster1", "dept-only").await?;
+        central.wait_applied("cluster1", "central-only").await?;
+        wait_spoke_data(&spoke, "dept-settings", json!({"store": "7"})).await?;
+        wait_spoke_data(&spoke, "central-settings", json!({"audit": "on"})).await?;
+
+        // One ConfigMap both hubs apply without overlapping: both hubs' keys, kept after the
+        // department leaves (below).
+        department.apply_value(
+            &dept_dir,
+            &configmap_work("dept-both", "both", json!({"dept": "yes"})),
+        )?;
+        central.apply_value(
+            &central_dir,
+            &configmap_work("central-both", "both", json!({"central": "yes"})),
+        )?;
+        department.wait_applied("cluster1", "dept-both").await?;
+        central.wait_applied("cluster1", "central-both").await?;
+        wait_spoke_data(&spoke, "both", json!({"dept": "yes", "central": "yes"})).await?;
+
+        // One ConfigMap, both hubs, one key in common: the department first.
+        department.apply_value(
+            &dept_dir,
+            &configmap_work("dept-shared", "shared", json!({"store": "7", "tier": "gold"})),
+        )?;
+        department.wait_applied("cluster1", "dept-shared").await?;
+        central.apply_value(
+            &central_dir,
+            &configmap_work("central-shared", "shared", json!({"audit": "on", "tier": "bronze"})),
+        )?;
+        let conflict = wait_for(
+            "central-shared's manifest to report the conflict",
+            Duration::from_secs(60),
+            || async {
+                let work = central.work("cluster1", "central-shared")?;
+                Ok(work
+                    .as_ref()
+                    .and_then(manifest_applied)
+                    .filter(|c| c["reason"] == "ApplyConflict")
+                    .cloned())
+            },
+        )
+        .await?;
+        assert_eq!(conflict["status"], "False");
+        let message = conflict["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("hub department (flotilla-work-agent/department)")
+                && message.contains(".data.tier"),
+            "{message}"
+        );
+        wait_spoke_data(
+            &spoke,
+            "shared",
+            json!({"store": "7", "tier": "gold", "audit": "on"}),
+        )
+        .await?;
+
+        // Deleting the department's work leaves the object with central IT's keys, and central
+        // IT then applies the key it no longer shares.
+        department.cli(&["work", "delete", "dept-shared", "--clusters", "cluster1"])?;
+        wait_spoke_data(&spoke, "shared", json!({"audit": "on", "tier": "bronze"})).await?;
+        central.wait_applied("cluster1", "central-shared").await?;
+
+        // kubectl through each hub's proxy front reaches the spoke through the one agent, each
+        // hub's rules its own: the department's staff may write, central IT's auditors read.
+        spoke_rbac_for_both_groups(spoke.env.client().await?).await?;
+        let dora = department.hub.create_user(&dept_dir, "dora", &["department-staff"])?;
+        let ivan = central.hub.create_user(&central_dir, "ivan", &["central-auditors"])?;
+        for user in [&dora, &ivan] {
+            let seen = kubectl_ok(user, &["get", "configmap", "shared", "-n", "default", "-o", "json"]).await?;
+            let seen: Value = serde_json::from_str(&seen)?;
+            assert_eq!(seen["data"], json!({"audit": "on", "tier": "bronze"}), "{seen}");
+        }
+        kubectl_ok(&dora, &["create", "configmap", "from-department", "-n", "default"]).await?;
+        assert!(spoke.config_map("default", "from-department").await?.is_some());
+        let refused = kubectl(&ivan, &["create", "configmap", "from-central", "-n", "default"]).await?;
+        assert!(!refused.status.success(), "central IT's read-only rule let a write through");
+        assert!(
+            spoke.config_map("default", "from-central").await?.is_none(),
+            "central IT's proxy refused the write, yet it reached the spoke"
+        );
+
+        // The department's hub dies; central IT's next work is applied all the same.
+        department.hub.proc.signal_and_wait(Signal::SIGKILL);
+        central.apply_value(
+            &central_dir,
+            &configmap_work("central-after", "central-after", json!({"after": "yes"})),
+        )?;
+        central.wait_applied("cluster1", "central-after").await?;
+        wait_spoke_data(&spoke, "central-after", json!({"after": "yes"})).await?;
+        assert_eq!(spoke_data(&spoke, "dept-settings").await?, Some(json!({"store": "7"})));
+        wait_connected(&metrics, &[(DEPARTMENT, 0.0), (CENTRAL, 1.0)]).await?;
+
+        // The agent leaves the department: the department's objects go, the keys it shared
+        // with central IT go from the object both apply, central IT's stay.
+        agent.signal_and_wait(Signal::SIGTERM);
+        let said = spoke.leave_hub(&data, DEPARTMENT)?;
+        assert!(said.contains("left hub department: 2 of its works removed"), "{said}");
+        assert_eq!(spoke_data(&spoke, "dept-settings").await?, None);
+        assert_eq!(spoke_data(&spoke, "both").await?, Some(json!({"central": "yes"})));
+        assert_eq!(spoke_data(&spoke, "central-settings").await?, Some(json!({"audit": "on"})));
+        assert!(!data.join("hubs").join(DEPARTMENT).exists());
+
+        // Started again, the agent serves central IT alone.
+        let _agent = spoke.start_agent_for_joined_hubs(dir.path(), &central.hub, &data, &fast)?;
+        central.apply_value(
+            &central_dir,
+            &configmap_work("central-alone", "central-alone", json!({"alone": "yes"})),
+        )?;
+        central.wait_applied("cluster1", "central-alone").await?;
+        wait_spoke_data(&spoke, "central-alone", json!({"alone": "yes"})).await?;
         Ok(())
     }
 }
