@@ -161,6 +161,20 @@ pub struct AgentConfig {
     /// /version at start.
     #[arg(long, env = "FLOTILLA_AGENT_KUBERNETES_VERSION", default_value = "")]
     pub kubernetes_version: String,
+
+    /// Failover mode (OCM's MultipleHubs): the hubs joined in --data-dir, by name and in order
+    /// of preference (comma-separated, every joined hub listed), of which `run` serves one at a
+    /// time. When the active hub's session has not been established for
+    /// --hub-unreachable-timeout, the agent serves the next; `flotilla-agent failover --to NAME`
+    /// moves it back. What a hub applied stays on the spoke, unenforced, while another is
+    /// active. Without it, `run` serves every joined hub at once.
+    #[arg(long, env = "FLOTILLA_AGENT_FAILOVER_ORDER", value_delimiter = ',')]
+    pub failover_order: Vec<String>,
+
+    /// In failover mode, how long the active hub's session may be down (the hub unreachable,
+    /// or refusing the cluster) before the agent moves to the next hub of --failover-order.
+    #[arg(long, env = "FLOTILLA_AGENT_HUB_UNREACHABLE_TIMEOUT", default_value = crate::failover::DEFAULT_HUB_UNREACHABLE_TIMEOUT, value_parser = humantime::parse_duration)]
+    pub hub_unreachable_timeout: Duration,
 }
 
 /// A configuration that cannot work. None is retryable: fix the flag named.
@@ -188,6 +202,12 @@ pub enum ConfigError {
         "--hub-name is given without --hub, but the hubs joined in {dir} are named by their directories: run without --hub-name to serve every one"
     )]
     HubNameWithJoinedHubs { dir: String },
+    /// `--failover-order` that does not list the joined hubs. Not retryable.
+    #[error("--failover-order {order}: {problem}")]
+    FailoverOrder { order: String, problem: String },
+    /// `--hub-unreachable-timeout` is too short. Not retryable.
+    #[error("--hub-unreachable-timeout {got:?} is shorter than {min:?}; use e.g. 5m")]
+    HubUnreachableTimeout { got: Duration, min: Duration },
     /// `--resync-interval` is too short. Not retryable.
     #[error("--resync-interval {got:?} is shorter than {min:?}; use e.g. 5m")]
     ResyncInterval { got: Duration, min: Duration },
@@ -286,6 +306,12 @@ impl AgentConfig {
                 flotilla_ops::rate::check_burst("--spoke-kube-api-burst", self.spoke_kube_api_burst)
             })
             .map_err(ConfigError::SpokeKubeApi)?;
+        if self.hub_unreachable_timeout < crate::failover::MIN_HUB_UNREACHABLE_TIMEOUT {
+            return Err(ConfigError::HubUnreachableTimeout {
+                got: self.hub_unreachable_timeout,
+                min: crate::failover::MIN_HUB_UNREACHABLE_TIMEOUT,
+            });
+        }
         if self.feedback_interval < MIN_FEEDBACK_INTERVAL {
             return Err(ConfigError::FeedbackInterval {
                 got: self.feedback_interval,
@@ -293,6 +319,50 @@ impl AgentConfig {
             });
         }
         Ok(())
+    }
+
+    /// Failover mode's settings, checked against the hubs `joined` in the data directory;
+    /// `None` without `--failover-order`.
+    pub fn failover(
+        &self,
+        joined: &[String],
+    ) -> Result<Option<crate::failover::Failover>, ConfigError> {
+        if self.failover_order.is_empty() {
+            return Ok(None);
+        }
+        let refuse = |problem: String| ConfigError::FailoverOrder {
+            order: self.failover_order.join(","),
+            problem,
+        };
+        if self.hub.is_some() || joined.is_empty() {
+            return Err(refuse(
+                "failover is between hubs joined in --data-dir (flotilla-agent join --hub-name NAME ...), without --hub".into(),
+            ));
+        }
+        if self.failover_order.len() < 2 {
+            return Err(refuse("name at least two hubs".into()));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for name in &self.failover_order {
+            if !seen.insert(name) {
+                return Err(refuse(format!("names hub {name} twice")));
+            }
+            if !joined.contains(name) {
+                return Err(refuse(format!(
+                    "names hub {name}, which is not joined here (joined: {})",
+                    joined.join(", ")
+                )));
+            }
+        }
+        if let Some(missing) = joined.iter().find(|name| !seen.contains(name)) {
+            return Err(refuse(format!(
+                "leaves out the joined hub {missing}: list every joined hub, or leave it (flotilla-agent leave --hub {missing})"
+            )));
+        }
+        Ok(Some(crate::failover::Failover {
+            order: self.failover_order.clone(),
+            unreachable_timeout: self.hub_unreachable_timeout,
+        }))
     }
 
     /// The field managers the agent writes as (`--hub-name`).
@@ -427,6 +497,76 @@ mod tests {
             Ok(()),
         );
         check(&["--hub-name", "central-it"], Ok(()));
+    }
+
+    #[test]
+    fn the_failover_order_lists_every_joined_hub_once() {
+        let failover = |extra: &[&str], joined: &[&str]| {
+            let config =
+                Cli::parse_from(["agent", "--cluster-name", "store-7"].iter().chain(extra)).config;
+            let joined: Vec<String> = joined.iter().map(|s| s.to_string()).collect();
+            config.failover(&joined).map_err(|e| e.to_string())
+        };
+        let two = ["dept", "central"];
+        assert_eq!(
+            failover(&[], &two),
+            Ok(None),
+            "without the flag, every hub at once"
+        );
+        assert_eq!(
+            failover(
+                &[
+                    "--failover-order",
+                    "central,dept",
+                    "--hub-unreachable-timeout",
+                    "30s"
+                ],
+                &two
+            ),
+            Ok(Some(crate::failover::Failover {
+                order: vec!["central".into(), "dept".into()],
+                unreachable_timeout: Duration::from_secs(30),
+            }))
+        );
+        let refused = |extra: &[&str], joined: &[&str], want: &str| {
+            let got = failover(extra, joined).unwrap_err();
+            assert!(got.contains(want), "{extra:?}: {got}");
+        };
+        refused(
+            &["--failover-order", "dept,central"],
+            &[],
+            "between hubs joined in --data-dir",
+        );
+        refused(
+            &["--failover-order", "dept,central", "--hub", "hub:443"],
+            &two,
+            "without --hub",
+        );
+        refused(
+            &["--failover-order", "dept"],
+            &two,
+            "name at least two hubs",
+        );
+        refused(
+            &["--failover-order", "dept,dept"],
+            &two,
+            "names hub dept twice",
+        );
+        refused(
+            &["--failover-order", "dept,edge"],
+            &two,
+            "names hub edge, which is not joined here (joined: dept, central)",
+        );
+        refused(
+            &["--failover-order", "dept,central"],
+            &["dept", "central", "edge"],
+            "leaves out the joined hub edge",
+        );
+        check(
+            &["--hub-unreachable-timeout", "0s"],
+            Err("--hub-unreachable-timeout"),
+        );
+        assert_eq!(parse(&[]).hub_unreachable_timeout, Duration::from_secs(300));
     }
 
     #[tokio::test]

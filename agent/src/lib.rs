@@ -45,6 +45,7 @@ pub mod connect;
 mod delivery;
 mod driver;
 pub mod executor;
+pub mod failover;
 pub mod feedback;
 #[doc(hidden)]
 pub mod fuzzing;

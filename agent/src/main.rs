@@ -34,6 +34,21 @@ enum Command {
     /// fields), then drop its cache and identity. Run it with the agent stopped; the other
     /// hubs are served as before when it starts again.
     Leave(LeaveArgs),
+    /// Failover mode (`run --failover-order`): make one of the joined hubs the active one. A
+    /// running agent moves to it within a second (it stops serving the hub it served, whose
+    /// objects stay on the spoke unenforced, and resumes the named hub's session from its
+    /// cache); a stopped one serves it when it starts.
+    Failover(FailoverArgs),
+}
+
+#[derive(Args)]
+struct FailoverArgs {
+    /// The hub to serve, by its name (--hub-name at its join).
+    #[arg(long)]
+    to: String,
+    /// The agent's data directory.
+    #[arg(long, env = "FLOTILLA_AGENT_DATA_DIR", default_value = flotilla_agent::config::DEFAULT_DATA_DIR)]
+    data_dir: std::path::PathBuf,
 }
 
 #[derive(Args)]
@@ -81,7 +96,7 @@ fn main() -> anyhow::Result<()> {
     flotilla_ops::init_tracing(match &cli.command {
         Command::Run(config) => config.ops.log_format,
         Command::Join(args) => args.agent.ops.log_format,
-        Command::Leave(_) => Default::default(),
+        Command::Leave(_) | Command::Failover(_) => Default::default(),
     });
     warn_retired_variables();
     match cli.command {
@@ -98,6 +113,7 @@ fn main() -> anyhow::Result<()> {
             let runtime = tokio::runtime::Runtime::new()?;
             runtime.block_on(leave(args))
         }
+        Command::Failover(args) => fail_over(args),
     }
 }
 
@@ -178,6 +194,24 @@ async fn leave(args: LeaveArgs) -> anyhow::Result<()> {
         "left hub {}: {} of its works removed from the spoke",
         args.hub, left.works
     );
+    Ok(())
+}
+
+fn fail_over(args: FailoverArgs) -> anyhow::Result<()> {
+    let hub = JoinedHubs::in_data_dir(&args.data_dir).get(&args.to)?;
+    let was = flotilla_agent::failover::read_active(&args.data_dir)?;
+    flotilla_agent::failover::write_active(&args.data_dir, &hub.name)?;
+    match was {
+        Some(was) if was == hub.name => println!("hub {} is already the active hub", hub.name),
+        Some(was) => println!(
+            "active hub: {} (was {was}); a running agent moves to it within a second",
+            hub.name
+        ),
+        None => println!(
+            "active hub: {}; a running agent moves to it within a second",
+            hub.name
+        ),
+    }
     Ok(())
 }
 

@@ -50,6 +50,13 @@ pub struct AgentMetrics {
     pub(crate) chunk_bytes_held: Gauge,
 }
 
+impl AgentMetrics {
+    /// Whether a session with the hub is established now (`hub_connected` is 1).
+    pub(crate) fn is_connected(&self) -> bool {
+        self.connected.get() == 1
+    }
+}
+
 impl Default for AgentMetrics {
     fn default() -> AgentMetrics {
         let metrics = AgentMetrics {

@@ -40,7 +40,7 @@ const VERSION_TIMEOUT: Duration = Duration::from_secs(10);
 const VERSION_RETRY: Duration = Duration::from_secs(30);
 /// How long the agent's tasks get to stop once told; what is left is aborted (a reconcile in
 /// flight is idempotent and runs again at the next start).
-const STOP_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Why the agent could not start, or stopped. None is retryable without a change: the message
 /// says what to fix.
@@ -75,6 +75,7 @@ pub enum RunError {
 
 /// The parts [`run_with`] runs on. [`run`] makes them from the agent's flags; the load-test
 /// harness makes thousands, sharing one cache database and simulated clusters.
+#[derive(Clone)]
 pub struct Parts {
     /// Opens connections to the hub.
     pub dialer: Dialer,
@@ -110,6 +111,19 @@ pub async fn run(
 ) -> Result<(), RunError> {
     config.validate()?;
     let served = served_hubs(&config)?;
+    let joined_names: Vec<String> = served
+        .iter()
+        .filter(|(_, _, joined)| *joined)
+        .filter_map(|(hub, _, _)| hub.hub_name.clone())
+        .collect();
+    let failover = config.failover(&joined_names)?;
+    // In failover mode one hub is served at a time: ready once the active one's first apply
+    // pass is done, whichever it is.
+    let one_ready = failover.as_ref().map(|_| {
+        ReadyFlag::new(
+            "the active hub's cached works have not all been applied once since the agent started",
+        )
+    });
     // Every request of the agent's own client takes a token of its spoke budget first: one
     // budget for the process, however many hubs it serves.
     let spoke_kube_api = config.spoke_kube_api();
@@ -170,9 +184,11 @@ pub async fn run(
             observer: Arc::new(Unobserved),
             seed: None,
             metrics,
-            applied_once: ReadyFlag::new(
-                "the works in the cache have not all been applied once since the agent started",
-            ),
+            applied_once: one_ready.clone().unwrap_or_else(|| {
+                ReadyFlag::new(
+                    "the works in the cache have not all been applied once since the agent started",
+                )
+            }),
         };
         hubs.push(ServedHub {
             config: hub_config,
@@ -215,7 +231,15 @@ pub async fn run(
             flotilla_ops::serve(listener, Arc::new(endpoint), stopped(stop.subscribe())).map(Ok),
         );
     }
-    supervise(hubs, tasks, stop, shutdown).await
+    match failover {
+        Some(failover) => {
+            let serving =
+                crate::failover::serve(hubs, failover, config.data_dir.clone(), stop.subscribe());
+            tasks.spawn("the hub failover", serving);
+            supervise(Vec::new(), tasks, stop, shutdown).await
+        }
+        None => supervise(hubs, tasks, stop, shutdown).await,
+    }
 }
 
 /// The hubs this process serves, each with its configuration, its cache partition and whether
@@ -254,9 +278,10 @@ fn served_hubs(config: &AgentConfig) -> Result<Vec<(AgentConfig, String, bool)>,
 /// One hub the process serves: its configuration (address, identity, field managers) and its
 /// parts; `joined` when it is one of the data directory's hubs, whose tasks are then named
 /// after it.
-struct ServedHub {
-    config: AgentConfig,
-    parts: Parts,
+#[derive(Clone)]
+pub(crate) struct ServedHub {
+    pub(crate) config: AgentConfig,
+    pub(crate) parts: Parts,
     joined: bool,
 }
 
@@ -312,7 +337,7 @@ async fn supervise(
 
 /// Starts one hub's session loop, reconciler, policy governor, policy desk and tunnel server
 /// under `tasks`, told to stop through `stop`.
-fn start_hub(
+pub(crate) fn start_hub(
     hub: ServedHub,
     tasks: &mut Tasks,
     stop: &watch::Sender<bool>,
@@ -601,6 +626,8 @@ mod tests {
             tunnel_idle_timeout: crate::tunnel::DEFAULT_TUNNEL_IDLE_TIMEOUT,
             spoke_kube_api_qps: crate::config::DEFAULT_SPOKE_KUBE_API_QPS,
             spoke_kube_api_burst: crate::config::DEFAULT_SPOKE_KUBE_API_BURST,
+            failover_order: Vec::new(),
+            hub_unreachable_timeout: Duration::from_secs(300),
             ops: Default::default(),
         }
     }

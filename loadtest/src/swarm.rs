@@ -823,6 +823,8 @@ async fn run_agent(
         tunnel_idle_timeout: flotilla_agent::tunnel::DEFAULT_TUNNEL_IDLE_TIMEOUT,
         spoke_kube_api_qps: flotilla_agent::config::DEFAULT_SPOKE_KUBE_API_QPS,
         spoke_kube_api_burst: flotilla_agent::config::DEFAULT_SPOKE_KUBE_API_BURST,
+        failover_order: Vec::new(),
+        hub_unreachable_timeout: Duration::from_secs(300),
         ops: Default::default(),
     };
     let dialer = match Dialer::new(&dial.to_string(), &shared.server_name, &agent.identity_dir) {

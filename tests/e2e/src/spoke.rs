@@ -283,6 +283,23 @@ impl Spoke {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
+    /// `flotilla-agent failover --to hub_name` on the agent's data directory `data`: what it
+    /// printed.
+    pub fn fail_over(&self, data: &Path, hub_name: &str) -> anyhow::Result<String> {
+        let out = Command::new(bin("flotilla-agent"))
+            .arg("failover")
+            .args(["--to", hub_name])
+            .arg("--data-dir")
+            .arg(data)
+            .output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "flotilla-agent failover --to {hub_name} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
     /// `flotilla-agent SUBCOMMAND` as `cmd` (the binary, or a wrapper that execs it) for this
     /// cluster and its apiserver, state in `data`.
     fn agent_command(

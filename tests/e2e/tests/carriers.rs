@@ -133,6 +133,8 @@ async fn a_quic_session_goes_on_when_the_agents_socket_moves_to_a_new_port() -> 
         tunnel_idle_timeout: flotilla_agent::tunnel::DEFAULT_TUNNEL_IDLE_TIMEOUT,
         spoke_kube_api_qps: flotilla_agent::config::DEFAULT_SPOKE_KUBE_API_QPS,
         spoke_kube_api_burst: flotilla_agent::config::DEFAULT_SPOKE_KUBE_API_BURST,
+        failover_order: Vec::new(),
+        hub_unreachable_timeout: Duration::from_secs(300),
         ops: Default::default(),
     };
     let db = CacheDb::temporary()?;

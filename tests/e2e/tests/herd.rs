@@ -142,6 +142,8 @@ impl Herd {
                 tunnel_idle_timeout: flotilla_agent::tunnel::DEFAULT_TUNNEL_IDLE_TIMEOUT,
                 spoke_kube_api_qps: flotilla_agent::config::DEFAULT_SPOKE_KUBE_API_QPS,
                 spoke_kube_api_burst: flotilla_agent::config::DEFAULT_SPOKE_KUBE_API_BURST,
+                failover_order: Vec::new(),
+                hub_unreachable_timeout: Duration::from_secs(300),
                 ops: Default::default(),
             };
             let (_, kubernetes_version) = tokio::sync::watch::channel("v1.36.3".to_string());

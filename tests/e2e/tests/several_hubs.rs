@@ -379,3 +379,76 @@ on_both_carriers! {
         Ok(())
     }
 }
+
+on_both_carriers! {
+    /// Failover mode: one agent joined to both hubs serves the department's hub (sled) alone,
+    /// central IT's standing by; the department's hub SIGKILLed, the agent serves central IT
+    /// within `--hub-unreachable-timeout` and applies its works, the department's objects left
+    /// on the spoke; the department's hub back and the agent told so (`flotilla-agent failover
+    /// --to department`), the department's next work applies and central IT's objects stay.
+    async fn failover_moves_to_the_next_hub_and_back_when_told() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let dept_dir = start_dir(dir.path(), "department")?;
+        let central_dir = start_dir(dir.path(), "central")?;
+        let mut department = Fleet::start(&dept_dir, false).await?;
+        let central = Fleet::start(&central_dir, true).await?;
+        let spoke = Spoke::start_unregistered(dir.path(), "cluster1").await?;
+        let data = dir.path().join("cluster1-failover-data");
+        spoke.join_hub(dir.path(), &department.hub, DEPARTMENT, &data).await?;
+        spoke.join_hub(dir.path(), &central.hub, CENTRAL, &data).await?;
+        let metrics = format!("127.0.0.1:{}", free_port()?);
+        let metrics_flag = format!("--metrics-addr={metrics}");
+        let order = format!("--failover-order={DEPARTMENT},{CENTRAL}");
+        let flags = [
+            "--resync-interval=2s",
+            "--hub-unreachable-timeout=3s",
+            metrics_flag.as_str(),
+            order.as_str(),
+        ];
+        let agent = spoke.start_agent_for_joined_hubs(dir.path(), &department.hub, &data, &flags)?;
+        department.hub.wait_available("cluster1").await?;
+        wait_connected(&metrics, &[(DEPARTMENT, 1.0), (CENTRAL, 0.0)]).await?;
+
+        // The department's work applies; central IT's waits for its hub's turn.
+        central.apply_value(
+            &central_dir,
+            &configmap_work("central-work", "central-settings", json!({"audit": "on"})),
+        )?;
+        department.apply_value(
+            &dept_dir,
+            &configmap_work("dept-work", "dept-settings", json!({"store": "7"})),
+        )?;
+        department.wait_applied("cluster1", "dept-work").await?;
+        wait_spoke_data(&spoke, "dept-settings", json!({"store": "7"})).await?;
+        assert_eq!(
+            spoke_data(&spoke, "central-settings").await?,
+            None,
+            "central IT's work was applied while its hub stood by"
+        );
+
+        // The department's hub dies: the agent moves to central IT and applies its work; the
+        // department's object stays, no longer enforced.
+        department.hub.proc.signal_and_wait(Signal::SIGKILL);
+        central.hub.wait_available("cluster1").await.map_err(|e| e.context(format!("agent log:\n{}", agent.log())))?;
+        central.wait_applied("cluster1", "central-work").await?;
+        wait_spoke_data(&spoke, "central-settings", json!({"audit": "on"})).await?;
+        wait_connected(&metrics, &[(DEPARTMENT, 0.0), (CENTRAL, 1.0)]).await?;
+        assert_eq!(spoke_data(&spoke, "dept-settings").await?, Some(json!({"store": "7"})));
+        assert_eq!(std::fs::read_to_string(data.join("active-hub"))?.trim(), CENTRAL);
+
+        // The department's hub is back; the operator moves the agent back to it.
+        department.hub.restart(&dept_dir, &[]).await?;
+        let said = spoke.fail_over(&data, DEPARTMENT)?;
+        assert!(said.contains("active hub: department (was central-it)"), "{said}");
+        wait_connected(&metrics, &[(DEPARTMENT, 1.0), (CENTRAL, 0.0)]).await?;
+        department.apply_value(
+            &dept_dir,
+            &configmap_work("dept-after", "dept-after", json!({"back": "yes"})),
+        )?;
+        department.wait_applied("cluster1", "dept-after").await?;
+        wait_spoke_data(&spoke, "dept-after", json!({"back": "yes"})).await?;
+        assert_eq!(spoke_data(&spoke, "dept-settings").await?, Some(json!({"store": "7"})));
+        assert_eq!(spoke_data(&spoke, "central-settings").await?, Some(json!({"audit": "on"})));
+        Ok(())
+    }
+}
