@@ -15,11 +15,13 @@
 //! creating the namespace, and the same measured again from the flips, with the writes per
 //! cluster.
 //!
-//! The roots are read by listing them through the operator API every `--poll-interval` (both
-//! backends): a stamp is taken when a list has come back, never earlier than the hub showed the
-//! pair. The records are not listed: at 1,000 clusters × 100 policies a list of them is 100 MB
-//! of JSON for the hub to serialise, which slowed what it measured. Store writes come from the store's revision counter (the list's `resourceVersion`: the
-//! sled store's own revision, or etcd's with `--store kube`), less the scenario's own writes.
+//! The roots are read one by one through the operator API every `--poll-interval` (both
+//! backends; a list of them all is 70 MB at 10,000 clusters, which a loaded hub does not serve
+//! within the client's timeout): a pair is stamped when its root has come back, never earlier
+//! than the hub showed it. The records are not listed: at 1,000 clusters × 100 policies a list
+//! of them is 100 MB of JSON for the hub to serialise, which slowed what it measured. Store
+//! writes come from the store's revision counter (a list's `resourceVersion`: the sled store's
+//! own revision, or etcd's with `--store kube`), less the scenario's own writes.
 
 use std::collections::HashMap;
 
@@ -122,10 +124,6 @@ struct Phase {
 /// The store's revision, from a list's `metadata.resourceVersion`.
 fn revision(list: &Value) -> Option<u64> {
     list["metadata"]["resourceVersion"].as_str()?.parse().ok()
-}
-
-fn items(list: &Value) -> &[Value] {
-    list["items"].as_array().map_or(&[], Vec::as_slice)
 }
 
 /// The store's revision now, from a list of the bindings of the scenario's namespace (a few
@@ -311,11 +309,11 @@ impl Run {
         Ok(phase.done)
     }
 
-    /// Lists the root Policies every `--poll-interval` until every (target, cluster) pair
+    /// Reads the root Policies every `--poll-interval` until every (target, cluster) pair
     /// shows its expected verdict in the target's root (at the target's generation) and every
     /// target's root aggregates to it, or the clock runs out. `before` is the store's revision
     /// before the phase's first write and `own` the writes the harness made in it. Returns what
-    /// was seen and the mean time between two lists coming back.
+    /// was seen and the mean time between two rounds of reads coming back.
     async fn follow(
         &self,
         clock: &Clock,
@@ -356,22 +354,29 @@ impl Run {
         // (lists that came back, when the first and the latest did)
         let mut lists = (0u32, None::<f64>, 0.0);
         loop {
-            // One list of the root Policies: each root's `status.status[]` is what users read
+            // Each root Policy read on its own: its `status.status[]` is what users read
             // (`kubectl get policy -o yaml`), one entry per cluster with its compliance from
-            // the cluster's record, and far lighter to serve than the records themselves.
-            let roots = self
-                .api
-                .request(
-                    http::Method::GET,
-                    &flotilla_cli::cli::collection_path(Kind::Policy, Some(NAMESPACE)),
-                    None,
-                )
-                .await?;
-            // Stamped once the list has come back: never earlier than the hub showed it.
+            // the cluster's record. One list of them all is 70 MB at 10,000 clusters, which a
+            // loaded hub does not serve within the client's timeout; a root is a hundredth.
+            let roots: Vec<(f64, anyhow::Result<Value>)> = futures::stream::iter(targets)
+                .map(|t| async move {
+                    let path = flotilla_cli::cli::object_path(
+                        Kind::Policy,
+                        Some(NAMESPACE),
+                        &policy_name(t.index),
+                    );
+                    let root = self.api.request(http::Method::GET, &path, None).await;
+                    // Stamped once the root has come back: never earlier than the hub showed it.
+                    (clock.t(), root)
+                })
+                .buffer_unordered(POOL_SIZE)
+                .collect()
+                .await;
             let now = clock.t();
             lists = (lists.0 + 1, lists.1.or(Some(now)), now);
             p.roots_aggregated = 0;
-            for root in items(&roots) {
+            for (now, root) in roots {
+                let root = root?;
                 let Some(&slot) = root["metadata"]["name"]
                     .as_str()
                     .and_then(|name| slots.get(name))
@@ -427,7 +432,7 @@ impl Run {
             if p.done || clock.expired() {
                 p.window_s = now - first_sent;
                 p.store_writes = before
-                    .zip(revision(&roots))
+                    .zip(revision_now(&self.api).await?)
                     .map(|(b, a)| a.saturating_sub(b).saturating_sub(own));
                 break;
             }

@@ -76,8 +76,8 @@ on_both_carriers! {
         let dir = tempfile::tempdir()?;
         let dept_dir = start_dir(dir.path(), "department")?;
         let central_dir = start_dir(dir.path(), "central")?;
-        let mut department = Fleet::start(&dept_dir, true).await?;
-        let central = Fleet::start(&central_dir, false).await?;
+        let mut department = fleet_with_proxy(&dept_dir, true, DEPARTMENT_RULES).await?;
+        let central = fleet_with_proxy(&central_dir, false, CENTRAL_RULES).await?;
         let spoke = Spoke::start(dir.path(), &department.hub, "cluster1").await?;
         // A short resync: a field one hub lets go is taken by the other within seconds.
         let fast = ["--resync-interval=2s"];
@@ -142,6 +142,10 @@ on_both_carriers! {
         wait_spoke_data(&spoke, "shared", json!({"audit": "on", "tier": "bronze"})).await?;
         central.wait_applied("cluster1", "central-shared").await?;
 
+        // kubectl through each hub's proxy front reaches the spoke through that hub's agent,
+        // each hub's rules its own.
+        kubectl_through_each_hub(&spoke, (&department, &dept_dir), (&central, &central_dir)).await?;
+
         // The department's hub dies; central IT's next work is applied all the same.
         department.hub.proc.signal_and_wait(Signal::SIGKILL);
         central.apply_value(
@@ -199,6 +203,61 @@ async fn spoke_rbac_for_both_groups(client: kube::Client) -> anyhow::Result<()> 
             ],
         }))?)
         .await?;
+    Ok(())
+}
+
+/// kubectl through each hub's proxy front, each with its own rules: the department's staff
+/// read the shared ConfigMap (holding central IT's keys by then) and create one; central IT's
+/// auditors read it, and their create is refused by their hub and never reaches the spoke.
+async fn kubectl_through_each_hub(
+    spoke: &Spoke,
+    (department, dept_dir): (&Fleet, &Path),
+    (central, central_dir): (&Fleet, &Path),
+) -> anyhow::Result<()> {
+    spoke_rbac_for_both_groups(spoke.env.client().await?).await?;
+    let dora = department
+        .hub
+        .create_user(dept_dir, "dora", &["department-staff"])?;
+    let ivan = central
+        .hub
+        .create_user(central_dir, "ivan", &["central-auditors"])?;
+    for user in [&dora, &ivan] {
+        let seen = kubectl_ok(
+            user,
+            &["get", "configmap", "shared", "-n", "default", "-o", "json"],
+        )
+        .await?;
+        let seen: Value = serde_json::from_str(&seen)?;
+        assert_eq!(
+            seen["data"],
+            json!({"audit": "on", "tier": "bronze"}),
+            "{seen}"
+        );
+    }
+    kubectl_ok(
+        &dora,
+        &["create", "configmap", "from-department", "-n", "default"],
+    )
+    .await?;
+    assert!(
+        spoke
+            .config_map("default", "from-department")
+            .await?
+            .is_some()
+    );
+    let refused = kubectl(
+        &ivan,
+        &["create", "configmap", "from-central", "-n", "default"],
+    )
+    .await?;
+    assert!(
+        !refused.status.success(),
+        "central IT's read-only rule let a write through"
+    );
+    assert!(
+        spoke.config_map("default", "from-central").await?.is_none(),
+        "central IT's proxy refused the write, yet it reached the spoke"
+    );
     Ok(())
 }
 
@@ -329,23 +388,8 @@ on_both_carriers! {
         central.wait_applied("cluster1", "central-shared").await?;
 
         // kubectl through each hub's proxy front reaches the spoke through the one agent, each
-        // hub's rules its own: the department's staff may write, central IT's auditors read.
-        spoke_rbac_for_both_groups(spoke.env.client().await?).await?;
-        let dora = department.hub.create_user(&dept_dir, "dora", &["department-staff"])?;
-        let ivan = central.hub.create_user(&central_dir, "ivan", &["central-auditors"])?;
-        for user in [&dora, &ivan] {
-            let seen = kubectl_ok(user, &["get", "configmap", "shared", "-n", "default", "-o", "json"]).await?;
-            let seen: Value = serde_json::from_str(&seen)?;
-            assert_eq!(seen["data"], json!({"audit": "on", "tier": "bronze"}), "{seen}");
-        }
-        kubectl_ok(&dora, &["create", "configmap", "from-department", "-n", "default"]).await?;
-        assert!(spoke.config_map("default", "from-department").await?.is_some());
-        let refused = kubectl(&ivan, &["create", "configmap", "from-central", "-n", "default"]).await?;
-        assert!(!refused.status.success(), "central IT's read-only rule let a write through");
-        assert!(
-            spoke.config_map("default", "from-central").await?.is_none(),
-            "central IT's proxy refused the write, yet it reached the spoke"
-        );
+        // hub's rules its own.
+        kubectl_through_each_hub(&spoke, (&department, &dept_dir), (&central, &central_dir)).await?;
 
         // The department's hub dies; central IT's next work is applied all the same.
         department.hub.proc.signal_and_wait(Signal::SIGKILL);
