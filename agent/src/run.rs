@@ -444,9 +444,10 @@ pub(crate) fn start_hub(
     Ok(())
 }
 
-/// `task`'s name, or, for a task of a joined hub, `task` of that hub. The names are made once
-/// per hub at start (at most [`crate::hubs::MAX_HUBS`] hubs, five tasks each) and live as
-/// long as the process.
+/// `task`'s name, or, for a task of a joined hub, `task` of that hub. The names are made each
+/// time a hub's tasks start and live as long as the process: once per hub at start (at most
+/// [`crate::hubs::MAX_HUBS`] hubs, five tasks each), and in failover mode once more at each
+/// move (about 200 bytes a move; interning them is owed).
 fn task_name(task: &'static str, hub: Option<&str>) -> &'static str {
     match hub {
         Some(hub) => Box::leak(format!("{task} of hub {hub}").into_boxed_str()),
