@@ -9,6 +9,7 @@
 //! The reconciler runs beside the session loop, not inside it, so the spoke is kept as desired
 //! whether or not a hub is there.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -444,15 +445,28 @@ pub(crate) fn start_hub(
     Ok(())
 }
 
-/// `task`'s name, or, for a task of a joined hub, `task` of that hub. The names are made each
-/// time a hub's tasks start and live as long as the process: once per hub at start (at most
-/// [`crate::hubs::MAX_HUBS`] hubs, five tasks each), and in failover mode once more at each
-/// move (about 200 bytes a move; interning them is owed).
+/// Names of joined hubs' tasks, made once each and kept for the process: at most
+/// [`crate::hubs::MAX_HUBS`] hubs, five tasks each, however often failover mode moves between
+/// them. A blocking lock held for one set operation, never across an await.
+#[allow(clippy::disallowed_types)]
+static TASK_NAMES: std::sync::Mutex<BTreeSet<&'static str>> =
+    std::sync::Mutex::new(BTreeSet::new());
+
+/// `task`'s name, or, for a task of a joined hub, `task` of that hub.
 fn task_name(task: &'static str, hub: Option<&str>) -> &'static str {
-    match hub {
-        Some(hub) => Box::leak(format!("{task} of hub {hub}").into_boxed_str()),
-        None => task,
+    let Some(hub) = hub else {
+        return task;
+    };
+    let name = format!("{task} of hub {hub}");
+    let mut names = TASK_NAMES
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some(known) = names.get(name.as_str()) {
+        return known;
     }
+    let name: &'static str = Box::leak(name.into_boxed_str());
+    names.insert(name);
+    name
 }
 
 /// Resolves once `stop` turns true (or its sender is gone).
@@ -508,6 +522,18 @@ mod tests {
 
     /// A cache whose list of works panics, as a reader crashing on a record might: the
     /// reconciler lists the works at start, the session only on its own blocking threads.
+
+    #[test]
+    fn a_hubs_task_names_are_made_once_however_often_its_tasks_start() {
+        let first = task_name("the reconciler", Some("department"));
+        assert_eq!(first, "the reconciler of hub department");
+        let again = task_name("the reconciler", Some("department"));
+        assert!(
+            std::ptr::eq(first, again),
+            "a second start made the name again"
+        );
+        assert_eq!(task_name("the reconciler", None), "the reconciler");
+    }
     #[derive(Debug)]
     struct Poisoned(ClusterCache);
 
