@@ -132,19 +132,24 @@ impl TemplateData for HubFacts<'_> {
 
 #[derive(Default)]
 struct State {
-    /// By the root Policy's uid.
-    policies: HashMap<String, Placed>,
+    /// By the root Policy's uid; shared, since a root placed on 10,000 clusters is not small.
+    policies: HashMap<String, Arc<Placed>>,
     /// Cluster → the uids of the policies that reach it.
     by_cluster: HashMap<String, BTreeSet<String>>,
 }
 
 impl State {
-    fn insert(&mut self, uid: &str, placed: Placed) -> Option<Placed> {
+    /// Stores `placed` as the policy `uid`, indexing only the clusters its reach gained or
+    /// lost: a root's status is rewritten as its clusters' verdicts move, its reach seldom.
+    fn insert(&mut self, uid: &str, placed: Arc<Placed>) -> Option<Arc<Placed>> {
         let old = self.policies.insert(uid.to_owned(), placed.clone());
-        if let Some(old) = &old {
-            self.unindex(uid, &old.clusters);
+        let empty = BTreeSet::new();
+        let was = old.as_ref().map_or(&empty, |old| &old.clusters);
+        let lost: Vec<&String> = was.difference(&placed.clusters).collect();
+        for cluster in lost {
+            self.unindex_one(uid, cluster);
         }
-        for cluster in &placed.clusters {
+        for cluster in placed.clusters.difference(was) {
             self.by_cluster
                 .entry(cluster.clone())
                 .or_default()
@@ -153,7 +158,7 @@ impl State {
         old
     }
 
-    fn remove(&mut self, uid: &str) -> Option<Placed> {
+    fn remove(&mut self, uid: &str) -> Option<Arc<Placed>> {
         let old = self.policies.remove(uid)?;
         self.unindex(uid, &old.clusters);
         Some(old)
@@ -161,11 +166,15 @@ impl State {
 
     fn unindex(&mut self, uid: &str, clusters: &BTreeSet<String>) {
         for cluster in clusters {
-            if let Some(uids) = self.by_cluster.get_mut(cluster) {
-                uids.remove(uid);
-                if uids.is_empty() {
-                    self.by_cluster.remove(cluster);
-                }
+            self.unindex_one(uid, cluster);
+        }
+    }
+
+    fn unindex_one(&mut self, uid: &str, cluster: &str) {
+        if let Some(uids) = self.by_cluster.get_mut(cluster) {
+            uids.remove(uid);
+            if uids.is_empty() {
+                self.by_cluster.remove(cluster);
             }
         }
     }
@@ -306,7 +315,7 @@ impl DesiredPolicies {
                 for (cluster, uids) in &state.by_cluster {
                     let templated: Vec<&Placed> = uids
                         .iter()
-                        .filter_map(|uid| state.policies.get(uid))
+                        .filter_map(|uid| state.policies.get(uid).map(|p| &**p))
                         .filter(|p| p.templated.is_some())
                         .collect();
                     if templated.is_empty() {
@@ -345,14 +354,20 @@ impl DesiredPolicies {
     /// Applies one policy's new state (`None`: gone) and tells the clusters what changed for
     /// them.
     fn change(&self, uid: &str, now: Option<Placed>, registry: &dyn Sessions) {
+        let now = now.map(Arc::new);
         let before = {
             let mut state = write(&self.state);
+            // Most of a root's writes are its clusters' verdicts: neither its content nor its
+            // reach moved, and no session has anything to hear.
+            if state.policies.get(uid) == now.as_ref() {
+                return;
+            }
             match &now {
                 Some(placed) => state.insert(uid, placed.clone()),
                 None => state.remove(uid),
             }
         };
-        self.tell(before.as_ref(), now.as_ref(), registry);
+        self.tell(before.as_deref(), now.as_deref(), registry);
     }
 
     /// Tells each cluster's session what changed for it between `before` and `now` of one
@@ -453,7 +468,7 @@ impl Reflector for Reflecting<'_> {
             if let Some(uid) = uid_of(&obj).map(str::to_owned)
                 && let Some(placed) = placed(obj)
             {
-                fresh.insert(&uid, placed);
+                fresh.insert(&uid, Arc::new(placed));
             }
         }
         let loaded_before = *self.policies.ready.borrow();
@@ -464,8 +479,11 @@ impl Reflector for Reflecting<'_> {
             let state = read(&self.policies.state);
             for (uid, now) in &state.policies {
                 if old.policies.get(uid) != Some(now) {
-                    self.policies
-                        .tell(old.policies.get(uid), Some(now), self.registry);
+                    self.policies.tell(
+                        old.policies.get(uid).map(|p| &**p),
+                        Some(now),
+                        self.registry,
+                    );
                 }
             }
             for (uid, before) in &old.policies {

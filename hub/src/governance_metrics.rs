@@ -69,7 +69,7 @@ pub fn series(snapshot: &ComplianceSnapshot, max_propagated: usize) -> (Vec<Seri
     let mut room = max_propagated;
     for wanted in [1, -1, 0] {
         for p in &snapshot.policies {
-            for (cluster, compliant) in &p.clusters {
+            for (cluster, compliant) in p.clusters.iter() {
                 if room == 0 {
                     break;
                 }
@@ -153,7 +153,7 @@ mod tests {
                 RootCompliance {
                     key: Key::new("policies", "limits"),
                     compliant: Some(Compliant),
-                    clusters: vec![("c1".into(), Some(Compliant))],
+                    clusters: vec![("c1".into(), Some(Compliant))].into(),
                 },
                 RootCompliance {
                     key: Key::new("policies", "namespace"),
@@ -163,12 +163,13 @@ mod tests {
                         ("c2".into(), Some(NonCompliant)),
                         ("c3".into(), None),
                         ("c4".into(), Some(Pending)),
-                    ],
+                    ]
+                    .into(),
                 },
                 RootCompliance {
                     key: Key::new("policies", "new"),
                     compliant: None,
-                    clusters: vec![],
+                    clusters: vec![].into(),
                 },
             ],
         }

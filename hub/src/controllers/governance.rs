@@ -118,8 +118,10 @@ pub struct RootCompliance {
     pub key: Key,
     /// The root's aggregate (`status.compliant`).
     pub compliant: Option<ComplianceState>,
-    /// Each cluster the policy reaches, by name, with what that cluster reported.
-    pub clusters: Vec<(String, Option<ComplianceState>)>,
+    /// Each cluster the policy reaches, by name, with what that cluster reported. Shared:
+    /// at 10,000 clusters a root's list is rebuilt only when its verdicts move, and each
+    /// snapshot published shares the lists of the roots that did not.
+    pub clusters: Arc<Vec<(String, Option<ComplianceState>)>>,
 }
 
 /// The fleet's compliance as the controller last aggregated it: every enabled root Policy,
@@ -364,6 +366,50 @@ fn reported_compliance(reported: &Reported, cluster: &str, uid: &str) -> Option<
         .filter(|state| *state != ComplianceState::Terminating)
 }
 
+/// `current` (a status [`policy_status`] made: one entry per cluster, sorted by name) with the
+/// verdicts of the `touched` clusters taken again from `reported`, and its aggregate; `None`
+/// when none of them moved. What a round that only aggregates costs per root: the clusters
+/// whose records changed, not every cluster the root reaches.
+pub fn patch_status(
+    current: &PolicyStatus,
+    uid: &str,
+    touched: &BTreeSet<String>,
+    reported: &Reported,
+) -> Option<PolicyStatus> {
+    let now = |cluster: &str| reported_compliance(reported, cluster, uid);
+    let moved: Vec<(usize, Option<ComplianceState>)> = if touched.len() < current.status.len() {
+        touched
+            .iter()
+            .filter_map(|cluster| {
+                let i = current
+                    .status
+                    .binary_search_by(|e| e.clustername.as_str().cmp(cluster))
+                    .ok()?;
+                Some((i, now(cluster)))
+            })
+            .filter(|(i, state)| current.status[*i].compliant != *state)
+            .collect()
+    } else {
+        current
+            .status
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| touched.contains(&e.clustername))
+            .map(|(i, e)| (i, now(&e.clustername)))
+            .filter(|(i, state)| current.status[*i].compliant != *state)
+            .collect()
+    };
+    if moved.is_empty() {
+        return None;
+    }
+    let mut status = current.clone();
+    for (i, state) in moved {
+        status.status[i].compliant = state;
+    }
+    status.compliant = aggregate(&status.status);
+    Some(status)
+}
+
 /// OCM's root compliance: NonCompliant if any cluster is, else Pending if any is, else
 /// Compliant once every cluster has reported Compliant; absent while some have not reported
 /// (or none is selected).
@@ -463,7 +509,23 @@ struct Model {
     paced_until: Option<Timestamp>,
     /// A write failed: resolve again then.
     retry_at: Option<Timestamp>,
+    /// The last resolution, kept for the rounds that only aggregate (nothing it reads moved).
+    resolution: Resolution,
+    /// Clusters whose reports changed since the last round: all a round that only
+    /// aggregates looks at in each root.
+    touched: BTreeSet<String>,
+    /// Roots whose status someone else wrote since the last round: computed afresh.
+    recheck: BTreeSet<Key>,
+    /// The resourceVersion of each root status this controller last wrote: its watch event
+    /// (a root of 10,000 entries is a megabyte of JSON) is not parsed back.
+    written: BTreeMap<Key, Revision>,
+    /// Each enabled root's compliance as last published.
+    roots: BTreeMap<Key, RootCompliance>,
 }
+
+/// A status write's answer: the object as stored, and the root's status as written (`None`:
+/// a PolicySet, taken in from the answer).
+type Written = (Object, Option<PolicyStatus>);
 
 /// The least time between two rounds that only aggregate compliance. Each round rewrites the
 /// status of every root whose clusters' verdicts moved, and a root carries an entry per
@@ -522,41 +584,72 @@ pub async fn run(
             continue;
         }
         let round = tokio::time::Instant::now();
+        let full = model.inputs_changed;
         model.dirty = false;
         model.inputs_changed = false;
-        let decided: BTreeMap<Key, BTreeSet<String>> = model
-            .decisions
-            .iter()
-            .map(|(k, d)| (k.clone(), d.values().flatten().cloned().collect()))
-            .collect();
-        let resolution = resolve(&Inputs {
-            policies: &model.policies,
-            invalid: &model.invalid,
-            sets: &model.sets,
-            bindings: &model.bindings,
-            decided: &decided,
-        });
-        assignments.publish(resolution.assigned.clone());
-        let mut writes = Vec::new();
+        if full {
+            let decided: BTreeMap<Key, BTreeSet<String>> = model
+                .decisions
+                .iter()
+                .map(|(k, d)| (k.clone(), d.values().flatten().cloned().collect()))
+                .collect();
+            model.resolution = resolve(&Inputs {
+                policies: &model.policies,
+                invalid: &model.invalid,
+                sets: &model.sets,
+                bindings: &model.bindings,
+                decided: &decided,
+            });
+            assignments.publish(model.resolution.assigned.clone());
+            model
+                .roots
+                .retain(|key, _| model.policies.get(key).is_some_and(|p| !p.spec.disabled));
+        }
+        let touched = std::mem::take(&mut model.touched);
+        let recheck = std::mem::take(&mut model.recheck);
+        let mut writes: Vec<(Kind, Key, Value, Option<PolicyStatus>)> = Vec::new();
         let mut wanted_compliance: BTreeMap<&Key, Option<ComplianceState>> = BTreeMap::new();
-        let mut snapshot = ComplianceSnapshot::default();
-        for (key, placed) in &resolution.policies {
+        for (key, placed) in &model.resolution.policies {
             let Some(policy) = model.policies.get(key) else {
                 continue;
             };
             let uid = policy.metadata.uid.as_deref().unwrap_or_default();
-            let want = policy_status(policy.status.as_ref(), placed, uid, &model.reported);
+            let want = match &policy.status {
+                Some(current) if !full && !recheck.contains(key) => {
+                    patch_status(current, uid, &touched, &model.reported)
+                }
+                current => Some(policy_status(
+                    current.as_ref(),
+                    placed,
+                    uid,
+                    &model.reported,
+                )),
+            };
+            let Some(want) = want else {
+                wanted_compliance.insert(key, policy.status.as_ref().and_then(|s| s.compliant));
+                continue;
+            };
             wanted_compliance.insert(key, want.compliant);
             if !policy.spec.disabled {
-                snapshot.policies.push(RootCompliance {
-                    key: key.clone(),
-                    compliant: want.compliant,
-                    clusters: want
-                        .status
-                        .iter()
-                        .map(|c| (c.clustername.clone(), c.compliant))
-                        .collect(),
-                });
+                let clusters: Vec<(String, Option<ComplianceState>)> = want
+                    .status
+                    .iter()
+                    .map(|c| (c.clustername.clone(), c.compliant))
+                    .collect();
+                let unchanged = model
+                    .roots
+                    .get(key)
+                    .is_some_and(|r| r.compliant == want.compliant && *r.clusters == clusters);
+                if !unchanged {
+                    model.roots.insert(
+                        key.clone(),
+                        RootCompliance {
+                            key: key.clone(),
+                            compliant: want.compliant,
+                            clusters: Arc::new(clusters),
+                        },
+                    );
+                }
             }
             if Some(&want) != policy.status.as_ref()
                 && !(want == PolicyStatus::default() && policy.status.is_none())
@@ -565,10 +658,11 @@ pub async fn run(
                     Kind::Policy,
                     key.clone(),
                     serde_json::to_value(&want).unwrap_or(Value::Null),
+                    Some(want),
                 ));
             }
         }
-        for (key, placed) in &resolution.sets {
+        for (key, placed) in &model.resolution.sets {
             let Some(set) = model.sets.get(key) else {
                 continue;
             };
@@ -588,12 +682,16 @@ pub async fn run(
                     Kind::PolicySet,
                     key.clone(),
                     serde_json::to_value(&want).unwrap_or(Value::Null),
+                    None,
                 ));
             }
         }
+        let snapshot = ComplianceSnapshot {
+            policies: model.roots.values().cloned().collect(),
+        };
         compliance.publish(snapshot);
-        let results: Vec<(Kind, Key, Result<Object, StoreError>)> = futures::stream::iter(writes)
-            .map(|(kind, key, status)| {
+        let results: Vec<(Kind, Key, Result<Written, StoreError>)> = futures::stream::iter(writes)
+            .map(|(kind, key, status, want)| {
                 let store = store.clone();
                 let expected = model.versions.get(&(kind, key.clone())).cloned();
                 async move {
@@ -606,14 +704,14 @@ pub async fn run(
                             expected.as_ref(),
                         )
                         .await;
-                    (kind, key, result)
+                    (kind, key, result.map(|stored| (stored, want)))
                 }
             })
             .buffer_unordered(config.write_concurrency)
             .collect()
             .await;
         let (create, delete) =
-            records_to_write(&resolution.assigned, &model.clusters, &model.reported);
+            records_to_write(&model.resolution.assigned, &model.clusters, &model.reported);
         let record_results: Vec<(String, Result<Option<Object>, StoreError>)> =
             futures::stream::iter(
                 create
@@ -662,8 +760,10 @@ pub async fn run(
         }
         for (kind, key, result) in results {
             match result {
-                // As stored now: the next resolution compares with it, not with the older copy.
-                Ok(stored) => model.apply(kind, WatchEvent::Modified(stored)),
+                // As stored now: the next round compares with it, not with the older copy. A
+                // root's status is taken from what was written rather than parsed back.
+                Ok((stored, Some(want))) => model.wrote_root(&key, &stored, want),
+                Ok((stored, None)) => model.apply(kind, WatchEvent::Modified(stored)),
                 // Deleted meanwhile: its watch event says so.
                 Err(StoreError::NotFound { .. }) => {}
                 Err(e) => {
@@ -703,12 +803,23 @@ impl Model {
                 return;
             }
             Kind::ClusterCompliance => {
-                self.dirty |= self.apply_record(deleted, &ns, &name, obj);
+                if self.apply_record(deleted, &ns, &name, obj) {
+                    self.dirty = true;
+                    self.touched.insert(name);
+                }
                 return;
             }
             _ => {}
         }
         let key = Key::new(&ns, &name);
+        if kind == Kind::Policy {
+            if deleted {
+                self.written.remove(&key);
+            } else if Revision::of(&obj).is_some_and(|r| self.written.get(&key) == Some(&r)) {
+                // This controller's own status write, already taken in by `wrote_root`.
+                return;
+            }
+        }
         self.dirty = true;
         // A root's status written (by this controller, as it aggregates) leaves its generation
         // alone: only compliance moved, and the round that takes it in may wait its turn.
@@ -726,6 +837,9 @@ impl Model {
                 _ => false,
             };
         self.inputs_changed |= !status_only;
+        if status_only && kind == Kind::Policy {
+            self.recheck.insert(key.clone());
+        }
         if matches!(kind, Kind::Policy | Kind::PolicySet) {
             if deleted {
                 self.versions.remove(&(kind, key.clone()));
@@ -809,6 +923,23 @@ impl Model {
             }
             _ => {}
         }
+    }
+
+    /// Takes in the status this controller wrote to the root `key`, as the store answered.
+    fn wrote_root(&mut self, key: &Key, stored: &Object, status: PolicyStatus) {
+        let Some(revision) = Revision::of(stored) else {
+            return;
+        };
+        let Some(policy) = self.policies.get_mut(key) else {
+            return;
+        };
+        if policy.metadata.uid.as_deref() != stored["metadata"]["uid"].as_str() {
+            return;
+        }
+        policy.status = Some(status);
+        self.versions
+            .insert((Kind::Policy, key.clone()), revision.clone());
+        self.written.insert(key.clone(), revision);
     }
 
     /// Takes in a cluster's record; true when what it reports (or its existence) changed.
@@ -1186,6 +1317,52 @@ mod tests {
             policy_status(None, &placed, "", &records).status[0],
             entry("c1", None)
         );
+    }
+
+    #[test]
+    fn a_round_that_only_aggregates_patches_the_clusters_whose_reports_moved() {
+        use ComplianceState::*;
+        let placed = PolicyPlaced {
+            placements: vec![],
+            clusters: ["c1", "c2", "c3"].map(String::from).into(),
+        };
+        let mut records = reported(&[
+            ("c1", &[("uid-1", Some(Compliant))]),
+            ("c2", &[("uid-1", Some(Compliant))]),
+            ("c3", &[("uid-1", None)]),
+        ]);
+        let status = policy_status(None, &placed, "uid-1", &records);
+        assert_eq!(status.compliant, None);
+        let touched = |names: &[&str]| names.iter().map(|n| n.to_string()).collect();
+
+        // Nothing moved for the clusters touched (c4 is not the root's): nothing to write.
+        assert_eq!(
+            patch_status(&status, "uid-1", &touched(&["c1", "c4"]), &records),
+            None
+        );
+        // c3 reports: the patch is what a full computation gives, aggregate included, for
+        // few clusters touched and for every one.
+        records
+            .get_mut("c3")
+            .unwrap()
+            .insert("uid-1".into(), Some(NonCompliant));
+        let full = policy_status(Some(&status), &placed, "uid-1", &records);
+        assert_eq!(full.compliant, Some(NonCompliant));
+        for names in [&["c3"][..], &["c1", "c2", "c3", "c4"]] {
+            assert_eq!(
+                patch_status(&status, "uid-1", &touched(names), &records).as_ref(),
+                Some(&full),
+                "touched {names:?}"
+            );
+        }
+        // A cluster whose record went counts as not reported.
+        records.remove("c1");
+        let patched = patch_status(&full, "uid-1", &touched(&["c1"]), &records).unwrap();
+        assert_eq!(
+            patched,
+            policy_status(Some(&full), &placed, "uid-1", &records)
+        );
+        assert_eq!(patched.status[0].compliant, None);
     }
 
     #[test]
@@ -1575,7 +1752,8 @@ mod tests {
                 clusters: vec![
                     ("c1".into(), Some(ComplianceState::NonCompliant)),
                     ("c2".into(), None)
-                ],
+                ]
+                .into(),
             }]
         );
 
@@ -1588,6 +1766,23 @@ mod tests {
                     && set_compliance().await == "Compliant"
             },
         )
+        .await;
+
+        // A status written by someone else is put back as the reports say.
+        let mut forged = stored_status(store.as_ref(), "namespace").await;
+        forged["compliant"] = json!("NonCompliant");
+        forged["status"][0]["compliant"] = json!("NonCompliant");
+        store
+            .update_status(Kind::Policy, Some(NS), "namespace", forged, None)
+            .await
+            .unwrap();
+        until("the forged status is put back", || async {
+            let status = stored_status(store.as_ref(), "namespace").await;
+            status["compliant"] == "Compliant"
+                && per_cluster(&status)
+                    .iter()
+                    .all(|(_, c)| c.as_deref() == Some("Compliant"))
+        })
         .await;
 
         // c2 reports NonCompliant, then the placement drops it: it no longer counts, and its

@@ -747,12 +747,13 @@ mod tests {
                     clusters: vec![
                         ("a".into(), Some(NonCompliant)),
                         ("b".into(), Some(Compliant)),
-                    ],
+                    ]
+                    .into(),
                 },
                 RootCompliance {
                     key: Key::new("policies", "limits"),
                     compliant: Some(Compliant),
-                    clusters: vec![("a".into(), Some(Compliant))],
+                    clusters: vec![("a".into(), Some(Compliant))].into(),
                 },
             ],
         });

@@ -752,7 +752,8 @@ mod tests {
                 clusters: vec![
                     ("store-1".into(), Some(ComplianceState::NonCompliant)),
                     (HOSTILE.into(), Some(ComplianceState::NonCompliant)),
-                ],
+                ]
+                .into(),
             }],
         };
         let violations =

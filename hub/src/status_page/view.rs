@@ -801,7 +801,7 @@ impl Model {
                 non_compliant: 0,
                 pending: 0,
             };
-            for (cluster, compliant) in &root.clusters {
+            for (cluster, compliant) in root.clusters.iter() {
                 if !selected(cluster) {
                     continue;
                 }
@@ -912,6 +912,7 @@ impl<T> Page<T> {
 mod tests {
     use super::*;
     use serde_json::json;
+    use std::sync::Arc;
 
     fn cluster(name: &str, available: Option<(&str, &str)>, labels: Value) -> Value {
         let conditions = match available {
@@ -1201,7 +1202,7 @@ mod tests {
         let root = |name: &str, clusters: &[(&str, Option<ComplianceState>)]| RootCompliance {
             key: Key::new("policies", name),
             compliant: None,
-            clusters: clusters.iter().map(|(c, s)| (c.to_string(), *s)).collect(),
+            clusters: Arc::new(clusters.iter().map(|(c, s)| (c.to_string(), *s)).collect()),
         };
         let snapshot = ComplianceSnapshot {
             policies: vec![
