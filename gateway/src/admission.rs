@@ -289,16 +289,22 @@ impl Admissions {
                     return;
                 };
                 let admission = ClusterAdmission::from_object(&obj);
-                write(&self.clusters).insert(name.clone(), admission.clone());
-                self.changed();
+                let before = write(&self.clusters).insert(name.clone(), admission.clone());
+                // Most writes of a cluster (its status, as its health is recorded) change
+                // nothing here: at 10,000 clusters, waking every follower for each would keep
+                // them busy comparing.
+                if before.as_ref() != Some(&admission) {
+                    self.changed();
+                }
                 enforce(registry, &name, Some(&admission));
             }
             WatchEvent::Deleted(obj) => {
                 let Some(name) = obj["metadata"]["name"].as_str().map(str::to_string) else {
                     return;
                 };
-                write(&self.clusters).remove(&name);
-                self.changed();
+                if write(&self.clusters).remove(&name).is_some() {
+                    self.changed();
+                }
                 enforce(registry, &name, None);
             }
         }

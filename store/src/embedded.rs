@@ -39,6 +39,11 @@ use crate::{
 /// copy of each recent object, shared by every watcher.
 pub const DEFAULT_EVENT_BUFFER: usize = 10_000;
 
+/// How many bytes of objects (as stored: compact JSON) the event history keeps at most, beside
+/// its count: at 10,000 clusters a root Policy's status is a megabyte, and 10,000 such events
+/// would be gigabytes. The oldest events make room; a watch resuming from before them relists.
+pub const DEFAULT_EVENT_BUFFER_BYTES: usize = 128 << 20;
+
 /// How far a watcher may fall behind the live channel before it has to catch up from the
 /// event history (which it does transparently while the history still covers it).
 pub const DEFAULT_LIVE_BUFFER: usize = 1_024;
@@ -51,6 +56,8 @@ const REVISION_KEY: &[u8] = b"revision";
 pub struct SledOptions {
     /// Events kept for watches that resume from a revision; see [`DEFAULT_EVENT_BUFFER`].
     pub event_buffer: usize,
+    /// Bytes of those events' objects kept at most; see [`DEFAULT_EVENT_BUFFER_BYTES`].
+    pub event_buffer_bytes: usize,
     /// Capacity of the live event channel; see [`DEFAULT_LIVE_BUFFER`].
     pub live_buffer: usize,
 }
@@ -59,6 +66,7 @@ impl Default for SledOptions {
     fn default() -> Self {
         SledOptions {
             event_buffer: DEFAULT_EVENT_BUFFER,
+            event_buffer_bytes: DEFAULT_EVENT_BUFFER_BYTES,
             live_buffer: DEFAULT_LIVE_BUFFER,
         }
     }
@@ -100,9 +108,12 @@ struct EventLog {
     staged: VecDeque<Recorded>,
     /// The last revision published (in `recent` and sent live): every write up to it is durable.
     published: u64,
-    /// The most recent events, oldest first, at most `capacity`.
+    /// The most recent events, oldest first, at most `capacity` of them and `byte_capacity`
+    /// bytes of objects (`bytes`).
     recent: VecDeque<Arc<Recorded>>,
     capacity: usize,
+    bytes: usize,
+    byte_capacity: usize,
     /// Every event after this revision is in `recent`: a watch from an older revision cannot be
     /// served. Starts at the revision found on open (history is not persisted), then follows
     /// the events that fall out of `recent`.
@@ -121,13 +132,26 @@ struct Flushed {
 /// Failed flushes remembered for the writers of their batches to find.
 const MAX_FLUSH_FAILURES: usize = 64;
 
-/// One committed change, as kept in the history and sent on the live channel.
+/// What a committed change did to its object.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Change {
+    Added,
+    Modified,
+    Deleted,
+}
+
+/// One committed change, as kept in the history and sent on the live channel. The object is
+/// kept as stored (compact JSON, shared by every watcher) and parsed by each watch that sees
+/// it: as a `Value` it would take several times the memory.
 #[derive(Debug)]
 struct Recorded {
     revision: u64,
     kind: Kind,
     namespace: Option<String>,
-    event: WatchEvent,
+    change: Change,
+    json: Arc<[u8]>,
+    /// `metadata.labels` now, for a selected watch to decide by without parsing the object.
+    labels: Value,
     /// `metadata.labels` before a `Modified` that may have changed them (a spec update);
     /// `None` when they cannot have changed. What a selected watch decides `Added` or
     /// `Deleted` by when an object comes into or goes out of its selection.
@@ -139,24 +163,37 @@ impl Recorded {
         self.kind == kind && (namespace.is_none() || self.namespace.as_deref() == namespace)
     }
 
+    /// The object, parsed from what was stored.
+    fn object(&self) -> Option<Object> {
+        match serde_json::from_slice(&self.json) {
+            Ok(object) => Some(object),
+            // Written by this store from a Value a moment ago: cannot happen.
+            Err(e) => {
+                warn!(kind = %self.kind, revision = self.revision, error = %e, "a recorded event does not parse; not delivered");
+                None
+            }
+        }
+    }
+
     /// The event as a watch through `selection` sees it, if it sees it at all.
     fn through(&self, selection: &Selection) -> Option<WatchEvent> {
-        match &self.event {
-            WatchEvent::Added(o) | WatchEvent::Deleted(o) => {
-                selection.matches(o).then(|| self.event.clone())
-            }
-            WatchEvent::Modified(o) => {
-                let now = selection.matches(o);
+        let matches = |labels: &Value| selection.matches(&json!({"metadata": {"labels": labels}}));
+        let everything = *selection == Selection::Everything;
+        let now = everything || matches(&self.labels);
+        match self.change {
+            Change::Added => now.then(|| self.object().map(WatchEvent::Added))?,
+            Change::Deleted => now.then(|| self.object().map(WatchEvent::Deleted))?,
+            Change::Modified => {
                 let before = match &self.previous_labels {
-                    Some(labels) => selection.matches(&json!({"metadata": {"labels": labels}})),
-                    None => now,
+                    Some(labels) if !everything => matches(labels),
+                    _ => now,
                 };
                 match (before, now) {
-                    (true, true) => Some(WatchEvent::Modified(o.clone())),
-                    (false, true) => Some(WatchEvent::Added(o.clone())),
+                    (true, true) => self.object().map(WatchEvent::Modified),
+                    (false, true) => self.object().map(WatchEvent::Added),
                     // As the apiserver does: the object as it last matched (its labels then).
                     (true, false) => {
-                        let mut gone = o.clone();
+                        let mut gone = self.object()?;
                         if let Some(labels) = &self.previous_labels {
                             set_meta(&mut gone, "labels", labels.clone());
                         }
@@ -208,6 +245,8 @@ impl SledStore {
                     published: revision,
                     recent: VecDeque::new(),
                     capacity: options.event_buffer.max(1),
+                    bytes: 0,
+                    byte_capacity: options.event_buffer_bytes,
                     complete_after: revision,
                 }),
                 flush: Mutex::new(Flushed {
@@ -269,7 +308,7 @@ impl Inner {
         log: &mut EventLog,
         key: &ObjectKey,
         object: Option<&Object>,
-        event: impl FnOnce(Object) -> WatchEvent,
+        change: Change,
         deleted: Option<Object>,
         previous_labels: Option<Value>,
     ) -> Result<u64, StoreError> {
@@ -302,16 +341,23 @@ impl Inner {
                 }
             })?;
         log.revision = revision;
-        let payload = match (object, deleted) {
-            (Some(o), _) => o.clone(),
-            (None, Some(d)) => d,
-            (None, None) => Value::Null,
+        let (change, json, labels) = match (bytes, object, deleted) {
+            (Some(bytes), Some(o), _) => (change, bytes, o["metadata"]["labels"].clone()),
+            (_, _, Some(d)) => (
+                change,
+                serde_json::to_vec(&d)
+                    .map_err(|e| StoreError::backend(format!("encoding {key}"), e))?,
+                d["metadata"]["labels"].clone(),
+            ),
+            _ => (change, b"null".to_vec(), Value::Null),
         };
         log.staged.push_back(Recorded {
             revision,
             kind: key.kind,
             namespace: key.namespace.clone(),
-            event: event(payload),
+            change,
+            json: json.into(),
+            labels,
             previous_labels,
         });
         Ok(revision)
@@ -460,11 +506,17 @@ impl EventLog {
 
     fn record(&mut self, live: &broadcast::Sender<Arc<Recorded>>, recorded: Recorded) {
         let recorded = Arc::new(recorded);
-        if self.recent.len() == self.capacity
-            && let Some(evicted) = self.recent.pop_front()
+        let size = recorded.json.len();
+        while self.recent.len() >= self.capacity
+            || (!self.recent.is_empty() && self.bytes + size > self.byte_capacity)
         {
+            let Some(evicted) = self.recent.pop_front() else {
+                break;
+            };
+            self.bytes -= evicted.json.len();
             self.complete_after = evicted.revision;
         }
+        self.bytes += size;
         self.recent.push_back(recorded.clone());
         // No receivers is fine: nobody is watching.
         let _ = live.send(recorded);
@@ -629,7 +681,7 @@ impl SledStore {
                 &mut log,
                 &key,
                 None,
-                WatchEvent::Deleted,
+                Change::Deleted,
                 Some(object.clone()),
                 None,
             )?;
@@ -642,7 +694,7 @@ impl SledStore {
             &mut log,
             &key,
             Some(&object),
-            WatchEvent::Modified,
+            Change::Modified,
             None,
             Some(previous_labels),
         )?;
@@ -698,14 +750,9 @@ impl SledStore {
             "resourceVersion",
             json!((log.revision + 1).to_string()),
         );
-        let revision = self.inner.commit(
-            &mut log,
-            &key,
-            Some(&object),
-            WatchEvent::Modified,
-            None,
-            None,
-        )?;
+        let revision =
+            self.inner
+                .commit(&mut log, &key, Some(&object), Change::Modified, None, None)?;
         drop(log);
         self.inner.durable(revision, &key).await?;
         debug!(%kind, namespace, name, revision, fenced = fence.is_some(), "status updated");
@@ -779,7 +826,7 @@ impl Store for SledStore {
         );
         let revision =
             self.inner
-                .commit(&mut log, &key, Some(&object), WatchEvent::Added, None, None)?;
+                .commit(&mut log, &key, Some(&object), Change::Added, None, None)?;
         drop(log);
         self.inner.durable(revision, &key).await?;
         debug!(kind = %key.kind, namespace = key.namespace(), name = %key.name, revision, "created");
@@ -848,14 +895,9 @@ impl Store for SledStore {
                 "resourceVersion",
                 json!((log.revision + 1).to_string()),
             );
-            let revision = self.inner.commit(
-                &mut log,
-                &key,
-                Some(&last),
-                WatchEvent::Modified,
-                None,
-                None,
-            )?;
+            let revision =
+                self.inner
+                    .commit(&mut log, &key, Some(&last), Change::Modified, None, None)?;
             drop(log);
             self.inner.durable(revision, &key).await?;
             debug!(%kind, namespace, name, revision, "marked for deletion; waiting for finalizers");
@@ -869,7 +911,7 @@ impl Store for SledStore {
         );
         let revision =
             self.inner
-                .commit(&mut log, &key, None, WatchEvent::Deleted, Some(last), None)?;
+                .commit(&mut log, &key, None, Change::Deleted, Some(last), None)?;
         drop(log);
         self.inner.durable(revision, &key).await?;
         debug!(%kind, namespace, name, revision, "deleted");
@@ -1037,6 +1079,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let options = SledOptions {
             event_buffer: 4,
+            event_buffer_bytes: DEFAULT_EVENT_BUFFER_BYTES,
             live_buffer: 4,
         };
         let store = SledStore::open_with(dir.path(), options).unwrap();
@@ -1075,10 +1118,56 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn the_history_keeps_at_most_its_bytes_of_objects() {
+        let dir = tempfile::tempdir().unwrap();
+        // The object as stored, measured in a store of its own.
+        let size = {
+            let scratch = tempfile::tempdir().unwrap();
+            let store = SledStore::open(scratch.path()).unwrap();
+            serde_json::to_vec(&store.create(work("n", "w", "v0")).await.unwrap())
+                .unwrap()
+                .len()
+        };
+        // Room for three of these objects, though the count would allow a hundred.
+        let options = SledOptions {
+            event_buffer: 100,
+            event_buffer_bytes: 3 * size + size / 2,
+            live_buffer: 4,
+        };
+        let store = SledStore::open_with(dir.path(), options).unwrap();
+        let first = store.create(work("n", "w", "v0")).await.unwrap();
+        let mut revisions = vec![Revision::of(&first).unwrap()];
+        for i in 1..=4 {
+            let o = store
+                .update_spec(work("n", "w", &format!("v{i}")))
+                .await
+                .unwrap();
+            revisions.push(Revision::of(&o).unwrap());
+        }
+        // The last three events are kept: resuming after the second works and sees them in
+        // order; resuming after the first would need one that made room.
+        let mut ok = store
+            .watch(Kind::ManifestWork, None, Some(revisions[1].clone()))
+            .await
+            .unwrap();
+        for want in &revisions[2..] {
+            let e = next(&mut ok).await.unwrap();
+            assert_eq!(Revision::of(e.object()).as_ref(), Some(want));
+        }
+        let err = store
+            .watch(Kind::ManifestWork, None, Some(revisions[0].clone()))
+            .await
+            .err()
+            .expect("Gone");
+        assert!(matches!(err, StoreError::Gone { .. }), "{err}");
+    }
+
+    #[tokio::test]
     async fn a_lagging_watcher_catches_up_from_history() {
         let dir = tempfile::tempdir().unwrap();
         let options = SledOptions {
             event_buffer: 100,
+            event_buffer_bytes: DEFAULT_EVENT_BUFFER_BYTES,
             live_buffer: 2,
         };
         let store = SledStore::open_with(dir.path(), options).unwrap();
@@ -1107,6 +1196,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let options = SledOptions {
             event_buffer: 4,
+            event_buffer_bytes: DEFAULT_EVENT_BUFFER_BYTES,
             live_buffer: 2,
         };
         let store = SledStore::open_with(dir.path(), options).unwrap();

@@ -523,6 +523,13 @@ struct Model {
     roots: BTreeMap<Key, RootCompliance>,
 }
 
+/// One round's outcome: the statuses to write (a root's also as a [`PolicyStatus`]), and the
+/// fleet's compliance to publish.
+struct Plan {
+    writes: Vec<(Kind, Key, Value, Option<PolicyStatus>)>,
+    snapshot: ComplianceSnapshot,
+}
+
 /// A status write's answer: the object as stored, and the root's status as written (`None`:
 /// a PolicySet, taken in from the answer).
 type Written = (Object, Option<PolicyStatus>);
@@ -587,107 +594,23 @@ pub async fn run(
         let full = model.inputs_changed;
         model.dirty = false;
         model.inputs_changed = false;
-        if full {
-            let decided: BTreeMap<Key, BTreeSet<String>> = model
-                .decisions
-                .iter()
-                .map(|(k, d)| (k.clone(), d.values().flatten().cloned().collect()))
-                .collect();
-            model.resolution = resolve(&Inputs {
-                policies: &model.policies,
-                invalid: &model.invalid,
-                sets: &model.sets,
-                bindings: &model.bindings,
-                decided: &decided,
-            });
-            assignments.publish(model.resolution.assigned.clone());
-            model
-                .roots
-                .retain(|key, _| model.policies.get(key).is_some_and(|p| !p.spec.disabled));
-        }
-        let touched = std::mem::take(&mut model.touched);
-        let recheck = std::mem::take(&mut model.recheck);
-        let mut writes: Vec<(Kind, Key, Value, Option<PolicyStatus>)> = Vec::new();
-        let mut wanted_compliance: BTreeMap<&Key, Option<ComplianceState>> = BTreeMap::new();
-        for (key, placed) in &model.resolution.policies {
-            let Some(policy) = model.policies.get(key) else {
-                continue;
-            };
-            let uid = policy.metadata.uid.as_deref().unwrap_or_default();
-            let want = match &policy.status {
-                Some(current) if !full && !recheck.contains(key) => {
-                    patch_status(current, uid, &touched, &model.reported)
-                }
-                current => Some(policy_status(
-                    current.as_ref(),
-                    placed,
-                    uid,
-                    &model.reported,
-                )),
-            };
-            let Some(want) = want else {
-                wanted_compliance.insert(key, policy.status.as_ref().and_then(|s| s.compliant));
-                continue;
-            };
-            wanted_compliance.insert(key, want.compliant);
-            if !policy.spec.disabled {
-                let clusters: Vec<(String, Option<ComplianceState>)> = want
-                    .status
-                    .iter()
-                    .map(|c| (c.clustername.clone(), c.compliant))
-                    .collect();
-                let unchanged = model
-                    .roots
-                    .get(key)
-                    .is_some_and(|r| r.compliant == want.compliant && *r.clusters == clusters);
-                if !unchanged {
-                    model.roots.insert(
-                        key.clone(),
-                        RootCompliance {
-                            key: key.clone(),
-                            compliant: want.compliant,
-                            clusters: Arc::new(clusters),
-                        },
-                    );
-                }
+        let planned = tokio::task::spawn_blocking({
+            let assignments = assignments.clone();
+            move || {
+                let plan = model.plan(full, &assignments);
+                (model, plan)
             }
-            if Some(&want) != policy.status.as_ref()
-                && !(want == PolicyStatus::default() && policy.status.is_none())
-            {
-                writes.push((
-                    Kind::Policy,
-                    key.clone(),
-                    serde_json::to_value(&want).unwrap_or(Value::Null),
-                    Some(want),
-                ));
+        })
+        .await;
+        let Plan { writes, snapshot } = match planned {
+            Ok((planned, plan)) => {
+                model = planned;
+                plan
             }
-        }
-        for (key, placed) in &model.resolution.sets {
-            let Some(set) = model.sets.get(key) else {
-                continue;
-            };
-            let members: Vec<Option<ComplianceState>> = set
-                .spec
-                .policies
-                .iter()
-                .map(|member| Key::new(&key.namespace, member))
-                .filter(|member| model.policies.get(member).is_some_and(|p| !p.spec.disabled))
-                .map(|member| wanted_compliance.get(&member).copied().flatten())
-                .collect();
-            let want = policy_set_status(set.status.as_ref(), placed, &members);
-            if Some(&want) != set.status.as_ref()
-                && !(want == PolicySetStatus::default() && set.status.is_none())
-            {
-                writes.push((
-                    Kind::PolicySet,
-                    key.clone(),
-                    serde_json::to_value(&want).unwrap_or(Value::Null),
-                    None,
-                ));
+            Err(e) => {
+                warn!(error = %e, "a governance round failed; the controller stops and is started again");
+                break;
             }
-        }
-        let snapshot = ComplianceSnapshot {
-            policies: model.roots.values().cloned().collect(),
         };
         compliance.publish(snapshot);
         let results: Vec<(Kind, Key, Result<Written, StoreError>)> = futures::stream::iter(writes)
@@ -785,6 +708,111 @@ pub async fn run(
 }
 
 impl Model {
+    /// What one round does, with no IO: resolves again when `full` (publishing each
+    /// cluster's set), and returns the statuses to write and the compliance to publish. Run on
+    /// the blocking pool: at 10,000 clusters × 100 policies a full round is a million
+    /// (policy, cluster) pairs, which must not hold a worker the sessions and the operator API
+    /// are served from.
+    fn plan(&mut self, full: bool, assignments: &PolicyAssignments) -> Plan {
+        if full {
+            let decided: BTreeMap<Key, BTreeSet<String>> = self
+                .decisions
+                .iter()
+                .map(|(k, d)| (k.clone(), d.values().flatten().cloned().collect()))
+                .collect();
+            self.resolution = resolve(&Inputs {
+                policies: &self.policies,
+                invalid: &self.invalid,
+                sets: &self.sets,
+                bindings: &self.bindings,
+                decided: &decided,
+            });
+            assignments.publish(self.resolution.assigned.clone());
+            self.roots
+                .retain(|key, _| self.policies.get(key).is_some_and(|p| !p.spec.disabled));
+        }
+        let touched = std::mem::take(&mut self.touched);
+        let recheck = std::mem::take(&mut self.recheck);
+        let mut writes: Vec<(Kind, Key, Value, Option<PolicyStatus>)> = Vec::new();
+        let mut wanted_compliance: BTreeMap<&Key, Option<ComplianceState>> = BTreeMap::new();
+        for (key, placed) in &self.resolution.policies {
+            let Some(policy) = self.policies.get(key) else {
+                continue;
+            };
+            let uid = policy.metadata.uid.as_deref().unwrap_or_default();
+            let want = match &policy.status {
+                Some(current) if !full && !recheck.contains(key) => {
+                    patch_status(current, uid, &touched, &self.reported)
+                }
+                current => Some(policy_status(current.as_ref(), placed, uid, &self.reported)),
+            };
+            let Some(want) = want else {
+                wanted_compliance.insert(key, policy.status.as_ref().and_then(|s| s.compliant));
+                continue;
+            };
+            wanted_compliance.insert(key, want.compliant);
+            if !policy.spec.disabled {
+                let clusters: Vec<(String, Option<ComplianceState>)> = want
+                    .status
+                    .iter()
+                    .map(|c| (c.clustername.clone(), c.compliant))
+                    .collect();
+                let unchanged = self
+                    .roots
+                    .get(key)
+                    .is_some_and(|r| r.compliant == want.compliant && *r.clusters == clusters);
+                if !unchanged {
+                    self.roots.insert(
+                        key.clone(),
+                        RootCompliance {
+                            key: key.clone(),
+                            compliant: want.compliant,
+                            clusters: Arc::new(clusters),
+                        },
+                    );
+                }
+            }
+            if Some(&want) != policy.status.as_ref()
+                && !(want == PolicyStatus::default() && policy.status.is_none())
+            {
+                writes.push((
+                    Kind::Policy,
+                    key.clone(),
+                    serde_json::to_value(&want).unwrap_or(Value::Null),
+                    Some(want),
+                ));
+            }
+        }
+        for (key, placed) in &self.resolution.sets {
+            let Some(set) = self.sets.get(key) else {
+                continue;
+            };
+            let members: Vec<Option<ComplianceState>> = set
+                .spec
+                .policies
+                .iter()
+                .map(|member| Key::new(&key.namespace, member))
+                .filter(|member| self.policies.get(member).is_some_and(|p| !p.spec.disabled))
+                .map(|member| wanted_compliance.get(&member).copied().flatten())
+                .collect();
+            let want = policy_set_status(set.status.as_ref(), placed, &members);
+            if Some(&want) != set.status.as_ref()
+                && !(want == PolicySetStatus::default() && set.status.is_none())
+            {
+                writes.push((
+                    Kind::PolicySet,
+                    key.clone(),
+                    serde_json::to_value(&want).unwrap_or(Value::Null),
+                    None,
+                ));
+            }
+        }
+        let snapshot = ComplianceSnapshot {
+            policies: self.roots.values().cloned().collect(),
+        };
+        Plan { writes, snapshot }
+    }
+
     fn apply(&mut self, kind: Kind, event: WatchEvent) {
         let deleted = matches!(event, WatchEvent::Deleted(_));
         let obj = event.into_object();
