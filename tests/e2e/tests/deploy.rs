@@ -720,6 +720,15 @@ async fn rbac_covers_every_call_the_code_makes() -> anyhow::Result<()> {
         None,
         "a large work's chunks, as its agent asks for them",
     ));
+    for verb in ["list", "watch"] {
+        granted.push(ask(
+            "flotilla-gateway",
+            verb,
+            plural_group(Kind::ConfigMap),
+            None,
+            "hub templates' fromConfigMap: the ConfigMaps of the namespaces whose policies read them",
+        ));
+    }
     for verb in ["list", "create", "update"] {
         granted.push(ask(
             "flotilla-gateway",
@@ -866,6 +875,20 @@ async fn rbac_covers_every_call_the_code_makes() -> anyhow::Result<()> {
             plural_group(Kind::ClusterCompliance),
             None,
             "only the hub creates and deletes compliance records",
+        ),
+        ask(
+            "flotilla-gateway",
+            "update",
+            plural_group(Kind::ConfigMap),
+            None,
+            "gateways read ConfigMaps for hub templates and never write them",
+        ),
+        ask(
+            "flotilla-gateway",
+            "create",
+            plural_group(Kind::ConfigMap),
+            Some("default"),
+            "gateways read ConfigMaps for hub templates and never write them",
         ),
         ask(
             "flotilla-gateway",
