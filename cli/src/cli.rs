@@ -17,19 +17,9 @@ use serde_json::{Value, json};
 pub fn collection_path(kind: Kind, namespace: Option<&str>) -> String {
     match namespace {
         Some(ns) if kind.namespaced() => {
-            format!(
-                "/apis/{}/{}/namespaces/{ns}/{}",
-                kind.group(),
-                kind.version(),
-                kind.plural()
-            )
+            format!("{}/namespaces/{ns}/{}", kind.api_root(), kind.plural())
         }
-        _ => format!(
-            "/apis/{}/{}/{}",
-            kind.group(),
-            kind.version(),
-            kind.plural()
-        ),
+        _ => format!("{}/{}", kind.api_root(), kind.plural()),
     }
 }
 
@@ -153,6 +143,24 @@ pub fn kind_of_document(doc: &Value) -> anyhow::Result<Kind> {
             format!(
                 "{api_version} {kind} {}: the hub serves only {}",
                 doc["metadata"]["name"].as_str().unwrap_or("<unnamed>"),
+                served.join(", ")
+            )
+        })
+}
+
+/// The hub kind a command line names, as kubectl takes it: the kind (`ConfigMap`), its
+/// lower-case singular (`configmap`) or its plural (`configmaps`), in any case; an error lists
+/// what the hub serves.
+pub fn kind_of_resource(resource: &str) -> anyhow::Result<Kind> {
+    Kind::ALL
+        .into_iter()
+        .find(|k| {
+            k.name().eq_ignore_ascii_case(resource) || k.plural().eq_ignore_ascii_case(resource)
+        })
+        .with_context(|| {
+            let served: Vec<&str> = Kind::ALL.iter().map(|k| k.plural()).collect();
+            format!(
+                "the hub serves no resource {resource:?}; it serves {}",
                 served.join(", ")
             )
         })
@@ -406,6 +414,30 @@ mod tests {
             "{err}"
         );
         assert!(err.contains("work.open-cluster-management.io/v1 ManifestWork"));
+        // Kubernetes' own ConfigMap is a hub kind, on the core group's paths.
+        let cm = json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "settings"}});
+        assert_eq!(kind_of_document(&cm).unwrap(), Kind::ConfigMap);
+        assert_eq!(
+            object_path(Kind::ConfigMap, Some("policies"), "settings"),
+            "/api/v1/namespaces/policies/configmaps/settings"
+        );
+        assert_eq!(
+            collection_path(Kind::Policy, Some("policies")),
+            "/apis/policy.open-cluster-management.io/v1/namespaces/policies/policies"
+        );
+    }
+
+    #[test]
+    fn resources_are_named_as_kubectl_names_them() {
+        for name in ["configmaps", "ConfigMap", "configmap", "CONFIGMAPS"] {
+            assert_eq!(kind_of_resource(name).unwrap(), Kind::ConfigMap, "{name}");
+        }
+        assert_eq!(kind_of_resource("policies").unwrap(), Kind::Policy);
+        let err = kind_of_resource("secrets").unwrap_err().to_string();
+        assert!(
+            err.starts_with("the hub serves no resource \"secrets\"; it serves managedclusters,"),
+            "{err}"
+        );
     }
 }
 

@@ -268,6 +268,27 @@ pub fn policies(items: &[Value], now: Timestamp) -> String {
     render(&rows)
 }
 
+/// `flotilla get configmaps`: `kubectl get configmaps`' columns (DATA counts the keys of
+/// `data` and `binaryData`), with the namespace first, as `-A` shows it.
+pub fn config_maps(items: &[Value], now: Timestamp) -> String {
+    let mut rows = vec![vec![
+        "NAMESPACE".to_string(),
+        "NAME".into(),
+        "DATA".into(),
+        "AGE".into(),
+    ]];
+    for c in items {
+        let keys = |field: &str| c[field].as_object().map_or(0, |m| m.len());
+        rows.push(vec![
+            text_or_none(&c["metadata"]["namespace"]),
+            text_or_none(&c["metadata"]["name"]),
+            (keys("data") + keys("binaryData")).to_string(),
+            age(c["metadata"]["creationTimestamp"].as_str(), now),
+        ]);
+    }
+    render(&rows)
+}
+
 /// Most clusters whose compliance records `flotilla describe policy` reads to show what they
 /// violate: one request each, so a policy on 10,000 clusters costs 20 reads, not 10,000.
 pub const MAX_EXPLAINED_CLUSTERS: usize = 20;
@@ -738,6 +759,19 @@ mod tests {
         assert!(
             text.contains("  (30 more non-compliant or pending clusters not shown)\n"),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn config_maps_table_counts_keys_like_kubectl() {
+        let now: Timestamp = "2026-01-01T01:00:00Z".parse().unwrap();
+        let items = [json!({
+            "metadata": {"name": "settings", "namespace": "policies",
+                         "creationTimestamp": "2026-01-01T00:55:00Z"},
+            "data": {"tier": "gold", "replicas": "3"}, "binaryData": {"logo": "AAEC"}})];
+        assert_eq!(
+            config_maps(&items, now),
+            "NAMESPACE   NAME       DATA   AGE\npolicies    settings   3      5m\n"
         );
     }
 

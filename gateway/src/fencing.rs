@@ -417,4 +417,51 @@ mod tests {
         bases.forget("w1");
         assert_eq!(bases.len(), 0);
     }
+
+    /// A gateway reads the hub's ConfigMaps for hub templates and never writes one: every
+    /// write a gateway makes is fenced, and the store refuses a fenced write of a kind that is
+    /// not a cluster's (spec or status), leaving the ConfigMap as it was.
+    #[tokio::test]
+    async fn a_gateway_can_write_no_config_map() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = flotilla_store::SledStore::open(dir.path()).unwrap();
+        let stored = store
+            .create(json!({"apiVersion": "v1", "kind": "ConfigMap",
+                           "metadata": {"name": "settings", "namespace": "policies"},
+                           "data": {"tier": "gold"}}))
+            .await
+            .unwrap();
+        let held = Held { shard: 3, epoch: 1 };
+        let mut edited = stored.clone();
+        edited["data"]["tier"] = json!("stolen");
+        let fencing = Fencing::default();
+        let spec = fencing
+            .write_spec(&store, edited, "store-1", held)
+            .await
+            .unwrap_err();
+        let target = Target {
+            kind: Kind::ConfigMap,
+            namespace: Some("policies"),
+            name: "settings",
+            cluster: "store-1",
+        };
+        let status = fencing
+            .write_status(&store, target, json!({}), held, None, None)
+            .await
+            .unwrap_err();
+        for refused in [spec, status] {
+            assert!(
+                refused.to_string().starts_with(
+                    "ConfigMap policies/settings: ConfigMap has no fencing record in its status"
+                ),
+                "{refused}"
+            );
+        }
+        let kept = store
+            .get(Kind::ConfigMap, Some("policies"), "settings")
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(kept, stored);
+    }
 }

@@ -1,7 +1,9 @@
 //! flotilla's session tier: accepts agent sessions on either carrier (gRPC over HTTP/2, or
 //! QUIC; both mTLS, both behind `flotilla-transport`'s seam), drives each one with the shared
 //! sans-IO protocol from `flotilla-proto` (`driver`), keeps cluster health from the sessions
-//! (`health`), fans desired state out (`desired`, `mailbox`, `registry`), admits only accepted
+//! (`health`), fans desired state out (`desired`, `mailbox`, `registry`) and governance
+//! policies with their hub templates rendered per cluster (`policies`, reading the hub's
+//! ConfigMaps through `hub_config_maps`), admits only accepted
 //! clusters with registered keys and closes the sessions of revoked ones (`admission`), lets
 //! new sessions in at a bounded rate and turns the excess away with a retry-after (`rate`), writes
 //! work statuses and cleanup finalizers to the store coalesced, fenced and within one write
@@ -27,6 +29,7 @@ pub mod fault;
 pub mod fencing;
 pub mod finalizers;
 pub mod health;
+pub mod hub_config_maps;
 mod locks;
 pub mod mailbox;
 pub mod metrics;

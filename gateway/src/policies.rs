@@ -16,7 +16,16 @@
 //! agent to report. When a cluster's labels or claims change, the policies whose rendering
 //! changes with them are delivered to it again. Only clusters the admission cache knows (those
 //! of the shards this gateway holds) are rendered: the others' sessions are elsewhere.
+//!
+//! `fromConfigMap` reads the hub's ConfigMaps of the policy's namespace, from a cache that
+//! follows exactly the namespaces whose cached policies call it ([`crate::hub_config_maps`]).
+//! A policy is never rendered from a namespace that has not been listed yet: a session's sync
+//! waits for the list, and a delivery skipped meanwhile is made once it arrives. Each
+//! rendering records which ConfigMaps it read; when one is created, edited or deleted, the
+//! policies that read it are rendered again for each cluster and sent where the content hash
+//! differs from what the cluster was last sent.
 
+use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, RwLock};
 
@@ -30,9 +39,10 @@ use flotilla_store::reflect::{Reflector, reflect};
 use flotilla_store::{Object, Store, WatchEvent};
 use serde_json::{Value, json};
 use tokio::sync::watch;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::admission::{Admissions, ClusterFacts};
+use crate::hub_config_maps::{self, Changed, ConfigMapReaders, HubConfigMaps, View};
 use crate::locks::{SyncMutex, lock, read, write};
 use crate::mailbox::WorkChange;
 use crate::registry::Registry;
@@ -76,36 +86,62 @@ struct Placed {
     /// The policy as delivered (without status) when it holds hub templates: each cluster
     /// gets it rendered with its own facts. `None`: every cluster gets `frame`.
     templated: Option<Arc<Value>>,
+    /// Whether its hub templates call `fromConfigMap`: its namespace's ConfigMaps are followed
+    /// while it is cached, and it is rendered only once they are listed.
+    reads_config_maps: bool,
 }
 
 impl Placed {
-    /// What `cluster` is sent: the frame, or the policy rendered with the cluster's facts.
-    fn render_for(&self, cluster: &str, facts: &ClusterFacts) -> DesiredWork {
+    /// What `cluster` is sent: the frame, or the policy rendered with the cluster's facts and
+    /// its namespace's ConfigMaps; and which ConfigMaps the rendering read.
+    fn render_for(
+        &self,
+        cluster: &str,
+        facts: &ClusterFacts,
+        config_maps: Option<View>,
+    ) -> (DesiredWork, BTreeSet<String>) {
         let Some(policy) = &self.templated else {
-            return self.frame.clone();
+            return (self.frame.clone(), BTreeSet::new());
         };
         let mut policy = Value::clone(policy);
-        template::render_hub_templates(&mut policy, &HubFacts::new(cluster, facts));
-        DesiredWork {
+        let data = HubFacts::new(cluster, facts, &self.frame.namespace, config_maps);
+        template::render_hub_templates(&mut policy, &data);
+        let frame = DesiredWork {
             content_hash: value_hash(&policy["spec"]),
             manifest_work_json: serde_json::to_vec(&policy).unwrap_or_default(),
             ..self.frame.clone()
-        }
+        };
+        (frame, data.read.into_inner())
     }
 }
 
-/// What a cluster's hub templates read: `.ManagedClusterName`, `.ManagedClusterLabels`, and
-/// the claims it reported for `fromClusterClaim`.
+/// What a cluster's hub templates read: `.ManagedClusterName`, `.ManagedClusterLabels`, the
+/// claims it reported for `fromClusterClaim`, and the policy's namespace's ConfigMaps for
+/// `fromConfigMap`.
 struct HubFacts<'a> {
     dot: Value,
     facts: &'a ClusterFacts,
+    /// The policy's namespace: the only one whose ConfigMaps its templates read.
+    namespace: &'a str,
+    /// That namespace's ConfigMaps, when the policy's templates call `fromConfigMap`.
+    config_maps: Option<View>,
+    /// The ConfigMaps read, found or not: a change to any of them renders the policy again.
+    read: RefCell<BTreeSet<String>>,
 }
 
 impl<'a> HubFacts<'a> {
-    fn new(cluster: &str, facts: &'a ClusterFacts) -> HubFacts<'a> {
+    fn new(
+        cluster: &str,
+        facts: &'a ClusterFacts,
+        namespace: &'a str,
+        config_maps: Option<View>,
+    ) -> HubFacts<'a> {
         HubFacts {
             dot: json!({"ManagedClusterName": cluster, "ManagedClusterLabels": facts.labels}),
             facts,
+            namespace,
+            config_maps,
+            read: RefCell::default(),
         }
     }
 }
@@ -123,6 +159,15 @@ impl TemplateData for HubFacts<'_> {
                 .get(&lookup.name)
                 .map_or(Value::Null, |value| json!({"spec": {"value": value}}))));
         }
+        // The template engine has already refused another namespace than the policy's.
+        if lookup.api_version == "v1"
+            && lookup.kind == "ConfigMap"
+            && lookup.namespace == self.namespace
+            && let Some(view) = &self.config_maps
+        {
+            self.read.borrow_mut().insert(lookup.name.clone());
+            return Some(view.read(&lookup.name));
+        }
         Some(Err(format!(
             "hub templates cannot read {} {}/{} on this hub",
             lookup.kind, lookup.namespace, lookup.name
@@ -136,6 +181,9 @@ struct State {
     policies: HashMap<String, Arc<Placed>>,
     /// Cluster → the uids of the policies that reach it.
     by_cluster: HashMap<String, BTreeSet<String>>,
+    /// Namespace → how many of its policies call `fromConfigMap`: the namespaces whose
+    /// ConfigMaps are followed.
+    config_map_readers: HashMap<String, usize>,
 }
 
 impl State {
@@ -155,19 +203,29 @@ impl State {
                 .or_default()
                 .insert(uid.to_owned());
         }
+        if let Some(old) = &old {
+            self.uncount_reader(old);
+        }
+        if placed.reads_config_maps {
+            *self
+                .config_map_readers
+                .entry(placed.frame.namespace.clone())
+                .or_default() += 1;
+        }
         old
     }
 
     fn remove(&mut self, uid: &str) -> Option<Arc<Placed>> {
         let old = self.policies.remove(uid)?;
-        self.unindex(uid, &old.clusters);
+        self.unindex(uid, &old);
         Some(old)
     }
 
-    fn unindex(&mut self, uid: &str, clusters: &BTreeSet<String>) {
-        for cluster in clusters {
+    fn unindex(&mut self, uid: &str, placed: &Placed) {
+        for cluster in &placed.clusters {
             self.unindex_one(uid, cluster);
         }
+        self.uncount_reader(placed);
     }
 
     fn unindex_one(&mut self, uid: &str, cluster: &str) {
@@ -178,11 +236,37 @@ impl State {
             }
         }
     }
+
+    /// One policy of `placed`'s namespace fewer reads its ConfigMaps, if it did.
+    fn uncount_reader(&mut self, placed: &Placed) {
+        if placed.reads_config_maps
+            && let Some(readers) = self.config_map_readers.get_mut(&placed.frame.namespace)
+        {
+            *readers -= 1;
+            if *readers == 0 {
+                self.config_map_readers.remove(&placed.frame.namespace);
+            }
+        }
+    }
+
+    /// The namespaces whose ConfigMaps some cached policy reads.
+    fn config_map_namespaces(&self) -> BTreeSet<String> {
+        self.config_map_readers.keys().cloned().collect()
+    }
 }
 
-/// The content hash each cluster was last sent of each templated policy, by (cluster, uid):
-/// what a change of the cluster's facts is compared with.
-type Sent = HashMap<(String, String), String>;
+/// What a cluster was last sent of one templated policy.
+#[derive(Clone, Debug)]
+struct SentFrame {
+    /// Its content hash: what a new rendering is compared with.
+    hash: String,
+    /// The ConfigMaps (of the policy's namespace) that rendering read: a change to one of them
+    /// renders it again.
+    config_maps: BTreeSet<String>,
+}
+
+/// What each cluster was last sent of each templated policy, by (cluster, uid).
+type Sent = HashMap<(String, String), SentFrame>;
 
 /// The policies each cluster carries; see the module docs.
 pub struct DesiredPolicies {
@@ -192,8 +276,11 @@ pub struct DesiredPolicies {
     /// The clusters' facts, for hub templates.
     facts: Arc<dyn FactSource>,
     /// Held while a templated policy is rendered and sent (after `state`, never before it),
-    /// so that a rendering with older facts is never recorded or sent after one with newer.
+    /// so that a rendering with older facts or ConfigMaps is never recorded or sent after one
+    /// with newer: both are read under it.
     sent: SyncMutex<Sent>,
+    /// The hub's ConfigMaps of the namespaces whose policies read them (locked after `sent`).
+    config_maps: Arc<HubConfigMaps>,
 }
 
 impl DesiredPolicies {
@@ -203,6 +290,7 @@ impl DesiredPolicies {
             ready: watch::Sender::new(false),
             facts,
             sent: SyncMutex::default(),
+            config_maps: Arc::default(),
         })
     }
 
@@ -211,8 +299,9 @@ impl DesiredPolicies {
     }
 
     /// What `cluster` is sent of `placed` now, recorded in `sent` when templated; with
-    /// `facts` given, else with what the admission cache knows. `None`: templated, and the
-    /// cluster unknown here (another gateway's, which renders it for its own sessions).
+    /// `facts` given, else with what the admission cache knows. `None`: templated, and either
+    /// the cluster is unknown here (another gateway's, which renders it for its own sessions)
+    /// or the policy reads ConfigMaps of a namespace not listed yet (rendered once it is).
     fn frame_for(
         &self,
         sent: &mut Sent,
@@ -223,11 +312,19 @@ impl DesiredPolicies {
         if placed.templated.is_none() {
             return Some(placed.frame.clone());
         }
+        let config_maps = if placed.reads_config_maps {
+            Some(self.config_maps.view(&placed.frame.namespace)?)
+        } else {
+            None
+        };
         let facts = facts.or_else(|| self.facts.facts(cluster))?;
-        let frame = placed.render_for(cluster, &facts);
+        let (frame, read) = placed.render_for(cluster, &facts, config_maps);
         sent.insert(
             (cluster.to_owned(), frame.uid.clone()),
-            frame.content_hash.clone(),
+            SentFrame {
+                hash: frame.content_hash.clone(),
+                config_maps: read,
+            },
         );
         Some(frame)
     }
@@ -244,21 +341,51 @@ impl DesiredPolicies {
     }
 
     /// The policies `cluster` should hold now. Waits for the first list: "not read yet" is not
-    /// "none", and a sync from an empty cache would delete every policy the agent holds.
+    /// "none", and a sync from an empty cache would delete every policy the agent holds. Waits
+    /// likewise for the ConfigMaps of the namespaces its policies read: a policy rendered
+    /// before they are listed would carry a false "not found".
     pub async fn snapshot(&self, cluster: &str) -> Vec<DesiredWork> {
         self.wait_ready().await;
-        let state = read(&self.state);
-        let mut sent = lock(&self.sent);
-        state
-            .by_cluster
-            .get(cluster)
-            .into_iter()
-            .flatten()
-            .filter_map(|uid| state.policies.get(uid))
-            // A session here whose cluster the cache has yet to list (just registered): its
-            // facts are followed once listed.
-            .filter_map(|p| self.frame_for(&mut sent, p, cluster, Some(self.facts_of(cluster))))
-            .collect()
+        let mut listed = self.config_maps.changes();
+        loop {
+            listed.borrow_and_update();
+            let waiting_for = {
+                let state = read(&self.state);
+                let mut sent = lock(&self.sent);
+                // A session here whose cluster the cache has yet to list (just registered): its
+                // facts are followed once listed.
+                let facts = self.facts_of(cluster);
+                let mut frames = Vec::new();
+                let mut waiting_for = None;
+                for placed in state
+                    .by_cluster
+                    .get(cluster)
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|uid| state.policies.get(uid))
+                {
+                    match self.frame_for(&mut sent, placed, cluster, Some(facts.clone())) {
+                        Some(frame) => frames.push(frame),
+                        None => {
+                            waiting_for = Some(placed.frame.namespace.clone());
+                            break;
+                        }
+                    }
+                }
+                match waiting_for {
+                    None => return frames,
+                    Some(namespace) => namespace,
+                }
+            };
+            debug!(
+                cluster,
+                namespace = %waiting_for,
+                "the session's sync waits for the namespace's ConfigMaps to be listed"
+            );
+            if listed.changed().await.is_err() {
+                return Vec::new();
+            }
+        }
     }
 
     /// The root Policy (namespace, name) with this uid if it reaches `cluster` now: only then
@@ -288,10 +415,57 @@ impl DesiredPolicies {
             policies: &self,
             registry: registry.as_ref(),
         };
+        let readers: Arc<dyn ConfigMapReaders> = Arc::new(Rerender {
+            policies: self.clone(),
+            registry: registry.clone(),
+        });
         tokio::join!(
             reflect(Kind::Policy, store.as_ref(), &target, stop.clone()),
-            self.follow_facts(registry.as_ref(), stop),
+            self.follow_facts(registry.as_ref(), stop.clone()),
+            hub_config_maps::follow(self.config_maps.clone(), store.clone(), readers, stop),
         );
+    }
+
+    /// Renders again, for each cluster they reach, the policies of `namespace` that a change
+    /// of its ConfigMaps may concern, and sends each cluster what differs from what it was last
+    /// sent. After a list that is every such policy, sent before or not (a delivery skipped
+    /// while the namespace loaded is made here); after one ConfigMap's change, only the
+    /// renderings that read it.
+    fn refresh(&self, namespace: &str, what: &Changed, registry: &dyn Sessions) {
+        let state = read(&self.state);
+        let mut sent = lock(&self.sent);
+        let mut delivered = 0usize;
+        for placed in state
+            .policies
+            .values()
+            .filter(|p| p.reads_config_maps && p.frame.namespace == namespace)
+        {
+            for cluster in &placed.clusters {
+                let key = (cluster.clone(), placed.frame.uid.clone());
+                let before = sent.get(&key);
+                if let Changed::One(name) = what
+                    && !before.is_some_and(|b| b.config_maps.contains(name))
+                {
+                    continue;
+                }
+                let before = before.map(|b| b.hash.clone());
+                let Some(frame) = self.frame_for(&mut sent, placed, cluster, None) else {
+                    continue;
+                };
+                if before.as_ref() != Some(&frame.content_hash) {
+                    delivered += 1;
+                    registry.deliver(cluster, WorkChange::Upsert(frame));
+                }
+            }
+        }
+        if delivered > 0 {
+            debug!(
+                namespace,
+                ?what,
+                delivered,
+                "policies rendered anew from the hub's ConfigMaps"
+            );
+        }
     }
 
     /// Delivers again the templated policies whose rendering for a cluster changes when that
@@ -331,12 +505,17 @@ impl DesiredPolicies {
                     seen.insert(cluster.to_owned(), now.clone());
                     for placed in templated {
                         let key = (cluster.to_owned(), placed.frame.uid.clone());
-                        let Some(before) = sent.get(&key) else {
+                        let Some(before) = sent.get(&key).map(|s| s.hash.clone()) else {
                             continue;
                         };
-                        let frame = placed.render_for(cluster, &now);
-                        if *before != frame.content_hash {
-                            sent.insert(key, frame.content_hash.clone());
+                        // None: its namespace's ConfigMaps are being listed, and the list
+                        // renders it with the facts of then.
+                        let Some(frame) =
+                            self.frame_for(&mut sent, placed, cluster, Some(now.clone()))
+                        else {
+                            continue;
+                        };
+                        if before != frame.content_hash {
                             registry.deliver(cluster, WorkChange::Upsert(frame));
                         }
                     }
@@ -356,18 +535,22 @@ impl DesiredPolicies {
     /// them.
     fn change(&self, uid: &str, now: Option<Placed>, registry: &dyn Sessions) {
         let now = now.map(Arc::new);
-        let before = {
+        let (before, namespaces) = {
             let mut state = write(&self.state);
             // Most of a root's writes are its clusters' verdicts: neither its content nor its
             // reach moved, and no session has anything to hear.
             if state.policies.get(uid) == now.as_ref() {
                 return;
             }
-            match &now {
+            let before = match &now {
                 Some(placed) => state.insert(uid, placed.clone()),
                 None => state.remove(uid),
-            }
+            };
+            (before, state.config_map_namespaces())
         };
+        // Before telling: a policy whose namespace starts loading here is not rendered until
+        // the namespace is listed, and then it is.
+        self.config_maps.want(&namespaces);
         self.tell(before.as_deref(), now.as_deref(), registry);
     }
 
@@ -435,6 +618,8 @@ fn placed(mut obj: Object) -> Option<Placed> {
         policy_namespace: namespace.to_owned(),
     };
     let templated = template::has_templates(&obj["spec"]["policy-templates"], &hub);
+    let reads_config_maps =
+        !template::uses(&obj["spec"]["policy-templates"], &hub, "fromConfigMap").is_empty();
     let frame = DesiredWork {
         uid: uid.to_owned(),
         namespace: namespace.to_owned(),
@@ -448,7 +633,21 @@ fn placed(mut obj: Object) -> Option<Placed> {
         frame,
         clusters,
         templated: templated.then(|| Arc::new(obj)),
+        reads_config_maps,
     })
+}
+
+/// The policies told of their namespaces' ConfigMap changes.
+struct Rerender {
+    policies: Arc<DesiredPolicies>,
+    registry: Arc<dyn Sessions>,
+}
+
+impl ConfigMapReaders for Rerender {
+    fn changed(&self, namespace: &str, what: &Changed) {
+        self.policies
+            .refresh(namespace, what, self.registry.as_ref());
+    }
 }
 
 fn uid_of(obj: &Object) -> Option<&str> {
@@ -473,7 +672,9 @@ impl Reflector for Reflecting<'_> {
             }
         }
         let loaded_before = *self.policies.ready.borrow();
+        let namespaces = fresh.config_map_namespaces();
         let old = std::mem::replace(&mut *write(&self.policies.state), fresh);
+        self.policies.config_maps.want(&namespaces);
         // A relist can hide changes made while the watch was down: deliver them. Before the
         // first load no session has synced, and each syncs from the snapshot.
         if loaded_before {
@@ -592,6 +793,14 @@ mod tests {
     }
 
     impl Told {
+        /// Whether each of `clusters` was told something since it was last taken.
+        fn any(&self, clusters: &[&str]) -> bool {
+            let told = lock(&self.0);
+            clusters
+                .iter()
+                .all(|c| told.get(*c).is_some_and(|changes| !changes.is_empty()))
+        }
+
         /// What `cluster` was told since the last call: (name, upsert?) per change.
         fn take(&self, cluster: &str) -> Vec<(String, bool)> {
             lock(&self.0)
@@ -664,8 +873,9 @@ mod tests {
             )
             .await
             .unwrap();
+        // The cache changes before the sessions are told: wait for both.
         eventually("store-3 is told and store-2 loses it", || async {
-            policies.reaching("store-3", &uid).await.is_some()
+            policies.reaching("store-3", &uid).await.is_some() && told.any(&["store-2", "store-3"])
         })
         .await;
         assert_eq!(
@@ -691,6 +901,7 @@ mod tests {
         store.update_spec(current).await.unwrap();
         eventually("the new spec reaches store-1", || async {
             policies.snapshot("store-1").await[0].content_hash != snapshot[0].content_hash
+                && told.any(&["store-1", "store-3"])
         })
         .await;
         assert_eq!(
@@ -706,7 +917,7 @@ mod tests {
             .await
             .unwrap();
         eventually("the policy leaves every cluster", || async {
-            policies.snapshot("store-1").await.is_empty()
+            policies.snapshot("store-1").await.is_empty() && told.any(&["store-1", "store-3"])
         })
         .await;
         assert_eq!(
@@ -838,6 +1049,452 @@ mod tests {
         assert!(
             told.take("store-2").is_empty(),
             "store-2's rendering did not change"
+        );
+        let _ = stop_tx.send(true);
+    }
+
+    /// A sled store whose ConfigMap lists say which namespace they read, and wait until the
+    /// test opens that namespace: how a slow first list of a namespace is played.
+    struct GatedLists {
+        inner: SledStore,
+        /// The namespace of each ConfigMap list asked for, in order.
+        lists: SyncMutex<Vec<String>>,
+        /// The namespaces whose ConfigMap lists are answered.
+        open: watch::Sender<BTreeSet<String>>,
+    }
+
+    impl GatedLists {
+        fn new(inner: SledStore, open: &[&str]) -> GatedLists {
+            GatedLists {
+                inner,
+                lists: SyncMutex::default(),
+                open: watch::Sender::new(open.iter().map(|n| n.to_string()).collect()),
+            }
+        }
+
+        fn listed(&self) -> Vec<String> {
+            lock(&self.lists).clone()
+        }
+
+        fn open(&self, namespace: &str) {
+            self.open.send_modify(|open| {
+                open.insert(namespace.to_owned());
+            });
+        }
+    }
+
+    #[async_trait]
+    impl Store for GatedLists {
+        async fn get(
+            &self,
+            kind: Kind,
+            namespace: Option<&str>,
+            name: &str,
+        ) -> Result<Option<Object>, flotilla_store::StoreError> {
+            self.inner.get(kind, namespace, name).await
+        }
+        async fn list(
+            &self,
+            kind: Kind,
+            namespace: Option<&str>,
+        ) -> Result<flotilla_store::ObjectList, flotilla_store::StoreError> {
+            if kind == Kind::ConfigMap {
+                let namespace = namespace.unwrap_or_default().to_owned();
+                lock(&self.lists).push(namespace.clone());
+                let mut open = self.open.subscribe();
+                let _ = open.wait_for(|open| open.contains(&namespace)).await;
+            }
+            self.inner.list(kind, namespace).await
+        }
+        async fn watch(
+            &self,
+            kind: Kind,
+            namespace: Option<&str>,
+            from: Option<flotilla_store::Revision>,
+        ) -> Result<flotilla_store::WatchStream, flotilla_store::StoreError> {
+            self.inner.watch(kind, namespace, from).await
+        }
+        async fn list_selected(
+            &self,
+            kind: Kind,
+            selection: &flotilla_store::Selection,
+        ) -> Result<flotilla_store::ObjectList, flotilla_store::StoreError> {
+            self.inner.list_selected(kind, selection).await
+        }
+        async fn watch_selected(
+            &self,
+            kind: Kind,
+            selection: &flotilla_store::Selection,
+            from: Option<flotilla_store::Revision>,
+        ) -> Result<flotilla_store::WatchStream, flotilla_store::StoreError> {
+            self.inner.watch_selected(kind, selection, from).await
+        }
+        async fn create(&self, object: Object) -> Result<Object, flotilla_store::StoreError> {
+            self.inner.create(object).await
+        }
+        async fn update_spec(&self, object: Object) -> Result<Object, flotilla_store::StoreError> {
+            self.inner.update_spec(object).await
+        }
+        async fn update_status(
+            &self,
+            kind: Kind,
+            namespace: Option<&str>,
+            name: &str,
+            status: Value,
+            expected: Option<&flotilla_store::Revision>,
+        ) -> Result<Object, flotilla_store::StoreError> {
+            self.inner
+                .update_status(kind, namespace, name, status, expected)
+                .await
+        }
+        async fn update_status_fenced(
+            &self,
+            kind: Kind,
+            namespace: Option<&str>,
+            name: &str,
+            status: Value,
+            fence: &flotilla_store::WriteFence,
+            basis: Option<&flotilla_store::Basis>,
+        ) -> Result<Object, flotilla_store::StoreError> {
+            self.inner
+                .update_status_fenced(kind, namespace, name, status, fence, basis)
+                .await
+        }
+        async fn update_spec_fenced(
+            &self,
+            object: Object,
+            fence: &flotilla_store::WriteFence,
+        ) -> Result<Object, flotilla_store::StoreError> {
+            self.inner.update_spec_fenced(object, fence).await
+        }
+        async fn delete(
+            &self,
+            kind: Kind,
+            namespace: Option<&str>,
+            name: &str,
+        ) -> Result<(), flotilla_store::StoreError> {
+            self.inner.delete(kind, namespace, name).await
+        }
+        async fn ensure_namespace(&self, name: &str) -> Result<(), flotilla_store::StoreError> {
+            self.inner.ensure_namespace(name).await
+        }
+    }
+
+    /// A Policy in `namespace` placed on `clusters` whose templates make ConfigMap data from
+    /// `data`, one template per entry.
+    async fn create_templated(
+        store: &dyn Store,
+        namespace: &str,
+        name: &str,
+        clusters: &[&str],
+        data: &[serde_json::Value],
+    ) -> String {
+        let mut created = policy(name, clusters);
+        created["metadata"]["namespace"] = json!(namespace);
+        created["spec"]["policy-templates"] = data
+            .iter()
+            .enumerate()
+            .map(|(i, data)| {
+                json!({"objectDefinition": {
+                    "apiVersion": "policy.open-cluster-management.io/v1",
+                    "kind": "ConfigurationPolicy", "metadata": {"name": format!("{name}-{i}")},
+                    "spec": {"remediationAction": "enforce", "object-templates": [{
+                        "complianceType": "musthave", "objectDefinition": {
+                            "apiVersion": "v1", "kind": "ConfigMap",
+                            "metadata": {"name": name, "namespace": "default"},
+                            "data": data}}]}}})
+            })
+            .collect();
+        store.create(created.clone()).await.unwrap();
+        let stored = store
+            .update_status(
+                Kind::Policy,
+                Some(namespace),
+                name,
+                created["status"].clone(),
+                None,
+            )
+            .await
+            .unwrap();
+        stored["metadata"]["uid"].as_str().unwrap().to_owned()
+    }
+
+    fn hub_config_map(namespace: &str, name: &str, data: serde_json::Value) -> Object {
+        json!({"apiVersion": "v1", "kind": "ConfigMap",
+               "metadata": {"name": name, "namespace": namespace}, "data": data})
+    }
+
+    /// Replaces ConfigMap `namespace/name`'s data, as `flotilla apply` of an edited one does.
+    async fn edit_config_map(
+        store: &dyn Store,
+        namespace: &str,
+        name: &str,
+        data: serde_json::Value,
+    ) {
+        let mut current = store
+            .get(Kind::ConfigMap, Some(namespace), name)
+            .await
+            .unwrap()
+            .unwrap();
+        current["data"] = data;
+        store.update_spec(current).await.unwrap();
+    }
+
+    impl Told {
+        /// The frames `cluster` was sent since the last call (upserts only).
+        fn frames(&self, cluster: &str) -> Vec<DesiredWork> {
+            lock(&self.0)
+                .remove(cluster)
+                .unwrap_or_default()
+                .into_iter()
+                .filter_map(|c| match c {
+                    WorkChange::Upsert(w) => Some(w),
+                    WorkChange::Delete { .. } => None,
+                })
+                .collect()
+        }
+    }
+
+    /// The data template `index` of a delivered frame makes, and its hub error, if any.
+    fn rendered(frame: &DesiredWork, index: usize) -> (serde_json::Value, Option<String>) {
+        let policy: serde_json::Value = serde_json::from_slice(&frame.manifest_work_json).unwrap();
+        let definition = &policy["spec"]["policy-templates"][index]["objectDefinition"];
+        (
+            definition["spec"]["object-templates"][0]["objectDefinition"]["data"].clone(),
+            definition["metadata"]["annotations"][ANNOTATION_HUB_TEMPLATES_ERROR]
+                .as_str()
+                .map(str::to_owned),
+        )
+    }
+
+    const TIER: &str = "{{hub fromConfigMap \"\" \"settings\" \"tier\" hub}}";
+    const COLOR: &str = "{{hub fromConfigMap \"\" \"settings\" \"color\" hub}}";
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn hub_config_maps_are_rendered_per_cluster_and_followed_as_they_change() {
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(SledStore::open(dir.path()).unwrap());
+        store
+            .create(hub_config_map(
+                "policies",
+                "settings",
+                json!({"tier": "gold"}),
+            ))
+            .await
+            .unwrap();
+        let uid = create_templated(
+            store.as_ref(),
+            "policies",
+            "tiered",
+            &["store-1", "store-2"],
+            &[
+                json!({"tier": TIER, "cluster": "{{hub .ManagedClusterName hub}}"}),
+                json!({"color": COLOR}),
+            ],
+        )
+        .await;
+        let facts = Arc::new(Facts::default());
+        facts.set("store-1", &[], &[]);
+        facts.set("store-2", &[], &[]);
+        let told = Arc::new(Told::default());
+        let registry: Arc<dyn Sessions> = told.clone();
+        let policies = DesiredPolicies::new(facts.clone());
+        let (stop_tx, stop) = watch::channel(false);
+        tokio::spawn(policies.clone().run(store.clone(), registry, stop));
+
+        let first = policies.snapshot("store-1").await;
+        assert_eq!(
+            rendered(&first[0], 0),
+            (json!({"tier": "gold", "cluster": "store-1"}), None),
+            "the hub's ConfigMap, read for the cluster"
+        );
+        assert_eq!(
+            rendered(&first[0], 1),
+            (
+                json!({"color": COLOR}),
+                Some(format!(
+                    "failed to resolve the template {COLOR} at spec.policy-templates[1].objectDefinition.spec.object-templates[0].objectDefinition.data.color: fromConfigMap: ConfigMap policies/settings has no key \"color\""
+                ))
+            ),
+            "a missing key travels as OCM's hub-templates-error, for the agent to report"
+        );
+        let second = policies.snapshot("store-2").await;
+        assert_eq!(
+            policies
+                .config_maps
+                .followed()
+                .into_keys()
+                .collect::<Vec<_>>(),
+            ["policies"]
+        );
+
+        // Edited: each cluster is sent the policy rendered anew, with a new content hash.
+        edit_config_map(
+            store.as_ref(),
+            "policies",
+            "settings",
+            json!({"tier": "silver", "color": "red"}),
+        )
+        .await;
+        // (The first list may also have sent each cluster the policy as it synced it.)
+        for (cluster, synced) in [("store-1", &first[0]), ("store-2", &second[0])] {
+            eventually(&format!("{cluster} is sent the edited tier"), || async {
+                told.frames(cluster).iter().any(|f| {
+                    f.uid == uid
+                        && f.content_hash != synced.content_hash
+                        && rendered(f, 0).0["tier"] == "silver"
+                        && rendered(f, 1) == (json!({"color": "red"}), None)
+                })
+            })
+            .await;
+        }
+        // Deleted: reported missing, as a template of a missing ConfigMap is.
+        store
+            .delete(Kind::ConfigMap, Some("policies"), "settings")
+            .await
+            .unwrap();
+        eventually("store-1 is sent the error", || async {
+            told.frames("store-1").iter().any(|f| {
+                rendered(f, 0).1.is_some_and(|e| {
+                    e.ends_with(
+                        "fromConfigMap: configmaps \"settings\" not found in namespace policies",
+                    )
+                })
+            })
+        })
+        .await;
+        // Created again: delivered again.
+        store
+            .create(hub_config_map(
+                "policies",
+                "settings",
+                json!({"tier": "bronze", "color": "blue"}),
+            ))
+            .await
+            .unwrap();
+        eventually("store-2 is sent the new ConfigMap's tier", || async {
+            told.frames("store-2")
+                .iter()
+                .any(|f| rendered(f, 0) == (json!({"tier": "bronze", "cluster": "store-2"}), None))
+        })
+        .await;
+        let _ = stop_tx.send(true);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_namespace_is_followed_only_while_a_policy_reads_it_and_never_read_before_listed() {
+        let dir = tempfile::tempdir().unwrap();
+        let gated = Arc::new(GatedLists::new(SledStore::open(dir.path()).unwrap(), &[]));
+        let store: Arc<dyn Store> = gated.clone();
+        for namespace in ["policies", "tiers", "kube-system"] {
+            store
+                .create(hub_config_map(
+                    namespace,
+                    "settings",
+                    json!({"tier": namespace}),
+                ))
+                .await
+                .unwrap();
+        }
+        // A policy that reads no ConfigMap: nothing is followed for it.
+        create_templated(
+            store.as_ref(),
+            "kube-system",
+            "plain",
+            &["store-1"],
+            &[json!({"cluster": "{{hub .ManagedClusterName hub}}"})],
+        )
+        .await;
+        create_templated(
+            store.as_ref(),
+            "policies",
+            "tiered",
+            &["store-1"],
+            &[json!({"tier": TIER})],
+        )
+        .await;
+        let facts = Arc::new(Facts::default());
+        facts.set("store-1", &[], &[]);
+        let told = Arc::new(Told::default());
+        let registry: Arc<dyn Sessions> = told.clone();
+        let policies = DesiredPolicies::new(facts.clone());
+        let (stop_tx, stop) = watch::channel(false);
+        tokio::spawn(policies.clone().run(store.clone(), registry, stop));
+
+        // The sync waits for the namespace's list: nothing rendered from a cache not read yet.
+        let sync = tokio::spawn({
+            let policies = policies.clone();
+            async move { policies.snapshot("store-1").await }
+        });
+        eventually("the namespace's ConfigMaps are asked for", || async {
+            gated.listed() == ["policies"]
+        })
+        .await;
+        assert!(!sync.is_finished(), "the sync did not wait for the list");
+        gated.open("policies");
+        let synced = sync.await.unwrap();
+        let tiered = synced.iter().find(|f| f.name == "tiered").unwrap();
+        assert_eq!(rendered(tiered, 0), (json!({"tier": "policies"}), None));
+
+        // A policy in a new namespace, the cluster's session live: nothing sent until the
+        // namespace is listed, then the rendering.
+        create_templated(
+            store.as_ref(),
+            "tiers",
+            "tiers",
+            &["store-1"],
+            &[json!({"tier": TIER})],
+        )
+        .await;
+        eventually("the new namespace's ConfigMaps are asked for", || async {
+            gated.listed() == ["policies", "tiers"]
+        })
+        .await;
+        assert!(
+            !told.frames("store-1").iter().any(|f| f.name == "tiers"),
+            "sent before its namespace was listed"
+        );
+        gated.open("tiers");
+        eventually(
+            "the policy is sent once its namespace is listed",
+            || async {
+                told.frames("store-1").iter().any(|f| {
+                    f.name == "tiers" && rendered(f, 0) == (json!({"tier": "tiers"}), None)
+                })
+            },
+        )
+        .await;
+        assert_eq!(
+            policies
+                .config_maps
+                .followed()
+                .into_keys()
+                .collect::<BTreeSet<_>>(),
+            BTreeSet::from(["policies".to_owned(), "tiers".to_owned()]),
+            "kube-system's ConfigMaps are read by no template"
+        );
+
+        // The last policy of a namespace gone: its ConfigMaps are no longer followed.
+        store
+            .delete(Kind::Policy, Some("tiers"), "tiers")
+            .await
+            .unwrap();
+        eventually("tiers is released", || async {
+            !policies.config_maps.followed().contains_key("tiers")
+        })
+        .await;
+        store
+            .delete(Kind::Policy, Some("policies"), "tiered")
+            .await
+            .unwrap();
+        eventually("policies is released", || async {
+            policies.config_maps.followed().is_empty()
+        })
+        .await;
+        assert_eq!(
+            gated.listed(),
+            ["policies", "tiers"],
+            "each namespace listed once"
         );
         let _ = stop_tx.send(true);
     }

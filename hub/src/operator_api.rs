@@ -98,6 +98,16 @@ pub fn router_with(
             "/apis/{group}/{version}/namespaces/{ns}/{plural}/{name}",
             get(get_one).put(replace).delete(delete),
         )
+        // The core group (`/api/v1`): Kubernetes' own ConfigMap, namespaced, with no status.
+        .route("/api/{version}/{plural}", get(list))
+        .route(
+            "/api/{version}/namespaces/{ns}/{plural}",
+            get(list).post(create),
+        )
+        .route(
+            "/api/{version}/namespaces/{ns}/{plural}/{name}",
+            get(get_one).put(replace).delete(delete),
+        )
         // The status subresource, as on an apiserver: how a score provider publishes an
         // AddOnPlacementScore, or a tool replaces any object's status.
         .route(
@@ -219,10 +229,13 @@ impl IntoResponse for Failure {
 }
 
 /// What a Kubernetes-shaped path names, in whichever of its forms the route has:
-/// `/apis/{group}/{version}[/namespaces/{ns}]/{plural}[/{name}]`. The kind is resolved by the
-/// handler, after the body is read, so a request refused for its body says so first.
+/// `/apis/{group}/{version}[/namespaces/{ns}]/{plural}[/{name}]`, or `/api/{version}/...` for
+/// the core group. The kind is resolved by the handler, after the body is read, so a request
+/// refused for its body says so first.
 #[derive(serde::Deserialize)]
 struct ResourcePath {
+    /// Empty on the core group's routes (`/api/v1/...`).
+    #[serde(default)]
     group: String,
     version: String,
     plural: String,
@@ -239,9 +252,14 @@ impl ResourcePath {
             .into_iter()
             .find(|k| k.group() == group && k.version() == version && k.plural() == plural)
             .ok_or_else(|| {
+                let group_version = if group.is_empty() {
+                    version.to_string()
+                } else {
+                    format!("{group}/{version}")
+                };
                 Failure(
                     StatusCode::NOT_FOUND,
-                    format!("the hub serves no resource {plural} in {group}/{version}"),
+                    format!("the hub serves no resource {plural} in {group_version}"),
                 )
             })
     }
@@ -551,6 +569,16 @@ fn validate_typed(kind: Kind, body: &Value) -> Result<(), String> {
             let set: policy::PolicySet = serde_json::from_value(body.clone())
                 .map_err(|e| format!("{kind} {}: does not parse: {e}", name()))?;
             policy::validate_policy_set(&set, Some(body)).map_err(policy_errors)
+        }
+        // What the apiserver checks of a ConfigMap (the store checks it too): every problem
+        // at once, each naming the field.
+        Kind::ConfigMap => {
+            let problems = flotilla_proto::api::check_config_map(body);
+            if problems.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("{kind} {}: {}", name(), problems.join("; ")))
+            }
         }
         // One per cluster, found by the cluster's name: a record named otherwise would be no
         // cluster's, and the hub would neither count nor delete it.
@@ -1120,6 +1148,90 @@ mod tests {
         assert_eq!(
             got["message"],
             "the hub serves no resource widgets in example.com/v1"
+        );
+    }
+
+    /// Kubernetes' ConfigMap on the core group's paths (`/api/v1`), as kubectl names them: created,
+    /// listed in its namespace and across them, replaced, deleted; a bad one refused naming the
+    /// object and the field; no status subresource.
+    #[tokio::test]
+    async fn config_maps_are_served_on_the_core_groups_paths() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = state(dir.path());
+        let maps = "/api/v1/namespaces/policies/configmaps";
+        let config_map = |data: Value| {
+            json!({"apiVersion": "v1", "kind": "ConfigMap",
+                   "metadata": {"name": "settings"}, "data": data})
+        };
+        let (status, got) = call(&s, "POST", maps, Some(config_map(json!({"tier": "gold"})))).await;
+        assert_eq!(status, StatusCode::CREATED, "{got}");
+        assert_eq!(got["metadata"]["namespace"], "policies");
+        assert!(
+            got["metadata"]["labels"].is_null(),
+            "no shard label on a ConfigMap: {got}"
+        );
+        let (status, list) = call(&s, "GET", maps, None).await;
+        assert_eq!(
+            (status, list["kind"].as_str(), list["apiVersion"].as_str()),
+            (StatusCode::OK, Some("ConfigMapList"), Some("v1"))
+        );
+        assert_eq!(list["items"][0]["data"]["tier"], "gold");
+        let (status, list) = call(&s, "GET", "/api/v1/configmaps", None).await;
+        assert_eq!(
+            (status, list["items"].as_array().map(Vec::len)),
+            (StatusCode::OK, Some(1))
+        );
+        let (status, got) = call(
+            &s,
+            "PUT",
+            &format!("{maps}/settings"),
+            Some(config_map(json!({"tier": "silver"}))),
+        )
+        .await;
+        assert_eq!(
+            (status, &got["data"]["tier"]),
+            (StatusCode::OK, &json!("silver"))
+        );
+        let (status, got) = call(
+            &s,
+            "PUT",
+            &format!("{maps}/settings"),
+            Some(config_map(json!({"tier": 2}))),
+        )
+        .await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+        assert_eq!(
+            got["message"],
+            "ConfigMap policies/settings: data.tier is a number; ConfigMap data values are strings (quote it)"
+        );
+        let (status, _) = call(
+            &s,
+            "PUT",
+            &format!("{maps}/settings/status"),
+            Some(json!({"metadata": {"name": "settings"}, "status": {}})),
+        )
+        .await;
+        assert!(
+            status.is_client_error(),
+            "a ConfigMap has no status: {status}"
+        );
+        let (status, _) = call(&s, "DELETE", &format!("{maps}/settings"), None).await;
+        assert_eq!(status, StatusCode::OK);
+        let (status, got) = call(&s, "GET", &format!("{maps}/settings"), None).await;
+        assert_eq!(
+            (status, got["message"].as_str()),
+            (
+                StatusCode::NOT_FOUND,
+                Some("ConfigMap policies/settings not found")
+            )
+        );
+        let (status, got) = call(&s, "GET", "/api/v1/namespaces/policies/secrets", None).await;
+        assert_eq!(
+            (status, got["message"].as_str()),
+            (
+                StatusCode::NOT_FOUND,
+                Some("the hub serves no resource secrets in v1")
+            )
         );
     }
 

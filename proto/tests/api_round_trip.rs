@@ -73,6 +73,15 @@ fn check_round_trip(path: &str) {
         "PlacementBinding" => drop(round_trip::<policy::PlacementBinding>(path)),
         "PolicySet" => drop(round_trip::<policy::PolicySet>(path)),
         "ClusterCompliance" => drop(round_trip::<policy::ClusterCompliance>(path)),
+        "ConfigMap" => {
+            let config_map: api::ConfigMap = round_trip(path);
+            let value = serde_json::to_value(&config_map).expect("serialize");
+            assert_eq!(
+                api::check_config_map(&value),
+                Vec::<String>::new(),
+                "{path}: a valid ConfigMap"
+            );
+        }
         other => panic!("{path}: no type for kind {other}"),
     }
 }
@@ -290,6 +299,7 @@ fn stored_kinds_have_the_coordinates_of_their_types() {
     check::<Placement>();
     check::<PlacementDecision>();
     check::<AddOnPlacementScore>();
+    check::<api::ConfigMap>();
 }
 
 #[test]

@@ -527,6 +527,7 @@ impl Store for KubeStore {
     ) -> Result<Object, StoreError> {
         check_scope(kind, namespace, name, true)?;
         let key = ObjectKey::new(kind, namespace, name);
+        object::check_has_status(&key)?;
         if !status.is_object() {
             return Err(key.invalid("status must be a JSON map"));
         }

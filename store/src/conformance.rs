@@ -63,6 +63,7 @@ checks![
     fenced_writes_on_an_outdated_basis_read_again,
     fenced_spec_writes_are_compared_and_fence_later_writes,
     unfenced_writes_keep_the_fencing_record,
+    config_maps_are_core_objects_checked_alike,
 ];
 
 /// Runs every check against `store`, each with its own prefix (`{prefix}-{index}`), and fails
@@ -1773,5 +1774,134 @@ pub async fn unfenced_writes_keep_the_fencing_record(
             fenced(Stale::Epoch),
         )?;
     }
+    Ok(())
+}
+
+/// A ConfigMap in `namespace` with `data`.
+pub fn config_map(namespace: &str, name: &str, data: Value) -> Object {
+    json!({
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": namespace},
+        "data": data,
+    })
+}
+
+/// Kubernetes' own ConfigMap (no CRD on the kube backend): stored, listed and watched in its
+/// namespace; both backends refuse the same bad ones with the same words, naming the object
+/// and the field; it has no status; an immutable one keeps its data.
+pub async fn config_maps_are_core_objects_checked_alike(
+    store: &dyn Store,
+    prefix: &str,
+) -> Result<()> {
+    let ns = format!("{prefix}-policies");
+    let invalid = |e: &StoreError| matches!(e, StoreError::Invalid { .. });
+    let mut watch = store.watch(Kind::ConfigMap, Some(&ns), None).await?;
+    let created = store
+        .create(config_map(&ns, "settings", json!({"tier": "gold"})))
+        .await
+        .context("create ConfigMap")?;
+    ensure!(
+        created["data"] == json!({"tier": "gold"}) && created.get("status").is_none(),
+        "stored as {created}"
+    );
+    expect_events(&mut watch, &[format!("Added {ns}/settings")]).await?;
+    let mut edited = created.clone();
+    edited["data"]["tier"] = json!("silver");
+    store.update_spec(edited).await.context("edit ConfigMap")?;
+    let events = expect_events(&mut watch, &[format!("Modified {ns}/settings")]).await?;
+    ensure!(
+        events[0].object()["data"]["tier"] == "silver",
+        "the watch shows {}",
+        events[0].object()
+    );
+    let listed = store.list(Kind::ConfigMap, Some(&ns)).await?;
+    ensure!(
+        listed.items.iter().map(name_of).collect::<Vec<_>>() == ["settings"],
+        "list of {ns}: {:?}",
+        listed.items.iter().map(name_of).collect::<Vec<_>>()
+    );
+
+    for (name, bad, want) in [
+        (
+            "numbers",
+            config_map(&ns, "numbers", json!({"replicas": 3})),
+            format!(
+                "ConfigMap {ns}/numbers: data.replicas is a number; ConfigMap data values are strings (quote it)"
+            ),
+        ),
+        (
+            "bytes",
+            {
+                let mut c = config_map(&ns, "bytes", json!({}));
+                c["binaryData"] = json!({"logo": "not base64!"});
+                c
+            },
+            format!(
+                "ConfigMap {ns}/bytes: binaryData.logo is not valid base64 (binaryData holds bytes as standard base64 with padding)"
+            ),
+        ),
+        (
+            "large",
+            config_map(
+                &ns,
+                "large",
+                json!({"a": "x".repeat(600 * 1024), "b": "x".repeat(600 * 1024)}),
+            ),
+            format!(
+                "ConfigMap {ns}/large: data and binaryData hold 1228800 bytes, more than the 1048576 bytes a ConfigMap may hold"
+            ),
+        ),
+    ] {
+        let err = expect_err(store.create(bad).await, name, invalid)?;
+        ensure!(err.to_string() == want, "{name}: {err}, want {want}");
+    }
+    let err = expect_err(
+        store
+            .update_status(Kind::ConfigMap, Some(&ns), "settings", json!({}), None)
+            .await,
+        "a ConfigMap's status",
+        invalid,
+    )?;
+    ensure!(
+        err.to_string().contains("a ConfigMap has no status"),
+        "status write: {err}"
+    );
+
+    let mut frozen = config_map(&ns, "frozen", json!({"k": "v"}));
+    frozen["immutable"] = json!(true);
+    let frozen = store.create(frozen).await.context("create immutable")?;
+    let mut changed = frozen.clone();
+    changed["data"]["k"] = json!("w");
+    expect_err(
+        store.update_spec(changed).await,
+        "edit an immutable ConfigMap",
+        invalid,
+    )?;
+    let kept = store
+        .get(Kind::ConfigMap, Some(&ns), "frozen")
+        .await?
+        .context("the immutable ConfigMap is gone")?;
+    ensure!(
+        kept["data"]["k"] == "v",
+        "an immutable ConfigMap changed: {kept}"
+    );
+
+    store.delete(Kind::ConfigMap, Some(&ns), "settings").await?;
+    expect_events(
+        &mut watch,
+        &[
+            format!("Added {ns}/frozen"),
+            format!("Deleted {ns}/settings"),
+        ],
+    )
+    .await?;
+    ensure!(
+        store
+            .get(Kind::ConfigMap, Some(&ns), "settings")
+            .await?
+            .is_none(),
+        "deleted, yet still there"
+    );
     Ok(())
 }

@@ -636,6 +636,7 @@ impl SledStore {
                  and created again; get it again"
             )));
         }
+        object::check_replacement(&key, &current, &object)?;
         // deletionTimestamp is the store's to set; while it is set, finalizers may only go away,
         // and the object goes when the last one does.
         let deleting = current.pointer("/metadata/deletionTimestamp").cloned();
@@ -718,11 +719,12 @@ impl SledStore {
     ) -> Result<Object, StoreError> {
         check_scope(kind, namespace, name, true)?;
         let key = ObjectKey::new(kind, namespace, name);
-        if !status.is_object() {
-            return Err(key.invalid("status must be a JSON map"));
-        }
         if fence.is_some() {
             fencing::check_kind(&key)?;
+        }
+        object::check_has_status(&key)?;
+        if !status.is_object() {
+            return Err(key.invalid("status must be a JSON map"));
         }
         let mut log = self.inner.log.lock().await;
         let mut object = self.inner.read(&key)?.ok_or_else(|| key.not_found())?;

@@ -188,8 +188,8 @@ impl fmt::Display for ObjectKey {
 }
 
 /// Checks an object at the store boundary and returns its key: apiVersion and kind of a stored
-/// kind, a DNS-1123 name, a namespace exactly when the kind is namespaced, and at most
-/// [`MAX_OBJECT_BYTES`].
+/// kind, a DNS-1123 name, a namespace exactly when the kind is namespaced, a ConfigMap's rules
+/// (`flotilla_proto::api::check_config_map`), and at most [`MAX_OBJECT_BYTES`].
 pub(crate) fn validate(object: &Object) -> Result<ObjectKey, StoreError> {
     let name = name_of(object);
     let namespace = namespace_of(object);
@@ -263,8 +263,43 @@ pub(crate) fn validate(object: &Object) -> Result<ObjectKey, StoreError> {
         }
         _ => {}
     }
+    if kind == Kind::ConfigMap {
+        // No CRD schema behind it: the rules the apiserver applies to a ConfigMap, applied
+        // here too, so both backends refuse the same ones with the same words.
+        let problems = flotilla_proto::api::check_config_map(object);
+        if !problems.is_empty() {
+            return Err(invalid(problems.join("; ")));
+        }
+    }
     check_size(json_len(object), || ObjectKey::new(kind, namespace, name))?;
     Ok(ObjectKey::new(kind, namespace, name))
+}
+
+/// Refuses a status write to a kind that has no status (see [`Kind::has_status`]): the
+/// apiserver serves no status subresource for it, and sled refuses the same.
+pub(crate) fn check_has_status(key: &ObjectKey) -> Result<(), StoreError> {
+    if key.kind.has_status() {
+        return Ok(());
+    }
+    Err(key.invalid(format!(
+        "a {} has no status to write (it has no status subresource)",
+        key.kind
+    )))
+}
+
+/// Refuses a replacement the stored object forbids: an immutable ConfigMap's data. The
+/// apiserver applies the same rule itself.
+pub(crate) fn check_replacement(
+    key: &ObjectKey,
+    stored: &Object,
+    new: &Object,
+) -> Result<(), StoreError> {
+    if key.kind == Kind::ConfigMap
+        && let Some(problem) = flotilla_proto::api::config_map::check_config_map_update(stored, new)
+    {
+        return Err(key.invalid(problem));
+    }
+    Ok(())
 }
 
 /// Checks that a namespace argument fits the kind: required for namespaced kinds when `required`
@@ -415,6 +450,22 @@ mod tests {
             Err("use work.open-cluster-management.io/v1"),
         );
         check(json!([1, 2]), Err("JSON map"));
+        let config_map = |data: Value| {
+            json!({"apiVersion": "v1", "kind": "ConfigMap",
+                   "metadata": {"name": "settings", "namespace": "policies"}, "data": data})
+        };
+        check(config_map(json!({"tier": "gold"})), Ok(()));
+        check(
+            config_map(json!({"replicas": 3})),
+            Err(
+                "ConfigMap policies/settings: data.replicas is a number; ConfigMap data values are strings",
+            ),
+        );
+        check(
+            json!({"apiVersion": "core/v1", "kind": "ConfigMap",
+                   "metadata": {"name": "settings", "namespace": "policies"}}),
+            Err("apiVersion \"core/v1\" is not served for ConfigMap: use v1"),
+        );
         check(json!({"metadata": {"name": "x"}}), Err("kind is required"));
         let mut big = work(Some("store-7"), "big");
         big["spec"]["blob"] = json!("x".repeat(MAX_OBJECT_BYTES));

@@ -60,8 +60,65 @@ pub async fn reflect_selected(
     selection: &Selection,
     store: &dyn Store,
     target: &dyn Reflector,
+    stop: watch::Receiver<bool>,
+) {
+    run(kind, Scope::Selected(selection), store, target, stop).await
+}
+
+/// [`reflect`] of the objects of `kind` in one namespace: every list and watch asks the store
+/// for that namespace only (how a gateway follows the hub's ConfigMaps of the namespaces its
+/// policies read, and not every ConfigMap of the hub).
+pub async fn reflect_namespace(
+    kind: Kind,
+    namespace: &str,
+    store: &dyn Store,
+    target: &dyn Reflector,
+    stop: watch::Receiver<bool>,
+) {
+    run(kind, Scope::Namespace(namespace), store, target, stop).await
+}
+
+/// Which objects of a kind one loop reads.
+#[derive(Clone, Copy)]
+enum Scope<'a> {
+    /// Every namespace's, through a label selection.
+    Selected(&'a Selection),
+    /// One namespace's, all of them.
+    Namespace(&'a str),
+}
+
+impl Scope<'_> {
+    async fn list(self, store: &dyn Store, kind: Kind) -> Result<crate::ObjectList, StoreError> {
+        match self {
+            Scope::Selected(selection) => store.list_selected(kind, selection).await,
+            Scope::Namespace(namespace) => store.list(kind, Some(namespace)).await,
+        }
+    }
+
+    async fn watch(
+        self,
+        store: &dyn Store,
+        kind: Kind,
+        from: Revision,
+    ) -> Result<crate::WatchStream, StoreError> {
+        match self {
+            Scope::Selected(selection) => store.watch_selected(kind, selection, Some(from)).await,
+            Scope::Namespace(namespace) => store.watch(kind, Some(namespace), Some(from)).await,
+        }
+    }
+}
+
+async fn run(
+    kind: Kind,
+    scope: Scope<'_>,
+    store: &dyn Store,
+    target: &dyn Reflector,
     mut stop: watch::Receiver<bool>,
 ) {
+    let namespace = match scope {
+        Scope::Namespace(namespace) => Some(namespace),
+        Scope::Selected(_) => None,
+    };
     let mut retry = Retry::default();
     let mut next = Next::List;
     loop {
@@ -69,14 +126,14 @@ pub async fn reflect_selected(
             return;
         }
         let from = match next {
-            Next::List => match store.list_selected(kind, selection).await {
+            Next::List => match scope.list(store, kind).await {
                 Ok(list) => {
                     target.replace(list.items).await;
                     list.revision
                 }
                 Err(e) => {
                     let delay = retry.failed();
-                    warn!(%kind, error = %error_chain(&e), ?delay, "listing failed; retrying");
+                    warn!(%kind, namespace, error = %error_chain(&e), ?delay, "listing failed; retrying");
                     if !pause(delay, &mut stop).await {
                         return;
                     }
@@ -86,19 +143,16 @@ pub async fn reflect_selected(
             Next::Watch(from) => from,
         };
         let opened = Instant::now();
-        let mut events = match store
-            .watch_selected(kind, selection, Some(from.clone()))
-            .await
-        {
+        let mut events = match scope.watch(store, kind, from.clone()).await {
             Ok(s) => s,
             Err(StoreError::Gone { .. }) => {
-                debug!(%kind, "watch history too old; listing again");
+                debug!(%kind, namespace, "watch history too old; listing again");
                 next = Next::List;
                 continue;
             }
             Err(e) => {
                 let delay = retry.failed();
-                warn!(%kind, error = %error_chain(&e), ?delay, "watching failed; retrying");
+                warn!(%kind, namespace, error = %error_chain(&e), ?delay, "watching failed; retrying");
                 next = Next::Watch(from);
                 if !pause(delay, &mut stop).await {
                     return;
@@ -131,18 +185,18 @@ pub async fn reflect_selected(
         }
         next = match outcome {
             Ended::Gone => {
-                debug!(%kind, "watch history too old; listing again");
+                debug!(%kind, namespace, "watch history too old; listing again");
                 Next::List
             }
             // A watch the store ended on purpose (the apiserver's timeout): resume where it
             // stopped. One that ends again at once is treated like a failure.
             Ended::Closed if delivered || opened.elapsed() >= HEALTHY_AFTER => {
-                debug!(%kind, "watch ended; resuming");
+                debug!(%kind, namespace, "watch ended; resuming");
                 Next::Watch(last)
             }
             Ended::Closed => {
                 let delay = retry.failed();
-                debug!(%kind, ?delay, "watch ended at once; resuming after a pause");
+                debug!(%kind, namespace, ?delay, "watch ended at once; resuming after a pause");
                 if !pause(delay, &mut stop).await {
                     return;
                 }
@@ -150,7 +204,7 @@ pub async fn reflect_selected(
             }
             Ended::Failed(e) => {
                 let delay = retry.failed();
-                warn!(%kind, error = %error_chain(&e), ?delay, "watch failed; resuming after a pause");
+                warn!(%kind, namespace, error = %error_chain(&e), ?delay, "watch failed; resuming after a pause");
                 if !pause(delay, &mut stop).await {
                     return;
                 }
@@ -452,5 +506,72 @@ mod tests {
         let (lists, watches) = run_for(false, Duration::from_secs(60)).await;
         assert_eq!(lists, 1);
         assert!((5..=12).contains(&watches), "{watches} watch attempts");
+    }
+
+    /// What a loop gave its cache, as `Listed [names]` and `Added name` lines.
+    struct Recording(tokio::sync::mpsc::UnboundedSender<String>);
+
+    #[async_trait]
+    impl Reflector for Recording {
+        async fn replace(&self, items: Vec<Object>) {
+            let names: Vec<&str> = items.iter().map(crate::name_of).collect();
+            let _ = self.0.send(format!("Listed {names:?}"));
+        }
+        async fn apply(&self, event: WatchEvent) {
+            let what = match &event {
+                WatchEvent::Added(_) => "Added",
+                WatchEvent::Modified(_) => "Modified",
+                WatchEvent::Deleted(_) => "Deleted",
+            };
+            let _ = self
+                .0
+                .send(format!("{what} {}", crate::name_of(event.object())));
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_namespace_loop_reads_that_namespace_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(SledStore::open(dir.path()).unwrap());
+        let config_map = |namespace: &str, name: &str| {
+            json!({"apiVersion": "v1", "kind": "ConfigMap",
+                   "metadata": {"name": name, "namespace": namespace}, "data": {"k": "v"}})
+        };
+        store
+            .create(config_map("policies", "settings"))
+            .await
+            .unwrap();
+        store
+            .create(config_map("kube-system", "other"))
+            .await
+            .unwrap();
+        let (events, mut seen) = tokio::sync::mpsc::unbounded_channel();
+        let (stop_tx, stop) = watch::channel(false);
+        let task = {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let target = Recording(events);
+                reflect_namespace(Kind::ConfigMap, "policies", store.as_ref(), &target, stop).await
+            })
+        };
+        let mut next = async || {
+            tokio::time::timeout(Duration::from_secs(10), seen.recv())
+                .await
+                .expect("an event within 10 s")
+                .expect("the loop runs")
+        };
+        assert_eq!(next().await, "Listed [\"settings\"]");
+        store
+            .create(config_map("kube-system", "more"))
+            .await
+            .unwrap();
+        store.create(config_map("policies", "tiers")).await.unwrap();
+        assert_eq!(
+            next().await,
+            "Added tiers",
+            "kube-system's ConfigMaps never arrive"
+        );
+        stop_tx.send(true).unwrap();
+        task.await.unwrap();
     }
 }

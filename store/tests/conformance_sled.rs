@@ -54,6 +54,7 @@ sled_checks![
     fenced_writes_on_an_outdated_basis_read_again,
     fenced_spec_writes_are_compared_and_fence_later_writes,
     unfenced_writes_keep_the_fencing_record,
+    config_maps_are_core_objects_checked_alike,
 ];
 
 /// All checks in sequence on one store, as the kube suite runs them: checks must not see each

@@ -7,8 +7,8 @@ use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use flotilla_cli::cli::{
     apply_label_changes, apply_taint_changes, collection_path, default_namespace, kind_of_document,
-    manifest_work, modify_cluster, namespaced_name, object_path, parse_label_changes,
-    parse_taint_changes, read_documents, replica_set,
+    kind_of_resource, manifest_work, modify_cluster, namespaced_name, object_path,
+    parse_label_changes, parse_taint_changes, read_documents, replica_set,
 };
 use flotilla_cli::client::{ApiError, OperatorClient, OperatorConfig};
 use flotilla_cli::table;
@@ -62,6 +62,23 @@ enum Command {
         /// (1 MiB of manifests) are stored as ManifestChunk objects beside the work.
         #[arg(long, default_value_t = flotilla_proto::api::content::DEFAULT_MAX_WORK_BYTES, value_parser = clap::value_parser!(u64).range(1..=flotilla_proto::api::content::MAX_CONTENT_BYTES))]
         max_work_bytes: u64,
+    },
+    /// Delete hub objects, like `kubectl delete`: the objects a file's documents are (`-f`), or
+    /// one object by its resource and name (`flotilla delete configmap settings -n policies`).
+    /// A ManifestWork its agent holds stays (Deleting) until the agent has released it.
+    Delete {
+        /// The resource: a kind (`ConfigMap`), its singular or its plural (`configmaps`).
+        #[arg(required_unless_present = "filename", requires = "name")]
+        resource: Option<String>,
+        /// The object's name.
+        name: Option<String>,
+        /// A YAML/JSON file (several documents allowed) or a directory of them, as given to
+        /// `flotilla apply`.
+        #[arg(short, long, conflicts_with = "resource")]
+        filename: Option<PathBuf>,
+        /// Namespace of a namespaced object that neither the command nor its document names.
+        #[arg(short, long, default_value = "default")]
+        namespace: String,
     },
     /// ManifestWorks: resources delivered to clusters (like `clusteradm create work`).
     Work {
@@ -305,6 +322,19 @@ enum GetWhat {
         #[arg(short, long, value_enum, default_value_t = Output::Table)]
         output: Output,
     },
+    /// The hub's ConfigMaps: the data hub templates read with
+    /// `{{hub fromConfigMap "" "NAME" "KEY" hub}}` from their policy's namespace.
+    #[command(alias = "configmap", alias = "cm")]
+    Configmaps {
+        /// Only this namespace's (default: every namespace's).
+        #[arg(short, long, conflicts_with = "all_namespaces")]
+        namespace: Option<String>,
+        /// Every namespace's (what no -n means too).
+        #[arg(short = 'A', long)]
+        all_namespaces: bool,
+        #[arg(short, long, value_enum, default_value_t = Output::Table)]
+        output: Output,
+    },
     /// Root Policies: remediation, compliance, and how many of the clusters each reaches are
     /// non-compliant (CLUSTERS: non-compliant/total).
     #[command(alias = "policy", alias = "plc")]
@@ -470,6 +500,68 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 .get_json(&collection_path(Kind::Policy, namespace.as_deref()))
                 .await?;
             print_list(&list, output, table::policies)?;
+        }
+        Command::Get {
+            what:
+                GetWhat::Configmaps {
+                    namespace,
+                    all_namespaces: _,
+                    output,
+                },
+        } => {
+            let list = client
+                .get_json(&collection_path(Kind::ConfigMap, namespace.as_deref()))
+                .await?;
+            print_list(&list, output, table::config_maps)?;
+        }
+        Command::Delete {
+            resource,
+            name,
+            filename,
+            namespace,
+        } => {
+            let targets = match (filename, resource, name) {
+                (Some(filename), _, _) => read_documents(&filename)?
+                    .into_iter()
+                    .map(|mut doc| {
+                        let kind = kind_of_document(&doc)?;
+                        default_namespace(&mut doc, kind, &namespace);
+                        let name = doc["metadata"]["name"]
+                            .as_str()
+                            .filter(|n| !n.is_empty())
+                            .with_context(|| format!("a {kind} document without metadata.name"))?
+                            .to_string();
+                        let ns = doc["metadata"]["namespace"].as_str().map(str::to_string);
+                        Ok((kind, ns, name))
+                    })
+                    .collect::<anyhow::Result<Vec<_>>>()?,
+                (None, Some(resource), Some(name)) => {
+                    let kind = kind_of_resource(&resource)?;
+                    let ns = kind.namespaced().then_some(namespace);
+                    vec![(kind, ns, name)]
+                }
+                // clap requires a file, or a resource and a name.
+                _ => anyhow::bail!("name a file (-f), or a resource and a name"),
+            };
+            for (kind, ns, name) in targets {
+                anyhow::ensure!(
+                    !kind.namespaced() || ns.is_some(),
+                    "{kind} {name}: metadata.namespace is required (for a ManifestWork: the cluster's name)"
+                );
+                // The hub's refusals name the object.
+                client
+                    .request(
+                        Method::DELETE,
+                        &object_path(kind, ns.as_deref(), &name),
+                        None,
+                    )
+                    .await?;
+                let qualified = match &ns {
+                    Some(ns) => format!("{ns}/{name}"),
+                    None => name.clone(),
+                };
+                println!("{}/{qualified} deleted", kind.plural());
+            }
         }
         Command::Describe {
             what: DescribeWhat::Policy { name, namespace },

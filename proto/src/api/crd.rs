@@ -10,10 +10,11 @@ use super::{
     ManifestChunk, ManifestWork, ManifestWorkReplicaSet, Placement, PlacementDecision,
 };
 
-/// The CRDs of the thirteen hub kinds (eleven of OCM's, flotilla's ManifestChunk and
-/// ClusterCompliance) (see [`crate::api::Kind`]) and of the spoke's ClusterClaim, in that
-/// order: one served and stored version each, with status subresources, printer columns and
-/// short names as OCM's own CRDs have them.
+/// The CRDs of the thirteen custom hub kinds (eleven of OCM's, flotilla's ManifestChunk and
+/// ClusterCompliance; every [`crate::api::Kind`] but Kubernetes' own ConfigMap, which the
+/// apiserver serves natively) and of the spoke's ClusterClaim, in that order: one served and
+/// stored version each, with status subresources, printer columns and short names as OCM's
+/// own CRDs have them.
 pub fn crds() -> Vec<CustomResourceDefinition> {
     vec![
         ManagedCluster::crd(),

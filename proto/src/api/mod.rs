@@ -10,12 +10,15 @@
 //! * [`ManifestWork`], [`ManifestWorkReplicaSet`]: what to apply where.
 //! * [`policy`] holds governance (`Policy`, `PlacementBinding`, `PolicySet`, `ConfigurationPolicy`)
 //!   and the pure evaluator of ConfigurationPolicy templates.
+//! * [`ConfigMap`] (Kubernetes' own, `v1`): data the hub's templates read ([`config_map`]).
 //! * [`conditions`]: condition types and metav1 update rules; [`content_hash`] for resume;
 //!   [`validate_manifest_work`] before storing a work.
 
+pub(crate) mod base64;
 mod cluster;
 mod clusterset;
 pub mod conditions;
+pub mod config_map;
 pub mod content;
 mod crd;
 mod hash;
@@ -43,6 +46,7 @@ pub use clusterset::{
     ManagedClusterSetBindingSpec, ManagedClusterSetBindingStatus, ManagedClusterSetSpec,
     ManagedClusterSetStatus, ManagedNamespaceConfig, SelectorType,
 };
+pub use config_map::{ConfigMap, check_config_map};
 pub use content::{ManifestChunk, ManifestChunkSpec};
 pub use crd::{crd_file_name, crd_yaml, crds};
 pub use hash::{canonical_json, content_hash, value_hash};
@@ -132,4 +136,7 @@ impl Stored for policy::PolicySet {
 }
 impl Stored for policy::ClusterCompliance {
     const KIND: Kind = Kind::ClusterCompliance;
+}
+impl Stored for ConfigMap {
+    const KIND: Kind = Kind::ConfigMap;
 }

@@ -367,5 +367,6 @@ mod tests {
         object["metadata"]["annotations"][SPEC_FENCE_ANNOTATION] = json!("epoch 9");
         assert_eq!(WriteFence::recorded(&object), Some(fence(5, 1, Some(9))));
         assert!(!is_fenced(Kind::Placement));
+        assert!(!is_fenced(Kind::ConfigMap), "no gateway writes a ConfigMap");
     }
 }

@@ -591,7 +591,11 @@ fn ask(
     }
 }
 
+/// `plural.group` as kubectl names a resource; the plural alone in the core group.
 fn plural_group(kind: Kind) -> String {
+    if kind.group().is_empty() {
+        return kind.plural().to_string();
+    }
     format!("{}.{}", kind.plural(), kind.group())
 }
 
@@ -627,8 +631,8 @@ async fn rbac_covers_every_call_the_code_makes() -> anyhow::Result<()> {
                 "the hub's store",
             ));
         }
-        if kind == Kind::ManifestChunk {
-            // Written once, never with a status.
+        if !kind.has_status() {
+            // A chunk is written once, a ConfigMap is data only: neither has a status.
             continue;
         }
         granted.push(ask(
@@ -716,6 +720,15 @@ async fn rbac_covers_every_call_the_code_makes() -> anyhow::Result<()> {
         None,
         "a large work's chunks, as its agent asks for them",
     ));
+    for verb in ["list", "watch"] {
+        granted.push(ask(
+            "flotilla-gateway",
+            verb,
+            plural_group(Kind::ConfigMap),
+            None,
+            "hub templates' fromConfigMap: the ConfigMaps of the namespaces whose policies read them",
+        ));
+    }
     for verb in ["list", "create", "update"] {
         granted.push(ask(
             "flotilla-gateway",
@@ -862,6 +875,20 @@ async fn rbac_covers_every_call_the_code_makes() -> anyhow::Result<()> {
             plural_group(Kind::ClusterCompliance),
             None,
             "only the hub creates and deletes compliance records",
+        ),
+        ask(
+            "flotilla-gateway",
+            "update",
+            plural_group(Kind::ConfigMap),
+            None,
+            "gateways read ConfigMaps for hub templates and never write them",
+        ),
+        ask(
+            "flotilla-gateway",
+            "create",
+            plural_group(Kind::ConfigMap),
+            Some("default"),
+            "gateways read ConfigMaps for hub templates and never write them",
         ),
         ask(
             "flotilla-gateway",

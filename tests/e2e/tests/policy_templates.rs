@@ -4,10 +4,11 @@
 //! managed-cluster templates (`{{ ... }}`) are resolved by each agent against its own spoke
 //! (`lookup` copies a value from another object there, and follows its changes); a template
 //! that fails makes its policy NonCompliant with the error in `flotilla describe policy`
-//! while the cluster's other policies stay Compliant; and a template calling a function
-//! flotilla does not provide is refused at `flotilla apply`, naming the field. Each carrier
-//! runs on one backend, as in `policy_enforcement`: gRPC with the sled store, QUIC with the
-//! kube store.
+//! while the cluster's other policies stay Compliant; a hub template reads the hub's own
+//! ConfigMap (`fromConfigMap`, stored with `flotilla apply`), and the spokes' objects follow
+//! its edits, and its deletion is reported; and a template calling a function flotilla does
+//! not provide is refused at `flotilla apply`, naming the field. Each carrier runs on one
+//! backend, as in `policy_enforcement`: gRPC with the sled store, QUIC with the kube store.
 
 use std::time::Duration;
 
@@ -224,6 +225,77 @@ on_both_carriers! {
         })
         .await?;
         assert!(described.contains("cluster1") && described.contains("cluster2"), "{described}");
+
+        // The hub's own ConfigMap, in the policy's namespace, stored with `flotilla apply` on
+        // either backend (on the kube backend a native ConfigMap of the hub's apiserver).
+        let settings = |tier: &str| {
+            json!({"apiVersion": "v1", "kind": "ConfigMap",
+                   "metadata": {"name": "settings", "namespace": "default"},
+                   "data": {"tier": tier}})
+        };
+        let settings_file = dir.path().join("settings.json");
+        std::fs::write(&settings_file, serde_json::to_vec(&settings("gold"))?)?;
+        let applied = fleet.cli(&["apply", "-f", settings_file.to_str().unwrap_or_default()])?;
+        assert!(applied.contains("configmaps/default/settings created"), "{applied}");
+        let listed = fleet.cli(&["get", "configmaps", "-n", "default"])?;
+        assert!(
+            listed
+                .lines()
+                .any(|l| l.split_whitespace().take(3).eq(["default", "settings", "1"])),
+            "flotilla get configmaps:\n{listed}"
+        );
+        if let Some(env) = &fleet.hub_env {
+            let stored = Api::<ConfigMap>::namespaced(env.client().await?, "default")
+                .get("settings")
+                .await?;
+            assert_eq!(
+                stored.data.and_then(|d| d.get("tier").cloned()).as_deref(),
+                Some("gold"),
+                "the hub apiserver holds the ConfigMap natively"
+            );
+        }
+        let tier = "{{hub fromConfigMap \"\" \"settings\" \"tier\" hub}}";
+        for doc in [
+            templated_policy("tiered", json!({"tier": tier, "cluster": "{{hub .ManagedClusterName hub}}"})),
+            json!({"apiVersion": "policy.open-cluster-management.io/v1",
+                   "kind": "PlacementBinding",
+                   "metadata": {"name": "tiered", "namespace": "default"},
+                   "placementRef": {"name": "labelled", "kind": "Placement",
+                                    "apiGroup": "cluster.open-cluster-management.io"},
+                   "subjects": [{"name": "tiered", "kind": "Policy",
+                                 "apiGroup": "policy.open-cluster-management.io"}]}),
+        ] {
+            fleet.apply_value(dir.path(), &doc)?;
+        }
+        for spoke in &spokes {
+            wait_data(spoke, "tiered", "carry the hub's tier", |d| {
+                d["tier"] == "gold" && d["cluster"] == spoke.name.as_str()
+            })
+            .await?;
+            wait_compliance(&operator, &spoke.name, "tiered", "Compliant").await?;
+        }
+        // Edited (kubectl on the kube backend, flotilla on sled): every spoke's object follows.
+        fleet.apply_value(dir.path(), &settings("platinum"))?;
+        for spoke in &spokes {
+            wait_data(spoke, "tiered", "follow the edited ConfigMap", |d| d["tier"] == "platinum")
+                .await?;
+        }
+        // Deleted: the template fails on each cluster, NonCompliant with the hub's error; the
+        // spoke objects stay as they were last enforced.
+        let deleted = fleet.cli(&["delete", "configmap", "settings", "-n", "default"])?;
+        assert_eq!(deleted.trim(), "configmaps/default/settings deleted");
+        for spoke in &spokes {
+            wait_compliance(&operator, &spoke.name, "tiered", "NonCompliant").await?;
+        }
+        wait_for("describe policy to show the missing ConfigMap", WAIT, || async {
+            let described = fleet.cli(&["describe", "policy", "tiered"])?;
+            Ok(described
+                .contains("fromConfigMap: configmaps \"settings\" not found in namespace default")
+                .then_some(()))
+        })
+        .await?;
+        let listed = fleet.cli(&["get", "configmaps", "-n", "default"])?;
+        assert!(!listed.contains("settings"), "{listed}");
 
         // A function flotilla does not provide: refused at apply, naming the field.
         let refused = dir.path().join("refused.json");

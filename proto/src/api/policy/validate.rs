@@ -217,13 +217,6 @@ pub fn validate_policy(policy: &Policy, raw: Option<&Value>) -> Result<(), Vec<P
                 format!("holds a hub template that {problem}"),
             );
         }
-        // The engine renders it, but the hub's stores keep no ConfigMaps to read.
-        for field in template::uses(&definition.0, &hub_dialect, "fromConfigMap") {
-            report.field(
-                format!("{path}.{field}"),
-                "holds a hub template that uses fromConfigMap, which flotilla's hub does not serve (its store keeps no ConfigMaps); write the value into the policy, or read it on the managed cluster with {{ fromConfigMap ... }}",
-            );
-        }
         if definition.api_version().is_none() {
             report.field(&path, "has no apiVersion");
         }
@@ -727,7 +720,10 @@ mod tests {
                 "env": "{{hub index .ManagedClusterLabels \"env\" hub}}",
                 "version": "{{hub fromClusterClaim \"kubeversion.open-cluster-management.io\" hub}}",
                 "copied": "{{ (lookup \"v1\" \"ConfigMap\" \"app\" \"source\").data.color | default \"none\" }}",
-                "claim": "{{ fromClusterClaim \"id.k8s.io\" | upper }}"}))),
+                "claim": "{{ fromClusterClaim \"id.k8s.io\" | upper }}",
+                // The hub's own ConfigMaps, of the policy's namespace ("" names it).
+                "tier": "{{hub fromConfigMap \"\" \"settings\" \"tier\" hub}}",
+                "same": "{{hub fromConfigMap \"default\" \"settings\" \"tier\" hub}}"}))),
             Vec::<String>::new()
         );
         let at = "Policy default/p: spec.policy-templates[0].objectDefinition";
@@ -740,9 +736,6 @@ mod tests {
             vec![
                 format!(
                     "{inner}.data.b holds a hub template that reads the ConfigMap namespace \"kube-system\"; hub templates read only the policy's namespace \"default\" (write \"\" for it)"
-                ),
-                format!(
-                    "{inner}.data.b holds a hub template that uses fromConfigMap, which flotilla's hub does not serve (its store keeps no ConfigMaps); write the value into the policy, or read it on the managed cluster with {{{{ fromConfigMap ... }}}}"
                 ),
                 format!(
                     "{inner}.data.a holds a template that uses the function \"fromSecret\", which flotilla's managed-cluster templates do not provide (they provide lookup, fromConfigMap, fromClusterClaim and {})",
