@@ -16,8 +16,64 @@ use serde_json::Value;
 pub const POOL_SIZE: usize = flotilla_cli::client::IDLE_CONNECTIONS;
 
 /// A client of one hub's operator API: the CLI's client plus the calls the harness makes.
+///
+/// Its requests run on a thread and runtime of their own: the harness's runtime also drives
+/// thousands of simulated agents, and when they keep it busy (10,000 agents evaluating 100
+/// policies each) a measurement's request, its connection and the parse of a megabyte answer
+/// waited behind them for over a minute while the hub answered others in a fraction of a
+/// second. The figures are the hub's, not the harness's queue.
 pub struct OperatorApi {
-    client: OperatorClient,
+    client: Arc<OperatorClient>,
+    runtime: Dedicated,
+}
+
+/// A current-thread runtime on a thread of its own, stopped (and dropped on that thread) when
+/// this is dropped.
+struct Dedicated {
+    handle: tokio::runtime::Handle,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Dedicated {
+    fn start(name: &str) -> anyhow::Result<Dedicated> {
+        let (handle_tx, handle_rx) = std::sync::mpsc::channel();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        std::thread::Builder::new()
+            .name(name.to_owned())
+            .spawn(move || {
+                let runtime = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(runtime) => runtime,
+                    Err(e) => {
+                        let _ = handle_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let _ = handle_tx.send(Ok(runtime.handle().clone()));
+                runtime.block_on(async {
+                    let _ = stopped.await;
+                });
+            })
+            .with_context(|| format!("starting the {name} thread"))?;
+        let handle = handle_rx
+            .recv()
+            .map_err(|_| anyhow!("the {name} thread ended before its runtime started"))?
+            .with_context(|| format!("building the {name} runtime"))?;
+        Ok(Dedicated {
+            handle,
+            stop: Some(stop),
+        })
+    }
+}
+
+impl Drop for Dedicated {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
 }
 
 impl OperatorApi {
@@ -31,7 +87,8 @@ impl OperatorApi {
             )
         })?;
         Ok(Arc::new(OperatorApi {
-            client: OperatorClient::new(&config)?,
+            client: Arc::new(OperatorClient::new(&config)?),
+            runtime: Dedicated::start("operator-api")?,
         }))
     }
 
@@ -47,11 +104,15 @@ impl OperatorApi {
         path: &str,
         body: Option<&Value>,
     ) -> anyhow::Result<Value> {
+        let client = self.client.clone();
+        let (what, path, body) = (format!("{method} {path}"), path.to_owned(), body.cloned());
         let (_, value) = self
-            .client
-            .request(method.clone(), path, body)
+            .runtime
+            .handle
+            .spawn(async move { client.request(method, &path, body.as_ref()).await })
             .await
-            .with_context(|| format!("{method} {path}"))?;
+            .map_err(|e| anyhow!("{what}: the request's task ended: {e}"))?
+            .with_context(|| what.clone())?;
         Ok(value)
     }
 
