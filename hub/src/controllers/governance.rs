@@ -337,13 +337,25 @@ pub fn policy_status(
     reported: &Reported,
 ) -> PolicyStatus {
     let mut status = current.cloned().unwrap_or_default();
+    // Both sorted by cluster name: one pass over each rather than a lookup per cluster.
+    let mut records = reported.iter().peekable();
     let entries: Vec<CompliancePerClusterStatus> = placed
         .clusters
         .iter()
-        .map(|cluster| CompliancePerClusterStatus {
-            compliant: reported_compliance(reported, cluster, uid),
-            clustername: cluster.clone(),
-            clusternamespace: cluster.clone(),
+        .map(|cluster| {
+            while records
+                .next_if(|(name, _)| name.as_str() < cluster.as_str())
+                .is_some()
+            {}
+            let compliant = match records.peek() {
+                Some((name, entries)) if *name == cluster => verdict(entries, uid),
+                _ => None,
+            };
+            CompliancePerClusterStatus {
+                compliant,
+                clustername: cluster.clone(),
+                clusternamespace: cluster.clone(),
+            }
         })
         .collect();
     status.compliant = aggregate(&entries);
@@ -355,12 +367,19 @@ pub fn policy_status(
 /// What `cluster` reported for the root with `uid`. `Terminating` (the agent is removing the
 /// policy) is no verdict on a root, whose schema does not allow it: it counts as not reported.
 fn reported_compliance(reported: &Reported, cluster: &str, uid: &str) -> Option<ComplianceState> {
+    verdict(reported.get(cluster)?, uid)
+}
+
+/// What one cluster's record says of the root with `uid`; see [`reported_compliance`].
+fn verdict(
+    entries: &BTreeMap<String, Option<ComplianceState>>,
+    uid: &str,
+) -> Option<ComplianceState> {
     if uid.is_empty() {
         return None;
     }
-    reported
-        .get(cluster)
-        .and_then(|entries| entries.get(uid))
+    entries
+        .get(uid)
         .copied()
         .flatten()
         .filter(|state| *state != ComplianceState::Terminating)
