@@ -274,7 +274,7 @@ on_both_carriers! {
             .await?;
             wait_compliance(&operator, &spoke.name, "tiered", "Compliant").await?;
         }
-        // Edited (kubectl on the kube backend, flotilla on sled): every spoke's object follows.
+        // Edited with `flotilla apply`: every spoke's object follows.
         fleet.apply_value(dir.path(), &settings("platinum"))?;
         for spoke in &spokes {
             wait_data(spoke, "tiered", "follow the edited ConfigMap", |d| d["tier"] == "platinum")
