@@ -395,23 +395,7 @@ pub fn csr(data: &[u8]) {
 
 /// PEM text of `der` under `label`.
 fn pem(label: &str, der: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut body = String::new();
-    for chunk in der.chunks(3) {
-        let b = [
-            chunk[0],
-            chunk.get(1).copied().unwrap_or(0),
-            chunk.get(2).copied().unwrap_or(0),
-        ];
-        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-        for i in 0..4 {
-            if i <= chunk.len() {
-                body.push(char::from(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize]));
-            } else {
-                body.push('=');
-            }
-        }
-    }
+    let body = flotilla_proto::api::base64::encode(der);
     let mut out = format!("-----BEGIN {label}-----\n");
     for line in body.as_bytes().chunks(64) {
         out.push_str(std::str::from_utf8(line).expect("ASCII"));

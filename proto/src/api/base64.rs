@@ -3,7 +3,8 @@
 
 const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
 
-pub(crate) fn encode(bytes: &[u8]) -> String {
+/// `bytes` as base64 text, padded.
+pub fn encode(bytes: &[u8]) -> String {
     let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
     for chunk in bytes.chunks(3) {
         let b = [
@@ -23,7 +24,8 @@ pub(crate) fn encode(bytes: &[u8]) -> String {
     out
 }
 
-pub(crate) fn decode(text: &str) -> Option<Vec<u8>> {
+/// The bytes of padded base64 `text` (surrounding whitespace ignored); `None` if it is not.
+pub fn decode(text: &str) -> Option<Vec<u8>> {
     let text = text.trim();
     if !text.len().is_multiple_of(4) {
         return None;

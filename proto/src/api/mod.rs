@@ -14,7 +14,7 @@
 //! * [`conditions`]: condition types and metav1 update rules; [`content_hash`] for resume;
 //!   [`validate_manifest_work`] before storing a work.
 
-pub(crate) mod base64;
+pub mod base64;
 mod cluster;
 mod clusterset;
 pub mod conditions;

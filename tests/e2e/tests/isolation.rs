@@ -709,6 +709,47 @@ fn operator_rows(t: &Targets, token_id: &str, csr: &str) -> Vec<OperatorRow> {
                 json!({"metadata": {"name": "b-work"}, "status": applied_status(t.b_work_generation, "written by store-a")}),
             ),
         ),
+        // The hub's ConfigMaps (the core group's paths).
+        row(
+            "GET",
+            "/api/{version}/{plural}",
+            collection_path(Kind::ConfigMap, None),
+            None,
+        ),
+        row(
+            "GET",
+            "/api/{version}/namespaces/{ns}/{plural}",
+            collection_path(Kind::ConfigMap, Some(B)),
+            None,
+        ),
+        row(
+            "POST",
+            "/api/{version}/namespaces/{ns}/{plural}",
+            collection_path(Kind::ConfigMap, Some(B)),
+            Some(json!({"apiVersion": "v1", "kind": "ConfigMap",
+                        "metadata": {"name": "from-a", "namespace": B},
+                        "data": {"by": "a"}})),
+        ),
+        row(
+            "GET",
+            "/api/{version}/namespaces/{ns}/{plural}/{name}",
+            object_path(Kind::ConfigMap, Some(B), "b-settings"),
+            None,
+        ),
+        row(
+            "PUT",
+            "/api/{version}/namespaces/{ns}/{plural}/{name}",
+            object_path(Kind::ConfigMap, Some(B), "b-settings"),
+            Some(json!({"apiVersion": "v1", "kind": "ConfigMap",
+                        "metadata": {"name": "b-settings", "namespace": B},
+                        "data": {"by": "a"}})),
+        ),
+        row(
+            "DELETE",
+            "/api/{version}/namespaces/{ns}/{plural}/{name}",
+            object_path(Kind::ConfigMap, Some(B), "b-settings"),
+            None,
+        ),
         row("GET", "/ui", "/ui".into(), None),
         row("GET", "/ui/", "/ui/".into(), None),
         row("GET", "/ui/clusters", "/ui/clusters".into(), None),
@@ -895,6 +936,13 @@ impl Sweep {
         fleet.apply_value(
             &dir,
             &manifest_work(B, "b-held", vec![config_map("held", json!({"k": "v"}))]),
+        )?;
+        // A hub ConfigMap in B's namespace (what B's policies' hub templates read).
+        fleet.apply_value(
+            &dir,
+            &json!({"apiVersion": "v1", "kind": "ConfigMap",
+                    "metadata": {"name": "b-settings", "namespace": B},
+                    "data": {"secret": B_SECRET}}),
         )?;
         let big = config_map("big", json!({"secret": B_CHUNK_SECRET}));
         let (reference, chunks) = content::split(&[Manifest(big)]);
@@ -1157,6 +1205,16 @@ impl Sweep {
             .map(|c| json!({"name": c["metadata"]["name"], "data": c["spec"]["data"]}))
             .collect();
         chunks.sort_by_key(|c| c["name"].to_string());
+        let config_maps = self
+            .operator_get(&collection_path(Kind::ConfigMap, Some(B)))
+            .await?;
+        let mut config_maps: Vec<Value> = config_maps["items"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|c| json!({"name": c["metadata"]["name"], "data": c["data"]}))
+            .collect();
+        config_maps.sort_by_key(|c| c["name"].to_string());
         let annotation = |key: &str| mc["metadata"]["annotations"][key].clone();
         Ok(json!({
             "keys": annotation(KEY_PINS_ANNOTATION),
@@ -1170,6 +1228,7 @@ impl Sweep {
             "available": condition_status(&mc, AVAILABLE),
             "works": works,
             "chunks": chunks,
+            "configMaps": config_maps,
         }))
     }
 
