@@ -18,10 +18,9 @@ pub const POOL_SIZE: usize = flotilla_cli::client::IDLE_CONNECTIONS;
 /// A client of one hub's operator API: the CLI's client plus the calls the harness makes.
 ///
 /// Its requests run on a thread and runtime of their own: the harness's runtime also drives
-/// thousands of simulated agents, and when they keep it busy (10,000 agents evaluating 100
-/// policies each) a measurement's request, its connection and the parse of a megabyte answer
-/// waited behind them for over a minute while the hub answered others in a fraction of a
-/// second. The figures are the hub's, not the harness's queue.
+/// thousands of simulated agents, and a measurement's request, its connection and the parse of
+/// a megabyte answer are not to wait behind them when they keep it busy (10,000 agents
+/// evaluating 100 policies each), so that the figures are the hub's, not the harness's queue.
 pub struct OperatorApi {
     client: Arc<OperatorClient>,
     runtime: Dedicated,
