@@ -117,7 +117,11 @@ impl OperatorClient {
 
     /// An idle connection that is still usable, or a new one.
     async fn connection(&self) -> anyhow::Result<SendRequest<Full<Bytes>>> {
-        while let Some(mut sender) = self.idle.lock().await.pop() {
+        // The pool's lock is held only to take a connection, never across the wait for it: a
+        // connection slow to say it is ready must not hold every other request back.
+        loop {
+            let pooled = self.idle.lock().await.pop();
+            let Some(mut sender) = pooled else { break };
             if sender.ready().await.is_ok() {
                 return Ok(sender);
             }

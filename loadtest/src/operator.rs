@@ -103,16 +103,29 @@ impl OperatorApi {
         path: &str,
         body: Option<&Value>,
     ) -> anyhow::Result<Value> {
+        let what = format!("{method} {path}");
+        let (_, value) = self.exchange(method, path, body).await.context(what)?;
+        Ok(value)
+    }
+
+    /// One request on this API's own runtime: the client's connections are dialled, and their
+    /// tasks spawned, where their first request runs, so every request goes through here (a
+    /// connection made on the harness's runtime and pooled would be read by that runtime
+    /// however the later request was made). A refusal stays an [`ApiError`] for callers that
+    /// match on its status.
+    async fn exchange(
+        &self,
+        method: http::Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> anyhow::Result<(http::StatusCode, Value)> {
         let client = self.client.clone();
         let (what, path, body) = (format!("{method} {path}"), path.to_owned(), body.cloned());
-        let (_, value) = self
-            .runtime
+        self.runtime
             .handle
             .spawn(async move { client.request(method, &path, body.as_ref()).await })
             .await
             .map_err(|e| anyhow!("{what}: the request's task ended: {e}"))?
-            .with_context(|| what.clone())?;
-        Ok(value)
     }
 
     /// Registers (creating if needed) accepted cluster `name` whose agent holds a certificate
@@ -210,8 +223,7 @@ impl OperatorApi {
         name: &str,
     ) -> anyhow::Result<Option<Value>> {
         match self
-            .client
-            .request(http::Method::GET, &object_path(kind, namespace, name), None)
+            .exchange(http::Method::GET, &object_path(kind, namespace, name), None)
             .await
         {
             Ok((_, v)) => Ok(Some(v)),
@@ -232,8 +244,7 @@ impl OperatorApi {
         let ns = obj["metadata"]["namespace"].as_str();
         let name = obj["metadata"]["name"].as_str().unwrap_or_default();
         match self
-            .client
-            .request(http::Method::POST, &collection_path(kind, ns), Some(obj))
+            .exchange(http::Method::POST, &collection_path(kind, ns), Some(obj))
             .await
         {
             Ok((_, v)) => Ok(v),
