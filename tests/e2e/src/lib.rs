@@ -938,3 +938,36 @@ impl Fleet {
         self.hub.wait_work_applied(cluster, name).await
     }
 }
+
+/// Waits until cluster `cluster`'s compliance record on the hub (its `ClusterCompliance`, read
+/// through the operator API) lists policy `name` as `compliant` ("Compliant" or
+/// "NonCompliant"), and returns that entry: what `flotilla describe policy` shows for it.
+pub async fn wait_compliance(
+    operator: &flotilla_cli::client::OperatorClient,
+    cluster: &str,
+    name: &str,
+    compliant: &str,
+    timeout: Duration,
+) -> anyhow::Result<Value> {
+    let path = flotilla_cli::cli::object_path(
+        flotilla_proto::api::Kind::ClusterCompliance,
+        Some(cluster),
+        cluster,
+    );
+    wait_for(
+        &format!("cluster {cluster} to report policy {name} {compliant}"),
+        timeout,
+        || async {
+            let Ok(record) = operator.get_json(&path).await else {
+                return Ok(None);
+            };
+            Ok(record["status"]["policies"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|e| e["name"] == name && e["compliant"] == compliant)
+                .cloned())
+        },
+    )
+    .await
+}

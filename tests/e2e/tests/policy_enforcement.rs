@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use flotilla_cli::client::{OperatorClient, OperatorConfig};
 use flotilla_e2e::spoke::Spoke;
-use flotilla_e2e::{Carrier, Fleet, current_carrier, on_both_carriers, wait_for};
+use flotilla_e2e::{Carrier, Fleet, current_carrier, on_both_carriers, wait_compliance, wait_for};
 use flotilla_proto::api::Kind;
 use flotilla_testenv::workspace_root;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
@@ -46,33 +46,6 @@ fn namespace_policy(dir: &Path, remediation: &str) -> anyhow::Result<std::path::
         ),
     )?;
     Ok(path)
-}
-
-/// The entry of `cluster`'s ClusterCompliance record for the root Policy `name`, once it says
-/// `compliant`.
-async fn wait_compliance(
-    operator: &OperatorClient,
-    cluster: &str,
-    name: &str,
-    compliant: &str,
-) -> anyhow::Result<Value> {
-    let path = flotilla_cli::cli::object_path(Kind::ClusterCompliance, Some(cluster), cluster);
-    wait_for(
-        &format!("cluster {cluster} to report policy {name} {compliant}"),
-        WAIT,
-        || async {
-            let Ok(record) = operator.get_json(&path).await else {
-                return Ok(None);
-            };
-            Ok(record["status"]["policies"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .find(|e| e["name"] == name && e["compliant"] == compliant)
-                .cloned())
-        },
-    )
-    .await
 }
 
 /// Policy `name`'s row of `flotilla get policies -n default`, once it contains `shows`.
@@ -200,7 +173,7 @@ on_both_carriers! {
 
         // Inform: the spoke lacks `prod`; the agent says so, and touches nothing.
         fleet.apply(&namespace_policy(dir.path(), "inform")?)?;
-        let entry = wait_compliance(&operator, "cluster1", "policy-namespace", "NonCompliant").await?;
+        let entry = wait_compliance(&operator, "cluster1", "policy-namespace", "NonCompliant", WAIT).await?;
         let said = messages(&entry);
         assert!(said.contains("prod"), "the violation names the namespace: {said}");
         let namespaces: Api<Namespace> = Api::all(spoke.env.client().await?);
@@ -219,7 +192,7 @@ on_both_carriers! {
         wait_namespace(&spoke, "prod")
             .await
             .map_err(|e| e.context(format!("agent log:\n{}\nhub log:\n{}", agent.log(), fleet.hub.proc.log())))?;
-        wait_compliance(&operator, "cluster1", "policy-namespace", "Compliant").await?;
+        wait_compliance(&operator, "cluster1", "policy-namespace", "Compliant", WAIT).await?;
 
         // A ConfigMap that must hold `mode: strict`, enforced in the namespace made above.
         fleet.apply_value(dir.path(), &settings_policy())?;
@@ -234,7 +207,7 @@ on_both_carriers! {
                                   "apiGroup": "policy.open-cluster-management.io"}]}),
         )?;
         wait_mode(&spoke, "strict").await?;
-        wait_compliance(&operator, "cluster1", "policy-settings", "Compliant").await?;
+        wait_compliance(&operator, "cluster1", "policy-settings", "Compliant", WAIT).await?;
 
         // Drift by hand: the value edited on the spoke is put back, by the watch of ConfigMaps
         // (the policy's interval is the default: evaluated on change).
@@ -359,7 +332,7 @@ on_both_carriers! {
         }
         for spoke in &spokes {
             for policy in ["baseline-a", "baseline-b"] {
-                wait_compliance(&operator, &spoke.name, policy, "Compliant").await?;
+                wait_compliance(&operator, &spoke.name, policy, "Compliant", WAIT).await?;
                 assert!(configmap_present(spoke, policy).await?, "{policy} on {}", spoke.name);
             }
         }
@@ -489,13 +462,13 @@ on_both_carriers! {
         })
         .await
         .map_err(|e| e.context(format!("cluster1's agent log:\n{}", agents[0].log())))?;
-        wait_compliance(&operator, "cluster1", "policy-rbac-anonymous", "Compliant").await?;
+        wait_compliance(&operator, "cluster1", "policy-rbac-anonymous", "Compliant", WAIT).await?;
 
         // The LimitRange: missing in app-web on cluster1, present in app-api on cluster2.
-        let lacking = wait_compliance(&operator, "cluster1", "policy-limitrange", "NonCompliant").await?;
+        let lacking = wait_compliance(&operator, "cluster1", "policy-limitrange", "NonCompliant", WAIT).await?;
         let said = messages(&lacking);
         assert!(said.contains("app-web") && !said.contains("app-test"), "{said}");
-        wait_compliance(&operator, "cluster2", "policy-limitrange", "Compliant").await?;
+        wait_compliance(&operator, "cluster2", "policy-limitrange", "Compliant", WAIT).await?;
         let row = wait_row(&fleet, "policy-limitrange", " 1/2 ").await?;
         assert!(row.contains("NonCompliant"), "{row}");
         Ok(())

@@ -14,8 +14,7 @@ use std::time::Duration;
 
 use flotilla_cli::client::{OperatorClient, OperatorConfig};
 use flotilla_e2e::spoke::Spoke;
-use flotilla_e2e::{Carrier, Fleet, current_carrier, on_both_carriers, wait_for};
-use flotilla_proto::api::Kind;
+use flotilla_e2e::{Carrier, Fleet, current_carrier, on_both_carriers, wait_compliance, wait_for};
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
@@ -77,33 +76,6 @@ async fn wait_data(
                 .map(serde_json::to_value)
                 .transpose()?;
             Ok(data.filter(|d| wanted(d)))
-        },
-    )
-    .await
-}
-
-/// The entry of `cluster`'s ClusterCompliance record for the root Policy `name`, once it says
-/// `compliant`.
-async fn wait_compliance(
-    operator: &OperatorClient,
-    cluster: &str,
-    name: &str,
-    compliant: &str,
-) -> anyhow::Result<Value> {
-    let path = flotilla_cli::cli::object_path(Kind::ClusterCompliance, Some(cluster), cluster);
-    wait_for(
-        &format!("cluster {cluster} to report policy {name} {compliant}"),
-        WAIT,
-        || async {
-            let Ok(record) = operator.get_json(&path).await else {
-                return Ok(None);
-            };
-            Ok(record["status"]["policies"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .find(|e| e["name"] == name && e["compliant"] == compliant)
-                .cloned())
         },
     )
     .await
@@ -185,7 +157,7 @@ on_both_carriers! {
             .map_err(|e| e.context(format!("agent log:\n{}", agents[index].log())))?;
             let kube_version = data["kube"].as_str().unwrap_or_default();
             assert!(kube_version.starts_with('v'), "the cluster's kubeversion claim: {data}");
-            wait_compliance(&operator, &spoke.name, "cluster-facts", "Compliant").await?;
+            wait_compliance(&operator, &spoke.name, "cluster-facts", "Compliant", WAIT).await?;
         }
 
         // The hub's side follows the cluster: relabelled, cluster1 gets its object rewritten.
@@ -212,8 +184,8 @@ on_both_carriers! {
         // The unresolvable template: NonCompliant on each cluster, with the template and the
         // error where the operator looks, and nothing made on the spokes.
         for spoke in &spokes {
-            wait_compliance(&operator, &spoke.name, "unresolvable", "NonCompliant").await?;
-            wait_compliance(&operator, &spoke.name, "cluster-facts", "Compliant").await?;
+            wait_compliance(&operator, &spoke.name, "unresolvable", "NonCompliant", WAIT).await?;
+            wait_compliance(&operator, &spoke.name, "cluster-facts", "Compliant", WAIT).await?;
             let api = configmaps(spoke.env.client().await?);
             assert!(api.get_opt("unresolvable").await?.is_none(), "{}", spoke.name);
         }
@@ -272,7 +244,7 @@ on_both_carriers! {
                 d["tier"] == "gold" && d["cluster"] == spoke.name.as_str()
             })
             .await?;
-            wait_compliance(&operator, &spoke.name, "tiered", "Compliant").await?;
+            wait_compliance(&operator, &spoke.name, "tiered", "Compliant", WAIT).await?;
         }
         // Edited with `flotilla apply`: every spoke's object follows.
         fleet.apply_value(dir.path(), &settings("platinum"))?;
@@ -285,7 +257,7 @@ on_both_carriers! {
         let deleted = fleet.cli(&["delete", "configmap", "settings", "-n", "default"])?;
         assert_eq!(deleted.trim(), "configmaps/default/settings deleted");
         for spoke in &spokes {
-            wait_compliance(&operator, &spoke.name, "tiered", "NonCompliant").await?;
+            wait_compliance(&operator, &spoke.name, "tiered", "NonCompliant", WAIT).await?;
         }
         wait_for("describe policy to show the missing ConfigMap", WAIT, || async {
             let described = fleet.cli(&["describe", "policy", "tiered"])?;
