@@ -61,6 +61,14 @@ impl Coalesce for PendingStatus {
             self.reporter = newer.reporter;
         }
     }
+
+    /// While the session that reported it is still on this gateway, its agent will not report
+    /// it to anyone else (it reports its outbox once per session): a shard lost and taken back
+    /// under a newer epoch meanwhile (an apiserver outage outlasting the leases) must not lose
+    /// it. Once that session is gone, the agent reports it again on its next one.
+    fn waits_for_shard(&self) -> bool {
+        self.reporter.strong_count() > 0
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -370,6 +378,8 @@ mod tests {
 
     /// A status of a cluster whose shard this gateway does not hold is neither stored nor
     /// acknowledged (its agent keeps it for the shard's owner); one of a held shard is both.
+    /// It waits while the session that reported it is here (the shard may come back), and is
+    /// dropped once that session is gone.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_status_of_a_shard_not_held_is_neither_stored_nor_acked() {
         use crate::shards::{Fence, ShardDirectory, ShardView};
@@ -425,7 +435,15 @@ mod tests {
             .expect("the held shard's status acknowledged");
         assert_eq!(ours.take().status_acks, vec![(uids[0].clone(), 1)]);
         assert!(theirs.take().status_acks.is_empty(), "not acked");
-        assert_eq!(writer.pending_len(), 0, "dropped, not kept for later");
+        assert_eq!(writer.pending_len(), 1, "kept while its session is here");
+        drop(theirs);
+        flotilla_testenv::wait_for(
+            "the status dropped once its session is gone",
+            Duration::from_secs(10),
+            || async { Ok((writer.pending_len() == 0).then_some(())) },
+        )
+        .await
+        .unwrap();
         let stored = |cluster: String| {
             let store = store.clone();
             async move {

@@ -11,7 +11,10 @@
 //!   queues share, so the store sees at most `rate·t + burst` writes in any `t` seconds.
 //! * Fenced: right before each write the queue asks whether this gateway still acts for the
 //!   value's cluster; a value it no longer holds is dropped (neither written nor acknowledged:
-//!   its agent reports again to the shard's new owner), counted as `not_held`. The fence it
+//!   its agent reports again to the shard's new owner), counted as `not_held`, unless its
+//!   source is still here ([`Coalesce::waits_for_shard`]: the agent's session that reported it
+//!   has not left this gateway, so it will not report it to anyone else): then it waits, and
+//!   is written if this gateway takes the shard back, or dropped once its source is gone. The fence it
 //!   checked ([`Held`]: the shard and this gateway's epoch of it) goes to the writer with the
 //!   value, and the store refuses the write if the object was written under a newer epoch
 //!   since: a write that stalled past the check is never the one that lands last (see
@@ -65,6 +68,14 @@ pub trait Coalesce: Send + 'static {
     /// Folds `newer`, submitted after `self` for the same key, into `self`: what is written
     /// next is `self` afterwards.
     fn absorb(&mut self, newer: Self);
+    /// Whether the value, its cluster's shard not held here (any more), waits for the shard
+    /// to come back to this gateway instead of being dropped. Dropping is right when the
+    /// value's source will give it again to the shard's owner; a value whose source stays
+    /// here (an agent's session that reported it, still on this gateway) would otherwise be
+    /// lost when this gateway takes the shard back under a newer epoch.
+    fn waits_for_shard(&self) -> bool {
+        false
+    }
 }
 
 /// What a write came to.
@@ -230,8 +241,9 @@ impl<V: Coalesce> WriteQueue<V> {
                     view.shard_of(value.cluster()),
                 )
             };
-            if held.is_none() && lapsed {
-                debug!(cluster = %value.cluster(), key = %key, what = self.what, "shard's renewal is late: write waits");
+            if held.is_none() && (lapsed || value.waits_for_shard()) {
+                debug!(cluster = %value.cluster(), key = %key, what = self.what, lapsed,
+                    "shard not held (its renewal late, or its source still here): write waits");
                 state.pending.insert(key.clone(), value);
                 let n = state.next_retry;
                 state.next_retry += 1;
@@ -314,6 +326,7 @@ mod tests {
     use super::*;
     use crate::shards::{Fence, ShardDirectory, ShardView};
     use std::collections::BTreeMap as Map;
+    use std::sync::atomic::{AtomicBool, Ordering};
 
     /// A value: a sequence number (the newest wins) for a cluster.
     #[derive(Clone, Debug, PartialEq)]
@@ -699,6 +712,99 @@ mod tests {
         pass(Duration::from_secs(1)).await;
         assert_eq!(stub.seen().writes.len(), 1, "lost: never written");
         assert_eq!(queue.pending_len(), 0, "lost: dropped");
+    }
+
+    /// A value whose source is still here waits while its shard is held elsewhere, and is
+    /// written once this gateway takes the shard back under a newer epoch; once its source is
+    /// gone it is dropped like any other.
+    #[tokio::test(start_paused = true)]
+    async fn a_value_whose_source_stays_waits_for_its_shard_to_come_back() {
+        #[derive(Clone, Debug)]
+        struct Sourced {
+            cluster: String,
+            seq: u64,
+            source: Arc<AtomicBool>,
+        }
+        impl Coalesce for Sourced {
+            fn cluster(&self) -> &str {
+                &self.cluster
+            }
+            fn absorb(&mut self, newer: Sourced) {
+                *self = newer;
+            }
+            fn waits_for_shard(&self) -> bool {
+                self.source.load(Ordering::SeqCst)
+            }
+        }
+        #[derive(Clone, Default)]
+        struct Epochs(Arc<SyncMutex<Vec<(u64, u32)>>>);
+        impl StoreWrite<Sourced> for Epochs {
+            async fn write(&self, _key: &str, value: &Sourced, held: Held) -> Outcome {
+                lock(&self.0).push((value.seq, held.epoch));
+                Outcome::Done
+            }
+        }
+
+        let ours = "store-1";
+        let shard = ShardView::all(64).shard_of(ours);
+        let view = |epoch: Option<u32>| {
+            let fences = epoch
+                .map(|epoch| {
+                    Map::from([(
+                        shard,
+                        Fence {
+                            epoch,
+                            valid_until: Instant::now() + Duration::from_secs(3600),
+                        },
+                    )])
+                })
+                .unwrap_or_default();
+            Arc::new(ShardView::leased(64, fences, ShardDirectory::default()))
+        };
+        let (views_tx, views) = watch::channel(view(None));
+        let budget = Arc::new(WriteBudget::new(1000.0, 1000));
+        let fencing = Fencing::default();
+        let queue = Arc::new(WriteQueue::new("test", budget, 4, views, fencing.clone()));
+        let store = Epochs::default();
+        let (_stop, stop) = watch::channel(false);
+        tokio::spawn({
+            let (queue, store) = (queue.clone(), store.clone());
+            async move { queue.run(store, stop).await }
+        });
+        let source = Arc::new(AtomicBool::new(true));
+        let value = |seq| Sourced {
+            cluster: ours.into(),
+            seq,
+            source: source.clone(),
+        };
+
+        // The shard is another gateway's (its lease lost during an apiserver outage): the
+        // value waits, however long, while its session is here.
+        queue.submit("w", value(1));
+        pass(Duration::from_secs(5)).await;
+        assert!(lock(&store.0).is_empty(), "not written while not held");
+        assert_eq!(queue.pending_len(), 1, "kept while its source is here");
+        // Taken back under epoch 3: written under it.
+        views_tx.send_replace(view(Some(3)));
+        pass(Duration::from_secs(1)).await;
+        assert_eq!(*lock(&store.0), [(1, 3)], "written under the new epoch");
+
+        // Lost again, and the session leaves: dropped, counted, never written.
+        views_tx.send_replace(view(None));
+        queue.submit("w", value(2));
+        pass(Duration::from_secs(1)).await;
+        assert_eq!(queue.pending_len(), 1);
+        source.store(false, Ordering::SeqCst);
+        pass(Duration::from_secs(1)).await;
+        assert_eq!(queue.pending_len(), 0, "dropped once its source is gone");
+        assert_eq!(fencing.dropped().count("not_held"), 1);
+        views_tx.send_replace(view(Some(4)));
+        pass(Duration::from_secs(1)).await;
+        assert_eq!(
+            lock(&store.0).len(),
+            1,
+            "the dropped value is never written"
+        );
     }
 
     #[test]
