@@ -48,7 +48,9 @@
 //! [`EmulatedLink::serve_beside`].
 //!
 //! Everything is removed on drop, and on every error while it is being made: the tasks, the
-//! nftables table, the namespace (`G` goes with it) and `H` (closed with its descriptor).
+//! nftables table, the namespace (`G` goes with it) and `H` (closed with its descriptor); on
+//! drop also this machine's connections with the namespace's address (`ss -K`), whose
+//! retransmissions would otherwise reach the next link given that address.
 
 use std::fs::File;
 use std::io;
@@ -681,6 +683,14 @@ impl Drop for EmulatedLink {
         {
             warn!(namespace = %self.plan.namespace, error = %e, "deleting the emulated link's namespace failed");
         }
+        // This machine's ends of connections with the namespace outlive it: a loopback
+        // service's end still closing (FIN-WAIT, LAST-ACK) resends its FIN for minutes. Ended
+        // here, or those retransmissions reach the next link given this address, whose
+        // namespace answers them, and that link counts traffic none of its users sent.
+        let inside = self.plan.inside.to_string();
+        if let Err(e) = run("ss", &["-K", "-t", "-u", "dst", &inside], None) {
+            warn!(address = %inside, error = %e, "ending this machine's connections with the removed link's namespace failed");
+        }
         // The slot (its names) is free again only after the namespace and the table are gone,
         // and once the tasks, which hold the TUN devices, are (the host end's device closes
         // with them): a link made on it sooner would lose its new namespace to the deletion
@@ -903,6 +913,7 @@ pub fn check_available() -> Result<(), LinkError> {
     for (program, arg, package) in [
         ("ip", "-V", "iproute2"),
         ("tc", "-V", "iproute2"),
+        ("ss", "-V", "iproute2"),
         ("nft", "--version", "nftables"),
     ] {
         let ok = Command::new(program)

@@ -348,6 +348,52 @@ async fn a_service_beside_the_link_is_reached_without_crossing_it() {
     assert!(peers.iter().all(|p| p.is_loopback()), "{peers:?}");
 }
 
+/// This machine's connections (in any state but listening) whose peer is `address`, from the
+/// kernel's table of IPv4 TCP sockets, orphans included.
+fn connections_with(address: std::net::Ipv4Addr) -> usize {
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    table
+        .lines()
+        .skip(1)
+        .filter(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let (remote, state) = (fields[2], fields[3]);
+            // The address as the kernel stores it, printed as a native-endian word.
+            let ip = u32::from_str_radix(&remote[..8], 16).unwrap();
+            std::net::Ipv4Addr::from(ip.to_ne_bytes()) == address && state != "0A"
+        })
+        .count()
+}
+
+/// A loopback service's end of a connection with the namespace, still closing when the link is
+/// removed, ends with the link: left alone it resends its FIN for minutes, and the next link
+/// given the same address would carry those packets (and its namespace's answers) as its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_links_connections_end_with_it() {
+    use tokio::io::AsyncWriteExt;
+    let Some(link) = link("delay=10ms").await else {
+        return;
+    };
+    let service = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = service.local_addr().unwrap().port();
+    let socket = link.inside(tokio::net::TcpSocket::new_v4).await.unwrap();
+    let conn = socket.connect((link.host(), port).into()).await.unwrap();
+    let (mut served, _) = service.accept().await.unwrap();
+    // The service answers and closes while nothing crosses: its end waits, resending.
+    link.set_down(true).await.unwrap();
+    served.write_all(b"bye").await.unwrap();
+    drop(served);
+    let inside = link.inside_address();
+    assert_eq!(connections_with(inside), 1, "the service's end is closing");
+    drop(conn);
+    drop(link);
+    assert_eq!(
+        connections_with(inside),
+        0,
+        "a connection with the removed link's address is left"
+    );
+}
+
 #[tokio::test]
 async fn loopback_is_sent_to_the_host_or_serves_beside_never_both() {
     let Some(serving) = link("delay=1ms").await else {
