@@ -307,16 +307,22 @@ impl Run {
         let idle = apiserver.snapshot().await?;
         b.klusterlet.idle = Some(idle.load_since(&fanned_out, own));
 
-        // storm: every client restarts at once.
+        // storm: every client restarts at once. A client is back when it has listed both kinds
+        // and watches them again; it opens the watches after its lists, so once every client
+        // has listed the window waits for the last watches at the apiserver (the snapshot's
+        // count of watches started in it).
         let bar = self.bar("storm", n);
-        bar.set_message("klusterlet clients restarted, listed again");
+        bar.set_message("klusterlet clients restarted, listed and watching again");
         let restarted = Instant::now();
         clients.restart_all();
         loop {
             let c = clients.counts();
             bar.set_position(c.resynced);
             if c.resynced >= n {
-                break;
+                let load = apiserver.snapshot().await?.load_since(&idle, own);
+                if load.requests_by_verb.get("WATCH").copied().unwrap_or(0) >= 2 * n {
+                    break;
+                }
             }
             if clock.expired() {
                 bar.finish_and_clear();
