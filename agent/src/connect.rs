@@ -37,6 +37,19 @@ pub const QUIC_RETRY_AFTER: Duration = Duration::from_secs(600);
 /// Largest frame either side may send on the session (a ManifestWork is at most ~1.5 MiB).
 pub const MAX_FRAME_BYTES: usize = 8 * 1024 * 1024;
 
+/// The QUIC settings of an agent's connections. No idle timeout of the agent's own: the hub's
+/// (twice its heartbeat timeout, a minute at least) holds, so a hub stalled for less than its
+/// heartbeat timeout keeps its sessions; the agent's own minute closed them sooner. The
+/// session's heartbeats still find a hub that has gone.
+pub fn quic_settings(congestion: flotilla_transport::quic::QuicCongestion) -> QuicSettings {
+    QuicSettings {
+        max_frame_bytes: MAX_FRAME_BYTES,
+        congestion,
+        idle_timeout: None,
+        ..QuicSettings::default()
+    }
+}
+
 /// Which carrier the agent uses (`--transport`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Transport {
@@ -247,15 +260,8 @@ impl Dialer {
             None if hub.is_ipv4() => SocketAddr::from(([0, 0, 0, 0], 0)),
             None => SocketAddr::from(([0u16; 8], 0)),
         };
-        let client = QuicClient::bind(
-            local,
-            QuicSettings {
-                max_frame_bytes: MAX_FRAME_BYTES,
-                congestion: self.quic_congestion,
-                ..QuicSettings::default()
-            },
-        )
-        .map_err(|e| LinkError::Transport(format!("opening a UDP socket for QUIC: {e}")))?;
+        let client = QuicClient::bind(local, quic_settings(self.quic_congestion))
+            .map_err(|e| LinkError::Transport(format!("opening a UDP socket for QUIC: {e}")))?;
         *slot = Some(client.clone());
         Ok(client)
     }

@@ -96,8 +96,12 @@ impl GatewayConfig {
     pub fn grpc(&self) -> GrpcSettings {
         GrpcSettings {
             max_frame_bytes: self.max_frame_bytes,
-            // HTTP/2 pings find dead TCP connections even when the protocol is idle.
+            // HTTP/2 pings find dead TCP connections even when the protocol is idle, and never
+            // close one sooner than the protocol's own silence bound: a ping unanswered for a
+            // fixed 20 s closed live sessions of agents stalled for less than the heartbeat
+            // timeout.
             keepalive_interval: self.heartbeat_interval * 3,
+            keepalive_timeout: self.heartbeat_timeout,
             ..GrpcSettings::default()
         }
     }
@@ -107,7 +111,9 @@ impl GatewayConfig {
         QuicSettings {
             max_frame_bytes: self.max_frame_bytes,
             // Never shorter than the protocol's own silence bound.
-            idle_timeout: (self.heartbeat_timeout * 2).max(QuicSettings::default().idle_timeout),
+            idle_timeout: QuicSettings::default()
+                .idle_timeout
+                .map(|floor| (self.heartbeat_timeout * 2).max(floor)),
             congestion: self.quic_congestion,
             ..QuicSettings::default()
         }

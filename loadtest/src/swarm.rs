@@ -23,7 +23,7 @@ use flotilla_agent::refusal::{Refusal, RefusalKind};
 use flotilla_agent::{AgentConfig, Observer, Parts};
 use flotilla_proto::api::ManifestWorkStatus;
 use flotilla_proto::wire;
-use flotilla_transport::quic::{QuicClient, QuicSettings};
+use flotilla_transport::quic::QuicClient;
 use prost::Message as _;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
@@ -573,11 +573,7 @@ impl Swarm {
                             .map_or_else(|| source_address(i), IpAddr::V4);
                         QuicClient::bind(
                             std::net::SocketAddr::new(source, 0),
-                            QuicSettings {
-                                max_frame_bytes: flotilla_agent::connect::MAX_FRAME_BYTES,
-                                congestion: quic_congestion,
-                                ..QuicSettings::default()
-                            },
+                            flotilla_agent::connect::quic_settings(quic_congestion),
                         )
                         .with_context(|| format!("a UDP socket on {source}"))
                     })

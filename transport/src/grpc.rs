@@ -588,6 +588,10 @@ pub(crate) fn io_error(status: Status) -> std::io::Error {
 /// The agent's side: one HTTP/2 connection to the hub at `hub` (host:port): TCP (through
 /// `proxy`, from `local`, as [`dial`](crate::dial::dial) does), TLS with `tls` checking
 /// `server_name`, then HTTP/2. Unbounded: the caller puts a deadline on it.
+///
+/// No HTTP/2 PINGs: the session's heartbeats, at the hub's interval and timeout, are this
+/// side's liveness. A PING unanswered for 20 s closed live sessions of a hub stalled for less
+/// than its heartbeat timeout (a busy hub's sessions churned so).
 pub async fn connect(
     hub: &str,
     server_name: rustls_pki_types::ServerName<'static>,
@@ -628,9 +632,7 @@ pub(crate) async fn connect_tuned(
     // The URI only names the HTTP/2 authority; the connector does the dialling and the TLS,
     // which is why the scheme says http.
     let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{hub}"))
-        .map_err(|e| LinkError::from_dial(&e))?
-        .http2_keep_alive_interval(Duration::from_secs(30))
-        .keep_alive_timeout(Duration::from_secs(20));
+        .map_err(|e| LinkError::from_dial(&e))?;
     tune(endpoint)
         .connect_with_connector(connector)
         .await

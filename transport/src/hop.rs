@@ -532,6 +532,9 @@ impl HopClient {
                 endpoint
                     .initial_stream_window_size(hop.stream_window)
                     .initial_connection_window_size(hop.connection_window)
+                    // No session runs on this connection: PINGs find a dead peer gateway.
+                    .http2_keep_alive_interval(hop.keepalive_interval)
+                    .keep_alive_timeout(hop.keepalive_timeout)
             },
         )
         .await?;

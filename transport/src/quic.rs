@@ -50,8 +50,10 @@ pub struct QuicSettings {
     /// Keep-alive interval: below the 30 s UDP binding timeout of common NATs, so an idle
     /// session keeps its path open.
     pub keepalive_interval: Duration,
-    /// A connection silent this long is gone (both ends close it).
-    pub idle_timeout: Duration,
+    /// A connection silent this long is gone (both ends close it: QUIC takes the shorter of
+    /// the two ends' values, or the only one given). `None` gives none and leaves it to the
+    /// peer: the agents' side, so that the hub's, derived from its heartbeat timeout, holds.
+    pub idle_timeout: Option<Duration>,
     /// Flow-control window of one stream, receive side: sized for tunnels, as the gRPC
     /// carrier's ([`GrpcSettings::stream_window`](crate::grpc::GrpcSettings::stream_window)).
     pub stream_window: u32,
@@ -87,7 +89,7 @@ impl Default for QuicSettings {
         QuicSettings {
             max_frame_bytes: 4 * 1024 * 1024,
             keepalive_interval: Duration::from_secs(15),
-            idle_timeout: Duration::from_secs(60),
+            idle_timeout: Some(Duration::from_secs(60)),
             stream_window: 1024 * 1024,
             connection_window: 16 * 1024 * 1024,
             send_window: 1024 * 1024,
@@ -107,11 +109,11 @@ impl QuicSettings {
             .receive_window(VarInt::from_u32(self.connection_window))
             .send_window(self.send_window)
             .keep_alive_interval(Some(self.keepalive_interval))
-            .max_idle_timeout(Some(
-                VarInt::from_u64(self.idle_timeout.as_millis() as u64)
+            .max_idle_timeout(self.idle_timeout.map(|idle| {
+                VarInt::from_u64(idle.as_millis() as u64)
                     .unwrap_or(VarInt::from_u32(60_000))
-                    .into(),
-            ))
+                    .into()
+            }))
             // No datagrams: sessions are streams.
             .datagram_receive_buffer_size(None)
             .datagram_send_buffer_size(0)
