@@ -687,8 +687,11 @@ impl Drop for EmulatedLink {
         // service's end still closing (FIN-WAIT, LAST-ACK) resends its FIN for minutes. Ended
         // here, or those retransmissions reach the next link given this address, whose
         // namespace answers them, and that link counts traffic none of its users sent.
+        // Only a link that got its namespace had the address (another process may hold it).
         let inside = self.plan.inside.to_string();
-        if let Err(e) = run("ss", &["-K", "-t", "-u", "dst", &inside], None) {
+        if self.made_namespace
+            && let Err(e) = run("ss", &["-K", "-t", "-u", "dst", &inside], None)
+        {
             warn!(address = %inside, error = %e, "ending this machine's connections with the removed link's namespace failed");
         }
         // The slot (its names) is free again only after the namespace and the table are gone,
