@@ -372,6 +372,16 @@ impl Store for MeteredStore {
             .await
     }
 
+    async fn get_json(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        name: &str,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        self.counted(Verb::Get, self.inner.get_json(kind, namespace, name))
+            .await
+    }
+
     async fn list(&self, kind: Kind, namespace: Option<&str>) -> Result<ObjectList, StoreError> {
         self.counted(Verb::List, self.inner.list(kind, namespace))
             .await

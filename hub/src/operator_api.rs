@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use axum::extract::{Path, State};
-use axum::http::StatusCode;
+use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete as delete_route, get, post};
 use axum::{Extension, Json, Router};
@@ -324,8 +324,10 @@ async fn get_one(State(s): State<ApiState>, Path(path): Path<ResourcePath>) -> R
         Err(r) => return r.into_response(),
     };
     let ns = path.ns();
-    match s.store.get(kind, ns, name).await {
-        Ok(Some(obj)) => Json(obj).into_response(),
+    // As stored: a root Policy reaching 10,000 clusters is half a megabyte of small maps,
+    // which parsed and serialised again cost the hub a tenth of a second of CPU per read.
+    match s.store.get_json(kind, ns, name).await {
+        Ok(Some(json)) => ([(header::CONTENT_TYPE, "application/json")], json).into_response(),
         Ok(None) => error(
             StatusCode::NOT_FOUND,
             format!("{kind} {} not found", qualified(ns, name)),

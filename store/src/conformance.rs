@@ -246,6 +246,24 @@ pub async fn create_get_round_trip(store: &dyn Store, prefix: &str) -> Result<()
         got == created,
         "get differs from create:\n got {got}\n created {created}"
     );
+    // The same object as the JSON a reader sends on (the operator API's GET).
+    let json = store
+        .get_json(Kind::ManifestWork, Some(&ns), "baseline")
+        .await
+        .context("get_json")?
+        .context("get_json after create found nothing")?;
+    let sent: Object = serde_json::from_slice(&json).context("get_json gave no JSON object")?;
+    ensure!(
+        sent == created,
+        "get_json differs from create:\n got {sent}\n created {created}"
+    );
+    ensure!(
+        store
+            .get_json(Kind::ManifestWork, Some(&ns), "other")
+            .await?
+            .is_none(),
+        "get_json of a missing object must be None"
+    );
     ensure!(
         store
             .get(Kind::ManifestWork, Some(&ns), "other")

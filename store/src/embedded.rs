@@ -300,6 +300,15 @@ impl Inner {
             .transpose()
     }
 
+    /// The object's stored JSON, as it is.
+    fn read_json(&self, key: &ObjectKey) -> Result<Option<Vec<u8>>, StoreError> {
+        let bytes = self
+            .objects
+            .get(storage_key(key.kind, key.namespace(), &key.name))
+            .map_err(|e| StoreError::backend(format!("reading {key}"), e))?;
+        Ok(bytes.map(|b| b.to_vec()))
+    }
+
     /// Commits `object` (or the deletion, for `None`) at the next revision and stages `event`
     /// for the next flush to publish. Called with the `log` lock held; the caller releases it
     /// and then waits for [`Inner::durable`] of the returned revision before answering.
@@ -772,6 +781,16 @@ impl Store for SledStore {
     ) -> Result<Option<Object>, StoreError> {
         check_scope(kind, namespace, name, true)?;
         self.inner.read(&ObjectKey::new(kind, namespace, name))
+    }
+
+    async fn get_json(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        name: &str,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        check_scope(kind, namespace, name, true)?;
+        self.inner.read_json(&ObjectKey::new(kind, namespace, name))
     }
 
     async fn list(&self, kind: Kind, namespace: Option<&str>) -> Result<ObjectList, StoreError> {

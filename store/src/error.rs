@@ -118,7 +118,7 @@ impl StoreError {
 }
 
 /// `namespace/name` for namespaced objects, `name` for cluster-scoped ones.
-fn display_key(namespace: Option<&str>, name: &str) -> String {
+pub(crate) fn display_key(namespace: Option<&str>, name: &str) -> String {
     let name = if name.is_empty() { "(no name)" } else { name };
     match namespace {
         Some(ns) if !ns.is_empty() => format!("{ns}/{name}"),

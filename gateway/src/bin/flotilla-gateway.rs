@@ -7,6 +7,12 @@ use clap::Parser;
 use flotilla_gateway::process::{GatewayProcessConfig, init_tracing, run};
 use flotilla_ops::shutdown_signal;
 
+/// mimalloc rather than the C library's allocator: the process allocates and frees small JSON
+/// maps by the million (watch events, statuses of 10,000 clusters), where glibc's malloc spent
+/// half of a loaded hub's CPU (see docs/performance.md, "The allocator").
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// A flotilla gateway replica (scale-out mode): serves agent sessions for the shards it
 /// holds through coordination.k8s.io Leases on the hub apiserver, and redirects agents of
 /// other shards to their owners. Run several behind one TCP/UDP load balancer or DNS name;

@@ -10,6 +10,12 @@ use flotilla_cli::client::{OperatorClient, OperatorConfig};
 use flotilla_hub::ca::{self, Ca};
 use flotilla_hub::config::HubConfig;
 
+/// mimalloc rather than the C library's allocator: the process allocates and frees small JSON
+/// maps by the million (watch events, statuses of 10,000 clusters), where glibc's malloc spent
+/// half of a loaded hub's CPU (see docs/performance.md, "The allocator").
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "flotilla-hub",

@@ -621,6 +621,7 @@ pub async fn run(
             }
         })
         .await;
+        let planned_in = round.elapsed();
         let Plan { writes, snapshot } = match planned {
             Ok((planned, plan)) => {
                 model = planned;
@@ -632,6 +633,7 @@ pub async fn run(
             }
         };
         compliance.publish(snapshot);
+        let status_writes = writes.len();
         let results: Vec<(Kind, Key, Result<Written, StoreError>)> = futures::stream::iter(writes)
             .map(|(kind, key, status, want)| {
                 let store = store.clone();
@@ -718,7 +720,24 @@ pub async fn run(
                 }
             }
         }
-        let pause = MIN_AGGREGATE_INTERVAL.max(round.elapsed() * AGGREGATE_PACE);
+        let took = round.elapsed();
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            let verdicts: usize = model
+                .reported
+                .values()
+                .map(|entries| entries.values().filter(|v| v.is_some()).count())
+                .sum();
+            debug!(
+                full,
+                statuses_written = status_writes,
+                planned_ms = planned_in.as_millis() as u64,
+                took_ms = took.as_millis() as u64,
+                records = model.reported.len(),
+                verdicts,
+                "governance round"
+            );
+        }
+        let pause = MIN_AGGREGATE_INTERVAL.max(took * AGGREGATE_PACE);
         model.paced_until = jiff::SignedDuration::try_from(pause)
             .ok()
             .and_then(|pause| Timestamp::now().checked_add(pause).ok());
