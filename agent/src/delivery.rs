@@ -1,6 +1,7 @@
 //! Delivery between the hub's frames and the durable cache, off the session driver's loop:
-//! works from the hub go into the cache one operation at a time, in the order the frames asked
-//! for them, and are acked only once durable; deletes become tombstones for the reconciler;
+//! works from the hub go into the cache one batch at a time (what arrived together is stored
+//! in one transaction), in the order the frames asked for them, and are acked only once
+//! durable; deletes become tombstones for the reconciler;
 //! the hub's status and release acks are recorded; statuses and releases come out of the
 //! cache's outboxes for the hub until it acks them.
 
@@ -98,12 +99,26 @@ impl CacheDone {
     }
 }
 
-/// Cache operations run one at a time, in the order the hub's frames asked for them, off the
-/// driver's loop.
+/// Most operations run together as one batch (one transaction, one flush): a burst of works
+/// from the hub, or of its status acks, waiting in the queue at once.
+pub(crate) const MAX_BATCH: usize = 64;
+
+/// Cache operations run one batch at a time, in the order the hub's frames asked for them, off
+/// the driver's loop. Consecutive stores of distinct works are one batch, and so are
+/// consecutive status acks: what arrived while the previous batch was on the disk costs one
+/// flush, not one each.
 #[derive(Default)]
 pub(crate) struct CacheQueue {
     waiting: VecDeque<CacheOp>,
-    running: Option<BoxFuture<'static, CacheDone>>,
+    running: Option<BoxFuture<'static, Vec<CacheDone>>>,
+}
+
+/// Operations run together.
+#[derive(Debug)]
+enum Batch {
+    Stores(Vec<wire::WorkUpdate>),
+    Acks(Vec<(String, u64)>),
+    One(CacheOp),
 }
 
 impl CacheQueue {
@@ -115,15 +130,50 @@ impl CacheQueue {
         self.running.is_some() || !self.waiting.is_empty()
     }
 
-    /// The next operation's result (starting it if none runs).
-    pub(crate) async fn next(&mut self, spoke: &Spoke) -> CacheDone {
+    /// The next batch's results, in the order of its operations (starting it if none runs).
+    pub(crate) async fn next(&mut self, spoke: &Spoke) -> Vec<CacheDone> {
         if self.running.is_none() {
-            let op = self.waiting.pop_front().expect("called only when busy");
-            self.running = Some(Box::pin(run_cache_op(spoke.clone(), op)));
+            let batch = self.take_batch();
+            self.running = Some(Box::pin(run_batch(spoke.clone(), batch)));
         }
         let done = self.running.as_mut().expect("set above").await;
         self.running = None;
         done
+    }
+
+    /// The operation at the front, with those after it that run with it: stores of works not
+    /// already in the batch (two generations of one work stay in order, one batch each), or
+    /// status acks; at most [`MAX_BATCH`].
+    fn take_batch(&mut self) -> Batch {
+        match self.waiting.pop_front().expect("called only when busy") {
+            CacheOp::Store(work) => {
+                let mut uids = HashSet::from([work.uid.clone()]);
+                let mut works = vec![work];
+                while works.len() < MAX_BATCH
+                    && let Some(CacheOp::Store(next)) = self.waiting.front()
+                    && uids.insert(next.uid.clone())
+                {
+                    let Some(CacheOp::Store(next)) = self.waiting.pop_front() else {
+                        unreachable!("matched above")
+                    };
+                    works.push(next);
+                }
+                Batch::Stores(works)
+            }
+            CacheOp::AckStatus { uid, seq } => {
+                let mut acks = vec![(uid, seq)];
+                while acks.len() < MAX_BATCH
+                    && matches!(self.waiting.front(), Some(CacheOp::AckStatus { .. }))
+                {
+                    let Some(CacheOp::AckStatus { uid, seq }) = self.waiting.pop_front() else {
+                        unreachable!("matched above")
+                    };
+                    acks.push((uid, seq));
+                }
+                Batch::Acks(acks)
+            }
+            op => Batch::One(op),
+        }
     }
 
     /// At the session's end: lets an operation already under way finish (its write is not torn
@@ -133,16 +183,23 @@ impl CacheQueue {
     /// them again.
     pub(crate) async fn finish(&mut self, spoke: &Spoke, within: Duration) {
         let running = self.running.take();
-        let acks: Vec<CacheOp> = self
-            .waiting
-            .drain(..)
-            .filter(|op| matches!(op, CacheOp::AckStatus { .. } | CacheOp::AckRelease { .. }))
-            .collect();
+        let mut status_acks = Vec::new();
+        let mut release_acks = Vec::new();
+        for op in self.waiting.drain(..) {
+            match op {
+                CacheOp::AckStatus { uid, seq } => status_acks.push((uid, seq)),
+                op @ CacheOp::AckRelease { .. } => release_acks.push(op),
+                _ => {}
+            }
+        }
         let _ = tokio::time::timeout(within, async {
             if let Some(running) = running {
                 running.await;
             }
-            for ack in acks {
+            if !status_acks.is_empty() {
+                run_batch(spoke.clone(), Batch::Acks(status_acks)).await;
+            }
+            for ack in release_acks {
                 run_cache_op(spoke.clone(), ack).await;
             }
         })
@@ -150,10 +207,41 @@ impl CacheQueue {
     }
 }
 
+/// Runs a batch of cache operations; their results in order.
+async fn run_batch(spoke: Spoke, batch: Batch) -> Vec<CacheDone> {
+    match batch {
+        Batch::Stores(works) => store_works(&spoke, works).await,
+        Batch::Acks(acks) => ack_statuses(&spoke, acks).await,
+        Batch::One(op) => vec![run_cache_op(spoke, op).await],
+    }
+}
+
+/// Records the hub's acks of statuses, in one transaction.
+async fn ack_statuses(spoke: &Spoke, acks: Vec<(String, u64)>) -> Vec<CacheDone> {
+    let uids: Vec<String> = acks.iter().map(|(uid, _)| uid.clone()).collect();
+    match durably(&spoke.cache, move |c| c.ack_statuses(&acks)).await {
+        Ok(acked) => uids
+            .into_iter()
+            .zip(acked)
+            .map(|(uid, acked)| CacheDone::StatusAcked { uid, acked })
+            .collect(),
+        // The statuses stay pending and are re-sent next session; the hub drops them by seq.
+        Err(e) => {
+            warn!(statuses = uids.len(), error = %e, "cannot record the hub's status acks");
+            uids.into_iter()
+                .map(|uid| CacheDone::StatusAcked { uid, acked: false })
+                .collect()
+        }
+    }
+}
+
 /// Runs one cache operation.
 pub(crate) async fn run_cache_op(spoke: Spoke, op: CacheOp) -> CacheDone {
     match op {
-        CacheOp::Store(work) => store_work(&spoke, work).await,
+        CacheOp::Store(work) => store_works(&spoke, vec![work])
+            .await
+            .pop()
+            .unwrap_or(CacheDone::NotStored),
         CacheOp::Fetch {
             uid,
             name,
@@ -201,92 +289,135 @@ pub(crate) async fn run_cache_op(spoke: Spoke, op: CacheOp) -> CacheDone {
             }
             CacheDone::ReleaseAcked
         }
-        CacheOp::AckStatus { uid, seq } => {
-            let key = uid.clone();
-            match durably(&spoke.cache, move |c| c.ack_status(&key, seq)).await {
-                Ok(acked) => CacheDone::StatusAcked { uid, acked },
-                // The status stays pending and is re-sent next session; the hub drops it by seq.
-                Err(e) => {
-                    warn!(uid = %uid, seq, error = %e, "cannot record the hub's status ack");
-                    CacheDone::StatusAcked { uid, acked: false }
-                }
-            }
-        }
+        CacheOp::AckStatus { uid, seq } => ack_statuses(&spoke, vec![(uid, seq)])
+            .await
+            .pop()
+            .unwrap_or(CacheDone::NotStored),
     }
 }
 
-/// Stores a work from the hub durably and hands it to the reconciler; the caller acks it. An
-/// acked generation must survive a crash.
-async fn store_work(spoke: &Spoke, work: wire::WorkUpdate) -> CacheDone {
-    let wire::WorkUpdate {
-        uid,
-        namespace,
-        name,
-        generation,
-        content_hash,
-        manifest_work_json,
-        kind,
-    } = work;
-    if uid.is_empty() {
-        warn!(work = %format!("{namespace}/{name}"), "the hub sent a work without a uid; ignored");
-        return CacheDone::NotStored;
-    }
-    let delivered = Delivered::of(&kind);
-    let refused = refusal(delivered, &kind, &manifest_work_json);
-    // Neither a refused nor a held-already body is kept in memory past this point.
-    let content = refused.is_none().then_some(manifest_work_json);
-    let cached = CachedWork {
-        uid: uid.clone(),
-        namespace,
-        name,
-        generation,
-        content_hash,
-        refused,
-        deleting: false,
-        policy: delivered == Some(Delivered::Policy),
-    };
-    let key = uid.clone();
-    match durably(&spoke.cache, move |c| c.work(&key)).await {
-        Ok(Some(held)) if held == cached => {
-            // A resume after a lost ack: already durable, nothing to apply.
-            return CacheDone::Stored {
-                uid,
-                generation,
-                stored: None,
-            };
+/// Stores works from the hub durably, in one transaction, and hands each to the reconciler
+/// (or the policy desk); the caller acks each one `Stored`. An acked generation must survive a
+/// crash. A work already held as sent (a resume after a lost ack) is acked without a write.
+async fn store_works(spoke: &Spoke, works: Vec<wire::WorkUpdate>) -> Vec<CacheDone> {
+    let mut done: Vec<CacheDone> = Vec::with_capacity(works.len());
+    // (index in `done`, the record, its content)
+    let mut storing: Vec<(usize, CachedWork, Option<Vec<u8>>)> = Vec::new();
+    for work in works {
+        let wire::WorkUpdate {
+            uid,
+            namespace,
+            name,
+            generation,
+            content_hash,
+            manifest_work_json,
+            kind,
+        } = work;
+        if uid.is_empty() {
+            warn!(work = %format!("{namespace}/{name}"), "the hub sent a work without a uid; ignored");
+            done.push(CacheDone::NotStored);
+            continue;
         }
-        Ok(_) => {}
-        Err(e) => warn!(uid = %uid, error = %e, "cannot read the cached work; storing it again"),
+        let delivered = Delivered::of(&kind);
+        let refused = refusal(delivered, &kind, &manifest_work_json);
+        // Neither a refused nor a held-already body is kept in memory past this point.
+        let content = refused.is_none().then_some(manifest_work_json);
+        let cached = CachedWork {
+            uid,
+            namespace,
+            name,
+            generation,
+            content_hash,
+            refused,
+            deleting: false,
+            policy: delivered == Some(Delivered::Policy),
+        };
+        done.push(CacheDone::NotStored);
+        storing.push((done.len() - 1, cached, content));
     }
-    if let Some(reason) = &cached.refused {
-        warn!(work = %cached.display_name(), uid = %uid, %reason, "work refused");
+    if storing.is_empty() {
+        return done;
     }
-    let work_name = cached.display_name();
-    let stored = cached.clone();
-    match durably(&spoke.cache, move |c| {
-        c.put_work(&cached, content.as_deref())
+    let keys: Vec<String> = storing.iter().map(|(_, w, _)| w.uid.clone()).collect();
+    let held = match durably(&spoke.cache, move |c| {
+        keys.iter()
+            .map(|uid| c.work(uid))
+            .collect::<Result<Vec<_>, _>>()
     })
     .await
     {
+        Ok(held) => held,
+        Err(e) => {
+            warn!(works = storing.len(), error = %e, "cannot read the cached works; storing them again");
+            vec![None; storing.len()]
+        }
+    };
+    let mut puts = Vec::with_capacity(storing.len());
+    for ((at, cached, content), held) in storing.into_iter().zip(held) {
+        if held.as_ref() == Some(&cached) {
+            // A resume after a lost ack: already durable, nothing to apply.
+            done[at] = CacheDone::Stored {
+                uid: cached.uid,
+                generation: cached.generation,
+                stored: None,
+            };
+            continue;
+        }
+        if let Some(reason) = &cached.refused {
+            warn!(work = %cached.display_name(), uid = %cached.uid, %reason, "work refused");
+        }
+        puts.push((at, cached, content));
+    }
+    if puts.is_empty() {
+        return done;
+    }
+    let mut at = Vec::with_capacity(puts.len());
+    let puts: Vec<_> = puts
+        .into_iter()
+        .map(|(index, cached, content)| {
+            at.push(index);
+            (cached, content)
+        })
+        .collect();
+    let (result, puts) = match durably(&spoke.cache, move |c| {
+        let result = c.put_works(&puts);
+        // Handed back without their contents: only the records are needed past here.
+        let records: Vec<CachedWork> = puts.into_iter().map(|(work, _)| work).collect();
+        Ok::<_, CacheError>((result, records))
+    })
+    .await
+    {
+        Ok(stored) => stored,
+        Err(e) => {
+            // The blocking task did not run (the runtime is stopping): nothing is acked.
+            warn!(works = at.len(), error = %e, "cannot store works from the hub");
+            return done;
+        }
+    };
+    match result {
         Ok(()) => {
-            debug!(work = %work_name, uid = %uid, generation, "work stored");
-            if stored.policy {
-                spoke.policies.changed(&uid);
-            } else {
-                spoke.reconciler.work_changed(&uid).await;
-            }
-            CacheDone::Stored {
-                uid,
-                generation,
-                stored: Some(stored),
+            for (at, stored) in at.into_iter().zip(puts) {
+                debug!(work = %stored.display_name(), uid = %stored.uid, generation = stored.generation, "work stored");
+                if stored.policy {
+                    spoke.policies.changed(&stored.uid);
+                } else {
+                    spoke.reconciler.work_changed(&stored.uid).await;
+                }
+                done[at] = CacheDone::Stored {
+                    uid: stored.uid.clone(),
+                    generation: stored.generation,
+                    stored: Some(stored),
+                };
             }
         }
-        // Not acked: the next session's hello does not hold it, so the hub sends it again.
+        // Not acked: the next session's hello does not hold them, so the hub sends them again.
         Err(e) => {
-            warn!(work = %work_name, uid = %uid, error = %e, "cannot store a work from the hub");
-            CacheDone::NotStored
+            for stored in &puts {
+                warn!(work = %stored.display_name(), uid = %stored.uid, error = %e, "cannot store a work from the hub");
+            }
         }
     }
+    done
 }
 
 /// Why the agent will not keep what a `WorkUpdate` of `kind` carries, if it will not: too

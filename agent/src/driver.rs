@@ -290,7 +290,11 @@ impl Driver<'_> {
                     None => self.machine.close("the hub ended the stream without a goodbye"),
                 },
                 _ = sleep_until(deadline) => self.machine.handle_timeout(Instant::now()),
-                done = self.cache.next(self.spoke), if self.cache.is_busy() => self.on_cache_done(done),
+                done = self.cache.next(self.spoke), if self.cache.is_busy() => {
+                    for done in done {
+                        self.on_cache_done(done);
+                    }
+                }
                 Some(done) = self.work.next(), if !self.work.is_empty() => self.on_done(done),
                 // Only once established: until then a status has nowhere to go, and the
                 // wake-up stays stored for later.

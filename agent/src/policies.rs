@@ -10,7 +10,7 @@
 //! policy the cache holds is handed over at once, so the spoke keeps being evaluated and
 //! enforced while the hub is away.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, PoisonError};
 
 use flotilla_proto::api::policy::{ComplianceState, DetailsPerTemplate, Policy, PolicyStatus};
@@ -18,6 +18,7 @@ use tokio::sync::{Notify, mpsc};
 use tracing::{debug, info, warn};
 
 use crate::cache::{CacheError, CachedWork, WorkCache, durably};
+use crate::delivery::MAX_BATCH;
 use crate::governance::{DeliveredPolicy, GovernorHandle, PolicyReport};
 
 /// Tells the policy desk which cached policies changed; cheap to clone.
@@ -102,13 +103,23 @@ impl PolicyDesk {
             }
         }
         loop {
-            for uid in self.handle.take() {
-                self.hand_over(&uid).await;
+            let changed: Vec<String> = self.handle.take().into_iter().collect();
+            for uids in changed.chunks(MAX_BATCH) {
+                self.hand_over(uids).await;
             }
             tokio::select! {
                 _ = self.handle.queue.wake.notified() => {}
                 report = self.reports.recv() => match report {
-                    Some(report) => self.record(report).await,
+                    Some(report) => {
+                        // With the reports that came in meanwhile: one transaction for all.
+                        let mut reports = vec![report];
+                        while reports.len() < MAX_BATCH
+                            && let Ok(report) = self.reports.try_recv()
+                        {
+                            reports.push(report);
+                        }
+                        self.record(reports).await;
+                    }
                     // The governor has stopped: the agent is stopping with it.
                     None => return,
                 },
@@ -117,23 +128,46 @@ impl PolicyDesk {
         }
     }
 
-    /// Tells the governor what the cache now holds of policy `uid`.
-    async fn hand_over(&self, uid: &str) {
-        let key = uid.to_owned();
-        let cached = match durably(&self.cache, move |c| c.work(&key)).await {
-            Ok(Some(cached)) if cached.policy => cached,
-            Ok(_) => return,
-            Err(e) => {
-                warn!(uid, error = %e, "cannot read a cached policy; it is handed over at the next change");
-                return;
+    /// Tells the governor what the cache now holds of policies `uids`, read together.
+    async fn hand_over(&self, uids: &[String]) {
+        let keys = uids.to_vec();
+        let read = durably(&self.cache, move |c| {
+            let mut held = Vec::with_capacity(keys.len());
+            for uid in keys {
+                let Some(cached) = c.work(&uid)?.filter(|w| w.policy) else {
+                    continue;
+                };
+                let content = if cached.deleting || cached.refused.is_some() {
+                    None
+                } else {
+                    c.manifest_work(&uid)?
+                };
+                held.push((cached, content));
             }
-        };
+            Ok(held)
+        })
+        .await;
+        match read {
+            Ok(held) => {
+                for (cached, content) in held {
+                    self.hand_over_one(cached, content).await;
+                }
+            }
+            Err(e) => {
+                warn!(policies = uids.len(), error = %e, "cannot read cached policies; they are handed over at the next change")
+            }
+        }
+    }
+
+    /// Tells the governor what the cache holds of one policy: `cached`, with its content.
+    async fn hand_over_one(&self, cached: CachedWork, content: Option<Vec<u8>>) {
+        let uid = cached.uid.as_str();
         if cached.deleting {
             if self.governor.remove(uid).await.is_err() {
                 // Stopping: the tombstone stays, and the next start prunes and releases it.
                 return;
             }
-            let key = uid.to_owned();
+            let key = cached.uid.clone();
             match durably(&self.cache, move |c| c.release(&key)).await {
                 Ok(()) => {
                     info!(uid, policy = %cached.display_name(), "policy removed from the spoke's evaluation and released");
@@ -143,8 +177,8 @@ impl PolicyDesk {
             }
             return;
         }
-        match load(&self.cache, &cached).await {
-            Ok(Ok(policy)) => {
+        match load(&cached, content) {
+            Ok(policy) => {
                 debug!(uid, policy = %cached.display_name(), generation = cached.generation, "policy handed to the governor");
                 let delivered = DeliveredPolicy {
                     uid: uid.to_owned(),
@@ -155,59 +189,73 @@ impl PolicyDesk {
                 let _ = self.governor.upsert(delivered).await;
             }
             // The agent holds it but cannot evaluate it: the hub hears why, as its compliance.
-            Ok(Err(reason)) => {
+            Err(reason) => {
                 let _ = self.governor.remove(uid).await;
-                self.record(unreadable(&cached, &reason)).await;
+                self.record(vec![unreadable(&cached, &reason)]).await;
             }
-            Err(e) => warn!(uid, error = %e, "cannot read a cached policy's content"),
         }
     }
 
-    /// Puts a report in the outbox, unless its policy is no longer held (a report racing the
-    /// policy's removal has nowhere to go).
-    async fn record(&self, report: PolicyReport) {
-        let uid = report.uid.clone();
-        let status = match serde_json::to_value(&report.status) {
-            Ok(status) => status,
-            Err(e) => {
-                warn!(uid, error = %e, "a policy report does not serialise; dropped");
-                return;
+    /// Puts reports in the outbox, in one transaction, but for a policy no longer held (a
+    /// report racing the policy's removal has nowhere to go). Of two reports of one policy,
+    /// the later one.
+    async fn record(&self, reports: Vec<PolicyReport>) {
+        let mut latest: BTreeMap<String, (i64, serde_json::Value)> = BTreeMap::new();
+        for report in reports {
+            match serde_json::to_value(&report.status) {
+                Ok(status) => {
+                    latest.insert(report.uid, (report.generation, status));
+                }
+                Err(e) => {
+                    warn!(uid = %report.uid, error = %e, "a policy report does not serialise; dropped")
+                }
             }
-        };
-        let generation = report.generation;
+        }
+        let uids: Vec<String> = latest.keys().cloned().collect();
         let result = durably(&self.cache, move |c| {
-            match c.work(&uid)? {
-                Some(w) if w.policy && !w.deleting => {}
-                _ => return Ok(false),
+            let mut held = Vec::with_capacity(latest.len());
+            let mut dropped = Vec::new();
+            for (uid, (generation, status)) in latest {
+                match c.work(&uid)? {
+                    Some(w) if w.policy && !w.deleting => held.push((uid, generation, status)),
+                    _ => dropped.push(uid),
+                }
             }
-            c.push_status(&uid, generation, &status)?;
-            Ok::<_, CacheError>(true)
+            let recorded = held.len();
+            if recorded > 0 {
+                c.push_statuses(held)?;
+            }
+            Ok::<_, CacheError>((recorded, dropped))
         })
         .await;
         match result {
-            Ok(true) => self.outbox_changed.notify_one(),
-            Ok(false) => debug!(uid = %report.uid, "report of a policy no longer held; dropped"),
-            Err(e) => warn!(uid = %report.uid, error = %e, "cannot record a policy's compliance"),
+            Ok((recorded, dropped)) => {
+                for uid in dropped {
+                    debug!(uid, "report of a policy no longer held; dropped");
+                }
+                if recorded > 0 {
+                    self.outbox_changed.notify_one();
+                }
+            }
+            Err(e) => {
+                warn!(policies = ?uids, error = %e, "cannot record the policies' compliance")
+            }
         }
     }
 }
 
-/// The policy as held, or why it cannot be evaluated.
-async fn load(
-    cache: &Arc<dyn WorkCache>,
-    cached: &CachedWork,
-) -> Result<Result<Policy, String>, CacheError> {
+/// The policy as held (`content`, read with it), or why it cannot be evaluated.
+fn load(cached: &CachedWork, content: Option<Vec<u8>>) -> Result<Policy, String> {
     if let Some(reason) = &cached.refused {
-        return Ok(Err(reason.clone()));
+        return Err(reason.clone());
     }
-    let uid = cached.uid.clone();
-    let Some(bytes) = durably(cache, move |c| c.manifest_work(&uid)).await? else {
-        return Ok(Err(
+    let Some(bytes) = content else {
+        return Err(
             "the agent holds no content for this policy; the hub resends it on the next session"
                 .into(),
-        ));
+        );
     };
-    Ok(serde_json::from_slice(&bytes).map_err(|e| format!("the policy does not parse: {e}")))
+    serde_json::from_slice(&bytes).map_err(|e| format!("the policy does not parse: {e}"))
 }
 
 /// NonCompliant, with why the agent cannot evaluate the policy at all.

@@ -411,6 +411,17 @@ pub struct RunArgs {
     #[serde(default)]
     pub hub_args: Vec<String>,
 
+    /// The child hub's scheduling priority, as nice(1) takes it: -20 (most favoured) to 19;
+    /// below 0 needs root. The simulated agents share the hub's cores here, where in a fleet
+    /// each spoke has its own: with thousands of them evaluating at once their threads take
+    /// most of the CPU from the hub. `--hub-nice=-10` gives each of the hub's threads about
+    /// nine times the weight of an agent's, so the hub runs as if on cores of its own as far
+    /// as it needs them. 0 (the default) starts it as any other process.
+    #[arg(long, default_value_t = 0, allow_hyphen_values = true,
+          value_parser = clap::value_parser!(i32).range(-20..=19))]
+    #[serde(default)]
+    pub hub_nice: i32,
+
     /// Agent address of the hub the harness starts (loopback; port 0 picks a free port).
     #[arg(long, default_value = DEFAULT_HUB_LISTEN)]
     pub hub_listen: SocketAddr,

@@ -204,6 +204,17 @@ impl Hub {
                     program.1.extend(crate::gateways::shard_args_for_hub(args));
                 }
                 program.1.extend(hub_args);
+                if args.hub_nice != 0 {
+                    // nice(1) execs the hub: the same process, its threads at that priority.
+                    let (exe, pre) = program;
+                    let mut wrapped = vec![
+                        "-n".to_string(),
+                        args.hub_nice.to_string(),
+                        exe.to_string_lossy().into_owned(),
+                    ];
+                    wrapped.extend(pre);
+                    program = (PathBuf::from("nice"), wrapped);
+                }
                 let mut hub = Hub {
                     mode: "child",
                     data_dir,
@@ -602,4 +613,13 @@ impl Drop for Hub {
 pub(crate) fn tail(text: &str, lines: usize) -> String {
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// The scheduling priority of process `pid` (`nice`, field 19 of `/proc/PID/stat`), if it
+/// is readable.
+pub fn nice_of(pid: u32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces: count from after it.
+    let after = &stat[stat.rfind(')')? + 1..];
+    after.split_whitespace().nth(16)?.parse().ok()
 }

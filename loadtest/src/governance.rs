@@ -30,10 +30,12 @@ use flotilla_proto::api::Kind;
 use futures::StreamExt;
 use serde_json::{Value, json};
 
+use crate::clock::{self, Stamp};
 use crate::operator::{OperatorApi, POOL_SIZE};
 use crate::placement::{NAMESPACE, bind_global, decided};
 use crate::report::{ChurnReport, GovernanceReport, Percentiles, ScenarioReport};
 use crate::scenario::{Clock, Run, bounded};
+use crate::swarm::AgentRecord;
 
 /// The scenario's Placement, selecting every cluster of the global set.
 pub const PLACEMENT: &str = "flotilla-loadtest-governance";
@@ -101,6 +103,8 @@ pub fn binding_json(i: usize) -> Value {
 struct Target {
     index: usize,
     sent_s: f64,
+    /// The same instant on the machine's clock, against the agents' stamps of its store.
+    sent: Stamp,
     uid: String,
     generation: i64,
     expected: &'static str,
@@ -192,13 +196,14 @@ impl Run {
             .map(|i| {
                 let api = api.clone();
                 async move {
-                    let sent_s = clock.t();
+                    let (sent_s, sent) = (clock.t(), clock::now());
                     let remediation = if enforces(i) { "enforce" } else { "inform" };
                     let stored = api.apply(&policy_json(i, remediation)).await?;
                     api.apply(&binding_json(i)).await?;
                     Ok(Target {
                         index: i,
                         sent_s,
+                        sent,
                         uid: stored["metadata"]["uid"]
                             .as_str()
                             .unwrap_or_default()
@@ -232,6 +237,11 @@ impl Run {
         g.store_writes_per_s = phase
             .store_writes
             .map(|w| w as f64 / phase.window_s.max(1e-3));
+        let records = self.records().await?;
+        let g = r.governance.as_mut().expect("inserted above");
+        let stored = delivery(&targets, &records);
+        g.delivered = stored.len() as u64;
+        g.delivery_latency = Some(Percentiles::from_micros(&stored));
         let mut examples = Vec::new();
         g.unexpected = 0;
         for (slot, t) in targets.iter().enumerate() {
@@ -267,7 +277,7 @@ impl Run {
             .map(|i| {
                 let api = api.clone();
                 async move {
-                    let sent_s = clock.t();
+                    let (sent_s, sent) = (clock.t(), clock::now());
                     let stored = api
                         .apply(&policy_json(i, "enforce"))
                         .await
@@ -275,6 +285,7 @@ impl Run {
                     Ok(Target {
                         index: i,
                         sent_s,
+                        sent,
                         uid: stored["metadata"]["uid"]
                             .as_str()
                             .unwrap_or_default()
@@ -351,6 +362,8 @@ impl Run {
             done: false,
         };
         let bar = self.bar(what, pairs as u64);
+        // The agents' side of the same pairs, logged each round: where the pairs wait.
+        let base = self.sample();
         // (lists that came back, when the first and the latest did)
         let mut lists = (0u32, None::<f64>, 0.0);
         loop {
@@ -425,6 +438,17 @@ impl Run {
                 p.roots_aggregated,
                 targets.len()
             ));
+            let agents = self.sample();
+            tracing::info!(
+                phase = what,
+                t_s = format!("{:.1}", now - first_sent),
+                on_hub = p.reported,
+                roots_aggregated = p.roots_aggregated,
+                stored_by_agents = agents.works_acked - base.works_acked,
+                statuses_sent = agents.statuses_sent - base.statuses_sent,
+                statuses_acked = agents.statuses_acked - base.statuses_acked,
+                "governance progress"
+            );
             if p.reported as usize == pairs && p.roots_aggregated as usize == targets.len() {
                 p.time_to_all_aggregated_s = Some(now - first_sent);
                 p.done = true;
@@ -445,6 +469,22 @@ impl Run {
         };
         Ok((p, cycle))
     }
+}
+
+/// Each pair an agent stored, from its policy's write to the agent's ack of it: the hub's
+/// delivery (resolution, the gateway's reflector, the session) and the agent's durable store.
+fn delivery(targets: &[Target], records: &[AgentRecord]) -> Vec<u64> {
+    targets
+        .iter()
+        .flat_map(|t| {
+            let name = policy_name(t.index);
+            records.iter().filter_map(move |rec| {
+                rec.acks
+                    .get(&name)
+                    .map(|at| clock::between(t.sent, *at).as_micros() as u64)
+            })
+        })
+        .collect()
 }
 
 /// Each reported pair's time from its policy's write to its verdict on the hub.

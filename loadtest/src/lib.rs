@@ -123,6 +123,7 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<(Report, PathBuf)> {
         },
         apiserver_url: hub.apiserver().map(|a| a.url().to_string()),
         apiserver_pid: hub.apiserver().map(Apiserver::pid),
+        nice: hub.pid().and_then(fleet::nice_of),
     };
     let api = hub.operator()?;
 

@@ -13,7 +13,8 @@
 //! `parameters.lease_interval`; `hub.store`, `hub.apiserver_url`, `hub.apiserver_pid`; per
 //! scenario `apiserver` (the hub apiserver's load during the scenario, `--store kube` only) and
 //! `baseline` (the `baseline-klusterlet` scenario's comparison); per scenario `governance`
-//! and `parameters.policies`.
+//! and `parameters.policies`; `parameters.hub_nice` and `hub.nice`; `governance.delivered` and
+//! `governance.delivery_latency`.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -56,6 +57,9 @@ pub struct HubInfo {
     pub apiserver_url: Option<String>,
     #[serde(default)]
     pub apiserver_pid: Option<u32>,
+    /// A child hub's scheduling priority as the kernel holds it once started (`--hub-nice`).
+    #[serde(default)]
+    pub nice: Option<i32>,
 }
 
 /// How a scenario ended.
@@ -376,6 +380,12 @@ pub struct GovernanceReport {
     pub unexpected_examples: Vec<String>,
     /// Each pair, from its policy's create to its verdict in the cluster's record.
     pub compliance_latency: Option<Percentiles>,
+    /// Pairs whose policy the cluster's agent stored durably (and acked), and each one's time
+    /// from its policy's create: the share of the latency that is delivery.
+    #[serde(default)]
+    pub delivered: u64,
+    #[serde(default)]
+    pub delivery_latency: Option<Percentiles>,
     /// From the first create to every pair reported.
     pub time_to_all_reported_s: Option<f64>,
     /// Root Policies whose `status.compliant` is the expected aggregate, and from the first
@@ -1160,6 +1170,12 @@ fn governance_rows(g: &GovernanceReport, row: &mut impl FnMut(&str, String)) {
                     .map_or_else(|| "-".into(), |c| format!("{c:.0} ms"))
             ),
             pct(p),
+        );
+    }
+    if let Some(p) = &g.delivery_latency {
+        row(
+            "create → stored by the agent",
+            format!("{} / {} pairs, {}", g.delivered, g.pairs, pct(p)),
         );
     }
     row("time to all reported", secs(g.time_to_all_reported_s));

@@ -21,9 +21,11 @@ fn sane(p: &Percentiles, pairs: u64) {
     );
 }
 
-async fn governance(store: &str) {
+/// Runs the scenario on `store` with the child hub at scheduling priority `nice`.
+async fn governance(store: &str, nice: i32) {
     trace_init();
     let dir = tempfile::tempdir().unwrap();
+    let nice_flag = format!("--hub-nice={nice}");
     let run = args(
         &dir.path().join("out"),
         &[
@@ -37,10 +39,16 @@ async fn governance(store: &str) {
             &CI_POLICIES.to_string(),
             "--timeout",
             "120s",
+            &nice_flag,
         ],
     );
     let (report, out) = flotilla_loadtest::run(run).await.expect("the run starts");
     eprintln!("{}", flotilla_loadtest::report::table(&report));
+    assert_eq!(
+        report.hub.nice,
+        Some(nice),
+        "the hub runs at the priority asked for"
+    );
     let s = &report.scenarios[0];
     assert_eq!(s.outcome, Some(Outcome::Completed), "{:?}", s.error);
     let g = s.governance.as_ref().expect("a governance report");
@@ -53,6 +61,17 @@ async fn governance(store: &str) {
     assert_eq!(g.unexpected, 0, "{:?}", g.unexpected_examples);
     assert_eq!(g.roots_aggregated, CI_POLICIES);
     sane(g.compliance_latency.as_ref().unwrap(), pairs);
+    // Every policy stored by every agent, each before its verdict could reach the hub.
+    assert_eq!(g.delivered, pairs);
+    let (delivery, compliance) = (
+        g.delivery_latency.as_ref().unwrap(),
+        g.compliance_latency.as_ref().unwrap(),
+    );
+    sane(delivery, pairs);
+    assert!(
+        delivery.p50_ms <= compliance.p50_ms && delivery.max_ms <= compliance.max_ms,
+        "stored before reported: {delivery:?} vs {compliance:?}"
+    );
     let reported = g.time_to_all_reported_s.unwrap();
     let aggregated = g.time_to_all_aggregated_s.unwrap();
     assert!(reported > 0.0 && aggregated >= reported, "{g:?}");
@@ -83,10 +102,12 @@ async fn governance(store: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_clusters_compliance_reaches_the_hub_and_follows_a_flip_sled() {
-    governance("sled").await;
+    // Less favoured than the agents (a positive value needs no privilege): the scenario's
+    // outcome does not depend on the hub's priority.
+    governance("sled", 5).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_clusters_compliance_reaches_the_hub_and_follows_a_flip_kube() {
-    governance("kube").await;
+    governance("kube", 0).await;
 }

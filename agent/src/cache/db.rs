@@ -325,6 +325,18 @@ impl ClusterCache {
         &self,
         table: Table,
     ) -> Result<Vec<(String, T)>, CacheError> {
+        self.scan(table, |uid, bytes| {
+            Ok(Some((uid.to_owned(), decode(table.0, uid, bytes)?)))
+        })
+    }
+
+    /// What `f` makes of each of this cluster's records in `table` (uid and stored bytes), in
+    /// uid order, skipping those it answers `None` for; one read transaction.
+    fn scan<T>(
+        &self,
+        table: Table,
+        mut f: impl FnMut(&str, &[u8]) -> Result<Option<T>, CacheError>,
+    ) -> Result<Vec<T>, CacheError> {
         self.db.read(table, |t| {
             let mut out = Vec::new();
             for entry in t
@@ -335,9 +347,7 @@ impl ClusterCache {
                 let Some(uid) = key.value().strip_prefix(self.prefix.as_slice()) else {
                     break;
                 };
-                let uid = String::from_utf8_lossy(uid).into_owned();
-                let record = decode(table.0, &uid, value.value())?;
-                out.push((uid, record));
+                out.extend(f(&String::from_utf8_lossy(uid), value.value())?);
             }
             Ok(out)
         })
@@ -492,28 +502,22 @@ impl WorkCache for ClusterCache {
     }
 
     fn put_work(&self, work: &CachedWork, manifest_work: Option<&[u8]>) -> Result<(), CacheError> {
-        let key = self.key(&work.uid);
-        let record = encode(WORKS.0, &work.uid, work)?;
-        let content = manifest_work.map(<[u8]>::to_vec);
         // One transaction, so that a crash never leaves a work with another generation's
         // content.
+        let put = self.work_put(work, manifest_work)?;
+        let prefix = self.prefix.clone();
+        self.db
+            .write(Durability::Immediate, move |t| put.run(t, &prefix))
+    }
+
+    fn put_works(&self, works: &[(CachedWork, Option<Vec<u8>>)]) -> Result<(), CacheError> {
+        let puts = works
+            .iter()
+            .map(|(work, content)| self.work_put(work, content.as_deref()))
+            .collect::<Result<Vec<_>, _>>()?;
         let prefix = self.prefix.clone();
         self.db.write(Durability::Immediate, move |t| {
-            t.works
-                .insert(key.as_slice(), record.as_slice())
-                .map_err(storage)?;
-            let replaced = match &content {
-                Some(content) => t.manifests.insert(key.as_slice(), content.as_slice()),
-                None => t.manifests.remove(key.as_slice()),
-            }
-            .map_err(storage)?
-            .is_some_and(|old| names_chunks(old.value()));
-            // The transfer of this content, if it needed one, is done: the work names it now.
-            let fetched = t.fetches.remove(key.as_slice()).map_err(storage)?.is_some();
-            if replaced || fetched {
-                release_unnamed(t, &prefix)?;
-            }
-            Ok(())
+            puts.iter().try_for_each(|put| put.run(t, &prefix))
         })
     }
 
@@ -604,75 +608,164 @@ impl WorkCache for ClusterCache {
         generation: i64,
         status: &serde_json::Value,
     ) -> Result<u64, CacheError> {
-        let key = self.key(uid);
-        let uid = uid.to_owned();
-        let status = status.clone();
+        let (key, uid, status) = (self.key(uid), uid.to_owned(), status.clone());
         // Read and write in one transaction: write transactions are serialized, so an ack
         // cannot land in between and the new seq is always the previous + 1.
         self.db.write(Durability::Immediate, move |t| {
-            let (seq, acked_seq) = match get_json::<StatusRecord>(&t.status, STATUS, &key, &uid)? {
-                Some(prev) => (prev.seq + 1, prev.acked_seq),
-                // No record (a new work, or a cache lost with a rebuilt spoke): start at the wall
-                // clock in microseconds, above what an earlier life reported, which the hub
-                // keeps and refuses older reports than. A session's TLS keeps the clock right.
-                None => (
-                    std::time::SystemTime::now()
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .map_or(1, |d| d.as_micros() as u64),
-                    0,
-                ),
-            };
-            let record = StatusRecord {
-                generation,
-                seq,
-                acked_seq,
-                status,
-            };
-            let bytes = encode(STATUS.0, &uid, &record)?;
-            t.status
-                .insert(key.as_slice(), bytes.as_slice())
-                .map_err(storage)?;
-            Ok(seq)
+            push_one(t, &key, &uid, generation, status)
+        })
+    }
+
+    fn push_statuses(
+        &self,
+        statuses: Vec<(String, i64, serde_json::Value)>,
+    ) -> Result<Vec<u64>, CacheError> {
+        let keyed: Vec<_> = statuses
+            .into_iter()
+            .map(|(uid, generation, status)| (self.key(&uid), uid, generation, status))
+            .collect();
+        self.db.write(Durability::Immediate, move |t| {
+            keyed
+                .into_iter()
+                .map(|(key, uid, generation, status)| push_one(t, &key, &uid, generation, status))
+                .collect()
         })
     }
 
     fn pending_statuses(&self) -> Result<Vec<PendingStatus>, CacheError> {
-        let mut out = Vec::new();
-        for (uid, record) in self.scan_json::<StatusRecord>(STATUS)? {
-            if record.is_pending() {
-                let status_json = encode(STATUS.0, &uid, &record.status)?;
-                out.push(PendingStatus {
-                    uid,
-                    generation: record.generation,
-                    seq: record.seq,
-                    status_json,
-                });
-            }
+        /// A record's seqs only: the status itself is skipped, not parsed, for the records the
+        /// hub has acknowledged (most of them, read on every wake of the outbox).
+        #[derive(serde::Deserialize)]
+        struct Seqs {
+            seq: u64,
+            acked_seq: u64,
         }
-        Ok(out)
+        self.scan(STATUS, |uid, bytes| {
+            let seqs: Seqs = decode(STATUS.0, uid, bytes)?;
+            if seqs.acked_seq >= seqs.seq {
+                return Ok(None);
+            }
+            let record: StatusRecord = decode(STATUS.0, uid, bytes)?;
+            Ok(Some(PendingStatus {
+                uid: uid.to_owned(),
+                generation: record.generation,
+                seq: record.seq,
+                status_json: encode(STATUS.0, uid, &record.status)?,
+            }))
+        })
     }
 
     fn ack_status(&self, uid: &str, seq: u64) -> Result<bool, CacheError> {
-        let key = self.key(uid);
-        let uid = uid.to_owned();
+        let (key, uid) = (self.key(uid), uid.to_owned());
         // Not durable: an ack lost in a crash only re-sends a status the hub drops by its seq.
+        self.db
+            .write(Durability::None, move |t| ack_one(t, &key, &uid, seq))
+    }
+
+    fn ack_statuses(&self, acks: &[(String, u64)]) -> Result<Vec<bool>, CacheError> {
+        let keyed: Vec<_> = acks
+            .iter()
+            .map(|(uid, seq)| (self.key(uid), uid.clone(), *seq))
+            .collect();
         self.db.write(Durability::None, move |t| {
-            let Some(mut record) = get_json::<StatusRecord>(&t.status, STATUS, &key, &uid)? else {
-                return Ok(false);
-            };
-            if seq <= record.acked_seq {
-                return Ok(!record.is_pending());
-            }
-            // The hub may ack a seq above ours only if it saw a status from an earlier life of
-            // this cache; never let the ack run past what we produced.
-            record.acked_seq = seq.min(record.seq);
-            let bytes = encode(STATUS.0, &uid, &record)?;
-            t.status
-                .insert(key.as_slice(), bytes.as_slice())
-                .map_err(storage)?;
-            Ok(!record.is_pending())
+            keyed
+                .iter()
+                .map(|(key, uid, seq)| ack_one(t, key, uid, *seq))
+                .collect()
         })
     }
+}
+
+/// One work's record and content to store, encoded before the write transaction.
+struct WorkPut {
+    key: Vec<u8>,
+    record: Vec<u8>,
+    content: Option<Vec<u8>>,
+}
+
+impl ClusterCache {
+    fn work_put(
+        &self,
+        work: &CachedWork,
+        manifest_work: Option<&[u8]>,
+    ) -> Result<WorkPut, CacheError> {
+        Ok(WorkPut {
+            key: self.key(&work.uid),
+            record: encode(WORKS.0, &work.uid, work)?,
+            content: manifest_work.map(<[u8]>::to_vec),
+        })
+    }
+}
+
+impl WorkPut {
+    /// Stores the work and its content, ends its transfer, and releases the chunks only the
+    /// replaced content or the transfer named (of the cluster `prefix`).
+    fn run(&self, t: &mut Tables<'_>, prefix: &[u8]) -> Result<(), CacheError> {
+        let key = self.key.as_slice();
+        t.works
+            .insert(key, self.record.as_slice())
+            .map_err(storage)?;
+        let replaced = match &self.content {
+            Some(content) => t.manifests.insert(key, content.as_slice()),
+            None => t.manifests.remove(key),
+        }
+        .map_err(storage)?
+        .is_some_and(|old| names_chunks(old.value()));
+        // The transfer of this content, if it needed one, is done: the work names it now.
+        let fetched = t.fetches.remove(key).map_err(storage)?.is_some();
+        if replaced || fetched {
+            release_unnamed(t, prefix)?;
+        }
+        Ok(())
+    }
+}
+
+/// Records a new status for `uid` under the next seq, in the write transaction `t`.
+fn push_one(
+    t: &mut Tables<'_>,
+    key: &[u8],
+    uid: &str,
+    generation: i64,
+    status: serde_json::Value,
+) -> Result<u64, CacheError> {
+    let (seq, acked_seq) = match get_json::<StatusRecord>(&t.status, STATUS, key, uid)? {
+        Some(prev) => (prev.seq + 1, prev.acked_seq),
+        // No record (a new work, or a cache lost with a rebuilt spoke): start at the wall
+        // clock in microseconds, above what an earlier life reported, which the hub
+        // keeps and refuses older reports than. A session's TLS keeps the clock right.
+        None => (
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_micros() as u64),
+            0,
+        ),
+    };
+    let record = StatusRecord {
+        generation,
+        seq,
+        acked_seq,
+        status,
+    };
+    let bytes = encode(STATUS.0, uid, &record)?;
+    t.status.insert(key, bytes.as_slice()).map_err(storage)?;
+    Ok(seq)
+}
+
+/// Records the hub's ack of `uid`'s status up to `seq`, in the write transaction `t`; whether
+/// nothing of it is pending now.
+fn ack_one(t: &mut Tables<'_>, key: &[u8], uid: &str, seq: u64) -> Result<bool, CacheError> {
+    let Some(mut record) = get_json::<StatusRecord>(&t.status, STATUS, key, uid)? else {
+        return Ok(false);
+    };
+    if seq <= record.acked_seq {
+        return Ok(!record.is_pending());
+    }
+    // The hub may ack a seq above ours only if it saw a status from an earlier life of
+    // this cache; never let the ack run past what we produced.
+    record.acked_seq = seq.min(record.seq);
+    let bytes = encode(STATUS.0, uid, &record)?;
+    t.status.insert(key, bytes.as_slice()).map_err(storage)?;
+    Ok(!record.is_pending())
 }
 
 /// Drops everything about the work under `key` (content, transfer, ledger, status) and the

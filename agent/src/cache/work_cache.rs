@@ -78,6 +78,14 @@ pub trait WorkCache: Send + Sync + fmt::Debug {
     /// the replaced content named are released.
     fn put_work(&self, work: &CachedWork, manifest_work: Option<&[u8]>) -> Result<(), CacheError>;
 
+    /// *Durable.* Stores several works as [`put_work`](Self::put_work) does, in one
+    /// transaction where the cache can: a burst of works from the hub costs one flush.
+    fn put_works(&self, works: &[(CachedWork, Option<Vec<u8>>)]) -> Result<(), CacheError> {
+        works
+            .iter()
+            .try_for_each(|(work, content)| self.put_work(work, content.as_deref()))
+    }
+
     /// *Durable.* Marks a work deleted by the hub. `false` when the uid is not held.
     fn mark_deleting(&self, uid: &str) -> Result<bool, CacheError>;
 
@@ -119,12 +127,32 @@ pub trait WorkCache: Send + Sync + fmt::Debug {
         status: &serde_json::Value,
     ) -> Result<u64, CacheError>;
 
+    /// *Durable.* Records several statuses as [`push_status`](Self::push_status) does, in one
+    /// transaction where the cache can; their seqs, in order.
+    fn push_statuses(
+        &self,
+        statuses: Vec<(String, i64, serde_json::Value)>,
+    ) -> Result<Vec<u64>, CacheError> {
+        statuses
+            .iter()
+            .map(|(uid, generation, status)| self.push_status(uid, *generation, status))
+            .collect()
+    }
+
     /// Every status the hub has not acknowledged, one per work.
     fn pending_statuses(&self) -> Result<Vec<PendingStatus>, CacheError>;
 
     /// The hub stored the work's status up to `seq`. Says whether the outbox entry is now
     /// acknowledged (`false` when a newer status is pending or the work is unknown).
     fn ack_status(&self, uid: &str, seq: u64) -> Result<bool, CacheError>;
+
+    /// The hub's acks of several statuses, as [`ack_status`](Self::ack_status) takes one, in
+    /// one transaction where the cache can; for each, whether its outbox entry is acknowledged.
+    fn ack_statuses(&self, acks: &[(String, u64)]) -> Result<Vec<bool>, CacheError> {
+        acks.iter()
+            .map(|(uid, seq)| self.ack_status(uid, *seq))
+            .collect()
+    }
 
     /// The chunk of large-work content with this hex SHA-256, if held. Chunks are kept once
     /// per content, however many works name them.

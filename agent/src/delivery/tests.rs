@@ -133,10 +133,11 @@ impl<'a> Session<'a> {
                 self.machine.handle_frame(Instant::now(), frame).unwrap();
                 moved = true;
             }
+            // What the driver does with each event: its cache work queued, and run in batches.
+            let spoke = &self.agent.spoke;
+            let mut queue = CacheQueue::default();
             while let Some(event) = self.machine.poll_event() {
                 moved = true;
-                let spoke = &self.agent.spoke;
-                // What the driver does with each event, its cache work awaited in place.
                 let op = match event {
                     AgentEvent::WorkReceived { work } => {
                         self.received.push(work.uid.clone());
@@ -160,7 +161,11 @@ impl<'a> Session<'a> {
                     _ => None,
                 };
                 if let Some(op) = op {
-                    let done = run_cache_op(spoke.clone(), op).await;
+                    queue.push(op);
+                }
+            }
+            while queue.is_busy() {
+                for done in queue.next(spoke).await {
                     if let Some((uid, generation)) = done.ack(spoke) {
                         self.machine.ack_work(uid, generation);
                     }
@@ -372,8 +377,8 @@ async fn status_acks_still_queued_when_the_session_ends_are_recorded() {
         seq: seqs[1],
     });
     assert!(matches!(
-        queue.next(&agent.spoke).await,
-        CacheDone::Stored { .. }
+        queue.next(&agent.spoke).await.as_slice(),
+        [CacheDone::Stored { .. }]
     ));
     queue.finish(&agent.spoke, Duration::from_secs(2)).await;
     // (The stored work's own first status may be pending by now: the reconciler applied it.)
@@ -387,6 +392,80 @@ async fn status_acks_still_queued_when_the_session_ends_are_recorded() {
     assert!(
         pending.is_empty(),
         "acked statuses are not sent again next session: {pending:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_from_the_hub_is_stored_together_and_in_order() {
+    let db = CacheDb::temporary().unwrap();
+    let cache: Arc<dyn WorkCache> = Arc::new(db.cluster("store-7"));
+    let agent = Agent::start(Arc::clone(&cache));
+    let seq = cache
+        .push_status("s", 1, &json!({"conditions": []}))
+        .unwrap();
+    // Three works, the first again at generation 2, a delete, then two acks: what a session
+    // queues when the hub sends a burst while the cache is busy.
+    let mut queue = CacheQueue::default();
+    for (uid, generation) in [("a", 1), ("b", 1), ("c", 1), ("a", 2)] {
+        queue.push(CacheOp::Store(desired(uid, generation, &[uid])));
+    }
+    queue.push(CacheOp::Delete {
+        uid: "b".into(),
+        namespace: "store-7".into(),
+        name: "w".into(),
+    });
+    for uid in ["s", "unknown"] {
+        queue.push(CacheOp::AckStatus {
+            uid: uid.into(),
+            seq,
+        });
+    }
+    let stored = |done: &[CacheDone]| -> Vec<(String, i64)> {
+        done.iter()
+            .map(|d| match d {
+                CacheDone::Stored {
+                    uid, generation, ..
+                } => (uid.clone(), *generation),
+                other => panic!("expected a store, got {other:?}"),
+            })
+            .collect()
+    };
+    // The distinct works together, each acked and durable; a's second generation after them.
+    let first = queue.next(&agent.spoke).await;
+    assert_eq!(
+        stored(&first),
+        [("a".into(), 1), ("b".into(), 1), ("c".into(), 1)]
+    );
+    assert_eq!(cache.works().unwrap().len(), 3);
+    let second = queue.next(&agent.spoke).await;
+    assert_eq!(stored(&second), [("a".into(), 2)]);
+    assert_eq!(cache.work("a").unwrap().unwrap().generation, 2);
+    // The delete on its own, after the stores it follows.
+    assert!(matches!(
+        queue.next(&agent.spoke).await.as_slice(),
+        [CacheDone::Deleted]
+    ));
+    assert!(cache.work("b").unwrap().is_none_or(|w| w.deleting));
+    // Both acks at once, each answered: the known status acked, the unknown one not.
+    let acks = queue.next(&agent.spoke).await;
+    assert!(
+        matches!(
+            acks.as_slice(),
+            [
+                CacheDone::StatusAcked { uid: s, acked: true },
+                CacheDone::StatusAcked { uid: u, acked: false },
+            ] if s == "s" && u == "unknown"
+        ),
+        "{acks:?}"
+    );
+    assert!(!queue.is_busy());
+    assert!(
+        cache
+            .pending_statuses()
+            .unwrap()
+            .iter()
+            .all(|p| p.uid != "s"),
+        "the acked status left the outbox"
     );
 }
 

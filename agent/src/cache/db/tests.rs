@@ -136,6 +136,56 @@ fn everything_survives_reopening() {
 }
 
 #[test]
+fn batches_store_push_and_ack_as_their_single_calls_do_and_survive_reopening() {
+    for mode in [CommitMode::PerWrite, CommitMode::Group] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cache.redb");
+        let seqs;
+        {
+            let db = CacheDb::open_with(&path, mode).unwrap();
+            let cache = db.cluster("store-7");
+            cache
+                .put_works(&[
+                    (work("a", 1), Some(b"{}".to_vec())),
+                    (work("b", 2), Some(br#"{"b":2}"#.to_vec())),
+                ])
+                .unwrap();
+            let first = cache.push_status("a", 1, &json!({"n": 0})).unwrap();
+            seqs = cache
+                .push_statuses(vec![
+                    ("a".into(), 1, json!({"n": 1})),
+                    ("b".into(), 2, json!({"n": 1})),
+                    ("a".into(), 1, json!({"n": 2})),
+                ])
+                .unwrap();
+            // Per work, each the previous + 1, in the order given.
+            assert_eq!(seqs[0], first + 1, "{mode:?}");
+            assert_eq!(seqs[2], first + 2, "{mode:?}");
+            // a's latest acked, b's an older seq than its own: a leaves the outbox, b stays;
+            // an ack of a work never reported says so.
+            assert_eq!(
+                cache
+                    .ack_statuses(&[
+                        ("a".into(), seqs[2]),
+                        ("b".into(), seqs[1] - 1),
+                        ("c".into(), 1),
+                    ])
+                    .unwrap(),
+                [true, false, false],
+                "{mode:?}"
+            );
+        }
+        let db = CacheDb::open(&path).unwrap();
+        let cache = db.cluster("store-7");
+        assert_eq!(cache.work("b").unwrap(), Some(work("b", 2)), "{mode:?}");
+        assert_eq!(cache.manifest_work("b").unwrap().unwrap(), br#"{"b":2}"#);
+        let pending = cache.pending_statuses().unwrap();
+        assert_eq!(pending.len(), 1, "{mode:?}: {pending:?}");
+        assert_eq!((pending[0].uid.as_str(), pending[0].seq), ("b", seqs[1]));
+    }
+}
+
+#[test]
 fn a_second_opener_of_the_same_file_is_refused_with_the_fix() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("cache.redb");
