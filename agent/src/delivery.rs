@@ -236,12 +236,13 @@ async fn ack_statuses(spoke: &Spoke, acks: Vec<(String, u64)>) -> Vec<CacheDone>
 }
 
 /// Runs one cache operation.
-pub(crate) async fn run_cache_op(spoke: Spoke, op: CacheOp) -> CacheDone {
+async fn run_cache_op(spoke: Spoke, op: CacheOp) -> CacheDone {
     match op {
+        // A store or an ack alone is a batch of one: one result.
         CacheOp::Store(work) => store_works(&spoke, vec![work])
             .await
             .pop()
-            .unwrap_or(CacheDone::NotStored),
+            .expect("a result per work"),
         CacheOp::Fetch {
             uid,
             name,
@@ -292,7 +293,7 @@ pub(crate) async fn run_cache_op(spoke: Spoke, op: CacheOp) -> CacheDone {
         CacheOp::AckStatus { uid, seq } => ack_statuses(&spoke, vec![(uid, seq)])
             .await
             .pop()
-            .unwrap_or(CacheDone::NotStored),
+            .expect("a result per ack"),
     }
 }
 
