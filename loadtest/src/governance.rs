@@ -439,6 +439,12 @@ impl Run {
                 targets.len()
             ));
             let agents = self.sample();
+            // The hub's store writes so far in the phase (the harness's own included), so a
+            // run stopped by hand still tells the rate from its log.
+            let store_writes = match (before, revision_now(&self.api).await) {
+                (Some(b), Ok(Some(now))) => Some(now.saturating_sub(b)),
+                _ => None,
+            };
             tracing::info!(
                 phase = what,
                 t_s = format!("{:.1}", now - first_sent),
@@ -447,6 +453,7 @@ impl Run {
                 stored_by_agents = agents.works_acked - base.works_acked,
                 statuses_sent = agents.statuses_sent - base.statuses_sent,
                 statuses_acked = agents.statuses_acked - base.statuses_acked,
+                store_writes,
                 "governance progress"
             );
             if p.reported as usize == pairs && p.roots_aggregated as usize == targets.len() {

@@ -5,6 +5,7 @@
 //! unless a test denies it. Watches see every change, as on an apiserver.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use futures::stream::{self, BoxStream, StreamExt as _};
@@ -22,8 +23,12 @@ const WATCH_BUFFER: usize = 64;
 pub struct MemoryCluster {
     state: Mutex<State>,
     /// Every change, for watches.
-    changes: broadcast::Sender<(AppliedResource, ObjectEvent)>,
+    changes: broadcast::Sender<Change>,
 }
+
+/// An object written (as stored, shared with the map: the channel keeps its last
+/// [`WATCH_BUFFER`] changes, which must not be copies of a cluster's objects) or deleted.
+type Change = (AppliedResource, Option<Arc<Value>>);
 
 impl Default for MemoryCluster {
     fn default() -> Self {
@@ -35,7 +40,7 @@ impl Default for MemoryCluster {
 struct State {
     /// apiVersion → kind → resource.
     kinds: HashMap<String, HashMap<String, ResourceKind>>,
-    objects: BTreeMap<AppliedResource, Value>,
+    objects: BTreeMap<AppliedResource, Arc<Value>>,
     /// Object name → (HTTP code, message) its apply fails with.
     rejects: HashMap<String, (u16, String)>,
     /// Whether every call fails as if the apiserver were down.
@@ -88,7 +93,8 @@ impl MemoryCluster {
 
     /// The object as last applied, if present.
     pub async fn get(&self, resource: &AppliedResource) -> Option<Value> {
-        self.state.lock().await.objects.get(resource).cloned()
+        let state = self.state.lock().await;
+        state.objects.get(resource).map(|o| Value::clone(o))
     }
 
     /// Every object present.
@@ -140,16 +146,17 @@ impl MemoryCluster {
         let Some(object) = state.objects.get_mut(resource) else {
             return false;
         };
-        object["status"] = status;
-        let event = ObjectEvent::Changed(object.clone());
+        Arc::make_mut(object)["status"] = status;
+        let object = object.clone();
         drop(state);
-        let _ = self.changes.send((resource.clone(), event));
+        self.changed(resource, Some(object));
         true
     }
 
-    fn changed(&self, resource: &AppliedResource, event: ObjectEvent) {
+    /// Tells the watches: `object` as it now is, `None` when deleted.
+    fn changed(&self, resource: &AppliedResource, object: Option<Arc<Value>>) {
         // No receiver is fine: nobody watches.
-        let _ = self.changes.send((resource.clone(), event));
+        let _ = self.changes.send((resource.clone(), object));
     }
 }
 
@@ -256,7 +263,7 @@ impl ApplyTarget for MemoryCluster {
     async fn get(&self, resource: &AppliedResource) -> Result<Option<Value>, ApplyError> {
         let state = self.state.lock().await;
         state.check_up()?;
-        Ok(state.objects.get(resource).cloned())
+        Ok(state.objects.get(resource).map(|o| Value::clone(o)))
     }
 
     async fn list(
@@ -276,7 +283,7 @@ impl ApplyTarget for MemoryCluster {
                     && r.resource == kind.resource
                     && namespace.is_none_or(|ns| r.namespace == ns)
             })
-            .map(|(_, object)| object.clone())
+            .map(|(_, object)| Value::clone(object))
             .collect();
         if objects.len() > limit {
             return Err(ApplyError::TooMany {
@@ -301,13 +308,7 @@ impl ApplyTarget for MemoryCluster {
         state.check_up()?;
         if state.objects.remove(resource).is_some() {
             drop(state);
-            self.changed(
-                resource,
-                ObjectEvent::Deleted {
-                    namespace: resource.namespace.clone(),
-                    name: resource.name.clone(),
-                },
-            );
+            self.changed(resource, None);
         }
         Ok(Deletion::Gone)
     }
@@ -358,7 +359,7 @@ impl ApplyTarget for MemoryCluster {
                 .objects
                 .iter()
                 .filter(|(r, _)| matches(r))
-                .map(|(_, o)| ObjectEvent::Changed(o.clone()))
+                .map(|(_, o)| ObjectEvent::Changed(Value::clone(o)))
                 .collect(),
             // Busy right now: the changes that follow carry what matters.
             Err(_) => Vec::new(),
@@ -368,7 +369,16 @@ impl ApplyTarget for MemoryCluster {
             async move {
                 loop {
                     match receiver.recv().await {
-                        Ok((r, event)) if matches(&r) => return Some((event, receiver)),
+                        Ok((r, change)) if matches(&r) => {
+                            let event = match change {
+                                Some(object) => ObjectEvent::Changed(Value::clone(&object)),
+                                None => ObjectEvent::Deleted {
+                                    namespace: r.namespace,
+                                    name: r.name,
+                                },
+                            };
+                            return Some((event, receiver));
+                        }
                         Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => continue,
                         Err(broadcast::error::RecvError::Closed) => return None,
                     }
@@ -448,12 +458,14 @@ impl MemoryCluster {
         if let Some(metadata) = object.get_mut("metadata").and_then(Value::as_object_mut) {
             metadata.insert("uid".to_owned(), uid);
         }
-        let unchanged = existing.as_ref() == Some(&object);
+        let unchanged = existing.as_deref() == Some(&object);
+        let object = Arc::new(object);
         state.objects.insert(resource.clone(), object.clone());
         drop(state);
+        let written = Value::clone(&object);
         if !unchanged {
-            self.changed(resource, ObjectEvent::Changed(object.clone()));
+            self.changed(resource, Some(object));
         }
-        Ok(object)
+        Ok(written)
     }
 }

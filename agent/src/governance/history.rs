@@ -11,6 +11,7 @@ use flotilla_proto::api::policy::{
     ComplianceHistory, ComplianceState, DetailsPerTemplate, PolicyStatus,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use sha2::{Digest as _, Sha256};
 
 use super::{MAX_HISTORY, MAX_HISTORY_MESSAGE_BYTES};
 
@@ -32,7 +33,9 @@ struct TemplateRecord {
 #[derive(Debug, Default)]
 pub(crate) struct PolicyHistory {
     templates: HashMap<String, TemplateRecord>,
-    last_sent: Option<(i64, PolicyStatus)>,
+    /// The generation and the SHA-256 of the status (its JSON) last sent: a digest, not a
+    /// copy, as the templates' histories already hold what the status is made of.
+    last_sent: Option<(i64, [u8; 32])>,
 }
 
 impl PolicyHistory {
@@ -106,14 +109,13 @@ impl PolicyHistory {
     /// Whether (`generation`, `status`) differs from the last report sent; if so it is now
     /// the last one sent.
     pub fn is_new(&mut self, generation: i64, status: &PolicyStatus) -> bool {
-        if self
-            .last_sent
-            .as_ref()
-            .is_some_and(|(g, s)| *g == generation && s == status)
-        {
+        // A status always serialises (typed, string-keyed); its fields are in a fixed order.
+        let json = serde_json::to_vec(status).unwrap_or_default();
+        let sent = (generation, Sha256::digest(&json).into());
+        if self.last_sent == Some(sent) {
             return false;
         }
-        self.last_sent = Some((generation, status.clone()));
+        self.last_sent = Some(sent);
         true
     }
 }
