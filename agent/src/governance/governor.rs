@@ -229,12 +229,13 @@ impl Held {
         let meta = &delivered.policy.metadata;
         // A typed Policy always serialises; its maps are ordered, so equal policies hash
         // equal.
-        let json = serde_json::to_vec(&delivered.policy).unwrap_or_default();
+        let mut digest = Sha256::new();
+        let _ = serde_json::to_writer(&mut digest, &delivered.policy);
         Held {
             generation: delivered.generation,
             namespace: meta.namespace.clone().unwrap_or_default(),
             name: meta.name.clone().unwrap_or_default(),
-            digest: Sha256::digest(&json).into(),
+            digest: digest.finalize().into(),
         }
     }
 

@@ -110,8 +110,9 @@ impl PolicyHistory {
     /// the last one sent.
     pub fn is_new(&mut self, generation: i64, status: &PolicyStatus) -> bool {
         // A status always serialises (typed, string-keyed); its fields are in a fixed order.
-        let json = serde_json::to_vec(status).unwrap_or_default();
-        let sent = (generation, Sha256::digest(&json).into());
+        let mut digest = Sha256::new();
+        let _ = serde_json::to_writer(&mut digest, status);
+        let sent = (generation, digest.finalize().into());
         if self.last_sent == Some(sent) {
             return false;
         }
