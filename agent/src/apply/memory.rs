@@ -4,7 +4,7 @@
 //! nothing is validated except what a test asks to reject, and every access review is allowed
 //! unless a test denies it. Watches see every change, as on an apiserver.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -21,7 +21,8 @@ const WATCH_BUFFER: usize = 64;
 /// A simulated spoke cluster.
 #[derive(Debug)]
 pub struct MemoryCluster {
-    state: Mutex<State>,
+    /// Shared with the watches, which list from it.
+    state: Arc<Mutex<State>>,
     /// Every change, for watches.
     changes: broadcast::Sender<Change>,
 }
@@ -86,7 +87,7 @@ impl MemoryCluster {
             state.add_kind(api_version, kind, resource, *namespaced);
         }
         Self {
-            state: Mutex::new(state),
+            state: Arc::new(Mutex::new(state)),
             changes: broadcast::channel(WATCH_BUFFER).0,
         }
     }
@@ -348,47 +349,75 @@ impl ApplyTarget for MemoryCluster {
     }
 
     fn watch(&self, kind: &ResourceKind) -> BoxStream<'static, ObjectEvent> {
-        let kind = kind.clone();
-        let matches = move |r: &AppliedResource| {
-            r.group == kind.group && r.version == kind.version && r.resource == kind.resource
+        let watch = KindWatch {
+            kind: kind.clone(),
+            state: self.state.clone(),
+            // Subscribed before the first list: no change falls between the two.
+            changes: self.changes.subscribe(),
+            queued: VecDeque::new(),
+            relist: true,
         };
-        let receiver = self.changes.subscribe();
-        // The objects there now, then every change; one that lags re-lists.
-        let listed: Vec<ObjectEvent> = match self.state.try_lock() {
-            Ok(state) => state
-                .objects
-                .iter()
-                .filter(|(r, _)| matches(r))
-                .map(|(_, o)| ObjectEvent::Changed(Value::clone(o)))
-                .collect(),
-            // Busy right now: the changes that follow carry what matters.
-            Err(_) => Vec::new(),
-        };
-        let live = stream::unfold(receiver, move |mut receiver| {
-            let matches = matches.clone();
-            async move {
-                loop {
-                    match receiver.recv().await {
-                        Ok((r, change)) if matches(&r) => {
-                            let event = match change {
-                                Some(object) => ObjectEvent::Changed(Value::clone(&object)),
-                                None => ObjectEvent::Deleted {
-                                    namespace: r.namespace,
-                                    name: r.name,
-                                },
-                            };
-                            return Some((event, receiver));
-                        }
-                        Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => continue,
-                        Err(broadcast::error::RecvError::Closed) => return None,
-                    }
-                }
+        stream::unfold(watch, |mut watch| async move {
+            let event = watch.next().await?;
+            Some((event, watch))
+        })
+        .boxed()
+    }
+}
+
+/// One watch of a kind: the kind's objects and `Listed` first, then every change of the kind;
+/// one that falls more than [`WATCH_BUFFER`] changes behind lists the kind again, as a
+/// reflector re-lists after its watch expired.
+struct KindWatch {
+    kind: ResourceKind,
+    state: Arc<Mutex<State>>,
+    changes: broadcast::Receiver<Change>,
+    /// A list not yet handed out.
+    queued: VecDeque<ObjectEvent>,
+    relist: bool,
+}
+
+impl KindWatch {
+    fn matches(&self, r: &AppliedResource) -> bool {
+        r.group == self.kind.group
+            && r.version == self.kind.version
+            && r.resource == self.kind.resource
+    }
+
+    async fn next(&mut self) -> Option<ObjectEvent> {
+        loop {
+            if let Some(event) = self.queued.pop_front() {
+                return Some(event);
             }
-        });
-        stream::iter(listed)
-            .chain(stream::once(async { ObjectEvent::Listed }))
-            .chain(live)
-            .boxed()
+            if self.relist {
+                self.relist = false;
+                let state = self.state.lock().await;
+                let mut listed: VecDeque<ObjectEvent> = state
+                    .objects
+                    .iter()
+                    .filter(|(r, _)| self.matches(r))
+                    .map(|(_, o)| ObjectEvent::Changed(Value::clone(o)))
+                    .collect();
+                drop(state);
+                listed.push_back(ObjectEvent::Listed);
+                self.queued = listed;
+                continue;
+            }
+            match self.changes.recv().await {
+                Ok((r, change)) if self.matches(&r) => {
+                    return Some(match change {
+                        Some(object) => ObjectEvent::Changed(Value::clone(&object)),
+                        None => ObjectEvent::Deleted {
+                            namespace: r.namespace,
+                            name: r.name,
+                        },
+                    });
+                }
+                Ok(_) => {}
+                Err(broadcast::error::RecvError::Lagged(_)) => self.relist = true,
+                Err(broadcast::error::RecvError::Closed) => return None,
+            }
+        }
     }
 }
 

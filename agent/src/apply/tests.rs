@@ -453,3 +453,43 @@ fn retryability_follows_the_status_code() {
     assert!(rejected(503).is_retryable());
     assert!(ApplyError::Unreachable("x".into()).is_retryable());
 }
+
+#[tokio::test]
+async fn an_in_memory_watch_that_falls_behind_is_sent_the_whole_kind_again() {
+    use futures::StreamExt as _;
+
+    let cluster = MemoryCluster::new();
+    let kind = cluster.resolve("v1", "ConfigMap").await.unwrap();
+    let mut watch = cluster.watch(&kind);
+    assert!(matches!(watch.next().await, Some(ObjectEvent::Listed)));
+    // More changes than the watch keeps while its reader is away (one deleted among them).
+    let mut expected = std::collections::BTreeSet::new();
+    for i in 0..100 {
+        let name = format!("cm-{i:03}");
+        let id = AppliedResource {
+            name: name.clone(),
+            ..cm_id()
+        };
+        let object = json!({"apiVersion": "v1", "kind": "ConfigMap",
+                            "metadata": {"name": name, "namespace": "default"}});
+        cluster.create(&id, &object, "test").await.unwrap();
+        expected.insert(name);
+    }
+    let gone = AppliedResource {
+        name: "cm-000".into(),
+        ..cm_id()
+    };
+    ApplyTarget::delete(&cluster, &gone).await.unwrap();
+    expected.remove("cm-000");
+    let mut seen = std::collections::BTreeSet::new();
+    loop {
+        match watch.next().await.expect("the watch goes on") {
+            ObjectEvent::Changed(object) => {
+                seen.insert(object["metadata"]["name"].as_str().unwrap().to_string());
+            }
+            ObjectEvent::Listed => break,
+            ObjectEvent::Deleted { .. } => panic!("a list, not the changes it fell behind on"),
+        }
+    }
+    assert_eq!(seen, expected, "every object there now, then Listed");
+}
