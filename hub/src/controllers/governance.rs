@@ -535,8 +535,9 @@ struct Model {
     touched: BTreeSet<String>,
     /// Roots whose status someone else wrote since the last round: computed afresh.
     recheck: BTreeSet<Key>,
-    /// The resourceVersion of each root status this controller last wrote: its watch event
-    /// (a root of 10,000 entries is a megabyte of JSON) is not parsed back.
+    /// The resourceVersion of each root status this controller wrote whose watch event has not
+    /// come back yet: that event (a root of 10,000 entries is a megabyte of JSON) is not parsed
+    /// back, and one of the same spec before it is older than the write and is dropped.
     written: BTreeMap<Key, Revision>,
     /// Each enabled root's compliance as last published.
     roots: BTreeMap<Key, RootCompliance>,
@@ -702,6 +703,7 @@ pub async fn run(
                 }
             }
         }
+        let mut conflicted = Vec::new();
         for (kind, key, result) in results {
             match result {
                 // As stored now: the next round compares with it, not with the older copy. A
@@ -712,11 +714,27 @@ pub async fn run(
                 Err(StoreError::NotFound { .. }) => {}
                 Err(e) => {
                     if matches!(e, StoreError::Conflict { .. }) {
-                        debug!(%kind, object = %key, "status changed meanwhile; resolving again");
+                        debug!(%kind, object = %key, "status changed meanwhile; reading it again");
+                        conflicted.push((kind, key));
                     } else {
                         warn!(%kind, object = %key, error = %error_chain(&e), "status write failed; retrying shortly");
                     }
                     model.retry_at = Some(Timestamp::now() + jiff::SignedDuration::from_secs(2));
+                }
+            }
+        }
+        // Refused because the version it was conditioned on is not the stored one: the next
+        // write is conditioned on the object as read now, not on the watch bringing a newer
+        // event (the change that made the conflict may be one whose event has already passed).
+        for (kind, key) in conflicted {
+            match store.get(kind, Some(&key.namespace), &key.name).await {
+                Ok(Some(current)) => {
+                    model.written.remove(&key);
+                    model.apply(kind, WatchEvent::Modified(current));
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    warn!(%kind, object = %key, error = %error_chain(&e), "reading an object whose status write was refused failed; retrying shortly");
                 }
             }
         }
@@ -878,18 +896,36 @@ impl Model {
             _ => {}
         }
         let key = Key::new(&ns, &name);
-        if kind == Kind::Policy {
-            if deleted {
-                self.written.remove(&key);
-            } else if Revision::of(&obj).is_some_and(|r| self.written.get(&key) == Some(&r)) {
-                // This controller's own status write, already taken in by `wrote_root`.
-                return;
-            }
-        }
-        self.dirty = true;
         // A root's status written (by this controller, as it aggregates) leaves its generation
         // alone: only compliance moved, and the round that takes it in may wait its turn.
         let generation = |o: &Object| o["metadata"]["generation"].as_i64();
+        if kind == Kind::Policy {
+            if deleted {
+                self.written.remove(&key);
+            } else if let Some(written) = self.written.get(&key) {
+                if Revision::of(&obj).as_ref() == Some(written) {
+                    // This controller's own status write, already taken in by `wrote_root`.
+                    self.written.remove(&key);
+                    return;
+                }
+                // Another version of the same spec while that write's event is still on its
+                // way: one the write followed (the kind's watch is ordered, and a write of
+                // another's change after it would have been refused as a conflict), which
+                // reached this queue after the write's answer did (another kind's event
+                // started the round that wrote). Taken in, it would put back an older status
+                // and the version the next write is conditioned on, and every write would
+                // then be refused while the root's last event, this controller's own, is
+                // skipped: its compliance would stay as it was.
+                let same_spec = self.policies.get(&key).is_some_and(|old| {
+                    old.metadata.uid.as_deref() == obj["metadata"]["uid"].as_str()
+                        && old.metadata.generation == generation(&obj)
+                });
+                if same_spec {
+                    return;
+                }
+            }
+        }
+        self.dirty = true;
         let status_only = !deleted
             && match kind {
                 Kind::Policy => self.policies.get(&key).is_some_and(|old| {
@@ -1490,6 +1526,75 @@ mod tests {
             delete,
             ["c4"],
             "its last report released, c4 carries nothing"
+        );
+    }
+
+    /// The controller writes a root's status in two rounds in a row, the second started by
+    /// another kind's event before the first write's own event came back; that event, older
+    /// than the second write, then arrives. Taken in, it would put back the first status and
+    /// the version the next write is conditioned on, and with the root's last event (the
+    /// second write's) skipped as this controller's own, every later write would be refused:
+    /// the root's compliance would never move again.
+    #[test]
+    fn an_event_older_than_the_controllers_own_write_is_not_taken_in() {
+        let key = Key::new(NS, "namespace");
+        let stored = |revision: &str, status: Option<PolicyStatus>| {
+            let mut p = policy("namespace", false);
+            p.metadata.uid = Some("uid-1".into());
+            p.metadata.generation = Some(1);
+            p.metadata.resource_version = Some(revision.into());
+            p.status = status;
+            serde_json::to_value(p).unwrap()
+        };
+        let placed = |clusters: &[&str]| PolicyPlaced {
+            placements: Vec::new(),
+            clusters: clusters.iter().map(|c| c.to_string()).collect(),
+        };
+        let first = policy_status(None, &placed(&[]), "uid-1", &Reported::new());
+        let second = policy_status(Some(&first), &placed(&["c1"]), "uid-1", &Reported::new());
+        let version = |model: &Model| model.versions.get(&(Kind::Policy, key.clone())).cloned();
+        let status = |model: &Model| model.policies[&key].status.clone();
+
+        let mut model = Model::default();
+        model.apply(Kind::Policy, WatchEvent::Added(stored("1", None)));
+        model.wrote_root(&key, &stored("2", Some(first.clone())), first.clone());
+        model.wrote_root(&key, &stored("3", Some(second.clone())), second.clone());
+        model.dirty = false;
+
+        model.apply(
+            Kind::Policy,
+            WatchEvent::Modified(stored("2", Some(first.clone()))),
+        );
+        assert_eq!(
+            version(&model),
+            Some(Revision::new("3")),
+            "the next write is conditioned on the stored version"
+        );
+        assert_eq!(
+            status(&model),
+            Some(second.clone()),
+            "the status written last is kept"
+        );
+        assert!(!model.dirty, "nothing to do again");
+
+        // Its own write's event: already taken in. A change after it is anyone's, taken in.
+        model.apply(
+            Kind::Policy,
+            WatchEvent::Modified(stored("3", Some(second.clone()))),
+        );
+        assert_eq!(version(&model), Some(Revision::new("3")));
+        assert!(!model.dirty);
+        let mut forged = second.clone();
+        forged.compliant = Some(ComplianceState::Compliant);
+        model.apply(
+            Kind::Policy,
+            WatchEvent::Modified(stored("4", Some(forged.clone()))),
+        );
+        assert_eq!(version(&model), Some(Revision::new("4")));
+        assert_eq!(status(&model), Some(forged));
+        assert!(
+            model.dirty && model.recheck.contains(&key),
+            "computed afresh next round"
         );
     }
 

@@ -340,7 +340,10 @@ impl Hub {
             .arg(format!("--api-listen={api}"))
             .args(fast_health_unless(extra))
             .args(extra)
-            .env("RUST_LOG", "info,flotilla_gateway=debug");
+            .env(
+                "RUST_LOG",
+                "info,flotilla_gateway=debug,flotilla_hub::controllers::governance=debug",
+            );
         let _ = std::fs::remove_file(data_dir.join("listen.json"));
         // Each start logs to a new file, so a restarted hub's log does not hide the first one's.
         let log = (1..)

@@ -179,7 +179,9 @@ on_both_carriers! {
         let namespaces: Api<Namespace> = Api::all(spoke.env.client().await?);
         assert!(namespaces.get_opt("prod").await?.is_none(), "inform never writes");
         // The hub's answer to "which clusters lack it" is one command away.
-        let row = wait_row(&fleet, "policy-namespace", "NonCompliant").await?;
+        let row = wait_row(&fleet, "policy-namespace", "NonCompliant")
+            .await
+            .map_err(|e| e.context(format!("hub log:\n{}", fleet.hub.proc.log())))?;
         let columns: Vec<&str> = row.split_whitespace().collect();
         assert_eq!(
             columns[..5],
