@@ -17,7 +17,7 @@ use flotilla_proto::session::{
     Reconnect,
 };
 use flotilla_proto::wire::{self, AgentFrame};
-use flotilla_transport::{AgentTunnels, Dialed, Link};
+use flotilla_transport::{AgentTunnels, Dialed, Link, LinkError};
 use futures::StreamExt as _;
 use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
@@ -77,6 +77,14 @@ pub(crate) async fn session_once(
         tunnels,
     } = match dialed {
         Ok(d) => d,
+        // Over the gateway's rate, told before TLS when to come back: as a drain.
+        Err(LinkError::TurnedAway { retry_after, .. }) => {
+            spoke.observer.turned_away(retry_after);
+            return Ended::Drained {
+                retry_after,
+                redirect: None,
+            };
+        }
         Err(e) => {
             let refusal = Refusal::from_link(dialer.hub(), &e);
             return Ended::Lost {

@@ -192,6 +192,8 @@ async fn attempt(
         );
         async move {
             let tcp = proxy::dial(&hub, proxy.as_ref(), local).await?;
+            // A gateway over its rate says so before TLS: the attempt fails saying it.
+            let tcp = flotilla_transport::turn_away::Sniffed::new(tcp);
             let tls = connector.connect(server_name, tcp).await?;
             Ok::<_, std::io::Error>(TokioIo::new(tls))
         }

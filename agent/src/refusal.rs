@@ -106,9 +106,12 @@ impl Refusal {
             } => RefusalKind::CertificateNotTrusted,
             LinkError::Tls { by_peer: false, .. } => RefusalKind::HubNotTrusted,
             LinkError::Tls { .. } => RefusalKind::Other,
-            LinkError::TooLarge { .. } | LinkError::Malformed(_) | LinkError::Transport(_) => {
-                RefusalKind::Other
-            }
+            // A dial turned away over the rate is a drain (see `driver`), no refusal; one met
+            // elsewhere (joining) is retried as anything else.
+            LinkError::TurnedAway { .. }
+            | LinkError::TooLarge { .. }
+            | LinkError::Malformed(_)
+            | LinkError::Transport(_) => RefusalKind::Other,
         };
         Refusal {
             kind,

@@ -49,6 +49,9 @@ pub trait Observer: Send + Sync {
     /// A dial or session open failed before Welcome (the hub unreachable, a certificate or
     /// the cluster refused); the agent backs off.
     fn connection_failed(&self, _refusal: &Refusal) {}
+    /// The gateway was over its new-session rate and turned the connection away before TLS,
+    /// telling the agent to come back after `retry_after`.
+    fn turned_away(&self, _retry_after: std::time::Duration) {}
     /// The gateway reached named the gateway that owns this cluster's shard, `to`; the agent
     /// goes there next.
     fn redirected(&self, _to: &str) {}

@@ -1,13 +1,16 @@
 //! The gate every new connection on the agents' listener passes before any TLS work: the
 //! carriers ask it once per connection attempt (a TCP connection accepted, a QUIC `Incoming`
-//! received) and tag what it says on the connection ([`ConnInfo::over_rate`]). What to decide
+//! received) and act on what it says (a QUIC connection carries it, [`ConnInfo::over_rate`]). What to decide
 //! and what to count is the gateway's business ([`ConnectionGate`] is implemented there);
 //! the carriers only ask early and carry the answer.
 //!
 //! A connection over the rate is not dropped: dropping it would send its agent into a blind
-//! backoff, and the herd would come back as a herd. It still gets its handshake (the refusal
-//! needs a TLS session to travel in), and the session on it is drained at once with the
-//! retry-after the gate chose, before any admission or sync work.
+//! backoff, and the herd would come back as a herd. It is told when to come back, with the
+//! retry-after the gate chose. Over TCP that happens before any TLS work: the gateway writes
+//! one line in the clear and closes ([`crate::turn_away`]). Over QUIC it still gets its
+//! handshake (quinn refuses a connection before its handshake only without a reason, so
+//! without a retry-after), and the session on it is drained at once, before any admission or
+//! sync work.
 //!
 //! A gateway that cannot serve any session yet and cannot say when it will (it has not read who
 //! owns what) says [`Entry::NotReady`]: the connection is closed at once, before any TLS work.
@@ -36,8 +39,8 @@ use crate::link::Carrier;
 pub enum Entry {
     /// Within the rate: the connection goes on to its handshake and its session as usual.
     Admitted,
-    /// Over the rate: the connection gets its handshake, and a session opened on it is
-    /// drained at once, its agent told to come back after `retry_after`.
+    /// Over the rate: its agent is told to come back after `retry_after` (TCP: turned away
+    /// before TLS; QUIC: the session is drained at once after its handshake).
     OverRate { retry_after: Duration },
     /// Nothing could be served on it yet: the connection is closed before its handshake.
     NotReady,

@@ -625,6 +625,8 @@ pub(crate) async fn connect_tuned(
         );
         async move {
             let tcp = crate::dial::dial(&target, proxy.as_ref(), local).await?;
+            // A gateway over its rate answers the ClientHello with a notice, not TLS.
+            let tcp = crate::turn_away::Sniffed::new(tcp);
             let tls = connector.connect(server_name, tcp).await?;
             Ok::<_, std::io::Error>(TokioIo::new(first_answer(tls).await?))
         }

@@ -31,6 +31,7 @@ pub mod listen;
 pub mod quic;
 pub mod relay;
 pub mod tls;
+pub mod turn_away;
 
 use std::time::Duration;
 

@@ -61,6 +61,13 @@ pub enum LinkError {
         by_peer: bool,
         detail: String,
     },
+    /// The gateway is over its new-session rate and turned the connection away before TLS
+    /// ([`crate::turn_away`]): come back after `retry_after`, as after a drain.
+    #[error("{detail}")]
+    TurnedAway {
+        retry_after: std::time::Duration,
+        detail: String,
+    },
     /// Nothing answers at the address: connection refused, no route, no such host. Retryable.
     #[error("{0}")]
     Unreachable(String),
@@ -86,6 +93,12 @@ impl LinkError {
             if let Some(proxy) = e.downcast_ref::<crate::dial::ProxyError>() {
                 return LinkError::Proxy {
                     refused: matches!(proxy, crate::dial::ProxyError::Refused { .. }),
+                    detail,
+                };
+            }
+            if let Some(turned) = e.downcast_ref::<crate::turn_away::TurnedAway>() {
+                return LinkError::TurnedAway {
+                    retry_after: turned.retry_after,
                     detail,
                 };
             }

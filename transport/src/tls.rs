@@ -208,8 +208,10 @@ pub struct ConnInfo {
     /// [`public_key_sha256`](crate::identity::public_key_sha256) of the client certificate;
     /// `None` for anonymous peers. The gateway compares it with the cluster's registered keys.
     pub client_key_sha256: Option<String>,
-    /// Set when the connection arrived over the new-session rate ([`ConnectionGate`]): the
-    /// session on it is to be drained at once, its agent told to come back after this long.
+    /// Set when a QUIC connection arrived over the new-session rate ([`ConnectionGate`]): the
+    /// session on it is to be drained at once, its agent told to come back after this long. A
+    /// TCP connection over the rate never gets this far: it is turned away before TLS
+    /// ([`crate::turn_away`]).
     ///
     /// [`ConnectionGate`]: crate::gate::ConnectionGate
     pub over_rate: Option<Duration>,
@@ -326,6 +328,10 @@ fn accept_error_is_transient(e: &io::Error) -> bool {
     }
 }
 
+/// Most connections over the rate being turned away at once (each for at most
+/// [`crate::turn_away::TURN_AWAY_TIMEOUT`]); one more is closed without its notice.
+pub const MAX_TURNING_AWAY: usize = 1024;
+
 /// Accepts TCP connections, performs TLS handshakes concurrently (bounded), and yields the
 /// connections whose client certificate names a flotilla identity on the returned channel.
 /// Refusals are logged here, once, with the peer address and the reason.
@@ -346,6 +352,7 @@ pub fn accept_authenticated(
     let (tx, rx) = mpsc::channel(64);
     let source = config.into();
     let permits = Arc::new(Semaphore::new(limits.max_handshakes));
+    let turning_away = Arc::new(Semaphore::new(MAX_TURNING_AWAY));
     let address = listener
         .local_addr()
         .map(|a| a.to_string())
@@ -382,14 +389,29 @@ pub fn accept_authenticated(
             };
             let _ = tcp.set_nodelay(true);
             // Asked before any TLS work: what it costs is what the gate protects.
-            let over_rate = match limits.gate.as_ref().map(|g| g.arrived(Carrier::Grpc)) {
-                Some(Entry::OverRate { retry_after }) => Some(retry_after),
-                Some(Entry::Admitted) | None => None,
+            match limits.gate.as_ref().map(|g| g.arrived(Carrier::Grpc)) {
+                Some(Entry::Admitted) | None => {}
+                Some(Entry::OverRate { retry_after }) => {
+                    // Told in the clear, before any TLS, when to come back (`turn_away`).
+                    drop(permit);
+                    match turning_away.clone().try_acquire_owned() {
+                        Ok(slot) => {
+                            handshakes.spawn(async move {
+                                let _slot = slot;
+                                crate::turn_away::turn_away(tcp, retry_after).await;
+                            });
+                        }
+                        Err(_) => {
+                            debug!(listener = what, peer = %remote, "connection over the rate closed: {MAX_TURNING_AWAY} already being turned away");
+                        }
+                    }
+                    continue;
+                }
                 Some(Entry::NotReady) => {
                     debug!(listener = what, peer = %remote, "connection closed before TLS: not serving yet");
                     continue;
                 }
-            };
+            }
             let acceptor = TlsAcceptor::from(source.current());
             let tx = tx.clone();
             let timeout = limits.handshake_timeout;
@@ -421,7 +443,7 @@ pub fn accept_authenticated(
                         peer: Peer::Anonymous,
                         remote,
                         client_key_sha256: None,
-                        over_rate,
+                        over_rate: None,
                     };
                     let _ = tx.send(AuthenticatedConn { stream, info }).await;
                     return;
@@ -433,7 +455,7 @@ pub fn accept_authenticated(
                             peer,
                             remote,
                             client_key_sha256: Some(key),
-                            over_rate,
+                            over_rate: None,
                         };
                         let _ = tx.send(AuthenticatedConn { stream, info }).await;
                     }
