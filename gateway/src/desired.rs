@@ -12,7 +12,7 @@ use flotilla_proto::api::content::ContentRef;
 use flotilla_proto::api::{Kind, ManifestWork, content_hash};
 use flotilla_proto::contract::WORK_CLEANUP_FINALIZER;
 use flotilla_proto::session::{Delivered, DesiredWork};
-use flotilla_store::{Basis, Object, Store, WatchEvent, namespace_of};
+use flotilla_store::{Basis, Object, Revision, Store, WatchEvent, namespace_of};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
@@ -162,6 +162,30 @@ impl DesiredState {
             .iter()
             .any(|f| f == WORK_CLEANUP_FINALIZER))
         .then(|| work.name.clone())
+    }
+
+    /// `cluster`'s desired work `uid` as this cache last saw it, with what a write of it is
+    /// judged against: its spec, metadata and resourceVersion as stored then, and the fencing
+    /// record of its status (the cache keeps no other status). A write of it conditioned on
+    /// that version lands only if nothing changed since, so it needs no read first. `None`
+    /// when the work is not one of the cluster's desired works, or its fencing record is not
+    /// of the same version.
+    pub async fn work_as_seen(&self, cluster: &str, uid: &str) -> Option<Object> {
+        self.wait_loaded(cluster).await;
+        let mut work: Object = {
+            let works = read(&self.works);
+            serde_json::from_slice(&works.get(cluster)?.get(uid)?.manifest_work_json).ok()?
+        };
+        let basis = self.basis(uid)?;
+        if Revision::of(&work).as_ref() != Some(&basis.revision) {
+            return None;
+        }
+        if let Some(fence) = basis.fence {
+            let mut status = serde_json::json!({});
+            fence.set_in(&mut status);
+            work["status"] = status;
+        }
+        Some(work)
     }
 
     /// The uids of `cluster`'s works deleted on the hub that a finalizer still holds.

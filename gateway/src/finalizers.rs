@@ -5,6 +5,11 @@
 //! showing how the removal goes; a work no agent ever acknowledged carries no finalizer and is
 //! deleted at once.
 //!
+//! A hold writes the work as the gateway's watch cache last saw it, conditioned on that
+//! version, so it costs one request, not a read and a write; a copy out of date makes it a
+//! conflict, and the next try reads the work first. A release always reads first (the work
+//! is being deleted, and the cache keeps only desired works).
+//!
 //! Writes go through the gateway's [`WriteQueue`], coalesced by work (a release replaces a
 //! pending add), within the gateway's write budget shared with status writes, each fenced
 //! right before it by the shard this gateway acts for: a gateway that lost the cluster's shard
@@ -13,6 +18,7 @@
 //! owner's write refuses it) without raising it. A release is acknowledged to the session that
 //! reported it only once the finalizer is gone (or the work is).
 
+use std::collections::HashSet;
 use std::sync::{Arc, Weak};
 
 use flotilla_ops::error_chain;
@@ -25,6 +31,7 @@ use tracing::{debug, info, warn};
 
 use crate::desired::DesiredState;
 use crate::fencing::{Fencing, WorkBases};
+use crate::locks::{SyncMutex, lock};
 use crate::mailbox::Mailbox;
 use crate::shards::{Held, ShardViews};
 use crate::writes::{Coalesce, Outcome, StoreWrite, WriteBudget, WriteQueue};
@@ -141,6 +148,7 @@ impl CleanupFinalizers {
             desired: &desired,
             fencing: &self.fencing,
             bases: &self.bases,
+            stale: SyncMutex::default(),
         };
         self.queue.run(writer, stop).await;
     }
@@ -160,6 +168,9 @@ struct ToStore<'a> {
     desired: &'a DesiredState,
     fencing: &'a Fencing,
     bases: &'a WorkBases,
+    /// Works whose hold was refused as a conflict on the watch cache's copy: their next hold
+    /// reads the work first. Bounded by the holds waiting.
+    stale: SyncMutex<HashSet<String>>,
 }
 
 impl StoreWrite<Pending> for ToStore<'_> {
@@ -174,7 +185,25 @@ impl StoreWrite<Pending> for ToStore<'_> {
         let mut turn = self.bases.turn(&p.uid, &p.cluster).await;
         let written = match &p.change {
             Change::Hold { name } => {
-                let held = hold(&fenced, &p.cluster, name, &p.uid).await;
+                // The watch cache's copy, unless it is behind this gateway's own last write of
+                // the work, or a hold on it was refused as a conflict: then a fresh read.
+                let stale = lock(&self.stale).contains(&p.uid);
+                let seen = match turn.basis.as_ref() {
+                    _ if stale => None,
+                    Some(basis)
+                        if self.desired.basis(&p.uid).map(|b| b.revision)
+                            != Some(basis.revision.clone()) =>
+                    {
+                        None
+                    }
+                    _ => self.desired.work_as_seen(&p.cluster, &p.uid).await,
+                };
+                let held = hold(&fenced, seen, &p.cluster, name, &p.uid).await;
+                if matches!(held, Err(StoreError::Conflict { .. })) {
+                    lock(&self.stale).insert(p.uid.clone());
+                } else {
+                    lock(&self.stale).remove(&p.uid);
+                }
                 match &held {
                     Ok(Some(work)) => turn.record(work),
                     _ => turn.forget(),
@@ -223,19 +252,25 @@ impl Fenced<'_> {
     }
 }
 
-/// Adds the finalizer to the work, read fresh, with its resourceVersion as the precondition,
-/// and returns the work as written. Nothing to do when the work is gone, is another work of the
-/// same name (a new uid), is being deleted already (no finalizer may be added then), or has the
-/// finalizer.
+/// Adds the finalizer to the work, as `seen` by the watch cache or else read fresh, with its
+/// resourceVersion as the precondition (a copy that is out of date makes the write a
+/// conflict, never a lost change), and returns the work as written. Nothing to do when the
+/// work is gone, is another work of the same name (a new uid), is being deleted already (no
+/// finalizer may be added then), or has the finalizer.
 async fn hold(
     fenced: &Fenced<'_>,
+    seen: Option<Value>,
     cluster: &str,
     name: &str,
     uid: &str,
 ) -> Result<Option<Value>, StoreError> {
     let store = fenced.store;
-    let Some(mut work) = store.get(Kind::ManifestWork, Some(cluster), name).await? else {
-        return Ok(None);
+    let mut work = match seen {
+        Some(work) => work,
+        None => match store.get(Kind::ManifestWork, Some(cluster), name).await? {
+            Some(work) => work,
+            None => return Ok(None),
+        },
     };
     if work["metadata"]["uid"].as_str() != Some(uid)
         || !work["metadata"]["deletionTimestamp"].is_null()
@@ -455,6 +490,85 @@ mod tests {
             .expect("the release acknowledged");
         assert_eq!(reporter.take().release_acks, [uid]);
         assert!(stored().await.is_none(), "gone once released");
+        let _ = stop_tx.send(true);
+    }
+
+    /// An acknowledged work takes its finalizer in one request: the work as the watch cache
+    /// saw it, written on that version, with no read first. A work changed on the hub as its
+    /// agent acknowledges it still gets its finalizer, and keeps the change (a copy out of date
+    /// is a conflict, and the next try reads the work).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_hold_writes_the_work_as_cached_without_reading_it() {
+        let Fixture {
+            _dir,
+            store,
+            uid,
+            desired,
+            stop_tx,
+            stop,
+            finalizers,
+        } = Fixture::new().await;
+        let metrics = crate::metrics::GatewayMetrics::new();
+        tokio::spawn(finalizers.clone().run(
+            metrics.metered(store.clone()),
+            desired.clone(),
+            stop.clone(),
+        ));
+        let stored = || async {
+            store
+                .get(Kind::ManifestWork, Some("store-1"), "web")
+                .await
+                .unwrap()
+                .unwrap()
+        };
+        assert_eq!(
+            desired.lacks_cleanup_finalizer("store-1", &uid).await,
+            Some("web".into())
+        );
+        finalizers.hold("store-1", "web", &uid);
+        eventually("the finalizer added", || async {
+            super::finalizers(&stored().await) == [WORK_CLEANUP_FINALIZER]
+        })
+        .await;
+        assert_eq!(
+            (
+                metrics.store_requests_of("get"),
+                metrics.store_requests_of("update")
+            ),
+            (0, 1),
+            "(reads, writes) of the hold"
+        );
+
+        // A second work, changed on the hub right as its agent acknowledges it.
+        let created = store
+            .create(json!({
+                "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
+                "metadata": {"name": "api", "namespace": "store-1"},
+                "spec": {"workload": {"manifests": [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "y"}}]}},
+            }))
+            .await
+            .unwrap();
+        let api_uid = created["metadata"]["uid"].as_str().unwrap().to_owned();
+        eventually("the second work cached", || async {
+            desired.has_work("store-1", &api_uid)
+        })
+        .await;
+        let mut changed = created.clone();
+        changed["metadata"]["labels"] = json!({"tier": "edge"});
+        store.update_spec(changed).await.unwrap();
+        finalizers.hold("store-1", "api", &api_uid);
+        let api = || async {
+            store
+                .get(Kind::ManifestWork, Some("store-1"), "api")
+                .await
+                .unwrap()
+                .unwrap()
+        };
+        eventually("the second work's finalizer added", || async {
+            super::finalizers(&api().await) == [WORK_CLEANUP_FINALIZER]
+        })
+        .await;
+        assert_eq!(api().await["metadata"]["labels"], json!({"tier": "edge"}));
         let _ = stop_tx.send(true);
     }
 

@@ -233,6 +233,20 @@ impl GatewayMetrics {
         }
     }
 
+    /// How many store requests of `verb` (as its label says) were counted.
+    #[cfg(test)]
+    pub(crate) fn store_requests_of(&self, verb: &str) -> u64 {
+        Verb::ALL
+            .iter()
+            .find(|v| v.name() == verb)
+            .map(|v| {
+                self.store_requests
+                    .get_or_create_owned(&[("verb", v.name())])
+                    .get()
+            })
+            .unwrap_or(0)
+    }
+
     /// `store` with every request counted.
     pub(crate) fn metered(&self, store: Arc<dyn Store>) -> Arc<dyn Store> {
         let requests = Verb::ALL.map(|v| {
