@@ -389,11 +389,18 @@ impl Verdict {
 /// harmless (`PreferNoSelect`), tolerated (until `timeAdded + tolerationSeconds`), or an
 /// untolerated `NoSelectIfNew` (then only if already selected).
 pub fn filter(placement: &Compiled, cluster: &Cluster, now: Timestamp) -> Verdict {
-    if cluster.deleting {
-        return Verdict::NEVER;
-    }
     if !placement.predicates.is_empty() && !placement.predicates.iter().any(|p| p.matches(cluster))
     {
+        return Verdict::NEVER;
+    }
+    admit(placement, cluster, now)
+}
+
+/// [`filter`] for a cluster already known to pass the placement's predicates (the model finds
+/// those from its label and claim indexes): whether it is being deleted, and its taints
+/// against the placement's tolerations.
+pub fn admit(placement: &Compiled, cluster: &Cluster, now: Timestamp) -> Verdict {
+    if cluster.deleting {
         return Verdict::NEVER;
     }
     let mut verdict = Verdict {

@@ -5,7 +5,9 @@
 //! eligible sets and each one's [`core::filter`] verdict. A cluster's change re-filters that one
 //! cluster for the placements whose sets hold it (before or after); a set, binding or placement
 //! change re-filters that placement's members; a score change touches the placements that rank
-//! by it. Placements whose inputs changed are marked dirty, and [`Fleet::decide`] runs
+//! by it. Re-filtering a placement's members finds those its predicates select from inverted
+//! indexes of every cluster's labels and claims ([`LabelIndex`]), then checks taints for
+//! those only. Placements whose inputs changed are marked dirty, and [`Fleet::decide`] runs
 //! [`core::select`], [`core::group`] and [`core::decision_objects`] for one of them. The result
 //! equals [`core::schedule`] over the whole world, which the tests check on random histories.
 //!
@@ -25,6 +27,7 @@ use super::core::{
     self, Allowed, Cluster, Compiled, DecisionObject, Misconfigured, Outcome, RankingInputs,
     Report, SetRule, Verdict,
 };
+use super::selector::LabelIndex;
 
 /// A cluster's slot in the bit sets; reused after the cluster is deleted.
 pub type ClusterId = usize;
@@ -98,6 +101,31 @@ impl Bits {
         })
     }
 
+    /// Keeps only the ids `other` holds too.
+    pub fn intersect(&mut self, other: &Bits) {
+        self.0.truncate(other.0.len());
+        for (w, o) in self.0.iter_mut().zip(&other.0) {
+            *w &= o;
+        }
+    }
+
+    /// Drops the ids `other` holds.
+    pub fn subtract(&mut self, other: &Bits) {
+        for (w, o) in self.0.iter_mut().zip(&other.0) {
+            *w &= !o;
+        }
+    }
+
+    /// Adds the ids `other` holds.
+    pub fn unite(&mut self, other: &Bits) {
+        if self.0.len() < other.0.len() {
+            self.0.resize(other.0.len(), 0);
+        }
+        for (w, o) in self.0.iter_mut().zip(&other.0) {
+            *w |= o;
+        }
+    }
+
     fn clear(&mut self) {
         self.0.clear();
     }
@@ -156,6 +184,10 @@ pub struct Fleet {
     /// counts.
     counts: Vec<u32>,
     dirty: BTreeSet<Key>,
+    /// Every cluster's labels and claims, inverted: what a placement's predicates select is
+    /// found from these, not by visiting each member.
+    labels: LabelIndex,
+    claims: LabelIndex,
 }
 
 impl Fleet {
@@ -216,7 +248,17 @@ impl Fleet {
             .map(|(n, _)| n.clone())
             .unwrap_or_else(|| Arc::from(cluster.name.as_str()));
         let before = self.clusters[id].replace((name, cluster));
+        self.index(id, before.as_ref().map(|(_, c)| c));
         self.cluster_changed(id, before.map(|(_, c)| c), now);
+    }
+
+    /// Brings the label and claim indexes in line with cluster `id`, which was `before`.
+    fn index(&mut self, id: ClusterId, before: Option<&Cluster>) {
+        let after = self.clusters[id].as_ref().map(|(_, c)| c);
+        self.labels
+            .update(id, before.map(|c| &c.labels), after.map(|c| &c.labels));
+        self.claims
+            .update(id, before.map(|c| &c.claims), after.map(|c| &c.claims));
     }
 
     /// A ManagedCluster was deleted.
@@ -225,6 +267,7 @@ impl Fleet {
             return;
         };
         let before = self.clusters[id].take().map(|(_, c)| c);
+        self.index(id, before.as_ref());
         self.cluster_changed(id, before, now);
         for set in self.sets.values_mut() {
             set.members.set(id, false);
@@ -538,11 +581,12 @@ impl Fleet {
             }
         }
         if let Ok(compiled) = &p.compiled {
-            for id in p.members.iter() {
+            let passing = passing_predicates(compiled, &p.members, &self.labels, &self.claims);
+            for id in passing.iter() {
                 let Some((_, c)) = &self.clusters[id] else {
                     continue;
                 };
-                let v = core::filter(compiled, c, now);
+                let v = core::admit(compiled, c, now);
                 p.always.set(id, v.allowed == Allowed::Always);
                 p.if_selected.set(id, v.allowed == Allowed::IfSelected);
                 if let Some(t) = v.recheck_at.filter(|_| v.allowed != Allowed::Never) {
@@ -788,8 +832,33 @@ impl Fleet {
             .flatten()
             .map(|c| text(c))
             .sum();
-        per_placement + sets + clusters + stored + self.counts.capacity() * 4
+        per_placement
+            + sets
+            + clusters
+            + stored
+            + self.counts.capacity() * 4
+            + self.labels.approximate_bytes()
+            + self.claims.approximate_bytes()
     }
+}
+
+/// The members of `within` that pass any of the placement's predicates (all of them when it
+/// has none), from the fleet's indexes: [`core::filter`]'s predicate check over a whole set.
+fn passing_predicates(
+    compiled: &Compiled,
+    within: &Bits,
+    labels: &LabelIndex,
+    claims: &LabelIndex,
+) -> Bits {
+    if compiled.predicates.is_empty() {
+        return within.clone();
+    }
+    let mut out = Bits::default();
+    for p in &compiled.predicates {
+        let by_labels = p.labels.matching(within, labels);
+        out.unite(&p.claims.matching(&by_labels, claims));
+    }
+    out
 }
 
 #[cfg(test)]
@@ -818,6 +887,9 @@ mod tests {
         let mut labels = json!({ "region": region, "tier": tier });
         if rng.random_bool(0.7) {
             labels["cluster.open-cluster-management.io/clusterset"] = "default".into();
+        }
+        if rng.random_bool(0.4) {
+            labels["gpu"] = ["a100", "h100", ""][rng.random_range(0..3)].into();
         }
         let taints = match rng.random_range(0..6) {
             0 => {
@@ -854,6 +926,16 @@ mod tests {
             json!({}),
             json!({"predicates": [{"requiredClusterSelector": {"labelSelector": {"matchLabels": {"region": "eu"}}}}]}),
             json!({"numberOfClusters": 3}),
+            // Every operator, and predicates ORed: what the label and claim indexes answer.
+            json!({"predicates": [
+                {"requiredClusterSelector": {"labelSelector": {"matchExpressions": [
+                    {"key": "region", "operator": "NotIn", "values": ["us"]},
+                    {"key": "gpu", "operator": "Exists"}]}}},
+                {"requiredClusterSelector": {
+                    "labelSelector": {"matchExpressions": [{"key": "gpu", "operator": "DoesNotExist"}]},
+                    "claimSelector": {"matchExpressions": [{"key": "tier.example.com", "operator": "NotIn", "values": ["gold"]}]}}}]}),
+            json!({"predicates": [{"requiredClusterSelector": {"labelSelector": {"matchExpressions": [
+                {"key": "gpu", "operator": "In", "values": ["a100", "h100"]}]}}}]}),
             json!({"numberOfClusters": 2, "tolerations": [{"key": "cluster.open-cluster-management.io/unreachable", "operator": "Exists", "tolerationSeconds": 10}]}),
             json!({"clusterSets": ["eu"], "predicates": [{"requiredClusterSelector": {"claimSelector": {"matchExpressions": [{"key": "tier.example.com", "operator": "In", "values": ["gold"]}]}}}]}),
             json!({"numberOfClusters": 2, "prioritizerPolicy": {"mode": "Exact", "configurations": [{"scoreCoordinate": {"type": "BuiltIn", "builtIn": "ResourceAllocatableCPU"}}]}}),

@@ -2,8 +2,14 @@
 //! `DoesNotExist`), compiled once per placement and matched against a cluster's labels or its
 //! claims. The semantics are apimachinery's: requirements are ANDed, an empty selector matches
 //! everything, and `NotIn` / `DoesNotExist` match a cluster without the key.
+//!
+//! A selector matches one map ([`Selector::matches_map`]) or, through a [`LabelIndex`] of every
+//! cluster's labels (or claims), a whole set of clusters at once ([`Selector::matching`]): the
+//! clusters holding each key and value are looked up, not each cluster's map visited.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+
+use super::fleet::{Bits, ClusterId};
 
 use flotilla_proto::api::ClusterClaimSelector;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
@@ -101,6 +107,106 @@ impl Selector {
     pub fn keys(&self) -> impl Iterator<Item = &str> {
         self.requirements.iter().map(|r| r.key.as_str())
     }
+
+    /// The clusters of `within` whose maps, as `index` holds them, match: for every cluster
+    /// of `within`, the same answer as [`Selector::matches_map`] on its map.
+    pub fn matching(&self, within: &Bits, index: &LabelIndex) -> Bits {
+        if self.nothing {
+            return Bits::default();
+        }
+        let mut out = within.clone();
+        for r in &self.requirements {
+            match &r.op {
+                Op::In(values) => out.intersect(&index.holding(&r.key, Some(values))),
+                Op::NotIn(values) => out.subtract(&index.holding(&r.key, Some(values))),
+                Op::Exists => out.intersect(&index.holding(&r.key, None)),
+                Op::DoesNotExist => out.subtract(&index.holding(&r.key, None)),
+            }
+        }
+        out
+    }
+}
+
+/// Every cluster's labels (or claims), inverted: for each key, for each of its values, the
+/// clusters that hold it. Memory follows the labels held (an entry per cluster and label),
+/// not the fleet's size times the distinct values.
+#[derive(Debug, Default)]
+pub struct LabelIndex {
+    keys: HashMap<String, HashMap<String, HashSet<ClusterId>>>,
+}
+
+impl LabelIndex {
+    /// Cluster `id` now holds `map`, where it held `before`.
+    pub fn update(
+        &mut self,
+        id: ClusterId,
+        before: Option<&BTreeMap<String, String>>,
+        map: Option<&BTreeMap<String, String>>,
+    ) {
+        if before == map {
+            return;
+        }
+        for (k, v) in before.into_iter().flatten() {
+            if map.and_then(|m| m.get(k)) == Some(v) {
+                continue;
+            }
+            let Some(values) = self.keys.get_mut(k) else {
+                continue;
+            };
+            if let Some(ids) = values.get_mut(v) {
+                ids.remove(&id);
+                if ids.is_empty() {
+                    values.remove(v);
+                }
+            }
+            if values.is_empty() {
+                self.keys.remove(k);
+            }
+        }
+        for (k, v) in map.into_iter().flatten() {
+            if before.and_then(|m| m.get(k)) == Some(v) {
+                continue;
+            }
+            self.keys
+                .entry(k.clone())
+                .or_default()
+                .entry(v.clone())
+                .or_default()
+                .insert(id);
+        }
+    }
+
+    /// Bytes held, roughly: each key and value with an allocation's overhead, a hash slot per
+    /// cluster holding it.
+    pub fn approximate_bytes(&self) -> usize {
+        self.keys
+            .iter()
+            .map(|(k, values)| {
+                k.len()
+                    + 48
+                    + values
+                        .iter()
+                        .map(|(v, ids)| v.len() + 48 + ids.capacity() * 16)
+                        .sum::<usize>()
+            })
+            .sum()
+    }
+
+    /// The clusters holding `key` with one of `values`, or with any value when `None`.
+    fn holding(&self, key: &str, values: Option<&BTreeSet<String>>) -> Bits {
+        let mut out = Bits::default();
+        let Some(by_value) = self.keys.get(key) else {
+            return out;
+        };
+        let sets: Vec<&HashSet<ClusterId>> = match values {
+            Some(values) => values.iter().filter_map(|v| by_value.get(v)).collect(),
+            None => by_value.values().collect(),
+        };
+        for id in sets.into_iter().flatten() {
+            out.set(*id, true);
+        }
+        out
+    }
 }
 
 fn requirement(r: &LabelSelectorRequirement) -> Result<Requirement, String> {
@@ -163,6 +269,45 @@ mod tests {
             compiled.matches_map(&labels(object)),
             expected,
             "{selector:?} on {object:?}"
+        );
+        // The same answer through the index, for a cluster among others that hold every
+        // other combination of the keys.
+        let mut index = LabelIndex::default();
+        let mut within = Bits::default();
+        let others = [
+            labels(&[]),
+            labels(&[("region", "eu"), ("tier", "gold"), ("gpu", "a100")]),
+            labels(&[("region", "us")]),
+        ];
+        for (id, map) in others.iter().chain([&labels(object)]).enumerate() {
+            index.update(id, None, Some(map));
+            within.set(id, true);
+        }
+        let matched = compiled.matching(&within, &index);
+        assert_eq!(
+            matched.get(others.len()),
+            expected,
+            "{selector:?} on {object:?}, indexed"
+        );
+        for (id, map) in others.iter().enumerate() {
+            assert_eq!(
+                matched.get(id),
+                compiled.matches_map(map),
+                "{selector:?} on {map:?}, indexed"
+            );
+        }
+        // A cluster whose labels change leaves the index as it was.
+        index.update(
+            others.len(),
+            Some(&labels(object)),
+            Some(&labels(&[("other", "x")])),
+        );
+        let again = compiled.matching(&within, &index);
+        let bare = compiled.matches_map(&labels(&[("other", "x")]));
+        assert_eq!(
+            again.get(others.len()),
+            bare,
+            "{selector:?} after a change, indexed"
         );
     }
 
