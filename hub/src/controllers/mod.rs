@@ -47,7 +47,7 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 /// Default of [`ControllerConfig::write_concurrency`].
-pub const DEFAULT_WRITE_CONCURRENCY: usize = 16;
+pub const DEFAULT_WRITE_CONCURRENCY: usize = 64;
 /// Default of [`ControllerConfig::queue_capacity`].
 pub const DEFAULT_QUEUE_CAPACITY: usize = 4096;
 /// Default of [`ControllerConfig::batch`].
