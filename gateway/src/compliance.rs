@@ -396,6 +396,7 @@ mod tests {
         tokio::spawn(desired.clone().run(
             store.clone(),
             Arc::new(crate::registry::Registry::default()),
+            finalizers.clone(),
             ShardView::all_views(),
             stop.clone(),
         ));

@@ -14,8 +14,9 @@ use flotilla_proto::contract::WORK_CLEANUP_FINALIZER;
 use flotilla_proto::session::{Delivered, DesiredWork};
 use flotilla_store::{Basis, Object, Revision, Store, WatchEvent, namespace_of};
 use tokio::sync::watch;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
+use crate::finalizers::CleanupFinalizers;
 use crate::locks::{read, write};
 use crate::mailbox::WorkChange;
 use crate::registry::Registry;
@@ -241,16 +242,20 @@ impl DesiredState {
     /// Keeps the cache in step with the store's works in the shards `shards` says this gateway
     /// holds, until `stop` fires (see [`follow_shards`]). Changes go to the sessions of the
     /// clusters they concern.
+    /// Deleted works that no agent ever reported on, while their cluster has no session here,
+    /// go to `finalizers` to be let go at once (see [`let_go_if_unheard`]).
     pub async fn run(
         self: Arc<Self>,
         store: Arc<dyn Store>,
         registry: Arc<Registry>,
+        finalizers: Arc<CleanupFinalizers>,
         shards: ShardViews,
         stop: watch::Receiver<bool>,
     ) {
         let target = Reflecting {
             state: &self,
             registry: &registry,
+            finalizers: &finalizers,
             store: store.as_ref(),
         };
         follow_shards(Kind::ManifestWork, store.as_ref(), &target, shards, stop).await;
@@ -262,6 +267,7 @@ impl DesiredState {
         items: Vec<Object>,
         set: &ShardSet,
         registry: &Registry,
+        finalizers: &CleanupFinalizers,
         store: &dyn Store,
     ) {
         let mut fresh: HashMap<String, HashMap<String, DesiredWork>> = HashMap::new();
@@ -275,6 +281,7 @@ impl DesiredState {
             }
             self.note_basis(&obj);
             if self.note_terminating(&obj) {
+                let_go_if_unheard(&obj, registry, finalizers);
                 continue;
             }
             if let Some(w) = desired_work(obj) {
@@ -323,7 +330,13 @@ impl DesiredState {
         write(&self.bases).retain(|_, (ns, _)| set.has_cluster(ns));
     }
 
-    async fn apply(&self, event: WatchEvent, registry: &Registry, store: &dyn Store) {
+    async fn apply(
+        &self,
+        event: WatchEvent,
+        registry: &Registry,
+        finalizers: &CleanupFinalizers,
+        store: &dyn Store,
+    ) {
         match &event {
             WatchEvent::Added(obj) | WatchEvent::Modified(obj) => self.note_basis(obj),
             WatchEvent::Deleted(obj) => {
@@ -335,6 +348,7 @@ impl DesiredState {
         match event {
             WatchEvent::Added(obj) | WatchEvent::Modified(obj) if self.note_terminating(&obj) => {
                 // Deleted on the hub, held by a finalizer: the agent removes its resources now.
+                let_go_if_unheard(&obj, registry, finalizers);
                 let Some(w) = desired_work(obj) else { return };
                 let removed = {
                     let mut works = write(&self.works);
@@ -376,10 +390,39 @@ impl DesiredState {
     }
 }
 
+/// A work deleted on the hub and held by its cleanup finalizer that no agent ever reported on
+/// (its status has no condition and no manifest's status), while its cluster has no session
+/// here: its finalizer goes at once, as it would never have been added had the gateway added
+/// it on the agent's acknowledgement (the hub puts it on the works it creates). An agent that
+/// connects later and holds the work anyway is told in its sync that the work is gone, and
+/// removes it. A cluster with a session hears of the deletion now, and its agent releases
+/// the work, held or not.
+fn let_go_if_unheard(obj: &Object, registry: &Registry, finalizers: &CleanupFinalizers) {
+    let meta = &obj["metadata"];
+    let (Some(cluster), Some(uid)) = (meta["namespace"].as_str(), meta["uid"].as_str()) else {
+        return;
+    };
+    let held = meta["finalizers"]
+        .as_array()
+        .is_some_and(|f| f.iter().any(|f| f == WORK_CLEANUP_FINALIZER));
+    let status = &obj["status"];
+    let reported = status["conditions"]
+        .as_array()
+        .is_some_and(|c| !c.is_empty())
+        || status["resourceStatus"]["manifests"]
+            .as_array()
+            .is_some_and(|m| !m.is_empty());
+    if held && !reported && registry.get(cluster).is_none() {
+        debug!(cluster, work_uid = %uid, "deleted work no agent reported on: its finalizer goes");
+        finalizers.release(cluster, uid, None);
+    }
+}
+
 /// The desired state and the sessions it feeds, as one [`Reflector`].
 struct Reflecting<'a> {
     state: &'a DesiredState,
     registry: &'a Registry,
+    finalizers: &'a CleanupFinalizers,
     store: &'a dyn Store,
 }
 
@@ -387,7 +430,7 @@ struct Reflecting<'a> {
 impl ShardCache for Reflecting<'_> {
     async fn replace(&self, items: Vec<Object>, set: &ShardSet) {
         self.state
-            .replace(items, set, self.registry, self.store)
+            .replace(items, set, self.registry, self.finalizers, self.store)
             .await;
     }
     async fn apply(&self, event: WatchEvent, set: &ShardSet) {
@@ -395,7 +438,9 @@ impl ShardCache for Reflecting<'_> {
         if !namespace_of(event.object()).is_some_and(|ns| set.has_cluster(ns)) {
             return;
         }
-        self.state.apply(event, self.registry, self.store).await;
+        self.state
+            .apply(event, self.registry, self.finalizers, self.store)
+            .await;
     }
     async fn retain(&self, set: &ShardSet) {
         self.state.retain(set).await;
@@ -663,6 +708,7 @@ mod tests {
         tokio::spawn(desired.clone().run(
             store.clone(),
             Arc::new(Registry::default()),
+            CleanupFinalizers::for_tests(),
             views,
             stop,
         ));

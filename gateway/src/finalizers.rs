@@ -1,9 +1,11 @@
-//! The cleanup finalizer on ManifestWorks ([`WORK_CLEANUP_FINALIZER`], OCM's name): added once
-//! the agent has acknowledged a work, removed once the agent reports it released
-//! (`WorkReleased`: everything it applied is gone from the spoke, or orphaned as its
-//! deleteOption says). In between, a deleted work stays on the hub, its `Deleting` condition
-//! showing how the removal goes; a work no agent ever acknowledged carries no finalizer and is
-//! deleted at once.
+//! The cleanup finalizer on ManifestWorks ([`WORK_CLEANUP_FINALIZER`], OCM's name): put on by
+//! the hub on the works it creates (its API, its ManifestWorkReplicaSets), or added here once
+//! the agent has acknowledged a work created around the hub (`kubectl` on the kube store);
+//! removed once the agent reports it released (`WorkReleased`: everything it applied is gone
+//! from the spoke, or orphaned as its deleteOption says). In between, a deleted work stays on
+//! the hub, its `Deleting` condition showing how the removal goes. A deleted work that no
+//! agent ever reported on, while its cluster has no session, is let go at once (the desired
+//! state's `let_go_if_unheard`); one without the finalizer is deleted at once.
 //!
 //! A hold writes the work as the gateway's watch cache last saw it, conditioned on that
 //! version, so it costs one request, not a read and a write; a copy out of date makes it a
@@ -129,6 +131,18 @@ impl CleanupFinalizers {
                 change: Change::Release { reporter },
             },
         );
+    }
+
+    /// A writer for tests, with a generous budget, acting for every shard.
+    #[cfg(test)]
+    pub fn for_tests() -> Arc<CleanupFinalizers> {
+        CleanupFinalizers::new(
+            Arc::new(WriteBudget::new(1000.0, 1000)),
+            4,
+            watch::channel(Arc::new(crate::shards::ShardView::all(64))).1,
+            Fencing::default(),
+            WorkBases::new(),
+        )
     }
 
     /// Changes waiting to be written.
@@ -397,19 +411,14 @@ mod tests {
             let uid = created["metadata"]["uid"].as_str().unwrap().to_owned();
             let desired = DesiredState::new();
             let (stop_tx, stop) = watch::channel(false);
+            let finalizers = CleanupFinalizers::for_tests();
             tokio::spawn(desired.clone().run(
                 store.clone(),
                 Arc::new(Registry::default()),
+                finalizers.clone(),
                 ShardView::all_views(),
                 stop.clone(),
             ));
-            let finalizers = CleanupFinalizers::new(
-                Arc::new(WriteBudget::new(1000.0, 1000)),
-                4,
-                watch::channel(Arc::new(ShardView::all(64))).1,
-                Fencing::default(),
-                WorkBases::new(),
-            );
             Fixture {
                 _dir: dir,
                 store,
@@ -463,6 +472,19 @@ mod tests {
             [WORK_CLEANUP_FINALIZER]
         );
 
+        // The agent applied it and reported so.
+        store
+            .update_status(
+                Kind::ManifestWork,
+                Some("store-1"),
+                "web",
+                json!({"conditions": [{"type": "Applied", "status": "True", "reason": "AppliedManifestWorkComplete",
+                                        "message": "applied", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}),
+                None,
+            )
+            .await
+            .unwrap();
+
         // Deleted: it stays, marked.
         store
             .delete(Kind::ManifestWork, Some("store-1"), "web")
@@ -490,6 +512,47 @@ mod tests {
             .expect("the release acknowledged");
         assert_eq!(reporter.take().release_acks, [uid]);
         assert!(stored().await.is_none(), "gone once released");
+        let _ = stop_tx.send(true);
+    }
+
+    /// A work the hub created with its cleanup finalizer and deleted before any agent reported
+    /// on it, while its cluster has no session, goes at once: nobody is asked to release it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_deleted_work_no_agent_reported_on_goes_at_once() {
+        let Fixture {
+            _dir,
+            store,
+            uid: _,
+            desired,
+            stop_tx,
+            stop,
+            finalizers,
+        } = Fixture::new().await;
+        tokio::spawn(
+            finalizers
+                .clone()
+                .run(store.clone(), desired.clone(), stop.clone()),
+        );
+        store
+            .create(json!({
+                "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
+                "metadata": {"name": "api", "namespace": "store-1", "finalizers": [WORK_CLEANUP_FINALIZER]},
+                "spec": {"workload": {"manifests": [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "y"}}]}},
+            }))
+            .await
+            .unwrap();
+        store
+            .delete(Kind::ManifestWork, Some("store-1"), "api")
+            .await
+            .unwrap();
+        eventually("the unheard work gone", || async {
+            store
+                .get(Kind::ManifestWork, Some("store-1"), "api")
+                .await
+                .unwrap()
+                .is_none()
+        })
+        .await;
         let _ = stop_tx.send(true);
     }
 

@@ -375,6 +375,7 @@ impl Gateway {
                 .run(
                     shared.store.clone(),
                     shared.registry.clone(),
+                    shared.finalizers.clone(),
                     shared.shards.subscribe(),
                     stop_rx.clone(),
                 )

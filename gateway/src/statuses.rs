@@ -473,6 +473,7 @@ mod tests {
         tokio::spawn(desired.clone().run(
             store.clone(),
             registry.clone(),
+            crate::finalizers::CleanupFinalizers::for_tests(),
             crate::shards::ShardView::all_views(),
             stop.clone(),
         ));
@@ -542,6 +543,7 @@ mod tests {
         tokio::spawn(desired.clone().run(
             store.clone(),
             registry,
+            crate::finalizers::CleanupFinalizers::for_tests(),
             crate::shards::ShardView::all_views(),
             stop.clone(),
         ));

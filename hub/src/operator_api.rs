@@ -442,6 +442,9 @@ async fn write(s: ApiState, how: Write, path: &ResourcePath, mut body: Value) ->
         return store_error(e);
     }
     crate::controllers::shard_labels::stamp(&mut body, s.shards);
+    if how == Write::Create && kind == Kind::ManifestWork {
+        crate::controllers::with_cleanup_finalizer(&mut body);
+    }
     let result = match how {
         Write::Create => s.store.create(body).await,
         Write::Replace => s.store.update_spec(body).await,
@@ -1092,6 +1095,11 @@ mod tests {
         let (status, got) = call(&s, "GET", &format!("{works}/web"), None).await;
         assert_eq!(status, StatusCode::OK);
         assert_eq!(got["metadata"]["namespace"], "store-7");
+        // Created by the hub: held for its agent's cleanup from the start.
+        assert_eq!(
+            got["metadata"]["finalizers"],
+            json!([flotilla_proto::contract::WORK_CLEANUP_FINALIZER])
+        );
         let (status, list) = call(&s, "GET", works, None).await;
         assert_eq!(
             (status, list["items"].as_array().map(Vec::len)),
@@ -1139,6 +1147,16 @@ mod tests {
 
         let (status, _) = call(&s, "DELETE", &format!("{works}/web"), None).await;
         assert_eq!(status, StatusCode::OK);
+        // Held by its cleanup finalizer (no gateway here to let it go), then let go.
+        let (status, mut got) = call(&s, "GET", &format!("{works}/web"), None).await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(got["metadata"]["deletionTimestamp"].is_string(), "{got}");
+        got["metadata"]["finalizers"] = json!([]);
+        if let Some(o) = got.as_object_mut() {
+            o.remove("status");
+        }
+        let (status, got) = call(&s, "PUT", &format!("{works}/web"), Some(got)).await;
+        assert_eq!(status, StatusCode::OK, "{got}");
         let (status, got) = call(&s, "GET", &format!("{works}/web"), None).await;
         assert_eq!(status, StatusCode::NOT_FOUND);
         assert_eq!(got["message"], "ManifestWork store-7/web not found");

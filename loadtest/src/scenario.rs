@@ -786,9 +786,9 @@ impl Run {
         Ok(back && converged)
     }
 
-    /// Waits until every work of the run's clusters carries the cleanup finalizer: the
-    /// gateways add it (paced) once the agent has acknowledged the work, so after this no
-    /// write for them is pending.
+    /// Waits until every work of the run's clusters carries the cleanup finalizer: the hub
+    /// puts it on the works it creates, and the gateways add it (paced) to any other once the
+    /// agent has acknowledged it, so after this no write for them is pending.
     async fn wait_finalizers_held(&self, clock: &Clock) -> anyhow::Result<()> {
         let ours: HashSet<&str> = self.identities.iter().map(|i| i.name.as_str()).collect();
         loop {

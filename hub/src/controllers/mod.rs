@@ -46,6 +46,30 @@ use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
+/// Puts OCM's cleanup finalizer ([`WORK_CLEANUP_FINALIZER`]) on a ManifestWork the hub is
+/// about to create (through its API, or for a ManifestWorkReplicaSet), so that its deletion
+/// waits for the agent's release without the gateway writing the work once more when the agent
+/// acknowledges it. A gateway lets a deleted work go at once when no agent ever reported on it
+/// (see the gateway's finalizers).
+pub fn with_cleanup_finalizer(work: &mut flotilla_store::Object) {
+    use flotilla_proto::contract::WORK_CLEANUP_FINALIZER;
+    use serde_json::Value;
+    let Some(meta) = work.get_mut("metadata").and_then(Value::as_object_mut) else {
+        return;
+    };
+    let finalizers = meta
+        .entry("finalizers")
+        .or_insert_with(|| Value::Array(Vec::new()));
+    if finalizers.is_null() {
+        *finalizers = Value::Array(Vec::new());
+    }
+    if let Some(list) = finalizers.as_array_mut()
+        && !list.iter().any(|f| f == WORK_CLEANUP_FINALIZER)
+    {
+        list.push(Value::String(WORK_CLEANUP_FINALIZER.to_owned()));
+    }
+}
+
 /// Default of [`ControllerConfig::write_concurrency`].
 pub const DEFAULT_WRITE_CONCURRENCY: usize = 64;
 /// Default of [`ControllerConfig::queue_capacity`].

@@ -856,6 +856,9 @@ async fn apply_work(
     // the shard labeller.
     super::shard_labels::stamp(&mut work, shards);
     if !exists {
+        // Held for its agent's cleanup from the start (no write when the agent acknowledges).
+        let mut work = work.clone();
+        super::with_cleanup_finalizer(&mut work);
         match store.create(work).await {
             Ok(created) => {
                 debug!(replica_set = %key, cluster, "ManifestWork created");
@@ -1378,6 +1381,13 @@ mod tests {
         );
         let works = store.inner.list(Kind::ManifestWork, None).await.unwrap();
         assert_eq!(works.items.len(), 4, "one work per cluster");
+        for w in &works.items {
+            assert_eq!(
+                w["metadata"]["finalizers"],
+                json!([flotilla_proto::contract::WORK_CLEANUP_FINALIZER]),
+                "created held for its agent's cleanup: {w}"
+            );
+        }
 
         stop_tx.send(true).unwrap();
         controller.await.unwrap();

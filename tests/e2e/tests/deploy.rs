@@ -685,7 +685,7 @@ async fn rbac_covers_every_call_the_code_makes() -> anyhow::Result<()> {
             verb,
             works.clone(),
             None,
-            "the cleanup finalizer, added on the agent's ack and removed on its release",
+            "the cleanup finalizer, added on the agent's ack (works created around the hub) and removed on its release",
         ));
     }
     for verb in ["get", "list", "watch"] {

@@ -1,8 +1,10 @@
 //! A deleted ManifestWork stays on the hub until its agent has cleaned the spoke, as OCM's
 //! cleanup finalizer (`cluster.open-cluster-management.io/manifest-work-cleanup`) keeps it:
-//! the gateway adds the finalizer when the agent acknowledges the work and removes it when the
-//! agent reports the work released. Real hub apiserver (kube backend, every read through it),
-//! real spoke apiserver, real agent process.
+//! the hub puts the finalizer on the works it creates (a work created around it, with
+//! `kubectl`, gets it from the gateway when the agent acknowledges the work), and the gateway
+//! removes it when the agent reports the work released, or at once when no agent ever
+//! reported on the work. Real hub apiserver (kube backend, every read through it), real spoke
+//! apiserver, real agent process.
 
 use std::path::Path;
 use std::time::Duration;
@@ -91,13 +93,37 @@ async fn wait_work_gone(fleet: &Fleet, why: &str) -> anyhow::Result<()> {
     .await
 }
 
+/// How a test's work is created.
+#[derive(Clone, Copy, PartialEq)]
+enum Created {
+    /// `flotilla apply`: the hub creates it, with its cleanup finalizer.
+    ThroughTheHub,
+    /// `kubectl apply` on the hub's apiserver: the gateway adds the finalizer on the ack.
+    AroundTheHub,
+}
+
+/// Creates the test's work in `cluster1` the way `how` says.
+fn create_work(fleet: &Fleet, dir: &Path, how: Created) -> anyhow::Result<()> {
+    match how {
+        // `kubectl apply` on the kube-backed fleet's apiserver.
+        Created::AroundTheHub => fleet.apply_value(dir, &work()),
+        Created::ThroughTheHub => {
+            let path = dir.join("work-through-the-hub.json");
+            std::fs::write(&path, serde_json::to_vec(&work())?)?;
+            fleet.cli(&["apply", "-f", path.to_str().unwrap_or_default()])?;
+            Ok(())
+        }
+    }
+}
+
 /// A kube-backed fleet with `cluster1`, its agent (short retries, so a delete the spoke held
-/// is tried again soon after it is let go), and the work applied and held by its finalizer.
-async fn fleet_with_held_work(dir: &Path) -> anyhow::Result<(Fleet, Spoke, Proc)> {
+/// is tried again soon after it is let go), and the work created as `how` says, applied and
+/// held by its finalizer.
+async fn fleet_with_held_work(dir: &Path, how: Created) -> anyhow::Result<(Fleet, Spoke, Proc)> {
     let fleet = Fleet::start(dir, true).await?;
     let spoke = Spoke::start(dir, &fleet.hub, "cluster1").await?;
     let agent = spoke.start_agent(dir, &fleet.hub, &["--resync-interval=2s"])?;
-    fleet.apply_value(dir, &work())?;
+    create_work(&fleet, dir, how)?;
     fleet.wait_applied("cluster1", WORK).await?;
     wait_for(
         "the cleanup finalizer on the acknowledged work",
@@ -111,7 +137,7 @@ async fn fleet_with_held_work(dir: &Path) -> anyhow::Result<(Fleet, Spoke, Proc)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deleted_work_stays_on_the_hub_until_the_spoke_is_clean() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let (fleet, spoke, _agent) = fleet_with_held_work(dir.path()).await?;
+    let (fleet, spoke, _agent) = fleet_with_held_work(dir.path(), Created::ThroughTheHub).await?;
     assert!(spoke.config_map("default", "settings").await?.is_some());
 
     // Something on the spoke holds the ConfigMap's deletion.
@@ -169,7 +195,8 @@ async fn a_deleted_work_stays_on_the_hub_until_the_spoke_is_clean() -> anyhow::R
 async fn a_work_deleted_while_its_agent_is_away_goes_once_the_agent_is_back_and_clean()
 -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let (fleet, spoke, mut agent) = fleet_with_held_work(dir.path()).await?;
+    // Created around the hub: held by the finalizer the gateway added on the agent's ack.
+    let (fleet, spoke, mut agent) = fleet_with_held_work(dir.path(), Created::AroundTheHub).await?;
 
     agent.signal_and_wait(Signal::SIGKILL);
     delete_work(&fleet)?;
@@ -207,15 +234,24 @@ async fn a_work_deleted_while_its_agent_is_away_goes_once_the_agent_is_back_and_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_work_no_agent_acknowledged_is_deleted_at_once() -> anyhow::Result<()> {
+async fn a_work_no_agent_reported_on_is_not_held_for_one() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let fleet = Fleet::start(dir.path(), true).await?;
     // Registered, but its agent never connects.
     let _spoke = Spoke::start(dir.path(), &fleet.hub, "cluster1").await?;
-    fleet.apply_value(dir.path(), &work())?;
+
+    // Created by the hub, it carries its finalizer from the start; deleted, the gateway lets
+    // it go, since no agent ever reported on it.
+    create_work(&fleet, dir.path(), Created::ThroughTheHub)?;
+    let stored = stored_work(&fleet).await?.expect("the work is stored");
+    assert!(has_cleanup_finalizer(&stored), "{stored}");
+    delete_work(&fleet)?;
+    wait_work_gone(&fleet, "the work no agent reported on let go").await?;
+
+    // Created around the hub, nothing holds it: deleted at once.
+    create_work(&fleet, dir.path(), Created::AroundTheHub)?;
     let stored = stored_work(&fleet).await?.expect("the work is stored");
     assert!(!has_cleanup_finalizer(&stored), "{stored}");
-
     delete_work(&fleet)?;
     assert!(
         stored_work(&fleet).await?.is_none(),
@@ -227,7 +263,8 @@ async fn a_work_no_agent_acknowledged_is_deleted_at_once() -> anyhow::Result<()>
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_orphan_decommission_of_an_offline_cluster_leaves_no_work_held() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let (fleet, spoke, mut agent) = fleet_with_held_work(dir.path()).await?;
+    let (fleet, spoke, mut agent) =
+        fleet_with_held_work(dir.path(), Created::ThroughTheHub).await?;
     // Offline for good: no agent will ever release the work.
     agent.signal_and_wait(Signal::SIGKILL);
     let out = fleet.hub.cli(&[
