@@ -194,6 +194,21 @@ async fn a_ci_sized_kube_run_compares_flotilla_with_the_klusterlet_baseline() {
         "flotilla's connect is the connect scenario's"
     );
     assert_eq!(b.flotilla.fanout, fanout.apiserver);
+    // The hub created the works with their cleanup finalizer: the agents' acks cost no write
+    // of the work, only its create and its status.
+    let f_fanout = b.flotilla.fanout.as_ref().unwrap();
+    let by = |key: &str| {
+        f_fanout
+            .requests_by_verb_resource
+            .get(key)
+            .copied()
+            .unwrap_or(0)
+    };
+    assert_eq!(
+        (by("POST manifestworks"), by("PUT manifestworks")),
+        (n, 0),
+        "one create per work, no finalizer write: {f_fanout:?}"
+    );
     let k = &b.klusterlet;
     let k_fanout = k.fanout.as_ref().unwrap();
     assert!(
