@@ -176,6 +176,19 @@ fn queue_key(cluster: &str, uid: &str) -> String {
     format!("{cluster}/{uid}")
 }
 
+/// Most works remembered as needing a fresh read before their next hold.
+const MAX_STALE: usize = 4096;
+
+/// Records that `uid`'s next hold reads the work first, within [`MAX_STALE`]: when full, the
+/// others are forgotten, and their next holds try the cached copy once more (a conflict again
+/// at worst).
+fn remember_stale(stale: &mut HashSet<String>, uid: &str) {
+    if stale.len() >= MAX_STALE {
+        stale.clear();
+    }
+    stale.insert(uid.to_owned());
+}
+
 /// Writes finalizer changes to the store.
 struct ToStore<'a> {
     store: &'a dyn Store,
@@ -183,7 +196,8 @@ struct ToStore<'a> {
     fencing: &'a Fencing,
     bases: &'a WorkBases,
     /// Works whose hold was refused as a conflict on the watch cache's copy: their next hold
-    /// reads the work first. Bounded by the holds waiting.
+    /// reads the work first. At most [`MAX_STALE`]: a uid whose retry never came (its shard
+    /// went elsewhere) would otherwise stay for the writer's life.
     stale: SyncMutex<HashSet<String>>,
 }
 
@@ -214,7 +228,7 @@ impl StoreWrite<Pending> for ToStore<'_> {
                 };
                 let held = hold(&fenced, seen, &p.cluster, name, &p.uid).await;
                 if matches!(held, Err(StoreError::Conflict { .. })) {
-                    lock(&self.stale).insert(p.uid.clone());
+                    remember_stale(&mut lock(&self.stale), &p.uid);
                 } else {
                     lock(&self.stale).remove(&p.uid);
                 }
@@ -513,6 +527,18 @@ mod tests {
         assert_eq!(reporter.take().release_acks, [uid]);
         assert!(stored().await.is_none(), "gone once released");
         let _ = stop_tx.send(true);
+    }
+
+    #[test]
+    fn the_works_to_read_first_are_bounded() {
+        let mut stale = HashSet::new();
+        for i in 0..MAX_STALE {
+            remember_stale(&mut stale, &format!("uid-{i}"));
+        }
+        assert_eq!(stale.len(), MAX_STALE);
+        remember_stale(&mut stale, "one-more");
+        assert_eq!(stale.len(), 1, "forgotten when full, the newest kept");
+        assert!(stale.contains("one-more"));
     }
 
     /// A work the hub created with its cleanup finalizer and deleted before any agent reported
