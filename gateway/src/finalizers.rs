@@ -443,24 +443,30 @@ mod tests {
                 finalizers,
             }
         }
+
+        /// Starts the finalizer writer on the fixture's store.
+        fn start_writer(&self) {
+            tokio::spawn(self.finalizers.clone().run(
+                self.store.clone(),
+                self.desired.clone(),
+                self.stop.clone(),
+            ));
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_held_work_is_deleted_only_once_its_agent_releases_it() {
+        let fixture = Fixture::new().await;
+        fixture.start_writer();
         let Fixture {
             _dir,
             store,
             uid,
             desired,
             stop_tx,
-            stop,
             finalizers,
-        } = Fixture::new().await;
-        tokio::spawn(
-            finalizers
-                .clone()
-                .run(store.clone(), desired.clone(), stop.clone()),
-        );
+            ..
+        } = fixture;
         let stored = || async {
             store
                 .get(Kind::ManifestWork, Some("store-1"), "web")
@@ -545,20 +551,9 @@ mod tests {
     /// on it, while its cluster has no session, goes at once: nobody is asked to release it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_deleted_work_no_agent_reported_on_goes_at_once() {
-        let Fixture {
-            _dir,
-            store,
-            uid: _,
-            desired,
-            stop_tx,
-            stop,
-            finalizers,
-        } = Fixture::new().await;
-        tokio::spawn(
-            finalizers
-                .clone()
-                .run(store.clone(), desired.clone(), stop.clone()),
-        );
+        let fixture = Fixture::new().await;
+        fixture.start_writer();
+        let store = &fixture.store;
         store
             .create(json!({
                 "apiVersion": "work.open-cluster-management.io/v1", "kind": "ManifestWork",
@@ -579,7 +574,7 @@ mod tests {
                 .is_none()
         })
         .await;
-        let _ = stop_tx.send(true);
+        let _ = fixture.stop_tx.send(true);
     }
 
     /// An acknowledged work takes its finalizer in one request: the work as the watch cache
