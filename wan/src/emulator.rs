@@ -305,55 +305,45 @@ impl EmulatedLink {
         let inside_tun = open_tun(&p.inside_if)?;
         let (host, inside) = (p.host.to_string(), p.inside.to_string());
         let (host_peer, inside_peer) = (format!("{host}/32"), format!("{inside}/32"));
-        for step in [
-            vec![
-                "addr",
-                "add",
-                &host,
-                "peer",
-                &inside_peer,
-                "dev",
-                &p.host_if,
-            ],
-            vec!["link", "set", &p.host_if, "up"],
-            vec!["link", "set", &p.inside_if, "netns", &p.namespace],
-            vec![
-                "-n",
-                &p.namespace,
-                "addr",
-                "add",
-                &inside,
-                "peer",
-                &host_peer,
-                "dev",
-                &p.inside_if,
-            ],
-            vec!["-n", &p.namespace, "link", "set", &p.inside_if, "up"],
-            vec![
-                "-n",
-                &p.namespace,
-                "route",
-                "add",
-                "default",
-                "dev",
-                &p.inside_if,
-            ],
-        ] {
-            ip(&step)?;
-        }
+        let [host_end, inside_end] = self.ends();
+        ip(&[
+            "addr",
+            "add",
+            &host,
+            "peer",
+            &inside_peer,
+            "dev",
+            &p.host_if,
+        ])?;
+        quiet_ipv6(&host_end);
+        ip(&["link", "set", &p.host_if, "up"])?;
+        ip(&["link", "set", &p.inside_if, "netns", &p.namespace])?;
+        ip(&[
+            "-n",
+            &p.namespace,
+            "addr",
+            "add",
+            &inside,
+            "peer",
+            &host_peer,
+            "dev",
+            &p.inside_if,
+        ])?;
+        // After the move: a device takes its new namespace's defaults there.
+        quiet_ipv6(&inside_end);
+        ip(&["-n", &p.namespace, "link", "set", &p.inside_if, "up"])?;
+        ip(&[
+            "-n",
+            &p.namespace,
+            "route",
+            "add",
+            "default",
+            "dev",
+            &p.inside_if,
+        ])?;
         if let Some(rate) = self.spec.rate {
             tbf(None, &p.host_if, rate)?;
             tbf(Some(&p.namespace), &p.inside_if, rate)?;
-        }
-        // Disabled IPv6 keeps the devices' own chatter (router solicitations, DAD) off the
-        // link, so its counters show what the probes and agents sent. A kernel without IPv6
-        // has no such chatter: the knob's absence is no error.
-        for end in self.ends() {
-            let knob = format!("net.ipv6.conf.{}.disable_ipv6=1", end.dev);
-            let _ = match &end.namespace {
-                None => run("sysctl", &["-qw", &knob], None),
-                Some(ns) => run("ip", &["netns", "exec", ns, "sysctl", "-qw", &knob], None),
-            };
         }
         // Connections from the namespace to `host` go on to this machine's loopback (the
         // table's `to_loopback`), which the kernel routes only where this knob allows it.
@@ -937,6 +927,20 @@ pub fn check_available() -> Result<(), LinkError> {
         ));
     }
     Ok(())
+}
+
+/// Disables IPv6 on one end of a link before it is brought up, so the device's own chatter
+/// (router solicitations, DAD, MLD reports, sent as it comes up) never reaches the link and
+/// its counters show only what the probes and agents sent. Disabled after the device is up,
+/// a packet of that chatter could already wait in the TUN device and be counted whenever
+/// the delay line first read it. A kernel without IPv6 has no such chatter: the knob's
+/// absence is no error.
+fn quiet_ipv6(end: &Receiver) {
+    let knob = format!("net.ipv6.conf.{}.disable_ipv6=1", end.dev);
+    let _ = match &end.namespace {
+        None => run("sysctl", &["-qw", &knob], None),
+        Some(ns) => run("ip", &["netns", "exec", ns, "sysctl", "-qw", &knob], None),
+    };
 }
 
 #[cfg(test)]

@@ -315,6 +315,8 @@ async fn a_service_beside_the_link_is_reached_without_crossing_it() {
     let relay = link.serve_beside(port).await.unwrap();
     assert_eq!(relay.port(), port);
     let (before_in, before_out) = (link.inbound(), link.outbound());
+    // The devices' own chatter (IPv6 comes up with them) never reaches the link.
+    assert_eq!((before_in.offered, before_out.offered), (0, 0));
     for round in 0..2 {
         let socket = link.inside(tokio::net::TcpSocket::new_v4).await.unwrap();
         let mut conn = socket
