@@ -177,7 +177,8 @@ impl Dialer {
 
     /// QUIC unless it failed recently or a proxy is in the way; gRPC when QUIC does not get
     /// through. A TLS or admission refusal over QUIC is returned as is: gRPC would meet the
-    /// same hub and the same answer.
+    /// same hub and the same answer. So is a gateway over its rate turning the connection
+    /// away: QUIC got through, and the agent comes back over it when told.
     async fn auto(&self, first: AgentFrame) -> Result<Dialed, LinkError> {
         if self.proxy.is_some() {
             return self.grpc(first).await;
@@ -194,7 +195,7 @@ impl Dialer {
                 *self.grpc_until.lock().await = None;
                 Ok(dialed)
             }
-            Err(e @ LinkError::Tls { .. }) => Err(e),
+            Err(e @ (LinkError::Tls { .. } | LinkError::TurnedAway { .. })) => Err(e),
             Err(e) => {
                 info!(
                     hub = %self.hub,

@@ -116,9 +116,10 @@ pub(crate) async fn drive(shared: Arc<Shared>, incoming: Incoming, session_id: S
             },
         );
     } else if let Some(retry_after) = peer.over_rate {
-        // Over the new-session rate (QUIC; over TCP the connection was turned away before
-        // TLS): told when to come back before any admission, sync or store work. Debug only:
-        // in a storm this is most connections.
+        // Over the new-session rate, a QUIC connection whose first packet the listener no
+        // longer remembered (the others, and every TCP one, were turned away before TLS):
+        // told when to come back before any admission, sync or store work. Debug only: in a
+        // storm this can be many connections.
         debug!(%carrier, ?retry_after, "session turned away: over the new-session rate");
         machine.drain(
             retry_after,

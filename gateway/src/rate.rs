@@ -8,9 +8,8 @@
 //! most `R·t + B` connections are let through to a session in any `t` seconds.
 //!
 //! What an attempt over the rate gets: not a drop, which would send its agent into a blind
-//! backoff and bring the herd back as a herd, but a retry-after. The connection still gets its
-//! handshake (the refusal travels in a TLS session), and the session on it is drained at once,
-//! before any admission, sync or store work. The retry-afters are the bucket's own future
+//! backoff and bring the herd back as a herd, but a retry-after, told before any TLS work
+//! (`flotilla_transport::gate` says how on each carrier). The retry-afters are the bucket's own future
 //! slots, one interval apart, so the refused agents come back at the rate rather than
 //! together, and find tokens when they do.
 

@@ -6,11 +6,11 @@
 //!
 //! A connection over the rate is not dropped: dropping it would send its agent into a blind
 //! backoff, and the herd would come back as a herd. It is told when to come back, with the
-//! retry-after the gate chose. Over TCP that happens before any TLS work: the gateway writes
-//! one line in the clear and closes ([`crate::turn_away`]). Over QUIC it still gets its
-//! handshake (quinn refuses a connection before its handshake only without a reason, so
-//! without a retry-after), and the session on it is drained at once, before any admission or
-//! sync work.
+//! retry-after the gate chose, before any TLS work. Over TCP the gateway writes one line in
+//! the clear and closes ([`crate::turn_away`]); over QUIC it answers the agent's first packet
+//! with a close carrying the same line ([`crate::quic_turn_away`]), or, when that packet is no
+//! longer remembered, lets the handshake happen and drains the session at once, before any
+//! admission or sync work.
 //!
 //! A gateway that cannot serve any session yet and cannot say when it will (it has not read who
 //! owns what) says [`Entry::NotReady`]: the connection is closed at once, before any TLS work.
@@ -39,8 +39,8 @@ use crate::link::Carrier;
 pub enum Entry {
     /// Within the rate: the connection goes on to its handshake and its session as usual.
     Admitted,
-    /// Over the rate: its agent is told to come back after `retry_after` (TCP: turned away
-    /// before TLS; QUIC: the session is drained at once after its handshake).
+    /// Over the rate: its agent is told to come back after `retry_after`, before TLS on both
+    /// carriers (see the module doc).
     OverRate { retry_after: Duration },
     /// Nothing could be served on it yet: the connection is closed before its handshake.
     NotReady,

@@ -29,6 +29,7 @@ pub mod identity;
 mod link;
 pub mod listen;
 pub mod quic;
+pub mod quic_turn_away;
 pub mod relay;
 pub mod tls;
 pub mod turn_away;

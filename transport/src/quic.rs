@@ -19,7 +19,7 @@ use bytes::Bytes;
 use flotilla_proto::wire::{AgentFrame, HubFrame};
 use futures::{SinkExt as _, StreamExt as _};
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
-use quinn::{Connection, Endpoint, VarInt};
+use quinn::{Connection, Endpoint, Runtime as _, VarInt};
 use rustls_pki_types::CertificateDer;
 use tokio::sync::{Semaphore, mpsc, watch};
 use tokio::task::JoinSet;
@@ -31,6 +31,7 @@ use crate::codec::FrameCodec;
 use crate::gate::{ConnectionGate, Entry};
 use crate::identity::{Peer, public_key_sha256};
 use crate::link::{Carrier, LINK_BUFFER, Link, LinkError, Pump, TunnelStream};
+use crate::quic_turn_away::{FirstPackets, TurnAway, Watched};
 use crate::tls::ConnInfo;
 use crate::{Incoming, TunnelOpener};
 
@@ -193,11 +194,15 @@ fn server_config(
     tls: &Arc<rustls::ServerConfig>,
     settings: &QuicSettings,
 ) -> Result<quinn::ServerConfig, QuicSetupError> {
-    let mut config = quinn::ServerConfig::with_crypto(server_crypto(tls)?);
+    Ok(server_config_of(server_crypto(tls)?, settings))
+}
+
+fn server_config_of(crypto: Arc<QuicServerConfig>, settings: &QuicSettings) -> quinn::ServerConfig {
+    let mut config = quinn::ServerConfig::with_crypto(crypto);
     config
         .transport_config(settings.transport())
         .migration(true);
-    Ok(config)
+    config
 }
 
 /// The gateway's QUIC listener on `socket`.
@@ -206,6 +211,8 @@ pub struct QuicListener {
     settings: QuicSettings,
     /// Asked once per `Incoming`, before its handshake; `None` admits all.
     gate: Option<Arc<dyn ConnectionGate>>,
+    /// Answers a connection over the rate before its handshake, with its retry-after.
+    turn_away: TurnAway,
 }
 
 impl QuicListener {
@@ -216,16 +223,20 @@ impl QuicListener {
         settings: QuicSettings,
     ) -> Result<QuicListener, QuicSetupError> {
         widen_buffers(&socket);
-        let endpoint = Endpoint::new(
+        let socket = quinn::TokioRuntime.wrap_udp_socket(socket)?;
+        let first = Arc::new(FirstPackets::default());
+        let crypto = server_crypto(tls)?;
+        let endpoint = Endpoint::new_with_abstract_socket(
             quinn::EndpointConfig::default(),
-            Some(server_config(tls, &settings)?),
-            socket,
+            Some(server_config_of(crypto.clone(), &settings)),
+            Arc::new(Watched::new(socket.clone(), first.clone())),
             Arc::new(quinn::TokioRuntime),
         )?;
         Ok(QuicListener {
             endpoint,
             settings,
             gate: None,
+            turn_away: TurnAway::new(socket, first, crypto),
         })
     }
 
@@ -282,10 +293,17 @@ impl QuicListener {
             tokio::select! {
                 incoming = self.endpoint.accept() => {
                     let Some(incoming) = incoming else { break };
+                    let Some(incoming) = self.turn_away.again(incoming) else { continue };
                     // Asked before any crypto, once per attempt, whatever happens to it next.
-                    let over_rate = match self.gate.as_ref().map(|g| g.arrived(Carrier::Quic)) {
-                        Some(Entry::OverRate { retry_after }) => Some(retry_after),
-                        Some(Entry::Admitted) | None => None,
+                    let (incoming, over_rate) = match self.gate.as_ref().map(|g| g.arrived(Carrier::Quic)) {
+                        // Told when to come back in the first answer, before any handshake
+                        // (`quic_turn_away`); one whose first packet was forgotten is told in
+                        // a drain after its handshake.
+                        Some(Entry::OverRate { retry_after }) => match self.turn_away.turn_away(incoming, retry_after) {
+                            None => continue,
+                            Some(incoming) => (incoming, Some(retry_after)),
+                        },
+                        Some(Entry::Admitted) | None => (incoming, None),
                         Some(Entry::NotReady) => {
                             debug!(peer = %incoming.remote_address(), "QUIC connection refused before its handshake: not serving yet");
                             incoming.refuse();
@@ -687,6 +705,17 @@ async fn first_answer(
 
 /// A QUIC connection failure; a failed TLS handshake keeps its alert and who sent it.
 fn connection_error(e: quinn::ConnectionError) -> LinkError {
+    // A gateway over its rate refuses in its first answer, saying when to come back
+    // (`quic_turn_away`).
+    if let quinn::ConnectionError::ConnectionClosed(close) = &e
+        && close.error_code == quinn::TransportErrorCode::CONNECTION_REFUSED
+        && let Some(retry_after) = crate::turn_away::parse(&close.reason)
+    {
+        return LinkError::TurnedAway {
+            retry_after,
+            detail: crate::turn_away::TurnedAway { retry_after }.to_string(),
+        };
+    }
     let (code, by_peer) = match &e {
         quinn::ConnectionError::ConnectionClosed(close) => (Some(close.error_code), true),
         quinn::ConnectionError::TransportError(t) => (Some(t.code), false),

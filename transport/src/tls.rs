@@ -208,10 +208,10 @@ pub struct ConnInfo {
     /// [`public_key_sha256`](crate::identity::public_key_sha256) of the client certificate;
     /// `None` for anonymous peers. The gateway compares it with the cluster's registered keys.
     pub client_key_sha256: Option<String>,
-    /// Set when a QUIC connection arrived over the new-session rate ([`ConnectionGate`]): the
-    /// session on it is to be drained at once, its agent told to come back after this long. A
-    /// TCP connection over the rate never gets this far: it is turned away before TLS
-    /// ([`crate::turn_away`]).
+    /// Set when a QUIC connection arrived over the new-session rate ([`ConnectionGate`]) and
+    /// could not be turned away before its handshake (its first packet no longer remembered,
+    /// [`crate::quic_turn_away`]): the session on it is to be drained at once, its agent told
+    /// to come back after this long. Every other connection over the rate never gets this far.
     ///
     /// [`ConnectionGate`]: crate::gate::ConnectionGate
     pub over_rate: Option<Duration>,

@@ -2,7 +2,8 @@
 //! agent's session with its identity from the certificate, frames flow both ways, an
 //! oversized frame ends only that session, a tunnel carries bytes both ways, and the agent's
 //! QUIC socket can move to a new port under a live session, and a gateway that does not serve
-//! yet closes connections before any TLS work, or holds them unaccepted while it loads.
+//! yet closes connections before any TLS work, or holds them unaccepted while it loads, and
+//! one over its rate tells the agent when to come back before any TLS work.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -106,12 +107,27 @@ async fn gateway_gated(
     quic_handshakes: usize,
     gate: Option<Arc<dyn ConnectionGate>>,
 ) -> (SocketAddr, mpsc::Receiver<Incoming>, watch::Sender<bool>) {
-    let server_tls = tls::agent_server_config(
+    gateway_serving(server_tls(pki), carrier, quic_handshakes, gate).await
+}
+
+/// The gateway's serving TLS configuration from `pki`.
+fn server_tls(pki: &Pki) -> Arc<rustls::ServerConfig> {
+    tls::agent_server_config(
         pki.ca.as_bytes(),
         pki.server.0.as_bytes(),
         pki.server.1.as_bytes(),
     )
-    .unwrap();
+    .unwrap()
+}
+
+/// A gateway side on loopback for `carrier` with `server_tls`, asking `gate` about each new
+/// connection before its handshake.
+async fn gateway_serving(
+    server_tls: Arc<rustls::ServerConfig>,
+    carrier: Carrier,
+    quic_handshakes: usize,
+    gate: Option<Arc<dyn ConnectionGate>>,
+) -> (SocketAddr, mpsc::Receiver<Incoming>, watch::Sender<bool>) {
     let (sessions_tx, sessions) = mpsc::channel(16);
     let (drain_tx, drain) = watch::channel(false);
     let addr = match carrier {
@@ -531,6 +547,99 @@ async fn a_gateway_not_serving_yet_closes_connections_before_tls() {
             gate.asked.load(Ordering::SeqCst),
             2,
             "{carrier}: the second dial was asked too"
+        );
+    }
+}
+
+/// A gate that says the first connection is over the rate, to come back after
+/// [`TOLD_RETRY_AFTER`], and admits every other.
+#[derive(Debug, Default)]
+struct OverRateOnce {
+    asked: AtomicUsize,
+}
+
+const TOLD_RETRY_AFTER: Duration = Duration::from_millis(1_234);
+
+impl ConnectionGate for OverRateOnce {
+    fn arrived(&self, _carrier: Carrier) -> Entry {
+        match self.asked.fetch_add(1, Ordering::SeqCst) {
+            0 => Entry::OverRate {
+                retry_after: TOLD_RETRY_AFTER,
+            },
+            _ => Entry::Admitted,
+        }
+    }
+}
+
+/// The gateway's certificate chooser, counting the handshakes that got as far as choosing it:
+/// what a connection turned away before TLS never reaches.
+#[derive(Debug)]
+struct CountingHandshakes {
+    inner: Arc<dyn rustls::server::ResolvesServerCert>,
+    handshakes: AtomicUsize,
+}
+
+impl rustls::server::ResolvesServerCert for CountingHandshakes {
+    fn resolve(
+        &self,
+        hello: rustls::server::ClientHello<'_>,
+    ) -> Option<Arc<rustls::sign::CertifiedKey>> {
+        self.handshakes.fetch_add(1, Ordering::SeqCst);
+        self.inner.resolve(hello)
+    }
+}
+
+/// A connection over the gateway's rate is told when to come back before any TLS work, on
+/// either carrier (over QUIC in the gateway's first answer to the agent's first packet): the
+/// agent's dial ends as `TurnedAway` with the gate's retry-after, the gateway chose no
+/// certificate for it and no session reached it; the same agent's next dial is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_over_the_rate_is_told_when_to_come_back_before_tls() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let pki = pki();
+    for carrier in [Carrier::Grpc, Carrier::Quic] {
+        let gate = Arc::new(OverRateOnce::default());
+        let mut tls = (*server_tls(&pki)).clone();
+        let counting = Arc::new(CountingHandshakes {
+            inner: tls.cert_resolver.clone(),
+            handshakes: AtomicUsize::new(0),
+        });
+        tls.cert_resolver = counting.clone();
+        let (addr, mut sessions, _drain) =
+            gateway_serving(Arc::new(tls), carrier, 16, Some(gate.clone())).await;
+        // Bounded: a dial not turned away would wait for an answer no session driver gives.
+        let refused = tokio::time::timeout(
+            Duration::from_secs(60),
+            refused_dial(carrier, addr, agent_tls(&pki)),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{carrier}: the dial was not turned away"));
+        match refused {
+            LinkError::TurnedAway { retry_after, .. } => assert_eq!(
+                retry_after, TOLD_RETRY_AFTER,
+                "{carrier}: the gate's retry-after reached the agent"
+            ),
+            other => panic!("{carrier}: not turned away: {other:?}"),
+        }
+        assert_eq!(
+            counting.handshakes.load(Ordering::SeqCst),
+            0,
+            "{carrier}: no handshake was begun for the connection turned away"
+        );
+        assert!(
+            sessions.try_recv().is_err(),
+            "{carrier}: no session reached the gateway"
+        );
+        let (_agent, _client, _hub) = open(&pki, carrier, addr, &mut sessions).await;
+        assert_eq!(
+            gate.asked.load(Ordering::SeqCst),
+            2,
+            "{carrier}: each dial was asked once"
+        );
+        assert_eq!(
+            counting.handshakes.load(Ordering::SeqCst),
+            1,
+            "{carrier}: the admitted dial had its handshake"
         );
     }
 }
