@@ -31,7 +31,7 @@ use crate::codec::FrameCodec;
 use crate::gate::{ConnectionGate, Entry};
 use crate::identity::{Peer, public_key_sha256};
 use crate::link::{Carrier, LINK_BUFFER, Link, LinkError, Pump, TunnelStream};
-use crate::quic_turn_away::{FirstPackets, TurnAway, Watched};
+use crate::quic_turn_away::{FirstPackets, Pacer, TurnAway, Watched};
 use crate::tls::ConnInfo;
 use crate::{Incoming, TunnelOpener};
 
@@ -211,8 +211,9 @@ pub struct QuicListener {
     settings: QuicSettings,
     /// Asked once per `Incoming`, before its handshake; `None` admits all.
     gate: Option<Arc<dyn ConnectionGate>>,
-    /// Answers a connection over the rate before its handshake, with its retry-after.
-    turn_away: TurnAway,
+    /// Answers a connection over the rate, or finding no handshake slot, before its
+    /// handshake, with its retry-after.
+    turn_away: Arc<TurnAway>,
 }
 
 impl QuicListener {
@@ -236,7 +237,7 @@ impl QuicListener {
             endpoint,
             settings,
             gate: None,
-            turn_away: TurnAway::new(socket, first, crypto),
+            turn_away: Arc::new(TurnAway::new(socket, first, crypto)),
         })
     }
 
@@ -270,7 +271,8 @@ impl QuicListener {
     /// at once) and each connection in its own task owned here; every connection whose first
     /// stream opens becomes an [`Incoming`] on `sessions`. A connection arriving while every
     /// handshake slot is taken waits for one, in order, [`SLOT_WAIT`] at most and
-    /// [`WAITING_PER_SLOT`] per slot at most; beyond either it is refused, before any crypto.
+    /// [`WAITING_PER_SLOT`] per slot at most; beyond either it is turned away before any
+    /// crypto, told to come back when the handshakes ahead of it should be done ([`Pacer`]).
     /// On drain it stops accepting and waits for its connections, which end as their sessions
     /// do; the caller bounds the wait (dropping this future aborts every connection).
     pub async fn serve(
@@ -281,7 +283,20 @@ impl QuicListener {
     ) {
         let max_handshakes = max_handshakes.max(1);
         let permits = Arc::new(Semaphore::new(max_handshakes));
-        let waiting = Arc::new(Semaphore::new(max_handshakes * WAITING_PER_SLOT));
+        let max_waiting = max_handshakes * WAITING_PER_SLOT;
+        let waiting = Arc::new(Semaphore::new(max_waiting));
+        // Until measured, handshakes are guessed to finish as fast as the waiting allows.
+        let pacer = Arc::new(Pacer::new(
+            max_handshakes as f64 / SLOT_WAIT.as_secs_f64(),
+            tokio::time::Instant::now(),
+        ));
+        let ahead = {
+            let (permits, waiting) = (permits.clone(), waiting.clone());
+            move || {
+                (max_handshakes - permits.available_permits())
+                    + (max_waiting - waiting.available_permits())
+            }
+        };
         let mut connections = JoinSet::new();
         let mut accepting = self.gate.as_ref().and_then(|g| g.accepting());
         loop {
@@ -312,25 +327,29 @@ impl QuicListener {
                     };
                     let (sessions, settings) = (sessions.clone(), self.settings.clone());
                     if let Ok(permit) = permits.clone().try_acquire_owned() {
-                        connections.spawn(accept(incoming, sessions, settings, permit, over_rate));
+                        let slot = HandshakeSlot { _permit: permit, pacer: pacer.clone() };
+                        connections.spawn(accept(incoming, sessions, settings, slot, over_rate));
                         continue;
                     }
                     let Ok(place) = waiting.clone().try_acquire_owned() else {
-                        debug!(peer = %incoming.remote_address(), "QUIC handshake refused: too many in progress and waiting");
-                        incoming.refuse();
+                        debug!(peer = %incoming.remote_address(), "QUIC connection turned away before its handshake: too many in progress and waiting");
+                        busy(&self.turn_away, &pacer, incoming, ahead());
                         continue;
                     };
-                    let permits = permits.clone();
+                    let (permits, pacer, turn_away, ahead) = (permits.clone(), pacer.clone(), self.turn_away.clone(), ahead.clone());
                     connections.spawn(async move {
                         // Waiting costs the first datagram, which quinn keeps anyway; a refusal
-                        // would cost the agent a backoff and the gateway another attempt.
+                        // would cost the agent a wait and the gateway another attempt.
                         let slot = tokio::time::timeout(SLOT_WAIT, permits.acquire_owned()).await;
                         drop(place);
                         match slot {
-                            Ok(Ok(permit)) => accept(incoming, sessions, settings, permit, over_rate).await,
+                            Ok(Ok(permit)) => {
+                                let slot = HandshakeSlot { _permit: permit, pacer };
+                                accept(incoming, sessions, settings, slot, over_rate).await
+                            }
                             _ => {
-                                debug!(peer = %incoming.remote_address(), "QUIC handshake refused: no slot within {SLOT_WAIT:?}");
-                                incoming.refuse();
+                                debug!(peer = %incoming.remote_address(), "QUIC connection turned away before its handshake: no slot within {SLOT_WAIT:?}");
+                                busy(&turn_away, &pacer, incoming, ahead());
                             }
                         }
                     });
@@ -362,13 +381,35 @@ impl QuicTlsUpdater {
     }
 }
 
+/// One of the handshakes in progress; given back, it tells the pacer a handshake finished.
+struct HandshakeSlot {
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    pacer: Arc<Pacer>,
+}
+
+impl Drop for HandshakeSlot {
+    fn drop(&mut self) {
+        self.pacer.finished(tokio::time::Instant::now());
+    }
+}
+
+/// Turns away a connection that found no handshake slot, told to come back when the `ahead`
+/// handshakes in progress and waiting should be done; refused without a reason when its first
+/// packet is no longer remembered (its agent backs off as after any failed dial).
+fn busy(turn_away: &TurnAway, pacer: &Pacer, incoming: quinn::Incoming, ahead: usize) {
+    let retry_after = pacer.come_back(tokio::time::Instant::now(), ahead);
+    if let Some(incoming) = turn_away.turn_away(incoming, retry_after) {
+        incoming.refuse();
+    }
+}
+
 /// One connection: handshake, identity, the control stream, then its writes until the
 /// session is over.
 async fn accept(
     incoming: quinn::Incoming,
     sessions: mpsc::Sender<Incoming>,
     settings: QuicSettings,
-    permit: tokio::sync::OwnedSemaphorePermit,
+    permit: HandshakeSlot,
     over_rate: Option<Duration>,
 ) {
     let remote = incoming.remote_address();

@@ -303,6 +303,79 @@ impl TurnAway {
     }
 }
 
+/// When a connection that found every handshake slot taken is to come back: after the
+/// handshakes ahead of it, at the rate handshakes have been finishing, each one told a slot
+/// one interval after the last one told (a GCRA like the new-session rate's, with the rate
+/// measured instead of configured). Without it such a connection was refused without a reason
+/// and its agent fell into a blind backoff, which grew with every refusal while the herd lasted.
+#[derive(Debug)]
+pub struct Pacer {
+    state: SyncMutex<PacerState>,
+}
+
+#[derive(Debug)]
+struct PacerState {
+    /// Handshakes finished (their slot given back) since `since`.
+    finished: u32,
+    since: tokio::time::Instant,
+    /// Handshakes per second over the last measured second, or the first guess.
+    rate: f64,
+    /// The slot the next connection turned away is given, if later than its turn.
+    next_slot: tokio::time::Instant,
+}
+
+/// The rate assumed when handshakes seem to finish slower than this (none finishing at all:
+/// the agents still come back, a few at a time).
+const PACE_FLOOR: f64 = 10.0;
+/// The longest a connection that found no slot is told to wait.
+pub const PACE_MAX: Duration = Duration::from_secs(60);
+
+impl Pacer {
+    /// A pacer guessing `first_guess` handshakes per second until it has measured a second.
+    pub fn new(first_guess: f64, now: tokio::time::Instant) -> Pacer {
+        Pacer {
+            state: SyncMutex::new(PacerState {
+                finished: 0,
+                since: now,
+                rate: first_guess,
+                next_slot: now,
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, PacerState> {
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// A handshake gave its slot back at `now` (done, failed or timed out).
+    pub fn finished(&self, now: tokio::time::Instant) {
+        let mut state = self.lock();
+        state.finished += 1;
+        let elapsed = now.saturating_duration_since(state.since);
+        if elapsed >= Duration::from_secs(1) {
+            state.rate = f64::from(state.finished) / elapsed.as_secs_f64();
+            state.finished = 0;
+            state.since = now;
+        }
+    }
+
+    /// When a connection turned away at `now`, with `ahead` handshakes in progress or waiting,
+    /// is to come back.
+    pub fn come_back(&self, now: tokio::time::Instant, ahead: usize) -> Duration {
+        let mut state = self.lock();
+        let rate = state.rate.max(PACE_FLOOR);
+        let turn = now + Duration::from_secs_f64(ahead as f64 / rate).min(PACE_MAX);
+        let slot = state.next_slot.max(turn);
+        if slot - now >= PACE_MAX {
+            return PACE_MAX;
+        }
+        state.next_slot = slot + Duration::from_secs_f64(1.0 / rate);
+        slot - now
+    }
+}
+
 /// A server Initial packet (packet number 0) carrying one CONNECTION_CLOSE frame with
 /// CONNECTION_REFUSED and `reason`, from `local_cid` to `client_cid`, protected with `keys`.
 fn close_packet(
@@ -416,6 +489,30 @@ mod tests {
                 .and_then(|f| f.told),
             Some(told)
         );
+    }
+
+    #[test]
+    fn the_turned_away_come_back_after_the_queue_at_the_measured_rate() {
+        let t0 = tokio::time::Instant::now();
+        let ms = Duration::from_millis;
+        let pacer = Pacer::new(100.0, t0);
+        // At the first guess, 100/s: 50 ahead take 0.5 s, and each next one 10 ms more.
+        assert_eq!(pacer.come_back(t0, 50), ms(500));
+        assert_eq!(pacer.come_back(t0, 50), ms(510));
+        assert_eq!(pacer.come_back(t0, 50), ms(520));
+        // 400 handshakes finish within the next second: 400/s from then on.
+        for i in 0..400 {
+            pacer.finished(t0 + ms(1000 * i / 399));
+        }
+        let t1 = t0 + ms(1000);
+        // Slots already given are kept; the next is one interval (2.5 ms) after the last.
+        assert_eq!(pacer.come_back(t1, 0), Duration::ZERO);
+        assert_eq!(pacer.come_back(t1, 400), ms(1000));
+        assert_eq!(pacer.come_back(t1, 400).as_micros(), 1_002_500);
+        // Nothing finishing: the floor, and never more than the cap.
+        let stalled = Pacer::new(0.0, t0);
+        assert_eq!(stalled.come_back(t0, 5), ms(500));
+        assert_eq!(stalled.come_back(t0, 10_000), PACE_MAX);
     }
 
     #[test]

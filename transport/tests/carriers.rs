@@ -830,3 +830,44 @@ async fn quic_dials_beyond_the_handshake_slots_wait_for_one() {
         );
     }
 }
+
+/// Dials that find the only QUIC handshake slot taken and its waiting places full, or that
+/// wait longer than their wait allows, are not refused into a blind backoff: each is turned
+/// away before its handshake, told when to come back, those turned away together spread.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quic_dials_finding_no_handshake_slot_are_told_when_to_come_back() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let pki = pki();
+    let (addr, _sessions, _drain) = gateway_with(&pki, Carrier::Quic, 1).await;
+    // One connection holds the only slot: its handshake done, its session stream never opened.
+    let mut tls = (*agent_tls(&pki)).clone();
+    tls.alpn_protocols = vec![flotilla_transport::quic::ALPN.to_vec()];
+    let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
+    let mut holder = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    holder.set_default_client_config(quinn::ClientConfig::new(Arc::new(crypto)));
+    let _held = holder
+        .connect(addr, "localhost")
+        .unwrap()
+        .await
+        .expect("the holder's handshake completes");
+    // One slot and four places to wait in: of eight dials, four wait and four do not.
+    let dials = (0..8).map(|_| refused_dial(Carrier::Quic, addr, agent_tls(&pki)));
+    let refused = tokio::time::timeout(Duration::from_secs(60), futures::future::join_all(dials))
+        .await
+        .expect("every dial ended");
+    let told: Vec<Duration> = refused
+        .into_iter()
+        .map(|e| match e {
+            LinkError::TurnedAway { retry_after, .. } => retry_after,
+            other => panic!("a dial was not told when to come back: {other:?}"),
+        })
+        .collect();
+    assert!(
+        told.iter().all(|t| *t > Duration::ZERO),
+        "each after the handshakes ahead of it: {told:?}"
+    );
+    // The four turned away at once are told four times (the waiters, turned away as their
+    // waits end, may meet those at millisecond resolution).
+    let distinct: std::collections::BTreeSet<Duration> = told.iter().copied().collect();
+    assert!(distinct.len() >= 4, "spread: {told:?}");
+}
