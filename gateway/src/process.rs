@@ -397,12 +397,13 @@ pub async fn run(
             )
         })
     };
-    let tls = flotilla_transport::tls::agent_server_config(
-        &read("ca.crt")?,
-        &read("tls.crt")?,
-        &read("tls.key")?,
-    )
-    .context("the TLS material in --cert-dir")?;
+    let key = read("tls.key")?;
+    let tls =
+        flotilla_transport::tls::agent_server_config(&read("ca.crt")?, &read("tls.crt")?, &key)
+            .context("the TLS material in --cert-dir")?;
+    // From the serving key, so a gateway restarted in place resets its agents' old QUIC
+    // connections at their next packet.
+    let reset_key = flotilla_transport::quic::ResetKey::derived_from(&key);
     // One request budget for every client of the process (the store and the leases).
     let kube_api = config.kube_api.rate();
     let client = flotilla_store::connect(config.kubeconfig.as_deref(), &kube_api).await?;
@@ -420,7 +421,7 @@ pub async fn run(
     gateway_config.fault = fault_point();
     let quic = match sockets.udp {
         Some(udp) => Some(
-            QuicListener::bind(udp, &tls, gateway_config.quic())
+            QuicListener::bind(udp, &tls, gateway_config.quic(), reset_key)
                 .context("serving QUIC on the agents' address (turn it off with --quic=false)")?,
         ),
         None => None,

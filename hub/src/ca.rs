@@ -148,6 +148,13 @@ impl Ca {
         Ok((ca, key_pem))
     }
 
+    /// The key the hub's QUIC listener derives its stateless-reset tokens from: derived from
+    /// this CA's key, so a hub restarted on the same data dir resets its agents' old
+    /// connections at their next packet (see `flotilla_transport::quic::ResetKey`).
+    pub fn quic_reset_key(&self) -> flotilla_transport::quic::ResetKey {
+        flotilla_transport::quic::ResetKey::derived_from(&self.issuer.key().serialize_der())
+    }
+
     pub fn cert_pem(&self) -> &str {
         &self.cert_pem
     }

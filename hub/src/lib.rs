@@ -198,8 +198,13 @@ pub async fn run(
     let gateway_config = gateway_config(&config);
     let quic = match agents.udp {
         Some(udp) => Some(
-            QuicListener::bind(udp, &agent_tls_now, gateway_config.quic())
-                .context("serving QUIC on the agents' address (turn it off with --quic=false)")?,
+            QuicListener::bind(
+                udp,
+                &agent_tls_now,
+                gateway_config.quic(),
+                authority.current().quic_reset_key(),
+            )
+            .context("serving QUIC on the agents' address (turn it off with --quic=false)")?,
         ),
         None => None,
     };

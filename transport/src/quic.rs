@@ -205,6 +205,67 @@ fn server_config_of(crypto: Arc<QuicServerConfig>, settings: &QuicSettings) -> q
     config
 }
 
+/// The keys a gateway's QUIC endpoint derives its stateless-reset tokens (RFC 9000, 10.3) and
+/// its connection IDs' check hash from, derived in turn from a secret that outlives the
+/// process: the TLS key a gateway process serves with, or the hub's CA key. A gateway
+/// restarted in place, reached by an agent's next packet on a connection it no longer has,
+/// recognises the connection ID as one it issued and answers with a reset the agent can
+/// verify, and the agent dials again at once. With keys of its own each start, the packet was
+/// dropped as bearing a foreign ID (or the reset did not verify), and the agent waited for its
+/// heartbeat timeout: a SIGKILLed process sends no close. The keys can only end connections,
+/// never read or write on them.
+pub struct ResetKey {
+    reset: ring::hmac::Key,
+    cid: u64,
+}
+
+impl ResetKey {
+    /// The keys derived from `secret` (HMAC-SHA256 under their own labels: nothing else
+    /// derived from the same secret can be computed from them).
+    pub fn derived_from(secret: &[u8]) -> ResetKey {
+        let secret = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret);
+        let reset = ring::hmac::sign(&secret, b"flotilla QUIC stateless reset key v1");
+        let cid = ring::hmac::sign(&secret, b"flotilla QUIC connection ID key v1");
+        let mut cid_key = [0u8; 8];
+        cid_key.copy_from_slice(&cid.as_ref()[..8]);
+        ResetKey {
+            reset: ring::hmac::Key::new(ring::hmac::HMAC_SHA256, reset.as_ref()),
+            cid: u64::from_le_bytes(cid_key),
+        }
+    }
+
+    /// The endpoint configuration using these keys. Resets are sent as fast as packets on
+    /// lost connections arrive, up to [`MIN_RESET_INTERVAL`] apart (quinn's default of 20 ms
+    /// would take a 10,000-agent gateway's restart 200 s to reach every agent; a reset is always
+    /// smaller than the packet it answers, so two endpoints cannot loop).
+    fn endpoint_config(self) -> quinn::EndpointConfig {
+        let cid = self.cid;
+        let mut config = quinn::EndpointConfig::new(Arc::new(self.reset));
+        config
+            .cid_generator(move || {
+                Box::new(quinn_proto::HashedConnectionIdGenerator::from_key(cid))
+            })
+            .min_reset_interval(MIN_RESET_INTERVAL);
+        config
+    }
+
+    /// A key of this process alone (tests, and listeners nothing restarts in place).
+    pub fn random() -> ResetKey {
+        use ring::rand::SecureRandom as _;
+        let mut secret = [0u8; 32];
+        ring::rand::SystemRandom::new()
+            .fill(&mut secret)
+            .expect("the system's random source works");
+        ResetKey::derived_from(&secret)
+    }
+}
+
+impl std::fmt::Debug for ResetKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ResetKey(<redacted>)")
+    }
+}
+
 /// The gateway's QUIC listener on `socket`.
 pub struct QuicListener {
     endpoint: Endpoint,
@@ -217,18 +278,20 @@ pub struct QuicListener {
 }
 
 impl QuicListener {
-    /// Listens on `socket` (bound already, usually to the TCP listener's address and port).
+    /// Listens on `socket` (bound already, usually to the TCP listener's address and port),
+    /// resetting connections it does not have with tokens from `reset_key`.
     pub fn bind(
         socket: std::net::UdpSocket,
         tls: &Arc<rustls::ServerConfig>,
         settings: QuicSettings,
+        reset_key: ResetKey,
     ) -> Result<QuicListener, QuicSetupError> {
         widen_buffers(&socket);
         let socket = quinn::TokioRuntime.wrap_udp_socket(socket)?;
         let first = Arc::new(FirstPackets::default());
         let crypto = server_crypto(tls)?;
         let endpoint = Endpoint::new_with_abstract_socket(
-            quinn::EndpointConfig::default(),
+            reset_key.endpoint_config(),
             Some(server_config_of(crypto.clone(), &settings)),
             Arc::new(Watched::new(socket.clone(), first.clone())),
             Arc::new(quinn::TokioRuntime),
@@ -285,9 +348,9 @@ impl QuicListener {
         let permits = Arc::new(Semaphore::new(max_handshakes));
         let max_waiting = max_handshakes * WAITING_PER_SLOT;
         let waiting = Arc::new(Semaphore::new(max_waiting));
-        // Until measured, handshakes are guessed to finish as fast as the waiting allows.
+        // Until measured, every slot is guessed to finish a handshake a second.
         let pacer = Arc::new(Pacer::new(
-            max_handshakes as f64 / SLOT_WAIT.as_secs_f64(),
+            max_handshakes as f64,
             tokio::time::Instant::now(),
         ));
         let ahead = {
@@ -327,7 +390,7 @@ impl QuicListener {
                     };
                     let (sessions, settings) = (sessions.clone(), self.settings.clone());
                     if let Ok(permit) = permits.clone().try_acquire_owned() {
-                        let slot = HandshakeSlot { _permit: permit, pacer: pacer.clone() };
+                        let slot = HandshakeSlot { _permit: permit, pacer: pacer.clone(), waiting: waiting.clone(), max_waiting };
                         connections.spawn(accept(incoming, sessions, settings, slot, over_rate));
                         continue;
                     }
@@ -336,7 +399,7 @@ impl QuicListener {
                         busy(&self.turn_away, &pacer, incoming, ahead());
                         continue;
                     };
-                    let (permits, pacer, turn_away, ahead) = (permits.clone(), pacer.clone(), self.turn_away.clone(), ahead.clone());
+                    let (permits, pacer, turn_away, ahead, waiting) = (permits.clone(), pacer.clone(), self.turn_away.clone(), ahead.clone(), waiting.clone());
                     connections.spawn(async move {
                         // Waiting costs the first datagram, which quinn keeps anyway; a refusal
                         // would cost the agent a wait and the gateway another attempt.
@@ -344,7 +407,7 @@ impl QuicListener {
                         drop(place);
                         match slot {
                             Ok(Ok(permit)) => {
-                                let slot = HandshakeSlot { _permit: permit, pacer };
+                                let slot = HandshakeSlot { _permit: permit, pacer, waiting, max_waiting };
                                 accept(incoming, sessions, settings, slot, over_rate).await
                             }
                             _ => {
@@ -381,15 +444,19 @@ impl QuicTlsUpdater {
     }
 }
 
-/// One of the handshakes in progress; given back, it tells the pacer a handshake finished.
+/// One of the handshakes in progress; given back, it tells the pacer a handshake finished,
+/// and whether others were waiting for a slot then.
 struct HandshakeSlot {
     _permit: tokio::sync::OwnedSemaphorePermit,
     pacer: Arc<Pacer>,
+    waiting: Arc<Semaphore>,
+    max_waiting: usize,
 }
 
 impl Drop for HandshakeSlot {
     fn drop(&mut self) {
-        self.pacer.finished(tokio::time::Instant::now());
+        let queued = self.waiting.available_permits() < self.max_waiting;
+        self.pacer.finished(tokio::time::Instant::now(), queued);
     }
 }
 
@@ -525,6 +592,9 @@ fn widen_buffers(socket: &std::net::UdpSocket) {
         "QUIC socket buffers"
     );
 }
+
+/// The least time between two stateless resets the gateway sends: a bound of 10,000 a second.
+const MIN_RESET_INTERVAL: Duration = Duration::from_micros(100);
 
 /// Connections that may wait for a handshake slot, per slot, when every slot is taken.
 const WAITING_PER_SLOT: usize = 4;
@@ -823,5 +893,33 @@ impl AcceptedTunnel {
             .await
             .ok()??;
         Some(TunnelStream::new(id, tokio::io::join(self.recv, self.send)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A restarted gateway must compute the same reset tokens and connection-ID checks as the
+    /// process before it: from the same secret, the same keys; from another, others.
+    #[test]
+    fn reset_keys_follow_their_secret_and_nothing_else() {
+        let tag = |k: &ResetKey| {
+            ring::hmac::sign(&k.reset, b"a connection id")
+                .as_ref()
+                .to_vec()
+        };
+        let (a, again, other) = (
+            ResetKey::derived_from(b"serving key"),
+            ResetKey::derived_from(b"serving key"),
+            ResetKey::derived_from(b"another key"),
+        );
+        assert_eq!(tag(&a), tag(&again));
+        assert_eq!(a.cid, again.cid);
+        assert_ne!(tag(&a), tag(&other));
+        assert_ne!(a.cid, other.cid);
+        // The two keys are not the same bytes either.
+        assert_ne!(&tag(&a)[..8], &a.cid.to_le_bytes()[..]);
+        assert_ne!(tag(&ResetKey::random()), tag(&ResetKey::random()));
     }
 }

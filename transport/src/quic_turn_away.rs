@@ -303,11 +303,14 @@ impl TurnAway {
     }
 }
 
-/// When a connection that found every handshake slot taken is to come back: after the
-/// handshakes ahead of it, at the rate handshakes have been finishing, each one told a slot
-/// one interval after the last one told (a GCRA like the new-session rate's, with the rate
-/// measured instead of configured). Without it such a connection was refused without a reason
-/// and its agent fell into a blind backoff, which grew with every refusal while the herd lasted.
+/// When a connection that found every handshake slot taken is to come back: once half the
+/// handshakes ahead of it should be done, at the rate handshakes have been finishing, each one
+/// told a slot one interval after the last one told (a GCRA like the new-session rate's, with
+/// the rate measured instead of configured). Half, not all: one that comes back early finds a
+/// place to wait in or is turned away again for the price of two small packets, while one that
+/// comes back late leaves the handshake slots idle. Without it such a connection was refused
+/// without a reason and its agent fell into a blind backoff, which grew with every refusal
+/// while the herd lasted.
 #[derive(Debug)]
 pub struct Pacer {
     state: SyncMutex<PacerState>,
@@ -318,7 +321,11 @@ struct PacerState {
     /// Handshakes finished (their slot given back) since `since`.
     finished: u32,
     since: tokio::time::Instant,
-    /// Handshakes per second over the last measured second, or the first guess.
+    /// Whether connections were waiting for a slot each time one finished since `since`: the
+    /// rate measured then is what the slots can do, not what arrived.
+    saturated: bool,
+    /// Handshakes per second the slots can do: the last rate measured while saturated, raised
+    /// (never lowered) by a higher one measured otherwise; the first guess until then.
     rate: f64,
     /// The slot the next connection turned away is given, if later than its turn.
     next_slot: tokio::time::Instant,
@@ -337,6 +344,7 @@ impl Pacer {
             state: SyncMutex::new(PacerState {
                 finished: 0,
                 since: now,
+                saturated: true,
                 rate: first_guess,
                 next_slot: now,
             }),
@@ -349,15 +357,23 @@ impl Pacer {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// A handshake gave its slot back at `now` (done, failed or timed out).
-    pub fn finished(&self, now: tokio::time::Instant) {
+    /// A handshake gave its slot back at `now` (done, failed or timed out), with connections
+    /// `queued` for a slot or not.
+    pub fn finished(&self, now: tokio::time::Instant, queued: bool) {
         let mut state = self.lock();
         state.finished += 1;
+        state.saturated &= queued;
         let elapsed = now.saturating_duration_since(state.since);
         if elapsed >= Duration::from_secs(1) {
-            state.rate = f64::from(state.finished) / elapsed.as_secs_f64();
+            let measured = f64::from(state.finished) / elapsed.as_secs_f64();
+            state.rate = if state.saturated {
+                measured
+            } else {
+                state.rate.max(measured)
+            };
             state.finished = 0;
             state.since = now;
+            state.saturated = true;
         }
     }
 
@@ -366,7 +382,7 @@ impl Pacer {
     pub fn come_back(&self, now: tokio::time::Instant, ahead: usize) -> Duration {
         let mut state = self.lock();
         let rate = state.rate.max(PACE_FLOOR);
-        let turn = now + Duration::from_secs_f64(ahead as f64 / rate).min(PACE_MAX);
+        let turn = now + Duration::from_secs_f64(ahead as f64 / 2.0 / rate).min(PACE_MAX);
         let slot = state.next_slot.max(turn);
         if slot - now >= PACE_MAX {
             return PACE_MAX;
@@ -496,22 +512,34 @@ mod tests {
         let t0 = tokio::time::Instant::now();
         let ms = Duration::from_millis;
         let pacer = Pacer::new(100.0, t0);
-        // At the first guess, 100/s: 50 ahead take 0.5 s, and each next one 10 ms more.
-        assert_eq!(pacer.come_back(t0, 50), ms(500));
-        assert_eq!(pacer.come_back(t0, 50), ms(510));
-        assert_eq!(pacer.come_back(t0, 50), ms(520));
-        // 400 handshakes finish within the next second: 400/s from then on.
+        // At the first guess, 100/s: half of 100 ahead take 0.5 s, and each next one 10 ms more.
+        assert_eq!(pacer.come_back(t0, 100), ms(500));
+        assert_eq!(pacer.come_back(t0, 100), ms(510));
+        assert_eq!(pacer.come_back(t0, 100), ms(520));
+        // 400 handshakes finish within the next second with others waiting: 400/s from then on.
         for i in 0..400 {
-            pacer.finished(t0 + ms(1000 * i / 399));
+            pacer.finished(t0 + ms(1000 * i / 399), true);
         }
         let t1 = t0 + ms(1000);
         // Slots already given are kept; the next is one interval (2.5 ms) after the last.
         assert_eq!(pacer.come_back(t1, 0), Duration::ZERO);
-        assert_eq!(pacer.come_back(t1, 400), ms(1000));
-        assert_eq!(pacer.come_back(t1, 400).as_micros(), 1_002_500);
+        assert_eq!(pacer.come_back(t1, 800), ms(1000));
+        assert_eq!(pacer.come_back(t1, 800).as_micros(), 1_002_500);
+        // A quiet second after it (nobody waiting, few finishing) says nothing of what the
+        // slots can do: the rate stays.
+        for i in 0..3 {
+            pacer.finished(t1 + ms(500 * i), false);
+        }
+        assert_eq!(pacer.come_back(t1 + ms(1000), 800), ms(1000));
+        // A saturated second that finishes 200: 200/s.
+        for i in 0..200 {
+            pacer.finished(t1 + ms(1000 + 1000 * i / 199), true);
+        }
+        let t2 = t1 + ms(2000);
+        assert_eq!(pacer.come_back(t2, 800), ms(2000));
         // Nothing finishing: the floor, and never more than the cap.
         let stalled = Pacer::new(0.0, t0);
-        assert_eq!(stalled.come_back(t0, 5), ms(500));
+        assert_eq!(stalled.come_back(t0, 10), ms(500));
         assert_eq!(stalled.come_back(t0, 10_000), PACE_MAX);
     }
 

@@ -14,7 +14,7 @@ use flotilla_proto::wire::{self, agent_frame, hub_frame};
 use flotilla_transport::gate::{ConnectionGate, Entry};
 use flotilla_transport::grpc::{FleetService, GrpcSettings};
 use flotilla_transport::identity::Peer;
-use flotilla_transport::quic::{QuicClient, QuicListener, QuicSettings};
+use flotilla_transport::quic::{QuicClient, QuicListener, QuicSettings, ResetKey};
 use flotilla_transport::{Carrier, Dialed, Incoming, LinkError, tls};
 use futures::StreamExt as _;
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
@@ -155,7 +155,9 @@ async fn gateway_serving(
         }
         Carrier::Quic => {
             let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-            let mut listener = QuicListener::bind(socket, &server_tls, quic_settings()).unwrap();
+            let mut listener =
+                QuicListener::bind(socket, &server_tls, quic_settings(), ResetKey::random())
+                    .unwrap();
             if let Some(gate) = gate {
                 listener = listener.gated(gate);
             }

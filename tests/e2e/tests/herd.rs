@@ -3,7 +3,8 @@
 //! loopback) dialling at once are let in at the rate — the hub's own count of admitted
 //! connections never exceeds rate·t + burst over any window — while the rest are told when to
 //! come back, and all end connected; a SIGTERM'd hub spreads its agents' reconnects over its
-//! drain window and strands none.
+//! drain window and strands none; the agents of a SIGKILLed hub hear of it from the new one,
+//! at their next packet, not by their heartbeat timeout.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -37,6 +38,8 @@ struct Seen {
     drains: SyncMutex<Vec<(Instant, Duration)>>,
     /// How many of those were told before TLS.
     before_tls: std::sync::atomic::AtomicUsize,
+    /// Why each session that reached Welcome ended.
+    closed: SyncMutex<Vec<String>>,
 }
 
 impl Seen {
@@ -46,11 +49,17 @@ impl Seen {
     fn drains(&self) -> Vec<(Instant, Duration)> {
         self.drains.lock().unwrap().clone()
     }
+    fn closed(&self) -> Vec<String> {
+        self.closed.lock().unwrap().clone()
+    }
 }
 
 impl Observer for Seen {
     fn session_established(&self) {
         self.established.lock().unwrap().push(Instant::now());
+    }
+    fn session_closed(&self, reason: &str) {
+        self.closed.lock().unwrap().push(reason.to_string());
     }
     fn turned_away(&self, retry_after: Duration) {
         self.before_tls
@@ -426,6 +435,49 @@ on_both_carriers! {
             Ok((sessions == DRAIN_AGENTS as f64).then_some(()))
         })
         .await?;
+        herd.stop().await?;
+        Ok(())
+    }
+}
+
+const KILLED_AGENTS: usize = 5;
+
+on_both_carriers! {
+    /// A hub SIGKILLed under its sessions and started again on the same data dir and address:
+    /// every agent learns its session is gone from the new process, at its next packet, not
+    /// from its own heartbeat timeout. Over TCP the kernel resets a killed process's
+    /// connections. Over QUIC a killed process sends nothing; the new one answers the agent's
+    /// next packet on a connection it does not have with a stateless reset the agent can
+    /// verify, its key derived from the hub's CA key, which outlives the process.
+    async fn agents_of_a_killed_hub_learn_it_from_the_new_one_not_by_timeout() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let d = dir.path();
+        // Heartbeats every second, and a timeout long enough to tell the two apart.
+        let flags = ["--heartbeat-interval=1s", "--heartbeat-timeout=60s"];
+        let mut hub = Hub::start(d, &flags).await?;
+        let herd = Herd::start(d, &hub, KILLED_AGENTS).await?;
+        wait_for("every agent connected", Duration::from_secs(90), || async {
+            Ok((herd.with_sessions(1) == KILLED_AGENTS).then_some(()))
+        })
+        .await?;
+
+        hub.proc.signal_and_wait(Signal::SIGKILL);
+        let (agents, api) = (hub.agents_addr.clone(), hub.api_addr.clone());
+        let hub = Hub::start_listening(d, &agents, &api, &flags).await?;
+        wait_for("every agent back", Duration::from_secs(120), || async {
+            Ok((herd.with_sessions(2) == KILLED_AGENTS).then_some(()))
+        })
+        .await
+        .with_context(|| hub.proc.log())?;
+
+        for (i, seen) in herd.seen.iter().enumerate() {
+            let closed = seen.closed();
+            let first = closed.first().context("the first session's end was seen")?;
+            assert!(
+                !first.contains("heartbeat timeout"),
+                "agent {i} waited for its heartbeat timeout instead of hearing from the new hub: {first}"
+            );
+        }
         herd.stop().await?;
         Ok(())
     }
