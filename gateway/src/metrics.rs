@@ -168,8 +168,8 @@ impl GatewayMetrics {
             "new_connections",
             "New connections on the agents' listener, counted before their TLS handshake, by \
              what the new-session rate (--session-rate, --session-burst) said: admitted, or \
-             over_rate (told a retry-after: over TCP before TLS, over QUIC in a drain right \
-             after the handshake); or not_ready (closed before TLS: \
+             over_rate (told a retry-after before TLS: over TCP in a line, over QUIC in the \
+             gateway's first answer); or not_ready (closed before TLS: \
              the gateway has not read the shard leases, or loaded none of its shards yet); \
              and by carrier",
             self.new_connections.clone(),
