@@ -89,6 +89,8 @@ pub struct Hub {
     pub data_dir: PathBuf,
     pub agents: SocketAddr,
     pub api: SocketAddr,
+    /// The hub's plain-HTTP `/metrics` (the harness turns it on for the hubs it starts).
+    pub metrics: Option<SocketAddr>,
     /// The gateway processes with `--gateways` (the hub then runs with `--gateways
     /// external`). Declared before `running`: dropped, they go before the hub.
     gateways: Option<Gateways>,
@@ -124,6 +126,7 @@ impl Hub {
                 data_dir: data_dir.clone(),
                 agents,
                 api: api_addr,
+                metrics: None,
                 gateways: None,
                 running: Running::External,
                 program: None,
@@ -157,6 +160,11 @@ impl Hub {
         if !hub_args.iter().any(|a| a.starts_with("--quic-congestion")) {
             hub_args.push(format!("--quic-congestion={}", args.quic_congestion.name()));
         }
+        // Its gauges, as an operator would scrape them: the connect scenario counts Available
+        // clusters there rather than listing every cluster a few times a second.
+        if !hub_args.iter().any(|a| a.starts_with("--metrics-addr")) {
+            hub_args.push("--metrics-addr=127.0.0.1:0".to_string());
+        }
         match args.hub_mode {
             HubMode::InProcess => {
                 let mut config =
@@ -175,6 +183,7 @@ impl Hub {
                     data_dir,
                     agents: listen.agents,
                     api: listen.api,
+                    metrics: listen.metrics,
                     gateways: None,
                     running: Running::InProcess {
                         stop: Some(stop),
@@ -220,6 +229,7 @@ impl Hub {
                     data_dir,
                     agents: args.hub_listen,
                     api: args.hub_api_listen,
+                    metrics: None,
                     gateways: None,
                     running: Running::Child(None),
                     program: Some(program),
@@ -430,6 +440,7 @@ impl Hub {
         })?;
         self.agents = listen.agents;
         self.api = listen.api;
+        self.metrics = listen.metrics;
         self.running = Running::Child(Some(child));
         Ok(())
     }

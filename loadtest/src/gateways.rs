@@ -559,7 +559,7 @@ fn free_loopback_port() -> anyhow::Result<SocketAddr> {
 }
 
 /// `GET /metrics` over plain HTTP/1.0, bounded in time and size.
-async fn scrape(address: SocketAddr) -> anyhow::Result<String> {
+pub(crate) async fn scrape(address: SocketAddr) -> anyhow::Result<String> {
     tokio::time::timeout(SCRAPE_TIMEOUT, async {
         let mut stream = tokio::net::TcpStream::connect(address).await?;
         stream
