@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use flotilla_proto::session::{Backoff, BackoffConfig, Jitter};
+use flotilla_proto::session::{Backoff, BackoffConfig, Jitter, MIN_HUB_DELAY};
 use tokio::time::Instant;
 
 const SECOND: Duration = Duration::from_secs(1);
@@ -137,6 +137,47 @@ fn retry_after_from_the_hub_is_honoured() {
     check(1.0, 3, Duration::from_secs(4));
     // ... and an absurd retry-after is limited.
     check(0.0, 86_400, Duration::from_secs(600));
+}
+
+#[test]
+fn the_time_the_hub_gives_is_taken_whatever_the_climb() {
+    let now = Instant::now();
+    let check = |retry_after: Duration, expected: Duration| {
+        let mut backoff = Backoff::new(config());
+        // Four failures first: the window is [0, 16s].
+        for _ in 0..4 {
+            backoff.next_delay(now, None, &mut |max| max);
+        }
+        assert_eq!(
+            backoff.hub_delay(now, retry_after),
+            expected,
+            "{retry_after:?}"
+        );
+    };
+    // Shorter than the window: the hub's time, not a draw from the window ...
+    check(Duration::from_secs(3), Duration::from_secs(3));
+    // ... an absurd retry-after is limited ...
+    check(Duration::from_secs(86_400), Duration::from_secs(600));
+    // ... and "now" is not taken literally.
+    check(Duration::ZERO, MIN_HUB_DELAY);
+}
+
+#[test]
+fn a_hub_turning_an_agent_away_does_not_make_it_climb() {
+    let now = Instant::now();
+    let mut backoff = Backoff::new(config());
+    backoff.next_delay(now, None, &mut |max| max);
+    // Turned away ten times, each told to come back in 200 ms: each wait is the hub's, and
+    // the next failure without an answer climbs from where it was.
+    for _ in 0..10 {
+        let delay = backoff.hub_delay(now, Duration::from_millis(200));
+        assert_eq!(delay, Duration::from_millis(200));
+    }
+    assert_eq!(backoff.attempt(), 1);
+    assert_eq!(
+        backoff.next_delay(now, None, &mut |max| max),
+        Duration::from_secs(2)
+    );
 }
 
 #[test]

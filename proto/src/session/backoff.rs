@@ -20,6 +20,10 @@ pub const DEFAULT_STABLE_AFTER: Duration = Duration::from_secs(120);
 /// Default for [`BackoffConfig::max_retry_after`].
 pub const DEFAULT_MAX_RETRY_AFTER: Duration = Duration::from_secs(15 * 60);
 
+/// The least delay an agent takes when the hub gives one: a hub that keeps answering "now"
+/// (a bug, or a forged answer before TLS) gets at most ten dials a second from each agent.
+pub const MIN_HUB_DELAY: Duration = Duration::from_millis(100);
+
 /// A source of uniformly distributed delays.
 ///
 /// Implemented for any `FnMut(Duration) -> Duration`, so the agent passes a closure over its
@@ -113,11 +117,28 @@ impl Backoff {
         self.connected_at = Some(now);
     }
 
+    /// The hub gave this agent its time at `now` (a drain, or a dial turned away before TLS):
+    /// how long to wait. It is `retry_after`, limited to `max_retry_after` and at least
+    /// [`MIN_HUB_DELAY`], and no failure counts, as gRPC's retry pushback replaces the client's
+    /// backoff. The hub spreads the times it gives (future slots of its rate, a drain's
+    /// window); a draw from a climbed window on top sent an agent turned away a few times far
+    /// past its slot.
+    pub fn hub_delay(&mut self, now: Instant, retry_after: Duration) -> Duration {
+        if let Some(since) = self.connected_at.take()
+            && now.saturating_duration_since(since) >= self.config.stable_after
+        {
+            self.attempt = 0;
+        }
+        retry_after
+            .min(self.config.max_retry_after)
+            .max(MIN_HUB_DELAY)
+    }
+
     /// The connection failed or closed at `now`: how long to wait before the next attempt.
     ///
     /// If the connection that just ended had been up for `stable_after`, the climb starts
     /// over. The delay is uniform in `[0, min(max, initial * 2^failures)]`; with a
-    /// `retry_after` from the hub (a drain or an admission refusal) it is
+    /// `retry_after` from the hub that is not the agent's time (a redirect too many) it is
     /// `max(retry_after, that)`, with `retry_after` limited to `max_retry_after`.
     pub fn next_delay(
         &mut self,

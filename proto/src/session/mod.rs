@@ -59,7 +59,7 @@ pub use agent::{
 };
 pub use backoff::{
     Backoff, BackoffConfig, DEFAULT_BACKOFF_INITIAL, DEFAULT_BACKOFF_MAX, DEFAULT_MAX_RETRY_AFTER,
-    DEFAULT_STABLE_AFTER, DEFAULT_STARTUP_JITTER, Jitter, NoJitter,
+    DEFAULT_STABLE_AFTER, DEFAULT_STARTUP_JITTER, Jitter, MIN_HUB_DELAY, NoJitter,
 };
 pub use error::{CloseReason, ProtocolError};
 pub use fetch::{CHUNK_RETRY_INITIAL, CHUNK_RETRY_MAX};

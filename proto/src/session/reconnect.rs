@@ -261,13 +261,22 @@ impl Reconnect {
                 retry_after,
                 redirect: Some(to),
             } if redirects < MAX_REDIRECTS => (retry_after, Target::Redirect(to), redirects + 1),
-            // A drain (or one redirect too many): the hub's delay, or the backoff's if
-            // longer, then home or the configured address.
-            SessionEnd::Drained { retry_after, .. } => (
+            // One redirect too many: the gateways disagree, which is a failure: the hub's
+            // delay or the backoff's if longer, then home or the configured address.
+            SessionEnd::Drained {
+                retry_after,
+                redirect: Some(_),
+            } => (
                 self.backoff.next_delay(now, Some(retry_after), jitter),
                 self.fallback(),
                 0,
             ),
+            // A drain, or a dial turned away: the time the hub gave, then home or the
+            // configured address.
+            SessionEnd::Drained {
+                retry_after,
+                redirect: None,
+            } => (self.backoff.hub_delay(now, retry_after), self.fallback(), 0),
             // A failure, at a redirect target too: back off, then home or the configured
             // address.
             SessionEnd::Unreachable | SessionEnd::Lost => (
