@@ -336,9 +336,13 @@ mod scenario {
             )
             .await?;
             let mut all = false;
+            let mut first_dial = None;
             while !clock.expired() {
                 let s = agents.sample();
                 let t = started.elapsed().as_secs_f64();
+                if s.started > 0 && first_dial.is_none() {
+                    first_dial = Some(t);
+                }
                 r.curve.push(Point {
                     t_s: t,
                     value: s.connected as f64,
@@ -348,7 +352,12 @@ mod scenario {
                 }
                 if s.connected >= n {
                     r.time_to_all_connected_s = Some(t);
-                    b.bare_setup_per_s = Some(s.established_total as f64 / t.max(1e-3));
+                    r.time_to_first_dial_s = first_dial;
+                    b.bare_setup_per_s = Some(crate::scenario::setup_rate(
+                        s.established_total,
+                        first_dial,
+                        t,
+                    ));
                     all = true;
                     break;
                 }

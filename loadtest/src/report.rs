@@ -81,6 +81,38 @@ pub struct Point {
     pub value: f64,
 }
 
+/// Dials turned away before TLS, and the retry-afters they were given.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct TurnedAway {
+    pub count: u64,
+    pub mean_retry_after_ms: f64,
+    pub max_retry_after_ms: u64,
+}
+
+impl TurnedAway {
+    /// Between two samples of the agents' counters; `None` when nobody was turned away. The
+    /// longest is over the whole run (the counters keep no history).
+    pub fn between(before: &crate::swarm::Sample, after: &crate::swarm::Sample) -> Option<Self> {
+        let count = after.turned_away - before.turned_away;
+        (count > 0).then(|| TurnedAway {
+            count,
+            mean_retry_after_ms: (after.turned_away_ms_sum - before.turned_away_ms_sum) as f64
+                / count as f64,
+            max_retry_after_ms: after.turned_away_ms_max,
+        })
+    }
+}
+
+impl std::fmt::Display for TurnedAway {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} times, told to come back after {:.0} ms on average (longest {} ms)",
+            self.count, self.mean_retry_after_ms, self.max_retry_after_ms
+        )
+    }
+}
+
 /// Percentiles of a latency distribution, in milliseconds.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct Percentiles {
@@ -188,10 +220,19 @@ pub struct ScenarioReport {
     pub connected: Option<u64>,
     pub available_on_hub: Option<u64>,
     pub time_to_all_connected_s: Option<f64>,
+    /// When the first agent dialled (the agents' processes, identities and caches come first);
+    /// the setup rate counts from here.
+    #[serde(default)]
+    pub time_to_first_dial_s: Option<f64>,
     pub time_to_all_available_s: Option<f64>,
+    /// Sessions established per second from the first dial to the last welcome.
     pub handshakes_per_s: Option<f64>,
     pub peak_handshakes_per_s: Option<f64>,
     pub failed_attempts: Option<u64>,
+    /// Dials the hub turned away before TLS with a time to come back (in `storm`/`outage` from
+    /// the stop), and that time's mean and longest.
+    #[serde(default)]
+    pub turned_away: Option<TurnedAway>,
     /// Redirects to a shard's owner the agents followed (scale-out mode): in `connect` from
     /// the start, in `storm`/`outage` from the stop.
     #[serde(default)]
@@ -701,6 +742,7 @@ pub fn table(report: &Report) -> String {
                     "Available on the hub",
                     format!("{} / {}", opt(s.available_on_hub), s.agents),
                 );
+                row("first dial", secs(s.time_to_first_dial_s));
                 row("time to all connected", secs(s.time_to_all_connected_s));
                 row("time to all Available", secs(s.time_to_all_available_s));
                 row(
@@ -712,6 +754,9 @@ pub fn table(report: &Report) -> String {
                     ),
                 );
                 row("failed attempts", opt(s.failed_attempts));
+                if let Some(t) = &s.turned_away {
+                    row("turned away before TLS", t.to_string());
+                }
                 if s.redirects.is_some_and(|r| r > 0) {
                     row("redirects followed", opt(s.redirects));
                 }
@@ -995,6 +1040,9 @@ pub fn table(report: &Report) -> String {
                 row(&format!("{what} down for"), secs(s.hub_down_s));
                 row("time to 100% back", secs(s.time_to_all_back_s));
                 row("sessions re-established", opt(s.sessions_reestablished));
+                if let Some(t) = &s.turned_away {
+                    row("turned away before TLS", t.to_string());
+                }
                 if s.redirects.is_some_and(|r| r > 0) {
                     row("redirects followed", opt(s.redirects));
                 }

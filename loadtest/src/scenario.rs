@@ -23,6 +23,7 @@ use crate::machine::ProcStats;
 use crate::operator::{OperatorApi, POOL_SIZE, condition};
 use crate::report::{
     GatewaysReport, IdleReport, Outcome, Percentiles, Point, ScenarioReport, StatusAudit,
+    TurnedAway,
 };
 use crate::swarm::{AgentRecord, Sample, SwarmSpec, status_digest};
 
@@ -293,6 +294,7 @@ impl Run {
         };
         let mut available = 0;
         let mut done = false;
+        let mut first_dial = None;
         while !clock.expired() {
             let s = self.sample();
             anyhow::ensure!(
@@ -306,6 +308,9 @@ impl Run {
                 value: s.connected as f64,
             });
             established.push((t, s.established_total));
+            if s.started > 0 && first_dial.is_none() {
+                first_dial = Some(t);
+            }
             if let Some(h) = self.hub.stats() {
                 r.rss_curve.push((s.connected, h.rss_bytes));
             }
@@ -335,10 +340,12 @@ impl Run {
         r.connected = Some(s.connected);
         r.available_on_hub = Some(available);
         r.failed_attempts = Some(s.failed_attempts);
+        r.turned_away = TurnedAway::between(&Sample::default(), &s);
         r.redirects = Some(s.redirects);
+        r.time_to_first_dial_s = first_dial;
         r.handshakes_per_s = r
             .time_to_all_connected_s
-            .map(|t| s.established_total as f64 / t.max(1e-3));
+            .map(|t| setup_rate(s.established_total, first_dial, t));
         r.peak_handshakes_per_s = Some(peak_rate(&established));
         let hub_after = self.hub.stats();
         r.hub_rss_after_bytes = hub_after.map(|s| s.rss_bytes);
@@ -790,6 +797,7 @@ impl Run {
             .await?;
         bar.finish_and_clear();
         let after = self.sample();
+        r.turned_away = TurnedAway::between(&before, &after);
         if outage {
             r.resume_frames_in = Some(after.frames_in - at_restart.frames_in);
             r.resume_bytes_in = Some(after.bytes_in - at_restart.bytes_in);
@@ -878,6 +886,13 @@ async fn available_among(api: &OperatorApi, ours: &HashSet<String>) -> anyhow::R
         .count() as u64)
 }
 
+/// Sessions set up per second from the first dial (seconds into the scenario, as sampled) to
+/// the last welcome at `all`: the agents' own start (their processes, identities and caches)
+/// before the first dial is not the carrier's.
+pub(crate) fn setup_rate(sessions: u64, first_dial: Option<f64>, all: f64) -> f64 {
+    sessions as f64 / (all - first_dial.unwrap_or(0.0)).max(1e-3)
+}
+
 /// The hub's count of Available ManagedClusters, from its `/metrics` at `address` (the
 /// gauge `flotilla_hub_managedclusters{available="True"}`): every cluster of the hub, ours or
 /// not.
@@ -888,7 +903,9 @@ async fn available_by_gauge(address: std::net::SocketAddr) -> anyhow::Result<u64
         .iter()
         .find(|s| s.label("available") == "True")
         .map(|s| s.value as u64)
-        .with_context(|| format!("no {AVAILABLE_GAUGE}{{available=\"True\"}} on the hub's /metrics"))
+        .with_context(|| {
+            format!("no {AVAILABLE_GAUGE}{{available=\"True\"}} on the hub's /metrics")
+        })
 }
 
 /// Counts `ours` among the hub apiserver's ManagedClusters that are Available, from a watch, and

@@ -170,6 +170,14 @@ pub struct Sample {
     /// Redirects to a shard's owning gateway followed (scale-out mode).
     #[serde(default)]
     pub redirects: u64,
+    /// Dials the hub turned away before TLS (over its new-session rate, or no handshake slot),
+    /// with the sum and the longest of the retry-afters it gave, in milliseconds.
+    #[serde(default)]
+    pub turned_away: u64,
+    #[serde(default)]
+    pub turned_away_ms_sum: u64,
+    #[serde(default)]
+    pub turned_away_ms_max: u64,
     pub frames_in: u64,
     pub bytes_in: u64,
     pub frames_out: u64,
@@ -282,6 +290,9 @@ impl Sample {
         self.established_total += o.established_total;
         self.failed_attempts += o.failed_attempts;
         self.redirects += o.redirects;
+        self.turned_away += o.turned_away;
+        self.turned_away_ms_sum += o.turned_away_ms_sum;
+        self.turned_away_ms_max = self.turned_away_ms_max.max(o.turned_away_ms_max);
         self.frames_in += o.frames_in;
         self.bytes_in += o.bytes_in;
         self.frames_out += o.frames_out;
@@ -306,6 +317,9 @@ struct Tally {
     established_total: AtomicU64,
     failed_attempts: AtomicU64,
     redirects: AtomicU64,
+    turned_away: AtomicU64,
+    turned_away_ms_sum: AtomicU64,
+    turned_away_ms_max: AtomicU64,
     frames_in: AtomicU64,
     bytes_in: AtomicU64,
     frames_out: AtomicU64,
@@ -415,6 +429,17 @@ impl Observer for SimAgent {
         debug!(agent = %self.name, %refusal, "connection failed");
         self.tally.failed_attempts.fetch_add(1, Ordering::Relaxed);
         self.set_failure(Some(FailureKind::of(refusal)));
+    }
+
+    fn turned_away(&self, retry_after: Duration) {
+        let ms = retry_after.as_millis() as u64;
+        self.tally.turned_away.fetch_add(1, Ordering::Relaxed);
+        self.tally
+            .turned_away_ms_sum
+            .fetch_add(ms, Ordering::Relaxed);
+        self.tally
+            .turned_away_ms_max
+            .fetch_max(ms, Ordering::Relaxed);
     }
 
     fn redirected(&self, _to: &str) {
@@ -625,6 +650,9 @@ impl Swarm {
             established_total: t.established_total.load(Ordering::Relaxed),
             failed_attempts: t.failed_attempts.load(Ordering::Relaxed),
             redirects: t.redirects.load(Ordering::Relaxed),
+            turned_away: t.turned_away.load(Ordering::Relaxed),
+            turned_away_ms_sum: t.turned_away_ms_sum.load(Ordering::Relaxed),
+            turned_away_ms_max: t.turned_away_ms_max.load(Ordering::Relaxed),
             frames_in: t.frames_in.load(Ordering::Relaxed),
             bytes_in: t.bytes_in.load(Ordering::Relaxed),
             frames_out: t.frames_out.load(Ordering::Relaxed),
