@@ -81,7 +81,7 @@ impl Default for GatewayConfig {
             drain_timeout: Duration::from_secs(20),
             session_rate: crate::rate::DEFAULT_SESSION_RATE,
             session_burst: crate::rate::DEFAULT_SESSION_BURST,
-            max_quic_handshakes: 256,
+            max_quic_handshakes: crate::process::DEFAULT_MAX_QUIC_HANDSHAKES as usize,
             tunnel_open_timeout: Duration::from_secs(10),
             relay_idle_timeout: Duration::from_secs(2 * 3600),
             chunk_bytes_per_second: DEFAULT_CHUNK_BYTES_PER_SECOND,

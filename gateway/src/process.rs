@@ -36,6 +36,10 @@ pub const DEFAULT_RENEW_PERIOD: &str = "5s";
 /// The largest `--session-rate` and `--session-burst` accepted: beyond it the bucket is no
 /// bound at all (and a typo more likely than a plan).
 pub const MAX_SESSION_RATE: u32 = 1_000_000;
+/// Default of `--max-quic-handshakes`.
+pub const DEFAULT_MAX_QUIC_HANDSHAKES: u32 = 256;
+/// The most `--max-quic-handshakes` takes: each waiting place holds a first datagram.
+pub const MAX_QUIC_HANDSHAKES: u32 = 65_536;
 
 /// The new-session rate (herd control), the same on the hub and on every gateway.
 #[derive(Clone, Debug, Args)]
@@ -57,6 +61,14 @@ pub struct SessionRateFlags {
     /// handshakes at once without missing heartbeats.
     #[arg(long, env = "FLOTILLA_SESSION_BURST", default_value_t = DEFAULT_SESSION_BURST)]
     pub session_burst: u32,
+
+    /// QUIC handshakes this process runs at once; four times as many connections wait for a
+    /// slot (2 s at most), and the rest are told before any crypto when to come back, at the
+    /// rate handshakes have been finishing. A slot is held from the agent's first packet to
+    /// its session stream, round trips to the agent included, so on a process with cores to
+    /// spare and agents far away more slots set up more sessions per second.
+    #[arg(long, env = "FLOTILLA_MAX_QUIC_HANDSHAKES", default_value_t = DEFAULT_MAX_QUIC_HANDSHAKES)]
+    pub max_quic_handshakes: u32,
 }
 
 impl SessionRateFlags {
@@ -81,6 +93,12 @@ impl SessionRateFlags {
                  give what one process establishes per second (measure with flotilla-loadtest)"
             );
         }
+        anyhow::ensure!(
+            (1..=MAX_QUIC_HANDSHAKES).contains(&self.max_quic_handshakes),
+            "--max-quic-handshakes {} is outside 1..={MAX_QUIC_HANDSHAKES}: give the QUIC \
+             handshakes one process runs at once (default {DEFAULT_MAX_QUIC_HANDSHAKES})",
+            self.max_quic_handshakes
+        );
         Ok(())
     }
 }
@@ -352,6 +370,7 @@ impl GatewayProcessConfig {
             quic_congestion: self.quic_congestion,
             session_rate: self.session_rate.session_rate,
             session_burst: self.session_rate.session_burst,
+            max_quic_handshakes: self.session_rate.max_quic_handshakes as usize,
             ..GatewayConfig::default()
         };
         self.status_writes.apply(&mut config);
@@ -515,6 +534,7 @@ mod tests {
         let flags = SessionRateFlags {
             session_rate: rate,
             session_burst: burst,
+            max_quic_handshakes: DEFAULT_MAX_QUIC_HANDSHAKES,
         };
         match (flags.validate().map_err(|e| e.to_string()), expected) {
             (Ok(()), Ok(())) => {}
@@ -587,5 +607,23 @@ mod tests {
             2_000_000,
             Err("--session-burst 2000000 is above 1000000"),
         );
+        for (handshakes, ok) in [(0, false), (1, true), (1024, true), (100_000, false)] {
+            let flags = SessionRateFlags {
+                session_rate: 1000,
+                session_burst: 1000,
+                max_quic_handshakes: handshakes,
+            };
+            match flags.validate() {
+                Ok(()) => assert!(ok, "{handshakes} accepted"),
+                Err(e) => {
+                    assert!(!ok, "{handshakes} refused: {e}");
+                    assert!(
+                        e.to_string()
+                            .contains(&format!("--max-quic-handshakes {handshakes} is outside")),
+                        "{e}"
+                    );
+                }
+            }
+        }
     }
 }

@@ -525,6 +525,7 @@ fn gateway_config(config: &HubConfig) -> GatewayConfig {
         drain_timeout: config.drain_timeout,
         session_rate: config.session_rate.session_rate,
         session_burst: config.session_rate.session_burst,
+        max_quic_handshakes: config.session_rate.max_quic_handshakes as usize,
         ..GatewayConfig::default()
     };
     config.status_writes.apply(&mut gateway);

@@ -1363,6 +1363,30 @@ mod tests {
     use super::*;
 
     #[test]
+    fn turned_away_counts_the_window_and_says_what_the_agents_were_told() {
+        let before = crate::swarm::Sample {
+            turned_away: 10,
+            turned_away_ms_sum: 1_000,
+            turned_away_ms_max: 400,
+            ..Default::default()
+        };
+        let after = crate::swarm::Sample {
+            turned_away: 14,
+            turned_away_ms_sum: 3_000,
+            turned_away_ms_max: 900,
+            ..Default::default()
+        };
+        let t = TurnedAway::between(&before, &after).expect("four were turned away");
+        assert_eq!(t.count, 4);
+        assert!((t.mean_retry_after_ms - 500.0).abs() < 1e-9);
+        assert_eq!(
+            t.to_string(),
+            "4 times, told to come back after 500 ms on average (longest 900 ms)"
+        );
+        assert_eq!(TurnedAway::between(&after, &after), None);
+    }
+
+    #[test]
     fn idle_core_share_is_per_ten_thousand_sessions_held_throughout() {
         let idle = IdleReport {
             window_s: 30.0,

@@ -1096,4 +1096,12 @@ mod tests {
         let sparse = [(0.0, 0), (3.0, 900), (6.0, 1800)];
         assert!((peak_rate(&sparse) - 300.0).abs() < 1e-6);
     }
+
+    #[test]
+    fn the_setup_rate_does_not_count_the_agents_own_start() {
+        // 10,000 sessions, the first dial 12 s in (the agents writing their identities), the
+        // last welcome at 22 s: 1,000 a second, not 455.
+        assert!((setup_rate(10_000, Some(12.0), 22.0) - 1000.0).abs() < 1e-6);
+        assert!((setup_rate(10_000, None, 20.0) - 500.0).abs() < 1e-6);
+    }
 }

@@ -234,10 +234,14 @@ impl ResetKey {
         }
     }
 
-    /// The endpoint configuration using these keys. Resets are sent as fast as packets on
-    /// lost connections arrive, up to [`MIN_RESET_INTERVAL`] apart (quinn's default of 20 ms
-    /// would take a 10,000-agent gateway's restart 200 s to reach every agent; a reset is always
-    /// smaller than the packet it answers, so two endpoints cannot loop).
+    /// The endpoint configuration using these keys. Every packet on a lost connection is
+    /// answered with a reset ([`MIN_RESET_INTERVAL`]): quinn spaces resets by a time it takes
+    /// once per wake of its endpoint, so any spacing at all allowed one reset per batch of
+    /// received datagrams, and under a restarted gateway's herd the rest went unanswered and
+    /// their agents retransmitted with growing delays (a QUIC storm's last agents heard of the
+    /// restart 30 s late). What bounds resets instead: only a packet whose connection ID this
+    /// key issued gets one (quinn drops the others), one per packet, and a reset is always
+    /// smaller than the packet it answers, so two endpoints cannot loop or amplify.
     fn endpoint_config(self) -> quinn::EndpointConfig {
         let cid = self.cid;
         let mut config = quinn::EndpointConfig::new(Arc::new(self.reset));
@@ -593,8 +597,9 @@ fn widen_buffers(socket: &std::net::UdpSocket) {
     );
 }
 
-/// The least time between two stateless resets the gateway sends: a bound of 10,000 a second.
-const MIN_RESET_INTERVAL: Duration = Duration::from_micros(100);
+/// The least time between two stateless resets the gateway sends: none (see
+/// [`ResetKey::endpoint_config`]).
+const MIN_RESET_INTERVAL: Duration = Duration::ZERO;
 
 /// Connections that may wait for a handshake slot, per slot, when every slot is taken.
 const WAITING_PER_SLOT: usize = 4;
@@ -921,5 +926,58 @@ mod tests {
         // The two keys are not the same bytes either.
         assert_ne!(&tag(&a)[..8], &a.cid.to_le_bytes()[..]);
         assert_ne!(tag(&ResetKey::random()), tag(&ResetKey::random()));
+    }
+
+    /// A restarted gateway's herd: packets of many lost connections arrive in one batch (one
+    /// wake of quinn's endpoint, one `now`), and every one of them gets its reset. Spaced
+    /// resets answered one per batch and left the rest to retransmit.
+    #[test]
+    fn every_packet_of_a_lost_connection_in_a_batch_gets_its_reset() {
+        use quinn_proto::ConnectionIdGenerator as _;
+        let key = ResetKey::derived_from(b"serving key");
+        let cid_key = key.cid;
+        let mut issued = quinn_proto::HashedConnectionIdGenerator::from_key(cid_key);
+        let mut endpoint = quinn_proto::Endpoint::new(
+            Arc::new(key.endpoint_config()),
+            None,
+            false,
+            Some([7; 32]),
+        );
+        let now = std::time::Instant::now();
+        let remote: SocketAddr = "127.0.0.1:40000".parse().unwrap();
+        let mut resets = 0;
+        for _ in 0..100 {
+            // A short-header packet on a connection ID the key issued: the first byte (fixed
+            // bit set), the ID, then what would be the packet number and a protected payload.
+            let mut packet = vec![0x40];
+            packet.extend_from_slice(&issued.generate_cid());
+            packet.extend_from_slice(&[0x5a; 40]);
+            let mut response = Vec::new();
+            if let Some(quinn_proto::DatagramEvent::Response(_)) = endpoint.handle(
+                now,
+                remote,
+                None,
+                None,
+                bytes::BytesMut::from(&packet[..]),
+                &mut response,
+            ) {
+                resets += 1;
+            }
+        }
+        assert_eq!(resets, 100, "every packet of the batch is answered with a reset");
+        // A connection ID this key never issued gets nothing.
+        let mut foreign = quinn_proto::HashedConnectionIdGenerator::from_key(cid_key ^ 1);
+        let mut packet = vec![0x40];
+        packet.extend_from_slice(&foreign.generate_cid());
+        packet.extend_from_slice(&[0x5a; 40]);
+        let answer = endpoint.handle(
+            now,
+            remote,
+            None,
+            None,
+            bytes::BytesMut::from(&packet[..]),
+            &mut Vec::new(),
+        );
+        assert!(answer.is_none(), "a foreign connection ID is not answered");
     }
 }
