@@ -937,12 +937,8 @@ mod tests {
         let key = ResetKey::derived_from(b"serving key");
         let cid_key = key.cid;
         let mut issued = quinn_proto::HashedConnectionIdGenerator::from_key(cid_key);
-        let mut endpoint = quinn_proto::Endpoint::new(
-            Arc::new(key.endpoint_config()),
-            None,
-            false,
-            Some([7; 32]),
-        );
+        let mut endpoint =
+            quinn_proto::Endpoint::new(Arc::new(key.endpoint_config()), None, false, Some([7; 32]));
         let now = std::time::Instant::now();
         let remote: SocketAddr = "127.0.0.1:40000".parse().unwrap();
         let mut resets = 0;
@@ -964,7 +960,10 @@ mod tests {
                 resets += 1;
             }
         }
-        assert_eq!(resets, 100, "every packet of the batch is answered with a reset");
+        assert_eq!(
+            resets, 100,
+            "every packet of the batch is answered with a reset"
+        );
         // A connection ID this key never issued gets nothing.
         let mut foreign = quinn_proto::HashedConnectionIdGenerator::from_key(cid_key ^ 1);
         let mut packet = vec![0x40];
