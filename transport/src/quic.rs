@@ -351,7 +351,7 @@ impl QuicListener {
         settings: QuicSettings,
         reset_key: ResetKey,
     ) -> Result<QuicListener, QuicSetupError> {
-        widen_buffers(&socket);
+        widen_listener_buffers(&socket);
         let socket = quinn::TokioRuntime.wrap_udp_socket(socket)?;
         let first = Arc::new(FirstPackets::default());
         let crypto = server_crypto(tls)?;
@@ -638,11 +638,12 @@ type LinkPump = Pin<Box<dyn Future<Output = PumpEnd> + Send>>;
 /// carries every agent's packets: at the kernel's default (about 208 KiB) a burst of handshakes
 /// overflows it, and each dropped packet comes back as a retransmission, until handshakes stop
 /// finishing at all (50,000 agents at 1,000/s: 9 million datagrams dropped, 42 sessions up).
-/// The kernel caps the request at `net.core.rmem_max` / `wmem_max`.
+/// The kernel caps a plain request at `net.core.rmem_max` / `wmem_max` (see
+/// [`widen_listener_buffers`]).
 const UDP_BUFFER_BYTES: usize = 16 << 20;
 
-/// Asks for [`UDP_BUFFER_BYTES`] each way on `socket`; a refusal is logged and the kernel's
-/// default kept.
+/// Asks for [`UDP_BUFFER_BYTES`] each way on an agent's `socket`; a refusal is logged and the
+/// kernel's default kept. One agent's connection needs far less; a capped request is fine.
 fn widen_buffers(socket: &std::net::UdpSocket) {
     let sock = socket2::SockRef::from(socket);
     if let Err(e) = sock.set_recv_buffer_size(UDP_BUFFER_BYTES) {
@@ -657,6 +658,79 @@ fn widen_buffers(socket: &std::net::UdpSocket) {
         "QUIC socket buffers"
     );
 }
+
+/// What the kernel gave the listener's socket, in its own accounting (Linux reports twice the
+/// bytes asked: the other half is its bookkeeping).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SocketBuffers {
+    pub(crate) receive: usize,
+    pub(crate) send: usize,
+}
+
+/// Asks for [`UDP_BUFFER_BYTES`] each way on the listener's `socket`. The kernel caps a plain
+/// request at `net.core.rmem_max` / `wmem_max`, 4 MiB or less by default, and a storm of
+/// reconnects overflows that: 10,000 agents coming back after a kill lost 1,800 to 3,500
+/// Initials in its first seconds here, and each loss cost its agent a retransmission one, two,
+/// then four seconds later (the storm's last agents came back 8 s after the rest). Where the
+/// plain request comes back short, the privileged form (`SO_RCVBUFFORCE`, a process with
+/// `CAP_NET_ADMIN`) passes the cap; where that is refused, the operator is told which sysctl
+/// to raise.
+pub(crate) fn widen_listener_buffers(socket: &std::net::UdpSocket) -> SocketBuffers {
+    let sock = socket2::SockRef::from(socket);
+    let _ = sock.set_recv_buffer_size(UDP_BUFFER_BYTES);
+    let _ = sock.set_send_buffer_size(UDP_BUFFER_BYTES);
+    let mut got = buffers_of(&sock);
+    if got.receive < UDP_BUFFER_BYTES || got.send < UDP_BUFFER_BYTES {
+        force_buffers(socket);
+        got = buffers_of(&sock);
+    }
+    if got.receive < UDP_BUFFER_BYTES {
+        warn!(
+            receive_kib = got.receive / 1024,
+            asked_kib = UDP_BUFFER_BYTES / 1024,
+            "the QUIC socket's receive buffer is capped by the kernel: a burst of reconnects \
+             will be dropped and retransmitted a second or more later; raise the cap with \
+             `sysctl -w net.core.rmem_max={UDP_BUFFER_BYTES}` (or run with CAP_NET_ADMIN)"
+        );
+    }
+    if got.send < UDP_BUFFER_BYTES {
+        warn!(
+            send_kib = got.send / 1024,
+            asked_kib = UDP_BUFFER_BYTES / 1024,
+            "the QUIC socket's send buffer is capped by the kernel; raise the cap with \
+             `sysctl -w net.core.wmem_max={UDP_BUFFER_BYTES}` (or run with CAP_NET_ADMIN)"
+        );
+    }
+    debug!(
+        receive = got.receive,
+        send = got.send,
+        "QUIC listener socket buffers"
+    );
+    got
+}
+
+fn buffers_of(sock: &socket2::SockRef<'_>) -> SocketBuffers {
+    SocketBuffers {
+        receive: sock.recv_buffer_size().unwrap_or(0),
+        send: sock.send_buffer_size().unwrap_or(0),
+    }
+}
+
+/// The privileged request past `net.core.rmem_max` / `wmem_max`; refused (`EPERM`) without
+/// `CAP_NET_ADMIN`, which the caller reports.
+#[cfg(any(target_os = "linux", target_os = "android"))]
+fn force_buffers(socket: &std::net::UdpSocket) {
+    use nix::sys::socket::{setsockopt, sockopt};
+    if let Err(e) = setsockopt(socket, sockopt::RcvBufForce, &UDP_BUFFER_BYTES) {
+        debug!(error = %e, "SO_RCVBUFFORCE refused");
+    }
+    if let Err(e) = setsockopt(socket, sockopt::SndBufForce, &UDP_BUFFER_BYTES) {
+        debug!(error = %e, "SO_SNDBUFFORCE refused");
+    }
+}
+
+#[cfg(not(any(target_os = "linux", target_os = "android")))]
+fn force_buffers(_socket: &std::net::UdpSocket) {}
 
 /// The least time between two stateless resets the gateway sends: none (see
 /// [`ResetKey::endpoint_config`]).
@@ -1088,5 +1162,36 @@ mod tests {
             &mut Vec::new(),
         );
         assert!(answer.is_none(), "a foreign connection ID is not answered");
+    }
+
+    /// The listener's socket must hold a storm's burst whatever the kernel's default cap: a
+    /// process that may pass the cap (root here, `CAP_NET_ADMIN`) gets every byte it asked
+    /// for; one that may not keeps what the cap allows (and is told the sysctl to raise).
+    #[test]
+    fn the_listener_socket_gets_its_buffers_past_the_kernels_cap_where_it_may() {
+        let socket = std::net::UdpSocket::bind("127.0.0.1:0").expect("a UDP socket");
+        let got = widen_listener_buffers(&socket);
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let may_pass_cap = status
+            .lines()
+            .find_map(|l| l.strip_prefix("CapEff:"))
+            .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+            .is_some_and(|caps| caps & (1 << 12) != 0);
+        let cap = std::fs::read_to_string("/proc/sys/net/core/rmem_max")
+            .ok()
+            .and_then(|c| c.trim().parse::<usize>().ok());
+        if may_pass_cap || cap.is_some_and(|c| c >= UDP_BUFFER_BYTES) {
+            assert!(
+                got.receive >= UDP_BUFFER_BYTES && got.send >= UDP_BUFFER_BYTES,
+                "asked {UDP_BUFFER_BYTES} bytes each way (kernel cap {cap:?}), got {got:?}"
+            );
+        } else {
+            // The plain request still takes everything the cap allows.
+            let cap = cap.unwrap_or(0);
+            assert!(
+                got.receive >= cap,
+                "the cap allows {cap} bytes, got {got:?}"
+            );
+        }
     }
 }
