@@ -108,7 +108,16 @@ pub async fn serve(args: BareArgs) -> anyhow::Result<()> {
             tls.alpn_protocols = vec![flotilla_transport::quic::ALPN.to_vec()];
             let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls)?;
             let config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
-            let endpoint = quinn::Endpoint::server(config, args.listen)?;
+            // The socket buffers the gateway's listener has, so the baseline is not slowed by
+            // drops the fabric does not suffer.
+            let socket = std::net::UdpSocket::bind(args.listen)?;
+            flotilla_transport::quic::widen_listener_buffers(&socket);
+            let endpoint = quinn::Endpoint::new(
+                quinn::EndpointConfig::default(),
+                Some(config),
+                socket,
+                Arc::new(quinn::TokioRuntime),
+            )?;
             announce(endpoint.local_addr()?);
             tokio::pin!(stdin_closed);
             loop {

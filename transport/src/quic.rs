@@ -662,9 +662,11 @@ fn widen_buffers(socket: &std::net::UdpSocket) {
 /// What the kernel gave the listener's socket, in its own accounting (Linux reports twice the
 /// bytes asked: the other half is its bookkeeping).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct SocketBuffers {
-    pub(crate) receive: usize,
-    pub(crate) send: usize,
+pub struct SocketBuffers {
+    /// Receive buffer, bytes.
+    pub receive: usize,
+    /// Send buffer, bytes.
+    pub send: usize,
 }
 
 /// Asks for [`UDP_BUFFER_BYTES`] each way on the listener's `socket`. The kernel caps a plain
@@ -675,7 +677,7 @@ pub(crate) struct SocketBuffers {
 /// plain request comes back short, the privileged form (`SO_RCVBUFFORCE`, a process with
 /// `CAP_NET_ADMIN`) passes the cap; where that is refused, the operator is told which sysctl
 /// to raise.
-pub(crate) fn widen_listener_buffers(socket: &std::net::UdpSocket) -> SocketBuffers {
+pub fn widen_listener_buffers(socket: &std::net::UdpSocket) -> SocketBuffers {
     let sock = socket2::SockRef::from(socket);
     let _ = sock.set_recv_buffer_size(UDP_BUFFER_BYTES);
     let _ = sock.set_send_buffer_size(UDP_BUFFER_BYTES);
