@@ -436,9 +436,9 @@ impl Driver<'_> {
                     Done::Nothing
                 }));
             }
-            AgentEvent::TunnelRequested { id } => {
-                debug!(tunnel = %id, "tunnel requested");
-                spoke.tunnels.requested(&self.tunnels, id);
+            AgentEvent::TunnelRequested { id, bytes } => {
+                debug!(tunnel = %id, bytes, "tunnel requested");
+                spoke.tunnels.requested(&self.tunnels, id, bytes);
             }
             AgentEvent::Synced { sent } => {
                 info!(sent, "in sync with the hub");

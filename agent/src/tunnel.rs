@@ -59,8 +59,13 @@ pub struct TunnelConfig {
 enum Command {
     /// A new session's connection: over QUIC the gateway opens tunnel streams on it itself.
     Session(AgentTunnels),
-    /// The hub asked for tunnel `id` (`OpenTunnel`, gRPC): the agent opens it on `tunnels`.
-    Requested { tunnels: AgentTunnels, id: String },
+    /// The hub asked for tunnel `id` (`OpenTunnel`, gRPC): the agent opens it on `tunnels`,
+    /// as a plain HTTP/2 stream if `bytes`.
+    Requested {
+        tunnels: AgentTunnels,
+        id: String,
+        bytes: bool,
+    },
 }
 
 /// The session driver's handle on the tunnel server. Never waits: a server that is behind
@@ -78,11 +83,12 @@ impl TunnelHandle {
         }
     }
 
-    /// The hub asked for tunnel `id` on this session.
-    pub fn requested(&self, tunnels: &AgentTunnels, id: String) {
+    /// The hub asked for tunnel `id` on this session (as a plain HTTP/2 stream if `bytes`).
+    pub fn requested(&self, tunnels: &AgentTunnels, id: String, bytes: bool) {
         self.send(Command::Requested {
             tunnels: tunnels.clone(),
             id,
+            bytes,
         });
     }
 
@@ -147,13 +153,13 @@ impl TunnelServer {
             tokio::select! {
                 command = self.commands.recv() => match command {
                     Some(Command::Session(tunnels)) => quic = Some(tunnels),
-                    Some(Command::Requested { tunnels, id }) => {
+                    Some(Command::Requested { tunnels, id, bytes }) => {
                         let Some(answer) = answer else {
                             warn!(tunnel = %id, max = self.config.max_tunnels, "tunnel dropped: every slot is busy");
                             continue;
                         };
                         let opening = async move {
-                            match tunnels.open_requested(&id).await {
+                            match tunnels.open_requested(&id, bytes).await {
                                 Some(Ok(stream)) => Some(stream),
                                 Some(Err(e)) => {
                                     warn!(tunnel = %id, error = %e, "cannot open the tunnel the hub asked for");

@@ -463,9 +463,10 @@ impl Gateway {
         // connection does: during a drain their end is expected.
         let (incoming_tx, mut incoming) = mpsc::channel::<Incoming>(INCOMING_BUFFER);
         let mut routes = extra.unwrap_or_default();
-        routes.add_service(
-            FleetService::new(incoming_tx.clone()).into_server(config.max_frame_bytes),
-        );
+        let fleet = FleetService::new(incoming_tx.clone());
+        // Tunnels as plain HTTP/2 streams, beside the `Tunnel` calls of earlier agents.
+        routes.add_service(fleet.bytes_service());
+        routes.add_service(fleet.into_server(config.max_frame_bytes));
         // Tunnels other gateways and the hub relay through this one to the sessions it holds.
         routes.add_service(
             RelayService::new(Arc::new(self.clone()), config.relay_idle_timeout).into_server(),

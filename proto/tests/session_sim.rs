@@ -934,7 +934,8 @@ fn tunnel_requests_reach_the_agent() {
     sim.settle();
 
     assert!(sim.agent_events.contains(&AgentEvent::TunnelRequested {
-        id: "tunnel-17".to_string()
+        id: "tunnel-17".to_string(),
+        bytes: true,
     }));
 }
 

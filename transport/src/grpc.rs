@@ -1,6 +1,9 @@
 //! The gRPC carrier: a session is one bidirectional `Fleet.Session` call on an HTTP/2
-//! connection over TLS; a tunnel is one more `Fleet.Tunnel` call on the same connection, which
-//! the agent opens when the hub's session asks it to (`OpenTunnel`).
+//! connection over TLS; a tunnel is one more HTTP/2 stream on the same connection, which the
+//! agent opens when the hub's session asks it to (`OpenTunnel`): a plain stream of bytes
+//! ([`TunnelBytesService`], `POST /flotilla.v1.TunnelBytes/Open`) when the gateway says it
+//! takes them, else a `Fleet.Tunnel` call (agents and gateways of earlier versions), whose bytes
+//! travel in protobuf messages: one more copy each way and gRPC's framing on every chunk.
 //!
 //! The gateway side serves each authenticated TLS connection itself ([`serve`]), with HTTP/2
 //! settings sized for tens of thousands of mostly idle sessions, and hands every session call
@@ -24,7 +27,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
-use tower::ServiceExt as _;
+use tower::{Service as _, ServiceExt as _};
 use tracing::debug;
 
 use crate::link::{Carrier, LINK_BUFFER, Link, LinkError, TunnelStream};
@@ -119,6 +122,18 @@ impl PendingTunnels {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
+
+    /// The wait for tunnel `id`, if `cluster`'s agent is the one it was asked of. Another
+    /// cluster's call leaves it waiting: ids are a per-hub prefix and a counter, so an agent
+    /// that has seen its own tunnels' ids can name the next ones, and taking such an entry out
+    /// would break another cluster's kubectl request.
+    fn take(&self, id: &str, cluster: &str) -> Option<Waiting> {
+        let mut tunnels = self.lock();
+        match tunnels.get(id) {
+            Some(w) if w.cluster == cluster => tunnels.remove(id),
+            _ => None,
+        }
+    }
 }
 
 /// The gateway side of the `Fleet` service: session calls go to the gateway, tunnel calls to
@@ -135,6 +150,14 @@ impl FleetService {
         FleetService {
             sessions,
             tunnels: Arc::default(),
+        }
+    }
+
+    /// The service taking tunnels as plain HTTP/2 streams, for the same waits as this one's
+    /// `Tunnel` calls; served beside it on the same routes.
+    pub fn bytes_service(&self) -> TunnelBytesService {
+        TunnelBytesService {
+            tunnels: self.tunnels.clone(),
         }
     }
 
@@ -200,18 +223,7 @@ impl Fleet for FleetService {
             })) => id,
             _ => return Err(Status::invalid_argument("a tunnel call starts with its id")),
         };
-        // Only the agent the tunnel was asked of may answer it, and another cluster's call
-        // leaves it waiting: ids are a per-hub prefix and a counter, so an agent that has seen
-        // its own tunnels' ids can name the next ones, and taking such an entry out would
-        // break another cluster's kubectl request.
-        let waiting = {
-            let mut tunnels = self.tunnels.lock();
-            match tunnels.get(&id) {
-                Some(w) if w.cluster == cluster => tunnels.remove(&id),
-                _ => None,
-            }
-        };
-        let Some(waiting) = waiting else {
+        let Some(waiting) = self.tunnels.take(&id, &cluster) else {
             return Err(Status::not_found(format!(
                 "no tunnel {id} is waiting for cluster {cluster}"
             )));
@@ -225,8 +237,107 @@ impl Fleet for FleetService {
     }
 }
 
+/// The path an agent posts a tunnel stream to ([`TunnelBytesService`]).
+pub const TUNNEL_BYTES_PATH: &str = "/flotilla.v1.TunnelBytes/Open";
+/// The header naming the tunnel a [`TUNNEL_BYTES_PATH`] stream answers.
+pub const TUNNEL_ID_HEADER: &str = "flotilla-tunnel-id";
+
+/// Tunnels as plain HTTP/2 streams: the agent posts to [`TUNNEL_BYTES_PATH`] naming the
+/// tunnel in [`TUNNEL_ID_HEADER`]; the request body is the agent's bytes and the response
+/// body the hub's, data frames as they come, with no message framing to add, copy into or
+/// parse. The same waits and the same check as a `Fleet.Tunnel` call: only the agent of the
+/// cluster the tunnel was asked of may take it.
+#[derive(Clone)]
+pub struct TunnelBytesService {
+    tunnels: Arc<PendingTunnels>,
+}
+
+impl tonic::server::NamedService for TunnelBytesService {
+    const NAME: &'static str = "flotilla.v1.TunnelBytes";
+}
+
+impl tower::Service<http::Request<tonic::body::Body>> for TunnelBytesService {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = Infallible;
+    type Future = std::future::Ready<Result<Self::Response, Infallible>>;
+
+    fn poll_ready(
+        &mut self,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Infallible>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
+        std::future::ready(Ok(self.take(request)))
+    }
+}
+
+impl TunnelBytesService {
+    fn take(&self, request: http::Request<tonic::body::Body>) -> http::Response<tonic::body::Body> {
+        use http::StatusCode;
+        if request.uri().path() != TUNNEL_BYTES_PATH || request.method() != http::Method::POST {
+            return refusal(
+                StatusCode::NOT_FOUND,
+                format!("tunnel streams are a POST to {TUNNEL_BYTES_PATH}"),
+            );
+        }
+        let Some(cluster) = request
+            .extensions()
+            .get::<ConnInfo>()
+            .and_then(|info| info.cluster().map(str::to_string))
+        else {
+            return refusal(StatusCode::FORBIDDEN, "only agents open tunnels".into());
+        };
+        let Some(id) = request
+            .headers()
+            .get(TUNNEL_ID_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+        else {
+            return refusal(
+                StatusCode::BAD_REQUEST,
+                format!("a tunnel stream names its tunnel in the {TUNNEL_ID_HEADER} header"),
+            );
+        };
+        let Some(waiting) = self.tunnels.take(&id, &cluster) else {
+            return refusal(
+                StatusCode::NOT_FOUND,
+                format!("no tunnel {id} is waiting for cluster {cluster}"),
+            );
+        };
+        let (tx, rx) = mpsc::channel::<Bytes>(LINK_BUFFER);
+        let inbound = http_body_util::BodyDataStream::new(request.into_body())
+            .map(|chunk| chunk.map_err(io_error));
+        if waiting
+            .reply
+            .send(TunnelStream::new(id, bytes_io(inbound, tx)))
+            .is_err()
+        {
+            return refusal(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the tunnel's requester went away".into(),
+            );
+        }
+        let body = http_body_util::StreamBody::new(
+            ReceiverStream::new(rx).map(|chunk| Ok::<_, Status>(hyper::body::Frame::data(chunk))),
+        );
+        http::Response::new(tonic::body::Body::new(body))
+    }
+}
+
+/// A tunnel stream refused, its reason as text for the agent's log.
+fn refusal(status: http::StatusCode, reason: String) -> http::Response<tonic::body::Body> {
+    let mut response = http::Response::new(tonic::body::Body::new(http_body_util::Full::new(
+        Bytes::from(reason),
+    )));
+    *response.status_mut() = status;
+    response
+}
+
 /// Opens tunnels to one agent over gRPC: registers the id, the session driver sends
-/// `OpenTunnel`, the agent's `Fleet.Tunnel` call completes it.
+/// `OpenTunnel`, the agent's tunnel stream (a [`TunnelBytesService`] stream or a
+/// `Fleet.Tunnel` call) completes it.
 #[derive(Clone)]
 pub struct GrpcTunnels {
     pending: Weak<PendingTunnels>,
@@ -261,42 +372,89 @@ impl GrpcTunnels {
     }
 }
 
-/// A tunnel call's inbound frames.
-type Frames = Pin<Box<dyn Stream<Item = Result<TunnelFrame, std::io::Error>> + Send>>;
+/// A tunnel's inbound data: `Ok(Some(bytes))` to read, `Ok(None)` the peer's half-close.
+type Inbound = Pin<Box<dyn Stream<Item = std::io::Result<Option<Bytes>>> + Send>>;
 
 /// Tunnel frames as bytes: data frames read, writes become data frames, shutdown sends `end`.
 pub(crate) fn frames_io(
     inbound: impl Stream<Item = Result<TunnelFrame, std::io::Error>> + Send + 'static,
     outbound: mpsc::Sender<TunnelFrame>,
 ) -> impl crate::link::TunnelIo {
-    CallIo {
-        reader: tokio_util::io::StreamReader::new(DataFrames {
-            inbound: Some(Box::pin(inbound)),
+    let inbound = inbound.filter_map(|frame| {
+        std::future::ready(match frame {
+            Ok(TunnelFrame {
+                frame: Some(tunnel_frame::Frame::Data(data)),
+            }) => Some(Ok(Some(Bytes::from(data)))),
+            Ok(TunnelFrame {
+                frame: Some(tunnel_frame::Frame::End(true)),
+            }) => Some(Ok(None)),
+            Ok(_) => None,
+            Err(e) => Some(Err(e)),
+        })
+    });
+    CallIo::new(
+        Box::pin(inbound),
+        DataWriter {
+            out: tokio_util::sync::PollSender::new(outbound),
+            data: |chunk| TunnelFrame {
+                frame: Some(tunnel_frame::Frame::Data(chunk.to_vec())),
+            },
+            end: Some(|| TunnelFrame {
+                frame: Some(tunnel_frame::Frame::End(true)),
+            }),
             ended: false,
-        }),
-        writer: DataWriter::new(outbound),
-    }
+        },
+    )
+}
+
+/// An HTTP/2 stream's bodies as bytes ([`TunnelBytesService`]): the inbound body's data is
+/// read as it comes, writes become data frames of the outbound body, shutdown ends it.
+fn bytes_io(
+    inbound: impl Stream<Item = std::io::Result<Bytes>> + Send + 'static,
+    outbound: mpsc::Sender<Bytes>,
+) -> impl crate::link::TunnelIo {
+    CallIo::new(
+        Box::pin(inbound.map(|chunk| chunk.map(Some))),
+        DataWriter {
+            out: tokio_util::sync::PollSender::new(outbound),
+            data: Bytes::copy_from_slice,
+            end: None,
+            ended: false,
+        },
+    )
 }
 
 /// How long a closed tunnel end keeps reading its call once dropped, so that what it wrote
 /// reaches the peer (see [`CallIo`]'s `Drop`).
 const LINGER: Duration = Duration::from_secs(10);
 
-/// The bytes of one `Fleet.Tunnel` call, either end.
+/// The bytes of one tunnel stream, either end.
 ///
-/// HTTP/2 cancels a call whose two halves are both dropped before the peer has ended its own,
-/// and a cancel discards what this end has written but not yet sent (a stalled window holds
-/// it). A relay drops its tunnel as soon as both directions are done, which can be before the
-/// peer's end of the call arrives. So an end that closed its writing cleanly hands its inbound
+/// HTTP/2 cancels a stream whose two halves are both dropped before the peer has ended its
+/// own, and a cancel discards what this end has written but not yet sent (a stalled window
+/// holds it). A relay drops its tunnel as soon as both directions are done, which can be
+/// before the peer's end arrives. So an end that closed its writing cleanly hands its inbound
 /// half, on drop, to a task that reads it out until the peer ends it, [`LINGER`] at most: the
-/// call then closes without a cancel and nothing written is lost. An end dropped without a
+/// stream then closes without a cancel and nothing written is lost. An end dropped without a
 /// clean close is cancelled at once, as before.
-struct CallIo {
+struct CallIo<T> {
     reader: tokio_util::io::StreamReader<DataFrames, Bytes>,
-    writer: DataWriter,
+    writer: DataWriter<T>,
 }
 
-impl Drop for CallIo {
+impl<T> CallIo<T> {
+    fn new(inbound: Inbound, writer: DataWriter<T>) -> CallIo<T> {
+        CallIo {
+            reader: tokio_util::io::StreamReader::new(DataFrames {
+                inbound: Some(inbound),
+                ended: false,
+            }),
+            writer,
+        }
+    }
+}
+
+impl<T> Drop for CallIo<T> {
     fn drop(&mut self) {
         if !self.writer.ended {
             return;
@@ -314,7 +472,7 @@ impl Drop for CallIo {
     }
 }
 
-impl tokio::io::AsyncRead for CallIo {
+impl<T: Send + 'static> tokio::io::AsyncRead for CallIo<T> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
@@ -324,7 +482,7 @@ impl tokio::io::AsyncRead for CallIo {
     }
 }
 
-impl tokio::io::AsyncWrite for CallIo {
+impl<T: Send + 'static> tokio::io::AsyncWrite for CallIo<T> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
@@ -346,10 +504,10 @@ impl tokio::io::AsyncWrite for CallIo {
     }
 }
 
-/// The data frames of a tunnel call until the peer's half-close (`End`); other frames carry
-/// nothing to read. Keeps the call's stream after `End` so that dropping it is a choice.
+/// A tunnel's data until the peer's half-close; keeps the inbound stream after it so that
+/// dropping it is a choice.
 struct DataFrames {
-    inbound: Option<Frames>,
+    inbound: Option<Inbound>,
     ended: bool,
 }
 
@@ -367,69 +525,62 @@ impl Stream for DataFrames {
         let Some(inbound) = self.inbound.as_mut() else {
             return Poll::Ready(None);
         };
-        loop {
-            match std::task::ready!(inbound.as_mut().poll_next(cx)) {
-                Some(Ok(TunnelFrame {
-                    frame: Some(tunnel_frame::Frame::Data(data)),
-                })) => return Poll::Ready(Some(Ok(Bytes::from(data)))),
-                Some(Ok(TunnelFrame {
-                    frame: Some(tunnel_frame::Frame::End(true)),
-                }))
-                | None => {
-                    self.ended = true;
-                    return Poll::Ready(None);
-                }
-                Some(Ok(_)) => continue,
-                Some(Err(e)) => return Poll::Ready(Some(Err(e))),
+        match std::task::ready!(inbound.as_mut().poll_next(cx)) {
+            Some(Ok(Some(data))) => Poll::Ready(Some(Ok(data))),
+            Some(Ok(None)) | None => {
+                self.ended = true;
+                Poll::Ready(None)
             }
+            Some(Err(e)) => Poll::Ready(Some(Err(e))),
         }
     }
 }
 
-/// Writes as `TunnelFrame::Data`, flow-controlled by the channel; shutdown sends `End`.
-struct DataWriter {
-    out: tokio_util::sync::PollSender<TunnelFrame>,
+/// Writes as the stream's data items, flow-controlled by the channel; shutdown sends the
+/// `end` item if the stream has one, and closes the channel.
+struct DataWriter<T> {
+    out: tokio_util::sync::PollSender<T>,
+    /// A chunk written, as the stream's item.
+    data: fn(&[u8]) -> T,
+    /// The half-close, where the stream says it in an item (a `Tunnel` call's `end` frame);
+    /// a plain HTTP/2 body ends with the channel.
+    end: Option<fn() -> T>,
     ended: bool,
 }
 
-impl DataWriter {
-    fn new(out: mpsc::Sender<TunnelFrame>) -> DataWriter {
-        DataWriter {
-            out: tokio_util::sync::PollSender::new(out),
-            ended: false,
-        }
-    }
-
-    fn send(
+impl<T: Send + 'static> DataWriter<T> {
+    /// Room for one more item, as the channel's capacity allows.
+    fn poll_room(
         &mut self,
         cx: &mut std::task::Context<'_>,
-        frame: tunnel_frame::Frame,
     ) -> std::task::Poll<std::io::Result<()>> {
-        use std::task::Poll;
-        match self.out.poll_reserve(cx) {
-            Poll::Pending => Poll::Pending,
-            Poll::Ready(Err(_)) => Poll::Ready(Err(std::io::ErrorKind::BrokenPipe.into())),
-            Poll::Ready(Ok(())) => Poll::Ready(
-                self.out
-                    .send_item(TunnelFrame { frame: Some(frame) })
-                    .map_err(|_| std::io::ErrorKind::BrokenPipe.into()),
-            ),
-        }
+        self.out
+            .poll_reserve(cx)
+            .map_err(|_| std::io::ErrorKind::BrokenPipe.into())
+    }
+
+    /// Sends `item` into the room [`poll_room`](Self::poll_room) made.
+    fn push(&mut self, item: T) -> std::io::Result<()> {
+        self.out
+            .send_item(item)
+            .map_err(|_| std::io::ErrorKind::BrokenPipe.into())
     }
 }
 
 /// Largest data frame a tunnel writes at once.
 const TUNNEL_CHUNK: usize = 32 * 1024;
 
-impl tokio::io::AsyncWrite for DataWriter {
+impl<T: Send + 'static> tokio::io::AsyncWrite for DataWriter<T> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
         buf: &[u8],
     ) -> std::task::Poll<std::io::Result<usize>> {
+        std::task::ready!(self.poll_room(cx))?;
         let n = buf.len().min(TUNNEL_CHUNK);
-        self.send(cx, tunnel_frame::Frame::Data(buf[..n].to_vec()))
-            .map_ok(|()| n)
+        let item = (self.data)(&buf[..n]);
+        self.push(item)?;
+        std::task::Poll::Ready(Ok(n))
     }
     fn poll_flush(
         self: Pin<&mut Self>,
@@ -444,14 +595,15 @@ impl tokio::io::AsyncWrite for DataWriter {
         if self.ended {
             return std::task::Poll::Ready(Ok(()));
         }
-        let sent = self.send(cx, tunnel_frame::Frame::End(true));
-        if let std::task::Poll::Ready(Ok(())) = sent {
-            self.ended = true;
-            // End the call's stream in this direction too, so the peer dropping its side
-            // later cannot cancel (and discard) what is still in flight.
-            self.out.close();
+        if let Some(end) = self.end {
+            std::task::ready!(self.poll_room(cx))?;
+            self.push(end())?;
         }
-        sent
+        self.ended = true;
+        // End the stream in this direction too, so the peer dropping its side later cannot
+        // cancel (and discard) what is still in flight.
+        self.out.close();
+        std::task::Poll::Ready(Ok(()))
     }
 }
 
@@ -727,7 +879,7 @@ pub async fn open_session(
     max_frame_bytes: usize,
     first: AgentFrame,
 ) -> Result<crate::Dialed, LinkError> {
-    let mut client = FleetClient::new(channel)
+    let mut client = FleetClient::new(channel.clone())
         .max_decoding_message_size(max_frame_bytes)
         .max_encoding_message_size(max_frame_bytes);
     let (tx, rx) = mpsc::channel(LINK_BUFFER);
@@ -748,18 +900,61 @@ pub async fn open_session(
             carrier: Carrier::Grpc,
         },
         pump: None,
-        tunnels: crate::AgentTunnels::Grpc(AgentTunnels { client }),
+        tunnels: crate::AgentTunnels::Grpc(AgentTunnels { client, channel }),
     })
 }
 
 /// The agent's side of tunnels over gRPC: each one the hub asks for (`OpenTunnel`) is a new
-/// `Fleet.Tunnel` call on the session's connection.
+/// stream on the session's connection.
 #[derive(Clone)]
 pub struct AgentTunnels {
     client: FleetClient<tonic::transport::Channel>,
+    channel: tonic::transport::Channel,
 }
 
+/// Most of a refusal's text the agent reads into its error.
+const REFUSAL_TEXT: usize = 1024;
+
 impl AgentTunnels {
+    /// Opens tunnel `id` the hub asked for as a plain HTTP/2 stream ([`TunnelBytesService`]).
+    pub async fn open_bytes(&self, id: &str) -> Result<TunnelStream, LinkError> {
+        use http_body_util::BodyExt as _;
+        let (tx, rx) = mpsc::channel::<Bytes>(LINK_BUFFER);
+        let body = http_body_util::StreamBody::new(
+            ReceiverStream::new(rx)
+                .map(|chunk| Ok::<_, Infallible>(hyper::body::Frame::data(chunk))),
+        );
+        let request = http::Request::builder()
+            .method(http::Method::POST)
+            .uri(TUNNEL_BYTES_PATH)
+            .header(TUNNEL_ID_HEADER, id)
+            .header(http::header::CONTENT_TYPE, "application/octet-stream")
+            .body(tonic::body::Body::new(body))
+            .map_err(|e| LinkError::Transport(format!("tunnel {id}: {e}")))?;
+        let mut channel = self.channel.clone();
+        let response = channel
+            .ready()
+            .await
+            .map_err(|e| LinkError::Transport(format!("tunnel {id}: {e}")))?
+            .call(request)
+            .await
+            .map_err(|e| LinkError::Transport(format!("tunnel {id}: {e}")))?;
+        if !response.status().is_success() {
+            let status = response.status();
+            let text = http_body_util::Limited::new(response.into_body(), REFUSAL_TEXT)
+                .collect()
+                .await
+                .map(|body| String::from_utf8_lossy(&body.to_bytes()).into_owned())
+                .unwrap_or_default();
+            return Err(LinkError::Transport(format!(
+                "the gateway refused tunnel {id} ({status}): {text}"
+            )));
+        }
+        let inbound = http_body_util::BodyDataStream::new(response.into_body())
+            .map(|chunk| chunk.map_err(io_error));
+        Ok(TunnelStream::new(id, bytes_io(inbound, tx)))
+    }
+
     /// Opens tunnel `id` the hub asked for.
     pub async fn open(&self, id: &str) -> Result<TunnelStream, LinkError> {
         let (tx, rx) = mpsc::channel(LINK_BUFFER);

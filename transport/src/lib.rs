@@ -105,9 +105,15 @@ pub enum AgentTunnels {
 
 impl AgentTunnels {
     /// The hub's session asked for tunnel `id` (`OpenTunnel`): over gRPC the agent opens it
-    /// now; over QUIC the gateway opens its streams itself and this yields `None`.
-    pub async fn open_requested(&self, id: &str) -> Option<Result<TunnelStream, LinkError>> {
+    /// now (a plain HTTP/2 stream if `bytes`, else a `Tunnel` call); over QUIC the gateway
+    /// opens its streams itself and this yields `None`.
+    pub async fn open_requested(
+        &self,
+        id: &str,
+        bytes: bool,
+    ) -> Option<Result<TunnelStream, LinkError>> {
         match self {
+            AgentTunnels::Grpc(t) if bytes => Some(t.open_bytes(id).await),
             AgentTunnels::Grpc(t) => Some(t.open(id).await),
             AgentTunnels::Quic(_) => None,
         }

@@ -140,8 +140,9 @@ async fn gateway_serving(
             };
             let (conns, accept) = tls::accept_authenticated(listener, server_tls, limits, "agents");
             tokio::spawn(accept);
-            let routes =
-                tonic::service::Routes::new(FleetService::new(sessions_tx).into_server(MAX_FRAME));
+            let fleet = FleetService::new(sessions_tx);
+            let routes = tonic::service::Routes::new(fleet.bytes_service())
+                .add_service(fleet.into_server(MAX_FRAME));
             tokio::spawn(flotilla_transport::grpc::serve(
                 conns,
                 routes,
@@ -290,13 +291,24 @@ async fn open(
     (agent, client, hub)
 }
 
+/// How a gRPC agent opens a tunnel the session asks for.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Opened {
+    /// A plain HTTP/2 stream (`TunnelBytes`), as the gateway asks of agents now.
+    Bytes,
+    /// A `Fleet.Tunnel` call: an agent of an earlier version, or a gateway that does not ask
+    /// for bytes.
+    Call,
+}
+
 /// Opens tunnel `id` on a live session: the gateway opens it (over gRPC the session asks the
-/// agent to, once the gateway is waiting for it, as the session driver does). Returns the
-/// gateway's end and the agent's.
+/// agent to, once the gateway is waiting for it, as the session driver does, and the agent
+/// opens it as `how` says). Returns the gateway's end and the agent's.
 async fn open_tunnel(
     hub: &mut Incoming,
     agent: &mut Dialed,
     id: &str,
+    how: Opened,
 ) -> (
     flotilla_transport::TunnelStream,
     flotilla_transport::TunnelStream,
@@ -311,13 +323,14 @@ async fn open_tunnel(
             let open = wire::HubFrame {
                 frame: Some(hub_frame::Frame::OpenTunnel(wire::OpenTunnel {
                     id: id.into(),
+                    bytes: how == Opened::Bytes,
                 })),
             };
             hub.link.outbound.send(open).await.unwrap();
             let got = agent.link.inbound.next().await.unwrap().unwrap();
             assert!(matches!(got.frame, Some(hub_frame::Frame::OpenTunnel(_))));
         }
-        match agent_tunnels.open_requested(id).await {
+        match agent_tunnels.open_requested(id, how == Opened::Bytes).await {
             Some(opened) => opened.unwrap(),
             None => agent_tunnels
                 .accept()
@@ -334,7 +347,7 @@ async fn open_tunnel(
     (opened.unwrap(), agent_end)
 }
 
-async fn session_and_tunnel(carrier: Carrier) {
+async fn session_and_tunnel(carrier: Carrier, how: Opened) {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let pki = pki();
     let (addr, mut sessions, _drain) = gateway(&pki, carrier).await;
@@ -350,7 +363,7 @@ async fn session_and_tunnel(carrier: Carrier) {
     );
 
     // A tunnel: the gateway opens it.
-    let (mut tunnel, mut stream) = open_tunnel(&mut hub, &mut agent, "t-1").await;
+    let (mut tunnel, mut stream) = open_tunnel(&mut hub, &mut agent, "t-1", how).await;
     let echo = tokio::spawn(async move {
         assert_eq!(stream.id, "t-1");
         let mut buf = Vec::new();
@@ -386,12 +399,18 @@ async fn session_and_tunnel(carrier: Carrier) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_carries_a_session_and_a_tunnel() {
-    session_and_tunnel(Carrier::Grpc).await;
+    session_and_tunnel(Carrier::Grpc, Opened::Bytes).await;
+}
+
+/// A gateway of this version still takes the `Fleet.Tunnel` calls of agents before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_carries_the_tunnel_call_of_an_earlier_agent() {
+    session_and_tunnel(Carrier::Grpc, Opened::Call).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn quic_carries_a_session_and_a_tunnel() {
-    session_and_tunnel(Carrier::Quic).await;
+    session_and_tunnel(Carrier::Quic, Opened::Bytes).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -455,12 +474,11 @@ async fn a_client_of_another_ca_is_refused_by_both_carriers() {
     }
 }
 
-/// Over gRPC an agent answers `OpenTunnel` with a `Fleet.Tunnel` call naming the tunnel's id,
-/// and ids are a counter an agent can guess from its own. Another cluster's agent naming a
-/// tunnel that waits for store-1 is refused, and the tunnel goes on waiting for store-1's
-/// agent, which then opens it and carries its bytes.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_tunnel_call_naming_another_clusters_tunnel_leaves_it_waiting() {
+/// Over gRPC an agent answers `OpenTunnel` with a stream naming the tunnel's id, and ids are
+/// a counter an agent can guess from its own. Another cluster's agent naming a tunnel that
+/// waits for store-1 is refused, and the tunnel goes on waiting for store-1's agent, which
+/// then opens it and carries its bytes.
+async fn a_stream_naming_another_clusters_tunnel_leaves_it_waiting(how: Opened) {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let pki = pki();
     let (addr, mut sessions, _drain) = gateway(&pki, Carrier::Grpc).await;
@@ -479,8 +497,17 @@ async fn a_tunnel_call_naming_another_clusters_tunnel_leaves_it_waiting() {
     let opening = hub.tunnels.open("t-1", Duration::from_secs(10));
     // Polled after the gateway's side has registered its wait (join! polls in order).
     let answers = async {
-        let taken = neighbour.tunnels.open_requested("t-1").await.expect("grpc");
-        let own = agent.tunnels.open_requested("t-1").await.expect("grpc");
+        let bytes = how == Opened::Bytes;
+        let taken = neighbour
+            .tunnels
+            .open_requested("t-1", bytes)
+            .await
+            .expect("grpc");
+        let own = agent
+            .tunnels
+            .open_requested("t-1", bytes)
+            .await
+            .expect("grpc");
         (taken, own)
     };
     let (opened, (taken, own)) = futures::join!(opening, answers);
@@ -489,7 +516,7 @@ async fn a_tunnel_call_naming_another_clusters_tunnel_leaves_it_waiting() {
         refused
             .to_string()
             .contains("no tunnel t-1 is waiting for cluster store-2"),
-        "{refused}"
+        "{how:?}: {refused}"
     );
     let mut own = own.expect("store-1's agent still opens its tunnel");
     let mut opened = opened.expect("the gateway's side still gets store-1's tunnel");
@@ -498,6 +525,16 @@ async fn a_tunnel_call_naming_another_clusters_tunnel_leaves_it_waiting() {
     let mut got = Vec::new();
     own.read_to_end(&mut got).await.unwrap();
     assert_eq!(got, b"ping");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tunnel_stream_naming_another_clusters_tunnel_leaves_it_waiting() {
+    a_stream_naming_another_clusters_tunnel_leaves_it_waiting(Opened::Bytes).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tunnel_call_naming_another_clusters_tunnel_leaves_it_waiting() {
+    a_stream_naming_another_clusters_tunnel_leaves_it_waiting(Opened::Call).await;
 }
 
 /// A gate that says the gateway does not serve yet until switched on, counting what it is asked.
@@ -741,7 +778,7 @@ async fn a_gateway_loading_its_shards_holds_new_connections_until_it_accepts() {
 /// An end that writes, closes its side and is dropped at once (as a relay drops a tunnel as
 /// soon as both directions are done) loses nothing it wrote, even while its peer reads slowly
 /// and has not closed its own side.
-async fn a_closed_and_dropped_end_delivers_what_it_wrote(carrier: Carrier) {
+async fn a_closed_and_dropped_end_delivers_what_it_wrote(carrier: Carrier, how: Opened) {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let pki = pki();
     let (addr, mut sessions, _drain) = gateway(&pki, carrier).await;
@@ -752,7 +789,7 @@ async fn a_closed_and_dropped_end_delivers_what_it_wrote(carrier: Carrier) {
     for round in 0..20 {
         let writer_is_agent = round % 2 == 0;
         let id = format!("t-{round}");
-        let (hub_end, agent_end) = open_tunnel(&mut hub, &mut agent, &id).await;
+        let (hub_end, agent_end) = open_tunnel(&mut hub, &mut agent, &id, how).await;
         let (mut writer, mut reader) = match writer_is_agent {
             true => (agent_end, hub_end),
             false => (hub_end, agent_end),
@@ -791,12 +828,17 @@ async fn a_closed_and_dropped_end_delivers_what_it_wrote(carrier: Carrier) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_delivers_what_a_closed_and_dropped_end_wrote() {
-    a_closed_and_dropped_end_delivers_what_it_wrote(Carrier::Grpc).await;
+    a_closed_and_dropped_end_delivers_what_it_wrote(Carrier::Grpc, Opened::Bytes).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_tunnel_call_delivers_what_a_closed_and_dropped_end_wrote() {
+    a_closed_and_dropped_end_delivers_what_it_wrote(Carrier::Grpc, Opened::Call).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn quic_delivers_what_a_closed_and_dropped_end_wrote() {
-    a_closed_and_dropped_end_delivers_what_it_wrote(Carrier::Quic).await;
+    a_closed_and_dropped_end_delivers_what_it_wrote(Carrier::Quic, Opened::Bytes).await;
 }
 
 /// Agents arriving while every QUIC handshake slot is taken wait for one instead of being

@@ -158,8 +158,10 @@ pub enum AgentEvent {
     },
     /// The hub asks for tunnel stream `id` to be opened (a kubectl request).
     TunnelRequested {
-        /// The tunnel id to name in the first frame of the tunnel stream.
+        /// The tunnel id to name when opening the tunnel stream.
         id: String,
+        /// Open it as a plain HTTP/2 stream (`TunnelBytes`) rather than a `Tunnel` call.
+        bytes: bool,
     },
     /// The hub is draining this session: reconnect after `retry_after` (use it as the
     /// `retry_after` of [`Backoff::next_delay`](super::Backoff::next_delay)). Followed by
@@ -509,8 +511,10 @@ impl AgentSession {
                 Ok(())
             }
             hub_frame::Frame::OpenTunnel(open) => {
-                self.events
-                    .push_back(AgentEvent::TunnelRequested { id: open.id });
+                self.events.push_back(AgentEvent::TunnelRequested {
+                    id: open.id,
+                    bytes: open.bytes,
+                });
                 Ok(())
             }
             hub_frame::Frame::CertificateIssued(_) if !self.is_renewing() => {

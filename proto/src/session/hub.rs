@@ -654,6 +654,8 @@ impl HubSession {
             self.control
                 .push_back(hub(hub_frame::Frame::OpenTunnel(wire::OpenTunnel {
                     id: id.into(),
+                    // Every gateway of this version serves tunnels as plain HTTP/2 streams.
+                    bytes: true,
                 })));
         }
     }

@@ -187,8 +187,9 @@ impl ScriptedAgent {
                         }
                         Some(hub_frame::Frame::OpenTunnel(open)) => {
                             tunnels.asked.lock().await.push(open.id.clone());
-                            let (id, agent_tunnels, tunnels, script, mut held) = (
+                            let (id, bytes, agent_tunnels, tunnels, script, mut held) = (
                                 open.id.clone(),
+                                open.bytes,
                                 agent_tunnels.clone(),
                                 tunnels.clone(),
                                 script.clone(),
@@ -196,7 +197,9 @@ impl ScriptedAgent {
                             );
                             tokio::spawn(async move {
                                 let _ = held.wait_for(|h| !*h).await;
-                                if let Some(Ok(stream)) = agent_tunnels.open_requested(&id).await {
+                                if let Some(Ok(stream)) =
+                                    agent_tunnels.open_requested(&id, bytes).await
+                                {
                                     let _ = answer(stream, &tunnels, &script.tunnel_answer).await;
                                 }
                             });

@@ -1653,8 +1653,15 @@ async fn fleet_tunnel(s: &mut Sweep) -> anyhow::Result<()> {
     .await?;
     // B's own tunnel, asked for by bea: B has seen it; nothing more may come.
     s.b_moved_on().await?;
-    for &who in Call::FleetTunnel.identities() {
-        let case = format!("Fleet.Tunnel {id} as {who:?}");
+    for (&who, bytes) in Call::FleetTunnel
+        .identities()
+        .iter()
+        .flat_map(|who| [(who, true), (who, false)])
+    {
+        let case = match bytes {
+            true => format!("TunnelBytes {id} as {who:?}"),
+            false => format!("Fleet.Tunnel {id} as {who:?}"),
+        };
         // Tunnel calls are gRPC's; a QUIC agent's tunnels are streams the gateway opens, so
         // on QUIC this shows no gRPC call can reach them either.
         let hello_as = if who == Who::AgentA { A } else { B };
@@ -1665,7 +1672,7 @@ async fn fleet_tunnel(s: &mut Sweep) -> anyhow::Result<()> {
             agent_frame(agent_frame::Frame::Hello(hello(hello_as))),
         )
         .await?;
-        let refused = match dialed.tunnels.open_requested(&id).await {
+        let refused = match dialed.tunnels.open_requested(&id, bytes).await {
             Some(Err(e)) => e.to_string(),
             Some(Ok(_)) => bail!("{case}: the call was given B's tunnel"),
             None => bail!("{case}: a gRPC connection has tunnel calls"),
