@@ -396,8 +396,9 @@ pub(crate) fn frames_io(
         Box::pin(inbound),
         DataWriter {
             out: tokio_util::sync::PollSender::new(outbound),
+            // The chunk was gathered for this frame alone: its buffer becomes the frame's.
             data: |chunk| TunnelFrame {
-                frame: Some(tunnel_frame::Frame::Data(chunk.to_vec())),
+                frame: Some(tunnel_frame::Frame::Data(Vec::from(chunk))),
             },
             end: Some(|| TunnelFrame {
                 frame: Some(tunnel_frame::Frame::End(true)),
@@ -417,7 +418,7 @@ fn bytes_io(
         Box::pin(inbound.map(|chunk| chunk.map(Some))),
         DataWriter {
             out: tokio_util::sync::PollSender::new(outbound),
-            data: Bytes::copy_from_slice,
+            data: |chunk| chunk,
             end: None,
             ended: false,
         },
@@ -466,7 +467,10 @@ impl<T> Drop for CallIo<T> {
             return;
         };
         runtime.spawn(async move {
-            let drained = async { while inbound.next().await.is_some() {} };
+            // Until the peer's end or an error: an HTTP/2 body reset by the peer answers every
+            // poll after with the same error at once, and reading on would spin this thread
+            // for ever (the timeout is only looked at when the loop waits).
+            let drained = async { while let Some(Ok(_)) = inbound.next().await {} };
             let _ = tokio::time::timeout(LINGER, drained).await;
         });
     }
@@ -489,6 +493,16 @@ impl<T: Send + 'static> tokio::io::AsyncWrite for CallIo<T> {
         buf: &[u8],
     ) -> std::task::Poll<std::io::Result<usize>> {
         Pin::new(&mut self.writer).poll_write(cx, buf)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.writer).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.writer.is_write_vectored()
     }
     fn poll_flush(
         mut self: Pin<&mut Self>,
@@ -531,7 +545,11 @@ impl Stream for DataFrames {
                 self.ended = true;
                 Poll::Ready(None)
             }
-            Some(Err(e)) => Poll::Ready(Some(Err(e))),
+            // Reported once; the stream is over (a reset body repeats its error for ever).
+            Some(Err(e)) => {
+                self.ended = true;
+                Poll::Ready(Some(Err(e)))
+            }
         }
     }
 }
@@ -541,7 +559,7 @@ impl Stream for DataFrames {
 struct DataWriter<T> {
     out: tokio_util::sync::PollSender<T>,
     /// A chunk written, as the stream's item.
-    data: fn(&[u8]) -> T,
+    data: fn(Bytes) -> T,
     /// The half-close, where the stream says it in an item (a `Tunnel` call's `end` frame);
     /// a plain HTTP/2 body ends with the channel.
     end: Option<fn() -> T>,
@@ -572,15 +590,40 @@ const TUNNEL_CHUNK: usize = 32 * 1024;
 
 impl<T: Send + 'static> tokio::io::AsyncWrite for DataWriter<T> {
     fn poll_write(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
         buf: &[u8],
     ) -> std::task::Poll<std::io::Result<usize>> {
+        self.poll_write_vectored(cx, &[std::io::IoSlice::new(buf)])
+    }
+    /// Gathers what the writer hands over (hyper hands its head and body buffers at once when
+    /// a stream takes vectored writes, instead of first copying them into one) into one chunk,
+    /// the one copy a written byte costs here.
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        if total == 0 {
+            return std::task::Poll::Ready(Ok(0));
+        }
         std::task::ready!(self.poll_room(cx))?;
-        let n = buf.len().min(TUNNEL_CHUNK);
-        let item = (self.data)(&buf[..n]);
+        let mut chunk = bytes::BytesMut::with_capacity(total.min(TUNNEL_CHUNK));
+        for buf in bufs {
+            let room = TUNNEL_CHUNK - chunk.len();
+            if room == 0 {
+                break;
+            }
+            chunk.extend_from_slice(&buf[..buf.len().min(room)]);
+        }
+        let n = chunk.len();
+        let item = (self.data)(chunk.freeze());
         self.push(item)?;
         std::task::Poll::Ready(Ok(n))
+    }
+    fn is_write_vectored(&self) -> bool {
+        true
     }
     fn poll_flush(
         self: Pin<&mut Self>,
@@ -973,5 +1016,48 @@ impl AgentTunnels {
             id,
             frames_io(inbound.map(|r| r.map_err(io_error)), tx),
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tunnel end closed cleanly lingers on its inbound side until the peer ends it. A peer
+    /// that resets the stream instead leaves a body answering every poll with the same error
+    /// at once: the linger must stop there, not spin its thread (which also kept its runtime
+    /// from ever shutting down).
+    #[test]
+    fn a_lingering_end_whose_peer_resets_lets_its_runtime_go_on() {
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .build()
+                .expect("a runtime");
+            runtime.block_on(async {
+                let reset = futures::stream::repeat_with(|| {
+                    Err(std::io::Error::other("stream reset by the peer"))
+                });
+                let (tx, mut rx) = mpsc::channel::<Bytes>(4);
+                let mut end = bytes_io(reset, tx);
+                tokio::io::AsyncWriteExt::write_all(&mut end, b"answer")
+                    .await
+                    .expect("written");
+                tokio::io::AsyncWriteExt::shutdown(&mut end)
+                    .await
+                    .expect("closed");
+                drop(end);
+                // The linger task runs at the next wait; this side must get its turn back.
+                tokio::task::yield_now().await;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                assert_eq!(rx.recv().await.as_deref(), Some(&b"answer"[..]));
+            });
+            let _ = done_tx.send(());
+        });
+        assert!(
+            done_rx.recv_timeout(Duration::from_secs(10)).is_ok(),
+            "the lingering end spun its runtime's thread"
+        );
     }
 }
