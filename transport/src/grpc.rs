@@ -400,6 +400,7 @@ pub(crate) fn frames_io(
             data: |chunk| TunnelFrame {
                 frame: Some(tunnel_frame::Frame::Data(Vec::from(chunk))),
             },
+            chunk: CALL_CHUNK,
             end: Some(|| TunnelFrame {
                 frame: Some(tunnel_frame::Frame::End(true)),
             }),
@@ -419,6 +420,7 @@ fn bytes_io(
         DataWriter {
             out: tokio_util::sync::PollSender::new(outbound),
             data: |chunk| chunk,
+            chunk: BYTES_CHUNK,
             end: None,
             ended: false,
         },
@@ -560,6 +562,8 @@ struct DataWriter<T> {
     out: tokio_util::sync::PollSender<T>,
     /// A chunk written, as the stream's item.
     data: fn(Bytes) -> T,
+    /// Most bytes in one item.
+    chunk: usize,
     /// The half-close, where the stream says it in an item (a `Tunnel` call's `end` frame);
     /// a plain HTTP/2 body ends with the channel.
     end: Option<fn() -> T>,
@@ -585,8 +589,11 @@ impl<T: Send + 'static> DataWriter<T> {
     }
 }
 
-/// Largest data frame a tunnel writes at once.
-const TUNNEL_CHUNK: usize = 32 * 1024;
+/// Largest chunk a plain tunnel stream writes at once: the gateway's HTTP/2 frame limit, so
+/// that a chunk is one DATA frame (32 KiB chunks moved a large list 6 % slower).
+const BYTES_CHUNK: usize = MAX_H2_FRAME as usize;
+/// Largest data frame a `Tunnel` call writes at once, well inside any session frame bound.
+const CALL_CHUNK: usize = 32 * 1024;
 
 impl<T: Send + 'static> tokio::io::AsyncWrite for DataWriter<T> {
     fn poll_write(
@@ -609,9 +616,9 @@ impl<T: Send + 'static> tokio::io::AsyncWrite for DataWriter<T> {
             return std::task::Poll::Ready(Ok(0));
         }
         std::task::ready!(self.poll_room(cx))?;
-        let mut chunk = bytes::BytesMut::with_capacity(total.min(TUNNEL_CHUNK));
+        let mut chunk = bytes::BytesMut::with_capacity(total.min(self.chunk));
         for buf in bufs {
-            let room = TUNNEL_CHUNK - chunk.len();
+            let room = self.chunk - chunk.len();
             if room == 0 {
                 break;
             }
@@ -943,7 +950,7 @@ pub async fn open_session(
             carrier: Carrier::Grpc,
         },
         pump: None,
-        tunnels: crate::AgentTunnels::Grpc(AgentTunnels { client, channel }),
+        tunnels: crate::AgentTunnels::Grpc(AgentTunnels { channel }),
     })
 }
 
@@ -951,7 +958,6 @@ pub async fn open_session(
 /// stream on the session's connection.
 #[derive(Clone)]
 pub struct AgentTunnels {
-    client: FleetClient<tonic::transport::Channel>,
     channel: tonic::transport::Channel,
 }
 
@@ -1005,9 +1011,7 @@ impl AgentTunnels {
             frame: Some(tunnel_frame::Frame::TunnelId(id.to_string())),
         })
         .map_err(|_| LinkError::Transport("tunnel id did not fit".into()))?;
-        let inbound = self
-            .client
-            .clone()
+        let inbound = FleetClient::new(self.channel.clone())
             .tunnel(ReceiverStream::new(rx))
             .await
             .map_err(link_error)?
