@@ -813,7 +813,62 @@ impl QuicTunnels {
         send.write_all(&header)
             .await
             .map_err(|e| LinkError::Transport(e.to_string()))?;
-        Ok(TunnelStream::new(id, tokio::io::join(recv, send)))
+        Ok(TunnelStream::new(id, tokio::io::join(recv, Vectored(send))))
+    }
+}
+
+/// A tunnel's sending half taking vectored writes: each slice goes to quinn in turn (which
+/// copies it into its stream buffer), so a writer that holds several buffers (hyper's head
+/// and body) hands them over as they are instead of first copying them into one.
+struct Vectored(quinn::SendStream);
+
+impl tokio::io::AsyncWrite for Vectored {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.0)
+            .poll_write(cx, buf)
+            .map_err(Into::into)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        use std::task::Poll;
+        let mut written = 0;
+        for buf in bufs.iter().filter(|b| !b.is_empty()) {
+            match Pin::new(&mut self.0).poll_write(cx, buf) {
+                Poll::Ready(Ok(n)) => {
+                    written += n;
+                    if n < buf.len() {
+                        break;
+                    }
+                }
+                // What was taken already is reported; the error comes again on the next write.
+                Poll::Ready(Err(e)) if written == 0 => return Poll::Ready(Err(e.into())),
+                Poll::Pending if written == 0 => return Poll::Pending,
+                Poll::Ready(Err(_)) | Poll::Pending => break,
+            }
+        }
+        Poll::Ready(Ok(written))
+    }
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+    fn poll_flush(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        tokio::io::AsyncWrite::poll_flush(Pin::new(&mut self.0), cx)
+    }
+    fn poll_shutdown(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        tokio::io::AsyncWrite::poll_shutdown(Pin::new(&mut self.0), cx)
     }
 }
 
@@ -1034,7 +1089,10 @@ impl AcceptedTunnel {
         let id = tokio::time::timeout(TUNNEL_HEADER_TIMEOUT, read)
             .await
             .ok()??;
-        Some(TunnelStream::new(id, tokio::io::join(self.recv, self.send)))
+        Some(TunnelStream::new(
+            id,
+            tokio::io::join(self.recv, Vectored(self.send)),
+        ))
     }
 }
 
