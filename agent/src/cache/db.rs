@@ -60,6 +60,28 @@ impl fmt::Debug for CacheDb {
     }
 }
 
+/// Creates a new cache file whole or not at all: under a temporary name, then renamed into
+/// place once redb has written its header. An agent killed while creating it (its first
+/// start) left a file without that header, which no later start could open ("Not a redb
+/// database"); now it leaves only the temporary file, which the next start replaces. Nothing
+/// is lost with it: no work was acked before the cache existed.
+fn create_whole(path: &Path) -> Result<(), std::io::Error> {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(".creating");
+    let creating = path.with_file_name(name);
+    match std::fs::remove_file(&creating) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    drop(
+        redb::Builder::new()
+            .create(&creating)
+            .map_err(std::io::Error::other)?,
+    );
+    std::fs::File::open(&creating)?.sync_all()?;
+    std::fs::rename(&creating, path)
+}
+
 impl CacheDb {
     /// Opens (creating it and its directory if needed) the database file at `path`, each write
     /// committed on its own. redb locks the file: a second opener gets [`CacheError::Open`].
@@ -80,6 +102,9 @@ impl CacheDb {
             std::fs::create_dir_all(dir).map_err(|e| fail(e.into()))?;
         }
         let created = !path.exists();
+        if created {
+            create_whole(path).map_err(|e| fail(e.into()))?;
+        }
         let db = redb::Builder::new()
             .set_cache_size(PAGE_CACHE_BYTES)
             .create(path)

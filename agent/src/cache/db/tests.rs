@@ -341,3 +341,27 @@ fn ledgers_list_every_work_of_the_cluster() {
     );
     assert_eq!(deployment("x").to_string(), "apps/v1 Deployment default/x");
 }
+
+/// A first start killed while creating the cache leaves only the temporary file (the cache
+/// appears whole, by a rename, or not at all); the next start replaces it and opens.
+#[test]
+fn a_cache_whose_creation_was_cut_short_opens_at_the_next_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("cache.redb");
+    let creating = dir.path().join("cache.redb.creating");
+    // What a kill part-way through redb's header leaves.
+    std::fs::write(&creating, b"\0\0\0\0 half a header").unwrap();
+    {
+        let db = CacheDb::open(&path).expect("the next start opens a new cache");
+        db.cluster("store-7")
+            .put_work(&work("a", 3), Some(b"{}"))
+            .unwrap();
+    }
+    assert!(!creating.exists(), "the cut creation's file is gone");
+    let db = CacheDb::open(&path).expect("and it opens again");
+    assert_eq!(
+        db.cluster("store-7").work("a").unwrap(),
+        Some(work("a", 3)),
+        "with what was stored"
+    );
+}
