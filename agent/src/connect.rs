@@ -65,7 +65,11 @@ pub enum Transport {
 
 /// Everything needed to open a session with the hub. The identity files are read again for
 /// every connection, so a certificate renewed over the session (or a new CA bundle) is used
-/// from the next connection on without a restart.
+/// from the next connection on without a restart. While the identity stays as it is, its TLS
+/// configuration and the session tickets the hub's listeners give are kept for the next
+/// connection, which resumes (no certificate signed or verified on either end: what a storm
+/// of reconnects spends its CPU on); a changed identity starts without tickets, since a
+/// resumed connection would speak for the old certificate.
 #[derive(Clone)]
 pub struct Dialer {
     hub: String,
@@ -82,12 +86,16 @@ pub struct Dialer {
     quic: Arc<Mutex<Option<QuicClient>>>,
     /// With `auto`: until when gRPC is used without trying QUIC (it failed before).
     grpc_until: Arc<Mutex<Option<Instant>>>,
+    /// The identity last read and its TLS configuration, which holds the session tickets
+    /// (rustls resumes only under the configuration a ticket came with); shared with
+    /// redirected copies of this dialer.
+    tls: Arc<Mutex<Option<KeptTls>>>,
 }
 
 impl Dialer {
     /// Checks the identity in `cert_dir` once, so a broken one fails at start.
     pub fn new(hub: &str, server_name: &str, cert_dir: &Path) -> anyhow::Result<Dialer> {
-        tls_config(cert_dir)?;
+        Identity::read(cert_dir)?.config(rustls::client::Resumption::disabled())?;
         Ok(Dialer {
             hub: hub.to_string(),
             server_name: ServerName::try_from(server_name.to_string())
@@ -100,6 +108,7 @@ impl Dialer {
             dial_timeout: DIAL_TIMEOUT,
             quic: Arc::default(),
             grpc_until: Arc::default(),
+            tls: Arc::default(),
         })
     }
 
@@ -209,8 +218,27 @@ impl Dialer {
         }
     }
 
+    /// The TLS configuration of the next connection: the identity as it is on disk now, and
+    /// the tickets of that certificate.
+    async fn tls(&self) -> Result<Arc<rustls::ClientConfig>, LinkError> {
+        let identity =
+            Identity::read(&self.cert_dir).map_err(|e| LinkError::Transport(format!("{e:#}")))?;
+        let digest = identity.digest();
+        let mut kept = self.tls.lock().await;
+        if let Some((same, config)) = kept.as_ref()
+            && *same == digest
+        {
+            return Ok(config.clone());
+        }
+        let config = identity
+            .config(rustls::client::Resumption::in_memory_sessions(TICKETS_KEPT))
+            .map_err(|e| LinkError::Transport(format!("{e:#}")))?;
+        *kept = Some((digest, config.clone()));
+        Ok(config)
+    }
+
     async fn grpc(&self, first: AgentFrame) -> Result<Dialed, LinkError> {
-        let tls = tls_config(&self.cert_dir).map_err(|e| LinkError::Transport(format!("{e:#}")))?;
+        let tls = self.tls().await?;
         let dial = async {
             let channel = flotilla_transport::grpc::connect(
                 &self.hub,
@@ -237,7 +265,7 @@ impl Dialer {
                 "QUIC cannot go through an HTTP proxy: use --transport grpc (or auto)".into(),
             ));
         }
-        let tls = tls_config(&self.cert_dir).map_err(|e| LinkError::Transport(format!("{e:#}")))?;
+        let tls = self.tls().await?;
         let addr = self.resolve().await?;
         let client = self.quic_client(addr).await?;
         let name = server_name_text(&self.server_name);
@@ -302,24 +330,67 @@ fn server_name_text(name: &ServerName<'static>) -> String {
     }
 }
 
-/// The agent's TLS client configuration from its identity directory.
-fn tls_config(cert_dir: &Path) -> anyhow::Result<Arc<rustls::ClientConfig>> {
-    let read = |f: &str| {
-        let p = cert_dir.join(f);
-        std::fs::read(&p).with_context(|| {
-            format!(
-                "reading {} (the agent's identity: join first with `flotilla-agent join`, or pass --cert-dir)",
-                p.display()
-            )
+/// Session tickets an agent keeps (rustls holds up to 8 per server name, so this is room for
+/// the names of 8 hubs or gateways; the agent dials all of a hub's gateways by one name).
+const TICKETS_KEPT: usize = 64;
+
+/// The digest of the identity files ([`Identity::digest`]) and the TLS configuration made from
+/// them.
+type KeptTls = ([u8; 32], Arc<rustls::ClientConfig>);
+
+/// The agent's identity as its directory holds it now.
+struct Identity {
+    cert_dir: PathBuf,
+    ca: Vec<u8>,
+    cert: Vec<u8>,
+    key: Vec<u8>,
+}
+
+impl Identity {
+    fn read(cert_dir: &Path) -> anyhow::Result<Identity> {
+        let read = |f: &str| {
+            let p = cert_dir.join(f);
+            std::fs::read(&p).with_context(|| {
+                format!(
+                    "reading {} (the agent's identity: join first with `flotilla-agent join`, or pass --cert-dir)",
+                    p.display()
+                )
+            })
+        };
+        Ok(Identity {
+            cert_dir: cert_dir.to_path_buf(),
+            ca: read("ca.crt")?,
+            cert: read("tls.crt")?,
+            key: read("tls.key")?,
         })
-    };
-    flotilla_transport::tls::client_config(
-        &read("ca.crt")?,
-        &read("tls.crt")?,
-        &read("tls.key")?,
-        &[],
-    )
-    .with_context(|| format!("the agent's identity in {}", cert_dir.display()))
+    }
+
+    /// SHA-256 over the three files, each preceded by its length: what a dialer keeps to
+    /// tell whether the identity changed (the files themselves are in its configuration).
+    fn digest(&self) -> [u8; 32] {
+        use sha2::Digest as _;
+        let mut hash = sha2::Sha256::new();
+        for file in [&self.ca, &self.cert, &self.key] {
+            hash.update((file.len() as u64).to_be_bytes());
+            hash.update(file);
+        }
+        hash.finalize().into()
+    }
+
+    /// The TLS client configuration of this identity, resuming from `resumption`.
+    fn config(
+        &self,
+        resumption: rustls::client::Resumption,
+    ) -> anyhow::Result<Arc<rustls::ClientConfig>> {
+        flotilla_transport::tls::client_config_resuming(
+            &self.ca,
+            &self.cert,
+            &self.key,
+            &[],
+            resumption,
+        )
+        .with_context(|| format!("the agent's identity in {}", self.cert_dir.display()))
+    }
 }
 
 /// The source address to dial `hub` from: `local`, unless it is a loopback address and `hub`

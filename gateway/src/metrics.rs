@@ -85,6 +85,18 @@ impl Default for FencedWriteCounters {
     }
 }
 
+/// Registers `flotilla_gateway_tls_resumptions_total`, counted by the agents' listener's
+/// session tickets ([`flotilla_transport::tickets`]).
+pub fn register_tls_resumptions(registry: &mut Registry, opened: Counter) {
+    registry.sub_registry_with_prefix("gateway").register(
+        "tls_resumptions",
+        "Agents' TLS handshakes (either carrier) that resumed with a session ticket this \
+         listener, or an earlier run of it under the same key, issued: no certificate was \
+         signed or verified. The rest of new_connections{outcome=\"admitted\"} ran in full",
+        opened,
+    );
+}
+
 impl GatewayMetrics {
     pub fn new() -> GatewayMetrics {
         let refused = Family::<Labels, Counter>::default();

@@ -417,9 +417,15 @@ pub async fn run(
         })
     };
     let key = read("tls.key")?;
-    let tls =
-        flotilla_transport::tls::agent_server_config(&read("ca.crt")?, &read("tls.crt")?, &key)
-            .context("the TLS material in --cert-dir")?;
+    // From the serving key too, so a gateway restarted in place resumes its agents' sessions.
+    let tickets = flotilla_transport::tickets::TicketKeys::derived_from(&key);
+    let tls = flotilla_transport::tls::agent_server_config(
+        &read("ca.crt")?,
+        &read("tls.crt")?,
+        &key,
+        &tickets,
+    )
+    .context("the TLS material in --cert-dir")?;
     // From the serving key, so a gateway restarted in place resets its agents' old QUIC
     // connections at their next packet.
     let reset_key = flotilla_transport::quic::ResetKey::derived_from(&key);
@@ -472,6 +478,7 @@ pub async fn run(
     if let Some(address) = config.ops.metrics_addr {
         let mut registry = flotilla_ops::registry();
         gateway.metrics().register(&mut registry);
+        crate::metrics::register_tls_resumptions(&mut registry, tickets.opened());
         kube_api.register(&mut registry);
         let endpoint = gateway.endpoint(registry, gateway.readiness());
         // Served until the process ends: through the drain, /readyz says "draining" and

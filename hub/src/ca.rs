@@ -155,6 +155,13 @@ impl Ca {
         flotilla_transport::quic::ResetKey::derived_from(&self.issuer.key().serialize_der())
     }
 
+    /// The keys of the agents' listener's session tickets: derived from this CA's key, so a
+    /// hub restarted on the same data dir resumes its agents' sessions, and a CA rotation
+    /// ends every earlier ticket (see `flotilla_transport::tickets`).
+    pub fn ticket_keys(&self) -> flotilla_transport::tickets::TicketKeys {
+        flotilla_transport::tickets::TicketKeys::derived_from(&self.issuer.key().serialize_der())
+    }
+
     pub fn cert_pem(&self) -> &str {
         &self.cert_pem
     }

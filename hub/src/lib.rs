@@ -148,7 +148,9 @@ pub async fn run(
         ca.serving_chain_pem(&serving.cert_pem).as_bytes(),
         serving.key_pem.as_bytes(),
     )?;
-    let agent_tls_now = agent_tls_config(&ca, &config.server_names)?;
+    // Agents' handshakes resumed with a session ticket, under this CA's keys and the next's.
+    let resumptions = prometheus_client::metrics::counter::Counter::default();
+    let agent_tls_now = agent_tls_config(&ca, &config.server_names, &resumptions)?;
     let (agent_tls_tx, agent_tls) = TlsSource::updatable(agent_tls_now.clone());
     let proxy_tls = flotilla_transport::tls::proxy_server_config(
         ca.bundle_pem().as_bytes(),
@@ -306,6 +308,7 @@ pub async fn run(
         )));
         let registry = root.sub_registry_with_prefix("flotilla");
         gateway.metrics().register(registry);
+        flotilla_gateway::metrics::register_tls_resumptions(registry, resumptions.clone());
         kube_api.register(registry);
         let fleet = fleet_metrics::FleetMetrics::new();
         fleet.register(registry);
@@ -386,6 +389,7 @@ pub async fn run(
         follow_ca_rotation(
             authority,
             config.server_names.clone(),
+            resumptions,
             (agent_tls_tx, quic_tls),
             gateway,
             ca_changes,
@@ -540,6 +544,7 @@ const STOP_AFTER_FAULT: Duration = Duration::from_secs(5);
 async fn follow_ca_rotation(
     authority: Arc<Authority>,
     server_names: Vec<String>,
+    resumptions: prometheus_client::metrics::counter::Counter,
     (agent_tls, quic_tls): (
         tokio::sync::watch::Sender<Arc<rustls::ServerConfig>>,
         Option<QuicTlsUpdater>,
@@ -553,7 +558,7 @@ async fn follow_ca_rotation(
             changed = changes.changed() => if changed.is_err() { return },
             _ = stop.wait_for(|s| *s) => return,
         }
-        match agent_tls_config(&authority.current(), &server_names) {
+        match agent_tls_config(&authority.current(), &server_names, &resumptions) {
             Ok(tls) => {
                 if let Some(quic) = &quic_tls
                     && let Err(e) = quic.update(&tls)
@@ -572,13 +577,19 @@ async fn follow_ca_rotation(
 }
 
 /// The agents' listener configuration for CA `ca`: a fresh serving certificate from it, the
-/// chain a joining agent searches for its pinned CA, and client roots for the whole bundle.
-fn agent_tls_config(ca: &Ca, server_names: &[String]) -> anyhow::Result<Arc<rustls::ServerConfig>> {
+/// chain a joining agent searches for its pinned CA, client roots for the whole bundle, and
+/// session tickets under the CA's keys (resumptions counted into `resumptions`).
+fn agent_tls_config(
+    ca: &Ca,
+    server_names: &[String],
+    resumptions: &prometheus_client::metrics::counter::Counter,
+) -> anyhow::Result<Arc<rustls::ServerConfig>> {
     let serving = ca.issue_server(server_names)?;
     Ok(flotilla_transport::tls::agent_server_config(
         ca.bundle_pem().as_bytes(),
         ca.serving_chain_pem(&serving.cert_pem).as_bytes(),
         serving.key_pem.as_bytes(),
+        &ca.ticket_keys().counted(resumptions.clone()),
     )?)
 }
 

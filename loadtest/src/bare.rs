@@ -64,10 +64,14 @@ pub struct BareListening {
 /// Serves until stdin closes (the harness ends it by closing the pipe, or by a signal).
 pub async fn serve(args: BareArgs) -> anyhow::Result<()> {
     let read = |p: &PathBuf| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
+    let key = read(&args.key)?;
+    // Session tickets as a gateway issues them (from its serving key).
+    let tickets = flotilla_transport::tickets::TicketKeys::derived_from(&key);
     let tls = flotilla_transport::tls::agent_server_config(
         &read(&args.ca)?,
         &read(&args.cert)?,
-        &read(&args.key)?,
+        &key,
+        &tickets,
     )?;
     let stdin_closed = async {
         use tokio::io::AsyncReadExt as _;

@@ -266,6 +266,11 @@ pub struct ScenarioReport {
     /// back).
     pub sessions_reestablished: Option<u64>,
     pub peak_accept_per_s: Option<f64>,
+    /// Of the sessions re-established, the TLS handshakes that resumed with a ticket the
+    /// stopped process gave (the restarted hub's `flotilla_gateway_tls_resumptions_total`);
+    /// the rest ran in full. Not counted with gateways.
+    #[serde(default)]
+    pub resumed_handshakes: Option<u64>,
     pub resume_frames_in: Option<u64>,
     pub resume_bytes_in: Option<u64>,
     pub resume_frames_out: Option<u64>,
@@ -1040,6 +1045,9 @@ pub fn table(report: &Report) -> String {
                 row(&format!("{what} down for"), secs(s.hub_down_s));
                 row("time to 100% back", secs(s.time_to_all_back_s));
                 row("sessions re-established", opt(s.sessions_reestablished));
+                if s.resumed_handshakes.is_some() {
+                    row("TLS handshakes resumed", opt(s.resumed_handshakes));
+                }
                 if let Some(t) = &s.turned_away {
                     row("turned away before TLS", t.to_string());
                 }

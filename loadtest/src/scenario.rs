@@ -791,6 +791,9 @@ impl Run {
             }
             r.gateways = report;
         }
+        if !sharded && let Some(address) = self.hub.metrics {
+            r.resumed_handshakes = resumed_handshakes(address).await.ok();
+        }
         bar.set_message("statuses converging");
         let (audit, converged) = self
             .converge_and_audit(clock, before.duplicate_status_acks)
@@ -906,6 +909,18 @@ async fn available_by_gauge(address: std::net::SocketAddr) -> anyhow::Result<u64
         .with_context(|| {
             format!("no {AVAILABLE_GAUGE}{{available=\"True\"}} on the hub's /metrics")
         })
+}
+
+/// The TLS handshakes on the hub's agents' listener that resumed, from its `/metrics` at
+/// `address`.
+async fn resumed_handshakes(address: std::net::SocketAddr) -> anyhow::Result<u64> {
+    const RESUMED: &str = "flotilla_gateway_tls_resumptions_total";
+    let page = crate::gateways::scrape(address).await?;
+    let samples = crate::prometheus::samples(&page, |n| n == RESUMED)?;
+    samples
+        .first()
+        .map(|s| s.value as u64)
+        .with_context(|| format!("no {RESUMED} on the hub's /metrics"))
 }
 
 /// Counts `ours` among the hub apiserver's ManagedClusters that are Available, from a watch, and

@@ -10,7 +10,8 @@
 //! dialing through HTTP CONNECT proxies ([`dial`]), raw byte relays for upgraded
 //! tunnels ([`relay`]), the relay hop that carries a tunnel to the gateway holding its
 //! cluster's session ([`hop`]), the hook the agents' listeners ask about each new
-//! connection before its handshake ([`gate`]), and TLS material written to disk
+//! connection before its handshake ([`gate`]), the session tickets that let a reconnecting agent
+//! skip the certificate work of a full handshake ([`tickets`]), and TLS material written to disk
 //! atomically and durably ([`files`]). `fuzzing` (hidden) holds the frame codec's fuzz target.
 //!
 //! Not for: anything the session protocol decides (proto's sans-IO machines do), or what a
@@ -31,6 +32,7 @@ pub mod listen;
 pub mod quic;
 pub mod quic_turn_away;
 pub mod relay;
+pub mod tickets;
 pub mod tls;
 pub mod turn_away;
 

@@ -98,11 +98,14 @@ pub fn server_config(
 /// handshake as [`Peer::Anonymous`] so that a joining agent can reach `Registration.Join`;
 /// every other service refuses anonymous peers. `chain_pem` is the serving certificate followed
 /// by the CA certificates a joining agent needs to find the CA it pinned by fingerprint. HTTP/2
-/// only.
+/// only. Each handshake ends with one session ticket under `tickets` (keyed also by
+/// `ca_bundle_pem`), with which the agent's next connection resumes instead of signing and
+/// verifying certificates again ([`crate::tickets`]).
 pub fn agent_server_config(
     ca_bundle_pem: &[u8],
     chain_pem: &[u8],
     key_pem: &[u8],
+    tickets: &crate::tickets::TicketKeys,
 ) -> Result<Arc<rustls::ServerConfig>, TlsConfigError> {
     let provider = provider();
     let verifier = WebPkiClientVerifier::builder_with_provider(
@@ -119,6 +122,10 @@ pub fn agent_server_config(
             parse_key(key_pem, "server key")?,
         )?;
     config.alpn_protocols = vec![b"h2".to_vec()];
+    config.ticketer = tickets.ticketer(ca_bundle_pem);
+    // One ticket per handshake: an agent holds one connection, and a resumption (which uses
+    // its ticket up) brings the next.
+    config.send_tls13_tickets = 1;
     Ok(Arc::new(config))
 }
 
@@ -183,6 +190,25 @@ pub fn client_config(
     key_pem: &[u8],
     alpn: &[&[u8]],
 ) -> Result<Arc<rustls::ClientConfig>, TlsConfigError> {
+    client_config_resuming(
+        ca_pem,
+        cert_pem,
+        key_pem,
+        alpn,
+        rustls::client::Resumption::default(),
+    )
+}
+
+/// [`client_config`] keeping its session tickets in `resumption`: an agent gives each
+/// connection the store of the one before (for as long as its certificate stays the same),
+/// so that its reconnects resume.
+pub fn client_config_resuming(
+    ca_pem: &[u8],
+    cert_pem: &[u8],
+    key_pem: &[u8],
+    alpn: &[&[u8]],
+    resumption: rustls::client::Resumption,
+) -> Result<Arc<rustls::ClientConfig>, TlsConfigError> {
     let mut config = rustls::ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()?
         .with_root_certificates(root_store(ca_pem)?)
@@ -191,6 +217,7 @@ pub fn client_config(
             parse_key(key_pem, "client key")?,
         )?;
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    config.resumption = resumption;
     Ok(Arc::new(config))
 }
 

@@ -15,6 +15,7 @@ use flotilla_transport::gate::{ConnectionGate, Entry};
 use flotilla_transport::grpc::{FleetService, GrpcSettings};
 use flotilla_transport::identity::Peer;
 use flotilla_transport::quic::{QuicClient, QuicListener, QuicSettings, ResetKey};
+use flotilla_transport::tickets::TicketKeys;
 use flotilla_transport::{Carrier, Dialed, Incoming, LinkError, tls};
 use futures::StreamExt as _;
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
@@ -116,6 +117,7 @@ fn server_tls(pki: &Pki) -> Arc<rustls::ServerConfig> {
         pki.ca.as_bytes(),
         pki.server.0.as_bytes(),
         pki.server.1.as_bytes(),
+        &TicketKeys::random(),
     )
     .unwrap()
 }
@@ -923,4 +925,151 @@ async fn quic_dials_finding_no_handshake_slot_are_told_when_to_come_back() {
     // waits end, may meet those at millisecond resolution).
     let distinct: std::collections::BTreeSet<Duration> = told.iter().copied().collect();
     assert!(distinct.len() >= 4, "spread: {told:?}");
+}
+
+/// The agent's side of `carrier` to `addr` with `client_tls`, saying hello, and the gateway's
+/// side of the session, each with the other's first frame read.
+async fn open_as(
+    client_tls: Arc<rustls::ClientConfig>,
+    carrier: Carrier,
+    addr: SocketAddr,
+    sessions: &mut mpsc::Receiver<Incoming>,
+) -> (Dialed, Incoming) {
+    let dial = async {
+        match carrier {
+            Carrier::Grpc => {
+                let channel = grpc_channel(addr, client_tls).await.unwrap();
+                flotilla_transport::grpc::open_session(channel, MAX_FRAME, hello())
+                    .await
+                    .unwrap()
+            }
+            Carrier::Quic => {
+                let client =
+                    QuicClient::bind("127.0.0.1:0".parse().unwrap(), quic_settings()).unwrap();
+                client
+                    .open_session(addr, "localhost", &client_tls, hello())
+                    .await
+                    .unwrap()
+            }
+        }
+    };
+    let accept = async {
+        let mut hub = tokio::time::timeout(Duration::from_secs(10), sessions.recv())
+            .await
+            .expect("the gateway got the session")
+            .unwrap();
+        assert_eq!(hub.link.inbound.next().await.unwrap().unwrap(), hello());
+        hub.link.outbound.send(heartbeat(0)).await.unwrap();
+        hub
+    };
+    let (mut agent, hub) = tokio::join!(dial, accept);
+    if let Some(pump) = agent.pump.take() {
+        tokio::spawn(pump);
+    }
+    // Read after the handshake: the session ticket, sent before it, has been taken in.
+    assert_eq!(
+        agent.link.inbound.next().await.unwrap().unwrap(),
+        heartbeat(0)
+    );
+    (agent, hub)
+}
+
+/// A gateway whose session tickets derive from `secret`, counting the ones that open.
+async fn gateway_of_secret(
+    pki: &Pki,
+    carrier: Carrier,
+    secret: &[u8],
+) -> (
+    SocketAddr,
+    mpsc::Receiver<Incoming>,
+    watch::Sender<bool>,
+    prometheus_client::metrics::counter::Counter,
+) {
+    let tickets = TicketKeys::derived_from(secret);
+    let tls = tls::agent_server_config(
+        pki.ca.as_bytes(),
+        pki.server.0.as_bytes(),
+        pki.server.1.as_bytes(),
+        &tickets,
+    )
+    .unwrap();
+    let (addr, sessions, drain) = gateway_serving(tls, carrier, 16, None).await;
+    (addr, sessions, drain, tickets.opened())
+}
+
+/// An agent reconnecting to its gateway restarted in place (a new process, the same serving
+/// key) resumes its TLS session instead of a full handshake, on either carrier, and the
+/// resumed connection speaks for the same cluster and key as the first. A gateway of another
+/// key takes the agent in a full handshake. Tickets belong to the client configuration that
+/// got them: another certificate's configuration sharing the ticket store does not resume
+/// with them, and its connection is its own cluster's.
+async fn a_reconnect_to_a_gateway_restarted_in_place_resumes(carrier: Carrier) {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let pki = pki();
+    let store: Arc<dyn rustls::client::ClientSessionStore> =
+        Arc::new(rustls::client::ClientSessionMemoryCache::new(64));
+    let config_of = |cert: &(String, String)| {
+        tls::client_config_resuming(
+            pki.ca.as_bytes(),
+            cert.0.as_bytes(),
+            cert.1.as_bytes(),
+            &[],
+            rustls::client::Resumption::store(store.clone()),
+        )
+        .unwrap()
+    };
+    let (store_1, store_2) = (config_of(&pki.agent), config_of(&pki.neighbour));
+    let agent_tls = |cert: &(String, String)| match cert == &pki.agent {
+        true => store_1.clone(),
+        false => store_2.clone(),
+    };
+
+    let (addr, mut sessions, drain, resumed) =
+        gateway_of_secret(&pki, carrier, b"serving key").await;
+    let (agent, first) = open_as(agent_tls(&pki.agent), carrier, addr, &mut sessions).await;
+    assert_eq!(first.peer.peer, Peer::Cluster("store-1".into()));
+    assert_eq!(
+        resumed.get(),
+        0,
+        "{carrier}: the first connection ran in full"
+    );
+    drop((agent, first));
+    drain.send_replace(true);
+
+    let (addr, mut sessions, _drain, resumed) =
+        gateway_of_secret(&pki, carrier, b"serving key").await;
+    let (_agent, second) = open_as(agent_tls(&pki.agent), carrier, addr, &mut sessions).await;
+    assert_eq!(resumed.get(), 1, "{carrier}: the reconnect resumed");
+    assert_eq!(second.peer.peer, first_peer());
+    assert!(second.peer.client_key_sha256.is_some());
+
+    let (addr, mut sessions, _drain, resumed) =
+        gateway_of_secret(&pki, carrier, b"another gateway's key").await;
+    let (_agent, third) = open_as(agent_tls(&pki.agent), carrier, addr, &mut sessions).await;
+    assert_eq!(
+        resumed.get(),
+        0,
+        "{carrier}: another key's gateway ran it in full"
+    );
+    assert_eq!(third.peer.peer, first_peer());
+
+    // store-2's configuration, store-1's ticket of this gateway in the shared store.
+    let (_agent, fourth) = open_as(agent_tls(&pki.neighbour), carrier, addr, &mut sessions).await;
+    assert_eq!(resumed.get(), 0, "{carrier}: store-2 ran in full");
+    assert_eq!(fourth.peer.peer, Peer::Cluster("store-2".into()));
+    assert_ne!(fourth.peer.client_key_sha256, third.peer.client_key_sha256);
+}
+
+fn first_peer() -> Peer {
+    Peer::Cluster("store-1".into())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_reconnect_to_a_gateway_restarted_in_place_resumes() {
+    a_reconnect_to_a_gateway_restarted_in_place_resumes(Carrier::Grpc).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quic_reconnect_to_a_gateway_restarted_in_place_resumes() {
+    a_reconnect_to_a_gateway_restarted_in_place_resumes(Carrier::Quic).await;
 }

@@ -122,6 +122,7 @@ async fn far_gateway(
         pki.ca.as_bytes(),
         pki.server.0.as_bytes(),
         pki.server.1.as_bytes(),
+        &flotilla_transport::tickets::TicketKeys::random(),
     )
     .unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

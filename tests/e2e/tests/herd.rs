@@ -448,12 +448,18 @@ on_both_carriers! {
     /// from its own heartbeat timeout. Over TCP the kernel resets a killed process's
     /// connections. Over QUIC a killed process sends nothing; the new one answers the agent's
     /// next packet on a connection it does not have with a stateless reset the agent can
-    /// verify, its key derived from the hub's CA key, which outlives the process.
+    /// verify, its key derived from the hub's CA key, which outlives the process. And they
+    /// come back resuming their TLS sessions with the tickets the killed process gave (their
+    /// keys derived from the same CA key): the new process counts resumed handshakes.
     async fn agents_of_a_killed_hub_learn_it_from_the_new_one_not_by_timeout() -> anyhow::Result<()> {
         let dir = tempfile::tempdir()?;
         let d = dir.path();
         // Heartbeats every second, and a timeout long enough to tell the two apart.
-        let flags = ["--heartbeat-interval=1s", "--heartbeat-timeout=60s"];
+        let flags = [
+            "--heartbeat-interval=1s",
+            "--heartbeat-timeout=60s",
+            "--metrics-addr=127.0.0.1:0",
+        ];
         let mut hub = Hub::start(d, &flags).await?;
         let herd = Herd::start(d, &hub, KILLED_AGENTS).await?;
         wait_for("every agent connected", Duration::from_secs(90), || async {
@@ -478,6 +484,23 @@ on_both_carriers! {
                 "agent {i} waited for its heartbeat timeout instead of hearing from the new hub: {first}"
             );
         }
+        // Each agent resumed, unless a dial of it met the new process before it served (closed
+        // before TLS, counted not_ready, the ticket gone out with its hello): then it came back
+        // in full.
+        let metrics = hub.metrics_addr.clone().context("no metrics address")?;
+        let page = scrape(&metrics).await?;
+        let resumed = page
+            .value("flotilla_gateway_tls_resumptions_total", &[])
+            .context("no flotilla_gateway_tls_resumptions_total")?;
+        let (admitted, not_ready) = (
+            new_connections(&page, "admitted"),
+            new_connections(&page, "not_ready"),
+        );
+        assert!(
+            resumed + not_ready >= KILLED_AGENTS as f64 && resumed <= admitted,
+            "{resumed} handshakes resumed, {admitted} admitted, {not_ready} closed before TLS, \
+             for {KILLED_AGENTS} agents back"
+        );
         herd.stop().await?;
         Ok(())
     }

@@ -19,7 +19,7 @@ const SEED_WORK: &str = "proto/tests/fixtures/manifestwork_my_first_work.yaml";
 const WAIT: Duration = Duration::from_secs(60);
 
 /// Every metric the hub serves (its own and its in-process gateway's), with its type.
-const HUB_FAMILIES: [(&str, FamilyType); 12] = [
+const HUB_FAMILIES: [(&str, FamilyType); 13] = [
     ("flotilla_gateway_sessions", FamilyType::Gauge),
     ("flotilla_gateway_session_reconnects", FamilyType::Counter),
     ("flotilla_gateway_admissions_refused", FamilyType::Counter),
@@ -31,6 +31,7 @@ const HUB_FAMILIES: [(&str, FamilyType); 12] = [
     ),
     ("flotilla_gateway_shards_owned", FamilyType::Gauge),
     ("flotilla_gateway_new_connections", FamilyType::Counter),
+    ("flotilla_gateway_tls_resumptions", FamilyType::Counter),
     ("flotilla_hub_managedclusters", FamilyType::Gauge),
     ("flotilla_hub_manifestworks", FamilyType::Gauge),
     (
@@ -342,7 +343,7 @@ async fn a_gateway_replica_serves_its_metrics_and_probes() -> anyhow::Result<()>
     )
     .await?;
     let page = scrape(&metrics).await?;
-    has_families(&page, &HUB_FAMILIES[..8]);
+    has_families(&page, &HUB_FAMILIES[..9]);
     has_families(&page, &KUBE_API_FAMILIES);
     let hub_metrics = hub.metrics_addr.clone().context("no hub metrics address")?;
     assert_eq!(
