@@ -37,6 +37,9 @@ const AUDIT_EXAMPLES: usize = 5;
 const AVAILABLE_GAUGE: &str = "flotilla_hub_managedclusters";
 /// Objects per page when the harness lists the hub apiserver itself.
 const HUB_LIST_PAGE: u32 = 1000;
+/// How many times a paged list whose continue token expired is started again before the run
+/// fails.
+const MAX_LIST_RESTARTS: u32 = 3;
 /// How long a scenario may run past its `--timeout` (its accounting, a hub stop or start that
 /// is itself bounded) before the harness stops it and says what it found wrong: no scenario
 /// outlives `--timeout` plus this.
@@ -581,11 +584,21 @@ impl Run {
         let api = kube::Api::<DynamicObject>::all_with(apiserver.client().await?, &resource);
         let mut works = Vec::new();
         let mut page = ListParams::default().limit(HUB_LIST_PAGE);
+        let mut restarts = 0;
         loop {
-            let list = api
-                .list(&page)
-                .await
-                .context("listing the ManifestWorks on the hub apiserver")?;
+            let list = match api.list(&page).await {
+                // A list paged for longer than the apiserver keeps its continue tokens (its
+                // compaction interval, 5 min by default: 100 pages on an apiserver busy with a
+                // storm of 50,000 agents took longer) is read again from the start.
+                Err(kube::Error::Api(e)) if e.code == 410 && restarts < MAX_LIST_RESTARTS => {
+                    restarts += 1;
+                    tracing::warn!(restarts, error = %e, "the paged list of ManifestWorks expired; listing again");
+                    works.clear();
+                    page = ListParams::default().limit(HUB_LIST_PAGE);
+                    continue;
+                }
+                listed => listed.context("listing the ManifestWorks on the hub apiserver")?,
+            };
             for work in list.items {
                 works.push(serde_json::to_value(work)?);
             }
