@@ -237,7 +237,15 @@ async fn refused_dial(
 /// The agent's side of `carrier` to `addr`, saying hello. Its own frame bound is four times
 /// the gateway's, so a test can send what the gateway must refuse.
 async fn dial(pki: &Pki, carrier: Carrier, addr: SocketAddr) -> (Dialed, Option<QuicClient>) {
-    let client_tls = agent_tls(pki);
+    dial_as(agent_tls(pki), carrier, addr).await
+}
+
+/// [`dial`] with `client_tls`.
+async fn dial_as(
+    client_tls: Arc<rustls::ClientConfig>,
+    carrier: Carrier,
+    addr: SocketAddr,
+) -> (Dialed, Option<QuicClient>) {
     match carrier {
         Carrier::Grpc => {
             let channel = grpc_channel(addr, client_tls).await.unwrap();
@@ -272,6 +280,17 @@ async fn open(
     addr: SocketAddr,
     sessions: &mut mpsc::Receiver<Incoming>,
 ) -> (Dialed, Option<QuicClient>, Incoming) {
+    open_as(agent_tls(pki), carrier, addr, sessions).await
+}
+
+/// [`open`] with `client_tls`. The agent reads the gateway's answer after the handshake, so
+/// any session ticket sent with it has been taken in.
+async fn open_as(
+    client_tls: Arc<rustls::ClientConfig>,
+    carrier: Carrier,
+    addr: SocketAddr,
+    sessions: &mut mpsc::Receiver<Incoming>,
+) -> (Dialed, Option<QuicClient>, Incoming) {
     let accept = async {
         let mut hub = tokio::time::timeout(Duration::from_secs(10), sessions.recv())
             .await
@@ -281,7 +300,7 @@ async fn open(
         hub.link.outbound.send(heartbeat(0)).await.unwrap();
         hub
     };
-    let ((mut agent, client), hub) = tokio::join!(dial(pki, carrier, addr), accept);
+    let ((mut agent, client), hub) = tokio::join!(dial_as(client_tls, carrier, addr), accept);
     if let Some(pump) = agent.pump.take() {
         tokio::spawn(pump);
     }
@@ -927,53 +946,6 @@ async fn quic_dials_finding_no_handshake_slot_are_told_when_to_come_back() {
     assert!(distinct.len() >= 4, "spread: {told:?}");
 }
 
-/// The agent's side of `carrier` to `addr` with `client_tls`, saying hello, and the gateway's
-/// side of the session, each with the other's first frame read.
-async fn open_as(
-    client_tls: Arc<rustls::ClientConfig>,
-    carrier: Carrier,
-    addr: SocketAddr,
-    sessions: &mut mpsc::Receiver<Incoming>,
-) -> (Dialed, Incoming) {
-    let dial = async {
-        match carrier {
-            Carrier::Grpc => {
-                let channel = grpc_channel(addr, client_tls).await.unwrap();
-                flotilla_transport::grpc::open_session(channel, MAX_FRAME, hello())
-                    .await
-                    .unwrap()
-            }
-            Carrier::Quic => {
-                let client =
-                    QuicClient::bind("127.0.0.1:0".parse().unwrap(), quic_settings()).unwrap();
-                client
-                    .open_session(addr, "localhost", &client_tls, hello())
-                    .await
-                    .unwrap()
-            }
-        }
-    };
-    let accept = async {
-        let mut hub = tokio::time::timeout(Duration::from_secs(10), sessions.recv())
-            .await
-            .expect("the gateway got the session")
-            .unwrap();
-        assert_eq!(hub.link.inbound.next().await.unwrap().unwrap(), hello());
-        hub.link.outbound.send(heartbeat(0)).await.unwrap();
-        hub
-    };
-    let (mut agent, hub) = tokio::join!(dial, accept);
-    if let Some(pump) = agent.pump.take() {
-        tokio::spawn(pump);
-    }
-    // Read after the handshake: the session ticket, sent before it, has been taken in.
-    assert_eq!(
-        agent.link.inbound.next().await.unwrap().unwrap(),
-        heartbeat(0)
-    );
-    (agent, hub)
-}
-
 /// A gateway whose session tickets derive from `secret`, counting the ones that open.
 async fn gateway_of_secret(
     pki: &Pki,
@@ -1019,14 +991,14 @@ async fn a_reconnect_to_a_gateway_restarted_in_place_resumes(carrier: Carrier) {
         .unwrap()
     };
     let (store_1, store_2) = (config_of(&pki.agent), config_of(&pki.neighbour));
-    let agent_tls = |cert: &(String, String)| match cert == &pki.agent {
+    let tls_of = |cert: &(String, String)| match cert == &pki.agent {
         true => store_1.clone(),
         false => store_2.clone(),
     };
 
     let (addr, mut sessions, drain, resumed) =
         gateway_of_secret(&pki, carrier, b"serving key").await;
-    let (agent, first) = open_as(agent_tls(&pki.agent), carrier, addr, &mut sessions).await;
+    let (agent, _, first) = open_as(tls_of(&pki.agent), carrier, addr, &mut sessions).await;
     assert_eq!(first.peer.peer, Peer::Cluster("store-1".into()));
     assert_eq!(
         resumed.get(),
@@ -1038,14 +1010,14 @@ async fn a_reconnect_to_a_gateway_restarted_in_place_resumes(carrier: Carrier) {
 
     let (addr, mut sessions, _drain, resumed) =
         gateway_of_secret(&pki, carrier, b"serving key").await;
-    let (_agent, second) = open_as(agent_tls(&pki.agent), carrier, addr, &mut sessions).await;
+    let (_agent, _, second) = open_as(tls_of(&pki.agent), carrier, addr, &mut sessions).await;
     assert_eq!(resumed.get(), 1, "{carrier}: the reconnect resumed");
     assert_eq!(second.peer.peer, first_peer());
     assert!(second.peer.client_key_sha256.is_some());
 
     let (addr, mut sessions, _drain, resumed) =
         gateway_of_secret(&pki, carrier, b"another gateway's key").await;
-    let (_agent, third) = open_as(agent_tls(&pki.agent), carrier, addr, &mut sessions).await;
+    let (_agent, _, third) = open_as(tls_of(&pki.agent), carrier, addr, &mut sessions).await;
     assert_eq!(
         resumed.get(),
         0,
@@ -1054,7 +1026,7 @@ async fn a_reconnect_to_a_gateway_restarted_in_place_resumes(carrier: Carrier) {
     assert_eq!(third.peer.peer, first_peer());
 
     // store-2's configuration, store-1's ticket of this gateway in the shared store.
-    let (_agent, fourth) = open_as(agent_tls(&pki.neighbour), carrier, addr, &mut sessions).await;
+    let (_agent, _, fourth) = open_as(tls_of(&pki.neighbour), carrier, addr, &mut sessions).await;
     assert_eq!(resumed.get(), 0, "{carrier}: store-2 ran in full");
     assert_eq!(fourth.peer.peer, Peer::Cluster("store-2".into()));
     assert_ne!(fourth.peer.client_key_sha256, third.peer.client_key_sha256);
